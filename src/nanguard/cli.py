@@ -1,0 +1,211 @@
+"""Command line: ``nanguard run``, ``nanguard demo``.
+
+Exit status of ``nanguard run``:
+
+* the script's own exit status when nanguard did not stop it (0 for a normal end,
+  the ``sys.exit`` code, 1 for an uncaught exception, 130 for Ctrl-C);
+* ``3`` (:data:`EXIT_NONFINITE`) when nanguard stopped the run at a non-finite value;
+* ``2`` for a usage error (e.g. the script does not exist).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+import tempfile
+import traceback
+from typing import List, Optional
+
+EXIT_NONFINITE = 3
+EXIT_USAGE = 2
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="nanguard", description="Catch the first NaN/Inf in PyTorch training, "
+                                 "find where it was born, and say why.")
+    ap.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = ap.add_subparsers(dest="cmd")
+    r = sub.add_parser("run", help="run a training script under the guard, with no code changes")
+    r.add_argument("--report", default="nanguard_report.json", help="where to write the JSON report "
+                   "(default: ./nanguard_report.json)")
+    r.add_argument("--on-nonfinite", choices=["stop", "warn"], default="stop",
+                   help="stop before the bad update is applied (default), or warn and carry on")
+    r.add_argument("--recover", default=None, metavar="auto|ACTIONS",
+                   help="recover instead of stopping: 'auto' picks the action from the diagnosis; or a "
+                        "comma list of allowed actions (skip_step,rollback,lr_backoff,clip,upcast,loss_scale)")
+    r.add_argument("--no-localize", action="store_true",
+                   help="do not re-run the script to find the origin op (detection only)")
+    r.add_argument("--strict", action="store_true", help="internal guard errors raise instead of warning")
+    r.add_argument("script", help="the training script (run as __main__, like `python SCRIPT ARGS`)")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    d = sub.add_parser("demo", help="run a small built-in training script that goes NaN, and show the report")
+    d.add_argument("--report", default=None, help="also write the JSON report here")
+    a = ap.parse_args(argv)
+    if a.version:
+        from . import __version__
+        print(f"nanguard {__version__}")
+        return 0
+    if a.cmd == "run":
+        return run_script(a.script, a.args, report_path=a.report, on_nonfinite=a.on_nonfinite,
+                          recover=a.recover, localize=not a.no_localize, strict=a.strict)
+    if a.cmd == "demo":
+        from .demo import run_demo
+        return run_demo(a.report)
+    ap.print_help()
+    return EXIT_USAGE
+
+
+def run_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
+               on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
+               strict: bool = False, quiet: bool = False) -> int:
+    """Run ``script`` as ``__main__`` under the global hooks; write the report however it ends."""
+    import torch
+
+    from .detect import GuardConfig
+    from .report import print_line
+    from .watch import StopRun, Watcher
+    from .replay import capture_rng
+
+    if not os.path.isfile(script):
+        print(f"nanguard: no such script: {script}", file=sys.stderr)
+        return EXIT_USAGE
+    script_abs = os.path.abspath(script)
+    rng_fd, rng_file = tempfile.mkstemp(prefix="nanguard-rng-", suffix=".pt")
+    os.close(rng_fd)
+    torch.save(capture_rng(), rng_file)  # the re-run starts from this exact RNG state
+
+    config = GuardConfig(on_nonfinite=on_nonfinite, strict=strict)
+    policy = None
+    if recover:
+        from .recover import RecoveryPolicy
+        policy = RecoveryPolicy.from_spec(recover)
+    watcher = Watcher(config)
+    if policy is not None:
+        policy.attach(watcher)
+    if not quiet:
+        mode = "recover" if policy else on_nonfinite
+        print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}; report: {report_path})")
+
+    old_argv, old_path0 = sys.argv, sys.path[0] if sys.path else None
+    sys.argv = [script] + list(args)
+    sys.path.insert(0, os.path.dirname(script_abs))
+    code: int = 0
+    stopped = False
+    watcher.install()
+    try:
+        runpy.run_path(script_abs, run_name="__main__")
+    except StopRun:
+        stopped = True
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except KeyboardInterrupt:
+        print("nanguard: interrupted (Ctrl-C); writing the report", file=sys.stderr)
+        code = 130
+    except BaseException:
+        _print_user_traceback(script_abs)
+        code = 1
+    finally:
+        watcher.uninstall()
+        sys.argv = old_argv
+        try:
+            sys.path.remove(os.path.dirname(script_abs))
+        except ValueError:
+            pass
+    try:
+        watcher.finish()
+        report = _make_report(watcher, script_abs, args, rng_file, localize, config, policy)
+        if report_path:
+            report.write(report_path)
+        if not quiet:
+            _print_outcome(report, report_path)
+    except Exception as e:
+        if strict:
+            raise
+        print(f"nanguard: could not build the report: {type(e).__name__}: {e}", file=sys.stderr)
+    finally:
+        try:
+            os.unlink(rng_file)
+        except OSError:
+            pass
+    if stopped:
+        return EXIT_NONFINITE
+    return code
+
+
+def _make_report(watcher, script_abs, args, rng_file, localize, config, policy):
+    from .pipeline import build_event
+    from .replay import rerun_localize
+    from .report import Event, Report
+
+    mon = watcher.monitor
+    report = Report(counting=mon.counting, steps_watched=mon.steps_watched,
+                    max_grad_norm=mon.history.max_grad_norm if len(mon.history) else None,
+                    scaler_skips=sum(1 for d in watcher.info if d.detected.get("scaler_skip")),
+                    history=mon.history.as_dicts())
+    report.info = [{"step": d.step, "phase": d.phase, **d.detected} for d in watcher.info][:200]
+    history = mon.history.raw_dicts()
+    events = list(policy.events) if policy is not None else []
+    failures = [d for d in watcher.detections]
+    for i, det in enumerate(failures):
+        loc_run = None
+        if i == 0 and localize and det.phase != "eval":
+            cfg = {"min_loss_scale": config.min_loss_scale, "max_consecutive_skips": config.max_consecutive_skips}
+            loc_run = rerun_localize(script_abs, list(args), det.step, rng_file, cfg)
+        hist = [h for h in history if h["step"] < det.step]
+        events.append(build_event(det, loc_run, hist, _context(watcher)))
+    events.sort(key=lambda e: (e.step, e.recovery is not None))
+    report.events = events
+    if watcher.dropped_events:
+        report.extra["dropped_events"] = watcher.dropped_events
+    return report
+
+
+def _context(watcher) -> dict:
+    mon = watcher.monitor
+    ctx: dict = {"scaler": bool(watcher.scalers), "counting": mon.counting}
+    for v in mon.views.values():
+        opt = v.opt_ref()
+        if opt is None:
+            continue
+        ctx.setdefault("optimizer", type(opt).__name__)
+        g = opt.param_groups[0]
+        ctx.setdefault("lr", [gg.get("lr") for gg in opt.param_groups if not hasattr(gg.get("lr"), "shape")])
+        if "eps" in g:
+            ctx.setdefault("eps", g["eps"])
+        ps = v.all_params()
+        if ps:
+            ctx.setdefault("dtype", str(ps[0].dtype).replace("torch.", ""))
+    return ctx
+
+
+def _print_outcome(report, report_path) -> None:
+    from .report import print_line, render, summary_line
+    if report.status == "clean":
+        print_line(summary_line(report))
+        return
+    render(report, report_path)
+    print_line(summary_line(report))
+
+
+def _exit_code(c) -> int:
+    if c is None:
+        return 0
+    if isinstance(c, int):
+        return c
+    print(c, file=sys.stderr)  # sys.exit("message") prints the message and exits 1
+    return 1
+
+
+def _print_user_traceback(script_abs: str) -> None:
+    """Show the script's own traceback, as ``python SCRIPT`` would (without nanguard's frames)."""
+    etype, value, tb = sys.exc_info()
+    # Drop leading frames until the first one in the user's script.
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != script_abs:
+        tb = tb.tb_next
+    traceback.print_exception(etype, value, tb)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

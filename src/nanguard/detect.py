@@ -1,0 +1,443 @@
+"""Stage 1, detect: the always-on, per-step check.
+
+:class:`StepMonitor` is fed by a driver (the explicit :class:`~nanguard.Guard`,
+or the global hooks of ``nanguard run``) and checks, once per training step:
+
+* the batch (``data``), when the driver can see it,
+* the parameters before the step (``params``) and after the update (``optimizer``),
+* the loss (``forward``) and the gradients (``backward``).
+
+Cost model (why it is cheap):
+
+* gradients and parameters are reduced with fused ``torch._foreach_norm``
+  kernels (one pass over each), per param group, on the device;
+* everything the step needs to decide is packed into one small tensor and read
+  with **one host sync per step** (``Tensor.tolist()`` in :meth:`check`);
+* the post-update parameter norms are computed right after the optimizer step
+  but only *read* at the next step's sync, so catching an optimizer-made NaN
+  costs no extra sync (it is reported one check later, with the right step);
+* an L2 norm can overflow to ``inf`` while every element is finite (values
+  around 1e20 in float32), so any non-finite norm is confirmed with an exact
+  per-tensor ``isfinite`` pass. That slow path runs only when something looks
+  wrong.
+
+Other syncs: none in the healthy path. When the scaler is used, GradScaler's
+own ``found_inf`` read stays where PyTorch puts it. Evaluation checks (outputs
+of a watched model under ``no_grad``) sync once per evaluation forward.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from .history import StepHistory, StepRecord
+
+
+@dataclass
+class GuardConfig:
+    """Settings shared by every driver."""
+
+    on_nonfinite: str = "stop"          # "stop" (raise before the update) or "warn" (carry on)
+    history_size: int = 200
+    strict: bool = False                # guard errors raise instead of warning
+    check_data: bool = True
+    min_loss_scale: float = 1.0         # a GradScaler scale below this is a collapse
+    max_consecutive_skips: int = 12     # ...and so is a scaler that keeps skipping
+    max_events: int = 50                # events kept in the report (the rest are counted)
+
+    def __post_init__(self) -> None:
+        if self.on_nonfinite not in ("stop", "warn"):
+            raise ValueError(f"on_nonfinite must be 'stop' or 'warn', got {self.on_nonfinite!r}")
+        if self.history_size < 1:
+            raise ValueError("history_size must be >= 1")
+
+
+@dataclass
+class Detection:
+    """What the cheap check saw at one step (before localization and diagnosis)."""
+
+    step: int
+    phase: str
+    detected: Dict[str, Any] = field(default_factory=dict)
+    info_only: bool = False  # e.g. a GradScaler warm-up skip: reported, not a failure
+
+
+def is_checkable(t: Any) -> bool:
+    """Float tensors with real storage: what a finiteness check can read."""
+    return (isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided
+            and t.device.type != "meta" and t.numel() > 0)
+
+
+def tensors_in(obj: Any, limit: int = 64) -> List[torch.Tensor]:
+    """Floating tensors inside a (nested) batch: tensors, lists, tuples, dicts, dataclass-like."""
+    out: List[torch.Tensor] = []
+    stack = [obj]
+    seen = 0
+    while stack and len(out) < limit and seen < 10_000:
+        seen += 1
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            if is_checkable(x):
+                out.append(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif hasattr(x, "__dict__") and not isinstance(x, (type, torch.nn.Module)):
+            stack.extend(v for v in vars(x).values() if isinstance(v, (torch.Tensor, list, tuple, dict)))
+    return out
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """0-d bool tensor (no sync): every element of every tensor is finite."""
+    flags = [torch.isfinite(t).all() for t in tensors if is_checkable(t)]
+    if not flags:
+        return None
+    if len(flags) == 1:
+        return flags[0]
+    dev = flags[0].device
+    return torch.stack([f.to(dev) for f in flags]).all()
+
+
+def _norm(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of a list of tensors as one float32 0-d tensor (fused; no sync)."""
+    norms = torch._foreach_norm(tensors)
+    dev = norms[0].device
+    if any(n.device != dev for n in norms):
+        norms = [n.to(dev) for n in norms]
+    return torch.linalg.vector_norm(torch.stack(norms).float())
+
+
+class _OptimizerView:
+    """Cached per-optimizer parameter lists (the hot path must not rebuild them)."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt_ref = weakref.ref(opt)
+        self.n_params = -1
+        self.groups: List[List[torch.Tensor]] = []
+        self.refresh(opt)
+
+    def refresh(self, opt: torch.optim.Optimizer) -> None:
+        n = sum(len(g["params"]) for g in opt.param_groups)
+        if n == self.n_params and len(self.groups) == len(opt.param_groups):
+            return
+        self.groups = [[p for p in g["params"] if is_checkable(p)] for g in opt.param_groups]
+        self.n_params = n
+
+    def all_params(self) -> List[torch.Tensor]:
+        return [p for g in self.groups for p in g]
+
+
+class StepMonitor:
+    """Per-step finiteness checks and step history, shared by every driver."""
+
+    def __init__(self, config: Optional[GuardConfig] = None) -> None:
+        self.config = config or GuardConfig()
+        self.history = StepHistory(self.config.history_size)
+        self.views: Dict[int, _OptimizerView] = {}
+        self.counts: Dict[int, int] = {}          # step attempts per optimizer
+        self.backward_steps = 0                    # used when no optimizer exists
+        self.roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        self.extra_params: List[torch.Tensor] = []  # backward-counting mode without modules
+        self._loss_sum: Optional[torch.Tensor] = None
+        self._loss_n = 0
+        self._loss_ok: Optional[torch.Tensor] = None
+        self._data_ok: Optional[torch.Tensor] = None
+        self._data_where: List[str] = []
+        self._pending_post: Dict[int, torch.Tensor] = {}  # optimizer -> post-update param norms per group
+        self._pending_step: Dict[int, int] = {}
+        self._checked: Dict[int, bool] = {}
+        self._consecutive_skips = 0
+        self._names: Optional[Dict[int, str]] = None
+
+    # ------------------------------------------------------------------ registration
+    def add_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        if id(opt) not in self.views:
+            self.views[id(opt)] = _OptimizerView(opt)
+            self.counts.setdefault(id(opt), 0)
+            self._names = None
+
+    def add_root(self, module: torch.nn.Module) -> None:
+        if module not in self.roots:
+            self.roots.add(module)
+            self._names = None
+
+    @property
+    def counting(self) -> str:
+        return "optimizer" if self.views else "backward"
+
+    @property
+    def steps_watched(self) -> int:
+        if self.views:
+            return max(self.counts.values(), default=0)
+        return self.backward_steps
+
+    def step_of(self, opt: Optional[torch.optim.Optimizer]) -> int:
+        if opt is None or id(opt) not in self.counts:
+            return self.steps_watched
+        return self.counts[id(opt)]
+
+    # ------------------------------------------------------------------ per-step inputs
+    def on_batch(self, batch: Any, where: str = "batch") -> None:
+        """Record the finiteness of the batch (no sync)."""
+        if not self.config.check_data:
+            return
+        flag = all_finite(tensors_in(batch))
+        if flag is None:
+            return
+        self._data_ok = flag if self._data_ok is None else (self._data_ok & flag.to(self._data_ok.device))
+        if where not in self._data_where:
+            self._data_where.append(where)
+
+    def on_backward(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Record the loss(es) that ``backward`` is called on (no sync)."""
+        for t in tensors:
+            if not is_checkable(t):
+                continue
+            t = t.detach()
+            ok = torch.isfinite(t).all()
+            self._loss_ok = ok if self._loss_ok is None else (self._loss_ok & ok.to(self._loss_ok.device))
+            if t.numel() == 1:
+                v = t.reshape(()).float()
+                self._loss_sum = v if self._loss_sum is None else self._loss_sum + v.to(self._loss_sum.device)
+                self._loss_n += 1
+
+    # ------------------------------------------------------------------ the check
+    def check(self, opt: Optional[torch.optim.Optimizer], scaler: Any = None,
+              params: Optional[List[List[torch.Tensor]]] = None) -> Optional[Detection]:
+        """The per-step check: one host sync. Returns a Detection when something is non-finite.
+
+        Call it after backward and before the update. ``opt`` is None in
+        backward-counting mode, where ``params`` gives the parameter groups.
+        """
+        key = id(opt) if opt is not None else 0
+        if self._checked.get(key):
+            return None
+        self._checked[key] = True
+        if opt is not None:
+            view = self.views.get(id(opt))
+            if view is None:
+                self.add_optimizer(opt)
+                view = self.views[id(opt)]
+            view.refresh(opt)
+            groups = view.groups
+        else:
+            groups = params or []
+        step = self.step_of(opt)
+
+        dev = None
+        for g in groups:
+            if g:
+                dev = g[0].device
+                break
+        if dev is None:
+            dev = self._loss_sum.device if self._loss_sum is not None else torch.device("cpu")
+
+        nan = torch.tensor(float("nan"), device=dev)
+        one = torch.ones((), device=dev)
+        gnorms = []
+        for g in groups:
+            grads = [p.grad for p in g if p.grad is not None and is_checkable(p.grad)]
+            gnorms.append(_norm(grads).to(dev) if grads else torch.zeros((), device=dev))
+        pre_pnorms = None
+        if key not in self._pending_post:  # first check: parameters have never been checked yet
+            pre_pnorms = [(_norm(g).to(dev) if g else torch.zeros((), device=dev)) for g in groups]
+        post = self._pending_post.pop(key, None)
+        post_step = self._pending_step.pop(key, None)
+        parts = [
+            (self._loss_sum / max(self._loss_n, 1)).to(dev) if self._loss_sum is not None else nan,
+            self._loss_ok.float().to(dev) if self._loss_ok is not None else one,
+            self._data_ok.float().to(dev) if self._data_ok is not None else one,
+            _scale_tensor(scaler, dev),
+            _found_inf(scaler, opt, dev),
+        ]
+        pieces = parts + gnorms + (pre_pnorms or []) + ([post.to(dev)] if post is not None else [])
+        vec = torch.cat([t.reshape(-1).float() for t in pieces])
+        vals = vec.tolist()  # the one host sync of the step
+        loss, loss_ok, data_ok, scale, found_inf = vals[:5]
+        G = len(groups)
+        gn = vals[5:5 + G]
+        rest = vals[5 + G:]
+        pre_pn = rest[:G] if pre_pnorms is not None else None
+        post_pn = rest[-G:] if post is not None else None
+        self._last = dict(loss=loss, gn=gn, pn=(pre_pn or post_pn), scale=scale, found_inf=found_inf,
+                          groups=groups, opt=opt)
+
+        det = self._decide(step, opt, groups, loss, loss_ok, data_ok, scale, found_inf, gn, pre_pn,
+                           post_pn, post_step, scaler)
+        return det
+
+    def _decide(self, step, opt, groups, loss, loss_ok, data_ok, scale, found_inf, gn, pre_pn,
+                post_pn, post_step, scaler) -> Optional[Detection]:
+        finite = math.isfinite
+        # 1. the previous update made parameters non-finite (read one check late, no extra sync)
+        if post_pn is not None and not all(finite(x) for x in post_pn):
+            bad = self.nonfinite_params(groups)
+            if bad:
+                return Detection(post_step if post_step is not None else max(step - 1, 0), "optimizer",
+                                 {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)})
+        suspicious = (loss_ok < 1 or data_ok < 1 or not all(finite(x) for x in gn)
+                      or (pre_pn is not None and not all(finite(x) for x in pre_pn)))
+        if not suspicious:
+            if found_inf > 0:  # a GradScaler skip with finite unscaled... cannot happen; be safe
+                return self._scaler_skip(step, scale, {})
+            self._consecutive_skips = 0
+            return None
+        # Slow path: exact checks, only when something already looks wrong.
+        bad_params = self.nonfinite_params(groups)
+        if bad_params:
+            return Detection(step, "params", {"nonfinite_params": bad_params[:20],
+                                              "n_bad_params": len(bad_params), "loss": loss})
+        if data_ok < 1:
+            return Detection(step, "data", {"nonfinite_in": list(self._data_where), "loss": loss})
+        if loss_ok < 1:
+            return Detection(step, "forward", {"loss": loss})
+        bad_grads = self.nonfinite_grads(groups)
+        if bad_grads:
+            d = {"nonfinite_grads": bad_grads[:20], "n_bad_grads": len(bad_grads), "loss": loss}
+            if scaler is not None and _scaler_enabled(scaler):
+                return self._scaler_skip(step, scale, d)
+            return Detection(step, "backward", d)
+        self._consecutive_skips = 0
+        return None  # a norm overflowed, but every element is finite: large, not broken
+
+    def _scaler_skip(self, step: int, scale: float, d: Dict[str, Any]) -> Detection:
+        """GradScaler will skip this step. Warm-up is information; a collapse is a failure."""
+        self._consecutive_skips += 1
+        d = dict(d, loss_scale=scale, consecutive_skips=self._consecutive_skips)
+        collapsed = (math.isfinite(scale) and scale < self.config.min_loss_scale) or \
+            self._consecutive_skips >= self.config.max_consecutive_skips
+        if collapsed:
+            return Detection(step, "backward", dict(d, loss_scale_collapse=True))
+        return Detection(step, "backward", dict(d, scaler_skip=True), info_only=True)
+
+    # ------------------------------------------------------------------ end of step
+    def end_step(self, opt: Optional[torch.optim.Optimizer], skipped: bool = False,
+                 params: Optional[List[List[torch.Tensor]]] = None) -> None:
+        """After the update (or the skip): history, step count, post-update norms (no sync)."""
+        key = id(opt) if opt is not None else 0
+        last = getattr(self, "_last", None)
+        if opt is not None:
+            step = self.counts.get(key, 0)
+            groups = self.views[key].groups if key in self.views else []
+            lrs = [float(g.get("lr", float("nan"))) if not isinstance(g.get("lr"), torch.Tensor)
+                   else float("nan") for g in opt.param_groups]
+        else:
+            step = self.backward_steps
+            groups = params or []
+            lrs = []
+        if last is not None and last.get("opt") is opt:
+            gn = last["gn"]
+            total = math.sqrt(sum(x * x for x in gn)) if all(math.isfinite(x) for x in gn) else float("inf")
+            pn = last["pn"]
+            ptotal = math.sqrt(sum(x * x for x in pn)) if pn and all(math.isfinite(x) for x in pn) else None
+            ratio = None
+            if ptotal and lrs and math.isfinite(lrs[0]) and math.isfinite(total):
+                ratio = lrs[0] * total / ptotal
+            scale = last["scale"]
+            self.history.append(StepRecord(
+                step=step, loss=None if math.isnan(last["loss"]) and self._loss_n == 0 else last["loss"],
+                grad_norm=total, group_grad_norms=list(gn), param_norm=ptotal, update_ratio=ratio,
+                lr=lrs, loss_scale=None if math.isnan(scale) else scale, skipped=skipped))
+        if groups and not skipped:
+            dev = next((g[0].device for g in groups if g), torch.device("cpu"))
+            self._pending_post[key] = torch.stack(
+                [(_norm(g).to(dev) if g else torch.zeros((), device=dev)) for g in groups])
+            self._pending_step[key] = step
+        if opt is not None:
+            self.counts[key] = step + 1
+        else:
+            self.backward_steps += 1
+        self._checked[key] = False
+        self._loss_sum, self._loss_n, self._loss_ok = None, 0, None
+        self._data_ok, self._data_where = None, []
+        self._last = None
+
+    def flush(self) -> Optional[Detection]:
+        """At the end of the run: read the last update's pending parameter check."""
+        for key, post in list(self._pending_post.items()):
+            vals = post.tolist()
+            step = self._pending_step.get(key, 0)
+            del self._pending_post[key]
+            if not all(math.isfinite(x) for x in vals):
+                groups = self.views[key].groups if key in self.views else [self.extra_params]
+                bad = self.nonfinite_params(groups)
+                if bad:
+                    return Detection(step, "optimizer", {"nonfinite_params_after_update": bad[:20],
+                                                         "n_bad_params": len(bad)})
+        return None
+
+    def discard_step(self, opt: Optional[torch.optim.Optimizer]) -> None:
+        """Forget this step's inputs (used after a skipped/recovered step)."""
+        key = id(opt) if opt is not None else 0
+        self._checked[key] = False
+        self._loss_sum, self._loss_n, self._loss_ok = None, 0, None
+        self._data_ok, self._data_where = None, []
+
+    # ------------------------------------------------------------------ slow-path helpers
+    def param_names(self) -> Dict[int, str]:
+        if self._names is None:
+            names: Dict[int, str] = {}
+            for root in list(self.roots):
+                for n, p in root.named_parameters(remove_duplicate=False):
+                    names.setdefault(id(p), n)
+                for n, b in root.named_buffers(remove_duplicate=False):
+                    names.setdefault(id(b), n)
+            for oi, view in enumerate(self.views.values()):
+                opt = view.opt_ref()
+                if opt is None:
+                    continue
+                for gi, g in enumerate(opt.param_groups):
+                    for pi, p in enumerate(g["params"]):
+                        names.setdefault(id(p), f"optimizer{oi}.param_groups[{gi}][{pi}]")
+            self._names = names
+        return self._names
+
+    def name_of(self, t: torch.Tensor) -> str:
+        return self.param_names().get(id(t), f"tensor{tuple(t.shape)}")
+
+    def nonfinite_params(self, groups: Iterable[List[torch.Tensor]]) -> List[str]:
+        out = []
+        for g in groups:
+            for p in g:
+                if is_checkable(p) and not bool(torch.isfinite(p).all()):
+                    out.append(self.name_of(p))
+        for root in list(self.roots):
+            for n, b in root.named_buffers():
+                if is_checkable(b) and not bool(torch.isfinite(b).all()):
+                    out.append(n)
+        return out
+
+    def nonfinite_grads(self, groups: Iterable[List[torch.Tensor]]) -> List[str]:
+        return [self.name_of(p) for g in groups for p in g
+                if p.grad is not None and is_checkable(p.grad) and not bool(torch.isfinite(p.grad).all())]
+
+
+def _scaler_enabled(scaler: Any) -> bool:
+    try:
+        return bool(scaler.is_enabled())
+    except Exception:
+        return False
+
+
+def _scale_tensor(scaler: Any, dev: torch.device) -> torch.Tensor:
+    s = getattr(scaler, "_scale", None) if scaler is not None and _scaler_enabled(scaler) else None
+    if isinstance(s, torch.Tensor):
+        return s.reshape(()).float().to(dev)
+    return torch.tensor(float("nan"), device=dev)
+
+
+def _found_inf(scaler: Any, opt: Any, dev: torch.device) -> torch.Tensor:
+    if scaler is None or opt is None or not _scaler_enabled(scaler):
+        return torch.zeros((), device=dev)
+    try:
+        st = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+        if st:
+            return sum(v.to(dev).float().reshape(()) for v in st.values())
+    except Exception:
+        pass
+    return torch.zeros((), device=dev)

@@ -1,0 +1,306 @@
+"""The explicit API for training loops: :class:`Guard` and :func:`watch`.
+
+``Guard.step(batch, loss_fn)`` runs one training step (zero_grad, forward +
+loss through ``loss_fn``, backward, check, update). Because the guard holds the
+step function, the batch and the RNG state, a failing step is replayed
+in-process under op-level instrumentation, with the same parameters (the check
+runs before the update), the same batch and the same random numbers.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+
+import torch
+
+from .detect import Detection, GuardConfig, StepMonitor
+from .report import Event, NonFiniteError, Report, print_line, render, summary_line
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+class Guard:
+    """Watch a model's training, one :meth:`step` at a time.
+
+    >>> guard = nanguard.Guard(model, optimizer)              # doctest: +SKIP
+    >>> for batch in loader:                                   # doctest: +SKIP
+    ...     loss = guard.step(batch, lambda b: F.cross_entropy(model(b[0]), b[1]))
+
+    Args:
+        model: the module being trained (its parameters and buffers are watched).
+        optimizer: one optimizer or a list of them (all stepped on the same loss).
+        scaler: an optional ``torch.amp.GradScaler``; warm-up skips are information,
+            a collapsing scale is a failure.
+        on_nonfinite: ``"stop"`` raises :class:`NonFiniteError` before the bad
+            update is applied; ``"warn"`` prints the report and carries on.
+        recover: ``None``, ``"auto"`` or a list of allowed recovery actions.
+        report: path of the JSON report, written at each failure and by :meth:`close`.
+        localize: replay a failing step under op-level instrumentation.
+        quiet: print nothing (the report is still kept and written).
+    """
+
+    def __init__(self, model: torch.nn.Module,
+                 optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
+                 scaler: Any = None, *, on_nonfinite: str = "stop", recover: Any = None,
+                 report: Optional[str] = None, history_size: int = 200, strict: bool = False,
+                 localize: bool = True, check_data: bool = True, quiet: bool = False) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
+            raise TypeError("optimizer must be a torch.optim.Optimizer or a list of them")
+        self.model = model
+        self.optimizers: List[torch.optim.Optimizer] = opts
+        self.scaler = scaler
+        self.config = GuardConfig(on_nonfinite=on_nonfinite, history_size=history_size, strict=strict,
+                                  check_data=check_data)
+        self.monitor = StepMonitor(self.config)
+        self.monitor.add_root(model)
+        for o in opts:
+            self.monitor.add_optimizer(o)
+        self.report_path = report
+        self.localize = localize
+        self.quiet = quiet
+        self.report = Report(counting="optimizer")
+        self.policy = None
+        if recover:
+            from .recover import RecoveryPolicy
+            self.policy = RecoveryPolicy.from_spec(recover)
+            self.policy.bind_guard(self)
+        self.disabled = False
+        self._announced = False
+
+    # ------------------------------------------------------------------ the step
+    def step(self, batch: Any, loss_fn: LossFn, *, micro_batches: bool = False) -> torch.Tensor:
+        """Run one training step on ``batch`` and return the (detached) loss.
+
+        ``loss_fn(batch)`` does the forward pass and returns the scalar loss; the
+        guard does backward and the update. With ``micro_batches=True``,
+        ``batch`` is a sequence of micro-batches whose gradients accumulate
+        (``loss_fn`` should scale each loss as you want it averaged).
+        """
+        if not self._announced and not self.quiet:
+            self._announced = True
+            print_line(f"guarding {type(self.model).__name__} (on non-finite: "
+                       f"{'recover' if self.policy else self.config.on_nonfinite})")
+        batches = list(batch) if micro_batches else [batch]
+        rng = self._safe(_capture_rng) if self.localize else None
+        if self.policy is not None:
+            self.policy.before_step(self)
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+        loss = None
+        for b in batches:
+            self._safe(lambda: self.monitor.on_batch(b))
+            loss = loss_fn(b)
+            self._safe(lambda: self.monitor.on_backward([loss]))
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        skipped = {}
+        for o in self.optimizers:
+            det = self._safe(lambda: self._check(o))
+            skipped[id(o)] = False
+            if det is None:
+                continue
+            if det.info_only:
+                self.report.info.append({"step": det.step, "phase": det.phase, **det.detected})
+                skipped[id(o)] = bool(det.detected.get("scaler_skip"))
+                continue
+            action = self._on_failure(det, batches, loss_fn, rng)
+            if action == "skip":
+                for oo in self.optimizers:
+                    oo.zero_grad(set_to_none=True)
+                    self.monitor.end_step(oo, skipped=True)
+                if self.scaler is not None:
+                    self._reset_scaler_stage()
+                return loss.detach()
+        for o in self.optimizers:
+            if self.scaler is not None:
+                self.scaler.step(o)
+            else:
+                o.step()
+        if self.scaler is not None:
+            self.scaler.update()
+        for o in self.optimizers:
+            self._safe(lambda: self.monitor.end_step(o, skipped=skipped.get(id(o), False)))
+        if self.policy is not None:
+            self.policy.after_step(self)
+        return loss.detach()
+
+    def _check(self, opt: torch.optim.Optimizer) -> Optional[Detection]:
+        if self.scaler is not None and self.scaler.is_enabled():
+            from torch.amp.grad_scaler import OptState
+            if self.scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY:
+                self.scaler.unscale_(opt)
+        return self.monitor.check(opt, self.scaler)
+
+    def _reset_scaler_stage(self) -> None:
+        # A step we skip ourselves must leave the scaler ready for the next one.
+        try:
+            self.scaler._per_optimizer_states.clear()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ failures
+    def _on_failure(self, det: Detection, batches, loss_fn, rng) -> str:
+        loc_run = None
+        if self.localize and det.phase in ("data", "params", "forward", "backward") and rng is not None:
+            loc_run = self._safe(lambda: self._replay(batches, loss_fn, rng, det))
+        event = self._safe(lambda: self._event(det, loc_run))
+        if event is None:
+            event = Event(step=det.step, phase=det.phase, detected=det.detected)
+        if self.policy is not None:
+            decision = self.policy.decide(self, event)
+            if decision is not None:
+                return decision
+        self.report.events.append(event)
+        self._write_report()
+        if not self.quiet:
+            render(self.report, self.report_path)
+        if self.config.on_nonfinite == "stop":
+            raise NonFiniteError(self.report, event)
+        return "continue"
+
+    def _event(self, det: Detection, loc_run) -> Event:
+        from .pipeline import build_event
+        hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
+        ctx = {"scaler": self.scaler is not None, "optimizer": type(self.optimizers[0]).__name__,
+               "lr": [g.get("lr") for g in self.optimizers[0].param_groups],
+               "eps": self.optimizers[0].param_groups[0].get("eps"),
+               "dtype": _model_dtype(self.model)}
+        return build_event(det, loc_run, hist, ctx)
+
+    def _replay(self, batches, loss_fn, rng, det: Detection) -> dict:
+        """Re-run the failing step's forward and backward under the op recorder (params unchanged)."""
+        import time
+        from .replay import make_recorder, restore_rng
+        t0 = time.time()
+        params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+        saved_grads = [p.grad for p in params]
+        saved_buffers = [b.detach().clone() for b in self.model.buffers()]
+        after_rng = _capture_rng()
+        rec = make_recorder([self.model], self.optimizers)
+        try:
+            for p in params:
+                p.grad = None
+            restore_rng(rng)
+            rec.start()
+            rec.set_stage("forward")
+            try:
+                for b in batches:
+                    loss = loss_fn(b)
+                    rec.mark_loss(loss)
+                    rec.set_stage("backward")
+                    (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                    rec.set_stage("forward")
+            finally:
+                rec.stop()
+            res = rec.result()
+        finally:
+            for p, g in zip(params, saved_grads):
+                p.grad = g
+            with torch.no_grad():
+                for b, s in zip(self.model.buffers(), saved_buffers):
+                    b.copy_(s)
+            restore_rng(after_rng)
+        return {"method": "replay", "reproduced": bool(res.get("reproduced")), "localization": res,
+                "seconds": round(time.time() - t0, 3)}
+
+    # ------------------------------------------------------------------ housekeeping
+    def _safe(self, fn: Callable[[], Any]) -> Any:
+        """Guard code never kills training (unless strict)."""
+        if self.disabled:
+            return None
+        try:
+            return fn()
+        except NonFiniteError:
+            raise
+        except Exception as e:
+            if self.config.strict:
+                raise
+            self.disabled = True
+            warnings.warn(f"nanguard: internal error, guard disabled: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=3)
+            return None
+
+    def _sync_report(self) -> Report:
+        mon = self.monitor
+        r = self.report
+        r.steps_watched = mon.steps_watched
+        r.max_grad_norm = mon.history.max_grad_norm if len(mon.history) else None
+        r.scaler_skips = sum(1 for i in r.info if i.get("scaler_skip"))
+        r.history = mon.history.as_dicts()
+        if self.policy is not None:
+            known = {id(e) for e in r.events}
+            r.events.extend(e for e in self.policy.events if id(e) not in known)
+            r.events.sort(key=lambda e: (e.step, e.recovery is None))
+        return r
+
+    def _write_report(self) -> None:
+        self._sync_report()
+        if self.report_path:
+            self._safe(lambda: self.report.write(self.report_path))
+
+    def close(self) -> Report:
+        """Finish: read the last pending check, write the report, print the one-line summary."""
+        det = self._safe(self.monitor.flush)
+        if det is not None and not det.info_only:
+            self.report.events.append(self._safe(lambda: self._event(det, None)) or
+                                      Event(step=det.step, phase=det.phase, detected=det.detected))
+        self._write_report()
+        if not self.quiet:
+            print_line(summary_line(self.report))
+        return self.report
+
+    def __enter__(self) -> "Guard":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _capture_rng():
+    from .replay import capture_rng
+    return capture_rng()
+
+
+def _model_dtype(model: torch.nn.Module) -> Optional[str]:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return str(p.dtype).replace("torch.", "")
+    return None
+
+
+@contextlib.contextmanager
+def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "warn",
+          strict: bool = False, quiet: bool = False) -> Iterator["Any"]:
+    """Watch every optimizer, module and GradScaler used inside the block (the hooks of ``nanguard run``).
+
+    No replay is possible here (nanguard cannot call your inline step again):
+    events carry the step, phase and what the check saw; use :class:`Guard` or
+    ``nanguard run`` for the origin op. Yields the :class:`~nanguard.Watcher`.
+    """
+    from .pipeline import build_event
+    from .watch import Watcher
+
+    w = Watcher(GuardConfig(on_nonfinite=on_nonfinite, strict=strict))
+    w.install()
+    try:
+        yield w
+    finally:
+        w.uninstall()
+        w.finish()
+        mon = w.monitor
+        rep = Report(counting=mon.counting, steps_watched=mon.steps_watched,
+                     max_grad_norm=mon.history.max_grad_norm if len(mon.history) else None,
+                     scaler_skips=sum(1 for d in w.info if d.detected.get("scaler_skip")),
+                     history=mon.history.as_dicts())
+        rep.events = [build_event(d, None, [h for h in mon.history.raw_dicts() if h["step"] < d.step], {})
+                      for d in w.detections]
+        w.report = rep
+        if report:
+            rep.write(report)
+        if not quiet:
+            if rep.status != "clean":
+                render(rep, report)
+            print_line(summary_line(rep))

@@ -1,0 +1,87 @@
+"""Glue for one failure: detection + localization + diagnosis -> a report :class:`Event`.
+
+Both drivers (the explicit Guard and ``nanguard run``) go through
+:func:`build_event`, so a failure is explained the same way whichever way it
+was caught.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List, Optional, Sequence
+
+from .detect import Detection
+from .report import PHASES, Event
+
+# The cheap check's phase is a fact for these; the replay refines the others
+# (e.g. a NaN batch that the user's own preprocessing made in this step is a
+# forward-pass origin, not bad data).
+_FIXED_PHASES = ("params", "optimizer", "eval")
+
+ORIGIN_KEYS = ("op", "module", "file", "line", "function", "dtype")
+
+
+def build_event(det: Detection, loc_run: Optional[Dict[str, Any]], history: Sequence[dict],
+                context: Optional[Dict[str, Any]] = None) -> Event:
+    """Turn a detection (+ the replay's result, if any) into a reported event. Never raises."""
+    loc = (loc_run or {}).get("localization")
+    reproduced = bool((loc_run or {}).get("reproduced")) and bool(loc)
+    phase = det.phase
+    if reproduced and det.phase not in _FIXED_PHASES and loc.get("phase") in PHASES:
+        phase = loc["phase"]
+    localization = _describe_localization(det, loc_run, reproduced)
+    try:
+        from .diagnose import diagnose
+        cause = diagnose(loc if reproduced else None, list(history), phase=phase, context=context or {})
+    except Exception as e:  # diagnosis is best effort; the detection stands on its own
+        warnings.warn(f"nanguard: diagnosis failed: {type(e).__name__}: {e}", RuntimeWarning)
+        cause = {"category": "other", "summary": f"non-finite value in phase {phase} at step {det.step}",
+                 "confidence": 0.2, "evidence": {}, "fixes": []}
+    fixes = list(cause.pop("fixes", []) or [])
+    method = cause.pop("method", None)
+    if method and not localization.get("method"):
+        localization["method"] = method
+    cause.setdefault("evidence", {})
+    cause["evidence"].setdefault("detected", det.detected)
+    origin = _origin(loc) if reproduced else None
+    return Event(step=det.step, phase=phase, origin=origin, cause=cause, fixes=fixes,
+                 detected=det.detected, localization=localization)
+
+
+def _origin(loc: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    o = loc.get("origin")
+    if not o:
+        pre = loc.get("preexisting")
+        if pre:
+            return {"op": None, "module": None, "file": None, "line": None, "function": None,
+                    "dtype": (pre.get("stats") or {}).get("dtype"), "tensor": pre.get("name"),
+                    "kind": pre.get("kind"), "samples": pre.get("samples"),
+                    "source_rows": pre.get("source_rows")}
+        return None
+    out = {k: o.get(k) for k in ORIGIN_KEYS}
+    for k, v in o.items():
+        if k not in out and v is not None:
+            out[k] = v
+    return out
+
+
+def _describe_localization(det: Detection, loc_run: Optional[Dict[str, Any]], reproduced: bool) -> Dict[str, Any]:
+    if loc_run is None:
+        return {"method": None, "reproduced": None, "note": "no replay was run"}
+    how = loc_run.get("method", "replay")
+    d: Dict[str, Any] = {"method_kind": how, "reproduced": reproduced,
+                         "seconds": loc_run.get("seconds")}
+    if reproduced:
+        verb = "re-ran the script to" if how == "rerun" else "replayed"
+        d["method"] = (f"{verb} step {det.step} under op-level instrumentation (forward, backward and "
+                       f"optimizer ops), reproduced")
+    else:
+        why = loc_run.get("reason") or loc_run.get("error") or "no non-finite value appeared"
+        d["method"] = (f"tried to replay step {det.step} under op-level instrumentation: could not reproduce "
+                       f"({why}); this points to nondeterminism or a hardware/transient fault, so no "
+                       f"origin is claimed")
+        d["reason"] = why
+    return d
+
+
+def history_dicts(history) -> List[dict]:
+    return history.raw_dicts()

@@ -1,0 +1,304 @@
+"""Zero-code detection: global hooks that find and watch a script's training.
+
+:class:`Watcher` installs, for the duration of a ``with`` block (or of
+``nanguard run``):
+
+* a wrapper on ``torch.optim.Optimizer.__init__`` (to know optimizers exist)
+  and torch's global optimizer step pre/post hooks: steps are counted as
+  optimizer step attempts;
+* a wrapper on ``torch.amp.GradScaler.step``: scaler-skipped steps count as
+  attempts too, and the check runs on unscaled gradients;
+* a wrapper on ``torch.autograd.backward`` (``Tensor.backward`` calls it): the
+  loss is recorded without a sync; a script with no optimizer (hand-written
+  ``p.data.add_(...)`` updates) is counted by backward passes and checked there;
+* global module forward hooks that track nesting depth: the outermost module
+  call of a training forward has its inputs checked (the batch), and an
+  outermost call under ``no_grad``/``inference_mode``/``eval()`` has its
+  outputs checked (evaluation events).
+
+Every hook body is wrapped so that a bug in nanguard warns and disables the
+guard instead of killing the user's training (unless ``strict``).
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from .detect import Detection, GuardConfig, StepMonitor, all_finite, is_checkable, tensors_in
+
+
+class StopRun(BaseException):
+    """Raised through the user's script to stop it (BaseException: ``except Exception`` won't eat it)."""
+
+    def __init__(self, detection: Detection) -> None:
+        super().__init__(f"nanguard stopped the run at step {detection.step} ({detection.phase})")
+        self.detection = detection
+
+
+class Watcher:
+    """Global hooks driving a :class:`StepMonitor` for code nanguard cannot see into."""
+
+    def __init__(self, config: Optional[GuardConfig] = None,
+                 on_detection: Optional[Callable[[Detection, Any], None]] = None) -> None:
+        self.config = config or GuardConfig()
+        self.monitor = StepMonitor(self.config)
+        self.on_detection = on_detection
+        self.detections: List[Detection] = []
+        self.info: List[Detection] = []
+        self.dropped_events = 0
+        self.scalers: list = []
+        self.disabled = False
+        self._installed = False
+        self._handles: list = []
+        self._orig: dict = {}
+        self._local = threading.local()
+        # Optional observers (used by the replay child to arm the op recorder).
+        self.on_step_start: Optional[Callable[[int], None]] = None
+        self.on_backward_begin: Optional[Callable[[List[torch.Tensor]], None]] = None
+        self.on_backward_end: Optional[Callable[[], None]] = None
+        self.on_optimizer_begin: Optional[Callable[[], None]] = None
+
+    # ------------------------------------------------------------------ install / uninstall
+    def __enter__(self) -> "Watcher":
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+    def install(self) -> None:
+        if self._installed:
+            return
+        self._installed = True
+        import torch.optim.optimizer as oo
+        from torch.nn.modules import module as mm
+        from torch.amp import grad_scaler as gs
+
+        w = self
+        orig_init = torch.optim.Optimizer.__init__
+        orig_backward = torch.autograd.backward
+        orig_scaler_step = gs.GradScaler.step
+        self._orig = {"init": orig_init, "backward": orig_backward, "scaler_step": orig_scaler_step}
+
+        def init(opt, *a, **k):
+            orig_init(opt, *a, **k)
+            w._guarded(lambda: w.monitor.add_optimizer(opt))
+
+        def backward(tensors, *a, **k):
+            return w._backward(orig_backward, tensors, a, k)
+
+        def scaler_step(scaler, optimizer, *a, **k):
+            return w._scaler_step(orig_scaler_step, scaler, optimizer, a, k)
+
+        torch.optim.Optimizer.__init__ = init
+        torch.autograd.backward = backward
+        gs.GradScaler.step = scaler_step
+        self._handles = [
+            oo.register_optimizer_step_pre_hook(self._opt_pre),
+            oo.register_optimizer_step_post_hook(self._opt_post),
+            mm.register_module_forward_pre_hook(self._fwd_pre),
+            mm.register_module_forward_hook(self._fwd_post, always_call=True),
+        ]
+        if self.on_step_start is not None:
+            self.on_step_start(0)
+
+    def uninstall(self) -> None:
+        if not self._installed:
+            return
+        from torch.amp import grad_scaler as gs
+        torch.optim.Optimizer.__init__ = self._orig["init"]
+        torch.autograd.backward = self._orig["backward"]
+        gs.GradScaler.step = self._orig["scaler_step"]
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._installed = False
+
+    # ------------------------------------------------------------------ safety
+    def _guarded(self, fn: Callable[[], Any]) -> Any:
+        """Run guard code; on an internal error warn once and disable (unless strict)."""
+        if self.disabled:
+            return None
+        try:
+            return fn()
+        except StopRun:
+            raise
+        except Exception as e:  # never kill the user's training for a guard bug
+            if self.config.strict:
+                raise
+            self.disabled = True
+            warnings.warn(f"nanguard: internal error, guard disabled for the rest of the run: "
+                          f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+            return None
+
+    def _handle(self, det: Optional[Detection], opt: Any) -> None:
+        if det is None:
+            return
+        if det.info_only:
+            self.info.append(det)
+            return
+        if len(self.detections) >= self.config.max_events:
+            self.dropped_events += 1
+            return
+        self.detections.append(det)
+        if self.on_detection is not None:
+            self.on_detection(det, opt)
+        if self.config.on_nonfinite == "stop" and det.phase != "eval":
+            raise StopRun(det)
+
+    # ------------------------------------------------------------------ optimizer
+    def _in_scaler(self) -> bool:
+        return getattr(self._local, "scaler_depth", 0) > 0
+
+    def _opt_pre(self, opt, args, kwargs) -> None:
+        if self._in_scaler():
+            return
+        if self.on_optimizer_begin is not None:
+            self.on_optimizer_begin()
+        det = self._guarded(lambda: self.monitor.check(opt))
+        self._handle(det, opt)
+
+    def _opt_post(self, opt, args, kwargs) -> None:
+        if self._in_scaler():
+            return
+        self._guarded(lambda: self.monitor.end_step(opt))
+        self._step_started(opt)
+
+    def _step_started(self, opt: Any) -> None:
+        if self.on_step_start is not None:
+            self.on_step_start(self.monitor.step_of(opt))
+
+    def _scaler_step(self, orig, scaler, optimizer, a, k):
+        if self.disabled or not _enabled(scaler):
+            return orig(scaler, optimizer, *a, **k)
+        if scaler not in self.scalers:
+            self.scalers.append(scaler)
+        self._guarded(lambda: self.monitor.add_optimizer(optimizer))
+
+        def prepare():
+            from torch.amp.grad_scaler import OptState
+            st = scaler._per_optimizer_states[id(optimizer)]
+            if st["stage"] is OptState.READY:
+                scaler.unscale_(optimizer)  # scaler.step would do the same; we check unscaled grads
+            return self.monitor.check(optimizer, scaler)
+
+        if self.on_optimizer_begin is not None:
+            self.on_optimizer_begin()
+        det = self._guarded(prepare)
+        self._handle(det, optimizer)
+        skipped = bool(det is not None and det.detected.get("scaler_skip")) or \
+            bool((getattr(self.monitor, "_last", None) or {}).get("found_inf", 0) > 0)
+        self._local.scaler_depth = getattr(self._local, "scaler_depth", 0) + 1
+        try:
+            ret = orig(scaler, optimizer, *a, **k)
+        finally:
+            self._local.scaler_depth -= 1
+        self._guarded(lambda: self.monitor.end_step(optimizer, skipped=skipped))
+        self._step_started(optimizer)
+        return ret
+
+    # ------------------------------------------------------------------ backward
+    def _backward(self, orig, tensors, a, k):
+        if self.disabled:
+            return orig(tensors, *a, **k)
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in (tensors or [])
+                                                                    if isinstance(t, torch.Tensor)]
+        self._guarded(lambda: self.monitor.on_backward(ts))
+        by_backward = not self.monitor.views
+        groups = None
+        if by_backward:
+            groups = self._guarded(lambda: self._backward_params(ts))
+        if self.on_backward_begin is not None:
+            self.on_backward_begin(ts)
+        try:
+            out = orig(tensors, *a, **k)
+        finally:
+            if self.on_backward_end is not None:
+                self.on_backward_end()
+        if by_backward and groups is not None:
+            # No optimizer: each backward pass is a step (hand-written updates follow it).
+            det = self._guarded(lambda: self.monitor.check(None, params=groups))
+            self._handle(det, None)
+            self._guarded(lambda: self.monitor.end_step(None, params=groups))
+            self._step_started(None)
+        return out
+
+    def _backward_params(self, ts: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+        params = [p for r in list(self.monitor.roots) for p in r.parameters() if p.requires_grad]
+        if not params:
+            if not self.monitor.extra_params:
+                self.monitor.extra_params = _graph_leaves(ts)
+            params = self.monitor.extra_params
+        return [[p for p in params if is_checkable(p)]]
+
+    # ------------------------------------------------------------------ modules
+    def _depth(self) -> int:
+        return getattr(self._local, "depth", 0)
+
+    def _fwd_pre(self, module, args) -> None:
+        d = self._depth()
+        self._local.depth = d + 1
+        if d == 0 and not self.disabled:
+            def pre():
+                self.monitor.add_root(module)
+                if torch.is_grad_enabled() and module.training:
+                    # Only tensors that do not come from parameters are "the batch".
+                    batch = [t for t in tensors_in(args) if not t.requires_grad]
+                    if batch:
+                        self.monitor.on_batch(batch, where=type(module).__name__ + " input")
+            self._guarded(pre)
+
+    def _fwd_post(self, module, args, output) -> None:
+        self._local.depth = max(self._depth() - 1, 0)
+        if self._depth() == 0 and not self.disabled and (
+                not torch.is_grad_enabled() or not module.training):
+            det = self._guarded(lambda: self._eval_check(module, output))
+            self._handle(det, None)
+
+    def _eval_check(self, module, output) -> Optional[Detection]:
+        ts = tensors_in(output)
+        flag = all_finite(ts)
+        if flag is None or bool(flag):
+            return None
+        nan = sum(int(torch.isnan(t).sum()) for t in ts if is_checkable(t))
+        inf = sum(int(torch.isinf(t).sum()) for t in ts if is_checkable(t))
+        bad_params = self.monitor.nonfinite_params([[p for p in module.parameters() if is_checkable(p)]])
+        return Detection(self.monitor.steps_watched, "eval",
+                         {"module": type(module).__name__, "output_nan": nan, "output_inf": inf,
+                          "nonfinite_params": bad_params[:20], "grad_enabled": torch.is_grad_enabled(),
+                          "training": module.training})
+
+    # ------------------------------------------------------------------ end of run
+    def finish(self) -> None:
+        """Read the last pending check (the final update) and record it."""
+        det = self._guarded(self.monitor.flush)
+        if det is not None and not det.info_only and len(self.detections) < self.config.max_events:
+            self.detections.append(det)
+            if self.on_detection is not None:
+                self.on_detection(det, None)
+
+
+def _enabled(scaler) -> bool:
+    try:
+        return bool(scaler.is_enabled())
+    except Exception:
+        return False
+
+
+def _graph_leaves(ts: List[torch.Tensor], limit: int = 100_000) -> List[torch.Tensor]:
+    """Leaf tensors (``requires_grad`` parameters) reachable from the loss's autograd graph."""
+    leaves, seen, stack = [], set(), [t.grad_fn for t in ts if t.grad_fn is not None]
+    while stack and len(seen) < limit:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)
+        if isinstance(var, torch.Tensor):
+            leaves.append(var)
+        stack.extend(f for f, _ in getattr(fn, "next_functions", ()))
+    return leaves
