@@ -13,5 +13,7 @@ from .detect import GuardConfig
 from .report import NonFiniteError, Report, Event
 from .watch import Watcher
 from .guard import Guard, watch
+from .bundle import Bundle, BundleError, load_bundle
 
-__all__ = ["Guard", "watch", "Watcher", "GuardConfig", "NonFiniteError", "Report", "Event", "__version__"]
+__all__ = ["Guard", "watch", "Watcher", "GuardConfig", "NonFiniteError", "Report", "Event",
+           "Bundle", "BundleError", "load_bundle", "__version__"]

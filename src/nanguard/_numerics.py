@@ -95,6 +95,14 @@ def bad_rows(t: torch.Tensor, limit: int = 10) -> list[int]:
     return [int(i) for i in aten.reshape.default(idx, [-1])[:limit].tolist()]
 
 
+def mask_rows(mask: torch.Tensor, limit: int = 10) -> list[int]:
+    """Indices along dim 0 where a boolean mask has any True (at most ``limit``)."""
+    if mask.dim() == 0 or mask.numel() == 0:
+        return []
+    m = aten.any.dims(aten.reshape.default(mask, [mask.shape[0], -1]), [1]) if mask.dim() > 1 else mask
+    return [int(i) for i in aten.reshape.default(aten.nonzero.default(m), [-1])[:limit].tolist()]
+
+
 def tensor_stats(t: torch.Tensor) -> dict:
     """Compact statistics of a tensor; min/max/max_abs are over its finite values."""
     out: dict[str, Any] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "numel": int(t.numel())}

@@ -38,6 +38,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--no-localize", action="store_true",
                    help="do not re-run the script to find the origin op (detection only)")
     r.add_argument("--strict", action="store_true", help="internal guard errors raise instead of warning")
+    r.add_argument("--bundle", default=None, help="where to save the repro bundle of the first failure "
+                   "(default: nanguard_bundle.pt next to the report)")
+    r.add_argument("--no-bundle", action="store_true", help="do not save a repro bundle")
     r.add_argument("script", help="the training script (run as __main__, like `python SCRIPT ARGS`)")
     r.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     d = sub.add_parser("demo", help="run a small built-in training script that goes NaN, and show the report")
@@ -49,7 +52,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if a.cmd == "run":
         return run_script(a.script, a.args, report_path=a.report, on_nonfinite=a.on_nonfinite,
-                          recover=a.recover, localize=not a.no_localize, strict=a.strict)
+                          recover=a.recover, localize=not a.no_localize, strict=a.strict,
+                          bundle=None if a.no_bundle else (a.bundle or "auto"))
     if a.cmd == "demo":
         from .demo import run_demo
         return run_demo(a.report)
@@ -59,7 +63,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def run_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
                on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
-               strict: bool = False, quiet: bool = False) -> int:
+               strict: bool = False, quiet: bool = False, bundle: Optional[str] = None) -> int:
     """Run ``script`` as ``__main__`` under the global hooks; write the report however it ends."""
     import torch
 
@@ -72,6 +76,9 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
         print(f"nanguard: no such script: {script}", file=sys.stderr)
         return EXIT_USAGE
     script_abs = os.path.abspath(script)
+    if bundle == "auto":
+        from .bundle import default_bundle_path
+        bundle = default_bundle_path(report_path)
     rng_fd, rng_file = tempfile.mkstemp(prefix="nanguard-rng-", suffix=".pt")
     os.close(rng_fd)
     torch.save(capture_rng(), rng_file)  # the re-run starts from this exact RNG state
@@ -83,7 +90,12 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
         policy = RecoveryPolicy.from_spec(recover)
     watcher = Watcher(config)
     if policy is not None:
+        from .replay import rerun_localize
         policy.attach(watcher)
+        cfg = {"min_loss_scale": config.min_loss_scale, "max_consecutive_skips": config.max_consecutive_skips}
+        if localize:
+            watcher.localizer = lambda det: rerun_localize(script_abs, list(args), det.step, rng_file, cfg,
+                                                           bundle=bundle)
     if not quiet:
         mode = "recover" if policy else on_nonfinite
         print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}; report: {report_path})")
@@ -115,7 +127,7 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
             pass
     try:
         watcher.finish()
-        report = _make_report(watcher, script_abs, args, rng_file, localize, config, policy)
+        report = _make_report(watcher, script_abs, args, rng_file, localize, config, policy, bundle)
         if report_path:
             report.write(report_path)
         if not quiet:
@@ -134,7 +146,7 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
     return code
 
 
-def _make_report(watcher, script_abs, args, rng_file, localize, config, policy):
+def _make_report(watcher, script_abs, args, rng_file, localize, config, policy, bundle=None):
     from .pipeline import build_event
     from .replay import rerun_localize
     from .report import Event, Report
@@ -149,10 +161,13 @@ def _make_report(watcher, script_abs, args, rng_file, localize, config, policy):
     events = list(policy.events) if policy is not None else []
     failures = [d for d in watcher.detections]
     for i, det in enumerate(failures):
+        if det.event is not None:  # already diagnosed during the run (recovery mode)
+            events.append(det.event)
+            continue
         loc_run = None
         if i == 0 and localize and det.phase != "eval":
             cfg = {"min_loss_scale": config.min_loss_scale, "max_consecutive_skips": config.max_consecutive_skips}
-            loc_run = rerun_localize(script_abs, list(args), det.step, rng_file, cfg)
+            loc_run = rerun_localize(script_abs, list(args), det.step, rng_file, cfg, bundle=bundle)
         hist = [h for h in history if h["step"] < det.step]
         events.append(build_event(det, loc_run, hist, _context(watcher)))
     events.sort(key=lambda e: (e.step, e.recovery is not None))

@@ -64,6 +64,7 @@ class Detection:
     phase: str
     detected: Dict[str, Any] = field(default_factory=dict)
     info_only: bool = False  # e.g. a GradScaler warm-up skip: reported, not a failure
+    event: Any = None        # the diagnosed report Event, once built (recovery builds it early)
 
 
 def is_checkable(t: Any) -> bool:

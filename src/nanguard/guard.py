@@ -36,6 +36,8 @@ class Guard:
             update is applied; ``"warn"`` prints the report and carries on.
         recover: ``None``, ``"auto"`` or a list of allowed recovery actions.
         report: path of the JSON report, written at each failure and by :meth:`close`.
+        bundle: where to save the repro bundle of the first failure (``"auto"``: next to
+            the report, or ``./nanguard_bundle.pt``; ``None``: no bundle).
         localize: replay a failing step under op-level instrumentation.
         quiet: print nothing (the report is still kept and written).
     """
@@ -44,7 +46,8 @@ class Guard:
                  optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
                  scaler: Any = None, *, on_nonfinite: str = "stop", recover: Any = None,
                  report: Optional[str] = None, history_size: int = 200, strict: bool = False,
-                 localize: bool = True, check_data: bool = True, quiet: bool = False) -> None:
+                 localize: bool = True, check_data: bool = True, quiet: bool = False,
+                 bundle: Optional[str] = "auto") -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -70,6 +73,11 @@ class Guard:
             self.policy.bind_guard(self)
         self.disabled = False
         self._announced = False
+        if bundle == "auto":
+            from .bundle import default_bundle_path
+            bundle = default_bundle_path(report)
+        self.bundle_path = bundle
+        self.bundle_saved: Optional[str] = None
 
     # ------------------------------------------------------------------ the step
     def step(self, batch: Any, loss_fn: LossFn, *, micro_batches: bool = False) -> torch.Tensor:
@@ -85,7 +93,7 @@ class Guard:
             print_line(f"guarding {type(self.model).__name__} (on non-finite: "
                        f"{'recover' if self.policy else self.config.on_nonfinite})")
         batches = list(batch) if micro_batches else [batch]
-        rng = self._safe(_capture_rng) if self.localize else None
+        rng = self._safe(_capture_rng) if (self.localize or self.bundle_path) else None
         if self.policy is not None:
             self.policy.before_step(self)
         for o in self.optimizers:
@@ -114,6 +122,10 @@ class Guard:
                 if self.scaler is not None:
                     self._reset_scaler_stage()
                 return loss.detach()
+        if self.policy is not None and not self.policy.before_update(self.optimizers):
+            for o in self.optimizers:
+                self.monitor.end_step(o, skipped=True)
+            return loss.detach()
         for o in self.optimizers:
             if self.scaler is not None:
                 self.scaler.step(o)
@@ -143,6 +155,8 @@ class Guard:
 
     # ------------------------------------------------------------------ failures
     def _on_failure(self, det: Detection, batches, loss_fn, rng) -> str:
+        if self.bundle_path and self.bundle_saved is None and rng is not None:
+            self.bundle_saved = self._safe(lambda: self._save_bundle(det, batches, rng))
         loc_run = None
         if self.localize and det.phase in ("data", "params", "forward", "backward") and rng is not None:
             loc_run = self._safe(lambda: self._replay(batches, loss_fn, rng, det))
@@ -161,6 +175,17 @@ class Guard:
             raise NonFiniteError(self.report, event)
         return "continue"
 
+    def _save_bundle(self, det: Detection, batches, rng) -> str:
+        from .bundle import save_bundle
+        from .replay import plain_rng
+        return save_bundle(self.bundle_path, step=det.step, phase=det.phase,
+                           batch=batches if len(batches) > 1 else batches[0],
+                           model_state=self.model.state_dict(),
+                           optimizer_states=[o.state_dict() for o in self.optimizers],
+                           scaler_state=self.scaler.state_dict() if self.scaler is not None else None,
+                           rng=plain_rng(rng), config={"on_nonfinite": self.config.on_nonfinite,
+                                            "history_size": self.config.history_size})
+
     def _event(self, det: Detection, loc_run) -> Event:
         from .pipeline import build_event
         hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
@@ -168,7 +193,10 @@ class Guard:
                "lr": [g.get("lr") for g in self.optimizers[0].param_groups],
                "eps": self.optimizers[0].param_groups[0].get("eps"),
                "dtype": _model_dtype(self.model)}
-        return build_event(det, loc_run, hist, ctx)
+        ev = build_event(det, loc_run, hist, ctx)
+        if self.bundle_saved:
+            ev.localization = dict(ev.localization or {}, bundle=self.bundle_saved)
+        return ev
 
     def _replay(self, batches, loss_fn, rng, det: Detection) -> dict:
         """Re-run the failing step's forward and backward under the op recorder (params unchanged)."""
@@ -261,7 +289,7 @@ class Guard:
 
 def _capture_rng():
     from .replay import capture_rng
-    return capture_rng()
+    return capture_rng(plain=False)
 
 
 def _model_dtype(model: torch.nn.Module) -> Optional[str]:

@@ -187,7 +187,7 @@ class _Info:
 
 class _Origin:
     """A taint source. kind: 'op' (real origin), 'constant', 'preexisting', 'untracked'."""
-    __slots__ = ("seq", "kind", "soft", "op", "stage", "detail", "pre_kind", "name", "first_use")
+    __slots__ = ("seq", "kind", "soft", "op", "stage", "detail", "pre_kind", "name", "first_use", "tref")
 
     def __init__(self, seq, kind, soft, op=None, stage=None):
         self.seq, self.kind, self.soft, self.op, self.stage = seq, kind, soft, op, stage
@@ -195,6 +195,7 @@ class _Origin:
         self.pre_kind: str | None = None
         self.name: str | None = None
         self.first_use: dict | None = None
+        self.tref: Any = None
 
     @property
     def real(self) -> bool:
@@ -290,6 +291,7 @@ class OpRecorder:
         self._anomaly_prev: tuple[bool, bool] | None = None
         self._api_stack: list[tuple[str, tuple, dict]] = []
         self._mod_stack: list[str] = []
+        self._mod_type_stack: list[str] = []
         self._mod_names: dict[int, str] = {}
         self._mod_types: dict[int, str] = {}
         self._infos: dict[int, _Info] = {}
@@ -297,6 +299,7 @@ class OpRecorder:
         self._origins: list[_Origin] = []
         self._n_ops = 0
         # light per-op records (parallel lists, up to max_records)
+        self._op_func: list[Any] = []
         self._op_name: list[str] = []
         self._op_stage: list[str] = []
         self._op_module: list[str | None] = []
@@ -322,6 +325,8 @@ class OpRecorder:
         self._buffer_storage: dict[int, str] = {}
         self._grad_ids: dict[int, str] = {}
         self._state_ids: dict[int, tuple[str, str]] = {}
+        self._wrapped: dict[Any, _Origin] = {}
+        self._auto_names = not self.named_params
 
     def __enter__(self) -> "OpRecorder":
         self.start()
@@ -414,6 +419,7 @@ class OpRecorder:
             self._anomaly_prev = None
         self._api_stack = []
         self._mod_stack = []
+        self._mod_type_stack = []
         self._ring.clear()
 
     @staticmethod
@@ -532,12 +538,29 @@ class OpRecorder:
                             self._state_ids[id(v)] = (pname, k)
 
     # ------------------------------------------------------------------ module path
-    def _register_module_tree(self, root: torch.nn.Module, prefix: str = "") -> None:
+    def _register_module_tree(self, root: torch.nn.Module, overwrite: bool = False) -> None:
+        """Module paths (and, when the caller named no parameters, parameter names) under ``root``."""
         try:
             for name, m in root.named_modules(remove_duplicate=False):
-                full = f"{prefix}.{name}" if prefix and name else (prefix or name)
-                self._mod_names.setdefault(id(m), full)
+                if overwrite:
+                    self._mod_names[id(m)] = name
+                else:
+                    self._mod_names.setdefault(id(m), name)
                 self._mod_types[id(m)] = type(m).__name__
+            if self._auto_names:
+                for name, p in root.named_parameters(remove_duplicate=False):
+                    self._param_ids[id(p)] = name
+                    self.named_params.setdefault(name, p)
+                    try:
+                        self._param_storage[p.untyped_storage().data_ptr()] = name
+                    except Exception:
+                        pass
+                for name, b in root.named_buffers(remove_duplicate=False):
+                    self._buffer_ids[id(b)] = name
+                    try:
+                        self._buffer_storage[b.untyped_storage().data_ptr()] = name
+                    except Exception:
+                        pass
         except Exception:
             pass
 
@@ -547,17 +570,20 @@ class OpRecorder:
         name = self._mod_names.get(id(mod))
         if name is None:
             if not self._mod_stack:          # a module called at top level: a root
-                self._register_module_tree(mod)
+                self._register_module_tree(mod, overwrite=True)
                 name = self._mod_names.get(id(mod), "")
             else:                            # unregistered child: attribute to its caller
                 name = self._mod_stack[-1]
                 self._mod_names[id(mod)] = name
                 self._mod_types[id(mod)] = type(mod).__name__
         self._mod_stack.append(name)
+        self._mod_type_stack.append(type(mod).__name__)
 
     def _mod_post(self, mod, args, out) -> None:
         if self._armed and self._mod_stack:
             self._mod_stack.pop()
+            if self._mod_type_stack:
+                self._mod_type_stack.pop()
 
     # ------------------------------------------------------------------ frames
     def _is_user(self, fn: str) -> bool:
@@ -660,10 +686,53 @@ class OpRecorder:
             soft = not bool(N._scalar(aten.any.default(aten.isposinf.default(t))))
         o = _Origin(len(self._origins), "preexisting", soft, op=self._n_ops, stage=self._cur_stage())
         o.pre_kind, o.name = kind, name
+        o.tref = weakref.ref(t)
         st = N.tensor_stats(t)
         st["bad_rows"] = N.bad_rows(t)
         o.detail = {"stats": st}
         self._origins.append(o)
+        return o
+
+    def _param_name(self, t: torch.Tensor) -> tuple[str, str | None] | None:
+        """('param'|'buffer', name) when ``t`` is (a view of) a known parameter or buffer."""
+        if id(t) in self._param_ids:
+            return "param", self._param_ids[id(t)]
+        if id(t) in self._buffer_ids:
+            return "buffer", self._buffer_ids[id(t)]
+        try:
+            sp = t.untyped_storage().data_ptr()
+        except Exception:
+            sp = None
+        if sp and sp in self._param_storage:
+            return "param", self._param_storage[sp]
+        if sp and sp in self._buffer_storage:
+            return "buffer", self._buffer_storage[sp]
+        if isinstance(t, torch.nn.Parameter):
+            return "param", None
+        return None
+
+    def _param_written(self, t: torch.Tensor, taint: _Origin, info: _Info | None) -> _Origin | None:
+        """A parameter read while holding non-finite values written by an op (e.g. a bad init under
+        no_grad): it is a corrupted parameter; the writing op is kept as ``written_by``."""
+        pn = self._param_name(t)
+        if pn is None:
+            return None
+        key = ("written", pn)
+        o = self._wrapped.get(key)
+        if o is None:
+            o = _Origin(len(self._origins), "preexisting", False, op=self._n_ops, stage=self._cur_stage())
+            o.pre_kind, o.name = pn
+            o.tref = weakref.ref(t)
+            st = N.tensor_stats(t)
+            st["bad_rows"] = N.bad_rows(t)
+            wd = dict(taint.detail or {})
+            wd.pop("inputs", None)
+            o.detail = {"stats": st, "written_by": {k: wd.get(k) for k in (
+                "op", "api", "module", "file", "line", "function", "stage", "facts")}}
+            self._origins.append(o)
+            self._wrapped[key] = o
+        if info is not None:
+            info.taint = o
         return o
 
     def _cur_stage(self) -> str:
@@ -700,6 +769,9 @@ class OpRecorder:
         ins = []
         for key, pos, t in tens:
             nan, inf, taint, info = self._lookup(t)
+            if taint is not None and taint.real and stage != "optimizer" and not (
+                    taint.kind == "preexisting" and taint.pre_kind in ("param", "buffer")):
+                taint = self._param_written(t, taint, info) or taint
             ins.append((key, pos, t, nan, inf, taint, info.prod if info is not None else None))
         scal = [(k, p, v) for k, p, v in _flat_scalars(args, kwargs)]
         return stage, ins, scal
@@ -735,11 +807,12 @@ class OpRecorder:
         # outputs: returned tensors plus arguments the op writes to (in-place / out=)
         outs: list[tuple[int | None, torch.Tensor]] = []
         seen: set[int] = set()
+        mut_ids: set[int] = set()
 
-        def add(t, pos):
+        def add(t: Any, pos: int | None) -> None:
             if isinstance(t, torch.Tensor) and id(t) not in seen:
                 seen.add(id(t))
-                outs.append((pos, t))
+                outs.append((pos if foreach else None, t))
         if isinstance(out, torch.Tensor):
             add(out, None)
         elif isinstance(out, (list, tuple)):
@@ -748,19 +821,19 @@ class OpRecorder:
                     for jj, oo in enumerate(o):
                         add(oo, jj)
                 else:
-                    add(o, j if foreach else None)
+                    add(o, j)
         for _key, m in self._mutated(func, args, kwargs):
             if isinstance(m, torch.Tensor):
+                mut_ids.add(id(m))
                 add(m, None)
             elif isinstance(m, (list, tuple)):
                 for j, mm in enumerate(m):
-                    add(mm, j)
-        if not foreach:
-            outs = [(None if p is not None and len(outs) > 0 and not foreach else p, t) for p, t in outs]
+                    if isinstance(mm, torch.Tensor):
+                        mut_ids.add(id(mm))
+                        add(mm, j)
 
         module = self._mod_stack[-1] if self._mod_stack else None
         api = self._api_stack[-1][0] if self._api_stack else None
-        scalars = tuple(v for _k, _p, v in scal[:6])
         low = False
         any_nf = False
         results = []
@@ -774,11 +847,12 @@ class OpRecorder:
             any_nf = any_nf or nan or inf
 
         if record:
+            self._op_func.append(func)
             self._op_name.append(name)
             self._op_stage.append(stage)
             self._op_module.append(module)
             self._op_api.append(api)
-            self._op_scalars.append(scalars)
+            self._op_scalars.append(tuple(v for _k, _p, v in scal[:6]))
             self._op_outnf.append(any_nf)
             self._op_frame.append(self._user_frame() if stage == "forward" else None)
             if low:
@@ -786,20 +860,19 @@ class OpRecorder:
                 if len(self._ring) > _RING:
                     self._ring.popitem(last=False)
             if stage == "forward" and name in _KEEP_FWD and self._keep_elems < _KEEP_FWD_BUDGET:
-                n = sum(int(t.numel()) for _k, _p, t, *_ in ins)
+                n = sum(int(i[2].numel()) for i in ins)
                 if self._keep_elems + n <= _KEEP_FWD_BUDGET:
                     self._keep[idx] = (func, args, kwargs)
                     self._keep_elems += n
-        if stage == "optimizer" and record:
-            self._opt_ops.append((idx, [(k, p, id(t)) for k, p, t, *_ in ins], [(p, id(t)) for p, t in outs]))
+            if stage == "optimizer":
+                self._opt_ops.append((idx, [(i[0], i[1], id(i[2])) for i in ins], [(p, id(t)) for p, t in outs]))
 
-        # consumers of non-finite forward tensors (where-trap evidence)
+        # consumers of non-finite forward tensors (evidence for the where-gradient trap)
         if stage == "forward":
-            for _k, _p, _t, nan_i, inf_i, _tn, prod in ins:
-                if (nan_i or inf_i) and prod is not None:
-                    self._consumers.setdefault(prod[0], []).append((idx, name, any_nf))
+            for i in ins:
+                if (i[3] or i[4]) and i[6] is not None:
+                    self._consumers.setdefault(i[6][0], []).append((idx, name, any_nf))
 
-        # taint decision per output
         new_origin: _Origin | None = None
         new_const: _Origin | None = None
         for pos, t, nan, inf in results:
@@ -820,18 +893,20 @@ class OpRecorder:
                     taint = new_const
                 elif taint.kind == "preexisting" and taint.first_use is None:
                     taint.first_use = self._first_use(func, name, args, t, stage)
-            self._set_info(t, nan, inf, taint, (idx, pos), mutated=_is_inplace(func) or t in_args(t, args, kwargs))
+            self._set_info(t, nan, inf, taint, (idx, pos), mutated=id(t) in mut_ids)
             if stage == "forward" and record:
                 self._pending.append((weakref.ref(t), idx))
         if new_origin is not None:
             self._describe_origin(new_origin, func, name, args, kwargs, ins, scal, results, stage, module, api)
         if new_const is not None:
             fr = self._user_frame()
-            new_const.detail = {"op": str(func), "api": api, "module": module, "stage": stage,
+            new_const.detail = {"op": str(func), "name": name, "api": api, "module": module, "stage": stage,
                                 "file": fr[0] if fr else None, "line": fr[1] if fr else None,
-                                "function": fr[2] if fr else None}
+                                "function": fr[2] if fr else None, "constant": True,
+                                "scalars": [jnum(v) for _k, _p, v in scal][:6]}
 
-    def _decide(self, out_nan: bool, out_inf: bool, ins: list, scal: list):
+    def _decide(self, out_nan: bool, out_inf: bool, ins: list, scal: list) -> Any:
+        """Taint of a non-finite output: inherit a real origin, start a new one, or a constant."""
         real = [i[5] for i in ins if i[5] is not None and i[5].real]
         if real:
             return min(real, key=lambda o: o.seq)
@@ -840,15 +915,16 @@ class OpRecorder:
         in_nan = s_nan or any(i[3] for i in ins)
         in_inf = s_inf or any(i[4] for i in ins)
         if out_nan and not in_nan:
-            return "new"                      # NaN out of NaN-free inputs (incl. softmax of all -inf)
+            return "new"       # NaN out of NaN-free inputs (incl. softmax of an all -inf row)
         if out_inf and not out_nan and not in_inf:
-            return "new"                      # overflow / division by zero / log(0) from finite inputs
+            return "new"       # overflow, x/0, log(0) from finite inputs
         soft = [i[5] for i in ins if i[5] is not None]
         if soft:
             return min(soft, key=lambda o: o.seq)
-        return "const"                        # introduced from a non-finite scalar constant
+        return "const"         # introduced from a non-finite scalar constant
 
-    def _set_info(self, t, nan, inf, taint, prod, mutated: bool) -> None:
+    def _set_info(self, t: torch.Tensor, nan: bool, inf: bool, taint: _Origin | None, prod: tuple,
+                  mutated: bool) -> None:
         ver = N.version(t)
         if mutated and ver is not None:
             ver += 1   # ADInplaceOrView bumps the version after this mode returns
@@ -871,11 +947,13 @@ class OpRecorder:
                 pass
 
     # ------------------------------------------------------------------ origin description
-    def _first_use(self, func, name, args, out, stage) -> dict:
+    def _first_use(self, func: Any, name: str, args: Sequence[Any], out: torch.Tensor, stage: str) -> dict:
         """Where a pre-existing non-finite tensor first enters the step (sample rows, source rows)."""
         fr = self._user_frame()
-        d = {"op": str(func), "stage": stage, "file": fr[0] if fr else None, "line": fr[1] if fr else None,
-             "function": fr[2] if fr else None, "samples": N.bad_rows(out), "source_rows": []}
+        d: dict[str, Any] = {"op": str(func), "stage": stage, "file": fr[0] if fr else None,
+                             "line": fr[1] if fr else None, "function": fr[2] if fr else None,
+                             "module": self._mod_stack[-1] if self._mod_stack else None,
+                             "samples": N.bad_rows(out), "source_rows": []}
         try:
             if name in INDEX_OPS and d["samples"]:
                 index = None
@@ -883,55 +961,54 @@ class OpRecorder:
                     index = args[1][0]
                 elif name == "index_select" and len(args) > 2 and args[1] == 0:
                     index = args[2]
-                elif name == "embedding" and len(args) > 1:
-                    index = args[1]
-                elif name == "take" and len(args) > 1:
+                elif name in ("embedding", "take") and len(args) > 1:
                     index = args[1]
                 if isinstance(index, torch.Tensor):
                     if index.dtype == torch.bool:
-                        index = aten.reshape.default(aten.nonzero.default(index)[:, 0], [-1])
+                        index = aten.select.int(aten.nonzero.default(index), 1, 0)
                     if not index.dtype.is_floating_point and index.dim() >= 1:
-                        flat = index if index.dim() == 1 else index.reshape(index.shape[0], -1)[:, 0]
-                        d["source_rows"] = sorted({int(flat[r]) for r in d["samples"] if r < flat.shape[0]})
+                        flat = index if index.dim() == 1 else aten.reshape.default(index, [index.shape[0], -1])[:, 0]
+                        d["source_rows"] = sorted({int(flat[r]) for r in d["samples"] if r < flat.shape[0]})[:10]
         except Exception as e:
             d["source_rows_error"] = str(e)[:100]
         return d
 
-    def _describe_origin(self, o: _Origin, func, name, args, kwargs, ins, scal, results, stage, module, api) -> None:
+    def _describe_origin(self, o: _Origin, func, name, args, kwargs, ins, scal, results, stage, module,
+                         api) -> None:
         bad = [(pos, t, nan, inf) for pos, t, nan, inf in results if nan or inf]
         pos0, t0 = bad[0][0], bad[0][1]
         fr = self._user_frame()
         d: dict[str, Any] = {"op": str(func), "name": name, "api": api, "module": module, "stage": stage,
                              "file": fr[0] if fr else None, "line": fr[1] if fr else None,
                              "function": fr[2] if fr else None, "dtype": N.dtype_name(t0.dtype),
-                             "shape": list(t0.shape), "positions": [p for p, *_ in bad if p is not None][:10]}
-        # the module type is handy for reports
-        d["autograd_node"] = None
+                             "shape": list(t0.shape), "positions": [p for p, *_ in bad if p is not None][:10],
+                             "autograd_node": None,
+                             "module_type": self._mod_type_stack[-1] if self._mod_type_stack else None}
         fwd_idx = None
-        node = None
         if stage == "backward":
             try:
                 node = torch._C._current_autograd_node()
             except Exception:
                 node = None
+            ffr = None
             if node is not None:
                 d["autograd_node"] = node.name()
                 try:
                     md = node.metadata
                     fwd_idx = md.get("nanguard_fwd")
-                    tb = md.get("traceback_")
-                    ffr = self._frame_from_traceback(tb)
+                    ffr = self._frame_from_traceback(md.get("traceback_"))
                 except Exception:
-                    ffr = None
-                if fwd_idx is not None and fwd_idx < len(self._op_name):
-                    d["forward_idx"] = fwd_idx
-                    d["forward_op"] = self._op_full(fwd_idx)
-                    d["forward_module"] = self._op_module[fwd_idx]
-                    d["forward_api"] = self._op_api[fwd_idx]
-                    if ffr is None:
-                        ffr = self._op_frame[fwd_idx]
-                if ffr is not None:
-                    d["forward_file"], d["forward_line"], d["forward_function"] = ffr
+                    pass
+            if fwd_idx is not None and fwd_idx < len(self._op_name):
+                d["forward_idx"] = fwd_idx
+                d["forward_op"] = str(self._op_func[fwd_idx])
+                d["forward_name"] = self._op_name[fwd_idx]
+                d["forward_module"] = self._op_module[fwd_idx]
+                d["forward_api"] = self._op_api[fwd_idx]
+                if ffr is None:
+                    ffr = self._op_frame[fwd_idx]
+            if ffr is not None:
+                d["forward_file"], d["forward_line"], d["forward_function"] = ffr
         d["output"] = N.nonfinite_counts(t0)
         d["samples"] = N.bad_rows(t0)
         o.detail = d
@@ -939,15 +1016,582 @@ class OpRecorder:
             return
         rel = [i for i in ins if pos0 is None or i[1] is None or i[1] == pos0]
         d["inputs"] = []
-        for key, pos, t, *_ in rel[:6]:
-            st = N.tensor_stats(t)
-            st["arg"] = key if pos is None else f"{key}[{pos}]"
+        for i in rel[:6]:
+            st = N.tensor_stats(i[2])
+            st["arg"] = i[0] if i[1] is None else f"{i[0]}[{i[1]}]"
             d["inputs"].append(st)
         d["scalars"] = [jnum(v) for _k, p, v in scal if pos0 is None or p is None or p == pos0][:6]
         try:
-            d["facts"] = self._facts(func, name, args, kwargs, rel, scal, t0, pos0, stage, fwd_idx, api)
+            d["facts"] = self._facts(func, name, args, kwargs, rel, t0, pos0, stage, fwd_idx)
         except Exception as e:
             d["facts"] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
 
-    def _op_full(self, idx: int) -> str | None:
-        return self._op_name_full.get(idx) if hasattr(self, "_op_name_full") else None
+    # ------------------------------------------------------------------ evidence facts
+    def _producer(self, t: Any) -> tuple[int, int | None] | None:
+        info = self._infos.get(id(t)) if isinstance(t, torch.Tensor) else None
+        if info is not None and info.ref() is t:
+            return info.prod
+        return None
+
+    def _producer_chain(self, t: Any, depth: int = 3) -> list[int]:
+        """Op indices that produced ``t``, skipping view-like ops (innermost first)."""
+        chain = []
+        for _ in range(depth + 3):
+            prod = self._producer(t)
+            if prod is None or prod[0] >= len(self._op_name):
+                break
+            chain.append(prod[0])
+            if self._op_name[prod[0]] not in PASS_OPS or len(chain) > depth + 2:
+                break
+            # follow the first tensor input of a view-like op
+            src = self._keep.get(prod[0]) or self._ring.get(prod[0])
+            if src is None:
+                break
+            nxt = [a for a in src[1] if isinstance(a, torch.Tensor)]
+            if not nxt:
+                break
+            t = nxt[0]
+        return chain
+
+    def _eps_constants(self, tensors: list[torch.Tensor]) -> list[dict]:
+        out = []
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+                continue
+            for p in self._producer_chain(t, depth=2):
+                nm = self._op_name[p]
+                if nm in EPS_PRODUCERS or nm in ("clamp", "clamp_min"):
+                    for c in self._op_scalars[p]:
+                        if isinstance(c, (int, float)) and not isinstance(c, bool) and c != 0 and abs(c) < 1e-2:
+                            f = N.eps_fact(float(c), t.dtype)
+                            f["op"] = str(self._op_func[p])
+                            out.append(f)
+                    break
+        return out[:10]
+
+    @staticmethod
+    def _cast_args(args: Any, kwargs: dict, dtype: torch.dtype, subst: dict | None = None) -> tuple:
+        def cv(a):
+            if isinstance(a, torch.Tensor):
+                if subst and id(a) in subst:
+                    return subst[id(a)]
+                if a.dtype.is_floating_point and a.layout == torch.strided:
+                    return aten._to_copy.default(a.detach(), dtype=dtype)
+                return a.detach()
+            if isinstance(a, (list, tuple)):
+                return type(a)(cv(b) for b in a)
+            if isinstance(a, torch.dtype) and a.is_floating_point:
+                return dtype
+            return a
+        return tuple(cv(a) for a in args), {k: cv(v) for k, v in kwargs.items()}
+
+    def _rerun(self, func: Any, args: Any, kwargs: dict, dtype: torch.dtype, pos: int | None,
+               subst: dict | None = None) -> list[torch.Tensor]:
+        a, k = self._cast_args(args, kwargs, dtype, subst)
+        if "out" in k:
+            return []
+        out = func(*a, **k)
+        mut = [m for _k, m in self._mutated(func, a, k)]
+        res = []
+        for o in ([out] if isinstance(out, torch.Tensor) else list(out or ())) + mut:
+            if isinstance(o, (list, tuple)):
+                if pos is not None and pos < len(o):
+                    o = o[pos]
+                else:
+                    continue
+            if isinstance(o, torch.Tensor) and o.dtype.is_floating_point:
+                res.append(o)
+        return res
+
+    def _rerun_fact(self, func, args, kwargs, dtype, pos, subst=None) -> dict:
+        try:
+            outs = self._rerun(func, args, kwargs, dtype, pos, subst)
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+        if not outs:
+            return {"error": "no floating output"}
+        fin = all(not any(N.nonfinite_flags(o)) for o in outs)
+        mx = max((N.tensor_stats(o).get("max_abs") for o in outs), key=lambda v: v if isinstance(v, float) else -1)
+        return {"op": str(func), "dtype": N.dtype_name(dtype), "finite": fin, "max_abs": mx}
+
+    def _rerun32_tensor(self, t: Any, depth: int) -> Any:
+        """float32 version of ``t``, recomputed from its producers' inputs when they are still held."""
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.dtype not in N.LOW_PRECISION:
+            return t
+        prod = self._producer(t)
+        if depth <= 0 or prod is None or prod[0] not in self._ring:
+            return aten._to_copy.default(t.detach(), dtype=torch.float32)
+        func, args, kwargs = self._ring[prod[0]]
+        if _is_inplace(func) or self._mutated(func, args, kwargs):
+            return aten._to_copy.default(t.detach(), dtype=torch.float32)
+        subst = {}
+        for _k, _p, a in _flat_tensors(args, kwargs):
+            if a.dtype in N.LOW_PRECISION:
+                subst[id(a)] = self._rerun32_tensor(a, depth - 1)
+        try:
+            outs = self._rerun(func, args, kwargs, torch.float32, prod[1], subst)
+        except Exception:
+            outs = []
+        match = [o for o in outs if tuple(o.shape) == tuple(t.shape)]
+        self._chain_ops.append(self._op_name[prod[0]])
+        return match[0] if match else aten._to_copy.default(t.detach(), dtype=torch.float32)
+
+    def _facts(self, func, name, args, kwargs, rel, t0, pos0, stage, fwd_idx) -> dict:
+        f: dict[str, Any] = {}
+        dt = t0.dtype
+        # the op whose semantics matter: the forward op of a backward origin when we still hold its inputs
+        e_func, e_name, e_args, e_kwargs, e_pos = func, name, args, kwargs, pos0
+        if stage == "backward" and fwd_idx is not None and fwd_idx in self._keep:
+            e_func, e_args, e_kwargs = self._keep[fwd_idx]
+            e_name, e_pos = _opname(e_func), None
+            f["examined"] = "forward_op"
+        elif stage == "backward":
+            f["examined"] = "backward_op"
+        ftens = [a for _k, _p, a in _flat_tensors(e_args, e_kwargs) if a.dtype.is_floating_point]
+
+        f["float64_rerun"] = self._rerun_fact(func, args, kwargs, torch.float64, pos0)
+        if e_func is not func:
+            f["forward_float64_rerun"] = self._rerun_fact(e_func, e_args, e_kwargs, torch.float64, None)
+            fo = self._rerun(e_func, e_args, e_kwargs, ftens[0].dtype if ftens else dt, None) if ftens else []
+            if fo:
+                f["forward_output"] = N.tensor_stats(fo[0])
+        if dt in N.LOW_PRECISION and stage != "backward":
+            direct = self._rerun_fact(func, args, kwargs, torch.float32, pos0)
+            self._chain_ops: list[str] = []
+            subst = {}
+            for i in rel:
+                if i[2].dtype in N.LOW_PRECISION:
+                    subst[id(i[2])] = self._rerun32_tensor(i[2], 2)
+            chain = self._rerun_fact(func, args, kwargs, torch.float32, pos0, subst)
+            f["float32_rerun"] = {"direct_finite": direct.get("finite"), "chain_finite": chain.get("finite"),
+                                  "chain_ops": self._chain_ops[:10], "max_abs": direct.get("max_abs")}
+        f["dtype_info"] = N.finfo_facts(dt)
+        eps = self._eps_constants(ftens)
+        if eps:
+            f["eps_constants"] = eps
+
+        def pick(v, p=e_pos):
+            if isinstance(v, (list, tuple)):
+                return v[p] if p is not None and p < len(v) else None
+            return v
+
+        def arg(i, kw=None):
+            if i < len(e_args):
+                return pick(e_args[i])
+            return pick(e_kwargs.get(kw)) if kw else None
+
+        x = arg(0, "self")
+        # domain facts
+        if e_name in LOG_OPS:
+            src = arg(1, "other") if e_name in ("xlogy", "special_xlog1py") else x
+            if isinstance(src, torch.Tensor):
+                lim = -1.0 if e_name in ("log1p", "_foreach_log1p", "special_xlog1py") else 0.0
+                f["log_domain"] = {"le_limit": self._count(aten.le.Scalar(src, lim)), "limit": lim,
+                                   "zeros": self._count(aten.eq.Scalar(src, 0)),
+                                   "negatives": self._count(aten.lt.Scalar(src, 0)),
+                                   "min": N.tensor_stats(src).get("min"), "numel": int(src.numel())}
+        if e_name in SQRT_OPS or e_name in NORM_OPS or e_name in POW_OPS:
+            if isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
+                d = {"zeros": self._count(aten.eq.Scalar(x, 0)), "negatives": self._count(aten.lt.Scalar(x, 0)),
+                     "numel": int(x.numel())}
+                if e_name in POW_OPS:
+                    ex = arg(1, "exponent")
+                    if isinstance(ex, (int, float)):
+                        d["exponent"] = jnum(ex)
+                        d["fractional"] = float(ex) != int(float(ex)) if math.isfinite(float(ex)) else False
+                if e_name in NORM_OPS and "forward_output" in f:
+                    d["norm_zeros"] = f["forward_output"].get("zeros")
+                f["sqrt_domain"] = d
+        if e_name in TRIG_OPS and isinstance(x, torch.Tensor):
+            ax = aten.abs.default(x)
+            lim_ok = e_name in ("acosh", "arccosh")
+            f["trig_domain"] = {"abs_ge_1": self._count(aten.ge.Scalar(ax, 1.0)),
+                                "abs_gt_1": self._count(aten.gt.Scalar(ax, 1.0)),
+                                "lt_1": self._count(aten.lt.Scalar(x, 1.0)) if lim_ok else None,
+                                "max_abs": N.tensor_stats(x).get("max_abs"), "numel": int(x.numel())}
+        if (e_name in EXP_OPS or (e_name in POW_OPS and isinstance(arg(1, "exponent"), torch.Tensor))) and \
+                isinstance(x, torch.Tensor):
+            src = arg(1, "exponent") if e_name in POW_OPS else x
+            st = N.tensor_stats(src)
+            f["exp_input_max"] = st.get("max")
+            f["overflow_threshold"] = jnum(math.log(torch.finfo(src.dtype).max))
+        if e_name in DIV_OPS:
+            f["zero_denominator"] = self._div_facts(e_name, e_args, e_pos)
+        if e_name in SOFTMAX_OPS and isinstance(x, torch.Tensor):
+            dim = arg(1, "dim")
+            if isinstance(dim, int):
+                allm = aten.all.dim(aten.eq.Scalar(x, float("-inf")), dim)
+                rows = N.mask_rows(allm)
+                f["softmax_all_masked_rows"] = {"count": self._count(allm), "batch_rows": rows,
+                                                "rows_total": int(allm.numel()),
+                                                "rows_with_neginf": self._count(aten.any.dim(
+                                                    aten.eq.Scalar(x, float("-inf")), dim))}
+        if e_name in STDVAR_OPS and isinstance(x, torch.Tensor):
+            f["std_var"] = self._stdvar_facts(e_func, e_args, e_kwargs, x)
+        # overflow facts: non-finite from finite inputs, infinities only
+        outc = N.nonfinite_counts(t0)
+        if (outc["posinf"] or outc["neginf"]) and not outc["nan"]:
+            f["overflow"] = {"dtype_max": jnum(torch.finfo(dt).max),
+                             "input_max_abs": max([s for s in (N.tensor_stats(i[2]).get("max_abs") for i in rel
+                                                               if i[2].dtype.is_floating_point)
+                                                   if isinstance(s, float)], default=None)}
+        kl = self._kl_facts()
+        if kl:
+            f["kl_div"] = kl
+        if stage == "backward" and fwd_idx is not None:
+            f["where_trap"] = self._where_trap(fwd_idx)
+        return f
+
+    @staticmethod
+    def _count(mask: torch.Tensor) -> int:
+        return int(N._scalar(aten.sum.default(mask)))
+
+    def _div_facts(self, e_name: str, e_args: Sequence[Any], pos: int | None) -> dict:
+        def pick(v):
+            if isinstance(v, (list, tuple)):
+                return v[pos] if pos is not None and pos < len(v) else None
+            return v
+        if e_name in ("reciprocal", "_foreach_reciprocal"):
+            num, den = 1.0, pick(e_args[0]) if e_args else None
+        elif e_name in ("addcdiv", "_foreach_addcdiv"):
+            num = pick(e_args[1]) if len(e_args) > 1 else None
+            den = pick(e_args[2]) if len(e_args) > 2 else None
+        else:
+            num = pick(e_args[0]) if e_args else None
+            den = pick(e_args[1]) if len(e_args) > 1 else None
+        d: dict[str, Any] = {}
+        if isinstance(den, (int, float)):
+            d["scalar_denominator"] = jnum(den)
+            d["zeros"] = int(den == 0)
+            return d
+        if not isinstance(den, torch.Tensor):
+            return d
+        dz = aten.eq.Scalar(den, 0)
+        d["zeros"] = self._count(dz)
+        d["numel"] = int(den.numel())
+        if isinstance(num, torch.Tensor):
+            try:
+                nz = aten.eq.Scalar(num, 0)
+                both = aten.logical_and.default(dz, nz)
+                d["zero_over_zero"] = self._count(both)
+                d["nonzero_over_zero"] = self._count(aten.logical_and.default(dz, aten.logical_not.default(nz)))
+            except Exception:
+                pass
+        chain = self._producer_chain(den, depth=3)
+        names = [self._op_name[p] for p in chain]
+        d["producer_chain"] = names[:5]
+        real = [n for n in names if n not in PASS_OPS]
+        d["from_reduction"] = bool(real) and real[0] in REDUCE_OPS
+        d["from_std_var"] = any(n in STDVAR_OPS for n in names[:3]) or (
+            bool(real) and real[0] in ("sqrt", "rsqrt") and self._sqrt_of_var(chain))
+        # the reduction's size tells whether it was an empty set (count == 0)
+        d["min"] = N.tensor_stats(den).get("min")
+        return d
+
+    def _sqrt_of_var(self, chain: list[int]) -> bool:
+        for p in chain:
+            src = self._keep.get(p)
+            if src is None:
+                continue
+            for a in src[1]:
+                if isinstance(a, torch.Tensor):
+                    for q in self._producer_chain(a, depth=2):
+                        if self._op_name[q] in STDVAR_OPS:
+                            return True
+        return False
+
+    @staticmethod
+    def _stdvar_facts(func, args, kwargs, x) -> dict:
+        dims = args[1] if len(args) > 1 else kwargs.get("dim")
+        corr = kwargs.get("correction", None)
+        unbiased = None
+        if len(args) > 2 and isinstance(args[2], bool):
+            unbiased = args[2]
+        if "unbiased" in kwargs:
+            unbiased = kwargs["unbiased"]
+        if corr is None:
+            corr = 1 if unbiased is None or unbiased else 0
+        if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+            n = int(x.numel())
+        else:
+            dims = [dims] if isinstance(dims, int) else list(dims)
+            n = 1
+            for d in dims:
+                n *= int(x.shape[d]) if x.dim() else 1
+        corr = float(corr)
+        return {"n": n, "correction": jnum(corr), "n_minus_correction": jnum(n - corr), "degenerate": n - corr <= 0}
+
+    def _kl_facts(self) -> dict | None:
+        for nm, a, k in reversed(self._api_stack):
+            if nm.endswith("kl_div"):
+                inp = a[0] if len(a) > 0 else k.get("input")
+                tgt = a[1] if len(a) > 1 else k.get("target")
+                log_target = k.get("log_target", a[5] if len(a) > 5 else False)
+                if not isinstance(tgt, torch.Tensor):
+                    return {"log_target": bool(log_target)}
+                tg = tgt.detach()
+                st = N.tensor_stats(tg)
+                d = {"log_target": bool(log_target), "target_min": st.get("min"), "target_max": st.get("max"),
+                     "target_negatives": st.get("negatives"), "target_all_le_0": st.get("max") is not None and
+                     isinstance(st.get("max"), float) and st["max"] <= 0}
+                try:
+                    if tg.dim() >= 1 and tg.dtype.is_floating_point:
+                        lse = aten.logsumexp.default(aten._to_copy.default(tg, dtype=torch.float64), [-1])
+                        dev = N._scalar(aten.max.default(aten.abs.default(lse)))
+                        d["target_rows_logsumexp_max_abs"] = jnum(dev)
+                        ssum = aten.sum.dim_IntList(aten._to_copy.default(tg, dtype=torch.float64), [-1])
+                        d["target_rows_sum_max_dev_from_1"] = jnum(
+                            N._scalar(aten.max.default(aten.abs.default(aten.sub.Scalar(ssum, 1.0)))))
+                        d["target_looks_like_log_probs"] = bool(d["target_all_le_0"] and abs(dev) < 1e-3)
+                except Exception:
+                    pass
+                if isinstance(inp, torch.Tensor):
+                    ist = N.tensor_stats(inp.detach())
+                    d["input_min"], d["input_max"] = ist.get("min"), ist.get("max")
+                return d
+        return None
+
+    def _where_trap(self, fwd_idx: int) -> bool:
+        """True when the forward op's output was non-finite but only where/masked_fill consumed it."""
+        if fwd_idx >= len(self._op_outnf) or not self._op_outnf[fwd_idx]:
+            return False
+        seen_where = False
+
+        def walk(i: int, depth: int) -> bool:
+            nonlocal seen_where
+            cons = self._consumers.get(i, [])
+            if not cons:
+                return True
+            for cidx, cname, c_nf in cons:
+                if cname in PASS_OPS and c_nf and depth < 6:
+                    if not walk(cidx, depth + 1):
+                        return False
+                elif cname in WHERE_OPS and not c_nf:
+                    seen_where = True
+                elif c_nf:
+                    return False
+            return True
+        ok = walk(fwd_idx, 0)
+        return bool(ok and seen_where)
+
+    # ------------------------------------------------------------------ sinks
+    def _taint_of(self, t: torch.Tensor, stage: str) -> _Origin | None:
+        info = self._infos.get(id(t))
+        if info is not None and info.ref() is t:
+            return self._lookup(t)[2]
+        return self._storage_taint(t)
+
+    def _eval_grad_sink(self) -> None:
+        res = []
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            for name, p in self.named_params.items():
+                g = getattr(p, "grad", None)
+                if g is None or not N.is_checkable(g):
+                    continue
+                nan, inf = N.nonfinite_flags(g)
+                if nan or inf:
+                    res.append((name, self._taint_of(g, "backward")))
+        self._grad_sink = res
+
+    def _eval_opt_sink(self) -> None:
+        res = []
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            for name, p in self.named_params.items():
+                if N.is_checkable(p) and any(N.nonfinite_flags(p)):
+                    res.append((name, None, self._taint_of(p, "optimizer")))
+            for opt in self.optimizers:
+                for p, st in list(opt.state.items()):
+                    if not isinstance(st, dict):
+                        continue
+                    pname = self._param_ids.get(id(p), "?")
+                    for k, v in st.items():
+                        if isinstance(v, torch.Tensor) and N.is_checkable(v) and any(N.nonfinite_flags(v)):
+                            res.append((pname, k, self._taint_of(v, "optimizer")))
+        self._opt_sink = res
+
+    # ------------------------------------------------------------------ result
+    def result(self) -> dict:
+        """The localisation (JSON-serialisable). Call after stop()."""
+        if self._result is not None:
+            return self._result
+        prev_busy, self._busy = self._busy, True
+        try:
+            with torch._C.DisableTorchFunction(), torch.no_grad():
+                res = self._build_result()
+        except Exception as e:
+            res = {"reproduced": False, "phase": None, "origin": None, "preexisting": None, "optimizer": None,
+                   "facts": {}, "n_ops": self._n_ops, "notes": self._notes + [f"result failed: {e!r}"[:200]]}
+        finally:
+            self._busy = prev_busy
+        if self._stopped:
+            self._result = res
+        return res
+
+    def _earliest(self, taints: list, stage: str | None = None) -> _Origin | None:
+        ts = [t for t in taints if t is not None]
+        real = [t for t in ts if t.real]
+        pool = real or ts
+        return min(pool, key=lambda o: o.seq) if pool else None
+
+    def _fallback(self, stage: str) -> _Origin | None:
+        real = [o for o in self._origins if o.real and o.kind in ("op", "preexisting")]
+        same = [o for o in real if o.stage == stage]
+        return (same or real or [None])[0]
+
+    def _build_result(self) -> dict:
+        notes = list(self._notes)
+        sink_kind, sink_names, taint = None, [], None
+        bad_loss = [(t, info) for t, info in self._loss_sinks if not info.get("finite", True)]
+        if bad_loss:
+            sink_kind = "loss"
+            taint = self._earliest([t for t, _ in bad_loss])
+            sink_names = [info.get("value") for _, info in bad_loss][:3]
+            fb_stage = "forward"
+        elif self._grad_sink:
+            sink_kind = "grad"
+            taint = self._earliest([t for _, t in self._grad_sink])
+            sink_names = [n for n, _ in self._grad_sink][:10]
+            fb_stage = "backward"
+        elif self._opt_sink:
+            sink_kind = "optimizer"
+            taint = self._earliest([t for *_, t in self._opt_sink])
+            sink_names = [n if k is None else f"{n}:{k}" for n, k, _ in self._opt_sink][:10]
+            fb_stage = "optimizer"
+        reproduced = sink_kind is not None
+        if reproduced and taint is None:
+            taint = self._fallback(fb_stage)
+            notes.append("the non-finite sink could not be traced to an op; using the earliest real origin")
+        res: dict[str, Any] = {"reproduced": reproduced, "phase": None, "origin": None, "preexisting": None,
+                               "optimizer": None, "facts": {}, "n_ops": self._n_ops, "notes": notes,
+                               "sink": {"kind": sink_kind, "names": sink_names},
+                               "origins_seen": sum(1 for o in self._origins if o.kind == "op"),
+                               "masked_nonfinite_origins": 0}
+        if not reproduced:
+            res["masked_nonfinite_origins"] = sum(1 for o in self._origins if o.kind in ("op", "constant"))
+            if res["masked_nonfinite_origins"]:
+                notes.append(f"{res['masked_nonfinite_origins']} non-finite intermediate(s) appeared but were "
+                             "masked before reaching the loss, gradients or parameters")
+            return res
+        if taint is None:
+            res["phase"] = {"loss": "forward", "grad": "backward", "optimizer": "optimizer"}[sink_kind]
+            return res
+        if taint.kind == "preexisting":
+            if taint.name is None and taint.tref is not None and taint.tref() is not None:
+                pn = self._param_name(taint.tref())  # names may have been learnt after the first read
+                if pn is not None:
+                    taint.pre_kind, taint.name = pn
+            st = (taint.detail or {}).get("stats", {})
+            fu = taint.first_use or {}
+            res["preexisting"] = {"kind": taint.pre_kind, "name": taint.name, "samples": fu.get("samples", []),
+                                  "source_rows": fu.get("source_rows", []), "stats": st,
+                                  "rows_in_tensor": st.get("bad_rows", []), "first_use": fu or None,
+                                  "written_by": (taint.detail or {}).get("written_by")}
+            res["phase"] = {"data": "data", "param": "params", "buffer": "params",
+                            "optimizer_state": "optimizer"}.get(taint.pre_kind, "data")
+            res["facts"] = {"preexisting": {"kind": taint.pre_kind, "name": taint.name,
+                                            "nonfinite": st.get("nonfinite"), "numel": st.get("numel")}}
+            return res
+        res["phase"] = {"loss": "forward", "grad": "backward", "optimizer": "optimizer"}[sink_kind]
+        d = dict(taint.detail or {})
+        facts = dict(d.pop("facts", {}) or {})
+        if taint.kind == "constant":
+            notes.append("a non-finite constant written by the program (e.g. masked_fill with -inf) reached the "
+                         + sink_kind)
+            facts["intentional_constant"] = True
+        if taint.kind == "untracked":
+            notes.append("the origin is a mutation outside the recorded ops")
+        stage = d.get("stage") or taint.stage
+        if "where_trap" not in facts and taint.kind == "op" and sink_kind == "grad" and stage == "forward":
+            facts["where_trap"] = self._where_trap(taint.op)
+        origin = {k: d.get(k) for k in ("op", "api", "module", "file", "line", "function", "dtype", "shape",
+                                        "stage", "autograd_node", "forward_op", "forward_file", "forward_line",
+                                        "forward_function", "forward_module", "inputs", "output", "samples")}
+        origin["stage"] = stage
+        origin["kind"] = taint.kind
+        origin["forward_api"] = d.get("forward_api")
+        origin["scalars"] = d.get("scalars")
+        origin["module_type"] = d.get("module_type")
+        if stage == "backward" and d.get("forward_line") is not None:
+            origin["backward_file"], origin["backward_line"] = d.get("file"), d.get("line")
+            origin["file"], origin["line"] = d.get("forward_file"), d.get("forward_line")
+            origin["function"] = d.get("forward_function")
+            if d.get("forward_module") is not None:
+                origin["module"] = d.get("forward_module")
+        if origin["inputs"] is None:
+            origin["inputs"] = []
+        if origin["output"] is None:
+            origin["output"] = {"nan": 0, "posinf": 0, "neginf": 0}
+        if origin["samples"] is None:
+            origin["samples"] = []
+        res["origin"] = origin
+        res["facts"] = facts
+        if stage == "optimizer" or sink_kind == "optimizer":
+            res["optimizer"] = self._optimizer_info(taint)
+        return res
+
+    def _optimizer_info(self, taint: _Origin) -> dict | None:
+        if not self.optimizers and not self._opt_sink:
+            return None
+        ident: dict[int, tuple[str, str | None]] = {}
+        for name, p in self.named_params.items():
+            ident[id(p)] = (name, None)
+        for opt in self.optimizers:
+            for p, st in list(opt.state.items()):
+                if isinstance(st, dict):
+                    pname = self._param_ids.get(id(p), "?")
+                    for k, v in st.items():
+                        if isinstance(v, torch.Tensor):
+                            ident[id(v)] = (pname, k)
+        assoc = dict(ident)
+        d = taint.detail or {}
+        pos0 = (d.get("positions") or [None])[0]
+        found: list[tuple[Any, tuple]] = []
+        for idx, ins, outs in self._opt_ops:
+            by_pos: dict[Any, list] = {}
+            for k, p, tid in ins:
+                a = assoc.get(tid)
+                if a is not None:
+                    by_pos.setdefault(p, []).append((k, a))
+            if idx == taint.op:
+                for p in ([pos0] if pos0 is not None else list(by_pos)):
+                    found += by_pos.get(p, [])
+                if pos0 is not None:
+                    found += by_pos.get(None, [])
+            for p, tid in outs:
+                if tid in ident:
+                    continue
+                cand = by_pos.get(p) or by_pos.get(None) or [x for v in by_pos.values() for x in v]
+                if cand:
+                    withkey = [c for c in cand if c[1][1] is not None]
+                    assoc[tid] = (withkey or cand)[0][1]
+        name = d.get("name") or ""
+        den_key = {"addcdiv": 2, "_foreach_addcdiv": 2, "div": 1, "_foreach_div": 1, "reciprocal": 0,
+                   "_foreach_reciprocal": 0}.get(name)
+        param = next((a[0] for _k, a in found if a[0] and a[0] != "?"), None)
+        state = next((a[1] for k, a in found if k == den_key and a[1] is not None), None) if den_key is not None \
+            else None
+        state = state or next((a[1] for _k, a in found if a[1] is not None and a[1] != "step"), None)
+        info: dict[str, Any] = {"param": param, "state": state, "inputs": [
+            {"arg": str(k), "param": a[0], "state": a[1]} for k, a in found][:10]}
+        if self._opt_sink:
+            info["nonfinite_after_step"] = [n if k is None else f"{n}:{k}" for n, k, _ in self._opt_sink][:10]
+            if info["param"] is None:
+                info["param"] = self._opt_sink[0][0]
+            if info["state"] is None:
+                info["state"] = next((k for _n, k, _t in self._opt_sink if k), None)
+        for opt in self.optimizers:
+            info["optimizer"] = type(opt).__name__
+            g = opt.param_groups[0]
+            for key in ("lr", "eps", "weight_decay", "betas", "momentum"):
+                if key in g:
+                    v = g[key]
+                    if isinstance(v, torch.Tensor):
+                        v = v.item()
+                    info[key] = [jnum(x) for x in v] if isinstance(v, (list, tuple)) else jnum(v)
+            if param and param in self.named_params:
+                pdt = self.named_params[param].dtype
+                info["param_dtype"] = N.dtype_name(pdt)
+                if "eps" in g and isinstance(g["eps"], (int, float)) and pdt.is_floating_point:
+                    info["eps_fact"] = N.eps_fact(float(g["eps"]), pdt)
+            break
+        return info

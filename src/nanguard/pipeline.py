@@ -43,6 +43,8 @@ def build_event(det: Detection, loc_run: Optional[Dict[str, Any]], history: Sequ
     cause.setdefault("evidence", {})
     cause["evidence"].setdefault("detected", det.detected)
     origin = _origin(loc) if reproduced else None
+    if (loc_run or {}).get("bundle"):
+        localization["bundle"] = loc_run["bundle"]
     return Event(step=det.step, phase=phase, origin=origin, cause=cause, fixes=fixes,
                  detected=det.detected, localization=localization)
 
@@ -83,5 +85,15 @@ def _describe_localization(det: Detection, loc_run: Optional[Dict[str, Any]], re
     return d
 
 
-def history_dicts(history) -> List[dict]:
-    return history.raw_dicts()
+def recurrence_event(det: Detection, first: Event, history: Sequence[dict],
+                     context: Optional[Dict[str, Any]] = None) -> Event:
+    """A later failure: same phase as the first one -> same diagnosis (not re-localized); else diagnose anew."""
+    if det.phase == first.phase:
+        cause = dict(first.cause)
+        cause["confidence"] = round(float(cause.get("confidence") or 0) * 0.8, 3)
+        cause["evidence"] = {"same_as_step": first.step, "detected": det.detected}
+        return Event(step=det.step, phase=det.phase, origin=first.origin, cause=cause, fixes=list(first.fixes),
+                     detected=det.detected,
+                     localization={"method": f"not replayed: same phase as the failure at step {first.step}, "
+                                             f"assumed to be its recurrence", "reproduced": None})
+    return build_event(det, None, history, context)

@@ -30,9 +30,14 @@ import torch
 # --------------------------------------------------------------------------- RNG state
 
 
-def capture_rng() -> Dict[str, Any]:
-    """RNG state of torch (CPU, and CUDA when initialised), ``random`` and numpy if imported."""
-    st: Dict[str, Any] = {"torch": torch.get_rng_state(), "random": _py_random_state()}
+def capture_rng(plain: bool = True) -> Dict[str, Any]:
+    """RNG state of torch (CPU, and CUDA when initialised), ``random`` and numpy if imported.
+
+    ``plain=False`` keeps Python's and numpy's native state objects (cheap: used
+    once per step by the Guard); :func:`plain_rng` turns them into what
+    ``torch.load(weights_only=True)`` can read back.
+    """
+    st: Dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
     try:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             st["cuda"] = torch.cuda.get_rng_state_all()
@@ -41,14 +46,26 @@ def capture_rng() -> Dict[str, Any]:
     np = sys.modules.get("numpy")
     if np is not None:
         try:
-            name, keys, pos, has_gauss, cached = np.random.get_state()
-            st["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+            st["numpy"] = np.random.get_state()
         except Exception:
             pass
-    return st
+    return plain_rng(st) if plain else st
+
+
+def plain_rng(st: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(st)
+    if isinstance(st.get("random"), tuple):
+        v, internal, gauss = st["random"]
+        out["random"] = [v, list(internal), gauss]
+    npst = st.get("numpy")
+    if isinstance(npst, tuple):
+        name, keys, pos, has_gauss, cached = npst
+        out["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    return out
 
 
 def restore_rng(st: Dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng` (plain or native form)."""
     torch.set_rng_state(st["torch"])
     if st.get("random") is not None:
         v, internal, gauss = st["random"]
@@ -62,13 +79,11 @@ def restore_rng(st: Dict[str, Any]) -> None:
         np = sys.modules.get("numpy")
         if np is None:
             import numpy as np  # noqa: F811  (the script imports it anyway)
-        name, keys, pos, has_gauss, cached = st["numpy"]
-        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
-
-
-def _py_random_state():
-    v, internal, gauss = random.getstate()
-    return [v, list(internal), gauss]
+        npst = st["numpy"]
+        if isinstance(npst, list):
+            name, keys, pos, has_gauss, cached = npst
+            npst = (name, keys.numpy().astype("uint32"), pos, has_gauss, cached)
+        np.random.set_state(npst)
 
 
 # --------------------------------------------------------------------------- recorder factory
@@ -108,7 +123,8 @@ CHILD_TIMEOUT_S = 600.0
 
 
 def rerun_localize(script: str, argv: List[str], step: int, rng_file: Optional[str],
-                   config: Dict[str, Any], timeout: float = CHILD_TIMEOUT_S) -> Dict[str, Any]:
+                   config: Dict[str, Any], timeout: float = CHILD_TIMEOUT_S,
+                   bundle: Optional[str] = None) -> Dict[str, Any]:
     """Re-run ``script`` in a child process and localize step ``step``. Never raises."""
     t0 = time.time()
     fd, out = tempfile.mkstemp(prefix="nanguard-loc-", suffix=".json")
@@ -118,6 +134,8 @@ def rerun_localize(script: str, argv: List[str], step: int, rng_file: Optional[s
            "--config", json.dumps(config)]
     if rng_file:
         cmd += ["--rng", rng_file]
+    if bundle:
+        cmd += ["--bundle", bundle]
     cmd += ["--", script] + list(argv)
     res: Dict[str, Any] = {"method": "rerun", "step": step}
     try:
@@ -170,6 +188,7 @@ def _child_main(argv: List[str]) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rng")
     ap.add_argument("--config", default="{}")
+    ap.add_argument("--bundle", help="write a repro bundle of the failing step here")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     rest = a.rest[1:] if a.rest and a.rest[0] == "--" else a.rest
@@ -179,7 +198,8 @@ def _child_main(argv: List[str]) -> int:
 
     watcher = Watcher(GuardConfig(on_nonfinite="warn", **{k: v for k, v in cfg.items()
                                                           if k in ("min_loss_scale", "max_consecutive_skips")}))
-    state: Dict[str, Any] = {"rec": None, "params": {}, "buffers": {}, "t_arm": None}
+    state: Dict[str, Any] = {"rec": None, "params": {}, "buffers": {}, "t_arm": None, "pre": None,
+                             "batch": None}
 
     def dump(payload: Dict[str, Any]) -> None:
         rec = state["rec"]
@@ -196,6 +216,14 @@ def _child_main(argv: List[str]) -> int:
                 payload["error"] = f"recorder failed: {type(e).__name__}: {e}"
         if state["t_arm"] is not None:
             payload["instrumented_seconds"] = round(time.time() - state["t_arm"], 3)
+        if a.bundle and payload.get("reproduced") and state["pre"] is not None:
+            try:
+                from .bundle import save_bundle
+                det = payload.get("detection") or {}
+                payload["bundle"] = save_bundle(a.bundle, step=N, phase=str(det.get("phase")),
+                                                batch=state["batch"], config=cfg, **state["pre"])
+            except Exception as e:
+                payload["bundle_error"] = f"{type(e).__name__}: {e}"
         tmp = a.out + ".tmp"
         with open(tmp, "w") as f:
             json.dump(payload, f, default=str)
@@ -205,6 +233,8 @@ def _child_main(argv: List[str]) -> int:
 
     def on_step_start(step: int) -> None:
         if step == N and state["rec"] is None:
+            if a.bundle:
+                state["pre"] = _pre_step_state(watcher)
             try:
                 rec = make_recorder(list(watcher.monitor.roots), _opts(watcher), state["params"],
                                     state["buffers"])
@@ -251,6 +281,15 @@ def _child_main(argv: List[str]) -> int:
     sys.argv = [script] + args
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     watcher.install()
+    from torch.nn.modules import module as mm
+
+    def grab_batch(module, args):
+        # The outermost module call of a training forward in the failing step: that is the batch.
+        if state["rec"] is not None and state["batch"] is None and watcher._depth() == 1 \
+                and torch.is_grad_enabled():
+            state["batch"] = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in args]
+    if a.bundle:
+        mm.register_module_forward_pre_hook(grab_batch)
     try:
         runpy.run_path(script, run_name="__main__")
     except BaseException:
@@ -258,6 +297,18 @@ def _child_main(argv: List[str]) -> int:
     watcher.finish()
     dump({"reproduced": False, "reason": f"the re-run finished without a non-finite value at step {N}"})
     return 0
+
+
+def _pre_step_state(watcher) -> Dict[str, Any]:
+    """Model/optimizer/scaler/RNG state at the start of the failing step (for the repro bundle)."""
+    roots = list(watcher.monitor.roots)
+    model_state: Dict[str, torch.Tensor] = {}
+    for r in roots:
+        prefix = (type(r).__name__ + ":") if len(roots) > 1 else ""
+        model_state.update({prefix + k: v.detach().clone() for k, v in r.state_dict().items()})
+    scaler = watcher.scalers[0] if watcher.scalers else None
+    return {"model_state": model_state, "optimizer_states": [o.state_dict() for o in _opts(watcher)],
+            "scaler_state": scaler.state_dict() if scaler is not None else None, "rng": capture_rng()}
 
 
 def _opts(watcher) -> list:

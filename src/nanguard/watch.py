@@ -61,6 +61,11 @@ class Watcher:
         self.on_backward_begin: Optional[Callable[[List[torch.Tensor]], None]] = None
         self.on_backward_end: Optional[Callable[[], None]] = None
         self.on_optimizer_begin: Optional[Callable[[], None]] = None
+        # Recovery (nanguard run --recover): a RecoveryPolicy, and how to localize a failure.
+        self.policy: Any = None
+        self.localizer: Optional[Callable[[Detection], Any]] = None
+        self._skip_current: set = set()
+        self._first_event: Any = None
 
     # ------------------------------------------------------------------ install / uninstall
     def __enter__(self) -> "Watcher":
@@ -144,11 +149,48 @@ class Watcher:
         if len(self.detections) >= self.config.max_events:
             self.dropped_events += 1
             return
+        if self.policy is not None and det.phase != "eval":
+            if self._recover(det, opt):
+                return
+            self.detections.append(det)
+            raise StopRun(det)
         self.detections.append(det)
         if self.on_detection is not None:
             self.on_detection(det, opt)
         if self.config.on_nonfinite == "stop" and det.phase != "eval":
             raise StopRun(det)
+
+    def _recover(self, det: Detection, opt: Any) -> bool:
+        """Diagnose ``det`` and let the policy act. True when the run may go on."""
+        from .pipeline import build_event, recurrence_event
+        mon = self.monitor
+        hist = [h for h in mon.history.raw_dicts() if h["step"] < det.step]
+        if self._first_event is None:
+            loc_run = self.localizer(det) if self.localizer is not None else None
+            event = build_event(det, loc_run, hist, {"scaler": bool(self.scalers)})
+            self._first_event = event
+        else:
+            event = recurrence_event(det, self._first_event, hist, {"scaler": bool(self.scalers)})
+        det.event = event
+        opts = self.optimizers()
+        rec = self.policy.apply(event, step=det.step, modules=list(mon.roots), optimizers=opts,
+                                scaler=self.scalers[0] if self.scalers else None, roots=list(mon.roots),
+                                history=hist)
+        if rec is None:
+            return False
+        self._skip_current.update(id(o) for o in opts)
+        return True
+
+    def optimizers(self) -> list:
+        return [v.opt_ref() for v in self.monitor.views.values() if v.opt_ref() is not None]
+
+    def _after_update(self, opt: Any) -> None:
+        """End of a step: recovery snapshots (only with a policy)."""
+        if self.policy is None:
+            return
+        last = self.monitor.history.last()
+        self.policy.maybe_snapshot(self.monitor.step_of(opt), list(self.monitor.roots), self.optimizers(),
+                                   self.scalers[0] if self.scalers else None, last.loss if last else None)
 
     # ------------------------------------------------------------------ optimizer
     def _in_scaler(self) -> bool:
@@ -161,11 +203,17 @@ class Watcher:
             self.on_optimizer_begin()
         det = self._guarded(lambda: self.monitor.check(opt))
         self._handle(det, opt)
+        if self.policy is not None and id(opt) not in self._skip_current:
+            if not self._guarded(lambda: self.policy.before_update([opt])):
+                self._skip_current.add(id(opt))
 
     def _opt_post(self, opt, args, kwargs) -> None:
         if self._in_scaler():
             return
-        self._guarded(lambda: self.monitor.end_step(opt))
+        skipped = id(opt) in self._skip_current
+        self._skip_current.discard(id(opt))
+        self._guarded(lambda: self.monitor.end_step(opt, skipped=skipped))
+        self._guarded(lambda: self._after_update(opt))
         self._step_started(opt)
 
     def _step_started(self, opt: Any) -> None:
@@ -192,12 +240,20 @@ class Watcher:
         self._handle(det, optimizer)
         skipped = bool(det is not None and det.detected.get("scaler_skip")) or \
             bool((getattr(self.monitor, "_last", None) or {}).get("found_inf", 0) > 0)
-        self._local.scaler_depth = getattr(self._local, "scaler_depth", 0) + 1
-        try:
-            ret = orig(scaler, optimizer, *a, **k)
-        finally:
-            self._local.scaler_depth -= 1
+        ret = None
+        if id(optimizer) in self._skip_current:
+            skipped = True  # recovered: the update is dropped (the scaler's stage stays UNSCALED for update())
+            self._skip_current.discard(id(optimizer))
+        else:
+            if self.policy is not None and not skipped:
+                self._guarded(lambda: self.policy.before_update([optimizer]))
+            self._local.scaler_depth = getattr(self._local, "scaler_depth", 0) + 1
+            try:
+                ret = orig(scaler, optimizer, *a, **k)
+            finally:
+                self._local.scaler_depth -= 1
         self._guarded(lambda: self.monitor.end_step(optimizer, skipped=skipped))
+        self._guarded(lambda: self._after_update(optimizer))
         self._step_started(optimizer)
         return ret
 

@@ -1,0 +1,1 @@
+"""nanguard benchmark suite: ``python -m benchmarks.overhead`` (see BENCHMARKS.md)."""

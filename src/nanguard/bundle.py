@@ -1,0 +1,136 @@
+"""Repro bundles: everything needed to re-run the failing step, in one file.
+
+A bundle holds the offending batch, the pre-step state (model, optimizer(s),
+GradScaler, RNG), the guard's configuration and the library versions. It is a
+plain ``torch.save`` file of tensors and containers, read back **only** with
+``torch.load(weights_only=True)``: a crafted file cannot run code, and a
+truncated or foreign file raises :class:`BundleError` with a clear message.
+
+Reproducing the failing step with your own model code::
+
+    b = nanguard.load_bundle("nanguard_bundle.pt")
+    model = MyModel();  model.load_state_dict(b.model_state)
+    opt = torch.optim.AdamW(model.parameters());  opt.load_state_dict(b.optimizer_states[0])
+    b.restore_rng()
+    loss = loss_fn(b.batch);  loss.backward()      # the same non-finite value, at the same op
+"""
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+FORMAT = "nanguard.bundle/1"
+_REQUIRED = {"format": str, "step": int, "phase": str, "model_state": dict, "optimizer_states": list,
+             "rng": dict, "config": dict, "versions": dict}
+
+
+class BundleError(ValueError):
+    """A file that is not a readable nanguard bundle."""
+
+
+@dataclass
+class Bundle:
+    step: int
+    phase: str
+    batch: Any
+    model_state: Dict[str, torch.Tensor]
+    optimizer_states: List[Dict[str, Any]]
+    scaler_state: Optional[Dict[str, Any]]
+    rng: Dict[str, Any]
+    config: Dict[str, Any] = field(default_factory=dict)
+    versions: Dict[str, str] = field(default_factory=dict)
+    event: Dict[str, Any] = field(default_factory=dict)
+
+    def restore_rng(self) -> None:
+        """Put the RNG back where it was at the start of the failing step."""
+        from .replay import restore_rng
+        restore_rng(self.rng)
+
+
+def versions() -> Dict[str, str]:
+    from . import __version__
+    return {"nanguard": __version__, "torch": str(torch.__version__), "python": platform.python_version(),
+            "platform": platform.platform()}
+
+
+def _plain(obj: Any, depth: int = 0) -> Any:
+    """Keep what ``weights_only`` can load: tensors, numbers, strings, containers. Others -> repr."""
+    if depth > 20:
+        return repr(obj)[:200]
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if obj is None:
+        return None
+    for t in (bool, int, float, str):  # exact builtins: subclasses (TorchVersion...) would not load
+        if isinstance(obj, t):
+            return t(obj)
+    if isinstance(obj, dict):
+        return {(k if isinstance(k, (str, int)) else repr(k)): _plain(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v, depth + 1) for v in obj]
+    if hasattr(obj, "__dict__"):
+        return {"__type__": type(obj).__name__, **{k: _plain(v, depth + 1) for k, v in vars(obj).items()}}
+    return repr(obj)[:200]
+
+
+def save_bundle(path: str, *, step: int, phase: str, batch: Any, model_state: Dict[str, torch.Tensor],
+                optimizer_states: List[Dict[str, Any]], scaler_state: Optional[Dict[str, Any]],
+                rng: Dict[str, Any], config: Optional[Dict[str, Any]] = None,
+                event: Optional[Dict[str, Any]] = None) -> str:
+    """Write a bundle atomically and return its path."""
+    data = {"format": FORMAT, "step": int(step), "phase": str(phase), "batch": _plain(batch),
+            "model_state": {k: v.detach().to("cpu", copy=True) for k, v in model_state.items()},
+            "optimizer_states": [_plain(s) for s in optimizer_states],
+            "scaler_state": _plain(scaler_state), "rng": _plain(rng), "config": _plain(config or {}),
+            "versions": versions(), "event": _plain(event or {})}
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".nanguard-bundle-", suffix=".tmp", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        torch.save(data, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def load_bundle(path: str) -> Bundle:
+    """Read a bundle with ``torch.load(weights_only=True)``; raise :class:`BundleError` if it is not one."""
+    if not os.path.isfile(path):
+        raise BundleError(f"no bundle at {path}")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, foreign pickle, disallowed globals...
+        raise BundleError(f"{path} is not a readable nanguard bundle ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    if not isinstance(data, dict):
+        raise BundleError(f"{path} is not a nanguard bundle (top level is {type(data).__name__})")
+    if data.get("format") != FORMAT:
+        raise BundleError(f"{path} is not a nanguard bundle (format {data.get('format')!r}, expected {FORMAT!r})")
+    for k, t in _REQUIRED.items():
+        if not isinstance(data.get(k), t):
+            raise BundleError(f"{path}: field {k!r} is missing or not a {t.__name__}")
+    if not all(isinstance(v, torch.Tensor) for v in data["model_state"].values()):
+        raise BundleError(f"{path}: model_state must map names to tensors")
+    if not isinstance(data["rng"].get("torch"), torch.Tensor):
+        raise BundleError(f"{path}: rng state has no torch generator state")
+    return Bundle(step=data["step"], phase=data["phase"], batch=data.get("batch"),
+                  model_state=data["model_state"], optimizer_states=data["optimizer_states"],
+                  scaler_state=data.get("scaler_state"), rng=data["rng"], config=data["config"],
+                  versions=data["versions"], event=data.get("event") or {})
+
+
+def default_bundle_path(report_path: Optional[str]) -> str:
+    folder = os.path.dirname(os.path.abspath(report_path)) if report_path else os.getcwd()
+    return os.path.join(folder, "nanguard_bundle.pt")
+
