@@ -150,13 +150,27 @@ def assert_same_params(m1: torch.nn.Module, m2: torch.nn.Module) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _in_tmp_dir(tmp_path, monkeypatch):
+    """Default report/bundle paths are relative to the working directory: keep them in tmp."""
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
 def _restore_global_state():
     """A failing test must not leave nanguard's global hooks or argv behind."""
     init, backward = torch.optim.Optimizer.__init__, torch.autograd.backward
     from torch.amp import grad_scaler as gs
     scaler_step = gs.GradScaler.step
     argv, path = list(sys.argv), list(sys.path)
+    from torch.nn.modules import module as mm
+    n_hooks = (len(mm._global_forward_pre_hooks), len(mm._global_forward_hooks))
+    import torch.optim.optimizer as oo
+    n_opt_hooks = (len(oo._global_optimizer_pre_hooks), len(oo._global_optimizer_post_hooks))
     yield
+    assert (len(mm._global_forward_pre_hooks), len(mm._global_forward_hooks)) == n_hooks, \
+        "global module hooks left installed"
+    assert (len(oo._global_optimizer_pre_hooks), len(oo._global_optimizer_post_hooks)) == n_opt_hooks, \
+        "global optimizer hooks left installed"
     assert torch.optim.Optimizer.__init__ is init, "Optimizer.__init__ hook left installed"
     assert torch.autograd.backward is backward, "autograd.backward hook left installed"
     assert gs.GradScaler.step is scaler_step, "GradScaler.step hook left installed"

@@ -41,6 +41,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--bundle", default=None, help="where to save the repro bundle of the first failure "
                    "(default: nanguard_bundle.pt next to the report)")
     r.add_argument("--no-bundle", action="store_true", help="do not save a repro bundle")
+    r.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write the step history and the events to TensorBoard event files in DIR")
     r.add_argument("script", help="the training script (run as __main__, like `python SCRIPT ARGS`)")
     r.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     d = sub.add_parser("demo", help="run a small built-in training script that goes NaN, and show the report")
@@ -53,7 +55,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.cmd == "run":
         return run_script(a.script, a.args, report_path=a.report, on_nonfinite=a.on_nonfinite,
                           recover=a.recover, localize=not a.no_localize, strict=a.strict,
-                          bundle=None if a.no_bundle else (a.bundle or "auto"))
+                          bundle=None if a.no_bundle else (a.bundle or "auto"), tensorboard=a.tensorboard)
     if a.cmd == "demo":
         from .demo import run_demo
         return run_demo(a.report)
@@ -63,8 +65,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def run_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
                on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
-               strict: bool = False, quiet: bool = False, bundle: Optional[str] = None) -> int:
-    """Run ``script`` as ``__main__`` under the global hooks; write the report however it ends."""
+               strict: bool = False, quiet: bool = False, bundle: Optional[str] = None,
+               tensorboard: Optional[str] = None) -> int:
+    """Run ``script`` as ``__main__`` under the global hooks; write the report however it ends.
+
+    Under ``torchrun`` every rank runs this; the ranks decide together at every step
+    (:mod:`nanguard.integrations.distributed`) and only rank 0 prints and writes the report.
+    """
     import torch
 
     from .detect import GuardConfig
@@ -76,6 +83,8 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
         print(f"nanguard: no such script: {script}", file=sys.stderr)
         return EXIT_USAGE
     script_abs = os.path.abspath(script)
+    from .integrations.distributed import barrier, is_main, rerun_localize_all
+    quiet = quiet or not is_main()
     if bundle == "auto":
         from .bundle import default_bundle_path
         bundle = default_bundle_path(report_path)
@@ -88,14 +97,19 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
     if recover:
         from .recover import RecoveryPolicy
         policy = RecoveryPolicy.from_spec(recover)
+        policy.quiet = policy.quiet or not is_main()
     watcher = Watcher(config)
     if policy is not None:
         from .replay import rerun_localize
         policy.attach(watcher)
         cfg = {"min_loss_scale": config.min_loss_scale, "max_consecutive_skips": config.max_consecutive_skips}
         if localize:
-            watcher.localizer = lambda det: rerun_localize(script_abs, list(args), det.step, rng_file, cfg,
-                                                           bundle=bundle)
+            watcher.localizer = lambda det: rerun_localize_all(det, script_abs, list(args), rng_file, cfg,
+                                                               bundle=bundle)
+    tb = None
+    if tensorboard:
+        from .integrations.tensorboard import TensorBoardLogger
+        tb = TensorBoardLogger.attach_to(watcher.monitor, tensorboard)
     if not quiet:
         mode = "recover" if policy else on_nonfinite
         print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}; report: {report_path})")
@@ -128,10 +142,14 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
     try:
         watcher.finish()
         report = _make_report(watcher, script_abs, args, rng_file, localize, config, policy, bundle)
-        if report_path:
+        if tb is not None:
+            tb.log_report(report)
+            tb.close()
+        if report_path and is_main():  # torch.distributed: rank 0 writes the merged report
             report.write(report_path)
         if not quiet:
             _print_outcome(report, report_path)
+        barrier()  # torch.distributed: no rank exits (and gets the others killed) before rank 0 is done
     except Exception as e:
         if strict:
             raise
@@ -147,8 +165,8 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
 
 
 def _make_report(watcher, script_abs, args, rng_file, localize, config, policy, bundle=None):
+    from .integrations.distributed import rerun_localize_all, report_extra, share_event
     from .pipeline import build_event
-    from .replay import rerun_localize
     from .report import Event, Report
 
     mon = watcher.monitor
@@ -160,20 +178,25 @@ def _make_report(watcher, script_abs, args, rng_file, localize, config, policy, 
     history = mon.history.raw_dicts()
     events = list(policy.events) if policy is not None else []
     failures = [d for d in watcher.detections]
+    # torch.distributed: eval events are per rank; the first training failure is the same on every rank
+    first_train = next((d for d in failures if d.phase != "eval"), None)
     for i, det in enumerate(failures):
         if det.event is not None:  # already diagnosed during the run (recovery mode)
             events.append(det.event)
             continue
         loc_run = None
-        if i == 0 and localize and det.phase != "eval":
+        if (i == 0 or (det is first_train and det.rank is not None)) and localize and det.phase != "eval":
             cfg = {"min_loss_scale": config.min_loss_scale, "max_consecutive_skips": config.max_consecutive_skips}
-            loc_run = rerun_localize(script_abs, list(args), det.step, rng_file, cfg, bundle=bundle)
+            loc_run = rerun_localize_all(det, script_abs, list(args), rng_file, cfg, bundle=bundle)
         hist = [h for h in history if h["step"] < det.step]
-        events.append(build_event(det, loc_run, hist, _context(watcher)))
+        events.append(share_event(build_event(det, loc_run, hist, _context(watcher)), det.rank))
     events.sort(key=lambda e: (e.step, e.recovery is not None))
     report.events = events
     if watcher.dropped_events:
         report.extra["dropped_events"] = watcher.dropped_events
+    report_extra(report)
+    if watcher.disabled:  # a clean status would otherwise hide that nothing was checked after this
+        report.extra["guard_disabled"] = watcher.error or True
     return report
 
 

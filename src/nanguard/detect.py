@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -65,6 +65,7 @@ class Detection:
     detected: Dict[str, Any] = field(default_factory=dict)
     info_only: bool = False  # e.g. a GradScaler warm-up skip: reported, not a failure
     event: Any = None        # the diagnosed report Event, once built (recovery builds it early)
+    rank: Optional[int] = None  # torch.distributed: the rank where it was seen first
 
 
 def is_checkable(t: Any) -> bool:
@@ -154,10 +155,26 @@ class StepMonitor:
         self._checked: Dict[int, bool] = {}
         self._consecutive_skips = 0
         self._names: Optional[Dict[int, str]] = None
+        self._last: Optional[Dict[str, Any]] = None
+        self._lasts: Dict[int, Dict[str, Any]] = {}  # per optimizer: what its last check read
+        # torch.distributed: a MAX all-reduce of a small per-rank flag table, so that every rank
+        # reaches the same decision (nanguard.integrations.distributed). Set automatically when a
+        # process group with world_size > 1 is initialized (dist_auto; NANGUARD_DIST=0 turns it off).
+        self.dist_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self.dist_auto = True
+        self._dist_flags: Optional[List[float]] = None
 
     # ------------------------------------------------------------------ registration
-    def add_optimizer(self, opt: torch.optim.Optimizer) -> None:
+    def add_optimizer(self, opt: torch.optim.Optimizer, late: bool = False) -> None:
+        """Watch ``opt``. ``late``: first seen at its step (created before the hooks were
+        installed, e.g. before ``with nanguard.watch()``); the backward passes counted as
+        steps until then were that optimizer's first step, not hand-written updates."""
         if id(opt) not in self.views:
+            if late and not self.views and self.backward_steps:
+                self.backward_steps = 0
+                self.history = StepHistory(self.config.history_size)
+                for d in (self._pending_post, self._pending_step, self._checked, self._lasts):
+                    d.pop(0, None)
             self.views[id(opt)] = _OptimizerView(opt)
             self.counts.setdefault(id(opt), 0)
             self._names = None
@@ -222,7 +239,7 @@ class StepMonitor:
         if opt is not None:
             view = self.views.get(id(opt))
             if view is None:
-                self.add_optimizer(opt)
+                self.add_optimizer(opt, late=True)
                 view = self.views[id(opt)]
             view.refresh(opt)
             groups = view.groups
@@ -249,6 +266,10 @@ class StepMonitor:
             pre_pnorms = [(_norm(g).to(dev) if g else torch.zeros((), device=dev)) for g in groups]
         post = self._pending_post.pop(key, None)
         post_step = self._pending_step.pop(key, None)
+        # Other optimizers' last updates not read yet (e.g. a GAN's generator update made the
+        # discriminator's batch non-finite): read them in the same sync, so the failure is
+        # blamed on the update that made it, not on this step.
+        others = [(k, t) for k, t in self._pending_post.items() if k != key]
         parts = [
             (self._loss_sum / max(self._loss_n, 1)).to(dev) if self._loss_sum is not None else nan,
             self._loss_ok.float().to(dev) if self._loss_ok is not None else one,
@@ -256,28 +277,82 @@ class StepMonitor:
             _scale_tensor(scaler, dev),
             _found_inf(scaler, opt, dev),
         ]
-        pieces = parts + gnorms + (pre_pnorms or []) + ([post.to(dev)] if post is not None else [])
+        pieces = parts + gnorms + (pre_pnorms or []) + ([post.to(dev)] if post is not None else []) \
+            + [t.to(dev) for _, t in others]
+        reducer = self._dist_reducer()
+        if reducer is not None:  # distributed: this rank's flags, all-reduced, read in the same sync
+            from .integrations.distributed import flag_table
+            pieces = pieces + [flag_table(reducer, dev, parts[0], parts[1], parts[2], parts[4],
+                                          gnorms + (pre_pnorms or []) + ([post] if post is not None else [])
+                                          + [t for _, t in others], self._loss_n > 0)]
         vec = torch.cat([t.reshape(-1).float() for t in pieces])
         vals = vec.tolist()  # the one host sync of the step
+        if reducer is not None:
+            n = pieces[-1].numel()
+            self._dist_flags, vals = vals[-n:], vals[:-n]
         loss, loss_ok, data_ok, scale, found_inf = vals[:5]
         G = len(groups)
         gn = vals[5:5 + G]
-        rest = vals[5 + G:]
-        pre_pn = rest[:G] if pre_pnorms is not None else None
-        post_pn = rest[-G:] if post is not None else None
+        off = 5 + G
+        pre_pn = post_pn = None
+        if pre_pnorms is not None:
+            pre_pn, off = vals[off:off + G], off + G
+        if post is not None:
+            post_pn, off = vals[off:off + G], off + G
         self._last = dict(loss=loss, gn=gn, pn=(pre_pn or post_pn), scale=scale, found_inf=found_inf,
                           groups=groups, opt=opt)
+        self._lasts[key] = self._last
+        if reducer is not None:
+            from .integrations.distributed import global_loss
+            gl = global_loss(self._dist_flags, reducer.world_size)
+            if gl is not None:  # the history keeps the mean loss over ranks: the same on every rank
+                self._last["loss"] = gl
+
+        for k, t in others:
+            ovals, off = vals[off:off + t.numel()], off + t.numel()
+            if all(math.isfinite(x) for x in ovals):
+                continue
+            ogroups = self.views[k].groups if k in self.views else []
+            bad = self.nonfinite_params(ogroups, roots=False)
+            if bad:
+                ostep = self._pending_step.pop(k, 0)
+                self._pending_post.pop(k, None)
+                return self._dist_decide(reducer, dev, Detection(
+                    ostep, "optimizer", {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)}))
 
         det = self._decide(step, opt, groups, loss, loss_ok, data_ok, scale, found_inf, gn, pre_pn,
                            post_pn, post_step, scaler)
-        return det
+        return self._dist_decide(reducer, dev, det)
+
+    def _dist_reducer(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        """The distributed flag reducer, if any (cheap when not distributed: two calls)."""
+        r = self.dist_reduce
+        if r is not None:
+            if getattr(r, "auto", False) and not torch.distributed.is_initialized():
+                self.dist_reduce = r = None  # the process group is gone
+            return r
+        if self.dist_auto and torch.distributed.is_available() and torch.distributed.is_initialized():
+            from .integrations.distributed import auto_reducer
+            self.dist_reduce = auto_reducer()
+            if self.dist_reduce is None:
+                self.dist_auto = False  # one rank, or NANGUARD_DIST=0
+        return self.dist_reduce
+
+    def _dist_decide(self, reducer, dev, det: Optional[Detection]) -> Optional[Detection]:
+        """Distributed: every rank returns the same Detection (slow path only: a second collective)."""
+        if reducer is None:
+            return det
+        from .integrations import distributed as D
+        if not D.suspicious(self._dist_flags, reducer.world_size):
+            return det  # no rank saw anything: det is None on every rank
+        return D.decide(reducer, det, dev, self._dist_flags)
 
     def _decide(self, step, opt, groups, loss, loss_ok, data_ok, scale, found_inf, gn, pre_pn,
                 post_pn, post_step, scaler) -> Optional[Detection]:
         finite = math.isfinite
         # 1. the previous update made parameters non-finite (read one check late, no extra sync)
         if post_pn is not None and not all(finite(x) for x in post_pn):
-            bad = self.nonfinite_params(groups)
+            bad = self.nonfinite_params(groups, roots=False)
             if bad:
                 return Detection(post_step if post_step is not None else max(step - 1, 0), "optimizer",
                                  {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)})
@@ -321,7 +396,7 @@ class StepMonitor:
                  params: Optional[List[List[torch.Tensor]]] = None) -> None:
         """After the update (or the skip): history, step count, post-update norms (no sync)."""
         key = id(opt) if opt is not None else 0
-        last = getattr(self, "_last", None)
+        last = self._lasts.pop(key, None)  # per optimizer: several may check before any steps
         if opt is not None:
             step = self.counts.get(key, 0)
             groups = self.views[key].groups if key in self.views else []
@@ -366,7 +441,7 @@ class StepMonitor:
             del self._pending_post[key]
             if not all(math.isfinite(x) for x in vals):
                 groups = self.views[key].groups if key in self.views else [self.extra_params]
-                bad = self.nonfinite_params(groups)
+                bad = self.nonfinite_params(groups, roots=False)
                 if bad:
                     return Detection(step, "optimizer", {"nonfinite_params_after_update": bad[:20],
                                                          "n_bad_params": len(bad)})
@@ -376,6 +451,7 @@ class StepMonitor:
         """Forget this step's inputs (used after a skipped/recovered step)."""
         key = id(opt) if opt is not None else 0
         self._checked[key] = False
+        self._lasts.pop(key, None)
         self._loss_sum, self._loss_n, self._loss_ok = None, 0, None
         self._data_ok, self._data_where = None, []
 
@@ -401,16 +477,25 @@ class StepMonitor:
     def name_of(self, t: torch.Tensor) -> str:
         return self.param_names().get(id(t), f"tensor{tuple(t.shape)}")
 
-    def nonfinite_params(self, groups: Iterable[List[torch.Tensor]]) -> List[str]:
+    def nonfinite_params(self, groups: Iterable[List[torch.Tensor]], roots: bool = True) -> List[str]:
+        """Names of non-finite tensors among ``groups`` and (with ``roots``) the watched modules'
+        parameters outside the optimizers (frozen ones, another model's) and buffers."""
         out = []
+        seen = set()
         for g in groups:
             for p in g:
+                seen.add(id(p))
                 if is_checkable(p) and not bool(torch.isfinite(p).all()):
                     out.append(self.name_of(p))
+        if not roots:
+            return out
         for root in list(self.roots):
-            for n, b in root.named_buffers():
-                if is_checkable(b) and not bool(torch.isfinite(b).all()):
-                    out.append(n)
+            for n, t in list(root.named_parameters()) + list(root.named_buffers()):
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                if is_checkable(t) and not bool(torch.isfinite(t).all()):
+                    out.append(self.name_of(t) if isinstance(t, torch.nn.Parameter) else n)
         return out
 
     def nonfinite_grads(self, groups: Iterable[List[torch.Tensor]]) -> List[str]:

@@ -40,6 +40,13 @@ class Guard:
             the report, or ``./nanguard_bundle.pt``; ``None``: no bundle).
         localize: replay a failing step under op-level instrumentation.
         quiet: print nothing (the report is still kept and written).
+        tensorboard: a log directory or a ``SummaryWriter``: the step history and the events are
+            written as TensorBoard scalars/text (:mod:`nanguard.integrations.tensorboard`).
+
+    Under ``torch.distributed`` (DDP, ``world_size > 1``) every rank reaches the same decision
+    at every step (one small all-reduce in the check), the failing step is replayed on the
+    rank where it was seen first, its diagnosis is shared, every rank applies the same
+    recovery, and only rank 0 prints and writes the report (events name the origin ``rank``).
     """
 
     def __init__(self, model: torch.nn.Module,
@@ -47,7 +54,7 @@ class Guard:
                  scaler: Any = None, *, on_nonfinite: str = "stop", recover: Any = None,
                  report: Optional[str] = None, history_size: int = 200, strict: bool = False,
                  localize: bool = True, check_data: bool = True, quiet: bool = False,
-                 bundle: Optional[str] = "auto") -> None:
+                 bundle: Optional[str] = "auto", tensorboard: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -64,7 +71,7 @@ class Guard:
             self.monitor.add_optimizer(o)
         self.report_path = report
         self.localize = localize
-        self.quiet = quiet
+        self.quiet = quiet or not _is_main()  # distributed: only rank 0 prints
         self.report = Report(counting="optimizer")
         self.policy = None
         if recover:
@@ -78,6 +85,10 @@ class Guard:
             bundle = default_bundle_path(report)
         self.bundle_path = bundle
         self.bundle_saved: Optional[str] = None
+        self.tensorboard = None
+        if tensorboard is not None:
+            from .integrations.tensorboard import TensorBoardLogger
+            self.tensorboard = TensorBoardLogger.attach_to(self.monitor, tensorboard)
 
     # ------------------------------------------------------------------ the step
     def step(self, batch: Any, loss_fn: LossFn, *, micro_batches: bool = False) -> torch.Tensor:
@@ -155,23 +166,39 @@ class Guard:
 
     # ------------------------------------------------------------------ failures
     def _on_failure(self, det: Detection, batches, loss_fn, rng) -> str:
-        if self.bundle_path and self.bundle_saved is None and rng is not None:
+        from .integrations.distributed import is_origin, share_event
+        here = is_origin(det)  # distributed: only the rank that saw it first replays it
+        if self.bundle_path and self.bundle_saved is None and rng is not None and here:
             self.bundle_saved = self._safe(lambda: self._save_bundle(det, batches, rng))
         loc_run = None
-        if self.localize and det.phase in ("data", "params", "forward", "backward") and rng is not None:
+        if self.localize and det.phase in ("data", "params", "forward", "backward") and rng is not None \
+                and here:
             loc_run = self._safe(lambda: self._replay(batches, loss_fn, rng, det))
         event = self._safe(lambda: self._event(det, loc_run))
         if event is None:
-            event = Event(step=det.step, phase=det.phase, detected=det.detected)
+            event = Event(step=det.step, phase=det.phase, detected=det.detected, rank=det.rank)
+        if det.rank is not None:  # every rank acts on the origin rank's diagnosis
+            event = share_event(event, det.rank)
         if self.policy is not None:
             decision = self.policy.decide(self, event)
             if decision is not None:
+                self._tb_event(event)
                 return decision
+        self._tb_event(event)
         self.report.events.append(event)
         self._write_report()
         if not self.quiet:
             render(self.report, self.report_path)
         if self.config.on_nonfinite == "stop":
+            # The step is abandoned: a caller that catches the error and goes on must get a
+            # guard that still checks (and a scaler ready for the next step).
+            for o in self.optimizers:
+                self._safe(lambda: self.monitor.discard_step(o))
+            if self.scaler is not None:
+                self._reset_scaler_stage()
+            if det.rank is not None:  # distributed: rank 0 has written the report before any rank raises
+                from .integrations.distributed import barrier
+                barrier()
             raise NonFiniteError(self.report, event)
         return "continue"
 
@@ -208,6 +235,7 @@ class Guard:
         saved_buffers = [b.detach().clone() for b in self.model.buffers()]
         after_rng = _capture_rng()
         rec = make_recorder([self.model], self.optimizers)
+        from .integrations.distributed import local_replay
         try:
             for p in params:
                 p.grad = None
@@ -215,12 +243,13 @@ class Guard:
             rec.start()
             rec.set_stage("forward")
             try:
-                for b in batches:
-                    loss = loss_fn(b)
-                    rec.mark_loss(loss)
-                    rec.set_stage("backward")
-                    (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-                    rec.set_stage("forward")
+                with local_replay(self.model):  # DDP: no collectives in a one-rank replay
+                    for b in batches:
+                        loss = loss_fn(b)
+                        rec.mark_loss(loss)
+                        rec.set_stage("backward")
+                        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                        rec.set_stage("forward")
             finally:
                 rec.stop()
             res = rec.result()
@@ -264,9 +293,15 @@ class Guard:
             r.events.sort(key=lambda e: (e.step, e.recovery is None))
         return r
 
+    def _tb_event(self, event: Event) -> None:
+        if self.tensorboard is not None:
+            self._safe(lambda: self.tensorboard.log_event(event))
+
     def _write_report(self) -> None:
         self._sync_report()
-        if self.report_path:
+        if self.report_path and _is_main():  # distributed: rank 0 writes the merged report
+            from .integrations.distributed import report_extra
+            report_extra(self.report)
             self._safe(lambda: self.report.write(self.report_path))
 
     def close(self) -> Report:
@@ -276,6 +311,8 @@ class Guard:
             self.report.events.append(self._safe(lambda: self._event(det, None)) or
                                       Event(step=det.step, phase=det.phase, detected=det.detected))
         self._write_report()
+        if self.tensorboard is not None:
+            self._safe(self.tensorboard.close)
         if not self.quiet:
             print_line(summary_line(self.report))
         return self.report
@@ -285,6 +322,11 @@ class Guard:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _is_main() -> bool:
+    from .integrations.distributed import is_main
+    return is_main()
 
 
 def _capture_rng():

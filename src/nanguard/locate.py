@@ -68,6 +68,12 @@ REDUCE_OPS = {"sum", "mean", "count_nonzero", "nansum", "nanmean", "_foreach_sum
               "matmul", "mm", "bmm", "einsum", "prod"}
 EPS_PRODUCERS = {"add", "sub", "rsub", "clamp", "clamp_min", "_foreach_add", "_foreach_sub",
                  "_foreach_clamp_min", "addcmul", "_foreach_addcmul"}
+# In-place ops that overwrite their first argument without reading it (its old values cannot taint the result).
+OVERWRITE_OPS = {"fill", "zero", "uniform", "normal", "random", "bernoulli", "exponential", "geometric",
+                 "cauchy", "log_normal", "copy", "set", "resize", "resize_as", "_foreach_copy", "_foreach_zero",
+                 "_copy_from", "_copy_from_and_resize", "trunc_normal", "full", "_foreach_fill"}
+# Ops whose output is uninitialised memory: garbage NaNs there are not an origin.
+EMPTY_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
 # Torch API entries that do not enclose forward ops (we must not attribute backward ops to them).
 _API_SKIP_NAMES = {"backward", "grad", "__get__", "__set__", "__delete__", "run_backward", "_engine_run_backward"}
 
@@ -144,6 +150,24 @@ def _excluded_dirs() -> tuple[str, ...]:
         except Exception:
             pass
     return tuple(sorted({os.path.realpath(d) for d in dirs if d}))
+
+
+def _flatten(args: Sequence[Any], kwargs: dict) -> tuple[list, list]:
+    """(tensors, scalars) as (arg key, list position or None, value), in one pass."""
+    tens, scal = [], []
+    items = enumerate(args) if not kwargs else list(enumerate(args)) + list(kwargs.items())
+    for key, a in items:
+        if isinstance(a, torch.Tensor):
+            tens.append((key, None, a))
+        elif isinstance(a, float) or (isinstance(a, int) and not isinstance(a, bool)):
+            scal.append((key, None, a))
+        elif isinstance(a, (list, tuple)):
+            for j, b in enumerate(a):
+                if isinstance(b, torch.Tensor):
+                    tens.append((key, j, b))
+                elif isinstance(b, float) or (isinstance(b, int) and not isinstance(b, bool)):
+                    scal.append((key, j, b))
+    return tens, scal
 
 
 def _flat_tensors(args: Sequence[Any], kwargs: dict) -> list[tuple[int | str, int | None, torch.Tensor]]:
@@ -252,7 +276,7 @@ class _DispatchMode(TorchDispatchMode):
         if pre is not None:
             rec._busy = True
             try:
-                with torch._C.DisableTorchFunction(), torch.no_grad():
+                with torch._C.DisableTorchFunction():   # autograd is already below this mode
                     rec._after(func, args, kwargs, out, pre)
             except Exception as e:
                 rec._fail(e)
@@ -266,7 +290,12 @@ class OpRecorder:
 
     def __init__(self, *, named_params: dict[str, torch.Tensor], named_buffers: dict[str, torch.Tensor],
                  roots: Sequence[torch.nn.Module] = (), optimizers: Sequence[torch.optim.Optimizer] = (),
-                 user_file_filter: Callable[[str], bool] | None = None, max_records: int = 200_000):
+                 user_file_filter: Callable[[str], bool] | None = None, max_records: int = 200_000,
+                 anomaly_tracebacks: bool = False):
+        """``anomaly_tracebacks``: also turn on autograd anomaly mode (check_nan=False) so every node keeps
+        ``metadata["traceback_"]``. Off by default: every node is already tagged with the forward op that
+        created it (op, module, user frame), and the traceback capture costs ~0.1-0.3 ms per node."""
+        self.anomaly_tracebacks = bool(anomaly_tracebacks)
         self.named_params = dict(named_params or {})
         self.named_buffers = dict(named_buffers or {})
         self.roots = list(roots)
@@ -307,6 +336,7 @@ class OpRecorder:
         self._op_scalars: list[tuple] = []
         self._op_frame: list[tuple | None] = []
         self._op_outnf: list[bool] = []
+        self._op_inprod: list[tuple[int, ...]] = []   # producer op of each tensor input (-1: none)
         self._consumers: dict[int, list[tuple[int, str, bool]]] = {}
         self._ring: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._keep: dict[int, tuple] = {}
@@ -336,18 +366,19 @@ class OpRecorder:
         self.stop()
 
     def start(self) -> None:
-        """Arm: dispatch + function modes, anomaly metadata, global module hooks."""
+        """Arm: dispatch + function modes, global module hooks (and anomaly metadata if asked for)."""
         if self._started:
             return
         self._started = True
         self._index_known_tensors()
         for root in self.roots:
             self._register_module_tree(root)
-        try:
-            self._anomaly_prev = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
-            torch.set_anomaly_enabled(True, False)
-        except Exception as e:
-            self._notes.append(f"anomaly metadata unavailable: {e}")
+        if self.anomaly_tracebacks:
+            try:
+                self._anomaly_prev = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+                torch.set_anomaly_enabled(True, False)
+            except Exception as e:
+                self._notes.append(f"anomaly metadata unavailable: {e}")
         try:
             from torch.nn.modules import module as _m
             self._hooks.append(_m.register_module_forward_pre_hook(self._mod_pre))
@@ -717,7 +748,10 @@ class OpRecorder:
         pn = self._param_name(t)
         if pn is None:
             return None
-        key = ("written", pn)
+        try:
+            key = ("written", pn[0], pn[1] if pn[1] is not None else t.untyped_storage().data_ptr())
+        except Exception:
+            key = ("written", pn[0], pn[1] if pn[1] is not None else id(t))
         o = self._wrapped.get(key)
         if o is None:
             o = _Origin(len(self._origins), "preexisting", False, op=self._n_ops, stage=self._cur_stage())
@@ -765,15 +799,17 @@ class OpRecorder:
     def _before(self, func, args, kwargs):
         self._resolve_pending()
         stage = self._cur_stage()
-        tens = _flat_tensors(args, kwargs)
+        tens, scal = _flatten(args, kwargs)
+        over = _opname(func) in OVERWRITE_OPS
         ins = []
         for key, pos, t in tens:
+            if key == "out" or (over and key == 0):
+                continue    # written, not read: its old values do not matter
             nan, inf, taint, info = self._lookup(t)
             if taint is not None and taint.real and stage != "optimizer" and not (
                     taint.kind == "preexisting" and taint.pre_kind in ("param", "buffer")):
                 taint = self._param_written(t, taint, info) or taint
             ins.append((key, pos, t, nan, inf, taint, info.prod if info is not None else None))
-        scal = [(k, p, v) for k, p, v in _flat_scalars(args, kwargs)]
         return stage, ins, scal
 
     def _mutated(self, func, args, kwargs) -> list[tuple[int | str, Any]]:
@@ -837,12 +873,13 @@ class OpRecorder:
         low = False
         any_nf = False
         results = []
+        garbage = name in EMPTY_OPS
         for pos, t in outs:
             if not N.is_checkable(t):
                 continue
             if t.dtype in N.LOW_PRECISION:
                 low = True
-            nan, inf = N.nonfinite_flags(t)
+            nan, inf = (False, False) if garbage else N.nonfinite_flags(t)
             results.append((pos, t, nan, inf))
             any_nf = any_nf or nan or inf
 
@@ -854,6 +891,7 @@ class OpRecorder:
             self._op_api.append(api)
             self._op_scalars.append(tuple(v for _k, _p, v in scal[:6]))
             self._op_outnf.append(any_nf)
+            self._op_inprod.append(tuple(i[6][0] if i[6] is not None else -1 for i in ins[:8]))
             self._op_frame.append(self._user_frame() if stage == "forward" else None)
             if low:
                 self._ring[idx] = (func, args, kwargs)
@@ -1034,39 +1072,34 @@ class OpRecorder:
         return None
 
     def _producer_chain(self, t: Any, depth: int = 3) -> list[int]:
-        """Op indices that produced ``t``, skipping view-like ops (innermost first)."""
-        chain = []
-        for _ in range(depth + 3):
-            prod = self._producer(t)
-            if prod is None or prod[0] >= len(self._op_name):
-                break
-            chain.append(prod[0])
-            if self._op_name[prod[0]] not in PASS_OPS or len(chain) > depth + 2:
-                break
-            # follow the first tensor input of a view-like op
-            src = self._keep.get(prod[0]) or self._ring.get(prod[0])
-            if src is None:
-                break
-            nxt = [a for a in src[1] if isinstance(a, torch.Tensor)]
-            if not nxt:
-                break
-            t = nxt[0]
+        """Op indices that produced ``t``, walking up first tensor inputs (innermost first); view-like
+        ops do not count towards ``depth``."""
+        prod = self._producer(t)
+        chain: list[int] = []
+        i = prod[0] if prod is not None else -1
+        real = 0
+        while 0 <= i < len(self._op_name) and real < depth and len(chain) < depth + 6:
+            chain.append(i)
+            if self._op_name[i] not in PASS_OPS:
+                real += 1
+            ps = [p for p in self._op_inprod[i] if p >= 0]
+            i = ps[0] if ps else -1
         return chain
 
     def _eps_constants(self, tensors: list[torch.Tensor]) -> list[dict]:
+        """Small constants added to (or clamped into) the inputs right before they reached the op."""
         out = []
         for t in tensors:
             if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
                 continue
             for p in self._producer_chain(t, depth=2):
                 nm = self._op_name[p]
-                if nm in EPS_PRODUCERS or nm in ("clamp", "clamp_min"):
+                if nm in EPS_PRODUCERS:
                     for c in self._op_scalars[p]:
                         if isinstance(c, (int, float)) and not isinstance(c, bool) and c != 0 and abs(c) < 1e-2:
                             f = N.eps_fact(float(c), t.dtype)
                             f["op"] = str(self._op_func[p])
                             out.append(f)
-                    break
         return out[:10]
 
     @staticmethod
@@ -1166,6 +1199,7 @@ class OpRecorder:
             f["float32_rerun"] = {"direct_finite": direct.get("finite"), "chain_finite": chain.get("finite"),
                                   "chain_ops": self._chain_ops[:10], "max_abs": direct.get("max_abs")}
         f["dtype_info"] = N.finfo_facts(dt)
+        f["producers"] = [[self._op_name[p] for p in self._producer_chain(a, depth=3)] for a in ftens[:4]]
         eps = self._eps_constants(ftens)
         if eps:
             f["eps_constants"] = eps
@@ -1230,7 +1264,8 @@ class OpRecorder:
             f["std_var"] = self._stdvar_facts(e_func, e_args, e_kwargs, x)
         # overflow facts: non-finite from finite inputs, infinities only
         outc = N.nonfinite_counts(t0)
-        if (outc["posinf"] or outc["neginf"]) and not outc["nan"]:
+        range_ok = f["float64_rerun"].get("finite") or (f.get("float32_rerun") or {}).get("direct_finite")
+        if (outc["posinf"] or outc["neginf"]) and not outc["nan"] and range_ok:
             f["overflow"] = {"dtype_max": jnum(torch.finfo(dt).max),
                              "input_max_abs": max([s for s in (N.tensor_stats(i[2]).get("max_abs") for i in rel
                                                                if i[2].dtype.is_floating_point)
@@ -1279,26 +1314,12 @@ class OpRecorder:
                 pass
         chain = self._producer_chain(den, depth=3)
         names = [self._op_name[p] for p in chain]
-        d["producer_chain"] = names[:5]
+        d["producer_chain"] = names[:6]
         real = [n for n in names if n not in PASS_OPS]
         d["from_reduction"] = bool(real) and real[0] in REDUCE_OPS
-        d["from_std_var"] = any(n in STDVAR_OPS for n in names[:3]) or (
-            bool(real) and real[0] in ("sqrt", "rsqrt") and self._sqrt_of_var(chain))
-        # the reduction's size tells whether it was an empty set (count == 0)
+        d["from_std_var"] = any(n in STDVAR_OPS for n in real[:3])
         d["min"] = N.tensor_stats(den).get("min")
         return d
-
-    def _sqrt_of_var(self, chain: list[int]) -> bool:
-        for p in chain:
-            src = self._keep.get(p)
-            if src is None:
-                continue
-            for a in src[1]:
-                if isinstance(a, torch.Tensor):
-                    for q in self._producer_chain(a, depth=2):
-                        if self._op_name[q] in STDVAR_OPS:
-                            return True
-        return False
 
     @staticmethod
     def _stdvar_facts(func, args, kwargs, x) -> dict:

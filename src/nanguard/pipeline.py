@@ -46,7 +46,7 @@ def build_event(det: Detection, loc_run: Optional[Dict[str, Any]], history: Sequ
     if (loc_run or {}).get("bundle"):
         localization["bundle"] = loc_run["bundle"]
     return Event(step=det.step, phase=phase, origin=origin, cause=cause, fixes=fixes,
-                 detected=det.detected, localization=localization)
+                 detected=det.detected, localization=localization, rank=getattr(det, "rank", None))
 
 
 def _origin(loc: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -93,7 +93,7 @@ def recurrence_event(det: Detection, first: Event, history: Sequence[dict],
         cause["confidence"] = round(float(cause.get("confidence") or 0) * 0.8, 3)
         cause["evidence"] = {"same_as_step": first.step, "detected": det.detected}
         return Event(step=det.step, phase=det.phase, origin=first.origin, cause=cause, fixes=list(first.fixes),
-                     detected=det.detected,
+                     detected=det.detected, rank=getattr(det, "rank", None),
                      localization={"method": f"not replayed: same phase as the failure at step {first.step}, "
                                              f"assumed to be its recurrence", "reproduced": None})
     return build_event(det, None, history, context)

@@ -124,7 +124,7 @@ CHILD_TIMEOUT_S = 600.0
 
 def rerun_localize(script: str, argv: List[str], step: int, rng_file: Optional[str],
                    config: Dict[str, Any], timeout: float = CHILD_TIMEOUT_S,
-                   bundle: Optional[str] = None) -> Dict[str, Any]:
+                   bundle: Optional[str] = None, extra_env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """Re-run ``script`` in a child process and localize step ``step``. Never raises."""
     t0 = time.time()
     fd, out = tempfile.mkstemp(prefix="nanguard-loc-", suffix=".json")
@@ -141,6 +141,7 @@ def rerun_localize(script: str, argv: List[str], step: int, rng_file: Optional[s
     try:
         env = dict(os.environ)
         env["NANGUARD_REPLAY_CHILD"] = "1"
+        env.update(extra_env or {})  # torch.distributed: the children's own rendezvous (integrations.distributed)
         src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         with open(errf, "w") as ef:

@@ -52,6 +52,7 @@ class Watcher:
         self.dropped_events = 0
         self.scalers: list = []
         self.disabled = False
+        self.error: Optional[str] = None  # the internal error that disabled the guard, if any
         self._installed = False
         self._handles: list = []
         self._orig: dict = {}
@@ -136,6 +137,7 @@ class Watcher:
             if self.config.strict:
                 raise
             self.disabled = True
+            self.error = f"{type(e).__name__}: {e}"
             warnings.warn(f"nanguard: internal error, guard disabled for the rest of the run: "
                           f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
             return None
@@ -167,10 +169,10 @@ class Watcher:
         hist = [h for h in mon.history.raw_dicts() if h["step"] < det.step]
         if self._first_event is None:
             loc_run = self.localizer(det) if self.localizer is not None else None
-            event = build_event(det, loc_run, hist, {"scaler": bool(self.scalers)})
+            event = _shared(build_event(det, loc_run, hist, {"scaler": bool(self.scalers)}), det)
             self._first_event = event
         else:
-            event = recurrence_event(det, self._first_event, hist, {"scaler": bool(self.scalers)})
+            event = _shared(recurrence_event(det, self._first_event, hist, {"scaler": bool(self.scalers)}), det)
         det.event = event
         opts = self.optimizers()
         rec = self.policy.apply(event, step=det.step, modules=list(mon.roots), optimizers=opts,
@@ -225,7 +227,7 @@ class Watcher:
             return orig(scaler, optimizer, *a, **k)
         if scaler not in self.scalers:
             self.scalers.append(scaler)
-        self._guarded(lambda: self.monitor.add_optimizer(optimizer))
+        self._guarded(lambda: self.monitor.add_optimizer(optimizer, late=True))
 
         def prepare():
             from torch.amp.grad_scaler import OptState
@@ -336,6 +338,14 @@ class Watcher:
             self.detections.append(det)
             if self.on_detection is not None:
                 self.on_detection(det, None)
+
+
+def _shared(event: Any, det: Detection) -> Any:
+    """torch.distributed: every rank acts on the diagnosis made on the rank where ``det`` was seen first."""
+    if getattr(det, "rank", None) is None:
+        return event
+    from .integrations.distributed import share_event
+    return share_event(event, det.rank)
 
 
 def _enabled(scaler) -> bool:
