@@ -186,6 +186,7 @@ def time_model(name: str, args) -> Dict[str, Any]:
         rounds = args.rounds
     else:
         rounds = int(max(args.min_rounds, min(args.max_rounds, args.seconds / max(per_round, 1e-6))))
+    load_before = os.getloadavg()
     rng = random.Random(1234)
     samples: Dict[str, List[float]] = {c: [] for c in CONFIGS}
     block_medians: Dict[str, List[float]] = {c: [] for c in CONFIGS}
@@ -199,10 +200,13 @@ def time_model(name: str, args) -> Dict[str, Any]:
             block_medians[c].append(statistics.median(ts))
     wall = time.time() - t_start
     base = statistics.median(samples["unguarded"])
+    base25 = _q(samples["unguarded"], 0.25)
     out: Dict[str, Any] = {
         "model": name, "desc": bench.desc, "n_params": bench.n_params,
         "n_param_tensors": len(r.params), "rounds": rounds, "timed_steps_per_block": args.block,
-        "wall_s": round(wall, 1), "configs": {},
+        "wall_s": round(wall, 1), "loadavg_1min_before_after": [round(load_before[0], 2),
+                                                                   round(os.getloadavg()[0], 2)],
+        "configs": {},
     }
     for c in CONFIGS:
         xs = samples[c]
@@ -213,6 +217,7 @@ def time_model(name: str, args) -> Dict[str, Any]:
             "p25_ms": round(1e3 * _q(xs, 0.25), 3), "p75_ms": round(1e3 * _q(xs, 0.75), 3),
             "ratio": round(med / base, 4),
             "ratio_paired": round(statistics.median(paired), 4),
+            "ratio_p25": round(_q(xs, 0.25) / base25, 4),  # less sensitive to CPU contention bursts
         }
     out["guard_history_bytes_per_record"] = _history_record_bytes(r.guard)
     out["guard_alloc"] = guard_alloc_count(r)
@@ -373,15 +378,24 @@ def _rss_now() -> int:
 
 
 def mem_child(model: str, cfg: str, steps: int) -> None:
-    """Runs in a subprocess: peak RSS of `steps` training steps under one configuration."""
+    """Runs in a subprocess: peak RSS of `steps` training steps under one configuration.
+
+    The baseline is the RSS after ``import torch`` and the benchmark models, so a guarded
+    run's overhead includes everything nanguard adds: its modules, numpy.random (which the
+    per-step RNG capture imports on its first call) and its runtime data.
+    """
     _setup()
-    rss_torch = _rss_now()
-    import nanguard
-    import nanguard.guard, nanguard.replay, nanguard.pipeline, nanguard.recover  # noqa: F401
     from .models import MAKERS
 
-    rss_import = _rss_now()
-    peak_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss0 = _rss_now()
+    import_bytes = None
+    if cfg != "unguarded":
+        import nanguard
+        import nanguard.guard, nanguard.replay, nanguard.pipeline  # noqa: F401
+        import numpy.random  # noqa: F401  (imported by the guard's first RNG capture)
+        if cfg == "guard_snapshots":
+            import nanguard.recover  # noqa: F401
+        import_bytes = _rss_now() - rss0
     bench = MAKERS[model]()
     opt = bench.make_optimizer()
     snapshot_method = None
@@ -409,13 +423,35 @@ def mem_child(model: str, cfg: str, steps: int) -> None:
                 kept.append((copy.deepcopy(bench.model.state_dict()), copy.deepcopy(opt.state_dict())))
                 del kept[:-3]
             guard.step(b, bench.loss_fn)
-    for i in range(steps):
+    warm = 4  # first steps: one-off allocations (oneDNN/BLAS workspaces), AdamW state, 3 snapshots kept
+    for i in range(warm):
         step(bench.batches[i % len(bench.batches)])
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"model": model, "config": cfg, "steps": steps, "rss_after_import": rss_import,
-                      "nanguard_import_bytes": rss_import - rss_torch,
-                      "peak_after_import": peak_import, "peak_rss": peak,
-                      "training_peak": peak - rss_import, "snapshot_method": snapshot_method}))
+    hwm_reset = _reset_peak_rss()
+    for i in range(warm, warm + steps):
+        step(bench.batches[i % len(bench.batches)])
+    peak = _peak_rss() if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"model": model, "config": cfg, "steps": steps, "warmup_steps": warm, "rss_baseline": rss0,
+                      "peak_rss": peak, "training_peak": peak - rss0, "nanguard_import_bytes": import_bytes,
+                      "peak_window": "steady state (VmHWM reset after warm-up)" if hwm_reset else
+                      "whole process (ru_maxrss)", "snapshot_method": snapshot_method}))
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (VmHWM) so that one-off warm-up peaks do not count."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def run_mem_children(models: List[str], steps: int, reps: int) -> Dict[str, Any]:
@@ -448,6 +484,8 @@ def run_mem_children(models: List[str], steps: int, reps: int) -> Dict[str, Any]
                            "overhead_pct_of_process_peak": round(100 * (statistics.median(okp[c]) - basep) / basep, 2)}
             summ["snapshot_method"] = next((x.get("snapshot_method") for x in res["guard_snapshots"]
                                             if x.get("snapshot_method")), None)
+            imp = [x["nanguard_import_bytes"] for x in res["guard"] if x.get("nanguard_import_bytes")]
+            summ["guard"]["of_which_imports_mb"] = round(statistics.median(imp) / 2**20, 2) if imp else None
         out[m] = summ
     return out
 
@@ -522,6 +560,7 @@ def time_to_diagnosis(k: int, step_s: Optional[float]) -> Dict[str, Any]:
     loss_fn = faulty_lm_loss(bench.model, k, state)
     msg = None
     steps_run = 0
+    times: List[float] = []
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -529,19 +568,24 @@ def time_to_diagnosis(k: int, step_s: Optional[float]) -> Dict[str, Any]:
             for i in range(k + 1):
                 state["step"] = i
                 steps_run += 1
+                ts = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
                 loss = loss_fn(bench.batches[i % len(bench.batches)])
                 try:
                     loss.backward()
                 except RuntimeError as e:
                     msg = str(e).splitlines()[0]
+                    times.append(time.perf_counter() - ts)
                     break
                 opt.step()
+                times.append(time.perf_counter() - ts)
     t_rerun = time.perf_counter() - t0
+    med = statistics.median(times)
     out["anomaly_rerun"] = {
         "steps_rerun": steps_run, "caught": msg is not None, "message": msg,
         "rerun_s": round(t_rerun, 3), "in_steps": round(t_rerun / one, 1),
-        "per_step_ratio": round(t_rerun / steps_run / one, 3),
+        "median_step_s": round(med, 4), "per_step_ratio": round(med / one, 3),
+        "in_steps_from_median": round(steps_run * med / one, 1),
     }
     return out
 
@@ -585,23 +629,23 @@ def print_tables(res: Dict[str, Any]) -> None:
     timing = res.get("timing", {})
     if timing:
         names = list(timing)
-        print("\nStep time: median ratio to unguarded (paired ratio in brackets)")
-        hdr = f"{'configuration':36s}" + "".join(f"{n:>22s}" for n in names)
+        print("\nStep time: ratio to unguarded = median (paired-by-round median / 25th-percentile ratio)")
+        hdr = f"{'configuration':36s}" + "".join(f"{n:>26s}" for n in names)
         print(hdr)
         print("-" * len(hdr))
         row = f"{'unguarded step (median ms)':36s}"
         for n in names:
-            row += f"{timing[n]['configs']['unguarded']['median_ms']:>19.1f} ms"
+            row += f"{timing[n]['configs']['unguarded']['median_ms']:>23.1f} ms"
         print(row)
         for c in CONFIGS[1:]:
             row = f"{LABELS[c]:36s}"
             for n in names:
                 d = timing[n]["configs"][c]
-                row += f"{d['ratio']:>13.3f}x ({d['ratio_paired']:.3f})"
+                row += f"{d['ratio']:>11.3f}x ({d['ratio_paired']:.3f}/{d['ratio_p25']:.3f})"
             print(row)
         row = f"{'timed steps per config':36s}"
         for n in names:
-            row += f"{timing[n]['configs']['unguarded']['n']:>22d}"
+            row += f"{timing[n]['configs']['unguarded']['n']:>26d}"
         print(row)
         print("\nModels: " + "; ".join(f"{n}: {timing[n]['desc']}, {timing[n]['n_params'] / 1e6:.2f}M params "
                                       f"in {timing[n]['n_param_tensors']} tensors" for n in names))
@@ -632,6 +676,7 @@ def print_tables(res: Dict[str, Any]) -> None:
         line("unguarded training peak RSS", lambda d: f"{d['rss']['unguarded']['training_peak_mb']:.1f} MB")
         line("guard: RSS overhead (% training peak)", lambda d: f"{d['rss']['guard']['overhead_mb']:+.2f} MB "
              f"({d['rss']['guard']['overhead_pct_of_training_peak']:+.1f}%)")
+        line("  of which imported code", lambda d: f"{d['rss']['guard']['of_which_imports_mb']:.2f} MB")
         line("guard: exact overhead (% training peak)", lambda d: f"{100 * d['exact_overhead_bytes'] / (d['rss']['unguarded']['training_peak_mb'] * 2**20):.3f}%")
         line("one rollback snapshot", lambda d: _mb(d['snapshot']['bytes']))
         line("snapshots kept (x keep)", lambda d: _mb(d['snapshot']['bytes_kept']))
@@ -652,7 +697,8 @@ def print_tables(res: Dict[str, Any]) -> None:
         else:
             print(f"  nanguard: {ng}")
         print(f"  re-run under detect_anomaly:  {an.get('rerun_s', float('nan')):.2f} s = {an.get('in_steps', float('nan')):.1f} steps "
-              f"({an.get('steps_rerun')} steps re-run at {an.get('per_step_ratio')}x); it says: {an.get('message')}")
+              f"({an.get('steps_rerun')} steps re-run, median {an.get('per_step_ratio')}x a step: "
+              f"{an.get('in_steps_from_median')} steps without contention bursts); it says: {an.get('message')}")
         if an.get("per_step_ratio"):
             print(f"  (a re-run grows with k: ~(k+1) x {an['per_step_ratio']:.2f} steps; nanguard's cost does not)")
     print(f"\ntotal wall time: {res['wall_s']:.0f} s")
@@ -711,7 +757,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             res["timing"] = {}
     if "memory" not in skip:
         print(f"[{time.time() - t0:5.0f}s] memory: peak RSS subprocesses ...", file=sys.stderr, flush=True)
-        rss = run_mem_children(models, steps=4 if q else 10, reps=1)
+        rss = run_mem_children(models, steps=2 if q else 4, reps=1)
         for m in models:
             res["memory"].setdefault(m, {})["rss"] = rss[m]
     else:

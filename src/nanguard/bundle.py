@@ -9,16 +9,21 @@ truncated or foreign file raises :class:`BundleError` with a clear message.
 Reproducing the failing step with your own model code::
 
     b = nanguard.load_bundle("nanguard_bundle.pt")
-    model = MyModel();  model.load_state_dict(b.model_state)
-    opt = torch.optim.AdamW(model.parameters());  opt.load_state_dict(b.optimizer_states[0])
-    b.restore_rng()
+    model = MyModel();  opt = torch.optim.AdamW(model.parameters())
+    b.load_into(model, opt)         # weights, buffers, optimizer state, RNG of the failing step's start
     loss = loss_fn(b.batch);  loss.backward()      # the same non-finite value, at the same op
+
+``batch`` is what ``Guard.step`` was given (a list for micro-batches); under
+``nanguard run`` it is the list of positional arguments of the outermost
+module call of the failing step (the model's inputs: targets used only by the
+loss outside the model are not in it).
 """
 from __future__ import annotations
 
 import os
 import platform
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -50,6 +55,30 @@ class Bundle:
         """Put the RNG back where it was at the start of the failing step."""
         from .replay import restore_rng
         restore_rng(self.rng)
+
+    def state_for(self, model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+        """``model_state`` for ``model`` (under ``nanguard run`` with several watched models the keys
+        are prefixed ``"TypeName:"``; the prefix of ``model``'s type is taken off)."""
+        prefix = type(model).__name__ + ":"
+        if any(k.startswith(prefix) for k in self.model_state):
+            return {k[len(prefix):]: v for k, v in self.model_state.items() if k.startswith(prefix)}
+        return dict(self.model_state)
+
+    def load_into(self, model: torch.nn.Module, optimizers: Any = (), scaler: Any = None,
+                  rng: bool = True) -> None:
+        """Put the failing step's starting state into your own objects: model weights and buffers,
+        optimizer state(s) (in the order they were created), GradScaler and (``rng=True``) the RNG."""
+        model.load_state_dict(self.state_for(model))
+        opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers or ())
+        if len(opts) > len(self.optimizer_states):
+            raise BundleError(f"the bundle holds {len(self.optimizer_states)} optimizer state(s), "
+                              f"{len(opts)} optimizer(s) given")
+        for o, st in zip(opts, self.optimizer_states):
+            o.load_state_dict(st)
+        if scaler is not None and self.scaler_state:
+            scaler.load_state_dict(self.scaler_state)
+        if rng:
+            self.restore_rng()
 
 
 def versions() -> Dict[str, str]:
@@ -109,7 +138,9 @@ def load_bundle(path: str) -> Bundle:
     if not os.path.isfile(path):
         raise BundleError(f"no bundle at {path}")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the error below says it all
+            warnings.simplefilter("ignore")
+            data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, foreign pickle, disallowed globals...
         raise BundleError(f"{path} is not a readable nanguard bundle ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
@@ -124,6 +155,10 @@ def load_bundle(path: str) -> Bundle:
         raise BundleError(f"{path}: model_state must map names to tensors")
     if not isinstance(data["rng"].get("torch"), torch.Tensor):
         raise BundleError(f"{path}: rng state has no torch generator state")
+    if not all(isinstance(o, dict) for o in data["optimizer_states"]):
+        raise BundleError(f"{path}: optimizer_states must be a list of optimizer state dicts")
+    if data.get("scaler_state") is not None and not isinstance(data["scaler_state"], dict):
+        raise BundleError(f"{path}: scaler_state must be a dict or None")
     return Bundle(step=data["step"], phase=data["phase"], batch=data.get("batch"),
                   model_state=data["model_state"], optimizer_states=data["optimizer_states"],
                   scaler_state=data.get("scaler_state"), rng=data["rng"], config=data["config"],

@@ -149,6 +149,8 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
             report.write(report_path)
         if not quiet:
             _print_outcome(report, report_path)
+            if policy is not None:
+                policy.print_summary()
         barrier()  # torch.distributed: no rank exits (and gets the others killed) before rank 0 is done
     except Exception as e:
         if strict:

@@ -94,9 +94,29 @@ def tensors_in(obj: Any, limit: int = 64) -> List[torch.Tensor]:
     return out
 
 
+# Tensors at least this large are checked with one aminmax pass instead of isfinite().all().
+_MINMAX_NUMEL = 1 << 14
+
+
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor (no sync): every element of ``t`` is finite. Exact.
+
+    Large tensors on CPU/CUDA take one ``aminmax`` pass: min and max propagate NaN,
+    and a finite min and max bound every element. ``isfinite(t).all()`` materialises
+    full-size temporaries instead (on CPU ~10x slower on a 2 MB batch).
+    """
+    if t.numel() >= _MINMAX_NUMEL and t.device.type in ("cpu", "cuda"):
+        try:
+            mn, mx = torch.aminmax(t)
+            return torch.isfinite(torch.stack((mn, mx))).all()
+        except (RuntimeError, NotImplementedError):  # dtypes without aminmax (float8)
+            pass
+    return torch.isfinite(t).all()
+
+
 def all_finite(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     """0-d bool tensor (no sync): every element of every tensor is finite."""
-    flags = [torch.isfinite(t).all() for t in tensors if is_checkable(t)]
+    flags = [finite_flag(t) for t in tensors if is_checkable(t)]
     if not flags:
         return None
     if len(flags) == 1:

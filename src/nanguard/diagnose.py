@@ -481,20 +481,24 @@ def _preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dic
     since = (ctx.get("bad_params_since") or {}).get(name)
     wb = pre.get("written_by") or {}
     rows = st.get("bad_rows") or []
-    wb_s = ""
+    wb_s, wb_fix = "", None
     if wb.get("file"):
-        wb_s = (f"; the values were written at {os.path.basename(str(wb['file']))}:{wb.get('line')} by "
-                f"{wb.get('api') or _opshort(wb.get('op'))}")
+        wop = _opshort(wb.get("op"))
+        at = f"{os.path.basename(str(wb['file']))}:{wb.get('line')}"
+        wb_s = f"; the values were written at {at} by {wb.get('api') or wop}"
+        if wop in _MEAN and 0 in (wb.get("input_numel") or []):
+            wb_s += " (the mean of an empty tensor: 0/0 = NaN)"
+            wb_fix = (f"fix the write at {at}: the mean is taken over an empty set (0 elements); skip empty "
+                      "groups (if mask.any(): ...) or keep the default initialisation for them")
+        else:
+            wb_fix = f"fix the write at {at}: {wb.get('api') or wop} produced non-finite values that were " \
+                     "stored into the parameter"
     summ = (f"{kind} '{name or '?'}' holds {n_bad} {what} value(s) of {numel}"
             + (f" (rows {rows})" if rows else "") + " before the step uses it"
             + (f"; non-finite since step {since}" if since is not None else "") + wb_s)
-    fixes = [f"re-initialise '{name or 'the parameter'}' (or restore it from the last finite checkpoint); a "
+    fixes = [wb_fix,
+             f"re-initialise '{name or 'the parameter'}' (or restore it from the last finite checkpoint); a "
              "skip/rollback cannot fix a parameter that is already non-finite"]
-    if wb.get("file"):
-        fixes.insert(0, f"fix the write at {os.path.basename(str(wb['file']))}:{wb.get('line')}: "
-                        f"{wb.get('api') or _opshort(wb.get('op'))} produced non-finite values "
-                        "(e.g. the mean over an empty set is 0/0 = NaN: guard the count, skip empty groups or "
-                        "fall back to the default init)")
     fixes.append("assert torch.isfinite(p).all() for every parameter after initialisation / loading")
     return _result("param_corruption", summ, 0.95, ev, fixes, method)
 
@@ -516,11 +520,15 @@ def _mechanism(origin: dict, facts: dict, sig: dict, phase: str, ev: dict, metho
     overflow_range = bool(inf_only and (f64.get("finite") or f32.get("direct_finite")))
     examined = fwd if (stage == "backward" and fwd) else op
     backward_failure = stage == "backward" or phase == "backward"
-    conf = 0.9
 
     # 1. backward-only failures
     if backward_failure and facts.get("where_trap"):
         return _where_trap(origin, facts, ev, method)
+    sd = facts.get("sqrt_domain") or {}
+    neg_pow = (examined in _POW or _node_family(node).startswith("pow")) and _fin(sd.get("exponent")) and \
+        sd["exponent"] < 0 and not sd.get("fractional")
+    if neg_pow and sd.get("zeros"):
+        return _div(origin, facts, ev, method, low, pow_zero=True)
     if stage == "backward":
         fam = _node_family(node)
         if fam in ("sqrt", "rsqrt") or examined in _SQRT or fam.startswith(("pow", "norm", "linalgvectornorm",
@@ -535,7 +543,7 @@ def _mechanism(origin: dict, facts: dict, sig: dict, phase: str, ev: dict, metho
         if examined in _DIV or fam.startswith("div"):
             return _div(origin, facts, ev, method, low)
     # 2. forward (or a forward op whose non-finite output reached the gradients)
-    if examined in _SOFTMAX and (facts.get("softmax_all_masked_rows") or {}).get("count"):
+    if (examined in _SOFTMAX or "attention" in examined) and (facts.get("softmax_all_masked_rows") or {}).get("count"):
         return _masked_softmax(origin, facts, ev, method)
     kl = facts.get("kl_div")
     if kl and not kl.get("log_target") and (kl.get("target_all_le_0") or kl.get("target_negatives")):
@@ -692,10 +700,17 @@ def _exp(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     return _result("exp_overflow", summ, 0.9, ev, fixes, method)
 
 
-def _div(origin: dict, facts: dict, ev: dict, method: str, low: bool, empty_mean: bool = False) -> dict:
+def _div(origin: dict, facts: dict, ev: dict, method: str, low: bool, empty_mean: bool = False,
+         pow_zero: bool = False) -> dict:
     zd = facts.get("zero_denominator") or {}
     where = _where(origin)
     api = _api_or_op(origin)
+    if pow_zero:
+        sd = facts.get("sqrt_domain") or {}
+        summ = (f"{api} at {where} raised {sd.get('zeros')} zero(s) to the negative power {_g(sd.get('exponent'))}"
+                " (1/0)")
+        fixes = [f"keep the base away from 0 at {where}: x.clamp(min=eps) ** p, or (x + eps) ** p"]
+        return _result("div_by_zero", summ, 0.85, ev, fixes, method)
     if empty_mean:
         summ = f"{api} at {where} averaged an empty tensor: sum/count = 0/0 = NaN"
         fixes = [f"guard the empty case at {where}: x.sum(0) / max(len(x), 1), or skip groups with no members"]

@@ -114,7 +114,12 @@ class Guard:
             self._safe(lambda: self.monitor.on_batch(b))
             loss = loss_fn(b)
             self._safe(lambda: self.monitor.on_backward([loss]))
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:  # recovery's own loss scale, once the loss_scale action turned it on
+                (self.policy.scale_loss(loss) if self.policy is not None else loss).backward()
+        if self.policy is not None:
+            self._safe(lambda: self.policy.before_check(self.optimizers))
         skipped = {}
         for o in self.optimizers:
             det = self._safe(lambda: self._check(o))
@@ -166,13 +171,13 @@ class Guard:
 
     # ------------------------------------------------------------------ failures
     def _on_failure(self, det: Detection, batches, loss_fn, rng) -> str:
-        from .integrations.distributed import is_origin, share_event
-        here = is_origin(det)  # distributed: only the rank that saw it first replays it
-        if self.bundle_path and self.bundle_saved is None and rng is not None and here:
+        from .integrations.distributed import is_origin, replays_here, share_event
+        # distributed: the bundle is saved where it was seen first; a DDP model is replayed there only
+        if self.bundle_path and self.bundle_saved is None and rng is not None and is_origin(det):
             self.bundle_saved = self._safe(lambda: self._save_bundle(det, batches, rng))
         loc_run = None
         if self.localize and det.phase in ("data", "params", "forward", "backward") and rng is not None \
-                and here:
+                and replays_here(det, self.model):
             loc_run = self._safe(lambda: self._replay(batches, loss_fn, rng, det))
         event = self._safe(lambda: self._event(det, loc_run))
         if event is None:
@@ -315,6 +320,8 @@ class Guard:
             self._safe(self.tensorboard.close)
         if not self.quiet:
             print_line(summary_line(self.report))
+            if self.policy is not None:
+                self.policy.print_summary()
         return self.report
 
     def __enter__(self) -> "Guard":

@@ -4,8 +4,8 @@
 backward and optimizer update) with a ``TorchDispatchMode``, knows the torch
 API call that issued each op (``TorchFunctionMode``), the module whose forward
 is running (global module hooks) and, for backward ops, the forward op that
-created the autograd node (anomaly-mode metadata plus our own tag on every
-node).
+created the autograd node (every node created while armed is tagged with the
+forward op in ``node.metadata``; anomaly-mode tracebacks are optional).
 
 It tracks *provenance*, not just "the first NaN": every non-finite tensor
 produced while armed carries a taint that points to the op that created the
@@ -25,8 +25,9 @@ import os
 import re
 import sys
 import sysconfig
+import threading
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -80,8 +81,9 @@ _API_SKIP_NAMES = {"backward", "grad", "__get__", "__set__", "__delete__", "run_
 # Strong references are kept to inputs of these forward ops so that a backward origin can re-examine
 # (and re-run) its forward op. Budget in elements.
 _KEEP_FWD = LOG_OPS | SQRT_OPS | NORM_OPS | POW_OPS | TRIG_OPS | EXP_OPS | DIV_OPS | SOFTMAX_OPS | STDVAR_OPS
-_KEEP_FWD_BUDGET = 64_000_000
-_RING = 256          # strong refs to args of the most recent low-precision ops (float32 re-run chain)
+_KEEP_FWD_BUDGET = 16_000_000
+_RING = 256                  # strong refs to args of the most recent low-precision ops (float32 re-run chain)
+_RING_BUDGET = 16_000_000    # ... and at most this many elements held by them
 _MAX_DETAILED = 64   # origins that get full input stats and facts
 _FRAME_RE = re.compile(r'File "(.*?)", line (\d+), in (.*)')
 
@@ -128,17 +130,23 @@ def _api_name(func: Any) -> str:
     return str(qual)
 
 
+# nanguard's own examples (the demo) are user code, wherever nanguard is installed.
+_EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), "examples")
+
+
 def _default_user_file(fn: str, excluded: tuple[str, ...]) -> bool:
     if not fn:
         return False
     if fn.startswith("<"):
         return not fn.startswith(("<frozen", "<__array_function__"))
-    if "site-packages" in fn or "dist-packages" in fn:
-        return False
     try:
         real = os.path.realpath(fn)
     except Exception:
         real = fn
+    if real.startswith(_EXAMPLES_DIR + os.sep):
+        return True
+    if "site-packages" in fn or "dist-packages" in fn:
+        return False
     return not any(real == p or real.startswith(p + os.sep) for p in excluded)
 
 
@@ -172,27 +180,11 @@ def _flatten(args: Sequence[Any], kwargs: dict) -> tuple[list, list]:
 
 def _flat_tensors(args: Sequence[Any], kwargs: dict) -> list[tuple[int | str, int | None, torch.Tensor]]:
     """(arg key, list position or None, tensor) for every tensor argument."""
-    out = []
-    for key, a in list(enumerate(args)) + list(kwargs.items()):
-        if isinstance(a, torch.Tensor):
-            out.append((key, None, a))
-        elif isinstance(a, (list, tuple)):
-            for j, b in enumerate(a):
-                if isinstance(b, torch.Tensor):
-                    out.append((key, j, b))
-    return out
+    return _flatten(args, kwargs)[0]
 
 
-def _flat_scalars(args: Sequence[Any], kwargs: dict) -> list[tuple[int | str, int | None, float]]:
-    out = []
-    for key, a in list(enumerate(args)) + list(kwargs.items()):
-        if isinstance(a, float) or (isinstance(a, int) and not isinstance(a, bool)):
-            out.append((key, None, a))
-        elif isinstance(a, (list, tuple)):
-            for j, b in enumerate(a):
-                if isinstance(b, float) or (isinstance(b, int) and not isinstance(b, bool)):
-                    out.append((key, j, b))
-    return out
+def _has_nan(t: torch.Tensor) -> bool:
+    return bool(N.nonfinite_counts(t)["nan"])
 
 
 def _nonfinite_scalar(x: Any) -> tuple[bool, bool]:
@@ -286,7 +278,21 @@ class _DispatchMode(TorchDispatchMode):
 
 
 class OpRecorder:
-    """Record every ATen op of one training step and find where a non-finite value is born."""
+    """Record every ATen op of one training step and find where a non-finite value is born.
+
+    Call order for one step (``start``/``stop`` may run in different hooks, same thread)::
+
+        rec.start()                      # before the step's forward (or before the script for step 0)
+        loss = model(batch) ...
+        rec.mark_loss(loss)              # each tensor .backward() is called on
+        rec.set_stage("backward"); loss.backward()
+        rec.set_stage("optimizer"); opt.step()   # evaluates the gradient sink first
+        rec.stop()                       # evaluates the parameter/state sink, removes modes and hooks
+        loc = rec.result()
+
+    Ops inside the autograd engine are "backward" whatever the stage says; other ops are "forward"
+    until ``set_stage("optimizer")``. ``with rec.paused(): ...`` runs the caller's own checks unrecorded.
+    """
 
     def __init__(self, *, named_params: dict[str, torch.Tensor], named_buffers: dict[str, torch.Tensor],
                  roots: Sequence[torch.nn.Module] = (), optimizers: Sequence[torch.optim.Optimizer] = (),
@@ -296,10 +302,12 @@ class OpRecorder:
         ``metadata["traceback_"]``. Off by default: every node is already tagged with the forward op that
         created it (op, module, user frame), and the traceback capture costs ~0.1-0.3 ms per node."""
         self.anomaly_tracebacks = bool(anomaly_tracebacks)
-        self.named_params = dict(named_params or {})
-        self.named_buffers = dict(named_buffers or {})
+        # the caller's dicts are kept by reference (they may be filled after start()) and never mutated
+        self.named_params = named_params if isinstance(named_params, dict) else dict(named_params or {})
+        self.named_buffers = named_buffers if isinstance(named_buffers, dict) else dict(named_buffers or {})
         self.roots = list(roots)
-        self.optimizers = list(optimizers)
+        # kept by reference when a list: a caller may register optimizers created after start()
+        self.optimizers = optimizers if isinstance(optimizers, list) else list(optimizers)
         self.user_file_filter = user_file_filter
         self.max_records = int(max_records)
         self._excluded = _excluded_dirs()
@@ -341,6 +349,8 @@ class OpRecorder:
         self._ring: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._keep: dict[int, tuple] = {}
         self._keep_elems = 0
+        self._ring_elems = 0
+        self._thread: int | None = None
         self._pending: list[tuple[Any, int]] = []
         self._opt_ops: list[tuple[int, list, list]] = []   # optimizer-stage op graph by tensor id
         self._loss_sinks: list[tuple[_Origin | None, dict]] = []
@@ -356,7 +366,9 @@ class OpRecorder:
         self._grad_ids: dict[int, str] = {}
         self._state_ids: dict[int, tuple[str, str]] = {}
         self._wrapped: dict[Any, _Origin] = {}
-        self._auto_names = not self.named_params
+        self._param_versions: dict[int, int | None] = {}
+        self._params: dict[int, torch.Tensor] = {}     # every known parameter, by id
+        self._param_prio: dict[int, int] = {}          # 3: caller's name, 2: module path, 1: optimizer slot
 
     def __enter__(self) -> "OpRecorder":
         self.start()
@@ -370,7 +382,9 @@ class OpRecorder:
         if self._started:
             return
         self._started = True
+        self._thread = threading.get_ident()
         self._index_known_tensors()
+        self._param_versions = {pid: N.version(p) for pid, p in self._params.items()}
         for root in self.roots:
             self._register_module_tree(root)
         if self.anomaly_tracebacks:
@@ -407,7 +421,10 @@ class OpRecorder:
                 self._resolve_pending()
                 if self._grad_sink is None:
                     self._eval_grad_sink()
-                if self._stage == "optimizer" or self._opt_ops:
+                self._sync_given()
+                updated = any(N.version(p) != self._param_versions.get(pid, N.version(p))
+                              for pid, p in self._params.items())
+                if self._stage == "optimizer" or self._opt_ops or updated:
                     self._eval_opt_sink()
             except Exception as e:
                 self._fail(e)
@@ -452,6 +469,7 @@ class OpRecorder:
         self._mod_stack = []
         self._mod_type_stack = []
         self._ring.clear()
+        self._ring_elems = 0
 
     @staticmethod
     def _fn_stack() -> list:
@@ -498,6 +516,7 @@ class OpRecorder:
         prev_busy, self._busy = self._busy, True
         try:
             self._resolve_pending()
+            self._sync_given()
             if stage == "optimizer" and self._stage != "optimizer":
                 self._eval_grad_sink()
                 self._index_optimizer_state()
@@ -529,35 +548,68 @@ class OpRecorder:
             self._busy = prev_busy
 
     # ------------------------------------------------------------------ indexing known tensors
+    def _name_param(self, p: Any, name: str, prio: int) -> None:
+        """Remember a parameter's name; a better source (higher prio) replaces a worse one."""
+        if not isinstance(p, torch.Tensor) or self._param_prio.get(id(p), 0) > prio:
+            return
+        self._param_ids[id(p)] = name
+        self._param_prio[id(p)] = prio
+        self._params[id(p)] = p
+        try:
+            sp = p.untyped_storage().data_ptr()
+            if sp:
+                self._param_storage[sp] = name
+        except Exception:
+            pass
+
+    def _name_buffer(self, b: Any, name: str, prio: int) -> None:
+        if not isinstance(b, torch.Tensor) or (id(b) in self._buffer_ids and prio < 3):
+            return
+        self._buffer_ids[id(b)] = name
+        try:
+            sp = b.untyped_storage().data_ptr()
+            if sp:
+                self._buffer_storage[sp] = name
+        except Exception:
+            pass
+
+    def _sync_given(self) -> None:
+        """Pick up names the caller added to its dicts after construction."""
+        for name, p in list(self.named_params.items()):
+            if self._param_ids.get(id(p)) != name:
+                self._name_param(p, name, 3)
+        for name, b in list(self.named_buffers.items()):
+            if self._buffer_ids.get(id(b)) != name:
+                self._name_buffer(b, name, 3)
+
     def _index_known_tensors(self) -> None:
-        def sptr(t):
-            try:
-                return t.untyped_storage().data_ptr()
-            except Exception:
-                return None
-        for name, p in self.named_params.items():
-            if isinstance(p, torch.Tensor):
-                self._param_ids[id(p)] = name
-                s = sptr(p)
-                if s:
-                    self._param_storage[s] = name
-                if p.grad is not None:
-                    self._grad_ids[id(p.grad)] = name
-        for name, b in self.named_buffers.items():
-            if isinstance(b, torch.Tensor):
-                self._buffer_ids[id(b)] = name
-                s = sptr(b)
-                if s:
-                    self._buffer_storage[s] = name
-        # parameters of the optimizers that the caller did not name
+        self._sync_given()
+        for pid, p in list(self._params.items()):
+            if p.grad is not None:
+                self._grad_ids[id(p.grad)] = self._param_ids[pid]
         for opt in self.optimizers:
-            for gi, g in enumerate(opt.param_groups):
-                for pi, p in enumerate(g["params"]):
-                    if id(p) not in self._param_ids:
-                        nm = f"param_groups[{gi}].params[{pi}]"
-                        self._param_ids[id(p)] = nm
-                        self.named_params[nm] = p
+            self._name_optimizer_params(opt)
         self._index_optimizer_state()
+
+    def _name_optimizer_params(self, opt: torch.optim.Optimizer) -> None:
+        """Parameters of an optimizer that nobody named get their slot as name."""
+        for gi, g in enumerate(opt.param_groups):
+            for pi, p in enumerate(g["params"]):
+                self._name_param(p, f"param_groups[{gi}].params[{pi}]", 1)
+
+    def _discover_optimizer(self) -> None:
+        """The optimizer whose step() is running (found on the Python stack), if the caller did not pass it."""
+        f = sys._getframe(1)
+        while f is not None:
+            obj = f.f_locals.get("self")
+            if isinstance(obj, torch.optim.Optimizer):
+                if not any(o is obj for o in self.optimizers):
+                    self.optimizers.append(obj)
+                    self._notes.append(f"optimizer {type(obj).__name__} found on the stack")
+                    self._name_optimizer_params(obj)
+                    self._index_optimizer_state()
+                return
+            f = f.f_back
 
     def _index_optimizer_state(self) -> None:
         for opt in self.optimizers:
@@ -578,25 +630,15 @@ class OpRecorder:
                 else:
                     self._mod_names.setdefault(id(m), name)
                 self._mod_types[id(m)] = type(m).__name__
-            if self._auto_names:
-                for name, p in root.named_parameters(remove_duplicate=False):
-                    self._param_ids[id(p)] = name
-                    self.named_params.setdefault(name, p)
-                    try:
-                        self._param_storage[p.untyped_storage().data_ptr()] = name
-                    except Exception:
-                        pass
-                for name, b in root.named_buffers(remove_duplicate=False):
-                    self._buffer_ids[id(b)] = name
-                    try:
-                        self._buffer_storage[b.untyped_storage().data_ptr()] = name
-                    except Exception:
-                        pass
+            for name, p in root.named_parameters(remove_duplicate=False):
+                self._name_param(p, name, 2)
+            for name, b in root.named_buffers(remove_duplicate=False):
+                self._name_buffer(b, name, 2)
         except Exception:
             pass
 
     def _mod_pre(self, mod, args) -> None:
-        if not self._armed:
+        if not self._armed or threading.get_ident() != self._thread:
             return
         name = self._mod_names.get(id(mod))
         if name is None:
@@ -611,7 +653,7 @@ class OpRecorder:
         self._mod_type_stack.append(type(mod).__name__)
 
     def _mod_post(self, mod, args, out) -> None:
-        if self._armed and self._mod_stack:
+        if self._armed and self._mod_stack and threading.get_ident() == self._thread:
             self._mod_stack.pop()
             if self._mod_type_stack:
                 self._mod_type_stack.pop()
@@ -760,9 +802,11 @@ class OpRecorder:
             st = N.tensor_stats(t)
             st["bad_rows"] = N.bad_rows(t)
             wd = dict(taint.detail or {})
-            wd.pop("inputs", None)
-            o.detail = {"stats": st, "written_by": {k: wd.get(k) for k in (
-                "op", "api", "module", "file", "line", "function", "stage", "facts")}}
+            wb = {k: wd.get(k) for k in ("op", "api", "module", "file", "line", "function", "stage", "facts",
+                                          "output")}
+            wb["input_numel"] = [i.get("numel") for i in wd.get("inputs") or []]
+            wb["kind"] = taint.kind
+            o.detail = {"stats": st, "written_by": wb}
             self._origins.append(o)
             self._wrapped[key] = o
         if info is not None:
@@ -770,12 +814,14 @@ class OpRecorder:
         return o
 
     def _cur_stage(self) -> str:
+        """'backward' inside the autograd engine; 'optimizer' after set_stage('optimizer'); else 'forward'
+        (ops between backward() and step(), or the next micro-batch's forward, run outside the engine)."""
         try:
             if torch._C._current_autograd_node() is not None:
                 return "backward"
         except Exception:
             pass
-        return self._stage
+        return "optimizer" if self._stage == "optimizer" else "forward"
 
     def _resolve_pending(self) -> None:
         """Tag the autograd node of each recent forward output with the op that created it."""
@@ -894,22 +940,30 @@ class OpRecorder:
             self._op_inprod.append(tuple(i[6][0] if i[6] is not None else -1 for i in ins[:8]))
             self._op_frame.append(self._user_frame() if stage == "forward" else None)
             if low:
-                self._ring[idx] = (func, args, kwargs)
-                if len(self._ring) > _RING:
-                    self._ring.popitem(last=False)
+                n = sum(int(i[2].numel()) for i in ins)
+                if n <= _RING_BUDGET:
+                    self._ring[idx] = (func, args, kwargs, n)
+                    self._ring_elems += n
+                    while self._ring and (len(self._ring) > _RING or self._ring_elems > _RING_BUDGET):
+                        self._ring_elems -= self._ring.popitem(last=False)[1][3]
             if stage == "forward" and name in _KEEP_FWD and self._keep_elems < _KEEP_FWD_BUDGET:
                 n = sum(int(i[2].numel()) for i in ins)
                 if self._keep_elems + n <= _KEEP_FWD_BUDGET:
                     self._keep[idx] = (func, args, kwargs)
                     self._keep_elems += n
             if stage == "optimizer":
+                if not self._opt_ops:
+                    self._discover_optimizer()
                 self._opt_ops.append((idx, [(i[0], i[1], id(i[2])) for i in ins], [(p, id(t)) for p, t in outs]))
 
-        # consumers of non-finite forward tensors (evidence for the where-gradient trap)
+        # consumers of non-finite forward tensors and of domain-sensitive ops' outputs (where-trap evidence)
         if stage == "forward":
+            float_out = bool(results)
+            n_rec = len(self._op_name)
             for i in ins:
-                if (i[3] or i[4]) and i[6] is not None:
-                    self._consumers.setdefault(i[6][0], []).append((idx, name, any_nf))
+                p = i[6]
+                if p is not None and (i[3] or i[4] or (p[0] < n_rec and self._op_name[p[0]] in _KEEP_FWD)):
+                    self._consumers.setdefault(p[0], []).append((idx, name, any_nf, float_out))
 
         new_origin: _Origin | None = None
         new_const: _Origin | None = None
@@ -1154,7 +1208,7 @@ class OpRecorder:
         prod = self._producer(t)
         if depth <= 0 or prod is None or prod[0] not in self._ring:
             return aten._to_copy.default(t.detach(), dtype=torch.float32)
-        func, args, kwargs = self._ring[prod[0]]
+        func, args, kwargs, _n = self._ring[prod[0]]
         if _is_inplace(func) or self._mutated(func, args, kwargs):
             return aten._to_copy.default(t.detach(), dtype=torch.float32)
         subst = {}
@@ -1260,6 +1314,16 @@ class OpRecorder:
                                                 "rows_total": int(allm.numel()),
                                                 "rows_with_neginf": self._count(aten.any.dim(
                                                     aten.eq.Scalar(x, float("-inf")), dim))}
+        if ("attention" in e_name or "scaled_dot_product" in e_name) and _has_nan(t0):
+            mask = e_kwargs.get("attn_mask")
+            if mask is None:
+                mask = next((a for a in e_args[3:5] if isinstance(a, torch.Tensor)), None)
+            if isinstance(mask, torch.Tensor) and mask.dim() >= 1:
+                blocked = aten.logical_not.default(mask) if mask.dtype == torch.bool else \
+                    aten.eq.Scalar(mask, float("-inf"))
+                allm = aten.all.dim(blocked, -1)
+                f["softmax_all_masked_rows"] = {"count": self._count(allm), "batch_rows": N.mask_rows(allm),
+                                                "rows_total": int(allm.numel()), "from": "attn_mask"}
         if e_name in STDVAR_OPS and isinstance(x, torch.Tensor):
             f["std_var"] = self._stdvar_facts(e_func, e_args, e_kwargs, x)
         # overflow facts: non-finite from finite inputs, infinities only
@@ -1373,24 +1437,25 @@ class OpRecorder:
         return None
 
     def _where_trap(self, fwd_idx: int) -> bool:
-        """True when the forward op's output was non-finite but only where/masked_fill consumed it."""
-        if fwd_idx >= len(self._op_outnf) or not self._op_outnf[fwd_idx]:
+        """True when the forward op's output only reached where/masked_fill-like selections (through views):
+        the forward discarded the bad entries, but their gradient (0 from the selection) still flows into
+        the op's backward, where 0 * inf or 0/0 gives NaN."""
+        if fwd_idx >= len(self._op_name):
             return False
         seen_where = False
 
         def walk(i: int, depth: int) -> bool:
             nonlocal seen_where
-            cons = self._consumers.get(i, [])
-            if not cons:
-                return True
-            for cidx, cname, c_nf in cons:
-                if cname in PASS_OPS and c_nf and depth < 6:
+            for cidx, cname, c_nf, c_float in self._consumers.get(i, []):
+                if cname in PASS_OPS and depth < 6:
                     if not walk(cidx, depth + 1):
                         return False
-                elif cname in WHERE_OPS and not c_nf:
+                elif cname in WHERE_OPS:
+                    if c_nf:
+                        return False     # the selection kept the non-finite entries
                     seen_where = True
-                elif c_nf:
-                    return False
+                elif c_float:
+                    return False         # used by arithmetic, not only selected
             return True
         ok = walk(fwd_idx, 0)
         return bool(ok and seen_where)
@@ -1405,7 +1470,8 @@ class OpRecorder:
     def _eval_grad_sink(self) -> None:
         res = []
         with torch._C.DisableTorchFunction(), torch.no_grad():
-            for name, p in self.named_params.items():
+            for pid, p in list(self._params.items()):
+                name = self._param_ids[pid]
                 g = getattr(p, "grad", None)
                 if g is None or not N.is_checkable(g):
                     continue
@@ -1417,7 +1483,8 @@ class OpRecorder:
     def _eval_opt_sink(self) -> None:
         res = []
         with torch._C.DisableTorchFunction(), torch.no_grad():
-            for name, p in self.named_params.items():
+            for pid, p in list(self._params.items()):
+                name = self._param_ids[pid]
                 if N.is_checkable(p) and any(N.nonfinite_flags(p)):
                     res.append((name, None, self._taint_of(p, "optimizer")))
             for opt in self.optimizers:
@@ -1438,6 +1505,7 @@ class OpRecorder:
         prev_busy, self._busy = self._busy, True
         try:
             with torch._C.DisableTorchFunction(), torch.no_grad():
+                self._sync_given()
                 res = self._build_result()
         except Exception as e:
             res = {"reproduced": False, "phase": None, "origin": None, "preexisting": None, "optimizer": None,
@@ -1497,14 +1565,17 @@ class OpRecorder:
             res["phase"] = {"loss": "forward", "grad": "backward", "optimizer": "optimizer"}[sink_kind]
             return res
         if taint.kind == "preexisting":
-            if taint.name is None and taint.tref is not None and taint.tref() is not None:
-                pn = self._param_name(taint.tref())  # names may have been learnt after the first read
-                if pn is not None:
+            t = taint.tref() if taint.tref is not None else None
+            if t is not None and taint.pre_kind in ("param", "buffer", "data"):
+                pn = self._param_name(t)    # names may have been learnt (or improved) after the first read
+                if pn is not None and pn[1] is not None:
                     taint.pre_kind, taint.name = pn
             st = (taint.detail or {}).get("stats", {})
             fu = taint.first_use or {}
-            res["preexisting"] = {"kind": taint.pre_kind, "name": taint.name, "samples": fu.get("samples", []),
-                                  "source_rows": fu.get("source_rows", []), "stats": st,
+            is_data = taint.pre_kind == "data"   # batch rows only mean something for data
+            res["preexisting"] = {"kind": taint.pre_kind, "name": taint.name,
+                                  "samples": fu.get("samples", []) if is_data else [],
+                                  "source_rows": fu.get("source_rows", []) if is_data else [], "stats": st,
                                   "rows_in_tensor": st.get("bad_rows", []), "first_use": fu or None,
                                   "written_by": (taint.detail or {}).get("written_by")}
             res["phase"] = {"data": "data", "param": "params", "buffer": "params",
@@ -1554,8 +1625,8 @@ class OpRecorder:
         if not self.optimizers and not self._opt_sink:
             return None
         ident: dict[int, tuple[str, str | None]] = {}
-        for name, p in self.named_params.items():
-            ident[id(p)] = (name, None)
+        for pid in self._params:
+            ident[pid] = (self._param_ids[pid], None)
         for opt in self.optimizers:
             for p, st in list(opt.state.items()):
                 if isinstance(st, dict):
@@ -1609,8 +1680,9 @@ class OpRecorder:
                     if isinstance(v, torch.Tensor):
                         v = v.item()
                     info[key] = [jnum(x) for x in v] if isinstance(v, (list, tuple)) else jnum(v)
-            if param and param in self.named_params:
-                pdt = self.named_params[param].dtype
+            by_name = {self._param_ids[pid]: p for pid, p in self._params.items()}
+            if param and param in by_name:
+                pdt = by_name[param].dtype
                 info["param_dtype"] = N.dtype_name(pdt)
                 if "eps" in g and isinstance(g["eps"], (int, float)) and pdt.is_floating_point:
                     info["eps_fact"] = N.eps_fact(float(g["eps"]), pdt)

@@ -194,6 +194,9 @@ def _render(report: Report, json_path: Optional[str]) -> None:
     o = ev.origin or {}
     if o:
         bits = [str(o.get(k)) for k in ("op",) if o.get(k)]
+        if o.get("autograd_node"):
+            fwd = f", backward of {o['forward_op']}" if o.get("forward_op") else ""
+            bits[-1:] = [f"{bits[-1] if bits else '?'} in {o['autograd_node']}{fwd}"]
         if o.get("module") not in (None,):
             bits.append(f"module '{o.get('module')}'")
         if o.get("dtype"):

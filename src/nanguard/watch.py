@@ -203,6 +203,8 @@ class Watcher:
             return
         if self.on_optimizer_begin is not None:
             self.on_optimizer_begin()
+        if self.policy is not None:  # recovery's loss scale (if on): unscale before the check
+            self._guarded(lambda: self.policy.before_check([opt]))
         det = self._guarded(lambda: self.monitor.check(opt))
         self._handle(det, opt)
         if self.policy is not None and id(opt) not in self._skip_current:
@@ -272,6 +274,9 @@ class Watcher:
             groups = self._guarded(lambda: self._backward_params(ts))
         if self.on_backward_begin is not None:
             self.on_backward_begin(ts)
+        if self.policy is not None and not by_backward and (a[0] if a else k.get("grad_tensors")) is None:
+            scaled = self._guarded(lambda: self.policy.scale_loss(tensors))  # recovery's loss scale, if on
+            tensors = tensors if scaled is None else scaled
         try:
             out = orig(tensors, *a, **k)
         finally:

@@ -58,8 +58,20 @@ class HookedGuard:
 
     def start(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], scaler: Any = None):
         from ..guard import Guard
-        self.guard = Guard(model, list(optimizers), scaler, **self.kw)
-        return self.guard
+        g = self.guard = Guard(model, list(optimizers), scaler, **self.kw)
+        replay = g._replay
+
+        def safe_replay(batches, loss_fn, rng, det):
+            # The framework's step code runs in the replay: its own error is not a guard bug, so it
+            # makes the localization fail ("could not reproduce"), not the guard disable itself.
+            try:
+                return replay(batches, loss_fn, rng, det)
+            except Exception as e:
+                return {"method": "replay", "reproduced": False,
+                        "error": f"the replay raised {type(e).__name__}: {e}"}
+
+        g._replay = safe_replay
+        return g
 
     @property
     def report(self):
@@ -70,7 +82,8 @@ class HookedGuard:
         return self.guard is not None and not self.guard.disabled and not self.halted
 
     # ------------------------------------------------------------------ per micro-batch
-    def begin_micro_batch(self, batch: Any) -> None:
+    def begin_micro_batch(self, batch: Any, keep: Any = None) -> None:
+        """``batch`` is checked; ``keep`` (default: the batch) is what ``loss_fn`` gets in a replay."""
         if not self.active or self._replaying:
             return
         g = self.guard
@@ -80,7 +93,7 @@ class HookedGuard:
                 self._rng = g._safe(lambda: capture_rng(plain=False))
             if g.policy is not None:
                 g._safe(lambda: g.policy.before_step(g))
-        self._batches.append(batch)
+        self._batches.append(batch if keep is None else keep)
         g._safe(lambda: g.monitor.on_batch(batch))
 
     def loss(self, loss: Any) -> None:
@@ -157,11 +170,6 @@ class HookedGuard:
         for opt in list(self._pending.values()):
             self._skipped.add(id(opt))
             self.after_update(opt)
-
-    def end_of_step_without_update(self) -> None:
-        """Gradient accumulation boundaries are the framework's: forget kept batches if no step came."""
-        if not self._pending:
-            self._batches, self._rng = [], None
 
     def close(self):
         if self.guard is None:

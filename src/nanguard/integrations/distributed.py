@@ -23,10 +23,11 @@ single host sync (:meth:`nanguard.detect.StepMonitor.check`):
    Every rank returns the same :class:`~nanguard.detect.Detection` (same step,
    phase and ``rank``).
 
-Drivers then diagnose on the origin rank only (its replay runs outside DDP's
-collectives, see :func:`local_replay`), broadcast the diagnosed event from the
-origin rank (:func:`share_event`), and apply the same recovery action on every
-rank. Only rank 0 writes the report and prints.
+Drivers then diagnose on the origin rank (a DDP model's replay runs there only,
+outside DDP's collectives, see :func:`local_replay`; other models are replayed
+on every rank together, see :func:`replays_here`), broadcast the diagnosed event
+from the origin rank (:func:`share_event`), and apply the same recovery action
+on every rank. Only rank 0 writes the report and prints.
 
 The hook is set automatically (``StepMonitor.dist_reduce``) when a process group
 with ``world_size > 1`` is initialized; ``NANGUARD_DIST=0`` turns it off (e.g.
@@ -237,6 +238,29 @@ def is_origin(det: Any) -> bool:
     return r is None or r == get_rank()
 
 
+def _is_ddp(model: Any) -> bool:
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+        return isinstance(model, DistributedDataParallel)
+    except Exception:
+        return False
+
+
+def replays_here(det: Any, model: Any) -> bool:
+    """Whether this rank replays the failing step.
+
+    A DistributedDataParallel model is replayed on the origin rank only (outside
+    DDP's collectives, see :func:`local_replay`). Any other model under
+    torch.distributed (FSDP, a LightningModule whose strategy wraps it, a model
+    with hand-made gradient hooks) is replayed on every rank together, so
+    collectives inside its forward/backward (FSDP's all-gathers) still match;
+    the origin rank's result is the one that is kept (:func:`share_event`).
+    """
+    if getattr(det, "rank", None) is None or not _is_ddp(model):
+        return True
+    return is_origin(det)
+
+
 @contextlib.contextmanager
 def local_replay(model: Any) -> Iterator[None]:
     """Run a DistributedDataParallel model's forward as its inner module's, for a one-rank replay.
@@ -246,13 +270,7 @@ def local_replay(model: Any) -> Iterator[None]:
     Calling the wrapper still runs its module hooks (the recorder's names stay
     ``module.*``).
     """
-    ddp = None
-    try:
-        from torch.nn.parallel import DistributedDataParallel
-        if isinstance(model, DistributedDataParallel):
-            ddp = model
-    except Exception:
-        pass
+    ddp = model if _is_ddp(model) else None
     if ddp is None:
         yield
         return

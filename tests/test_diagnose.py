@@ -1,0 +1,242 @@
+"""Tests for nanguard.diagnose: categories from localisations (OpRecorder.result()) and step histories."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from nanguard.diagnose import CATEGORIES, diagnose, history_signals
+
+ALL = {"bad_input_data", "param_corruption", "log_domain", "div_by_zero", "sqrt_domain", "trig_domain",
+       "exp_overflow", "low_precision_overflow", "low_precision_underflow", "masked_softmax", "variance_zero",
+       "where_gradient_trap", "gradient_explosion", "lr_too_high", "loss_scale_collapse", "optimizer_numerics",
+       "kl_misuse", "other"}
+
+
+def H(losses, grad_norms=None, lr=0.1, scales=None, skipped=None) -> list[dict]:
+    out = []
+    for i, l in enumerate(losses):
+        g = grad_norms[i] if grad_norms else 1.0
+        out.append({"step": i, "loss": l, "grad_norm": g, "group_grad_norms": [g], "param_norm": 10.0,
+                    "update_ratio": 0.01, "lr": [lr], "loss_scale": scales[i] if scales else None,
+                    "skipped": bool(skipped[i]) if skipped else False})
+    return out
+
+
+CALM = H([1.0, 0.9, 0.85, 0.8, 0.82, 0.78, 0.75], [2.0, 1.8, 2.2, 1.9, 2.1, 2.0, 1.7])
+
+
+def loc(op="aten.log.default", *, api="torch.log", stage="forward", dtype="float32", phase="forward",
+        facts=None, output=None, node=None, forward_op=None, file="/home/u/train.py", line=42, module=None,
+        inputs=None, sink="loss", kind="op") -> dict:
+    return {"reproduced": True, "phase": phase,
+            "origin": {"op": op, "api": api, "module": module, "module_type": "Linear" if module else None,
+                       "file": file, "line": line, "function": "<module>", "dtype": dtype, "shape": [8, 4],
+                       "stage": stage, "autograd_node": node, "forward_op": forward_op, "forward_file": file,
+                       "forward_line": line, "forward_function": "<module>", "forward_module": module,
+                       "inputs": inputs or [{"dtype": dtype, "shape": [8, 4], "numel": 32, "min": 0.0, "max": 1.0,
+                                             "zeros": 3, "negatives": 0, "nonfinite": 0, "arg": 0}],
+                       "output": output or {"nan": 0, "posinf": 0, "neginf": 3}, "samples": [1, 5],
+                       "kind": kind},
+            "preexisting": None, "optimizer": None, "facts": facts or {}, "n_ops": 120, "notes": [],
+            "sink": {"kind": sink, "names": []}}
+
+
+def run(l, history=(), phase="forward", context=None) -> dict:
+    d = diagnose(l, list(history), phase=phase, context=context)
+    json.dumps(d, allow_nan=False)
+    assert set(d) == {"category", "summary", "confidence", "evidence", "fixes", "method"}
+    assert d["category"] in ALL and 0.0 <= d["confidence"] <= 1.0
+    assert isinstance(d["summary"], str) and d["summary"] and d["fixes"]
+    return d
+
+
+def test_category_table_is_complete():
+    assert set(CATEGORIES) == ALL
+    assert all(isinstance(v, str) and len(v) > 40 for v in CATEGORIES.values())
+
+
+def test_log_domain_names_line_and_numbers():
+    f = {"log_domain": {"le_limit": 3, "zeros": 3, "negatives": 0, "min": 0.0, "numel": 32, "limit": 0.0},
+         "float64_rerun": {"finite": False}, "producers": [["rsub", "sigmoid"]]}
+    d = run(loc(facts=f), CALM)
+    assert d["category"] == "log_domain"
+    assert "train.py:42" in d["summary"] and "3 of 32" in d["summary"]
+    assert any("binary_cross_entropy_with_logits" in x for x in d["fixes"])
+    assert "replayed" in d["method"] and d["confidence"] >= 0.8
+
+
+def test_diagnosis_does_not_depend_on_file_or_variable_names():
+    f = {"log_domain": {"le_limit": 3, "zeros": 3, "negatives": 0, "min": 0.0, "numel": 32, "limit": 0.0}}
+    a = run(loc(facts=f, file="/x/exp_overflow_sqrt_div.py"), CALM)
+    b = run(loc(facts=f, file="/x/main.py"), CALM)
+    assert a["category"] == b["category"] == "log_domain"
+
+
+def test_float16_log_with_vanishing_eps_is_underflow_but_float32_is_log_domain():
+    eps = [{"value": 1e-8, "dtype": "float16", "rounds_to_zero": True, "absorbed_next_to_1": True}]
+    f16 = {"eps_constants": eps, "float32_rerun": {"direct_finite": False, "chain_finite": True},
+           "dtype_info": {"tiny": 6.1e-05, "eps": 0.000977, "smallest_subnormal": 5.96e-08}}
+    d = run(loc(dtype="float16", facts=f16), CALM)
+    assert d["category"] == "low_precision_underflow" and "1e-08" in d["summary"]
+    f32 = {"eps_constants": [dict(eps[0], dtype="float32", rounds_to_zero=False)], "log_domain": {"zeros": 1}}
+    assert run(loc(dtype="float32", facts=f32), CALM)["category"] == "log_domain"
+
+
+def test_division_categories():
+    zd = {"zeros": 1, "numel": 24, "zero_over_zero": 32, "nonzero_over_zero": 0, "from_reduction": True,
+          "from_std_var": False, "producer_chain": ["sum"]}
+    out = {"nan": 32, "posinf": 0, "neginf": 0}
+    d = run(loc("aten.div.Tensor", api="Tensor.__truediv__", facts={"zero_denominator": zd}, output=out))
+    assert d["category"] == "div_by_zero" and "clamp(min=1)" in " ".join(d["fixes"])
+    zd2 = dict(zd, from_std_var=True, from_reduction=False, producer_chain=["std"])
+    assert run(loc("aten.div.Tensor", facts={"zero_denominator": zd2}, output=out))["category"] == "variance_zero"
+
+
+def test_std_of_one_element_is_variance_zero():
+    f = {"std_var": {"n": 1, "correction": 1.0, "n_minus_correction": 0.0, "degenerate": True}}
+    d = run(loc("aten.std.correction", api="Tensor.std", facts=f, output={"nan": 100, "posinf": 0, "neginf": 0}))
+    assert d["category"] == "variance_zero" and "n = 1" in d["summary"]
+
+
+def test_masked_softmax_and_kl_misuse():
+    f = {"softmax_all_masked_rows": {"count": 12, "batch_rows": [3], "rows_total": 192}}
+    d = run(loc("aten._softmax.default", api="torch.softmax", facts=f, output={"nan": 144, "posinf": 0, "neginf": 0}))
+    assert d["category"] == "masked_softmax" and "[3]" in d["summary"]
+    kl = {"kl_div": {"log_target": False, "target_min": -2.4, "target_max": -1.1, "target_negatives": 384,
+                     "target_all_le_0": True, "target_looks_like_log_probs": True},
+          "log_domain": {"le_limit": 384, "negatives": 384}}
+    d = run(loc("aten.xlogy.Tensor", api="torch.nn.functional.kl_div", facts=kl,
+                output={"nan": 384, "posinf": 0, "neginf": 0}))
+    assert d["category"] == "kl_misuse" and any("log_target=True" in x for x in d["fixes"])
+
+
+def test_backward_origins():
+    sq = loc("aten.div.Tensor", api=None, stage="backward", phase="backward", node="SqrtBackward0",
+             forward_op="aten.sqrt.default", sink="grad", facts={"sqrt_domain": {"zeros": 1, "numel": 32}},
+             output={"nan": 1, "posinf": 0, "neginf": 0})
+    d = run(sq, CALM, phase="backward")
+    assert d["category"] == "sqrt_domain" and "vector_norm" in " ".join(d["fixes"])
+    wt = loc("aten.div.Tensor", api=None, stage="backward", phase="backward", node="LogBackward0",
+             forward_op="aten.log.default", sink="grad", facts={"where_trap": True, "log_domain": {"zeros": 1}},
+             output={"nan": 1, "posinf": 0, "neginf": 0})
+    d = run(wt, CALM, phase="backward")
+    assert d["category"] == "where_gradient_trap" and "torch.where(m" in " ".join(d["fixes"])
+    tr = loc("aten.div.Tensor", stage="backward", phase="backward", node="AcosBackward0",
+             forward_op="aten.acos.default", sink="grad", facts={}, output={"nan": 0, "posinf": 2, "neginf": 0})
+    assert run(tr, CALM, phase="backward")["category"] == "trig_domain"
+
+
+def test_overflow_with_divergent_history_is_lr_too_high_or_explosion():
+    over = {"float64_rerun": {"finite": True, "max_abs": 1e39}, "overflow": {"dtype_max": 3.4e38}}
+    l = loc("aten.mm.default", api="Tensor.matmul", facts=over, output={"nan": 0, "posinf": 4, "neginf": 0})
+    losses = [15 * 300 ** i for i in range(14)]
+    grads = [30 * 17 ** i for i in range(14)]
+    d = run(l, H(losses, grads, lr=0.1))
+    assert d["category"] == "lr_too_high"
+    assert d["evidence"]["estimated_stable_lr_limit"] < 0.1 and "0.1" in " ".join(d["fixes"])
+    jump = H([1.0] * 10 + [30.0], [4, 5, 3, 6, 4, 5, 4, 3, 6, 8, 1900])
+    d = run(l, jump)
+    assert d["category"] == "gradient_explosion" and "clip_grad_norm_" in " ".join(d["fixes"])
+    assert 5 <= d["evidence"]["grad_norm_p95_healthy"] <= 8
+    # the same overflow with a calm history is not blamed on the learning rate
+    assert run(l, CALM)["category"] not in ("lr_too_high", "gradient_explosion")
+
+
+def test_exp_overflow_calm_vs_divergent_and_low_precision():
+    f = {"exp_input_max": 100.4, "overflow_threshold": 88.7, "float64_rerun": {"finite": True}}
+    l = loc("aten.exp.default", api="torch.exp", facts=f, output={"nan": 0, "posinf": 1, "neginf": 0})
+    d = run(l, CALM)
+    assert d["category"] == "exp_overflow" and "88.7" in d["summary"]
+    assert run(l, H([10 * 50 ** i for i in range(8)]))["category"] == "lr_too_high"
+    f16 = dict(f, float32_rerun={"direct_finite": True, "chain_finite": True, "max_abs": 7e4})
+    assert run(loc("aten.exp.default", dtype="float16", facts=f16, output={"nan": 0, "posinf": 1, "neginf": 0}),
+               H([10 * 50 ** i for i in range(8)]))["category"] == "low_precision_overflow"
+
+
+def test_low_precision_overflow_names_module_and_float32_run():
+    f = {"float32_rerun": {"direct_finite": True, "chain_finite": True, "max_abs": 77643.0},
+         "float64_rerun": {"finite": True}, "dtype_info": {"max": 65504.0}}
+    d = run(loc("aten.addmm.default", api="torch.nn.functional.linear", dtype="float16", module="2", facts=f,
+                output={"nan": 0, "posinf": 64, "neginf": 0}), CALM)
+    assert d["category"] == "low_precision_overflow" and "module '2'" in d["summary"]
+    assert any("float()" in x or "autocast" in x for x in d["fixes"])
+
+
+def test_preexisting_data_and_params():
+    data = {"reproduced": True, "phase": "data", "origin": None, "optimizer": None, "facts": {}, "n_ops": 10,
+            "notes": [], "preexisting": {"kind": "data", "name": None, "samples": [24], "source_rows": [39],
+                                         "rows_in_tensor": [39], "stats": {"nonfinite": 1, "nan": 1, "numel": 2048},
+                                         "first_use": {"file": "/a/train.py", "line": 33}}}
+    d = run(data, CALM)
+    assert d["category"] == "bad_input_data" and "[39]" in d["summary"] and "train.py:33" in d["summary"]
+    par = dict(data, phase="params", preexisting={"kind": "param", "name": "head.weight", "samples": [],
+                                                  "source_rows": [], "rows_in_tensor": [3],
+                                                  "stats": {"nonfinite": 32, "nan": 32, "numel": 320,
+                                                            "bad_rows": [3]}})
+    d = run(par, CALM, phase="params", context={"bad_params_since": {"head.weight": 0}})
+    assert d["category"] == "param_corruption" and "head.weight" in d["summary"] and "step 0" in d["summary"]
+
+
+def test_optimizer_numerics_mentions_eps_and_state():
+    l = loc("aten._foreach_addcdiv_.ScalarList", api="torch._foreach_addcdiv_", stage="optimizer",
+            phase="optimizer", sink="optimizer", dtype="float16",
+            facts={"zero_denominator": {"zeros": 2, "numel": 2}}, output={"nan": 2, "posinf": 0, "neginf": 0})
+    l["optimizer"] = {"param": "scale", "state": "exp_avg_sq", "optimizer": "Adam", "eps": 1e-8,
+                      "param_dtype": "float16", "eps_fact": {"rounds_to_zero": True, "dtype": "float16",
+                                                              "dtype_tiny": 6.1e-05}}
+    d = run(l, CALM, phase="optimizer")
+    assert d["category"] == "optimizer_numerics"
+    assert "scale" in d["summary"] and "exp_avg_sq" in d["summary"] and "eps" in " ".join(d["fixes"])
+
+
+def test_without_localisation_uses_phase_and_history():
+    d = run(None, CALM, phase="data")
+    assert d["category"] == "bad_input_data" and "no op-level replay" in d["method"] and d["confidence"] < 0.8
+    d = run(None, CALM, phase="params", context={"params_nonfinite": ["fc.weight"], "bad_params_since": {"fc.weight": 4}})
+    assert d["category"] == "param_corruption" and "fc.weight" in d["summary"] and "step 4" in d["summary"]
+    d = run(None, H([10 * 300 ** i for i in range(6)]), phase="forward")
+    assert d["category"] == "lr_too_high"
+    scales = [65536.0 / 2 ** i for i in range(10)]
+    d = run(None, H([1.0] * 10, scales=scales, skipped=[1] * 10), phase="backward")
+    assert d["category"] == "loss_scale_collapse"
+    d = run(None, CALM, phase="optimizer", context={"optimizer": "Adam", "eps": 1e-8})
+    assert d["category"] == "optimizer_numerics"
+    d = run({"reproduced": False, "phase": None, "origin": None, "preexisting": None, "optimizer": None,
+             "facts": {}, "n_ops": 5, "notes": []}, CALM, phase="forward")
+    assert d["category"] == "other" and "did not reproduce" in d["method"]
+
+
+def test_history_with_missing_and_non_finite_values():
+    hist = H([1.0, None, float("nan"), 0.9, float("inf")], [1.0, None, 2.0, float("nan"), None])
+    sig = history_signals(hist)
+    assert sig["geometric_growth"] is False and sig["grad_jump"] is False
+    assert run(None, hist, phase="forward")["category"] == "other"
+    assert run(None, [], phase="forward")["category"] == "other"
+
+
+def test_constant_reaching_the_loss_is_reported_as_such():
+    l = loc("aten.masked_fill.Scalar", api="Tensor.masked_fill", kind="constant", output={"nan": 0, "posinf": 0,
+                                                                                        "neginf": 4})
+    d = run(l, CALM)
+    assert d["category"] == "other" and "constant" in d["summary"]
+
+
+@pytest.mark.parametrize("bad", [{"origin": {}}, {"facts": None}, {"origin": {"op": None, "stage": None}}])
+def test_malformed_localisations_never_raise(bad):
+    l = loc()
+    l.update(bad)
+    d = run(l, CALM)
+    assert d["category"] in ALL and math.isfinite(d["confidence"])
+
+
+def test_fractional_and_negative_powers():
+    frac = loc("aten.pow.Tensor_Scalar", api="Tensor.pow", facts={"sqrt_domain": {"exponent": 0.5, "fractional": True,
+                                                                                 "negatives": 2, "zeros": 0}},
+               output={"nan": 2, "posinf": 0, "neginf": 0})
+    assert run(frac, CALM)["category"] == "sqrt_domain"
+    neg = loc("aten.pow.Tensor_Scalar", api="Tensor.pow", facts={"sqrt_domain": {"exponent": -1, "fractional": False,
+                                                                                "negatives": 0, "zeros": 3}},
+              output={"nan": 0, "posinf": 3, "neginf": 0})
+    assert run(neg, CALM)["category"] == "div_by_zero"

@@ -1,0 +1,578 @@
+"""Tests for nanguard.locate.OpRecorder: real (tiny) training steps that go non-finite.
+
+Each scenario marks its origin line with a trailing ``# ORIGIN:<name>`` comment; the
+expected line number is read from this file so the tests do not depend on line offsets.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanguard.diagnose import diagnose
+from nanguard.locate import OpRecorder
+
+_SRC = inspect.getsource(inspect.getmodule(inspect.currentframe()))
+
+
+def line_of(tag: str) -> int:
+    """1-based line number of the line carrying ``# ORIGIN:<tag>``."""
+    for i, text in enumerate(_SRC.splitlines(), start=1):
+        if text.rstrip().endswith(f"# ORIGIN:{tag}"):
+            return i
+    raise AssertionError(f"no ORIGIN:{tag} marker")
+
+
+def mode_stacks() -> tuple[int, int]:
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    return len(_get_current_dispatch_mode_stack()), len(_get_current_function_mode_stack())
+
+
+def armed_step(model: torch.nn.Module, opt: torch.optim.Optimizer, forward, *, roots=None,
+               preexisting_arm: bool = False) -> dict:
+    """One training step (forward, backward, optimizer) under an OpRecorder, with the stage calls a guard makes."""
+    rec = OpRecorder(named_params=dict(model.named_parameters()), named_buffers=dict(model.named_buffers()),
+                     roots=[model] if roots is None else roots, optimizers=[opt])
+    rec.start()
+    try:
+        loss = forward()
+        rec.mark_loss(loss)
+        rec.set_stage("backward")
+        opt.zero_grad()
+        loss.backward()
+        rec.set_stage("optimizer")
+        opt.step()
+    finally:
+        rec.stop()
+    res = rec.result()
+    json.dumps(res, allow_nan=False)      # strictly JSON-serialisable
+    return res
+
+
+def check(res: dict, *, phase: str, tag: str | None, category: str, history=None) -> dict:
+    assert res["reproduced"], res
+    assert res["phase"] == phase, (res["phase"], res)
+    if tag is not None:
+        o = res["origin"]
+        assert o["file"] == __file__, o
+        assert o["line"] == line_of(tag), (o["line"], line_of(tag), o)
+    d = diagnose(res, history or [], phase=phase)
+    json.dumps(d, allow_nan=False)
+    assert d["category"] == category, (d["category"], d["summary"], res.get("facts"))
+    assert 0.0 <= d["confidence"] <= 1.0 and d["fixes"] and d["summary"]
+    return d
+
+
+def calm_history(n: int = 6) -> list[dict]:
+    return [{"step": i, "loss": 1.0 - 0.05 * i, "grad_norm": 1.0 + 0.1 * (i % 3), "group_grad_norms": [1.0],
+             "param_norm": 5.0, "update_ratio": 0.01, "lr": [0.1], "loss_scale": None, "skipped": False}
+            for i in range(n)]
+
+
+# --------------------------------------------------------------------------- forward origins
+def test_log_of_saturated_sigmoid_is_log_domain():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    with torch.no_grad():
+        model.weight.fill_(10.0)
+    x = torch.ones(8, 4)
+    y = torch.zeros(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def fwd():
+        p = torch.sigmoid(model(x))
+        return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()  # ORIGIN:bce
+
+    res = armed_step(model, opt, fwd)
+    o = res["origin"]
+    assert o["op"] == "aten.log.default" and o["api"] == "torch.log" and o["stage"] == "forward"
+    assert res["facts"]["log_domain"]["zeros"] == 8
+    assert res["facts"]["float64_rerun"]["finite"] is False
+    d = check(res, phase="forward", tag="bce", category="log_domain", history=calm_history())
+    assert any("binary_cross_entropy_with_logits" in f for f in d["fixes"])
+    assert "test_locate.py:%d" % line_of("bce") in d["summary"]
+
+
+def test_mean_over_empty_group_is_div_by_zero():
+    torch.manual_seed(0)
+    enc = torch.nn.Linear(3, 5)
+    opt = torch.optim.SGD(enc.parameters(), lr=0.1)
+    feats = torch.randn(6, 3)
+    assign = torch.tensor([[1., 1., 0., 0., 1., 1.], [0., 0., 1., 1., 0., 0.], [0., 0., 0., 0., 0., 0.]])
+
+    def fwd():
+        h = enc(feats)
+        ent = assign @ h / assign.sum(-1, keepdim=True)  # ORIGIN:div
+        return ent.pow(2).mean()
+
+    res = armed_step(enc, opt, fwd)
+    zd = res["facts"]["zero_denominator"]
+    assert zd["zeros"] == 1 and zd["zero_over_zero"] == 5 and zd["from_reduction"]
+    assert res["origin"]["samples"] == [2]
+    check(res, phase="forward", tag="div", category="div_by_zero")
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.head = torch.nn.Linear(d, 2)
+
+    def forward(self, x, pad):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = (q @ k.transpose(1, 2)).masked_fill(pad[:, None, :], float("-inf"))
+        att = torch.softmax(scores, dim=-1)  # ORIGIN:softmax
+        return self.head((att @ v).mean(1))
+
+
+def _attention_step(pad: torch.Tensor) -> dict:
+    torch.manual_seed(0)
+    model = TinyAttention()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(pad.shape[0], pad.shape[1], 8)
+    y = torch.zeros(pad.shape[0], dtype=torch.long)
+    return armed_step(model, opt, lambda: F.cross_entropy(model(x, pad), y))
+
+
+def test_all_masked_softmax_row_is_masked_softmax_with_module_path():
+    pad = torch.zeros(4, 5, dtype=torch.bool)
+    pad[2] = True                       # an all-padding sequence
+    res = _attention_step(pad)
+    assert res["origin"]["module"] == "" and res["origin"]["module_type"] == "TinyAttention"
+    sm = res["facts"]["softmax_all_masked_rows"]
+    assert sm["count"] == 5 and sm["batch_rows"] == [2]
+    check(res, phase="forward", tag="softmax", category="masked_softmax")
+
+
+def test_partially_masked_attention_is_not_reported():
+    pad = torch.zeros(4, 5, dtype=torch.bool)
+    pad[:, 3:] = True                   # -inf masks, but every row keeps finite entries
+    res = _attention_step(pad)
+    assert res["reproduced"] is False and res["origin"] is None and res["phase"] is None
+
+
+@pytest.mark.filterwarnings("ignore:std")
+def test_std_of_single_sample_is_variance_zero():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xb = torch.randn(1, 4)
+
+    def fwd():
+        z = (xb - xb.mean(0)) / xb.std(0)  # ORIGIN:std
+        return F.cross_entropy(model(z), torch.tensor([1]))
+
+    res = armed_step(model, opt, fwd)
+    sv = res["facts"]["std_var"]
+    assert sv["n"] == 1 and sv["degenerate"] is True
+    check(res, phase="forward", tag="std", category="variance_zero")
+
+
+def test_kl_div_with_log_target_is_kl_misuse():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 6)
+
+    def fwd():
+        lp, lq = F.log_softmax(model(x), -1), F.log_softmax(model(x), -1)
+        return F.kl_div(lp, lq, reduction="batchmean")  # ORIGIN:kl
+
+    res = armed_step(model, opt, fwd)
+    assert res["origin"]["api"] == "torch.nn.functional.kl_div"
+    kl = res["facts"]["kl_div"]
+    assert kl["log_target"] is False and kl["target_looks_like_log_probs"] is True
+    d = check(res, phase="forward", tag="kl", category="kl_misuse")
+    assert any("log_target=True" in f for f in d["fixes"])
+
+
+def test_acos_beyond_one_is_trig_domain():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    a = torch.randn(5, 3)
+
+    def fwd():
+        cos = (model(a) * model(a)).sum(-1) / model(a).pow(2).sum(-1) * 1.5
+        return torch.acos(cos).mean()  # ORIGIN:acos
+
+    res = armed_step(model, opt, fwd)
+    assert res["facts"]["trig_domain"]["abs_gt_1"] == 5
+    check(res, phase="forward", tag="acos", category="trig_domain")
+
+
+def test_handwritten_softmax_exp_overflow():
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        fc.weight.fill_(30.0)
+    opt = torch.optim.SGD(fc.parameters(), lr=0.1)
+    x = torch.ones(2, 4)
+
+    def fwd():
+        z = fc(x)
+        probs = torch.exp(z) / torch.exp(z).sum(1, keepdim=True)  # ORIGIN:exp
+        return -torch.log(probs[:, 0]).mean()
+
+    res = armed_step(fc, opt, fwd)
+    assert res["origin"]["op"] == "aten.exp.default"
+    assert res["facts"]["exp_input_max"] > res["facts"]["overflow_threshold"]
+    assert res["facts"]["float64_rerun"]["finite"] is True
+    check(res, phase="forward", tag="exp", category="exp_overflow", history=calm_history())
+
+
+def test_float16_linear_overflow_names_module():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).half()
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[2].weight.fill_(300.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    x = (torch.rand(4, 4) * 100 + 50).half()
+
+    def fwd():
+        pred = model(x)  # ORIGIN:fp16
+        return pred.float().abs().mean()
+
+    res = armed_step(model, opt, fwd)
+    o = res["origin"]
+    assert o["module"] == "2" and o["dtype"] == "float16" and o["module_type"] == "Linear"
+    assert res["facts"]["float32_rerun"]["direct_finite"] is True
+    d = check(res, phase="forward", tag="fp16", category="low_precision_overflow")
+    assert "'2'" in d["summary"]
+
+
+def test_float16_eps_underflow():
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(4, 3).half()
+    with torch.no_grad():
+        fc.weight.zero_()
+        fc.bias.copy_(torch.tensor([0.0, 25.0, 0.0]))
+    opt = torch.optim.SGD(fc.parameters(), lr=0.1)
+    x = torch.randn(4, 4).half()
+    target = F.one_hot(torch.tensor([0, 1, 2, 1]), 3).half()
+
+    def fwd():
+        probs = torch.softmax(fc(x), dim=-1)
+        return -(target * torch.log(probs + 1e-8)).sum(-1).mean()  # ORIGIN:eps16
+
+    res = armed_step(fc, opt, fwd)
+    eps = res["facts"]["eps_constants"]
+    assert eps and eps[0]["rounds_to_zero"] is True and eps[0]["dtype"] == "float16"
+    assert res["facts"]["float32_rerun"]["chain_finite"] is True
+    check(res, phase="forward", tag="eps16", category="low_precision_underflow")
+
+
+def test_float32_log_of_rounded_probability_is_not_low_precision():
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        fc.weight.fill_(20.0)
+    opt = torch.optim.SGD(fc.parameters(), lr=0.1)
+    x = torch.ones(3, 2)
+
+    def fwd():
+        p = torch.sigmoid(fc(x)).clamp(max=1 - 1e-12)        # 1 - 1e-12 is 1.0 in float32: no effect
+        return -torch.log(1 - p).mean()  # ORIGIN:f32eps
+
+    res = armed_step(fc, opt, fwd)
+    assert res["origin"]["dtype"] == "float32" and "float32_rerun" not in res["facts"]
+    check(res, phase="forward", tag="f32eps", category="log_domain")
+
+
+# --------------------------------------------------------------------------- backward origins
+def test_sqrt_of_zero_distance_is_a_backward_sqrt_domain():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(5, 3)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    x = torch.randn(6, 5)
+    i, j = torch.tensor([0, 1, 2, 3]), torch.tensor([4, 1, 5, 0])   # pair (1, 1) is a self-pair
+
+    def fwd():
+        za, zb = net(x[i]), net(x[j])
+        dist = torch.sqrt(((za - zb) ** 2).sum(-1))  # ORIGIN:sqrt
+        return dist.pow(2).mean() + torch.relu(2.0 - dist).mean()
+
+    res = armed_step(net, opt, fwd)
+    o = res["origin"]
+    assert o["stage"] == "backward" and o["autograd_node"] == "SqrtBackward0"
+    assert o["forward_op"] == "aten.sqrt.default" and o["forward_line"] == line_of("sqrt")
+    assert res["facts"]["sqrt_domain"]["zeros"] == 1
+    assert res["sink"]["kind"] == "grad"
+    check(res, phase="backward", tag="sqrt", category="sqrt_domain")
+
+
+def test_vector_norm_at_zero_is_clean():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(5, 3)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    x = torch.randn(4, 5)
+
+    def fwd():
+        za, zb = net(x), net(x[[0, 1, 3, 3]])
+        return torch.linalg.vector_norm(za - zb, dim=1).mean() + (za - zb).norm(dim=1).mean()
+
+    res = armed_step(net, opt, fwd)
+    assert res["reproduced"] is False and res["origin"] is None
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters())
+
+
+class Policy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+    def forward(self, s, legal, safe: bool):
+        probs = torch.softmax(self.body(s), -1) * legal
+        probs = probs / probs.sum(-1, keepdim=True)
+        if safe:
+            pos = probs > 0
+            return torch.where(pos, torch.log(torch.where(pos, probs, torch.ones_like(probs))), 0.0)
+        return torch.where(probs > 0, torch.log(probs), torch.zeros_like(probs))  # ORIGIN:wherelog
+
+
+def _policy_step(safe: bool) -> dict:
+    torch.manual_seed(0)
+    pol = Policy()
+    opt = torch.optim.Adam(pol.parameters(), lr=1e-3)
+    s = torch.randn(5, 4)
+    legal = torch.ones(5, 3)
+    legal[1, 2] = 0.0
+
+    def fwd():
+        logp = pol(s, legal, safe)
+        return -(logp[:, 0].mean()) + 0.01 * (logp.exp() * logp).sum(-1).mean()
+
+    return armed_step(pol, opt, fwd)
+
+
+def test_where_hides_log_zero_but_not_its_gradient():
+    res = _policy_step(safe=False)
+    o = res["origin"]
+    assert o["autograd_node"] == "LogBackward0" and o["forward_op"] == "aten.log.default"
+    assert o["module"] == "" and res["facts"]["where_trap"] is True
+    check(res, phase="backward", tag="wherelog", category="where_gradient_trap")
+
+
+def test_double_where_safe_log_is_clean():
+    res = _policy_step(safe=True)
+    assert res["reproduced"] is False
+
+
+def test_where_over_exp_overflow_traps_gradient_from_forward_op():
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        fc.weight.fill_(60.0)
+    opt = torch.optim.SGD(fc.parameters(), lr=0.1)
+    x = torch.ones(3, 2)
+
+    def fwd():
+        z = fc(x)
+        return torch.where(z < 50, torch.exp(z), z).mean()  # ORIGIN:whereexp
+
+    res = armed_step(fc, opt, fwd)
+    assert res["phase"] == "backward" and res["origin"]["stage"] == "forward"
+    assert res["facts"]["where_trap"] is True
+    check(res, phase="backward", tag="whereexp", category="where_gradient_trap")
+
+
+# --------------------------------------------------------------------------- pre-existing values
+def test_nan_sample_in_dataset_is_bad_input_data_with_source_row():
+    torch.manual_seed(0)
+    data = torch.randn(20, 3)
+    data[7, 1] = float("nan")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    idx = torch.tensor([3, 9, 7, 0])
+
+    res = armed_step(model, opt, lambda: model(data[idx]).pow(2).mean())
+    pre = res["preexisting"]
+    assert res["phase"] == "data" and res["origin"] is None
+    assert pre["kind"] == "data" and pre["samples"] == [2] and pre["source_rows"] == [7]
+    assert pre["rows_in_tensor"] == [7]
+    d = diagnose(res, [], phase="forward")
+    assert d["category"] == "bad_input_data" and "[7]" in d["summary"]
+
+
+def test_nan_parameter_before_step_is_param_corruption():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with torch.no_grad():
+        model[2].weight[1, 0] = float("nan")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(5, 3)
+    res = armed_step(model, opt, lambda: F.cross_entropy(model(x), torch.zeros(5, dtype=torch.long)))
+    assert res["phase"] == "params" and res["preexisting"]["kind"] == "param"
+    assert res["preexisting"]["name"] == "2.weight"
+    d = diagnose(res, [], phase="params")
+    assert d["category"] == "param_corruption" and "2.weight" in d["summary"]
+
+
+def test_parameter_written_non_finite_while_armed_is_param_corruption():
+    """Armed before the model is set up (first_bad_step == 0): names are learnt from the modules."""
+    torch.manual_seed(0)
+    given: dict = {}
+    rec = OpRecorder(named_params=given, named_buffers={})
+    rec.start()
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        feats = model[0](torch.randn(4, 3))
+        labels = torch.tensor([0, 0, 0, 0])
+        with torch.no_grad():
+            for c in range(2):
+                model[1].weight[c] = feats[labels == c].mean(0)  # ORIGIN:imprint
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = F.cross_entropy(model(torch.randn(4, 3)), labels)
+        rec.mark_loss(loss)
+        rec.set_stage("backward")
+        loss.backward()
+        rec.set_stage("optimizer")
+        opt.step()
+    finally:
+        rec.stop()
+    given["net:1.weight"] = model[1].weight     # the caller learns the names late; its names win
+    res = rec.result()
+    assert res["phase"] == "params"
+    pre = res["preexisting"]
+    assert pre["kind"] == "param" and pre["name"] == "net:1.weight" and pre["rows_in_tensor"] == [1]
+    assert pre["written_by"]["line"] == line_of("imprint")
+    d = diagnose(res, [], phase="params")
+    assert d["category"] == "param_corruption"
+
+
+# --------------------------------------------------------------------------- optimizer origins
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adam_zero_eps_zero_grad_is_optimizer_numerics(foreach):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    unused = torch.nn.Parameter(torch.ones(2))      # gets an all-zero gradient
+    opt = torch.optim.Adam(list(model.parameters()) + [unused], lr=1e-3, eps=0.0, foreach=foreach)
+    x = torch.randn(4, 3)
+    named = dict(model.named_parameters())
+    named["scale"] = unused
+    rec = OpRecorder(named_params=named, named_buffers={}, roots=[model], optimizers=[opt])
+    with rec:
+        loss = model(x).pow(2).mean() + 0.0 * unused.sum()
+        rec.mark_loss(loss)
+        rec.set_stage("backward")
+        loss.backward()
+        rec.set_stage("optimizer")
+        opt.step()
+    res = rec.result()
+    json.dumps(res, allow_nan=False)
+    assert res["reproduced"] and res["phase"] == "optimizer" and res["origin"]["stage"] == "optimizer"
+    assert res["optimizer"]["param"] == "scale" and res["optimizer"]["state"] == "exp_avg_sq"
+    d = diagnose(res, [], phase="optimizer")
+    assert d["category"] == "optimizer_numerics" and "scale" in d["summary"]
+
+
+# --------------------------------------------------------------------------- robustness
+def test_odd_tensors_inplace_views_and_non_tensor_outputs_do_not_break_recording():
+    before = mode_stacks()
+    n_hooks = len(torch.nn.modules.module._global_forward_hooks)
+    rec = OpRecorder(named_params={}, named_buffers={})
+    with rec:
+        a = torch.arange(6).reshape(2, 3)                    # integer
+        b = a > 2                                           # bool
+        c = torch.randn(3, dtype=torch.complex64) * 2       # complex
+        s = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([1.0, float("nan")]), (3,),
+                                    check_invariants=False)
+        (s * 2).coalesce()
+        m = torch.empty(4, 4, device="meta") + 1
+        x = torch.randn(4, 4)
+        v = x[1:3]
+        v.masked_fill_(v > 0, float("inf"))                 # in-place through a view: constant infinities
+        x.clamp_(max=1.0)                                   # ... made finite again in place
+        parts = list(torch.split(x, 2))
+        torch._foreach_mul_(parts, 2.0)
+        _ = (x.sum().item(), x.shape, x.tolist(), a.sum().item(), c.abs().sum().item(), b.any().item())
+        loss = x.sum()
+        rec.mark_loss(loss)
+    assert mode_stacks() == before
+    assert len(torch.nn.modules.module._global_forward_hooks) == n_hooks
+    res = rec.result()
+    json.dumps(res, allow_nan=False)
+    assert res["reproduced"] is False and res["n_ops"] > 10 and m.is_meta
+    assert not any("recorder error" in n for n in res["notes"]), res["notes"]
+
+
+def test_stop_is_idempotent_and_cleans_up_after_an_exception():
+    before = mode_stacks()
+    rec = OpRecorder(named_params={}, named_buffers={})
+    with pytest.raises(RuntimeError):
+        with rec:
+            torch.randn(3) + 1
+            raise RuntimeError("boom")
+    rec.stop()
+    rec.stop()
+    assert mode_stacks() == before
+    assert rec.result()["reproduced"] is False
+
+
+def test_start_and_stop_from_different_call_frames_and_foreign_mode_on_top():
+    """A guard starts in one hook and stops in another; a user mode pushed in between stays in place."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+    class UserMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    before = mode_stacks()
+    rec = OpRecorder(named_params={}, named_buffers={})
+
+    def hook_a():
+        rec.start()
+
+    def hook_b():
+        rec.stop()
+
+    hook_a()
+    user = UserMode()
+    user.__enter__()
+    torch.ones(2) * float("nan")
+    hook_b()
+    assert _get_current_dispatch_mode_stack()[-1] is user
+    user.__exit__(None, None, None)
+    assert mode_stacks() == before
+
+
+def test_many_ops_are_recorded_quickly():
+    import time
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(4, 16)
+    rec = OpRecorder(named_params={"w": w}, named_buffers={})
+    t0 = time.perf_counter()
+    with rec:
+        h = x
+        for _ in range(400):
+            h = torch.tanh(h @ w) + h * 0.5
+        loss = h.pow(2).mean()
+        rec.mark_loss(loss)
+        rec.set_stage("backward")
+        loss.backward()
+    res = rec.result()
+    assert res["n_ops"] > 3000
+    assert time.perf_counter() - t0 < 20     # generous: shared CI machines; ~40 us/op when idle
+    assert res["reproduced"] is False
+
+
+def test_where_over_sqrt_at_zero_is_a_where_trap_but_plain_use_is_not():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+
+    def fwd():
+        z = net(x)
+        d = (z[:, 0] - z[:, 0].detach()).pow(2)              # exactly 0 everywhere, differentiable
+        r = torch.where(d > 0, torch.sqrt(d), torch.zeros_like(d))  # ORIGIN:wheresqrt
+        return r.sum() + z.pow(2).mean()
+
+    res = armed_step(net, opt, fwd)
+    assert res["origin"]["autograd_node"] == "SqrtBackward0" and res["facts"]["where_trap"] is True
+    check(res, phase="backward", tag="wheresqrt", category="where_gradient_trap")
