@@ -39,10 +39,10 @@ left out; a plain skip is used only if ``skip_step`` is allowed). Whatever the
 category, weights that are already non-finite are never trained on: they are
 rolled back to a healthy snapshot, or the run stops.
 
-Budget: at most ``max_recoveries`` (10) recoveries in ``window`` (100) steps, at
-most ``max_consecutive`` (3) failing steps in a row, and, for bad input data
-(skipped without touching the weights), at most ``max_data_skips`` (25) in the
-window. Past it the run stops with the full diagnosis (``NonFiniteError``, or
+Budget: at most ``max_recoveries`` (10) recoveries in ``window`` (100) steps and
+at most ``max_consecutive`` (3) failing steps in a row; for bad input data
+(batches skipped without touching the weights) at most ``max_data_skips`` (50)
+in the window and ``max_consecutive_data`` (8) in a row. Past it the run stops with the full diagnosis (``NonFiniteError``, or
 exit status 3 for ``nanguard run``): a deterministic bug that recurs every step
 is reported, not skipped forever. A plain rollback (nothing else changed) whose
 replay of the same state, data and RNG fails again at the same point stops too. A recovery is never silent: each is an event
@@ -433,7 +433,8 @@ class RecoveryPolicy:
     """Chooses and applies recovery actions, within a budget; records every action."""
 
     def __init__(self, allowed: Optional[Sequence[str]] = None, *, auto: bool = True, max_recoveries: int = 10,
-                 window: int = 100, max_consecutive: int = 3, max_data_skips: int = 25,
+                 window: int = 100, max_consecutive: int = 3, max_data_skips: int = 50,
+                 max_consecutive_data: int = 8,
                  snapshot_every: int = 10, keep_snapshots: int = 3, recent_snapshots: int = 2,
                  recent_max_bytes: int = 256 * 2 ** 20, lr_factor: float = 0.1, clip_quantile: float = 0.25,
                  quiet: bool = False) -> None:
@@ -445,7 +446,7 @@ class RecoveryPolicy:
         self.allowed = list(allowed) if allowed else list(ACTIONS)
         self.auto = auto
         self.max_recoveries, self.window, self.max_consecutive = max_recoveries, window, max_consecutive
-        self.max_data_skips = max_data_skips
+        self.max_data_skips, self.max_consecutive_data = max_data_skips, max_consecutive_data
         self.snapshot_every, self.keep, self.recent_n = snapshot_every, keep_snapshots, recent_snapshots
         self.recent_max_bytes = recent_max_bytes
         self.lr_factor, self.clip_quantile = lr_factor, clip_quantile
@@ -501,9 +502,12 @@ class RecoveryPolicy:
         run = 1
         while step - run in done:
             run += 1
-        if run > self.max_consecutive:
-            return (f"the failure recurred {run} steps in a row (limit {self.max_consecutive}): a deterministic "
-                    f"bug, not a rare bad batch; recovery would only hide it")
+        limit = self.max_consecutive_data if data else self.max_consecutive
+        if run > limit:
+            what = "batches in a row held non-finite data" if data else "the failure recurred"
+            return (f"{what} {run} steps in a row (limit {limit}): " +
+                    ("most of the data is bad, skipping would train on what is left" if data else
+                     "a deterministic bug, not a rare bad batch; recovery would only hide it"))
         return None
 
     def _check_replay(self, step: int, category: str) -> Optional[str]:
