@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 import warnings
 from typing import Any, Callable, List, Optional
 
@@ -88,7 +89,9 @@ class Watcher:
         orig_init = torch.optim.Optimizer.__init__
         orig_backward = torch.autograd.backward
         orig_scaler_step = gs.GradScaler.step
-        self._orig = {"init": orig_init, "backward": orig_backward, "scaler_step": orig_scaler_step}
+        orig_scale = gs.GradScaler.scale
+        self._orig = {"init": orig_init, "backward": orig_backward, "scaler_step": orig_scaler_step,
+                      "scale": orig_scale}
 
         def init(opt, *a, **k):
             orig_init(opt, *a, **k)
@@ -100,9 +103,17 @@ class Watcher:
         def scaler_step(scaler, optimizer, *a, **k):
             return w._scaler_step(orig_scaler_step, scaler, optimizer, a, k)
 
+        def scale(scaler, outputs):
+            out = orig_scale(scaler, outputs)
+            if isinstance(out, torch.Tensor) and isinstance(getattr(scaler, "_scale", None), torch.Tensor):
+                # Remember it, so the history records the user's loss, not loss * scale.
+                w._scaled = (weakref.ref(out), scaler._scale)
+            return out
+
         torch.optim.Optimizer.__init__ = init
         torch.autograd.backward = backward
         gs.GradScaler.step = scaler_step
+        gs.GradScaler.scale = scale
         self._handles = [
             oo.register_optimizer_step_pre_hook(self._opt_pre),
             oo.register_optimizer_step_post_hook(self._opt_post),
@@ -119,6 +130,7 @@ class Watcher:
         torch.optim.Optimizer.__init__ = self._orig["init"]
         torch.autograd.backward = self._orig["backward"]
         gs.GradScaler.step = self._orig["scaler_step"]
+        gs.GradScaler.scale = self._orig["scale"]
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -267,7 +279,7 @@ class Watcher:
             return orig(tensors, *a, **k)
         ts = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in (tensors or [])
                                                                     if isinstance(t, torch.Tensor)]
-        self._guarded(lambda: self.monitor.on_backward(ts))
+        self._guarded(lambda: self.monitor.on_backward(self._unscaled(ts)))
         by_backward = not self.monitor.views
         groups = None
         if by_backward:
@@ -289,6 +301,14 @@ class Watcher:
             self._guarded(lambda: self.monitor.end_step(None, params=groups))
             self._step_started(None)
         return out
+
+    def _unscaled(self, ts: List[torch.Tensor]) -> List[torch.Tensor]:
+        scaled = getattr(self, "_scaled", None)
+        if scaled is None:
+            return ts
+        ref, scale = scaled
+        self._scaled = None
+        return [t.detach() / scale if t is ref() else t for t in ts]
 
     def _backward_params(self, ts: List[torch.Tensor]) -> List[List[torch.Tensor]]:
         params = [p for r in list(self.monitor.roots) for p in r.parameters() if p.requires_grad]
