@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import platform
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -117,20 +116,8 @@ def save_bundle(path: str, *, step: int, phase: str, batch: Any, model_state: Di
             "optimizer_states": [_plain(s) for s in optimizer_states],
             "scaler_state": _plain(scaler_state), "rng": _plain(rng), "config": _plain(config or {}),
             "versions": versions(), "event": _plain(event or {})}
-    path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".nanguard-bundle-", suffix=".tmp", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        torch.save(data, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
+    from .report import write_atomic
+    return write_atomic(path, lambda tmp: torch.save(data, tmp))
 
 
 def load_bundle(path: str) -> Bundle:

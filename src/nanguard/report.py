@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 SCHEMA = "nanguard.report/1"
 PHASES = ("data", "params", "forward", "backward", "optimizer", "eval")
@@ -101,16 +101,15 @@ def _json_safe(obj: Any) -> Any:
     return str(obj)
 
 
-def write_json_atomic(path: str, data: Any) -> None:
+def write_atomic(path: str, write: Callable[[str], None], suffix: str = ".tmp") -> str:
+    """Write through ``write(tmp_path)`` then rename over ``path``: readers never see half a file."""
     path = os.path.abspath(path)
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".nanguard-", suffix=".json.tmp", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=".nanguard-", suffix=suffix, dir=folder)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -118,6 +117,16 @@ def write_json_atomic(path: str, data: Any) -> None:
         except OSError:
             pass
         raise
+    return path
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+    write_atomic(path, write, ".json.tmp")
 
 
 class NonFiniteError(RuntimeError):

@@ -176,3 +176,23 @@ class HookedGuard:
             return None
         self.end_batch()
         return self.guard.close()
+
+
+class DriverResults:
+    """What both framework callbacks expose: the guard, its report, and why it stopped."""
+
+    driver: HookedGuard
+
+    @property
+    def guard(self):
+        return self.driver.guard
+
+    @property
+    def report(self):
+        """The :class:`nanguard.Report` (None before training starts)."""
+        return self.driver.report
+
+    @property
+    def stopped(self):
+        """The event that made the callback stop training, or None."""
+        return self.driver.stopped

@@ -54,12 +54,12 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("nanguard.integrations.hf needs transformers: pip install 'nanguard[transformers]'") from e
 
-from ._driver import HookedGuard
+from ._driver import DriverResults, HookedGuard
 
 __all__ = ["NanGuardCallback"]
 
 
-class NanGuardCallback(_TrainerCallback):
+class NanGuardCallback(DriverResults, _TrainerCallback):
     """Catch, localize, diagnose and (optionally) recover from the first NaN/Inf of a Trainer run.
 
     Args:
@@ -84,19 +84,6 @@ class NanGuardCallback(_TrainerCallback):
         self.model: Any = None
         self._handles: list = []
 
-    @property
-    def guard(self):
-        return self.driver.guard
-
-    @property
-    def report(self):
-        """The :class:`nanguard.Report` (None before training starts)."""
-        return self.driver.report
-
-    @property
-    def stopped(self):
-        """The event that made the callback stop training, or None."""
-        return self.driver.stopped
 
     # ------------------------------------------------------------------ wiring
     def attach(self, trainer) -> "NanGuardCallback":

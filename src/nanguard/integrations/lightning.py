@@ -52,12 +52,12 @@ except ImportError:  # pragma: no cover - depends on the environment
     except ImportError as e:
         raise ImportError("nanguard.integrations.lightning needs Lightning: pip install 'nanguard[lightning]'") from e
 
-from ._driver import HookedGuard
+from ._driver import DriverResults, HookedGuard
 
 __all__ = ["NanGuardCallback"]
 
 
-class NanGuardCallback(_Callback):
+class NanGuardCallback(DriverResults, _Callback):
     """Catch, localize, diagnose and (optionally) recover from the first NaN/Inf of a Lightning run.
 
     Args:
@@ -82,21 +82,6 @@ class NanGuardCallback(_Callback):
         self._handles: list = []
         self._module: Any = None
         self._trainer: Any = None
-
-    # ------------------------------------------------------------------ results
-    @property
-    def guard(self):
-        return self.driver.guard
-
-    @property
-    def report(self):
-        """The :class:`nanguard.Report` (None before training starts)."""
-        return self.driver.report
-
-    @property
-    def stopped(self):
-        """The event that made the callback stop training, or None."""
-        return self.driver.stopped
 
     # ------------------------------------------------------------------ setup / teardown
     def on_train_start(self, trainer, pl_module) -> None:
