@@ -173,55 +173,123 @@ def _q(xs: List[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def time_model(name: str, args) -> Dict[str, Any]:
+class CpuMeter:
+    """CPU time used by *other* processes on this machine (``/proc/stat`` minus this process).
+
+    A shared machine (other jobs, test suites) can slow a 2-thread step 10x in bursts. The
+    benchmark waits for a quiet machine before each block and flags the blocks during which
+    others used CPU; the headline ratios use the quiet blocks (selected by this external
+    signal, never by the step times themselves, so no configuration is favoured).
+    """
+
+    def __init__(self) -> None:
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.ncpu = os.cpu_count() or 1
+        try:
+            self.sample()
+            self.ok = True
+        except (OSError, ValueError, IndexError):
+            self.ok = False
+
+    @staticmethod
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        busy = sum(v) - v[3] - v[4]  # all but idle and iowait
+        with open("/proc/self/stat") as f:
+            st = f.read().rsplit(")", 1)[1].split()
+        return time.perf_counter(), busy, int(st[11]) + int(st[12])  # utime + stime, all threads
+
+    def others(self, a, b) -> float:
+        """Share of the machine's CPU capacity used by other processes between samples a and b."""
+        if not self.ok:
+            return 0.0
+        dt = max(b[0] - a[0], 1e-6)
+        return max(0.0, ((b[1] - a[1]) - (b[2] - a[2])) / (dt * self.hz * self.ncpu))
+
+    def wait_quiet(self, threshold: float, max_wait: float, probe: float = 0.25) -> float:
+        """Sleep until other processes use < threshold of the machine (or max_wait passes)."""
+        if not self.ok or max_wait <= 0:
+            return 0.0
+        t0 = time.perf_counter()
+        while True:
+            a = self.sample()
+            time.sleep(probe)
+            if self.others(a, self.sample()) < threshold or time.perf_counter() - t0 >= max_wait:
+                return time.perf_counter() - t0
+
+
+QUIET = 0.10  # a block is "quiet" when other processes used < 10% of the machine's CPU during it
+
+
+def time_model(name: str, args, meter: CpuMeter) -> Dict[str, Any]:
     from .models import MAKERS
 
     bench = MAKERS[name]()
     r = Runner(bench)
     # Warm-up: a few plain steps (allocator, AdamW state), then one short block of each config.
     r.block("unguarded", 3, 0)
-    warm = {c: r.block(c, 0, 2) for c in CONFIGS}
-    per_round = sum(statistics.median(v) for v in warm.values()) * (args.block + 1)
-    if args.rounds:
-        rounds = args.rounds
-    else:
-        rounds = int(max(args.min_rounds, min(args.max_rounds, args.seconds / max(per_round, 1e-6))))
+    for c in CONFIGS:
+        r.block(c, 0, 2)
     load_before = os.getloadavg()
     rng = random.Random(1234)
-    samples: Dict[str, List[float]] = {c: [] for c in CONFIGS}
-    block_medians: Dict[str, List[float]] = {c: [] for c in CONFIGS}
-    t_start = time.time()
-    for _ in range(rounds):
+    blocks: List[Dict[str, Any]] = []
+    waited = 0.0
+    t_start = time.perf_counter()
+    rounds = 0
+    while rounds < args.min_rounds or (time.perf_counter() - t_start < args.seconds and rounds < args.max_rounds):
+        if args.rounds and rounds >= args.rounds:
+            break
         order = CONFIGS[:]
         rng.shuffle(order)
         for c in order:
+            budget = args.max_wait - waited
+            waited += meter.wait_quiet(QUIET / 2, min(args.block_wait, budget))
+            a = meter.sample()
             ts = r.block(c, 1, args.block)
-            samples[c].extend(ts)
-            block_medians[c].append(statistics.median(ts))
-    wall = time.time() - t_start
-    base = statistics.median(samples["unguarded"])
-    base25 = _q(samples["unguarded"], 0.25)
+            blocks.append({"round": rounds, "config": c, "times": ts, "others_cpu": meter.others(a, meter.sample())})
+        rounds += 1
+    wall = time.perf_counter() - t_start
+    quiet = [b for b in blocks if b["others_cpu"] < QUIET]
+    n_quiet = {c: sum(1 for b in quiet if b["config"] == c) for c in CONFIGS}
+    use_quiet = min(n_quiet.values()) >= max(3, rounds // 4)
+    chosen = quiet if use_quiet else blocks
     out: Dict[str, Any] = {
         "model": name, "desc": bench.desc, "n_params": bench.n_params,
         "n_param_tensors": len(r.params), "rounds": rounds, "timed_steps_per_block": args.block,
-        "wall_s": round(wall, 1), "loadavg_1min_before_after": [round(load_before[0], 2),
-                                                                   round(os.getloadavg()[0], 2)],
+        "wall_s": round(wall, 1), "waited_for_quiet_s": round(waited, 1),
+        "blocks_quiet": len(quiet), "blocks_total": len(blocks),
+        "headline_uses": "quiet blocks" if use_quiet else "all blocks (too few quiet ones)",
+        "loadavg_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "configs": {},
     }
-    for c in CONFIGS:
-        xs = samples[c]
-        med = statistics.median(xs)
-        paired = [a / b for a, b in zip(block_medians[c], block_medians["unguarded"])]
-        out["configs"][c] = {
-            "n": len(xs), "median_ms": round(1e3 * med, 3),
-            "p25_ms": round(1e3 * _q(xs, 0.25), 3), "p75_ms": round(1e3 * _q(xs, 0.75), 3),
-            "ratio": round(med / base, 4),
-            "ratio_paired": round(statistics.median(paired), 4),
-            "ratio_p25": round(_q(xs, 0.25) / base25, 4),  # less sensitive to CPU contention bursts
-        }
+    out["configs"] = _ratios(chosen)
+    out["configs_all_blocks"] = _ratios(blocks)
     out["guard_history_bytes_per_record"] = _history_record_bytes(r.guard)
     out["guard_alloc"] = guard_alloc_count(r)
     out["snapshot"] = snapshot_cost(r)
+    return out
+
+
+def _ratios(blocks: List[Dict[str, Any]]) -> Dict[str, Any]:
+    samples: Dict[str, List[float]] = {c: [] for c in CONFIGS}
+    by_round: Dict[int, Dict[str, float]] = {}
+    for b in blocks:
+        samples[b["config"]].extend(b["times"])
+        by_round.setdefault(b["round"], {})[b["config"]] = statistics.median(b["times"])
+    base = statistics.median(samples["unguarded"])
+    base25 = _q(samples["unguarded"], 0.25)
+    out = {}
+    for c in CONFIGS:
+        xs = samples[c]
+        paired = [d[c] / d["unguarded"] for d in by_round.values() if c in d and "unguarded" in d]
+        out[c] = {
+            "n": len(xs), "median_ms": round(1e3 * statistics.median(xs), 3),
+            "p25_ms": round(1e3 * _q(xs, 0.25), 3), "p75_ms": round(1e3 * _q(xs, 0.75), 3),
+            "ratio": round(statistics.median(xs) / base, 4),
+            "ratio_paired": round(statistics.median(paired), 4) if paired else None,
+            "ratio_p25": round(_q(xs, 0.25) / base25, 4),
+        }
     return out
 
 
@@ -493,7 +561,7 @@ def run_mem_children(models: List[str], steps: int, reps: int) -> Dict[str, Any]
 # =========================================================================== time to diagnosis
 
 
-def time_to_diagnosis(k: int, step_s: Optional[float]) -> Dict[str, Any]:
+def time_to_diagnosis(k: int, step_s: Optional[float], meter: CpuMeter, max_wait: float) -> Dict[str, Any]:
     import nanguard
     from .models import faulty_lm_loss, make_gpt
 
@@ -519,11 +587,15 @@ def time_to_diagnosis(k: int, step_s: Optional[float]) -> Dict[str, Any]:
         for i in range(k + 1):
             state["step"] = i
             b = bench.batches[i % len(bench.batches)]
+            if i == k:
+                meter.wait_quiet(QUIET / 2, max_wait)
+                m0 = meter.sample()
             t0 = time.perf_counter()
             try:
                 guard.step(b, loss_fn)
             except nanguard.NonFiniteError as e:
                 t_diag = time.perf_counter() - t0
+                others = meter.others(m0, meter.sample())
                 err = e
                 break
             healthy.append(time.perf_counter() - t0)
@@ -542,6 +614,7 @@ def time_to_diagnosis(k: int, step_s: Optional[float]) -> Dict[str, Any]:
             "failing_step_to_report_s": round(t_diag, 3),
             "in_steps": round(t_diag / one, 1),
             "report_written": os.path.getsize(report) > 0 if os.path.exists(report) else False,
+            "others_cpu_during": round(others, 3),
             "training_before_fault_s": round(t_train - t_diag, 2),
         }
     else:
@@ -561,6 +634,8 @@ def time_to_diagnosis(k: int, step_s: Optional[float]) -> Dict[str, Any]:
     msg = None
     steps_run = 0
     times: List[float] = []
+    meter.wait_quiet(QUIET / 2, max_wait)
+    m0 = meter.sample()
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -585,6 +660,7 @@ def time_to_diagnosis(k: int, step_s: Optional[float]) -> Dict[str, Any]:
         "steps_rerun": steps_run, "caught": msg is not None, "message": msg,
         "rerun_s": round(t_rerun, 3), "in_steps": round(t_rerun / one, 1),
         "median_step_s": round(med, 4), "per_step_ratio": round(med / one, 3),
+        "others_cpu_during": round(meter.others(m0, meter.sample()), 3),
         "in_steps_from_median": round(steps_run * med / one, 1),
     }
     return out
@@ -646,6 +722,11 @@ def print_tables(res: Dict[str, Any]) -> None:
         row = f"{'timed steps per config':36s}"
         for n in names:
             row += f"{timing[n]['configs']['unguarded']['n']:>26d}"
+        print(row)
+        row = f"{'quiet blocks used / all blocks':36s}"
+        for n in names:
+            t = timing[n]
+            row += f"{(str(t['blocks_quiet']) if t['headline_uses'] == 'quiet blocks' else 'all') + ' / ' + str(t['blocks_total']):>26s}"
         print(row)
         print("\nModels: " + "; ".join(f"{n}: {timing[n]['desc']}, {timing[n]['n_params'] / 1e6:.2f}M params "
                                       f"in {timing[n]['n_param_tensors']} tensors" for n in names))
@@ -727,8 +808,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     _setup()
     q = args.quick
     args.block = args.block or (2 if q else 4)
-    args.seconds = args.seconds if args.seconds is not None else (6.0 if q else 70.0)
-    args.min_rounds, args.max_rounds = (2, 3) if q else (10, 60)
+    args.seconds = args.seconds if args.seconds is not None else (6.0 if q else 50.0)
+    args.min_rounds, args.max_rounds = (2, 3) if q else (8, 60)
+    args.max_wait = 5.0 if q else 60.0   # per model: total seconds we may wait for a quiet machine
+    args.block_wait = 1.0 if q else 5.0  # ...and per block
+    meter = CpuMeter()
     k = args.fault_step if args.fault_step is not None else (3 if q else 20)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -741,7 +825,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "timing" not in skip or "memory" not in skip:
         for m in models:
             print(f"[{time.time() - t0:5.0f}s] step time: {m} ...", file=sys.stderr, flush=True)
-            tm = time_model(m, args)
+            tm = time_model(m, args, meter)
             hist_rec = tm.pop("guard_history_bytes_per_record")
             alloc = tm.pop("guard_alloc")
             snap = tm.pop("snapshot")
@@ -767,7 +851,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         step_s = None
         if "gpt" in res["timing"]:
             step_s = res["timing"]["gpt"]["configs"]["unguarded"]["median_ms"] / 1e3
-        res["diagnosis"] = time_to_diagnosis(k, step_s)
+        res["diagnosis"] = time_to_diagnosis(k, step_s, meter, 2.0 if q else 20.0)
     res["wall_s"] = round(time.time() - t0, 1)
     res["budgets"] = budgets(res)
     print_tables(res)

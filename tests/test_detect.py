@@ -370,3 +370,54 @@ def test_eval_outputs_checked_under_no_grad_and_eval_mode(tmp_path):
     assert [(e.step, e.phase) for e in rep.events] == [(3, "eval")]
     assert rep.events[0].detected["output_nan"] == 1
     assert rep.steps_watched == 3
+
+
+def test_scaler_warmup_from_a_huge_init_scale_is_not_a_collapse():
+    # GradScaler(init_scale=2**40) under float16 autocast: ~20 consecutive overflow skips while the
+    # scale halves down to a usable value. Skips above warmup_loss_scale (2**20) are warm-up.
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    mon = StepMonitor(GuardConfig())
+    mon.add_root(model)
+    mon.add_optimizer(opt)
+    dets = []
+    for x, y in _batches(30):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        loss = ((out.float() - y) ** 2).mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        dets.append(mon.check(opt, scaler))
+        skipped = dets[-1] is not None
+        scaler.step(opt)
+        scaler.update()
+        mon.end_step(opt, skipped=skipped)
+    skips = [d for d in dets if d is not None]
+    assert len(skips) >= 13  # more than max_consecutive_skips in a row...
+    assert all(d.info_only for d in skips)  # ...but all of them warm-up
+    assert dets[-1] is None
+
+
+def test_scaler_collapse_below_the_warmup_scale_still_counts():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+    mon = StepMonitor(GuardConfig())
+    mon.add_root(model)
+    mon.add_optimizer(opt)
+    w = model[0].weight
+    dets = []
+    for x, y in _batches(20):
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean() + torch.sqrt((w - w).pow(2).sum())  # NaN grads at any scale
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        dets.append(mon.check(opt, scaler))
+        scaler.step(opt)
+        scaler.update()
+        mon.end_step(opt, skipped=True)
+    first = next(i for i, d in enumerate(dets) if not d.info_only)
+    # 2**24..2**21 are warm-up; 12 counted skips from 2**20 -> the collapse at step 4 + 11
+    assert first == 15 and dets[first].detected["loss_scale_collapse"] is True

@@ -240,3 +240,21 @@ def test_fractional_and_negative_powers():
                                                                                 "negatives": 0, "zeros": 3}},
               output={"nan": 0, "posinf": 3, "neginf": 0})
     assert run(neg, CALM)["category"] == "div_by_zero"
+
+
+def test_long_accelerating_growth_is_divergence_not_other():
+    # A recurrent net whose loss grows every step for 20 steps, by factors from 1.6x to 1000x (so the
+    # ratio spread is large), then overflows: a sustained run is divergence, not "one sudden jump".
+    losses, v = [], 4.0
+    for i in range(20):
+        losses.append(v)
+        v *= 1.6 if i % 3 else (1000.0 if i > 10 else 8.0)
+    history = [{"step": i, "loss": l, "grad_norm": 1.0, "lr": [0.3]} for i, l in enumerate(losses)]
+    sig = history_signals(history)
+    assert sig["loss_growth_run"] >= 8 and sig["geometric_growth"]
+    loc = {"phase": "forward", "n_ops": 3, "sink": {"kind": "loss"},
+           "origin": {"op": "aten.mse_loss.default", "stage": "forward", "dtype": "float32",
+                      "output": {"nan": 0, "posinf": 1, "neginf": 0}},
+           "facts": {"float64_rerun": {"finite": True, "max_abs": 1e37}}}
+    cause = diagnose(loc, history, phase="forward")
+    assert cause["category"] == "lr_too_high"

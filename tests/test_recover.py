@@ -637,3 +637,33 @@ def test_run_recover_rolls_back_and_backs_off_a_diverging_run(tmp_path, monkeypa
     assert rb["rollback"]["to_step"] == 0 and rb["lr_backoff"]["lr_after"] == pytest.approx([0.01])
     final = float(capsys.readouterr().out.strip().splitlines()[-1].split("=")[1])
     assert math.isfinite(final) and final < 1.0
+
+
+def test_param_corruption_written_between_updates_is_repaired_element_wise():
+    # A no-grad in-place edit (e.g. a max-norm re-normalisation dividing a zero row by its zero norm)
+    # made some weights NaN between updates: only those elements come back from the snapshot; the
+    # rest of the edit (and the training since the snapshot) stays.
+    model, opt = make(opt="sgd")
+    p = RecoveryPolicy(quiet=True)
+    p.maybe_snapshot(0, [model], [opt], None)
+    saved = model.fc1.weight.detach().clone()
+    with torch.no_grad():
+        model.fc1.weight.mul_(0.5)  # the legitimate part of the edit
+        model.fc1.weight[0] = float("nan")  # the buggy part
+    edited = model.fc1.weight.detach().clone()
+    ev = event("param_corruption", phase="params", step=4, evidence={
+        "preexisting": {"kind": "param", "name": "fc1.weight",
+                        "written_by": {"op": "aten.div_.Tensor", "stage": "forward"}}})
+    rec = apply(p, ev, model, [opt])
+    rb = rec["actions"]["rollback"]
+    assert rb["elements_only"] and rb["elements_restored"] == saved.shape[1]
+    w = model.fc1.weight.detach()
+    assert torch.equal(w[0], saved[0]) and torch.equal(w[1:], edited[1:])
+    # its recurrence (same diagnosis, no replay) is repaired the same way, and does not count as a
+    # rollback that replays into the same failure
+    with torch.no_grad():
+        model.fc1.weight[0] = float("nan")
+    ev2 = event("param_corruption", phase="params", step=5, evidence={"same_as_step": 4})
+    rec2 = apply(p, ev2, model, [opt])
+    assert rec2 and rec2["actions"]["rollback"]["elements_only"]
+    assert torch.isfinite(model.fc1.weight).all()

@@ -47,6 +47,10 @@ class GuardConfig:
     check_data: bool = True
     min_loss_scale: float = 1.0         # a GradScaler scale below this is a collapse
     max_consecutive_skips: int = 12     # ...and so is a scaler that keeps skipping
+    # Skips while the scale is above this are warm-up and do not count toward max_consecutive_skips:
+    # a float16 overflow at scale S only says some gradient exceeds 65504 / S, an ordinary
+    # magnitude (< 0.07) above 2**20 (e.g. GradScaler(init_scale=2**40) halving down to a usable scale).
+    warmup_loss_scale: float = 2.0 ** 20
     max_events: int = 50                # events kept in the report (the rest are counted)
 
     def __post_init__(self) -> None:
@@ -403,7 +407,8 @@ class StepMonitor:
 
     def _scaler_skip(self, step: int, scale: float, d: Dict[str, Any]) -> Detection:
         """GradScaler will skip this step. Warm-up is information; a collapse is a failure."""
-        self._consecutive_skips += 1
+        if not (math.isfinite(scale) and scale > self.config.warmup_loss_scale):
+            self._consecutive_skips += 1
         d = dict(d, loss_scale=scale, consecutive_skips=self._consecutive_skips)
         collapsed = (math.isfinite(scale) and scale < self.config.min_loss_scale) or \
             self._consecutive_skips >= self.config.max_consecutive_skips

@@ -196,7 +196,11 @@ def _geometric_run(vals: list[float], min_ratio: float = 1.5) -> tuple[int, floa
 
 
 def _steady(run: int, fac: float, spread: float, min_fac: float = 2.0) -> bool:
-    """Steady geometric growth: several consecutive steps, each by a similar large factor."""
+    """Steady geometric growth: several consecutive steps, each by a similar large factor. A long run
+    (>= 8 consecutive steps, each >= 1.5x, >= min_fac on average) is divergence even when the per-step
+    factor varies a lot (e.g. a recurrent net whose growth accelerates): one sudden jump is a run of 1-2."""
+    if run >= 8 and fac >= min_fac:
+        return True
     return spread <= 10 and ((run >= 3 and fac >= min_fac) or (run >= 2 and fac >= 20.0))
 
 

@@ -6,6 +6,7 @@ was caught.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -28,6 +29,12 @@ def build_event(det: Detection, loc_run: Optional[Dict[str, Any]], history: Sequ
     phase = det.phase
     if reproduced and det.phase not in _FIXED_PHASES and loc.get("phase") in PHASES:
         phase = loc["phase"]
+    elif reproduced and det.phase == "optimizer" and loc.get("phase") == "params" \
+            and (loc.get("preexisting") or {}).get("kind") == "param":
+        # The cheap check only saw parameters non-finite after an update; the replay found them
+        # non-finite before the step (written between updates, e.g. an in-place no-grad edit):
+        # the update merely carried them along.
+        phase = "params"
     localization = _describe_localization(det, loc_run, reproduced)
     try:
         from .diagnose import diagnose
@@ -88,6 +95,10 @@ def _describe_localization(det: Detection, loc_run: Optional[Dict[str, Any]], re
 def recurrence_event(det: Detection, first: Event, history: Sequence[dict],
                      context: Optional[Dict[str, Any]] = None) -> Event:
     """A later failure: same phase as the first one -> same diagnosis (not re-localized); else diagnose anew."""
+    if det.phase == "optimizer" and first.phase == "params" and _same_params(det, first):
+        # The first failure was shown (by its replay) to be parameters corrupted outside the update;
+        # the same parameters non-finite after a later update is that corruption again.
+        det = dataclasses.replace(det, phase="params")
     if det.phase == first.phase:
         cause = dict(first.cause)
         cause["confidence"] = round(float(cause.get("confidence") or 0) * 0.8, 3)
@@ -97,3 +108,13 @@ def recurrence_event(det: Detection, first: Event, history: Sequence[dict],
                      localization={"method": f"not replayed: same phase as the failure at step {first.step}, "
                                              f"assumed to be its recurrence", "reproduced": None})
     return build_event(det, None, history, context)
+
+
+def _same_params(det: Detection, first: Event) -> bool:
+    names = set((det.detected or {}).get("nonfinite_params_after_update") or [])
+    fd = first.detected or {}
+    before = set(fd.get("nonfinite_params_after_update") or []) | set(fd.get("nonfinite_params") or [])
+    tensor = (first.origin or {}).get("tensor")
+    if tensor:
+        before.add(tensor)
+    return bool(names) and names <= before

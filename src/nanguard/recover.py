@@ -147,6 +147,36 @@ class Snapshot:
                         n += 1
         return n
 
+    def repair_nonfinite(self, modules: Sequence[torch.nn.Module]) -> int:
+        """Put back only the non-finite elements of the parameters/buffers (from this snapshot); returns
+        how many elements were restored, or -1 when a non-finite element has no finite saved value."""
+        saved, n = dict(self.modules), 0
+        plan = []
+        for m in modules:
+            sd = saved.get(id(m))
+            if sd is None:
+                continue
+            own = m.state_dict(keep_vars=True)
+            for k, t in own.items():
+                t = t.data if isinstance(t, torch.nn.Parameter) else t
+                if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.device.type == "meta":
+                    continue
+                bad = ~torch.isfinite(t)
+                if not bool(bad.any()):
+                    continue
+                v = sd.get(k)
+                if v is None or v.shape != t.shape:
+                    return -1
+                v = v.to(t.device, t.dtype)
+                if not bool(torch.isfinite(v[bad]).all()):
+                    return -1
+                plan.append((t, bad, v))
+        with torch.no_grad():
+            for t, bad, v in plan:
+                t[bad] = v[bad]
+                n += int(bad.sum())
+        return n
+
     def restore(self, modules: Sequence[torch.nn.Module], optimizers: Sequence[Any], scaler: Any = None) -> None:
         """Put everything back exactly as it was (optimizer hyperparameters excepted, see module doc)."""
         from .replay import restore_rng
@@ -226,6 +256,16 @@ def state_finite(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any] =
         if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) \
                 and t.device.type != "meta" and not bool(torch.isfinite(t).all()):
             return False
+    return True
+
+
+def _opt_state_finite(optimizers: Sequence[Any]) -> bool:
+    """True when every floating tensor of the optimizers' per-parameter state is finite."""
+    for o in optimizers:
+        for st in getattr(o, "state", {}).values():
+            for v in (st.values() if isinstance(st, dict) else ()):
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                    return False
     return True
 
 
@@ -471,6 +511,7 @@ class RecoveryPolicy:
         self.stopped_step: Optional[int] = None
         self._last_rec: Optional[tuple] = None
         self._last_rollback: Optional[Dict[str, Any]] = None
+        self._element_repairs: set = set()  # steps whose param corruption was repaired element-wise
         self._version = 0  # bumped by every action that changes how training runs (lr, clip, dtype, scale)
         self._hooks: list = []
         self._watcher: Any = None
@@ -640,6 +681,20 @@ class RecoveryPolicy:
                 if snap is None:
                     notes.append("no healthy snapshot to roll back to")
                     continue
+                if cat == "param_corruption" and event.phase == "params" and not params_ok \
+                        and self._written_outside_update(cause) and _opt_state_finite(optimizers):
+                    # Values made non-finite between updates (an in-place edit of the weights, not the
+                    # optimizer): put back only those elements, keeping the rest of the edit and the
+                    # training since the snapshot. Falls back to a full rollback if that is impossible.
+                    n = snap.repair_nonfinite(modules)
+                    if n > 0 and state_finite(modules, optimizers):
+                        done["rollback"] = {"to_step": snap.step, "steps_lost": 0, "elements_only": True,
+                                            "elements_restored": n, "snapshot_bytes": snap.nbytes,
+                                            "snapshots_kept_bytes": self.snapshot_bytes()}
+                        names.append("rollback")
+                        params_ok = True
+                        self._element_repairs.add(step)
+                        continue
                 snap.restore(modules, optimizers, scaler)
                 self._forget_after(snap.step)
                 done["rollback"] = {"to_step": snap.step, "steps_lost": step - snap.step,
@@ -701,7 +756,8 @@ class RecoveryPolicy:
             done["notes"] = notes
         if any(a in names for a in ("lr_backoff", "clip", "upcast", "loss_scale")):
             self._version += 1
-        if set(names) == {"rollback", "skip_step"}:  # a pure rollback: the replay will be identical
+        if set(names) == {"rollback", "skip_step"} and not done["rollback"].get("elements_only"):
+            # a pure rollback: the replay will be identical
             self._last_rollback = {"step": step, "to_step": done["rollback"]["to_step"], "category": cat,
                                    "version": self._version}
         (self.data_steps if cat == "bad_input_data" and names == ["skip_step"] else self.recovery_steps).append(step)
@@ -715,7 +771,10 @@ class RecoveryPolicy:
         if not self.quiet:
             from .report import print_line
             extra = ""
-            if "rollback" in done:
+            if "rollback" in done and done["rollback"].get("elements_only"):
+                extra += (f", {done['rollback']['elements_restored']} non-finite element(s) restored from "
+                          f"step {done['rollback']['to_step']}'s snapshot")
+            elif "rollback" in done:
                 extra += f", back to step {done['rollback']['to_step']}"
             if "lr_backoff" in done:
                 extra += f", lr {_fmt(done['lr_backoff']['lr_before'])} -> {_fmt(done['lr_backoff']['lr_after'])}"
@@ -727,6 +786,15 @@ class RecoveryPolicy:
                 extra += f", quarantined rows {done['quarantine']['rows']}"
             print_line(f"recovered at step {step}: {cat} -> {rec['action']}{extra} (recovery {n})")
         return rec
+
+    def _written_outside_update(self, cause: Dict[str, Any]) -> bool:
+        """The replay traced the corrupted parameter to a write by the program between updates (an
+        in-place edit under no_grad, not the optimizer), or this is a recurrence of such a failure."""
+        ev = cause.get("evidence") or {}
+        wb = (ev.get("preexisting") or {}).get("written_by") or {}
+        if wb.get("op") and wb.get("stage") != "optimizer":
+            return True
+        return ev.get("same_as_step") in self._element_repairs
 
     def _stop(self, event, step: int, why: str) -> None:
         cause = event.cause if isinstance(event.cause, dict) else {}

@@ -1,0 +1,36 @@
+"""build_event / recurrence_event phase refinement (self-contained)."""
+from __future__ import annotations
+
+from nanguard.detect import Detection
+from nanguard.pipeline import build_event, recurrence_event
+
+
+def _loc_preexisting():
+    return {"phase": "params", "n_ops": 5, "sink": {"kind": "optimizer", "names": ["emb.weight"]},
+            "preexisting": {"kind": "param", "name": "emb.weight",
+                            "stats": {"dtype": "float32", "nonfinite": 4, "bad_rows": [0]},
+                            "written_by": {"op": "aten.div_.Tensor", "stage": "forward", "line": 12}}}
+
+
+def test_optimizer_detection_refined_to_params_when_the_replay_finds_them_bad_before_the_step():
+    # The cheap check saw parameters non-finite after an update (the corrupted row was not used by
+    # the loss, so loss and gradients were finite); the replay shows they were already non-finite.
+    det = Detection(8, "optimizer", {"nonfinite_params_after_update": ["emb.weight"], "n_bad_params": 1})
+    ev = build_event(det, {"localization": _loc_preexisting(), "reproduced": True}, [])
+    assert ev.phase == "params" and ev.cause["category"] == "param_corruption"
+    # a recurrence of the same parameters after a later update keeps that phase and diagnosis
+    det2 = Detection(16, "optimizer", {"nonfinite_params_after_update": ["emb.weight"], "n_bad_params": 1})
+    ev2 = recurrence_event(det2, ev, [])
+    assert ev2.phase == "params" and ev2.cause["category"] == "param_corruption"
+    # other parameters going bad after an update is a new failure: diagnosed anew
+    det3 = Detection(20, "optimizer", {"nonfinite_params_after_update": ["head.bias"], "n_bad_params": 1})
+    assert recurrence_event(det3, ev, []).phase == "optimizer"
+
+
+def test_optimizer_detection_kept_when_the_replay_blames_the_update():
+    det = Detection(3, "optimizer", {"nonfinite_params_after_update": ["w"], "n_bad_params": 1})
+    loc = {"phase": "optimizer", "n_ops": 4, "sink": {"kind": "optimizer"},
+           "origin": {"op": "aten.addcdiv_.Tensor", "stage": "optimizer", "dtype": "float16",
+                      "output": {"nan": 1, "posinf": 0, "neginf": 0}}, "facts": {}}
+    ev = build_event(det, {"localization": loc, "reproduced": True}, [])
+    assert ev.phase == "optimizer"
