@@ -148,7 +148,10 @@ class Runner:
             return torch.autograd.detect_anomaly()
         return contextlib.nullcontext()
 
-    def block(self, cfg: str, n_warm: int, n_timed: int) -> List[float]:
+    def block(self, cfg: str, n_warm: int, n_timed: int, meter: Optional["CpuMeter"] = None,
+              slow: float = float("inf")) -> List[float]:
+        """Step times of one block. With a meter: a step slower than ``slow`` seconds while other
+        processes hold the CPU ends the block early (it will be discarded as contended anyway)."""
         step = self.steps[cfg]
         times: List[float] = []
         clock = time.perf_counter
@@ -156,11 +159,14 @@ class Runner:
             warnings.simplefilter("ignore")
             with self.context(cfg):
                 for k in range(n_warm + n_timed):
+                    a = meter.sample() if meter is not None else None
                     t0 = clock()
                     step()
                     dt = clock() - t0
                     if k >= n_warm:
                         times.append(dt)
+                    if dt > slow and meter.others(a, meter.sample()) >= QUIET:
+                        break
         return times
 
 
@@ -207,7 +213,7 @@ class CpuMeter:
         dt = max(b[0] - a[0], 1e-6)
         return max(0.0, ((b[1] - a[1]) - (b[2] - a[2])) / (dt * self.hz * self.ncpu))
 
-    def wait_quiet(self, threshold: float, max_wait: float, probe: float = 0.25) -> float:
+    def wait_quiet(self, threshold: float, max_wait: float, probe: float = 0.5) -> float:
         """Sleep until other processes use < threshold of the machine (or max_wait passes)."""
         if not self.ok or max_wait <= 0:
             return 0.0
@@ -219,7 +225,7 @@ class CpuMeter:
                 return time.perf_counter() - t0
 
 
-QUIET = 0.10  # a block is "quiet" when other processes used < 10% of the machine's CPU during it
+QUIET = 0.05  # a block is "quiet" when other processes used < 5% of the machine's CPU during it
 
 
 def time_model(name: str, args, meter: CpuMeter) -> Dict[str, Any]:
@@ -229,16 +235,20 @@ def time_model(name: str, args, meter: CpuMeter) -> Dict[str, Any]:
     r = Runner(bench)
     # Warm-up: a few plain steps (allocator, AdamW state), then one short block of each config.
     r.block("unguarded", 3, 0)
-    for c in CONFIGS:
-        r.block(c, 0, 2)
+    warm = {c: min(r.block(c, 0, 2)) for c in CONFIGS}
     load_before = os.getloadavg()
     rng = random.Random(1234)
     blocks: List[Dict[str, Any]] = []
     waited = 0.0
     t_start = time.perf_counter()
     rounds = 0
-    while rounds < args.min_rounds or (time.perf_counter() - t_start < args.seconds and rounds < args.max_rounds):
-        if args.rounds and rounds >= args.rounds:
+    while True:
+        elapsed = time.perf_counter() - t_start
+        if args.rounds:
+            if rounds >= args.rounds:
+                break
+        elif rounds >= args.max_rounds or elapsed > args.seconds * 1.5 or (
+                rounds >= args.min_rounds and elapsed > args.seconds):
             break
         order = CONFIGS[:]
         rng.shuffle(order)
@@ -246,13 +256,14 @@ def time_model(name: str, args, meter: CpuMeter) -> Dict[str, Any]:
             budget = args.max_wait - waited
             waited += meter.wait_quiet(QUIET / 2, min(args.block_wait, budget))
             a = meter.sample()
-            ts = r.block(c, 1, args.block)
+            ts = r.block(c, 1, args.block, meter, slow=3 * warm[c])
             blocks.append({"round": rounds, "config": c, "times": ts, "others_cpu": meter.others(a, meter.sample())})
         rounds += 1
     wall = time.perf_counter() - t_start
+    blocks = [b for b in blocks if b["times"]]
     quiet = [b for b in blocks if b["others_cpu"] < QUIET]
     n_quiet = {c: sum(1 for b in quiet if b["config"] == c) for c in CONFIGS}
-    use_quiet = min(n_quiet.values()) >= max(3, rounds // 4)
+    use_quiet = min(n_quiet.values()) >= max(2, rounds // 4)
     chosen = quiet if use_quiet else blocks
     out: Dict[str, Any] = {
         "model": name, "desc": bench.desc, "n_params": bench.n_params,
@@ -808,7 +819,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     _setup()
     q = args.quick
     args.block = args.block or (2 if q else 4)
-    args.seconds = args.seconds if args.seconds is not None else (6.0 if q else 50.0)
+    args.seconds = args.seconds if args.seconds is not None else (6.0 if q else 60.0)
     args.min_rounds, args.max_rounds = (2, 3) if q else (8, 60)
     args.max_wait = 5.0 if q else 60.0   # per model: total seconds we may wait for a quiet machine
     args.block_wait = 1.0 if q else 5.0  # ...and per block

@@ -258,3 +258,11 @@ def test_long_accelerating_growth_is_divergence_not_other():
            "facts": {"float64_rerun": {"finite": True, "max_abs": 1e37}}}
     cause = diagnose(loc, history, phase="forward")
     assert cause["category"] == "lr_too_high"
+
+
+def test_categories_doc_matches_the_code():
+    import pathlib
+    from nanguard.diagnose import CATEGORIES
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "CATEGORIES.md").read_text()
+    for name, text in CATEGORIES.items():
+        assert f"| `{name}` | {text.replace('|', '/')} |" in doc, name

@@ -118,6 +118,21 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(t).all()
 
 
+def finite_markers(t: torch.Tensor) -> List[torch.Tensor]:
+    """0-d tensors whose values are all finite iff every element of ``t`` is (exact, no sync).
+
+    One ``aminmax`` pass (min and max propagate NaN; a finite min and max bound every
+    element), read with the step's one sync; dtypes/devices without aminmax fall back to
+    ``isfinite(t).all()`` turned into 0 (finite) or NaN.
+    """
+    if t.device.type in ("cpu", "cuda"):
+        try:
+            return list(torch.aminmax(t))
+        except (RuntimeError, NotImplementedError):  # dtypes without aminmax (float8)
+            pass
+    return [torch.where(torch.isfinite(t).all(), 0.0, float("nan"))]
+
+
 def all_finite(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     """0-d bool tensor (no sync): every element of every tensor is finite."""
     flags = [finite_flag(t) for t in tensors if is_checkable(t)]
@@ -129,13 +144,42 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     return torch.stack([f.to(dev) for f in flags]).all()
 
 
+# CPU: float32 tensors at least this large are reduced as rows of _ROW elements (see _norm).
+_ROWS_MIN_NUMEL = 1 << 15
+_ROW = 1024
+
+
 def _norm(tensors: List[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of a list of tensors as one float32 0-d tensor (fused; no sync)."""
-    norms = torch._foreach_norm(tensors)
-    dev = norms[0].device
-    if any(n.device != dev for n in norms):
-        norms = [n.to(dev) for n in norms]
-    return torch.linalg.vector_norm(torch.stack(norms).float())
+    """L2 norm of a list of tensors as one float32 0-d tensor (fused; no sync).
+
+    One fused ``_foreach_norm``. On CPU, ``_foreach_norm`` loops over a whole-tensor
+    reduction kernel that runs at about half the memory bandwidth of an inner-dimension
+    reduction, so large contiguous float32 tensors are reduced as rows of 1024 (same
+    float32 accumulation and overflow behaviour, ~2x faster) and the row norms combined.
+    """
+    with torch.no_grad():  # parameters require grad; their norms need no autograd graph
+        return _norm_impl(tensors)
+
+
+def _norm_impl(tensors: List[torch.Tensor]) -> torch.Tensor:
+    parts: List[torch.Tensor] = []
+    rest = tensors
+    if tensors[0].device.type == "cpu":
+        rest = []
+        for t in tensors:
+            n = t.numel()
+            if (n >= _ROWS_MIN_NUMEL and t.dtype is torch.float32 and n % _ROW == 0
+                    and t.device.type == "cpu" and t.is_contiguous()):
+                parts.append(torch.linalg.vector_norm(t.view(-1, _ROW), dim=1))
+            else:
+                rest.append(t)
+    if rest:
+        norms = torch._foreach_norm(rest)
+        dev = tensors[0].device
+        if any(n.device != dev for n in norms):
+            norms = [n.to(dev) for n in norms]
+        parts.append(torch.stack(norms).float())
+    return torch.linalg.vector_norm(parts[0] if len(parts) == 1 else torch.cat(parts))
 
 
 class _OptimizerView:
@@ -169,10 +213,11 @@ class StepMonitor:
         self.backward_steps = 0                    # used when no optimizer exists
         self.roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self.extra_params: List[torch.Tensor] = []  # backward-counting mode without modules
-        self._loss_sum: Optional[torch.Tensor] = None
+        # This step's inputs, as 0-d tensors read in the check's one sync (no per-input flag ops):
+        self._loss_vals: List[torch.Tensor] = []   # scalar losses passed to backward
+        self._loss_marks: List[torch.Tensor] = []  # finite_markers of non-scalar backward tensors
         self._loss_n = 0
-        self._loss_ok: Optional[torch.Tensor] = None
-        self._data_ok: Optional[torch.Tensor] = None
+        self._data_marks: List[torch.Tensor] = []  # finite_markers of the batch tensors
         self._data_where: List[str] = []
         self._pending_post: Dict[int, torch.Tensor] = {}  # optimizer -> post-update param norms per group
         self._pending_step: Dict[int, int] = {}
@@ -228,10 +273,11 @@ class StepMonitor:
         """Record the finiteness of the batch (no sync)."""
         if not self.config.check_data:
             return
-        flag = all_finite(tensors_in(batch))
-        if flag is None:
+        ts = tensors_in(batch)
+        if not ts:
             return
-        self._data_ok = flag if self._data_ok is None else (self._data_ok & flag.to(self._data_ok.device))
+        for t in ts:
+            self._data_marks.extend(finite_markers(t))
         if where not in self._data_where:
             self._data_where.append(where)
 
@@ -241,12 +287,11 @@ class StepMonitor:
             if not is_checkable(t):
                 continue
             t = t.detach()
-            ok = torch.isfinite(t).all()
-            self._loss_ok = ok if self._loss_ok is None else (self._loss_ok & ok.to(self._loss_ok.device))
-            if t.numel() == 1:
-                v = t.reshape(()).float()
-                self._loss_sum = v if self._loss_sum is None else self._loss_sum + v.to(self._loss_sum.device)
+            if t.numel() == 1:  # its value, read at the check, says whether it is finite
+                self._loss_vals.append(t if t.dim() == 0 else t.reshape(()))
                 self._loss_n += 1
+            else:
+                self._loss_marks.extend(finite_markers(t))
 
     # ------------------------------------------------------------------ the check
     def check(self, opt: Optional[torch.optim.Optimizer], scaler: Any = None,
@@ -276,11 +321,10 @@ class StepMonitor:
             if g:
                 dev = g[0].device
                 break
+        lv, lm, dm = self._loss_vals, self._loss_marks, self._data_marks
         if dev is None:
-            dev = self._loss_sum.device if self._loss_sum is not None else torch.device("cpu")
+            dev = lv[0].device if lv else torch.device("cpu")
 
-        nan = torch.tensor(float("nan"), device=dev)
-        one = torch.ones((), device=dev)
         gnorms = []
         for g in groups:
             grads = [p.grad for p in g if p.grad is not None and is_checkable(p.grad)]
@@ -294,30 +338,40 @@ class StepMonitor:
         # discriminator's batch non-finite): read them in the same sync, so the failure is
         # blamed on the update that made it, not on this step.
         others = [(k, t) for k, t in self._pending_post.items() if k != key]
-        parts = [
-            (self._loss_sum / max(self._loss_n, 1)).to(dev) if self._loss_sum is not None else nan,
-            self._loss_ok.float().to(dev) if self._loss_ok is not None else one,
-            self._data_ok.float().to(dev) if self._data_ok is not None else one,
-            _scale_tensor(scaler, dev),
-            _found_inf(scaler, opt, dev),
-        ]
-        pieces = parts + gnorms + (pre_pnorms or []) + ([post.to(dev)] if post is not None else []) \
-            + [t.to(dev) for _, t in others]
+        # One vector, one sync: [losses, loss markers, data markers, (scale, found_inf), group grad
+        # norms, (first check: group param norms)] as 0-d tensors, then the pending 1-d norms.
+        # Values keep their dtype until read (stack/cat promote), so the finiteness read is exact.
+        inputs = lv + lm + dm
+        if inputs and any(t.device != dev for t in inputs):
+            inputs = [t.to(dev) for t in inputs]
+        scaled = scaler is not None and _scaler_enabled(scaler)
+        sc = [_scale_tensor(scaler, dev), _found_inf(scaler, opt, dev)] if scaled else []
+        flat = inputs + sc + gnorms + (pre_pnorms or [])
+        tail = ([post.to(dev)] if post is not None else []) + [t.to(dev) for _, t in others]
         reducer = self._dist_reducer()
         if reducer is not None:  # distributed: this rank's flags, all-reduced, read in the same sync
             from .integrations.distributed import flag_table
-            pieces = pieces + [flag_table(reducer, dev, parts[0], parts[1], parts[2], parts[4],
-                                          gnorms + (pre_pnorms or []) + ([post] if post is not None else [])
-                                          + [t for _, t in others], self._loss_n > 0)]
-        vec = torch.cat([t.reshape(-1).float() for t in pieces])
-        vals = vec.tolist()  # the one host sync of the step
+            tail.append(flag_table(reducer, dev, *self._dist_inputs(dev, sc),
+                                   gnorms + (pre_pnorms or []) + ([post] if post is not None else [])
+                                   + [t for _, t in others], self._loss_n > 0))
+        head = [torch.stack(flat)] if flat else []
+        vec = torch.cat(head + tail) if tail else (head[0] if head else None)
+        vals = vec.tolist() if vec is not None else []  # the one host sync of the step
         if reducer is not None:
-            n = pieces[-1].numel()
+            n = tail[-1].numel()
             self._dist_flags, vals = vals[-n:], vals[:-n]
-        loss, loss_ok, data_ok, scale, found_inf = vals[:5]
+        finite = math.isfinite
+        nl, nlm, nd = len(lv), len(lm), len(dm)
+        loss = sum(vals[:nl]) / nl if nl else float("nan")
+        loss_ok = 1.0 if all(finite(x) for x in vals[:nl + nlm]) else 0.0
+        off = nl + nlm
+        data_ok = 1.0 if all(finite(x) for x in vals[off:off + nd]) else 0.0
+        off += nd
+        scale, found_inf = (vals[off], vals[off + 1]) if scaled else (float("nan"), 0.0)
+        off += len(sc)
         G = len(groups)
-        gn = vals[5:5 + G]
-        off = 5 + G
+        gn = vals[off:off + G]
+        off += G
         pre_pn = post_pn = None
         if pre_pnorms is not None:
             pre_pn, off = vals[off:off + G], off + G
@@ -347,6 +401,18 @@ class StepMonitor:
         det = self._decide(step, opt, groups, loss, loss_ok, data_ok, scale, found_inf, gn, pre_pn,
                            post_pn, post_step, scaler)
         return self._dist_decide(reducer, dev, det)
+
+    def _dist_inputs(self, dev: torch.device, sc: List[torch.Tensor]):
+        """Distributed only: this step's (loss, loss_ok, data_ok, found_inf) as device tensors."""
+        lv = [t.to(dev) for t in self._loss_vals]
+        marks = lv + [t.to(dev) for t in self._loss_marks]
+        dm = [t.to(dev) for t in self._data_marks]
+        one = torch.ones((), device=dev)
+        loss = torch.stack(lv).float().mean() if lv else torch.tensor(float("nan"), device=dev)
+        loss_ok = torch.isfinite(torch.stack(marks)).all() if marks else one
+        data_ok = torch.isfinite(torch.stack(dm)).all() if dm else one
+        found_inf = sc[1] if sc else torch.zeros((), device=dev)
+        return loss, loss_ok, data_ok, found_inf
 
     def _dist_reducer(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
         """The distributed flag reducer, if any (cheap when not distributed: two calls)."""
@@ -454,8 +520,8 @@ class StepMonitor:
         else:
             self.backward_steps += 1
         self._checked[key] = False
-        self._loss_sum, self._loss_n, self._loss_ok = None, 0, None
-        self._data_ok, self._data_where = None, []
+        self._loss_vals, self._loss_marks, self._loss_n = [], [], 0
+        self._data_marks, self._data_where = [], []
         self._last = None
 
     def flush(self) -> Optional[Detection]:
@@ -477,8 +543,8 @@ class StepMonitor:
         key = id(opt) if opt is not None else 0
         self._checked[key] = False
         self._lasts.pop(key, None)
-        self._loss_sum, self._loss_n, self._loss_ok = None, 0, None
-        self._data_ok, self._data_where = None, []
+        self._loss_vals, self._loss_marks, self._loss_n = [], [], 0
+        self._data_marks, self._data_where = [], []
 
     # ------------------------------------------------------------------ slow-path helpers
     def param_names(self) -> Dict[int, str]:
