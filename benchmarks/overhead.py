@@ -3,18 +3,18 @@
 Run from the repository root::
 
     python -m benchmarks.overhead            # full run (~5 min on 2 CPU cores)
-    python -m benchmarks.overhead --quick    # smoke run (~1 min)
-    python -m benchmarks.overhead --out /tmp/results.json --models gpt
+    python -m benchmarks.overhead --quick    # smoke run (~1.5 min; numbers are rough)
+    python -m benchmarks.overhead --out /tmp/results.json --models gpt --skip memory
 
-What it measures (see BENCHMARKS.md for the reading):
+What it measures (BENCHMARKS.md has a real run and its reading):
 
 1. **Step time.** For each model (MLP, small CNN, small GPT) ONE model and ONE
-   AdamW optimizer are trained, in one process, under six configurations that
-   are interleaved: every round runs a block of each configuration (one untimed
-   warm-up step, then ``--block`` timed steps), in a fresh seeded-random order
-   per round. The headline is ``median(step time of config) / median(step time
-   unguarded)``; a paired ratio (median over rounds of the per-round block
-   ratios) is reported as a drift-robust cross-check.
+   AdamW optimizer are trained, in one process, under seven configurations
+   that are interleaved: every round runs a block of each configuration (one
+   untimed step, then ``--block`` timed steps) in a fresh seeded-random order.
+   The headline is ``median(step time of config) / median(step time
+   unguarded)``, with a 95% interval from resampling whole rounds; the
+   per-round paired ratio and the 25th-percentile ratio are cross-checks.
 
    * ``unguarded``: zero_grad, forward+loss, backward, ``opt.step()``;
    * ``guard``: ``nanguard.Guard(model, opt, quiet=True).step(batch, loss_fn)``
@@ -24,15 +24,24 @@ What it measures (see BENCHMARKS.md for the reading):
    * ``anomaly``: the unguarded loop inside ``torch.autograd.detect_anomaly()``;
    * ``naive``: unguarded + ``for p in params: p.grad.isfinite().all().item()``;
    * ``scaler``: unguarded + ``torch._amp_foreach_non_finite_check_and_unscale_``
-     on the grads with scale 1.0 and one ``.item()`` (what GradScaler does).
+     on the grads with scale 1.0 and one ``.item()`` (what GradScaler does);
+   * ``recover``: ``Guard(..., recover="auto")`` (rollback snapshots on).
+
+   Shared-machine hygiene: before each block the benchmark waits (bounded) for
+   other processes to leave the CPU, and blocks during which they used >= 5% of
+   it are left out of the headline (chosen by that external signal, never by
+   the step times); glibc is told to keep freed memory (``--no-mallopt`` to
+   disable), so steps do not page-fault their activations back in.
 
 2. **Memory.** (a) exact: every tensor the guard's own code allocates during a
-   step is counted with a ``TorchDispatchMode`` that is active only inside the
-   guard's hooks, plus the tensors it retains between steps; (b) end to end:
-   peak RSS (``ru_maxrss``) of a separate subprocess per configuration
-   (unguarded / guard / guard with rollback snapshots), minus the RSS after
-   imports; (c) the bytes of one rollback snapshot (``nanguard.recover.Snapshot``
-   if present, else ``deepcopy`` of the model and optimizer state dicts).
+   step is counted with a ``TorchDispatchMode`` active only inside the guard's
+   hooks, plus what it keeps between steps (pending norms, step history);
+   (b) end to end: the steady-state peak RSS (VmHWM, reset after warm-up) of a
+   separate subprocess per configuration (unguarded / guard / guard with
+   ``recover="auto"`` snapshots), minus the RSS after ``import torch``; glibc
+   there returns every block >= 64 KiB to the OS on free, so RSS follows live
+   tensor bytes; (c) the bytes and copy time of one rollback snapshot
+   (``nanguard.recover.Snapshot``, else ``deepcopy`` of the state dicts).
 
 3. **Time to diagnosis** (GPT): a log of a zero in the loss at step k. Seconds
    from the start of the failing step to the finished report (Guard with
@@ -65,7 +74,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 THREADS = 2
-CONFIGS = ["unguarded", "guard", "zerocode", "anomaly", "naive", "scaler"]
+CONFIGS = ["unguarded", "guard", "zerocode", "anomaly", "naive", "scaler", "recover"]
 LABELS = {
     "unguarded": "unguarded",
     "guard": "nanguard Guard.step",
@@ -73,8 +82,26 @@ LABELS = {
     "anomaly": "torch detect_anomaly",
     "naive": "naive per-param isfinite().item()",
     "scaler": "GradScaler-style foreach check",
+    "recover": "nanguard Guard.step, recover='auto'",
 }
 MEM_CONFIGS = ["unguarded", "guard", "guard_snapshots"]
+
+
+def keep_freed_memory() -> bool:
+    """glibc malloc: keep freed memory in the process (no trimming; no mmap below 32 MiB).
+
+    By default glibc hands large freed blocks back to the OS, and the next step faults them
+    in again: on this VM 2-13k page faults per step, adding 5-15% of noise that has nothing to
+    do with what is measured. A caching allocator (jemalloc/tcmalloc, as PyTorch's CPU tuning
+    guide recommends, or this) removes it; it applies to every configuration alike.
+    """
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+    except Exception:
+        return False
 
 
 def _setup() -> None:
@@ -99,6 +126,7 @@ class Runner:
         self.params = [p for g in self.opt.param_groups for p in g["params"]]
         self.i = 0
         self.guard = nanguard.Guard(self.model, self.opt, quiet=True)  # localize=True by default
+        self.rguard = None  # Guard(recover="auto"), made on first use (it keeps snapshots)
         self._found = torch.zeros(1)
         self._inv = torch.ones(1)
         self.steps = {
@@ -108,6 +136,7 @@ class Runner:
             "anomaly": lambda: self.plain(None),
             "naive": lambda: self.plain(self.naive_check),
             "scaler": lambda: self.plain(self.scaler_check),
+            "recover": self.recovering,
         }
 
     def batch(self):
@@ -126,6 +155,12 @@ class Runner:
 
     def guarded(self) -> None:
         self.guard.step(self.batch(), self.loss_fn)
+
+    def recovering(self) -> None:
+        if self.rguard is None:
+            import nanguard
+            self.rguard = nanguard.Guard(self.model, self.opt, quiet=True, recover="auto")
+        self.rguard.step(self.batch(), self.loss_fn)
 
     def naive_check(self) -> None:
         for p in self.params:
@@ -276,9 +311,37 @@ def time_model(name: str, args, meter: CpuMeter) -> Dict[str, Any]:
     }
     out["configs"] = _ratios(chosen)
     out["configs_all_blocks"] = _ratios(blocks)
+    out["ratio_ci95_by_round_bootstrap"] = _round_bootstrap(chosen)
+    out["raw_blocks"] = [{"r": b["round"], "c": b["config"], "ms": [round(1e3 * t, 2) for t in b["times"]],
+                          "others": round(b["others_cpu"], 3)} for b in blocks]
     out["guard_history_bytes_per_record"] = _history_record_bytes(r.guard)
     out["guard_alloc"] = guard_alloc_count(r)
     out["snapshot"] = snapshot_cost(r)
+    return out
+
+
+def _round_bootstrap(blocks: List[Dict[str, Any]], n: int = 300) -> Dict[str, List[float]]:
+    """95% interval of each config's median ratio, resampling whole rounds (keeps the pairing)."""
+    rounds = sorted({b["round"] for b in blocks})
+    by_round = {r: [b for b in blocks if b["round"] == r] for r in rounds}
+    rng = random.Random(7)
+    acc: Dict[str, List[float]] = {c: [] for c in CONFIGS[1:]}
+    for _ in range(n):
+        pick = [b for _r in (rng.choice(rounds) for _ in rounds) for b in by_round[_r]]
+        samples: Dict[str, List[float]] = {c: [] for c in CONFIGS}
+        for b in pick:
+            samples[b["config"]].extend(b["times"])
+        if not samples["unguarded"]:
+            continue
+        base = statistics.median(samples["unguarded"])
+        for c in CONFIGS[1:]:
+            if samples[c]:
+                acc[c].append(statistics.median(samples[c]) / base)
+    out = {}
+    for c, rs in acc.items():
+        if rs:
+            rs.sort()
+            out[c] = [round(rs[int(0.025 * len(rs))], 4), round(rs[min(len(rs) - 1, int(0.975 * len(rs)))], 4)]
     return out
 
 
@@ -433,7 +496,10 @@ def snapshot_cost(r: Runner) -> Dict[str, Any]:
         nb = int(snap.nbytes)
         pol = RecoveryPolicy()
         method = "nanguard.recover.Snapshot"
-        every, keep = pol.snapshot_every, pol.keep
+        every = getattr(pol, "snapshot_every", 10)
+        recent = getattr(pol, "recent_n", 0) if nb <= getattr(pol, "recent_max_bytes", 0) else 0
+        keep = 1 + getattr(pol, "keep", 3) + recent  # first step's + periodic + per-step (small models)
+        per_step = 1.0 if recent else 1.0 / max(every, 1)
         del snap
     except Exception as e:  # recovery module absent: the documented cost of a snapshot
         t0 = time.perf_counter()
@@ -442,10 +508,11 @@ def snapshot_cost(r: Runner) -> Dict[str, Any]:
         t_fin = 0.0
         nb = _nbytes_unique(_tensors(list(sd)))
         method = f"deepcopy(model.state_dict()) + deepcopy(opt.state_dict()) ({type(e).__name__})"
-        every, keep = 10, 3
+        every, keep, per_step = 10, 3, 0.1
         del sd
     return {"method": method, "bytes": nb, "take_s": round(t_take, 4), "finite_check_s": round(t_fin, 4),
-            "snapshot_every": every, "keep": keep, "bytes_kept": nb * keep}
+            "snapshot_every": every, "max_kept": keep, "bytes_kept": nb * keep,
+            "snapshots_per_step": per_step, "seconds_per_step": round((t_take + t_fin) * per_step, 4)}
 
 
 # =========================================================================== memory: RSS subprocesses
@@ -456,7 +523,7 @@ def _rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def mem_child(model: str, cfg: str, steps: int) -> None:
+def mem_child(model: str, cfg: str, steps: int, snap_warm: int = 36) -> None:
     """Runs in a subprocess: peak RSS of `steps` training steps under one configuration.
 
     The baseline is the RSS after ``import torch`` and the benchmark models, so a guarded
@@ -489,10 +556,8 @@ def mem_child(model: str, cfg: str, steps: int) -> None:
         if cfg == "guard_snapshots":
             try:
                 from nanguard.recover import RecoveryPolicy
-                # snapshot every step so the steady state (keep=3 snapshots) is reached within the run;
-                # the default policy snapshots every 10 steps and keeps the same 3.
-                recover = RecoveryPolicy(snapshot_every=1, keep_snapshots=3, quiet=True)
-                snapshot_method = "nanguard.recover.RecoveryPolicy(snapshot_every=1, keep_snapshots=3)"
+                recover = RecoveryPolicy(quiet=True)  # the defaults of recover="auto"
+                snapshot_method = "nanguard.recover.RecoveryPolicy() defaults (recover='auto')"
             except Exception:
                 snapshot_method = "emulated: deepcopy(model+optimizer state_dict), 3 kept"
         guard = nanguard.Guard(bench.model, opt, quiet=True, recover=recover)
@@ -502,7 +567,9 @@ def mem_child(model: str, cfg: str, steps: int) -> None:
                 kept.append((copy.deepcopy(bench.model.state_dict()), copy.deepcopy(opt.state_dict())))
                 del kept[:-3]
             guard.step(b, bench.loss_fn)
-    warm = 4  # first steps: one-off allocations (oneDNN/BLAS workspaces), AdamW state, 3 snapshots kept
+    # First steps: one-off allocations (oneDNN/BLAS workspaces), AdamW state. With snapshots, run
+    # until every tier of the default policy is full (first step's + 3 periodic every 10 + last 2).
+    warm = snap_warm if cfg == "guard_snapshots" else 4
     for i in range(warm):
         step(bench.batches[i % len(bench.batches)])
     hwm_reset = _reset_peak_rss()
@@ -533,7 +600,7 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_mem_children(models: List[str], steps: int, reps: int) -> Dict[str, Any]:
+def run_mem_children(models: List[str], steps: int, reps: int, snap_warm: int = 36) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # Every allocation >= 64 KiB is its own mmap, returned to the OS when freed: the peak RSS then
@@ -543,7 +610,8 @@ def run_mem_children(models: List[str], steps: int, reps: int) -> Dict[str, Any]
         res: Dict[str, List[dict]] = {c: [] for c in MEM_CONFIGS}
         for _ in range(reps):
             for c in MEM_CONFIGS:
-                p = subprocess.run([sys.executable, "-m", "benchmarks.overhead", "--_mem-child", m, c, str(steps)],
+                p = subprocess.run([sys.executable, "-m", "benchmarks.overhead", "--_mem-child", m, c, str(steps),
+                                    str(snap_warm)],
                                    cwd=root, env=env, capture_output=True, text=True, timeout=300)
                 if p.returncode != 0:
                     res[c].append({"error": p.stderr[-2000:]})
@@ -730,6 +798,11 @@ def print_tables(res: Dict[str, Any]) -> None:
                 d = timing[n]["configs"][c]
                 row += f"{d['ratio']:>11.3f}x ({d['ratio_paired']:.3f}/{d['ratio_p25']:.3f})"
             print(row)
+        row = f"{'guard ratio, 95% CI (round bootstrap)':36s}"
+        for n in names:
+            ci = timing[n].get("ratio_ci95_by_round_bootstrap", {}).get("guard")
+            row += f"{(f'{ci[0]:.3f} - {ci[1]:.3f}' if ci else '-'):>26s}"
+        print(row)
         row = f"{'timed steps per config':36s}"
         for n in names:
             row += f"{timing[n]['configs']['unguarded']['n']:>26d}"
@@ -771,10 +844,10 @@ def print_tables(res: Dict[str, Any]) -> None:
         line("  of which imported code", lambda d: f"{d['rss']['guard']['of_which_imports_mb']:.2f} MB")
         line("guard: exact overhead (% training peak)", lambda d: f"{100 * d['exact_overhead_bytes'] / (d['rss']['unguarded']['training_peak_mb'] * 2**20):.3f}%")
         line("one rollback snapshot", lambda d: _mb(d['snapshot']['bytes']))
-        line("snapshots kept (x keep)", lambda d: _mb(d['snapshot']['bytes_kept']))
+        line("snapshots kept at most (policy)", lambda d: f"{d['snapshot']['max_kept']} = " + _mb(d['snapshot']['bytes_kept']))
         line("guard+snapshots: RSS overhead", lambda d: f"{d['rss']['guard_snapshots']['overhead_mb']:+.1f} MB "
              f"({d['rss']['guard_snapshots']['overhead_pct_of_training_peak']:+.0f}%)")
-        line("snapshot time, amortised / step", lambda d: f"{100 * d['snapshot']['take_s'] / d['snapshot']['snapshot_every'] / d['step_s']:.2f}%")
+        line("snapshot copy+check time / step", lambda d: f"{100 * d['snapshot']['seconds_per_step'] / d['step_s']:.1f}%")
     diag = res.get("diagnosis")
     if diag:
         print(f"\nTime to diagnosis (GPT, fault injected at step {diag['fault_step']}; "
@@ -809,14 +882,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="fixed number of rounds (overrides --seconds)")
     ap.add_argument("--block", type=int, default=None, help="timed steps per block")
     ap.add_argument("--fault-step", type=int, default=None, help="step k of the injected fault")
+    ap.add_argument("--no-mallopt", action="store_true", help="keep glibc's default of returning freed memory "
+                                                               "to the OS (noisier step times on a VM)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: timing,memory,diagnosis")
-    ap.add_argument("--_mem-child", nargs=3, metavar=("MODEL", "CONFIG", "STEPS"), help=argparse.SUPPRESS)
+    ap.add_argument("--_mem-child", nargs=4, metavar=("MODEL", "CONFIG", "STEPS", "SNAP_WARM"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._mem_child:
-        m, c, s = args._mem_child
-        mem_child(m, c, int(s))
+        m, c, st, sw = args._mem_child
+        mem_child(m, c, int(st), int(sw))
         return 0
     _setup()
+    mallopt = False if args.no_mallopt else keep_freed_memory()
     q = args.quick
     args.block = args.block or (2 if q else 4)
     args.seconds = args.seconds if args.seconds is not None else (6.0 if q else 60.0)
@@ -832,6 +908,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.time()
     res: Dict[str, Any] = {"machine": machine(), "quick": q, "command": "python -m benchmarks.overhead"
                            + (" --quick" if q else "") + (f" --models {args.models}" if args.models != "mlp,cnn,gpt" else ""),
+                           "allocator": ("glibc mallopt(M_MMAP_THRESHOLD=32 MiB, M_TRIM_THRESHOLD=1 GiB)"
+                                         if mallopt else "glibc default"),
                            "timing": {}, "memory": {}}
     if "timing" not in skip or "memory" not in skip:
         for m in models:
@@ -852,7 +930,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             res["timing"] = {}
     if "memory" not in skip:
         print(f"[{time.time() - t0:5.0f}s] memory: peak RSS subprocesses ...", file=sys.stderr, flush=True)
-        rss = run_mem_children(models, steps=2 if q else 4, reps=1)
+        rss = run_mem_children(models, steps=2 if q else 4, reps=1, snap_warm=12 if q else 36)
         for m in models:
             res["memory"].setdefault(m, {})["rss"] = rss[m]
     else:
@@ -880,7 +958,9 @@ def budgets(res: Dict[str, Any]) -> List[Dict[str, Any]]:
         t = res.get("timing", {}).get(m)
         if t:
             v = t["configs"]["guard"]["ratio"]
-            out.append({"what": f"guard step-time ratio on {m}", "value": v, "limit": lim, "met": v <= lim})
+            ci = t.get("ratio_ci95_by_round_bootstrap", {}).get("guard")
+            what = f"guard step-time ratio on {m}" + (f" (95% CI {ci[0]:.3f}-{ci[1]:.3f})" if ci else "")
+            out.append({"what": what, "value": v, "limit": lim, "met": v <= lim})
     for m, d in res.get("memory", {}).items():
         try:
             base = d["rss"]["unguarded"]["training_peak_mb"] * 2**20
