@@ -299,6 +299,8 @@ def time_model(name: str, args, meter: CpuMeter) -> Dict[str, Any]:
     quiet = [b for b in blocks if b["others_cpu"] < QUIET]
     n_quiet = {c: sum(1 for b in quiet if b["config"] == c) for c in CONFIGS}
     use_quiet = min(n_quiet.values()) >= max(2, rounds // 4)
+    # Valid: enough quiet blocks of every config (a persistently busy machine gives no number).
+    valid = min(n_quiet.values()) >= (2 if args.quick else 4)
     chosen = quiet if use_quiet else blocks
     out: Dict[str, Any] = {
         "model": name, "desc": bench.desc, "n_params": bench.n_params,
@@ -306,6 +308,7 @@ def time_model(name: str, args, meter: CpuMeter) -> Dict[str, Any]:
         "wall_s": round(wall, 1), "waited_for_quiet_s": round(waited, 1),
         "blocks_quiet": len(quiet), "blocks_total": len(blocks),
         "headline_uses": "quiet blocks" if use_quiet else "all blocks (too few quiet ones)",
+        "valid": valid,
         "loadavg_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "configs": {},
     }
@@ -316,7 +319,7 @@ def time_model(name: str, args, meter: CpuMeter) -> Dict[str, Any]:
                           "others": round(b["others_cpu"], 3)} for b in blocks]
     out["guard_history_bytes_per_record"] = _history_record_bytes(r.guard)
     out["guard_alloc"] = guard_alloc_count(r)
-    out["snapshot"] = snapshot_cost(r)
+    out["snapshot"] = snapshot_cost(r, meter)
     return out
 
 
@@ -351,11 +354,17 @@ def _ratios(blocks: List[Dict[str, Any]]) -> Dict[str, Any]:
     for b in blocks:
         samples[b["config"]].extend(b["times"])
         by_round.setdefault(b["round"], {})[b["config"]] = statistics.median(b["times"])
+    if not samples["unguarded"]:
+        return {c: {"n": 0, "median_ms": None, "ratio": None, "ratio_paired": None, "ratio_p25": None}
+                for c in CONFIGS}
     base = statistics.median(samples["unguarded"])
     base25 = _q(samples["unguarded"], 0.25)
     out = {}
     for c in CONFIGS:
         xs = samples[c]
+        if not xs:
+            out[c] = {"n": 0, "median_ms": None, "ratio": None, "ratio_paired": None, "ratio_p25": None}
+            continue
         paired = [d[c] / d["unguarded"] for d in by_round.values() if c in d and "unguarded" in d]
         out[c] = {
             "n": len(xs), "median_ms": round(1e3 * statistics.median(xs), 3),
@@ -483,16 +492,20 @@ def guard_alloc_count(r: Runner, steps: int = 3) -> Dict[str, Any]:
     }
 
 
-def snapshot_cost(r: Runner) -> Dict[str, Any]:
-    """Bytes and seconds of one rollback snapshot (CPU copy of model + optimizer state)."""
+def snapshot_cost(r: Runner, meter: Optional["CpuMeter"] = None) -> Dict[str, Any]:
+    """Bytes and seconds of one rollback snapshot (CPU copy of model + optimizer state); best of 3."""
     try:
         from nanguard.recover import Snapshot, RecoveryPolicy  # noqa: F401
-        t0 = time.perf_counter()
-        snap = Snapshot(0, [r.model], [r.opt])
-        t_take = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        snap.finite()
-        t_fin = time.perf_counter() - t0
+        t_take = t_fin = float("inf")
+        for _ in range(3):
+            if meter is not None:
+                meter.wait_quiet(QUIET / 2, 3.0)
+            t0 = time.perf_counter()
+            snap = Snapshot(0, [r.model], [r.opt])
+            t_take = min(t_take, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            snap.finite()
+            t_fin = min(t_fin, time.perf_counter() - t0)
         nb = int(snap.nbytes)
         pol = RecoveryPolicy()
         method = "nanguard.recover.Snapshot"
@@ -679,7 +692,7 @@ def time_to_diagnosis(k: int, step_s: Optional[float], meter: CpuMeter, max_wait
                 break
             healthy.append(time.perf_counter() - t0)
     t_train = time.perf_counter() - t_train0
-    one = step_s or statistics.median(healthy[1:] or healthy)
+    one = step_s or statistics.median(healthy[len(healthy) // 2:] or healthy)  # the later, warm steps
     out["one_step_s"] = round(one, 4)
     out["one_step_source"] = "unguarded median (step-time section)" if step_s else "guarded healthy steps"
     if err is not None:
@@ -790,13 +803,14 @@ def print_tables(res: Dict[str, Any]) -> None:
         print("-" * len(hdr))
         row = f"{'unguarded step (median ms)':36s}"
         for n in names:
-            row += f"{timing[n]['configs']['unguarded']['median_ms']:>23.1f} ms"
+            row += f"{(timing[n]['configs']['unguarded']['median_ms'] or float('nan')):>23.1f} ms"
         print(row)
         for c in CONFIGS[1:]:
             row = f"{LABELS[c]:36s}"
             for n in names:
                 d = timing[n]["configs"][c]
-                row += f"{d['ratio']:>11.3f}x ({d['ratio_paired']:.3f}/{d['ratio_p25']:.3f})"
+                row += (f"{d['ratio']:>11.3f}x ({d['ratio_paired']:.3f}/{d['ratio_p25']:.3f})"
+                        if d.get("ratio") is not None and d.get("ratio_paired") is not None else f"{'-':>26s}")
             print(row)
         row = f"{'guard ratio, 95% CI (round bootstrap)':36s}"
         for n in names:
@@ -812,6 +826,10 @@ def print_tables(res: Dict[str, Any]) -> None:
             t = timing[n]
             row += f"{(str(t['blocks_quiet']) if t['headline_uses'] == 'quiet blocks' else 'all') + ' / ' + str(t['blocks_total']):>26s}"
         print(row)
+        bad = [n for n in names if not timing[n].get("valid", True)]
+        if bad:
+            print(f"WARNING: too few quiet blocks for {', '.join(bad)}: other processes held the CPU; "
+                  f"those ratios are not valid, re-run when the machine is idle")
         print("\nModels: " + "; ".join(f"{n}: {timing[n]['desc']}, {timing[n]['n_params'] / 1e6:.2f}M params "
                                       f"in {timing[n]['n_param_tensors']} tensors" for n in names))
     mem = res.get("memory", {})
@@ -864,6 +882,9 @@ def print_tables(res: Dict[str, Any]) -> None:
         print(f"  re-run under detect_anomaly:  {an.get('rerun_s', float('nan')):.2f} s = {an.get('in_steps', float('nan')):.1f} steps "
               f"({an.get('steps_rerun')} steps re-run, median {an.get('per_step_ratio')}x a step: "
               f"{an.get('in_steps_from_median')} steps without contention bursts); it says: {an.get('message')}")
+        busy = [k for k, d in (("nanguard", ng), ("re-run", an)) if (d.get("others_cpu_during") or 0) >= QUIET]
+        if busy:
+            print(f"  WARNING: other processes held the CPU during: {', '.join(busy)} (seconds are inflated)")
         if an.get("per_step_ratio"):
             print(f"  (a re-run grows with k: ~(k+1) x {an['per_step_ratio']:.2f} steps; nanguard's cost does not)")
     print(f"\ntotal wall time: {res['wall_s']:.0f} s")
@@ -938,14 +959,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "diagnosis" not in skip:
         print(f"[{time.time() - t0:5.0f}s] time to diagnosis (gpt, k={k}) ...", file=sys.stderr, flush=True)
         step_s = None
-        if "gpt" in res["timing"]:
+        if "gpt" in res["timing"] and res["timing"]["gpt"].get("valid"):
             step_s = res["timing"]["gpt"]["configs"]["unguarded"]["median_ms"] / 1e3
         res["diagnosis"] = time_to_diagnosis(k, step_s, meter, 2.0 if q else 20.0)
     res["wall_s"] = round(time.time() - t0, 1)
     res["budgets"] = budgets(res)
     print_tables(res)
     for b in res["budgets"]:
-        print(f"budget {b['what']}: {b['value']} (limit {b['limit']}) -> {'MET' if b['met'] else 'NOT MET'}")
+        verdict = {True: "MET", False: "NOT MET", None: f"NOT JUDGED ({b.get('why_not_judged')})"}
+        print(f"budget {b['what']}: {b['value']} (limit {b['limit']}) -> {verdict[b['met']]}")
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1, default=str)
     print(f"results: {out_path}")
@@ -960,7 +982,10 @@ def budgets(res: Dict[str, Any]) -> List[Dict[str, Any]]:
             v = t["configs"]["guard"]["ratio"]
             ci = t.get("ratio_ci95_by_round_bootstrap", {}).get("guard")
             what = f"guard step-time ratio on {m}" + (f" (95% CI {ci[0]:.3f}-{ci[1]:.3f})" if ci else "")
-            out.append({"what": what, "value": v, "limit": lim, "met": v <= lim})
+            ok = t.get("valid", True) and v is not None and not res.get("quick")
+            out.append({"what": what, "value": v, "limit": lim, "met": (v <= lim) if ok else None,
+                        "why_not_judged": None if ok else ("quick mode: a few samples only" if res.get("quick")
+                                                           else "other processes held the CPU; re-run")})
     for m, d in res.get("memory", {}).items():
         try:
             base = d["rss"]["unguarded"]["training_peak_mb"] * 2**20
