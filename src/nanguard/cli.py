@@ -15,7 +15,7 @@ import runpy
 import sys
 import tempfile
 import traceback
-from typing import List, Optional
+from typing import Any, List, Optional
 
 EXIT_NONFINITE = 3
 EXIT_USAGE = 2
@@ -92,7 +92,8 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
     os.close(rng_fd)
     torch.save(capture_rng(), rng_file)  # the re-run starts from this exact RNG state
 
-    config = GuardConfig(on_nonfinite=on_nonfinite, strict=strict)
+    # Recovery decides on exact per-update parameter checks (no rotating slices).
+    config = GuardConfig(on_nonfinite=on_nonfinite, strict=strict, param_check_every=1 if recover else None)
     policy = None
     if recover:
         from .recover import RecoveryPolicy
@@ -102,7 +103,7 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
     if policy is not None:
         from .replay import rerun_localize
         policy.attach(watcher)
-        cfg = {"min_loss_scale": config.min_loss_scale, "max_consecutive_skips": config.max_consecutive_skips}
+        cfg = child_config(config)
         if localize:
             watcher.localizer = lambda det: rerun_localize_all(det, script_abs, list(args), rng_file, cfg,
                                                                bundle=bundle)
@@ -166,6 +167,12 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
     return code
 
 
+def child_config(config: Any) -> dict:
+    """The settings the localization re-run needs to see the same detections as this run."""
+    return {"min_loss_scale": config.min_loss_scale, "max_consecutive_skips": config.max_consecutive_skips,
+            "param_check_every": config.param_check_every}
+
+
 def _make_report(watcher, script_abs, args, rng_file, localize, config, policy, bundle=None):
     from .integrations.distributed import rerun_localize_all, report_extra, share_event
     from .pipeline import build_event
@@ -188,7 +195,7 @@ def _make_report(watcher, script_abs, args, rng_file, localize, config, policy, 
             continue
         loc_run = None
         if (i == 0 or (det is first_train and det.rank is not None)) and localize and det.phase != "eval":
-            cfg = {"min_loss_scale": config.min_loss_scale, "max_consecutive_skips": config.max_consecutive_skips}
+            cfg = child_config(config)
             loc_run = rerun_localize_all(det, script_abs, list(args), rng_file, cfg, bundle=bundle)
         hist = [h for h in history if h["step"] < det.step]
         events.append(share_event(build_event(det, loc_run, hist, _context(watcher)), det.rank))

@@ -16,6 +16,12 @@ Cost model (why it is cheap):
 * the post-update parameter norms are computed right after the optimizer step
   but only *read* at the next step's sync, so catching an optimizer-made NaN
   costs no extra sync (it is reported one check later, with the right step);
+* on models above 2 MiB of parameters that post-update pass covers a rotating
+  slice of about 1/K of the parameter bytes (K up to 8, ``param_check_every``),
+  so every parameter is re-read at least every K updates. A parameter the next
+  forward uses is caught by the next step's loss/gradient check anyway (the
+  slow path then checks every parameter exactly); only parameters the loss
+  does not touch can wait up to K updates. The gradient pass is never sliced;
 * an L2 norm can overflow to ``inf`` while every element is finite (values
   around 1e20 in float32), so any non-finite norm is confirmed with an exact
   per-tensor ``isfinite`` pass. That slow path runs only when something looks
@@ -30,10 +36,11 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ._numerics import rounds_to_zero
 from .history import StepHistory, StepRecord
 
 
@@ -52,12 +59,19 @@ class GuardConfig:
     # magnitude (< 0.07) above 2**20 (e.g. GradScaler(init_scale=2**40) halving down to a usable scale).
     warmup_loss_scale: float = 2.0 ** 20
     max_events: int = 50                # events kept in the report (the rest are counted)
+    # After each update the parameters are re-read in K rotating slices (each ~1/K of the bytes, every
+    # parameter at least every K updates). None = auto: K = 1 (all of them, every update) up to
+    # 2 MiB of parameters, else ceil(bytes / 2 MiB), at most 8. Recovery mode uses 1.
+    param_check_every: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.on_nonfinite not in ("stop", "warn"):
             raise ValueError(f"on_nonfinite must be 'stop' or 'warn', got {self.on_nonfinite!r}")
         if self.history_size < 1:
             raise ValueError("history_size must be >= 1")
+        k = self.param_check_every
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"param_check_every must be None or an int >= 1, got {k!r}")
 
 
 @dataclass
@@ -182,13 +196,45 @@ def _norm_impl(tensors: List[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(parts[0] if len(parts) == 1 else torch.cat(parts))
 
 
-class _OptimizerView:
-    """Cached per-optimizer parameter lists (the hot path must not rebuild them)."""
+# Auto param_check_every: parameters up to this many bytes are all re-read after every update;
+# above it, slices of about this size, in at most _MAX_SLICES slices.
+_SLICE_BYTES = 2 << 20
+_MAX_SLICES = 8
 
-    def __init__(self, opt: torch.optim.Optimizer) -> None:
+
+def plan_slices(groups: List[List[torch.Tensor]], every: Optional[int]) -> "Tuple[int, List[List[List[torch.Tensor]]], Dict[int, int]]":
+    """Split the parameters into K slices of about equal bytes for the post-update check.
+
+    Returns ``(K, slices, slice_of)``: ``slices[c][g]`` are group ``g``'s parameters in
+    slice ``c``; ``slice_of`` maps ``id(param)`` to its slice. Largest first, each into
+    the lightest slice so far (a greedy balance: one huge tensor stays one slice).
+    """
+    flat = [p for g in groups for p in g]
+    if every is None:
+        total = sum(p.numel() * p.element_size() for p in flat)
+        every = min(_MAX_SLICES, max(1, math.ceil(total / _SLICE_BYTES)))
+    k = max(1, min(every, len(flat)))
+    loads = [0] * k
+    slice_of: Dict[int, int] = {}
+    for p in sorted(flat, key=lambda t: -t.numel() * t.element_size()):
+        c = loads.index(min(loads))
+        loads[c] += p.numel() * p.element_size()
+        slice_of[id(p)] = c
+    slices = [[[p for p in g if slice_of[id(p)] == c] for g in groups] for c in range(k)]
+    return k, slices, slice_of
+
+
+class _OptimizerView:
+    """Cached per-optimizer parameter lists and slices (the hot path must not rebuild them)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, every: Optional[int] = None) -> None:
         self.opt_ref = weakref.ref(opt)
+        self.every = every
         self.n_params = -1
         self.groups: List[List[torch.Tensor]] = []
+        self.k = 1
+        self.slices: List[List[List[torch.Tensor]]] = []
+        self.slice_of: Dict[int, int] = {}
         self.refresh(opt)
 
     def refresh(self, opt: torch.optim.Optimizer) -> None:
@@ -197,6 +243,7 @@ class _OptimizerView:
             return
         self.groups = [[p for p in g["params"] if is_checkable(p)] for g in opt.param_groups]
         self.n_params = n
+        self.k, self.slices, self.slice_of = plan_slices(self.groups, self.every)
 
     def all_params(self) -> List[torch.Tensor]:
         return [p for g in self.groups for p in g]
@@ -221,6 +268,9 @@ class StepMonitor:
         self._data_where: List[str] = []
         self._pending_post: Dict[int, torch.Tensor] = {}  # optimizer -> post-update param norms per group
         self._pending_step: Dict[int, int] = {}
+        self._pending_slice: Dict[int, int] = {}  # which slice that pending check covers
+        self._rot: Dict[int, int] = {}            # the slice the next update's check covers
+        self._psq: Dict[int, List[List[float]]] = {}  # squared norm per [group][slice], last read
         self._checked: Dict[int, bool] = {}
         self._consecutive_skips = 0
         self._names: Optional[Dict[int, str]] = None
@@ -242,9 +292,10 @@ class StepMonitor:
             if late and not self.views and self.backward_steps:
                 self.backward_steps = 0
                 self.history = StepHistory(self.config.history_size)
-                for d in (self._pending_post, self._pending_step, self._checked, self._lasts):
+                for d in (self._pending_post, self._pending_step, self._pending_slice, self._rot,
+                          self._psq, self._checked, self._lasts):
                     d.pop(0, None)
-            self.views[id(opt)] = _OptimizerView(opt)
+            self.views[id(opt)] = _OptimizerView(opt, self.config.param_check_every)
             self.counts.setdefault(id(opt), 0)
             self._names = None
 
@@ -311,9 +362,10 @@ class StepMonitor:
                 self.add_optimizer(opt, late=True)
                 view = self.views[id(opt)]
             view.refresh(opt)
-            groups = view.groups
+            groups, k, slices = view.groups, view.k, view.slices
         else:
             groups = params or []
+            k, slices = 1, [groups]
         step = self.step_of(opt)
 
         dev = None
@@ -331,9 +383,11 @@ class StepMonitor:
             gnorms.append(_norm(grads).to(dev) if grads else torch.zeros((), device=dev))
         pre_pnorms = None
         if key not in self._pending_post:  # first check: parameters have never been checked yet
-            pre_pnorms = [(_norm(g).to(dev) if g else torch.zeros((), device=dev)) for g in groups]
+            pre_pnorms = [(_norm(g).to(dev) if g else torch.zeros((), device=dev))
+                          for part in slices for g in part]  # per slice, per group
         post = self._pending_post.pop(key, None)
         post_step = self._pending_step.pop(key, None)
+        post_slice = self._pending_slice.pop(key, 0)
         # Other optimizers' last updates not read yet (e.g. a GAN's generator update made the
         # discriminator's batch non-finite): read them in the same sync, so the failure is
         # blamed on the update that made it, not on this step.
@@ -374,11 +428,17 @@ class StepMonitor:
         off += G
         pre_pn = post_pn = None
         if pre_pnorms is not None:
-            pre_pn, off = vals[off:off + G], off + G
+            n = len(pre_pnorms)
+            pre_pn, off = vals[off:off + n], off + n
+            self._psq[key] = [[pre_pn[c * G + g] ** 2 for c in range(k)] for g in range(G)]
         if post is not None:
             post_pn, off = vals[off:off + G], off + G
-        self._last = dict(loss=loss, gn=gn, pn=(pre_pn or post_pn), scale=scale, found_inf=found_inf,
-                          groups=groups, opt=opt)
+            psq = self._psq.get(key)
+            if psq is not None and len(psq) == G and post_slice < k:
+                for g in range(G):
+                    psq[g][post_slice] = post_pn[g] ** 2
+        self._last = dict(loss=loss, gn=gn, pn=self._group_param_norms(key, G), scale=scale,
+                          found_inf=found_inf, groups=groups, opt=opt)
         self._lasts[key] = self._last
         if reducer is not None:
             from .integrations.distributed import global_loss
@@ -395,12 +455,44 @@ class StepMonitor:
             if bad:
                 ostep = self._pending_step.pop(k, 0)
                 self._pending_post.pop(k, None)
+                self._pending_slice.pop(k, None)
                 return self._dist_decide(reducer, dev, Detection(
                     ostep, "optimizer", {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)}))
 
         det = self._decide(step, opt, groups, loss, loss_ok, data_ok, scale, found_inf, gn, pre_pn,
                            post_pn, post_step, scaler)
+        if det is not None and det.phase == "params" and post_step is not None and k > 1:
+            det = self._attribute_params(det, opt, post_step, post_slice, k)
         return self._dist_decide(reducer, dev, det)
+
+    def _group_param_norms(self, key: int, n_groups: int) -> Optional[List[float]]:
+        """Per group parameter L2 norm from the slices' last reads (each at most K updates old)."""
+        psq = self._psq.get(key)
+        if psq is None or len(psq) != n_groups:
+            return None
+        return [math.sqrt(sum(row)) for row in psq]
+
+    def _attribute_params(self, det: Detection, opt: Any, post_step: int, post_slice: int,
+                          k: int) -> Detection:
+        """Parameters found non-finite before this step while the last update's check read only one
+        slice of them: did that update make them (optimizer, previous step) or were they written
+        between steps (params, this step)? Decided from the optimizer's own numerics, with the reason."""
+        view = self.views.get(id(opt)) if opt is not None else None
+        if view is None:
+            return det
+        bad = [p for g in view.groups for p in g if is_checkable(p) and not bool(torch.isfinite(p).all())]
+        unread = [p for p in bad if view.slice_of.get(id(p), post_slice) != post_slice]
+        if not unread:  # the last update's check read them finite: written after it, between steps
+            return det
+        why = update_suspect(opt, unread)
+        d = dict(det.detected, param_check_every=k, last_update_step=post_step)
+        if why is None:
+            d["last_update_unverified"] = [self.name_of(p) for p in unread[:20]]
+            return Detection(det.step, det.phase, d, det.info_only)
+        names = [self.name_of(p) for p in bad]
+        return Detection(post_step, "optimizer", {"nonfinite_params_after_update": names[:20],
+                                                  "n_bad_params": len(names), "update_suspect": why,
+                                                  "param_check_every": k, "loss": det.detected.get("loss")})
 
     def _dist_inputs(self, dev: torch.device, sc: List[torch.Tensor]):
         """Distributed only: this step's (loss, loss_ok, data_ok, found_inf) as device tensors."""
@@ -512,9 +604,14 @@ class StepMonitor:
                 lr=lrs, loss_scale=None if math.isnan(scale) else scale, skipped=skipped))
         if groups and not skipped:
             dev = next((g[0].device for g in groups if g), torch.device("cpu"))
+            view = self.views.get(key) if opt is not None else None
+            k, slices = (view.k, view.slices) if view is not None else (1, [groups])
+            c = self._rot.get(key, 0) % k
+            self._rot[key] = c + 1
             self._pending_post[key] = torch.stack(
-                [(_norm(g).to(dev) if g else torch.zeros((), device=dev)) for g in groups])
+                [(_norm(g).to(dev) if g else torch.zeros((), device=dev)) for g in slices[c]])
             self._pending_step[key] = step
+            self._pending_slice[key] = c
         if opt is not None:
             self.counts[key] = step + 1
         else:
@@ -530,6 +627,7 @@ class StepMonitor:
             vals = post.tolist()
             step = self._pending_step.get(key, 0)
             del self._pending_post[key]
+            self._pending_slice.pop(key, None)
             if not all(math.isfinite(x) for x in vals):
                 groups = self.views[key].groups if key in self.views else [self.extra_params]
                 bad = self.nonfinite_params(groups, roots=False)
@@ -592,6 +690,37 @@ class StepMonitor:
     def nonfinite_grads(self, groups: Iterable[List[torch.Tensor]]) -> List[str]:
         return [self.name_of(p) for g in groups for p in g
                 if p.grad is not None and is_checkable(p.grad) and not bool(torch.isfinite(p.grad).all())]
+
+
+_HYPERPARAMETERS = ("lr", "eps", "weight_decay", "momentum", "alpha", "betas")
+
+
+def update_suspect(opt: Any, params: Sequence[torch.Tensor]) -> Optional[str]:
+    """Why ``opt``'s own update could have made ``params`` non-finite, or None if nothing says so.
+
+    Checked: non-finite hyperparameters of their groups, non-finite optimizer state for them,
+    and an ``eps`` that is 0, or rounds to 0 in the parameter's dtype (a 0/0 in Adam-style updates).
+    """
+    ids = {id(p) for p in params}
+    for g in getattr(opt, "param_groups", []):
+        ps = [p for p in g["params"] if id(p) in ids]
+        if not ps:
+            continue
+        for h in _HYPERPARAMETERS:
+            v = g.get(h)
+            for x in (v if isinstance(v, (tuple, list)) else [v]):
+                xf = float(x) if isinstance(x, (int, float)) or (isinstance(x, torch.Tensor) and x.numel() == 1) \
+                    else 0.0
+                if not math.isfinite(xf):
+                    return f"hyperparameter {h}={xf} is not finite"
+        for p in ps:
+            for name, v in (opt.state.get(p) or {}).items():
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                    return f"optimizer state '{name}' is non-finite"
+            eps = g.get("eps")
+            if isinstance(eps, (int, float)) and p.is_floating_point() and (eps == 0 or rounds_to_zero(eps, p.dtype)):
+                return f"eps={eps:g} is 0 in {str(p.dtype).replace('torch.', '')}: a zero denominator in the update"
+    return None
 
 
 def _scaler_enabled(scaler: Any) -> bool:

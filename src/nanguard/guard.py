@@ -42,6 +42,10 @@ class Guard:
         quiet: print nothing (the report is still kept and written).
         tensorboard: a log directory or a ``SummaryWriter``: the step history and the events are
             written as TensorBoard scalars/text (:mod:`nanguard.integrations.tensorboard`).
+        param_check_every: after each update, re-read about 1/K of the parameter bytes, every
+            parameter at least every K updates (``None``: 1 up to 2 MiB of parameters, else up
+            to 8). Parameters the next forward uses are caught at the next step whatever K is;
+            with ``recover`` it is always 1.
 
     Under ``torch.distributed`` (DDP, ``world_size > 1``) every rank reaches the same decision
     at every step (one small all-reduce in the check), the failing step is replayed on the
@@ -54,7 +58,8 @@ class Guard:
                  scaler: Any = None, *, on_nonfinite: str = "stop", recover: Any = None,
                  report: Optional[str] = None, history_size: int = 200, strict: bool = False,
                  localize: bool = True, check_data: bool = True, quiet: bool = False,
-                 bundle: Optional[str] = "auto", tensorboard: Any = None) -> None:
+                 bundle: Optional[str] = "auto", tensorboard: Any = None,
+                 param_check_every: Optional[int] = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -63,8 +68,10 @@ class Guard:
         self.model = model
         self.optimizers: List[torch.optim.Optimizer] = opts
         self.scaler = scaler
+        # Recovery decides on exact per-update parameter checks (no rotating slices).
         self.config = GuardConfig(on_nonfinite=on_nonfinite, history_size=history_size, strict=strict,
-                                  check_data=check_data)
+                                  check_data=check_data,
+                                  param_check_every=1 if recover else param_check_every)
         self.monitor = StepMonitor(self.config)
         self.monitor.add_root(model)
         for o in opts:

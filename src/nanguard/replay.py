@@ -198,7 +198,8 @@ def _child_main(argv: List[str]) -> int:
     cfg = json.loads(a.config)
 
     watcher = Watcher(GuardConfig(on_nonfinite="warn", **{k: v for k, v in cfg.items()
-                                                          if k in ("min_loss_scale", "max_consecutive_skips")}))
+                                                          if k in ("min_loss_scale", "max_consecutive_skips",
+                                                                   "param_check_every")}))
     state: Dict[str, Any] = {"rec": None, "params": {}, "buffers": {}, "t_arm": None, "pre": None,
                              "batch": None}
 
