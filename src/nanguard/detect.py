@@ -176,24 +176,58 @@ def _norm(tensors: List[torch.Tensor]) -> torch.Tensor:
 
 
 def _norm_impl(tensors: List[torch.Tensor]) -> torch.Tensor:
+    return _reduce(tensors, NormPlan(tensors), tensors[0].device)
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    n = t.numel()
+    return n >= _ROWS_MIN_NUMEL and n % _ROW == 0 and t.dtype is torch.float32 and t.device.type == "cpu"
+
+
+class NormPlan:
+    """Which tensors of a fixed list (a group's parameters, or their gradients) are reduced as rows.
+
+    Built once per parameter list, so the per-step norm does no per-tensor shape/dtype tests
+    in Python (76 tensors of a small GPT: ~0.2 ms per step saved).
+    """
+
+    __slots__ = ("rows", "rest")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.rows = [i for i, t in enumerate(tensors) if _rows_ok(t)]
+        self.rest = [i for i, t in enumerate(tensors) if not _rows_ok(t)]
+
+
+_STRIDED = torch.strided
+
+
+def planned_norm(tensors: Sequence[Optional[torch.Tensor]], plan: NormPlan, dev: torch.device) -> torch.Tensor:
+    """:func:`_norm` of ``tensors`` (shaped like the list ``plan`` was built from; None and
+    non-strided entries, e.g. missing or sparse gradients, are skipped). Zero when empty."""
+    with torch.no_grad():
+        return _reduce(tensors, plan, dev)
+
+
+def _reduce(tensors: Sequence[Optional[torch.Tensor]], plan: NormPlan, dev: torch.device) -> torch.Tensor:
     parts: List[torch.Tensor] = []
-    rest = tensors
-    if tensors[0].device.type == "cpu":
-        rest = []
-        for t in tensors:
-            n = t.numel()
-            if (n >= _ROWS_MIN_NUMEL and t.dtype is torch.float32 and n % _ROW == 0
-                    and t.device.type == "cpu" and t.is_contiguous()):
-                parts.append(torch.linalg.vector_norm(t.view(-1, _ROW), dim=1))
-            else:
-                rest.append(t)
+    rest = [t for t in (tensors[i] for i in plan.rest) if t is not None and t.layout is _STRIDED]
+    for i in plan.rows:
+        t = tensors[i]
+        if t is None or t.layout is not _STRIDED:
+            continue
+        if t.dtype is torch.float32 and t.is_contiguous():
+            parts.append(torch.linalg.vector_norm(t.view(-1, _ROW), dim=1))
+        else:
+            rest.append(t)
     if rest:
         norms = torch._foreach_norm(rest)
-        dev = tensors[0].device
         if any(n.device != dev for n in norms):
             norms = [n.to(dev) for n in norms]
         parts.append(torch.stack(norms).float())
-    return torch.linalg.vector_norm(parts[0] if len(parts) == 1 else torch.cat(parts))
+    if not parts:
+        return torch.zeros((), device=dev)
+    out = torch.linalg.vector_norm(parts[0] if len(parts) == 1 else torch.cat(parts))
+    return out if out.device == dev else out.to(dev)
 
 
 # Auto param_check_every: parameters up to this many bytes are all re-read after every update;
@@ -235,6 +269,8 @@ class _OptimizerView:
         self.k = 1
         self.slices: List[List[List[torch.Tensor]]] = []
         self.slice_of: Dict[int, int] = {}
+        self.grad_plans: List[NormPlan] = []
+        self.slice_plans: List[List[NormPlan]] = []
         self.refresh(opt)
 
     def refresh(self, opt: torch.optim.Optimizer) -> None:
@@ -244,6 +280,8 @@ class _OptimizerView:
         self.groups = [[p for p in g["params"] if is_checkable(p)] for g in opt.param_groups]
         self.n_params = n
         self.k, self.slices, self.slice_of = plan_slices(self.groups, self.every)
+        self.grad_plans = [NormPlan(g) for g in self.groups]  # gradients are shaped like their params
+        self.slice_plans = [[NormPlan(part) for part in s] for s in self.slices]
 
     def all_params(self) -> List[torch.Tensor]:
         return [p for g in self.groups for p in g]
@@ -362,10 +400,10 @@ class StepMonitor:
                 self.add_optimizer(opt, late=True)
                 view = self.views[id(opt)]
             view.refresh(opt)
-            groups, k, slices = view.groups, view.k, view.slices
+            groups, k, slices, plans = view.groups, view.k, view.slices, view.grad_plans
         else:
             groups = params or []
-            k, slices = 1, [groups]
+            k, slices, plans = 1, [groups], [NormPlan(g) for g in groups]
         step = self.step_of(opt)
 
         dev = None
@@ -377,10 +415,7 @@ class StepMonitor:
         if dev is None:
             dev = lv[0].device if lv else torch.device("cpu")
 
-        gnorms = []
-        for g in groups:
-            grads = [p.grad for p in g if p.grad is not None and is_checkable(p.grad)]
-            gnorms.append(_norm(grads).to(dev) if grads else torch.zeros((), device=dev))
+        gnorms = [planned_norm([p.grad for p in g], plan, dev) for g, plan in zip(groups, plans)]
         pre_pnorms = None
         if key not in self._pending_post:  # first check: parameters have never been checked yet
             pre_pnorms = [(_norm(g).to(dev) if g else torch.zeros((), device=dev))
@@ -605,11 +640,14 @@ class StepMonitor:
         if groups and not skipped:
             dev = next((g[0].device for g in groups if g), torch.device("cpu"))
             view = self.views.get(key) if opt is not None else None
-            k, slices = (view.k, view.slices) if view is not None else (1, [groups])
+            if view is not None:
+                k, slices, plans = view.k, view.slices, view.slice_plans
+            else:
+                k, slices, plans = 1, [groups], [[NormPlan(g) for g in groups]]
             c = self._rot.get(key, 0) % k
             self._rot[key] = c + 1
             self._pending_post[key] = torch.stack(
-                [(_norm(g).to(dev) if g else torch.zeros((), device=dev)) for g in slices[c]])
+                [planned_norm(g, plan, dev) for g, plan in zip(slices[c], plans[c])])
             self._pending_step[key] = step
             self._pending_slice[key] = c
         if opt is not None:
