@@ -322,6 +322,7 @@ def time_model(name: str, args, meter: CpuMeter) -> Dict[str, Any]:
     out["raw_blocks"] = [{"r": b["round"], "c": b["config"], "ms": [round(1e3 * t, 2) for t in b["times"]],
                           "others": round(b["others_cpu"], 3)} for b in blocks]
     out["guard_history_bytes_per_record"] = _history_record_bytes(r.guard)
+    out["guard_parts_ms"] = guard_parts(r, meter=meter)
     out["guard_alloc"] = guard_alloc_count(r)
     out["snapshot"] = snapshot_cost(r, meter)
     return out
@@ -494,6 +495,67 @@ def guard_alloc_count(r: Runner, steps: int = 3) -> Dict[str, Any]:
         "history_bytes_full": None,  # filled by the caller from the per-record size
         "model_bytes": model_state, "grad_bytes": grads, "optimizer_state_bytes": opt_state,
     }
+
+
+def guard_parts(r: Runner, steps: int = 24, meter: Optional["CpuMeter"] = None) -> Dict[str, Any]:
+    """Where the guard's time goes, in the training loop: median ms per step of each of its hooks,
+    and of the norm passes inside them (gradients in ``check``, the post-update parameter slice in
+    ``end_step``). Timers wrap the calls (a few us each); the first 4 steps are not counted."""
+    import nanguard.detect as D
+    import nanguard.guard as G
+
+    clock = time.perf_counter
+    acc: Dict[str, List[float]] = {}
+    where = ["other"]
+    mon = r.guard.monitor
+    names = ["on_batch", "on_backward", "check", "end_step"]
+    orig = {n: getattr(mon, n) for n in names}
+    orig_rng, orig_norm = G._capture_rng, D.planned_norm
+
+    def timed(label, fn):
+        def w(*a, **k):
+            t0 = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc.setdefault(label, []).append(clock() - t0)
+        return w
+
+    def hook(n):
+        inner = timed(n, orig[n])
+
+        def w(*a, **k):
+            where[0] = n
+            return inner(*a, **k)
+        return w
+
+    def norm(*a, **k):
+        t0 = clock()
+        out = orig_norm(*a, **k)
+        label = {"check": "gradient norms (in check)", "end_step": "parameter slice norm (in end_step)"}.get(
+            where[0], "other norms")
+        acc.setdefault("_" + label, []).append(clock() - t0)
+        return out
+
+    for n in names:
+        setattr(mon, n, hook(n))
+    G._capture_rng = timed("rng capture (replay)", orig_rng)
+    D.planned_norm = norm
+    try:
+        if meter is not None:
+            meter.wait_quiet(QUIET / 2, 5.0)
+        per_step: Dict[str, List[float]] = {}
+        for i in range(steps):
+            before = {k: sum(v) for k, v in acc.items()}
+            r.guarded()
+            if i >= 4:
+                for k, v in acc.items():
+                    per_step.setdefault(k.lstrip("_"), []).append(sum(v) - before.get(k, 0.0))
+    finally:
+        for n in names:
+            delattr(mon, n)
+        G._capture_rng, D.planned_norm = orig_rng, orig_norm
+    return {k: round(1e3 * statistics.median(v), 3) for k, v in per_step.items()}
 
 
 def snapshot_cost(r: Runner, meter: Optional["CpuMeter"] = None) -> Dict[str, Any]:
@@ -834,6 +896,18 @@ def print_tables(res: Dict[str, Any]) -> None:
         if bad:
             print(f"WARNING: too few quiet blocks for {', '.join(bad)}: other processes held the CPU; "
                   f"those ratios are not valid, re-run when the machine is idle")
+        parts = {n: timing[n].get("guard_parts_ms") or {} for n in names}
+        keys = [k for k in ("gradient norms (in check)", "check", "parameter slice norm (in end_step)", "end_step",
+                            "rng capture (replay)", "on_backward", "on_batch") if any(k in p for p in parts.values())]
+        if keys:
+            print("\nGuard time per step in the training loop, ms (median; % of the unguarded step)")
+            for k in keys:
+                row = f"{'  ' + k if 'norm' in k else k:36s}"
+                for n in names:
+                    v = parts[n].get(k)
+                    u = timing[n]["configs"]["unguarded"]["median_ms"]
+                    row += f"{(f'{v:.3f} ({100 * v / u:.2f}%)' if v is not None and u else '-'):>26s}"
+                print(row)
         print("\nModels: " + "; ".join(f"{n}: {timing[n]['desc']}, {timing[n]['n_params'] / 1e6:.2f}M params "
                                       f"in {timing[n]['n_param_tensors']} tensors" for n in names))
     mem = res.get("memory", {})
