@@ -212,3 +212,48 @@ def test_sliced_guard_trains_bit_for_bit_like_no_guard(k):
 
     for a, b in zip(train(False), train(True)):
         assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- nanguard run, sliced
+
+
+def test_nanguard_run_above_2_mib_blames_the_update_and_the_rerun_agrees(tmp_path):
+    # 4 MiB of float32 weights (K = 3) plus a float16 token table under Adam: update 0 makes the
+    # padding row 0/0 = NaN; step 1's forward uses it. The re-run child slices the same way and
+    # reproduces the same detection.
+    import textwrap
+
+    from conftest import run_ng
+
+    script = tmp_path / "big_fp16_table.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        torch.manual_seed(0)
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.big = torch.nn.Linear(1024, 1024)
+                self.emb = torch.nn.Embedding(100, 16, padding_idx=0).half()
+                self.head = torch.nn.Linear(1024 + 16, 2)
+
+            def forward(self, x, tok):
+                return self.head(torch.cat([torch.tanh(self.big(x)), self.emb(tok).float().mean(1)], 1))
+
+        model = Net()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for step in range(6):
+            x, tok, y = torch.randn(16, 1024), torch.randint(0, 100, (16, 6)), torch.randint(0, 2, (16,))
+            loss = torch.nn.functional.cross_entropy(model(x, tok), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            print(f"step={step} loss={loss.item():.4f}")
+        """))
+    code, rep = run_ng(tmp_path, str(script), localize=True, bundle=None)
+    ev = rep["events"][0]
+    assert (ev["step"], ev["phase"]) == (0, "optimizer")
+    assert "emb.weight" in ev["detected"]["nonfinite_params_after_update"]
+    assert "eps" in ev["detected"]["update_suspect"]
+    assert ev["localization"]["reproduced"] is True
+    assert ev["cause"]["category"] in ("optimizer_numerics", "low_precision_underflow")
