@@ -149,6 +149,60 @@ def test_rollback_restores_the_exact_state_model_optimizer_scaler_rng():
         assert torch.equal(train_step(model, opt, scaler), losses[step])
 
 
+def test_per_step_snapshots_reuse_their_buffers_and_still_restore_exactly():
+    # The per-step tier refills its oldest snapshot in place (no new allocation per step); what it
+    # holds must still be exactly the state at its step, and rolling back to it must be exact.
+    model, opt = make()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    policy = RecoveryPolicy(snapshot_every=100, keep_snapshots=1, recent_snapshots=2, quiet=True)
+    states, ptrs = {}, {}
+    for step in range(8):
+        policy.maybe_snapshot(step, [model], [opt], scaler)
+        states[step] = state(model, opt, scaler)
+        for snap in policy.recent:
+            ptrs.setdefault(snap.step, snap.modules[0][1]["fc1.weight"].data_ptr())
+        train_step(model, opt, scaler)
+    assert [s.step for s in policy.all_snapshots()] == [0, 6, 7]
+    # step 0's snapshot is also the first one (kept), steps 1 and 2 are fresh; from step 3 on each
+    # refills the one two steps older: two sets of buffers for steps 1-7
+    assert len({ptrs[s] for s in range(1, 8)}) == 2
+    snap6 = next(s for s in policy.recent if s.step == 6)
+    assert torch.equal(snap6.modules[0][1]["fc1.weight"], states[6]["model"]["fc1.weight"])
+    with torch.no_grad():
+        model.fc1.weight[0, 0] = float("nan")
+    rec = apply(policy, event("param_corruption", phase="params", step=8), model, [opt], scaler)
+    assert rec["actions"]["rollback"]["to_step"] == 7
+    assert_same_nested(states[7], state(model, opt, scaler))
+
+
+def test_a_nonfinite_state_does_not_overwrite_the_oldest_per_step_snapshot():
+    model, opt = make()
+    policy = RecoveryPolicy(snapshot_every=100, keep_snapshots=1, recent_snapshots=2, quiet=True)
+    for step in range(4):
+        policy.maybe_snapshot(step, [model], [opt], None)
+        with torch.no_grad():
+            model.fc1.weight.add_(0.01)
+    before = [(s.step, s.modules[0][1]["fc1.weight"].clone()) for s in policy.recent]
+    with torch.no_grad():
+        model.fc2.weight[0, 0] = float("inf")
+    policy.maybe_snapshot(4, [model], [opt], None)
+    assert [(s.step, s.modules[0][1]["fc1.weight"]) for s in policy.recent][0][0] == before[0][0]
+    for (st, w), s in zip(before, policy.recent):
+        assert s.step == st and torch.equal(s.modules[0][1]["fc1.weight"], w)
+
+
+def test_snapshot_refill_refuses_a_changed_structure():
+    from nanguard.recover import Snapshot
+    model, opt = make()
+    snap = Snapshot(0, [model], [opt])  # no optimizer state yet
+    train_step(model, opt, torch.amp.GradScaler("cpu", enabled=False))
+    assert not snap.refill(1, [model], [opt])  # Adam's state appeared: the caller takes a fresh one
+    fresh = Snapshot(1, [model], [opt])
+    train_step(model, opt, torch.amp.GradScaler("cpu", enabled=False))
+    assert fresh.refill(2, [model], [opt]) and fresh.step == 2
+    assert torch.equal(fresh.modules[0][1]["fc2.weight"], model.fc2.weight)
+
+
 def test_rollback_target_is_the_state_before_the_divergence():
     model, opt = make(opt="sgd")
     policy = RecoveryPolicy(snapshot_every=5, keep_snapshots=3, recent_snapshots=2, quiet=True)

@@ -59,7 +59,9 @@ one every ``snapshot_every=10`` steps keeping 3, and the last 2 steps'; the
 per-step tier is dropped for models whose snapshot is over ``recent_max_bytes``,
 256 MiB), i.e. at most 6x (3x above 256 MiB) the model + optimizer state, in
 host memory; taking one is a device-to-host copy of that size (every step for
-the per-step tier, else every 10th step). Under ``nanguard run`` snapshots are taken after each update (the
+the per-step tier, else every 10th step); the per-step tier refills its oldest
+snapshot in place (``Snapshot.refill``), so after the first steps it allocates
+nothing. Under ``nanguard run`` snapshots are taken after each update (the
 state at the start of the next step) and, once, just before the first update.
 
 LR schedulers are never stepped or rewound by nanguard. A skipped or rolled-back
@@ -127,10 +129,34 @@ class Snapshot:
         self.nbytes = sum(_nbytes(d) for _, d in self.modules) + sum(_nbytes(d) for _, d in self.optimizers)
         self._finite: Optional[bool] = None
 
+    def refill(self, step: int, modules: Sequence[torch.nn.Module], optimizers: Sequence[Any],
+               scaler: Any = None, loss: Optional[float] = None) -> bool:
+        """Become the snapshot of ``step`` by copying into this snapshot's own tensors (no allocation).
+
+        Used for the per-step tier, whose oldest snapshot is dropped anyway: the copy is the same
+        bytes, minus a fresh allocation (and, with the default glibc allocator, its page faults) of
+        the whole model + optimizer state every step. False (nothing usable left) when the
+        structure changed (new optimizer state, other shapes): the caller takes a fresh one.
+        """
+        from .replay import capture_rng
+        mods = [(id(m), m.state_dict()) for m in modules]
+        opts = [(id(o), o.state_dict()) for o in optimizers]
+        if [i for i, _ in mods] != [i for i, _ in self.modules] or \
+                [i for i, _ in opts] != [i for i, _ in self.optimizers]:
+            return False
+        with torch.no_grad():
+            if not all(_copy_into(dst, src) for (_, dst), (_, src) in zip(self.modules, mods)) or \
+                    not all(_copy_into(dst, src) for (_, dst), (_, src) in zip(self.optimizers, opts)):
+                return False
+        self.step, self.prev_loss = step, loss
+        self.scaler = copy.deepcopy(scaler.state_dict()) if scaler is not None and _enabled(scaler) else None
+        self.rng = capture_rng(plain=False)
+        self._finite = None
+        return True
+
     def finite(self) -> bool:
         if self._finite is None:
-            self._finite = all(bool(torch.isfinite(v).all()) for _, d in self.modules for v in d.values()
-                               if v.is_floating_point() or v.is_complex())
+            self._finite = _all_finite(v for _, d in self.modules for v in d.values())
         return self._finite
 
     def restore_buffers(self, modules: Sequence[torch.nn.Module]) -> int:
@@ -216,6 +242,52 @@ def _cpu_copy(obj):
     if isinstance(obj, tuple):
         return tuple(_cpu_copy(v) for v in obj)
     return copy.deepcopy(obj)
+
+
+def _all_finite(tensors) -> bool:
+    from .detect import finite_flag  # one aminmax pass per large tensor, no full-size temporaries
+    return all(bool(finite_flag(v)) for v in tensors if v.is_floating_point() or v.is_complex())
+
+
+def _module_states_finite(modules: Sequence[torch.nn.Module]) -> bool:
+    """What Snapshot.finite() would say of a snapshot of ``modules`` taken now."""
+    with torch.no_grad():
+        return _all_finite(v for m in modules for v in m.state_dict().values())
+
+
+def _copy_into(dst: Any, src: Any) -> bool:
+    """Copy ``src`` (a state dict) into the same-shaped ``dst`` in place; False on any mismatch
+    (``dst`` is then partly overwritten and must be dropped)."""
+    if isinstance(src, torch.Tensor):
+        if not isinstance(dst, torch.Tensor) or dst.shape != src.shape or dst.dtype != src.dtype:
+            return False
+        dst.copy_(src.detach())
+        return True
+    if isinstance(src, dict):
+        if not isinstance(dst, dict) or dst.keys() != src.keys():
+            return False
+        for k, v in src.items():
+            if isinstance(v, (torch.Tensor, dict, list, tuple)):
+                if not _copy_into(dst[k], v):
+                    return False
+            else:
+                dst[k] = copy.deepcopy(v)
+        return True
+    if isinstance(src, list):
+        if not isinstance(dst, list) or len(dst) != len(src):
+            return False
+        for i, v in enumerate(src):
+            if isinstance(v, (torch.Tensor, dict, list, tuple)):
+                if not _copy_into(dst[i], v):
+                    return False
+            else:
+                dst[i] = copy.deepcopy(v)
+        return True
+    if isinstance(src, tuple):  # immutable: only tensors inside can be refilled
+        return isinstance(dst, tuple) and len(dst) == len(src) and all(
+            _copy_into(d, v) if isinstance(v, (torch.Tensor, dict, list, tuple)) else d == v
+            for d, v in zip(dst, src))
+    return dst == src
 
 
 def _clone(obj):
@@ -589,7 +661,18 @@ class RecoveryPolicy:
         first = self.initial is None
         if not (periodic or first or self._recent_on):
             return
-        snap = Snapshot(step, modules, optimizers, scaler, loss)
+        reuse = self._reusable(periodic or first)
+        if reuse is None:
+            snap = Snapshot(step, modules, optimizers, scaler, loss)
+        elif not _module_states_finite(modules):  # checked before overwriting the oldest one
+            self._last_snap_step = step
+            return
+        elif reuse.refill(step, modules, optimizers, scaler, loss):
+            snap = reuse
+            snap._finite = True  # a copy of the state just checked
+        else:
+            self.recent.remove(reuse)  # partly overwritten: not a snapshot of anything any more
+            snap = Snapshot(step, modules, optimizers, scaler, loss)
         self._last_snap_step = step
         if not snap.finite():
             return
@@ -603,6 +686,16 @@ class RecoveryPolicy:
                 self.recent.clear()
             else:
                 self.recent.append(snap)
+
+    def _reusable(self, kept_elsewhere: bool) -> Optional[Snapshot]:
+        """The per-step tier's oldest snapshot, when the next one pushes it out and no other tier
+        holds it: its tensors can take the new state (Snapshot.refill)."""
+        if kept_elsewhere or not self._recent_on or len(self.recent) < self.recent.maxlen:
+            return None
+        old = self.recent[0]
+        if old is self.initial or any(old is s for s in self.snapshots):
+            return None
+        return old
 
     def best_snapshot(self, history: Sequence[dict] = (), step: Optional[int] = None,
                       divergence: bool = True) -> Optional[Snapshot]:
