@@ -257,3 +257,19 @@ def test_nanguard_run_above_2_mib_blames_the_update_and_the_rerun_agrees(tmp_pat
     assert "eps" in ev["detected"]["update_suspect"]
     assert ev["localization"]["reproduced"] is True
     assert ev["cause"]["category"] in ("optimizer_numerics", "low_precision_underflow")
+
+
+def test_a_parameter_group_added_mid_run_is_read_in_full_once_and_sliced_after():
+    torch.manual_seed(0)
+    model = _Net()
+    extra = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    guard = nanguard.Guard(model, opt, quiet=True, localize=False, bundle=None, param_check_every=3)
+    for i, b in enumerate(_batches(8)):
+        if i == 4:
+            opt.add_param_group({"params": extra.parameters(), "lr": 0.0})
+        guard.step(b, _loss_fn(model))
+    ps = list(model.parameters()) + list(extra.parameters())
+    ref = math.sqrt(sum(float((p.detach().double() ** 2).sum()) for p in ps))
+    assert guard.report.status == "clean"
+    assert guard.monitor.history.raw_dicts()[-1]["param_norm"] == pytest.approx(ref, rel=1e-5)

@@ -417,7 +417,10 @@ class StepMonitor:
 
         gnorms = [planned_norm([p.grad for p in g], plan, dev) for g, plan in zip(groups, plans)]
         pre_pnorms = None
-        if key not in self._pending_post:  # first check: parameters have never been checked yet
+        psq = self._psq.get(key)
+        fresh = psq is not None and len(psq) == len(groups) and all(len(r) == k for r in psq)
+        # First check (parameters never read yet), or new parameters/slices: read all of them once.
+        if key not in self._pending_post or not fresh:
             pre_pnorms = [(_norm(g).to(dev) if g else torch.zeros((), device=dev))
                           for part in slices for g in part]  # per slice, per group
         post = self._pending_post.pop(key, None)
@@ -469,7 +472,7 @@ class StepMonitor:
         if post is not None:
             post_pn, off = vals[off:off + G], off + G
             psq = self._psq.get(key)
-            if psq is not None and len(psq) == G and post_slice < k:
+            if pre_pnorms is None and psq is not None and len(psq) == G and post_slice < k:
                 for g in range(G):
                     psq[g][post_slice] = post_pn[g] ** 2
         self._last = dict(loss=loss, gn=gn, pn=self._group_param_norms(key, G), scale=scale,
