@@ -205,6 +205,41 @@ def test_acos_beyond_one_is_trig_domain():
     check(res, phase="forward", tag="acos", category="trig_domain")
 
 
+def test_negative_base_under_element_wise_fractional_exponents_is_sqrt_domain():
+    # x ** b with a learned exponent per element: a negative base under a non-integer exponent is NaN
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 4)
+    b = torch.nn.Parameter(torch.full((4,), 1.7))
+    opt = torch.optim.SGD(list(model.parameters()) + [b], lr=0.1)
+    a = torch.randn(6, 3)
+
+    def fwd():
+        h = model(a) - 0.1
+        return (h ** b).mean()  # ORIGIN:tpow
+
+    res = armed_step(model, opt, fwd)
+    sd = res["facts"]["sqrt_domain"]
+    assert sd["neg_base_fractional_exp"] > 0 and sd["fractional"] is True
+    d = check(res, phase="forward", tag="tpow", category="sqrt_domain", history=calm_history())
+    assert "negative base" in d["summary"] and "clamp" in d["fixes"][0]
+
+
+def test_zero_base_under_element_wise_negative_exponents_is_div_by_zero():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 4)
+    e = torch.nn.Parameter(torch.full((4,), -2.0))
+    opt = torch.optim.SGD(list(model.parameters()) + [e], lr=0.1)
+    a = torch.randn(6, 3)
+
+    def fwd():
+        h = torch.relu(model(a))
+        return (h ** e).mean()  # ORIGIN:zpow
+
+    res = armed_step(model, opt, fwd)
+    assert res["facts"]["sqrt_domain"]["zero_base_negative_exp"] > 0
+    check(res, phase="forward", tag="zpow", category="div_by_zero", history=calm_history())
+
+
 def test_handwritten_softmax_exp_overflow():
     torch.manual_seed(0)
     fc = torch.nn.Linear(4, 3)

@@ -721,3 +721,43 @@ def test_param_corruption_written_between_updates_is_repaired_element_wise():
     rec2 = apply(p, ev2, model, [opt])
     assert rec2 and rec2["actions"]["rollback"]["elements_only"]
     assert torch.isfinite(model.fc1.weight).all()
+
+
+def test_run_snapshot_includes_the_scripts_edits_between_steps(tmp_path):
+    # The script projects a weight vector onto the simplex after every update (clamp, then divide by
+    # the sum). One update makes every weight negative: the projection divides 0 by 0. The snapshot
+    # of a step must hold the projected weights (taken when the step starts, not right after the
+    # update), so the repair does not hand the projection the same negative values again.
+    script = write(tmp_path, """
+        import torch
+        torch.manual_seed(0)
+        x = torch.randn(256, 4)
+        y = x @ torch.tensor([0.4, 0.3, 0.2, 0.1])
+        class Blend(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.mix = torch.nn.Parameter(torch.full((4,), 0.25))
+
+            def forward(self, a):
+                return a @ self.mix
+
+        model = Blend()
+        mix = model.mix
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(30):
+            i = torch.randint(0, 256, (32,))
+            loss = ((model(x[i]) - y[i]) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            if step == 12:
+                mix.grad.fill_(100.0)  # one wild gradient: the update drives every weight below 0
+            opt.step()
+            with torch.no_grad():
+                mix.clamp_(min=0)
+                mix.div_(mix.sum())
+            print(f"step={step} loss={loss.item():.5f}")
+        """)
+    code, rep = run_ng(tmp_path, script, recover="auto")
+    assert code == 0, rep["events"]
+    assert rep["status"] == "recovered"
+    assert all(e["recovery"] and e["recovery"].get("ok") for e in rep["events"])

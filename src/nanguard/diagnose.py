@@ -531,7 +531,8 @@ def _mechanism(origin: dict, facts: dict, sig: dict, phase: str, ev: dict, metho
     sd = facts.get("sqrt_domain") or {}
     neg_pow = (examined in _POW or _node_family(node).startswith("pow")) and _fin(sd.get("exponent")) and \
         sd["exponent"] < 0 and not sd.get("fractional")
-    if neg_pow and sd.get("zeros"):
+    if (neg_pow and sd.get("zeros")) or (examined in _POW and sd.get("zero_base_negative_exp")
+                                         and not sd.get("neg_base_fractional_exp")):
         return _div(origin, facts, ev, method, low, pow_zero=True)
     if stage == "backward":
         fam = _node_family(node)
@@ -574,7 +575,10 @@ def _mechanism(origin: dict, facts: dict, sig: dict, phase: str, ev: dict, metho
         return _sqrt(origin, facts, ev, method, backward=False)
     if examined in _TRIG:
         return _trig(origin, facts, ev, method)
-    if examined in _EXP or (examined in _POW and facts.get("exp_input_max") is not None):
+    # pow with element-wise exponents overflows like exp(exponent * log|base|): only with an inf out
+    pow_overflow = examined in _POW and facts.get("exp_input_max") is not None and bool(
+        out.get("posinf") or out.get("neginf"))
+    if examined in _EXP or pow_overflow:
         if low and f32.get("direct_finite"):
             return _lp_overflow(origin, facts, ev, method)
         if not low:
@@ -711,8 +715,12 @@ def _div(origin: dict, facts: dict, ev: dict, method: str, low: bool, empty_mean
     api = _api_or_op(origin)
     if pow_zero:
         sd = facts.get("sqrt_domain") or {}
-        summ = (f"{api} at {where} raised {sd.get('zeros')} zero(s) to the negative power {_g(sd.get('exponent'))}"
-                " (1/0)")
+        if sd.get("zero_base_negative_exp"):  # element-wise exponents
+            summ = (f"{api} at {where} raised {sd['zero_base_negative_exp']} zero(s) to negative powers (exponents "
+                    f"{_g((sd.get('exponent_range') or [None])[0])}..{_g((sd.get('exponent_range') or [None, None])[1])}) (1/0)")
+        else:
+            summ = (f"{api} at {where} raised {sd.get('zeros')} zero(s) to the negative power "
+                    f"{_g(sd.get('exponent'))} (1/0)")
         fixes = [f"keep the base away from 0 at {where}: x.clamp(min=eps) ** p, or (x + eps) ** p"]
         return _result("div_by_zero", summ, 0.85, ev, fixes, method)
     if empty_mean:
@@ -787,6 +795,21 @@ def _sqrt(origin: dict, facts: dict, ev: dict, method: str, backward: bool) -> d
              "instead of sqrt(sum of squares)",
              f"or add a small eps inside the root: torch.sqrt(x + 1e-12) (float32) / x.clamp(min=1e-12).sqrt()",
              "if the zero distance comes from pairing a sample with itself, exclude those pairs"]
+    is_pow = _opshort(origin.get("forward_op") or origin.get("op")) in _POW or _node_family(node).startswith("pow")
+    if is_pow and backward:
+        summ = (f"the backward of {api} at {where} ({node}): the gradient of x ** p with p < 1 is "
+                f"p * x ** (p - 1), infinite at x = 0 ({sd.get('zeros', '?')} zero base(s) of "
+                f"{sd.get('numel', '?')}), then inf * 0 = NaN")
+        fixes = [f"keep the base away from 0 at {where}: x.clamp(min=1e-6) ** p (or (x + 1e-6) ** p)",
+                 "or use an integer exponent / a formulation whose gradient is finite at 0"]
+    elif is_pow:
+        n = sd.get("neg_base_fractional_exp", sd.get("negatives", "?"))
+        summ = (f"{api} at {where} raised {n} negative base(s) of {sd.get('numel', '?')} to a non-integer power: "
+                f"x ** p is NaN for x < 0 ({origin.get('dtype')})")
+        fixes = [f"clamp the base at {where}: x.clamp(min=0) ** p (or x.clamp(min=eps) if p < 0)",
+                 "if the sign should carry through: torch.sign(x) * x.abs() ** p",
+                 "find why the base goes negative (a threshold or offset larger than the data)"]
+        return _result("sqrt_domain", summ, 0.9, ev, fixes, method)
     if not backward and sd.get("negatives"):
         fixes.insert(0, f"clamp the argument at {where}: torch.sqrt(x.clamp(min=0)); negative values usually come "
                         "from cancellation (e.g. E[x^2] - E[x]^2)")

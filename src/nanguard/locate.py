@@ -1287,6 +1287,16 @@ class OpRecorder:
                     if isinstance(ex, (int, float)):
                         d["exponent"] = jnum(ex)
                         d["fractional"] = float(ex) != int(float(ex)) if math.isfinite(float(ex)) else False
+                    elif isinstance(ex, torch.Tensor) and ex.dtype.is_floating_point:
+                        # element-wise exponents: a negative base under a non-integer exponent is NaN
+                        # (the sqrt-like domain), a zero base under a negative one is 1/0
+                        non_int = aten.ne.Tensor(ex, aten.floor.default(ex))
+                        d["neg_base_fractional_exp"] = self._count(
+                            aten.logical_and.default(aten.lt.Scalar(x, 0), non_int))
+                        d["zero_base_negative_exp"] = self._count(
+                            aten.logical_and.default(aten.eq.Scalar(x, 0), aten.lt.Scalar(ex, 0)))
+                        d["fractional"] = d["neg_base_fractional_exp"] > 0
+                        d["exponent_range"] = [N.tensor_stats(ex).get("min"), N.tensor_stats(ex).get("max")]
                 if e_name in NORM_OPS and "forward_output" in f:
                     d["norm_zeros"] = f["forward_output"].get("zeros")
                 f["sqrt_domain"] = d

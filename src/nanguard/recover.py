@@ -61,8 +61,10 @@ per-step tier is dropped for models whose snapshot is over ``recent_max_bytes``,
 host memory; taking one is a device-to-host copy of that size (every step for
 the per-step tier, else every 10th step); the per-step tier refills its oldest
 snapshot in place (``Snapshot.refill``), so after the first steps it allocates
-nothing. Under ``nanguard run`` snapshots are taken after each update (the
-state at the start of the next step) and, once, just before the first update.
+nothing. Under ``nanguard run`` the snapshot of a step is taken when that step
+starts (its first training-mode forward of a watched model, else its backward or
+its optimizer step), so edits the script makes between steps (a projection, a
+re-normalisation) are part of it; and, once, just before the first update.
 
 LR schedulers are never stepped or rewound by nanguard. A skipped or rolled-back
 step still counts in the scheduler's own counter (the script calls

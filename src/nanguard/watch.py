@@ -65,6 +65,7 @@ class Watcher:
         self.on_optimizer_begin: Optional[Callable[[], None]] = None
         # Recovery (nanguard run --recover): a RecoveryPolicy, and how to localize a failure.
         self.policy: Any = None
+        self._snap_due: Optional[tuple] = None  # (step, loss): the snapshot the next step starts from
         self.localizer: Optional[Callable[[Detection], Any]] = None
         self._skip_current: set = set()
         self._first_event: Any = None
@@ -199,12 +200,22 @@ class Watcher:
         return [v.opt_ref() for v in self.monitor.views.values() if v.opt_ref() is not None]
 
     def _after_update(self, opt: Any) -> None:
-        """End of a step: recovery snapshots (only with a policy)."""
+        """End of a step: a recovery snapshot of the next step is due (only with a policy).
+
+        It is taken when the next step starts (its first training forward, backward or check), not
+        here: code the script runs between steps (a projection, a re-normalisation, an EMA swap)
+        belongs to the state a rollback must restore.
+        """
         if self.policy is None:
             return
         last = self.monitor.history.last()
-        self.policy.maybe_snapshot(self.monitor.step_of(opt), list(self.monitor.roots), self.optimizers(),
-                                   self.scalers[0] if self.scalers else None, last.loss if last else None)
+        self._snap_due = (self.monitor.step_of(opt), last.loss if last else None)
+
+    def _take_due_snapshot(self) -> None:
+        due, self._snap_due = self._snap_due, None
+        if due is not None and self.policy is not None:
+            self.policy.maybe_snapshot(due[0], list(self.monitor.roots), self.optimizers(),
+                                       self.scalers[0] if self.scalers else None, due[1])
 
     # ------------------------------------------------------------------ optimizer
     def _in_scaler(self) -> bool:
@@ -213,6 +224,8 @@ class Watcher:
     def _opt_pre(self, opt, args, kwargs) -> None:
         if self._in_scaler():
             return
+        if self._snap_due is not None:  # a step with no module forward and no backward
+            self._guarded(self._take_due_snapshot)
         if self.on_optimizer_begin is not None:
             self.on_optimizer_begin()
         if self.policy is not None:  # recovery's loss scale (if on): unscale before the check
@@ -279,6 +292,8 @@ class Watcher:
             return orig(tensors, *a, **k)
         ts = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in (tensors or [])
                                                                     if isinstance(t, torch.Tensor)]
+        if self._snap_due is not None:
+            self._guarded(self._take_due_snapshot)
         self._guarded(lambda: self.monitor.on_backward(self._unscaled(ts)))
         by_backward = not self.monitor.views
         groups = None
@@ -328,6 +343,8 @@ class Watcher:
         if d == 0 and not self.disabled:
             def pre():
                 self.monitor.add_root(module)
+                if self._snap_due is not None and torch.is_grad_enabled() and module.training:
+                    self._take_due_snapshot()  # the state the next training step starts from
                 if torch.is_grad_enabled() and module.training:
                     # Only tensors that do not come from parameters are "the batch".
                     batch = [t for t in tensors_in(args) if not t.requires_grad]
