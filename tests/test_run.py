@@ -833,3 +833,28 @@ def test_cli_subprocess_healthy_and_missing(tmp_path):
     p = _cli(tmp_path, str(tmp_path / "missing.py"))
     assert p.returncode == 2
     assert "no such script" in p.stderr
+
+
+def test_weights_cast_to_float16_beyond_its_range_are_low_precision_overflow(tmp_path):
+    # model.half() swaps each parameter's storage without bumping its version counter: the recorder
+    # must still see the write, and a cast of finite float32 weights past 65504 is an overflow.
+    script = write(tmp_path, """
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        with torch.no_grad():
+            model[0].weight.mul_(3e5)  # an input scale folded into the first layer
+        model = model.half()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for step in range(5):
+            x = torch.randn(16, 5).half()
+            loss = (model(x).float() ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        """)
+    code, rep = run_ng(tmp_path, script, localize=True, bundle=None)
+    ev = rep["events"][0]
+    assert (ev["step"], ev["phase"]) == (0, "params")
+    assert ev["cause"]["category"] == "low_precision_overflow", ev["cause"]["summary"]
+    assert "Tensor.half" in ev["cause"]["summary"] or "half" in ev["cause"]["summary"]

@@ -490,6 +490,21 @@ def _preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dic
         wop = _opshort(wb.get("op"))
         at = f"{os.path.basename(str(wb['file']))}:{wb.get('line')}"
         wb_s = f"; the values were written at {at} by {wb.get('api') or wop}"
+        wf = wb.get("facts") or {}
+        f32w = wf.get("float32_rerun") or {}
+        dti = wf.get("dtype_info") or {}
+        if wop in ("_to_copy", "copy", "copy_") and st.get("dtype") in _LOW and not st.get("nan") \
+                and f32w.get("direct_finite"):
+            # a cast into float16/bfloat16 of values beyond its range: the weights were fine before it
+            summ = (f"{kind} '{name or '?'}' holds {n_bad} Inf value(s) of {numel} before the step uses it: "
+                    f"{wb.get('api') or wop} at {at} cast values up to |x| = {_g(f32w.get('max_abs'))} into "
+                    f"{st.get('dtype')}, whose max is {_g(dti.get('max'))}; in float32 they are finite")
+            fixes = [f"keep '{name or 'the parameter'}' in float32: train with torch.autocast (+ GradScaler for "
+                     f"float16) instead of casting the model at {at}",
+                     f"or rescale it before the cast so |x| < {_g(dti.get('max'))} (e.g. fold a large input "
+                     "scale into a normalisation of the inputs instead of the weights), or use bfloat16",
+                     "assert torch.isfinite(p).all() for every parameter after a cast or a load"]
+            return _result("low_precision_overflow", summ, 0.9, ev, fixes, method)
         if wop in _MEAN and 0 in (wb.get("input_numel") or []):
             wb_s += " (the mean of an empty tensor: 0/0 = NaN)"
             wb_fix = (f"fix the write at {at}: the mean is taken over an empty set (0 elements); skip empty "
@@ -871,8 +886,11 @@ def _optimizer(loc: dict | None, facts: dict, ev: dict, method: str, conf: float
     if state:
         parts.append(f"through state '{state}'")
     if zd.get("zeros"):
-        parts.append(f"with {zd['zeros']} zero denominator(s)")
-    if ef.get("rounds_to_zero") or ef.get("below_tiny"):
+        parts.append(f"with {zd['zeros']} zero denominator(s) (moments of gradients that are exactly 0: "
+                     "parameters or rows the step did not use)")
+    if _fin(eps) and float(eps) == 0:
+        parts.append("eps is 0, so a zero second moment divides 0 by 0")
+    elif ef.get("rounds_to_zero") or ef.get("below_tiny"):
         parts.append(f"eps {_g(eps)} is below {ef.get('dtype')} tiny {_g(ef.get('dtype_tiny'))} (it "
                      + ("rounds to 0)" if ef.get("rounds_to_zero") else "is subnormal)"))
     fixes = []
@@ -880,7 +898,7 @@ def _optimizer(loc: dict | None, facts: dict, ev: dict, method: str, conf: float
     if pdt in _LOW:
         fixes.append(f"keep float32 master weights and optimizer state (train with torch.autocast + "
                      f"torch.amp.GradScaler instead of {pdt} parameters)")
-    if ef.get("rounds_to_zero") or ef.get("below_tiny") or zd.get("zeros"):
+    if ef.get("rounds_to_zero") or ef.get("below_tiny") or zd.get("zeros") or (_fin(eps) and float(eps) == 0):
         fixes.append(f"raise eps to a value the parameter dtype can hold (e.g. 1e-4 for float16; float16 tiny is "
                      f"6.1e-05, float32 tiny 1.2e-38), e.g. {name}(..., eps=1e-4)")
     fixes.append("lower the learning rate or clip gradients if the update itself is huge")

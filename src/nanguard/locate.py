@@ -194,11 +194,21 @@ def _nonfinite_scalar(x: Any) -> tuple[bool, bool]:
 
 
 class _Info:
-    """What we know about one tensor object: finiteness at a version, taint, producer op."""
-    __slots__ = ("ref", "ver", "nan", "inf", "taint", "prod")
+    """What we know about one tensor object: finiteness at a version (and storage), taint, producer op."""
+    __slots__ = ("ref", "ver", "nan", "inf", "taint", "prod", "where")
 
-    def __init__(self, ref, ver, nan, inf, taint, prod):
+    def __init__(self, ref, ver, nan, inf, taint, prod, where=None):
         self.ref, self.ver, self.nan, self.inf, self.taint, self.prod = ref, ver, nan, inf, taint, prod
+        self.where = where
+
+
+def _where_stored(t: torch.Tensor) -> tuple | None:
+    """Storage and dtype of ``t``: ``param.data = ...`` (e.g. ``model.half()``) swaps both
+    without bumping the version counter, so the version alone cannot say "unchanged"."""
+    try:
+        return (t.untyped_storage().data_ptr(), t.dtype)
+    except Exception:
+        return None
 
 
 class _Origin:
@@ -703,21 +713,22 @@ class OpRecorder:
         key = id(t)
         info = self._infos.get(key)
         ver = N.version(t)
+        where = _where_stored(t)
         if info is not None and info.ref() is t:
-            if ver is not None and info.ver == ver:
+            if ver is not None and info.ver == ver and info.where == where:
                 return info.nan, info.inf, info.taint, info
             nan, inf = N.nonfinite_flags(t)
             taint = None
             if nan or inf:
                 taint = info.taint if (info.nan or info.inf) else None
                 taint = taint or self._storage_taint(t) or self._untracked(t)
-            info.ver, info.nan, info.inf, info.taint = ver, nan, inf, taint
+            info.ver, info.nan, info.inf, info.taint, info.where = ver, nan, inf, taint, where
             return nan, inf, taint, info
         nan, inf = N.nonfinite_flags(t)
         taint = None
         if nan or inf:
             taint = self._storage_taint(t) or self._preexisting(t, nan, inf)
-        info = _Info(weakref.ref(t), ver, nan, inf, taint, None)
+        info = _Info(weakref.ref(t), ver, nan, inf, taint, None, where)
         self._infos[key] = info
         return nan, inf, taint, info
 
@@ -1023,8 +1034,9 @@ class OpRecorder:
         info = self._infos.get(id(t))
         if info is not None and info.ref() is t:
             info.ver, info.nan, info.inf, info.taint, info.prod = ver, nan, inf, taint, prod
+            info.where = _where_stored(t)
         else:
-            self._infos[id(t)] = _Info(weakref.ref(t), ver, nan, inf, taint, prod)
+            self._infos[id(t)] = _Info(weakref.ref(t), ver, nan, inf, taint, prod, _where_stored(t))
         if taint is not None:
             try:
                 self._by_storage[t.untyped_storage().data_ptr()] = taint
