@@ -33,7 +33,8 @@ CATEGORIES: dict[str, str] = {
                    "sum over an empty set, or the mean of an empty tensor. Selected by a div-like origin op "
                    "with zeros in the denominator that do not come from a std/var.",
     "sqrt_domain": "sqrt, rsqrt, a fractional pow or a norm at 0 or below: sqrt(<0) = NaN in the forward, or "
-                   "the backward 1/(2*sqrt(0)) = inf times 0 = NaN. Selected by such an origin op, or a "
+                   "the backward 1/(2*sqrt(0)) = inf times 0 = NaN. Selected by such an origin op (for pow "
+                   "with element-wise exponents: a negative base under a non-integer exponent), or a "
                    "backward origin in SqrtBackward/RsqrtBackward/PowBackward/NormBackward.",
     "trig_domain": "acos/asin/atanh (and acosh) evaluated at or beyond +-1 (NaN or inf in the value or the "
                    "gradient). Selected by such an origin op with |x| >= 1.",
@@ -43,7 +44,8 @@ CATEGORIES: dict[str, str] = {
                     "history.",
     "low_precision_overflow": "A float16/bfloat16 value beyond the dtype's range (65504 in float16) that "
                               "float32 would hold. Selected by a low-precision origin whose float32 re-run "
-                              "is finite and whose output is +-inf.",
+                              "is finite and whose output is +-inf, or by a parameter that a cast into "
+                              "float16/bfloat16 (model.half()) made +-inf.",
     "low_precision_underflow": "A small value or an eps that rounds to 0 in float16/bfloat16 (1e-8 is 0 in "
                                "float16) and is then logged or divided by. Selected by a low-precision "
                                "log/div origin whose eps constant rounds to 0 or whose float32 re-run of the "
