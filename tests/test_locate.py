@@ -240,6 +240,24 @@ def test_zero_base_under_element_wise_negative_exponents_is_div_by_zero():
     check(res, phase="forward", tag="zpow", category="div_by_zero", history=calm_history())
 
 
+def test_label_smoothing_over_minus_inf_masked_logits_is_the_reduction_not_the_mask():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    allowed = torch.tensor([True, True, True, False, False])
+
+    def fwd(smoothing):
+        logits = model(x).masked_fill(~allowed, float("-inf"))
+        return F.cross_entropy(logits, y, label_smoothing=smoothing)  # ORIGIN:smooth
+
+    assert torch.isfinite(fwd(0.0))  # the mask alone is fine: softmax absorbs it
+    res = armed_step(model, opt, lambda: fwd(0.1))
+    assert res["facts"]["mask_escape"]["mask_op"] == "masked_fill"
+    d = check(res, phase="forward", tag="smooth", category="masked_softmax", history=calm_history())
+    assert "label smoothing" in d["summary"]
+
+
 def test_handwritten_softmax_exp_overflow():
     torch.manual_seed(0)
     fc = torch.nn.Linear(4, 3)

@@ -565,6 +565,8 @@ def _mechanism(origin: dict, facts: dict, sig: dict, phase: str, ev: dict, metho
         if examined in _DIV or fam.startswith("div"):
             return _div(origin, facts, ev, method, low)
     # 2. forward (or a forward op whose non-finite output reached the gradients)
+    if facts.get("mask_escape") and not backward_failure:
+        return _mask_escape(origin, facts["mask_escape"], ev, method)
     if (examined in _SOFTMAX or "attention" in examined) and (facts.get("softmax_all_masked_rows") or {}).get("count"):
         return _masked_softmax(origin, facts, ev, method)
     kl = facts.get("kl_div")
@@ -612,6 +614,13 @@ def _mechanism(origin: dict, facts: dict, sig: dict, phase: str, ev: dict, metho
         if dv is not None:
             return dv
         dtype_max = (facts.get("overflow") or {}).get("dtype_max")
+        if f64 and not f64.get("finite"):  # float64 is infinite too: a pole of the function, not its range
+            return _result("other", f"{api} at {where} returned +-inf from finite inputs, in float64 as well: "
+                           "its inputs sit on a pole of the function (e.g. erfinv(+-1), 1/0-like limits)",
+                           0.45, ev, [f"keep the inputs of {api} at {where} strictly inside its domain (clamp "
+                                      "them a small margin away from the pole)",
+                                      "find which upstream value saturated onto the pole (a sigmoid/tanh that "
+                                      "rounds to exactly +-1 or 0/1)"], method)
         return _result("other", f"{api} overflowed the {dtype} range (max {_g(dtype_max)}) at {where}; float64 "
                        f"would hold it (max |x| {_g(f64.get('max_abs'))}) and the history shows no divergence",
                        0.45, ev, ["rescale the values feeding this op (normalise inputs/targets) or compute it in "
@@ -709,6 +718,25 @@ def _lp_overflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
              "rescale the quantities (e.g. normalise targets/inputs so activations stay far below "
              f"{_g(fi.get('max'))})"]
     return _result("low_precision_overflow", summ, 0.92, ev, fixes, method)
+
+
+def _mask_escape(origin: dict, me: dict, ev: dict, method: str) -> dict:
+    where = _where(origin)
+    api = _api_or_op(origin)
+    at = f"{os.path.basename(str(me.get('file')))}:{me.get('line')}" if me.get("file") else "an earlier line"
+    ev["mask_escape"] = me
+    summ = (f"{api} at {where} reduced over positions that {me.get('mask_api') or me.get('mask_op')} at {at} "
+            f"filled with {_g(me.get('constant'))}: the masked entries were summed into the result instead of "
+            "being left out (softmax/logsumexp absorb a -inf mask, a sum or mean over it does not; e.g. "
+            "label smoothing or a mean log-probability over masked classes)")
+    fixes = [f"leave masked entries out of the reduction at {where}: (x.masked_fill(mask, 0)).sum(-1) / "
+             "(~mask).sum(-1) instead of x.sum(-1) / x.mean(-1)",
+             "with F.cross_entropy(label_smoothing=...) and masked classes, write the smoothing term over the "
+             "allowed classes yourself: label smoothing spreads probability over every class, masked ones "
+             "included",
+             f"keep the -inf mask at {at} for softmax/argmax only; do not replace it by a large finite "
+             "negative, which turns the infinite loss into a huge finite one"]
+    return _result("masked_softmax", summ, 0.85, ev, fixes, method)
 
 
 def _exp(origin: dict, facts: dict, ev: dict, method: str) -> dict:

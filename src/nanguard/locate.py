@@ -65,6 +65,10 @@ PASS_OPS = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "t",
             "expand_as", "flatten", "unflatten", "_reshape_alias", "movedim", "mT", "mH", "copy"}
 INDEX_OPS = {"index", "index_select", "embedding", "_embedding_bag", "embedding_bag", "take",
              "_embedding_bag_forward_only"}
+# Ops that write a scalar into some positions only (a mask), and reductions that can carry it out.
+_MASK_WRITERS = {"masked_fill", "masked_fill_", "where", "index_put", "index_put_", "masked_scatter",
+                 "masked_scatter_", "fill_diagonal_"}
+_MASK_SINKS = {"sum", "mean", "nansum", "nanmean", "dot", "mul_sum", "linalg_vector_norm", "norm"}
 REDUCE_OPS = {"sum", "mean", "count_nonzero", "nansum", "nanmean", "_foreach_sum", "bincount", "amax",
               "matmul", "mm", "bmm", "einsum", "prod"}
 EPS_PRODUCERS = {"add", "sub", "rsub", "clamp", "clamp_min", "_foreach_add", "_foreach_sub",
@@ -983,7 +987,7 @@ class OpRecorder:
             if nan or inf:
                 rel = [i for i in ins if not foreach or i[1] is None or i[1] == pos]
                 rel_s = [s for s in scal if not foreach or s[1] is None or s[1] == pos]
-                taint = self._decide(nan, inf, rel, rel_s)
+                taint = self._decide(nan, inf, rel, rel_s, name, t)
                 if taint == "new":
                     if new_origin is None:
                         new_origin = _Origin(len(self._origins), "op", False, op=idx, stage=stage)
@@ -1008,7 +1012,8 @@ class OpRecorder:
                                 "function": fr[2] if fr else None, "constant": True,
                                 "scalars": [jnum(v) for _k, _p, v in scal][:6]}
 
-    def _decide(self, out_nan: bool, out_inf: bool, ins: list, scal: list) -> Any:
+    def _decide(self, out_nan: bool, out_inf: bool, ins: list, scal: list, name: str | None = None,
+                out: torch.Tensor | None = None) -> Any:
         """Taint of a non-finite output: inherit a real origin, start a new one, or a constant."""
         real = [i[5] for i in ins if i[5] is not None and i[5].real]
         if real:
@@ -1023,8 +1028,28 @@ class OpRecorder:
             return "new"       # overflow, x/0, log(0) from finite inputs
         soft = [i[5] for i in ins if i[5] is not None]
         if soft:
+            mask = self._mask_escape(name, out, ins, soft)
+            if mask is not None:
+                self._escaped_mask = mask
+                return "new"   # masked entries summed into a result: the bug is this reduction
             return min(soft, key=lambda o: o.seq)
         return "const"         # introduced from a non-finite scalar constant
+
+    def _mask_escape(self, name: str | None, out: Any, ins: list, soft: list) -> _Origin | None:
+        """A sum/mean over positions that a mask filled with +-inf, giving a non-finite result
+        (e.g. label smoothing or a mean log-prob over -inf-masked logits). Masks are meant to be
+        absorbed (softmax, logsumexp, max turn them into finite values); a reduction that keeps
+        them is where the intended infinity becomes a real failure. The mask's origin, or None."""
+        if name not in _MASK_SINKS or not isinstance(out, torch.Tensor) or self._cur_stage() != "forward":
+            return None
+        big = max((int(i[2].numel()) for i in ins if isinstance(i[2], torch.Tensor)), default=0)
+        if out.numel() >= big:
+            return None
+        consts = [o for o in soft if o.kind == "constant"]
+        if len(consts) != len(soft):
+            return None
+        masks = [o for o in consts if (o.detail or {}).get("name") in _MASK_WRITERS]
+        return min(masks, key=lambda o: o.seq) if masks and len(masks) == len(consts) else None
 
     def _set_info(self, t: torch.Tensor, nan: bool, inf: bool, taint: _Origin | None, prod: tuple,
                   mutated: bool) -> None:
@@ -1115,6 +1140,11 @@ class OpRecorder:
                 d["forward_file"], d["forward_line"], d["forward_function"] = ffr
         d["output"] = N.nonfinite_counts(t0)
         d["samples"] = N.bad_rows(t0)
+        mask, self._escaped_mask = getattr(self, "_escaped_mask", None), None
+        if mask is not None:
+            md = mask.detail or {}
+            d["mask_escape"] = {"mask_op": md.get("name"), "mask_api": md.get("api"), "file": md.get("file"),
+                                "line": md.get("line"), "constant": (md.get("scalars") or [None])[0]}
         o.detail = d
         if o.seq >= _MAX_DETAILED:
             return
@@ -1608,6 +1638,8 @@ class OpRecorder:
         res["phase"] = {"loss": "forward", "grad": "backward", "optimizer": "optimizer"}[sink_kind]
         d = dict(taint.detail or {})
         facts = dict(d.pop("facts", {}) or {})
+        if d.get("mask_escape"):
+            facts["mask_escape"] = d["mask_escape"]
         if taint.kind == "constant":
             notes.append("a non-finite constant written by the program (e.g. masked_fill with -inf) reached the "
                          + sink_kind)
