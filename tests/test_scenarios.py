@@ -55,6 +55,8 @@ def test_detects_locates_and_diagnoses(truth_file: pathlib.Path, tmp_path: pathl
     if truth.get("origin_line"):
         o = ev.get("origin") or {}
         assert o.get("line") == truth["origin_line"] and os.path.basename(str(o.get("file"))) == script.name, got
+    if truth.get("origin_module") is not None:
+        assert (ev.get("origin") or {}).get("module") == truth["origin_module"], ev.get("origin")
     assert ev["cause"]["summary"] and ev["fixes"]
 
 

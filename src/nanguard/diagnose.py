@@ -84,6 +84,7 @@ _SQRT = {"sqrt", "rsqrt", "_foreach_sqrt", "_foreach_rsqrt", "linalg_vector_norm
          "linalg_norm", "frobenius_norm", "cdist", "_cdist_forward", "_cdist_backward", "pdist",
          "_pdist_forward", "_euclidean_dist"}
 _POW = {"pow", "_foreach_pow", "float_power"}
+_NLL = {"nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss_nd", "nll_loss2d"}
 _TRIG = {"acos", "asin", "atanh", "arccos", "arcsin", "arctanh", "acosh", "arccosh"}
 _EXP = {"exp", "exp2", "expm1", "sinh", "cosh", "_foreach_exp", "_foreach_expm1", "special_exp2",
         "logsumexp", "softplus"}
@@ -590,6 +591,8 @@ def _mechanism(origin: dict, facts: dict, sig: dict, phase: str, ev: dict, metho
             return _div(origin, facts, ev, method, low)
     if examined in _MEAN and out.get("nan") and _empty_input(origin):
         return _div(origin, facts, ev, method, low, empty_mean=True)
+    if examined in _NLL and out.get("nan") and _all_targets_ignored(origin):
+        return _div(origin, facts, ev, method, low, empty_mean=True, all_ignored=True)
     if examined in _SQRT or (examined in _POW and (facts.get("sqrt_domain") or {}).get("fractional")):
         return _sqrt(origin, facts, ev, method, backward=False)
     if examined in _TRIG:
@@ -753,8 +756,18 @@ def _exp(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     return _result("exp_overflow", summ, 0.9, ev, fixes, method)
 
 
+def _all_targets_ignored(origin: dict) -> bool:
+    """nll_loss with mean reduction (scalars [reduction, ignore_index]) whose targets all equal
+    ignore_index: the mean divides a zero sum by a zero total weight."""
+    sc, ins = origin.get("scalars") or [], origin.get("inputs") or []
+    if len(sc) < 2 or sc[0] != 1 or len(ins) < 2:
+        return False
+    tgt = ins[1]
+    return tgt.get("min") == tgt.get("max") == sc[1]
+
+
 def _div(origin: dict, facts: dict, ev: dict, method: str, low: bool, empty_mean: bool = False,
-         pow_zero: bool = False) -> dict:
+         pow_zero: bool = False, all_ignored: bool = False) -> dict:
     zd = facts.get("zero_denominator") or {}
     where = _where(origin)
     api = _api_or_op(origin)
@@ -768,6 +781,15 @@ def _div(origin: dict, facts: dict, ev: dict, method: str, low: bool, empty_mean
                     f"{_g(sd.get('exponent'))} (1/0)")
         fixes = [f"keep the base away from 0 at {where}: x.clamp(min=eps) ** p, or (x + eps) ** p"]
         return _result("div_by_zero", summ, 0.85, ev, fixes, method)
+    if all_ignored:
+        ign = (origin.get("scalars") or [None, None])[1]
+        summ = (f"{api} at {where}: every target in this batch equals ignore_index ({ign}), so the mean "
+                "reduction divides a zero sum by a zero total weight: 0/0 = NaN")
+        fixes = [f"skip batches (or micro-batches) with no valid target before {where}: "
+                 f"if (target != {ign}).any(): ...",
+                 "or use reduction='sum' and divide by the number of valid targets over the whole "
+                 "accumulated batch, clamped to at least 1"]
+        return _result("div_by_zero", summ, 0.9, ev, fixes, method)
     if empty_mean:
         summ = f"{api} at {where} averaged an empty tensor: sum/count = 0/0 = NaN"
         fixes = [f"guard the empty case at {where}: x.sum(0) / max(len(x), 1), or skip groups with no members"]

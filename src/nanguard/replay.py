@@ -275,7 +275,12 @@ def _child_main(argv: List[str]) -> int:
     watcher.on_step_start = on_step_start
     watcher.on_backward_begin = on_backward_begin
     watcher.on_backward_end = on_backward_end
+    def on_optimizer_end():
+        if state["rec"] is not None:
+            state["rec"].set_stage("forward")
+
     watcher.on_optimizer_begin = on_optimizer_begin
+    watcher.on_optimizer_end = on_optimizer_end
     watcher.on_detection = on_detection
 
     if a.rng:

@@ -63,6 +63,7 @@ class Watcher:
         self.on_backward_begin: Optional[Callable[[List[torch.Tensor]], None]] = None
         self.on_backward_end: Optional[Callable[[], None]] = None
         self.on_optimizer_begin: Optional[Callable[[], None]] = None
+        self.on_optimizer_end: Optional[Callable[[], None]] = None  # after each optimizer's update (or skip)
         # Recovery (nanguard run --recover): a RecoveryPolicy, and how to localize a failure.
         self.policy: Any = None
         self._snap_due: Optional[tuple] = None  # (step, loss): the snapshot the next step starts from
@@ -246,6 +247,8 @@ class Watcher:
         self._step_started(opt)
 
     def _step_started(self, opt: Any) -> None:
+        if self.on_optimizer_end is not None:  # e.g. a GAN: the other model's forward comes next
+            self.on_optimizer_end()
         if self.on_step_start is not None:
             self.on_step_start(self.monitor.step_of(opt))
 
@@ -340,7 +343,8 @@ class Watcher:
     def _fwd_pre(self, module, args) -> None:
         d = self._depth()
         self._local.depth = d + 1
-        if d == 0 and not self.disabled:
+        if d == 0 and not self.disabled and not _in_backward():
+            # (activation checkpointing re-runs blocks inside backward: not a new root, not a batch)
             def pre():
                 self.monitor.add_root(module)
                 if self._snap_due is not None and torch.is_grad_enabled() and module.training:
@@ -380,6 +384,13 @@ class Watcher:
             self.detections.append(det)
             if self.on_detection is not None:
                 self.on_detection(det, None)
+
+
+def _in_backward() -> bool:
+    try:
+        return torch._C._current_autograd_node() is not None
+    except Exception:
+        return False
 
 
 def _shared(event: Any, det: Detection) -> Any:
