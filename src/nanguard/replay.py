@@ -276,7 +276,10 @@ def _child_main(argv: List[str]) -> int:
     watcher.on_backward_begin = on_backward_begin
     watcher.on_backward_end = on_backward_end
     def on_optimizer_end():
-        if state["rec"] is not None:
+        # With several optimizers (a GAN), the next model's forward follows this update within the
+        # same iteration: record it as forward. (With one, the stage stays until the next backward,
+        # which is how an update's non-finite output is read as an optimizer-phase sink.)
+        if state["rec"] is not None and len(watcher.monitor.views) > 1:
             state["rec"].set_stage("forward")
 
     watcher.on_optimizer_begin = on_optimizer_begin
