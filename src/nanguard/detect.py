@@ -171,12 +171,7 @@ def _norm(tensors: List[torch.Tensor]) -> torch.Tensor:
     reduction, so large contiguous float32 tensors are reduced as rows of 1024 (same
     float32 accumulation and overflow behaviour, ~2x faster) and the row norms combined.
     """
-    with torch.no_grad():  # parameters require grad; their norms need no autograd graph
-        return _norm_impl(tensors)
-
-
-def _norm_impl(tensors: List[torch.Tensor]) -> torch.Tensor:
-    return _reduce(tensors, NormPlan(tensors), tensors[0].device)
+    return planned_norm(tensors, NormPlan(tensors), tensors[0].device)
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
@@ -204,7 +199,7 @@ _STRIDED = torch.strided
 def planned_norm(tensors: Sequence[Optional[torch.Tensor]], plan: NormPlan, dev: torch.device) -> torch.Tensor:
     """:func:`_norm` of ``tensors`` (shaped like the list ``plan`` was built from; None and
     non-strided entries, e.g. missing or sparse gradients, are skipped). Zero when empty."""
-    with torch.no_grad():
+    with torch.no_grad():  # parameters require grad; their norms need no autograd graph
         return _reduce(tensors, plan, dev)
 
 
@@ -518,7 +513,7 @@ class StepMonitor:
         view = self.views.get(id(opt)) if opt is not None else None
         if view is None:
             return det
-        bad = [p for g in view.groups for p in g if is_checkable(p) and not bool(torch.isfinite(p).all())]
+        bad = nonfinite_tensors(view.groups)
         unread = [p for p in bad if view.slice_of.get(id(p), post_slice) != post_slice]
         if not unread:  # the last update's check read them finite: written after it, between steps
             return det
@@ -710,13 +705,9 @@ class StepMonitor:
     def nonfinite_params(self, groups: Iterable[List[torch.Tensor]], roots: bool = True) -> List[str]:
         """Names of non-finite tensors among ``groups`` and (with ``roots``) the watched modules'
         parameters outside the optimizers (frozen ones, another model's) and buffers."""
-        out = []
-        seen = set()
-        for g in groups:
-            for p in g:
-                seen.add(id(p))
-                if is_checkable(p) and not bool(torch.isfinite(p).all()):
-                    out.append(self.name_of(p))
+        groups = [list(g) for g in groups]
+        out = [self.name_of(p) for p in nonfinite_tensors(groups)]
+        seen = {id(p) for g in groups for p in g}
         if not roots:
             return out
         for root in list(self.roots):
@@ -731,6 +722,11 @@ class StepMonitor:
     def nonfinite_grads(self, groups: Iterable[List[torch.Tensor]]) -> List[str]:
         return [self.name_of(p) for g in groups for p in g
                 if p.grad is not None and is_checkable(p.grad) and not bool(torch.isfinite(p.grad).all())]
+
+
+def nonfinite_tensors(groups: Iterable[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
+    """The tensors of ``groups`` holding a NaN or Inf (exact; the slow path only)."""
+    return [p for g in groups for p in g if is_checkable(p) and not bool(torch.isfinite(p).all())]
 
 
 _HYPERPARAMETERS = ("lr", "eps", "weight_decay", "momentum", "alpha", "betas")

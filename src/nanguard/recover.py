@@ -248,13 +248,8 @@ def _cpu_copy(obj):
 
 def _all_finite(tensors) -> bool:
     from .detect import finite_flag  # one aminmax pass per large tensor, no full-size temporaries
-    return all(bool(finite_flag(v)) for v in tensors if v.is_floating_point() or v.is_complex())
-
-
-def _module_states_finite(modules: Sequence[torch.nn.Module]) -> bool:
-    """What Snapshot.finite() would say of a snapshot of ``modules`` taken now."""
-    with torch.no_grad():
-        return _all_finite(v for m in modules for v in m.state_dict().values())
+    return all(bool(finite_flag(v)) for v in tensors
+               if (v.is_floating_point() or v.is_complex()) and v.device.type != "meta")
 
 
 def _copy_into(dst: Any, src: Any) -> bool:
@@ -326,11 +321,8 @@ def state_finite(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any] =
     is finite (one pass, at a failure only)."""
     ts = [t for m in modules for t in list(m.parameters()) + list(m.buffers())]
     ts += [p for o in optimizers for g in o.param_groups for p in g["params"]]
-    for t in ts:
-        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) \
-                and t.device.type != "meta" and not bool(torch.isfinite(t).all()):
-            return False
-    return True
+    with torch.no_grad():
+        return _all_finite(t for t in ts if isinstance(t, torch.Tensor))
 
 
 def _opt_state_finite(optimizers: Sequence[Any]) -> bool:
@@ -666,7 +658,7 @@ class RecoveryPolicy:
         reuse = self._reusable(periodic or first)
         if reuse is None:
             snap = Snapshot(step, modules, optimizers, scaler, loss)
-        elif not _module_states_finite(modules):  # checked before overwriting the oldest one
+        elif not state_finite(modules):  # checked before overwriting the oldest one
             self._last_snap_step = step
             return
         elif reuse.refill(step, modules, optimizers, scaler, loss):
