@@ -41,7 +41,7 @@ What it measures (BENCHMARKS.md has a real run and its reading):
    ``recover="auto"`` snapshots), minus the RSS after ``import torch``; glibc
    there returns every block >= 64 KiB to the OS on free, so RSS follows live
    tensor bytes; (c) the bytes and copy time of one rollback snapshot
-   (``nanguard.recover.Snapshot``, else ``deepcopy`` of the state dicts).
+   (``nanguard.pytorch.recover.Snapshot``, else ``deepcopy`` of the state dicts).
 
 3. **Time to diagnosis** (GPT): a log of a zero in the loss at step k. Seconds
    from the start of the failing step to the finished report (Guard with
@@ -432,7 +432,7 @@ def guard_alloc_count(r: Runner, steps: int = 3) -> Dict[str, Any]:
     """Bytes of every tensor the guard's own code allocates per step (a TorchDispatchMode that is
     active only inside the guard's hooks), and of the tensors it keeps between steps."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    import nanguard.guard as G
+    import nanguard.pytorch.guard as G
 
     class Counter(TorchDispatchMode):
         def __init__(self):
@@ -501,8 +501,8 @@ def guard_parts(r: Runner, steps: int = 24, meter: Optional["CpuMeter"] = None) 
     """Where the guard's time goes, in the training loop: median ms per step of each of its hooks,
     and of the norm passes inside them (gradients in ``check``, the post-update parameter slice in
     ``end_step``). Timers wrap the calls (a few us each); the first 4 steps are not counted."""
-    import nanguard.detect as D
-    import nanguard.guard as G
+    import nanguard.pytorch.detect as D
+    import nanguard.pytorch.guard as G
 
     clock = time.perf_counter
     acc: Dict[str, List[float]] = {}
@@ -561,7 +561,7 @@ def guard_parts(r: Runner, steps: int = 24, meter: Optional["CpuMeter"] = None) 
 def snapshot_cost(r: Runner, meter: Optional["CpuMeter"] = None) -> Dict[str, Any]:
     """Bytes and seconds of one rollback snapshot (CPU copy of model + optimizer state); best of 3."""
     try:
-        from nanguard.recover import Snapshot, RecoveryPolicy  # noqa: F401
+        from nanguard.pytorch.recover import Snapshot, RecoveryPolicy  # noqa: F401
         t_take = t_fin = float("inf")
         for _ in range(3):
             if meter is not None:
@@ -574,7 +574,7 @@ def snapshot_cost(r: Runner, meter: Optional["CpuMeter"] = None) -> Dict[str, An
             t_fin = min(t_fin, time.perf_counter() - t0)
         nb = int(snap.nbytes)
         pol = RecoveryPolicy()
-        method = "nanguard.recover.Snapshot"
+        method = "nanguard.pytorch.recover.Snapshot"
         every = getattr(pol, "snapshot_every", 10)
         recent = getattr(pol, "recent_n", 0) if nb <= getattr(pol, "recent_max_bytes", 0) else 0
         keep = 1 + getattr(pol, "keep", 3) + recent  # first step's + periodic + per-step (small models)
@@ -616,10 +616,10 @@ def mem_child(model: str, cfg: str, steps: int, snap_warm: int = 36) -> None:
     import_bytes = None
     if cfg != "unguarded":
         import nanguard
-        import nanguard.guard, nanguard.replay, nanguard.pipeline  # noqa: F401
+        import nanguard.pytorch.guard, nanguard.pytorch.replay, nanguard.core.pipeline  # noqa: F401
         import numpy.random  # noqa: F401  (imported by the guard's first RNG capture)
         if cfg == "guard_snapshots":
-            import nanguard.recover  # noqa: F401
+            import nanguard.pytorch.recover  # noqa: F401
         import_bytes = _rss_now() - rss0
     bench = MAKERS[model]()
     opt = bench.make_optimizer()
@@ -634,9 +634,9 @@ def mem_child(model: str, cfg: str, steps: int, snap_warm: int = 36) -> None:
         kept: List[Any] = []
         if cfg == "guard_snapshots":
             try:
-                from nanguard.recover import RecoveryPolicy
+                from nanguard.pytorch.recover import RecoveryPolicy
                 recover = RecoveryPolicy(quiet=True)  # the defaults of recover="auto"
-                snapshot_method = "nanguard.recover.RecoveryPolicy() defaults (recover='auto')"
+                snapshot_method = "nanguard.pytorch.recover.RecoveryPolicy() defaults (recover='auto')"
             except Exception:
                 snapshot_method = "emulated: deepcopy(model+optimizer state_dict), 3 kept"
         guard = nanguard.Guard(bench.model, opt, quiet=True, recover=recover)
@@ -725,8 +725,8 @@ def time_to_diagnosis(k: int, step_s: Optional[float], meter: CpuMeter, max_wait
 
     out: Dict[str, Any] = {"fault_step": k, "fault": "log(softmax(1e4*logits)) underflows to log(0) = -inf "
                            "in a hand-written LM loss at step k"}
-    out["locate_available"] = _has("nanguard.locate")
-    out["diagnose_available"] = _has("nanguard.diagnose")
+    out["locate_available"] = _has("nanguard.pytorch.locate")
+    out["diagnose_available"] = _has("nanguard.core.diagnosis")
 
     # --- nanguard: train with the guard; the failing step raises with the finished report.
     bench = make_gpt()

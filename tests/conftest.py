@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import pytest
 import torch
 
-from nanguard.cli import run_script
+from nanguard.cli.run import run_script
 
 # A small, ordinary training loop. ``{...}`` slots inject a failure at iteration
 # BAD (argv[1], -1 for a healthy run). The script optionally saves its final

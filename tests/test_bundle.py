@@ -12,7 +12,7 @@ from torch import nn
 
 import nanguard
 from nanguard import BundleError, Guard, NonFiniteError, load_bundle
-from nanguard.bundle import FORMAT, save_bundle
+from nanguard.pytorch.bundle import FORMAT, save_bundle
 
 from conftest import run_ng, write
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanguard.detect import StepMonitor
-from nanguard.integrations import distributed as D
+from nanguard.pytorch.detect import StepMonitor
+from nanguard.pytorch import distributed as D
 
 from conftest import load_report
 

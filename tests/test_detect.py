@@ -1,4 +1,4 @@
-"""Stage 1, detect: the per-step check (:class:`nanguard.detect.StepMonitor`) and its helpers."""
+"""Stage 1, detect: the per-step check (:class:`nanguard.pytorch.detect.StepMonitor`) and its helpers."""
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +12,8 @@ from torch import nn
 
 import nanguard
 from nanguard import Guard, NonFiniteError
-from nanguard.detect import GuardConfig, StepMonitor, all_finite, is_checkable, tensors_in
-from nanguard.history import StepHistory, StepRecord
+from nanguard.pytorch.detect import GuardConfig, StepMonitor, all_finite, is_checkable, tensors_in
+from nanguard.core.history import StepHistory, StepRecord
 
 from conftest import INJECT, loop_script, run_ng, write
 

@@ -1,4 +1,4 @@
-"""Tests for nanguard.diagnose: categories from localisations (OpRecorder.result()) and step histories."""
+"""Tests for nanguard.core.diagnosis: categories from localisations (OpRecorder.result()) and step histories."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from nanguard.diagnose import CATEGORIES, diagnose, history_signals
+from nanguard.core.diagnosis import CATEGORIES, diagnose, history_signals
 
 ALL = {"bad_input_data", "param_corruption", "log_domain", "div_by_zero", "sqrt_domain", "trig_domain",
        "exp_overflow", "low_precision_overflow", "low_precision_underflow", "masked_softmax", "variance_zero",
@@ -262,7 +262,7 @@ def test_long_accelerating_growth_is_divergence_not_other():
 
 def test_categories_doc_matches_the_code():
     import pathlib
-    from nanguard.diagnose import CATEGORIES
+    from nanguard.core.diagnosis import CATEGORIES
     doc = (pathlib.Path(__file__).parent.parent / "docs" / "CATEGORIES.md").read_text()
     for name, text in CATEGORIES.items():
         assert f"| `{name}` | {text.replace('|', '/')} |" in doc, name

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import nanguard
-import nanguard.detect
+import nanguard.pytorch.detect
 from nanguard import Guard, GuardConfig, NonFiniteError
-from nanguard.report import SCHEMA
+from nanguard.core.events import SCHEMA
 
 from conftest import assert_same_params, load_report
 
@@ -426,7 +426,7 @@ def test_guard_internal_error_warns_and_training_continues(monkeypatch, target):
     if target == "check":
         monkeypatch.setattr(g.monitor, "check", _boom)
     else:
-        monkeypatch.setattr(nanguard.detect, "_norm", _boom)
+        monkeypatch.setattr(nanguard.pytorch.detect, "_norm", _boom)
     d = data(5)
     with pytest.warns(RuntimeWarning, match="internal error"):
         for b in d:
@@ -522,7 +522,7 @@ def test_watch_context_healthy_and_failing(tmp_path):
 
 
 def test_watch_stop_mode_raises_through_the_loop(tmp_path):
-    from nanguard.watch import StopRun
+    from nanguard.pytorch.watch import StopRun
     model, opt = make("sgd")
     done = []
     with pytest.raises(StopRun) as ei:
@@ -542,7 +542,7 @@ def test_watch_stop_mode_raises_through_the_loop(tmp_path):
 
 
 def test_watch_strict_internal_error_raises(tmp_path, monkeypatch):
-    monkeypatch.setattr(nanguard.detect.StepMonitor, "check", _boom)
+    monkeypatch.setattr(nanguard.pytorch.detect.StepMonitor, "check", _boom)
     model, opt = make("sgd")
     with pytest.raises(RuntimeError, match="boom"):
         with nanguard.watch(report=str(tmp_path / "r.json"), strict=True, quiet=True):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanguard.detect import _MINMAX_NUMEL, all_finite, finite_flag
+from nanguard.pytorch.detect import _MINMAX_NUMEL, all_finite, finite_flag
 
 BIG = _MINMAX_NUMEL * 2
 
@@ -33,7 +33,7 @@ def test_large_tensor_flag_non_contiguous_and_mixed_list():
 
 # --------------------------------------------------------------------------- markers, norms, inputs
 
-from nanguard.detect import _norm, finite_markers  # noqa: E402
+from nanguard.pytorch.detect import _norm, finite_markers  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
@@ -75,7 +75,7 @@ def test_cpu_row_norm_propagates_non_finite(bad):
 
 
 def test_losses_and_batches_are_read_exactly_in_the_one_sync():
-    from nanguard.detect import StepMonitor
+    from nanguard.pytorch.detect import StepMonitor
     m = torch.nn.Linear(3, 1).double()
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     mon = StepMonitor()

@@ -1,4 +1,4 @@
-"""Tests for nanguard.locate.OpRecorder: real (tiny) training steps that go non-finite.
+"""Tests for nanguard.pytorch.locate.OpRecorder: real (tiny) training steps that go non-finite.
 
 Each scenario marks its origin line with a trailing ``# ORIGIN:<name>`` comment; the
 expected line number is read from this file so the tests do not depend on line offsets.
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanguard.diagnose import diagnose
-from nanguard.locate import OpRecorder
+from nanguard.core.diagnosis import diagnose
+from nanguard.pytorch.locate import OpRecorder
 
 _SRC = inspect.getsource(inspect.getmodule(inspect.currentframe()))
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import nanguard
-from nanguard.detect import GuardConfig, StepMonitor, plan_slices, update_suspect
+from nanguard.pytorch.detect import GuardConfig, StepMonitor, plan_slices, update_suspect
 
 
 def _bytes(ts):

@@ -1,8 +1,8 @@
 """build_event / recurrence_event phase refinement (self-contained)."""
 from __future__ import annotations
 
-from nanguard.detect import Detection
-from nanguard.pipeline import build_event, recurrence_event
+from nanguard.pytorch.detect import Detection
+from nanguard.core.pipeline import build_event, recurrence_event
 
 
 def _loc_preexisting():

@@ -16,11 +16,11 @@ from torch import nn
 import torch.nn.functional as F
 
 import nanguard
-import nanguard.diagnose
+import nanguard.core.diagnosis
 from nanguard import Guard, NonFiniteError
-from nanguard.recover import (ACTIONS, AUTO, DynamicLossScale, RecoveryPolicy, clip_max_norm, lr_backoff,
+from nanguard.pytorch.recover import (ACTIONS, AUTO, DynamicLossScale, RecoveryPolicy, clip_max_norm, lr_backoff,
                               skip_step, upcast_module)
-from nanguard.report import Event
+from nanguard.core.events import Event
 
 from conftest import assert_same_state, loop_script, run_ng, run_plain, write
 
@@ -192,7 +192,7 @@ def test_a_nonfinite_state_does_not_overwrite_the_oldest_per_step_snapshot():
 
 
 def test_snapshot_refill_refuses_a_changed_structure():
-    from nanguard.recover import Snapshot
+    from nanguard.pytorch.recover import Snapshot
     model, opt = make()
     snap = Snapshot(0, [model], [opt])  # no optimizer state yet
     train_step(model, opt, torch.amp.GradScaler("cpu", enabled=False))
@@ -682,7 +682,7 @@ torch.save(model.state_dict(), sys.argv[1])
 
 def test_run_recover_rolls_back_and_backs_off_a_diverging_run(tmp_path, monkeypatch, capsys):
     # The diagnosis is another stage's job: pin its answer so this test checks recovery only.
-    monkeypatch.setattr(nanguard.diagnose, "diagnose", lambda *a, **k: {
+    monkeypatch.setattr(nanguard.core.diagnosis, "diagnose", lambda *a, **k: {
         "category": "lr_too_high", "summary": "lr too high", "confidence": 0.9, "evidence": {}, "fixes": []})
     script = write(tmp_path, LR_HIGH)
     code, rep = run_ng(tmp_path, script, [tmp_path / "w.pt"], recover="auto")

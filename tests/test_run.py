@@ -1,7 +1,7 @@
 """``nanguard run``: zero-code detection of unmodified scripts, exit statuses, the report.
 
 Scripts are written to ``tmp_path`` and run in-process through
-:func:`nanguard.cli.run_script` (a few end-to-end cases use a subprocess).
+:func:`nanguard.cli.run.run_script` (a few end-to-end cases use a subprocess).
 """
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import nanguard.detect
-from nanguard.cli import EXIT_NONFINITE, EXIT_USAGE, main, run_script
-from nanguard.report import SCHEMA, Report, write_json_atomic
+import nanguard.pytorch.detect
+from nanguard.cli.main import main
+from nanguard.cli.run import run_script
+from nanguard.core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
+from nanguard.core.events import SCHEMA, Report, write_json_atomic
 
 from conftest import (EXPECTED_PHASE, INJECT, assert_same_state, load_report, loop_script, run_ng,
                       run_plain, write)
@@ -181,7 +183,7 @@ def test_write_json_atomic_keeps_old_file_on_failure(tmp_path):
 
 
 def test_report_encodes_non_finite_numbers_as_strings():
-    from nanguard.report import Event
+    from nanguard.core.events import Event
     r = Report(events=[Event(step=1, phase="forward", detected={"loss": float("inf"), "g": [float("-inf")]})],
                max_grad_norm=float("nan"))
     d = json.loads(json.dumps(r.as_dict(), allow_nan=False))
@@ -779,7 +781,7 @@ def test_internal_error_warns_and_training_continues(tmp_path, monkeypatch):
     script = write(tmp_path, loop_script())
     plain = str(tmp_path / "plain.pt")
     run_plain(script, [-1, plain])
-    monkeypatch.setattr(nanguard.detect, "_norm", _boom)
+    monkeypatch.setattr(nanguard.pytorch.detect, "_norm", _boom)
     out = str(tmp_path / "g.pt")
     with pytest.warns(RuntimeWarning, match="internal error.*boom inside the monitor"):
         code, rep = run_ng(tmp_path, script, [-1, out])
@@ -790,7 +792,7 @@ def test_internal_error_warns_and_training_continues(tmp_path, monkeypatch):
 
 def test_internal_error_disables_but_does_not_hide_the_run(tmp_path, monkeypatch):
     script = write(tmp_path, loop_script(**INJECT["data_nan"]))
-    monkeypatch.setattr(nanguard.detect.StepMonitor, "check", _boom)
+    monkeypatch.setattr(nanguard.pytorch.detect.StepMonitor, "check", _boom)
     with pytest.warns(RuntimeWarning):
         code, rep = run_ng(tmp_path, script, [2])
     assert code == 0  # the guard is off; the script ran to its end
@@ -799,7 +801,7 @@ def test_internal_error_disables_but_does_not_hide_the_run(tmp_path, monkeypatch
 
 def test_internal_error_strict_raises(tmp_path, monkeypatch, capsys):
     script = write(tmp_path, loop_script())
-    monkeypatch.setattr(nanguard.detect.StepMonitor, "check", _boom)
+    monkeypatch.setattr(nanguard.pytorch.detect.StepMonitor, "check", _boom)
     code, rep = run_ng(tmp_path, script, [-1], strict=True)
     assert code == 1
     assert "RuntimeError: boom inside the monitor" in capsys.readouterr().err

@@ -67,7 +67,7 @@ def test_guard_writes_history_and_events(tmp_path):
 
 def test_logger_on_a_users_summary_writer_stays_open(tmp_path):
     writer = SummaryWriter(str(tmp_path / "tb"))
-    mon = nanguard.detect.StepMonitor()
+    mon = nanguard.pytorch.detect.StepMonitor()
     logger = TensorBoardLogger.attach_to(mon, writer, prefix="ng")
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -98,7 +98,7 @@ def test_nanguard_run_tensorboard_flag(tmp_path):
 
 
 def test_cli_accepts_tensorboard(tmp_path, monkeypatch):
-    import nanguard.cli as cli
+    import nanguard.cli.main as cli
     seen = {}
     monkeypatch.setattr(cli, "run_script", lambda script, args, **kw: seen.update(kw) or 0)
     assert cli.main(["run", "--tensorboard", str(tmp_path / "tb"), "train.py"]) == 0

@@ -1,19 +1,40 @@
-"""nanguard: catch the first NaN/Inf in PyTorch training, find where it was born, say why.
+"""nanguard: catch the first NaN/Inf in training, find where it was born, say why.
 
-Pipeline, one module per stage: ``detect`` (per-step check) -> ``locate``
-(op-level replay) -> ``diagnose`` (cause and fixes) -> ``recover`` (optional
-actions) -> ``report`` (JSON + terminal). ``watch`` and ``cli`` drive it for
-unmodified scripts; :class:`Guard` drives it for explicit training loops.
+The pipeline: detect (per-step check) -> locate (op-level replay) -> diagnose
+(cause and fixes) -> recover (optional actions) -> report (JSON + terminal).
+``nanguard.core`` holds what both frameworks share; ``nanguard.pytorch`` is the
+PyTorch backend. The PyTorch names below are imported on first use, so
+``import nanguard`` does not import torch.
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from typing import TYPE_CHECKING, Any
 
-from .detect import GuardConfig
-from .report import NonFiniteError, Report, Event
-from .watch import Watcher
-from .guard import Guard, watch
-from .bundle import Bundle, BundleError, load_bundle
+from ._version import __version__
+from .core.config import GuardConfig
+from .core.events import Event, NonFiniteError, Report
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .pytorch.bundle import Bundle, BundleError, load_bundle
+    from .pytorch.guard import Guard, watch
+    from .pytorch.watch import Watcher
+
+_LAZY = {"Guard": ".pytorch.guard", "watch": ".pytorch.guard", "Watcher": ".pytorch.watch",
+         "Bundle": ".pytorch.bundle", "BundleError": ".pytorch.bundle", "load_bundle": ".pytorch.bundle"}
 
 __all__ = ["Guard", "watch", "Watcher", "GuardConfig", "NonFiniteError", "Report", "Event",
            "Bundle", "BundleError", "load_bundle", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'nanguard' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__))

@@ -35,55 +35,14 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._numerics import rounds_to_zero
-from .history import StepHistory, StepRecord
-
-
-@dataclass
-class GuardConfig:
-    """Settings shared by every driver."""
-
-    on_nonfinite: str = "stop"          # "stop" (raise before the update) or "warn" (carry on)
-    history_size: int = 200
-    strict: bool = False                # guard errors raise instead of warning
-    check_data: bool = True
-    min_loss_scale: float = 1.0         # a GradScaler scale below this is a collapse
-    max_consecutive_skips: int = 12     # ...and so is a scaler that keeps skipping
-    # Skips while the scale is above this are warm-up and do not count toward max_consecutive_skips:
-    # a float16 overflow at scale S only says some gradient exceeds 65504 / S, an ordinary
-    # magnitude (< 0.07) above 2**20 (e.g. GradScaler(init_scale=2**40) halving down to a usable scale).
-    warmup_loss_scale: float = 2.0 ** 20
-    max_events: int = 50                # events kept in the report (the rest are counted)
-    # After each update the parameters are re-read in K rotating slices (each ~1/K of the bytes, every
-    # parameter at least every K updates). None = auto: K = 1 (all of them, every update) up to
-    # 2 MiB of parameters, else ceil(bytes / 2 MiB), at most 8. Recovery mode uses 1.
-    param_check_every: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if self.on_nonfinite not in ("stop", "warn"):
-            raise ValueError(f"on_nonfinite must be 'stop' or 'warn', got {self.on_nonfinite!r}")
-        if self.history_size < 1:
-            raise ValueError("history_size must be >= 1")
-        k = self.param_check_every
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"param_check_every must be None or an int >= 1, got {k!r}")
-
-
-@dataclass
-class Detection:
-    """What the cheap check saw at one step (before localization and diagnosis)."""
-
-    step: int
-    phase: str
-    detected: Dict[str, Any] = field(default_factory=dict)
-    info_only: bool = False  # e.g. a GradScaler warm-up skip: reported, not a failure
-    event: Any = None        # the diagnosed report Event, once built (recovery builds it early)
-    rank: Optional[int] = None  # torch.distributed: the rank where it was seen first
+from .numerics import rounds_to_zero
+from ..core.config import GuardConfig
+from ..core.events import Detection
+from ..core.history import StepHistory, StepRecord
 
 
 def is_checkable(t: Any) -> bool:
@@ -310,7 +269,7 @@ class StepMonitor:
         self._last: Optional[Dict[str, Any]] = None
         self._lasts: Dict[int, Dict[str, Any]] = {}  # per optimizer: what its last check read
         # torch.distributed: a MAX all-reduce of a small per-rank flag table, so that every rank
-        # reaches the same decision (nanguard.integrations.distributed). Set automatically when a
+        # reaches the same decision (nanguard.pytorch.distributed). Set automatically when a
         # process group with world_size > 1 is initialized (dist_auto; NANGUARD_DIST=0 turns it off).
         self.dist_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.dist_auto = True
@@ -437,7 +396,7 @@ class StepMonitor:
         tail = ([post.to(dev)] if post is not None else []) + [t.to(dev) for _, t in others]
         reducer = self._dist_reducer()
         if reducer is not None:  # distributed: this rank's flags, all-reduced, read in the same sync
-            from .integrations.distributed import flag_table
+            from .distributed import flag_table
             tail.append(flag_table(reducer, dev, *self._dist_inputs(dev, sc),
                                    gnorms + (pre_pnorms or []) + ([post] if post is not None else [])
                                    + [t for _, t in others], self._loss_n > 0))
@@ -474,7 +433,7 @@ class StepMonitor:
                           found_inf=found_inf, groups=groups, opt=opt)
         self._lasts[key] = self._last
         if reducer is not None:
-            from .integrations.distributed import global_loss
+            from .distributed import global_loss
             gl = global_loss(self._dist_flags, reducer.world_size)
             if gl is not None:  # the history keeps the mean loss over ranks: the same on every rank
                 self._last["loss"] = gl
@@ -547,7 +506,7 @@ class StepMonitor:
                 self.dist_reduce = r = None  # the process group is gone
             return r
         if self.dist_auto and torch.distributed.is_available() and torch.distributed.is_initialized():
-            from .integrations.distributed import auto_reducer
+            from .distributed import auto_reducer
             self.dist_reduce = auto_reducer()
             if self.dist_reduce is None:
                 self.dist_auto = False  # one rank, or NANGUARD_DIST=0
@@ -557,7 +516,7 @@ class StepMonitor:
         """Distributed: every rank returns the same Detection (slow path only: a second collective)."""
         if reducer is None:
             return det
-        from .integrations import distributed as D
+        from . import distributed as D
         if not D.suspicious(self._dist_flags, reducer.world_size):
             return det  # no rank saw anything: det is None on every rank
         return D.decide(reducer, det, dev, self._dist_flags)

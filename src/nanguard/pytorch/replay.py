@@ -1,6 +1,6 @@
 """Stage 2 driver: replay the failing step under op-level instrumentation.
 
-Two ways, one recorder (:class:`nanguard.locate.OpRecorder`):
+Two ways, one recorder (:class:`nanguard.pytorch.locate.OpRecorder`):
 
 * **Explicit API** (:class:`nanguard.Guard`): the guard has the step function,
   the batch and the RNG state of the step, and the parameters are still the
@@ -18,72 +18,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-# --------------------------------------------------------------------------- RNG state
-
-
-def capture_rng(plain: bool = True) -> Dict[str, Any]:
-    """RNG state of torch (CPU, and CUDA when initialised), ``random`` and numpy if imported.
-
-    ``plain=False`` keeps Python's and numpy's native state objects (cheap: used
-    once per step by the Guard); :func:`plain_rng` turns them into what
-    ``torch.load(weights_only=True)`` can read back.
-    """
-    st: Dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
-    try:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            st["cuda"] = torch.cuda.get_rng_state_all()
-    except Exception:
-        pass
-    np = sys.modules.get("numpy")
-    if np is not None:
-        try:
-            st["numpy"] = np.random.get_state()
-        except Exception:
-            pass
-    return plain_rng(st) if plain else st
-
-
-def plain_rng(st: Dict[str, Any]) -> Dict[str, Any]:
-    out = dict(st)
-    if isinstance(st.get("random"), tuple):
-        v, internal, gauss = st["random"]
-        out["random"] = [v, list(internal), gauss]
-    npst = st.get("numpy")
-    if isinstance(npst, tuple):
-        name, keys, pos, has_gauss, cached = npst
-        out["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
-    return out
-
-
-def restore_rng(st: Dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng` (plain or native form)."""
-    torch.set_rng_state(st["torch"])
-    if st.get("random") is not None:
-        v, internal, gauss = st["random"]
-        random.setstate((v, tuple(internal), gauss))
-    if "cuda" in st:
-        try:
-            torch.cuda.set_rng_state_all(st["cuda"])
-        except Exception:
-            pass
-    if "numpy" in st:
-        np = sys.modules.get("numpy")
-        if np is None:
-            import numpy as np  # noqa: F811  (the script imports it anyway)
-        npst = st["numpy"]
-        if isinstance(npst, list):
-            name, keys, pos, has_gauss, cached = npst
-            npst = (name, keys.numpy().astype("uint32"), pos, has_gauss, cached)
-        np.random.set_state(npst)
+from .rng import capture_rng, restore_rng
 
 
 # --------------------------------------------------------------------------- recorder factory
@@ -130,7 +73,7 @@ def rerun_localize(script: str, argv: List[str], step: int, rng_file: Optional[s
     fd, out = tempfile.mkstemp(prefix="nanguard-loc-", suffix=".json")
     os.close(fd)
     errf = out + ".stderr"
-    cmd = [sys.executable, "-m", "nanguard.replay", "--step", str(step), "--out", out,
+    cmd = [sys.executable, "-m", "nanguard.pytorch.replay", "--step", str(step), "--out", out,
            "--config", json.dumps(config)]
     if rng_file:
         cmd += ["--rng", rng_file]
@@ -141,8 +84,8 @@ def rerun_localize(script: str, argv: List[str], step: int, rng_file: Optional[s
     try:
         env = dict(os.environ)
         env["NANGUARD_REPLAY_CHILD"] = "1"
-        env.update(extra_env or {})  # torch.distributed: the children's own rendezvous (integrations.distributed)
-        src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env.update(extra_env or {})  # torch.distributed: the children's own rendezvous (pytorch.distributed)
+        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         with open(errf, "w") as ef:
             p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=ef, stdin=subprocess.DEVNULL,
@@ -168,6 +111,17 @@ def rerun_localize(script: str, argv: List[str], step: int, rng_file: Optional[s
     return res
 
 
+def rerun_localize_all(det: Any, script: str, argv: Sequence[str], rng_file: Optional[str],
+                       config: Dict[str, Any], bundle: Optional[str] = None) -> Optional[Dict[str, Any]]:
+    """``nanguard run``'s localization of ``det``, on every rank at once when distributed."""
+    from .distributed import is_origin, rerun_env
+    env = rerun_env()
+    if env is None:
+        return None
+    return rerun_localize(script, list(argv), det.step, rng_file, config,
+                          bundle=bundle if is_origin(det) else None, extra_env=env)
+
+
 def _tail(path: str, n: int = 1500) -> str:
     try:
         with open(path) as f:
@@ -177,14 +131,14 @@ def _tail(path: str, n: int = 1500) -> str:
 
 
 def _child_main(argv: List[str]) -> int:
-    """``python -m nanguard.replay --step N --out F [--rng R] -- script args``"""
+    """``python -m nanguard.pytorch.replay --step N --out F [--rng R] -- script args``"""
     import argparse
     import runpy
 
-    from .detect import GuardConfig
+    from ..core.config import GuardConfig
     from .watch import Watcher
 
-    ap = argparse.ArgumentParser(prog="nanguard.replay")
+    ap = argparse.ArgumentParser(prog="nanguard.pytorch.replay")
     ap.add_argument("--step", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--rng")

@@ -10,8 +10,7 @@ import dataclasses
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
-from .detect import Detection
-from .report import PHASES, Event
+from .events import PHASES, Detection, Event
 
 # The cheap check's phase is a fact for these; the replay refines the others
 # (e.g. a NaN batch that the user's own preprocessing made in this step is a
@@ -37,7 +36,7 @@ def build_event(det: Detection, loc_run: Optional[Dict[str, Any]], history: Sequ
         phase = "params"
     localization = _describe_localization(det, loc_run, reproduced)
     try:
-        from .diagnose import diagnose
+        from .diagnosis import diagnose
         cause = diagnose(loc if reproduced else None, list(history), phase=phase, context=context or {})
     except Exception as e:  # diagnosis is best effort; the detection stands on its own
         warnings.warn(f"nanguard: diagnosis failed: {type(e).__name__}: {e}", RuntimeWarning)

@@ -52,7 +52,7 @@ class Bundle:
 
     def restore_rng(self) -> None:
         """Put the RNG back where it was at the start of the failing step."""
-        from .replay import restore_rng
+        from .rng import restore_rng
         restore_rng(self.rng)
 
     def state_for(self, model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -81,7 +81,7 @@ class Bundle:
 
 
 def versions() -> Dict[str, str]:
-    from . import __version__
+    from .._version import __version__
     return {"nanguard": __version__, "torch": str(torch.__version__), "python": platform.python_version(),
             "platform": platform.platform()}
 
@@ -116,7 +116,7 @@ def save_bundle(path: str, *, step: int, phase: str, batch: Any, model_state: Di
             "optimizer_states": [_plain(s) for s in optimizer_states],
             "scaler_state": _plain(scaler_state), "rng": _plain(rng), "config": _plain(config or {}),
             "versions": versions(), "event": _plain(event or {})}
-    from .report import write_atomic
+    from ..core.jsonio import write_atomic
     return write_atomic(path, lambda tmp: torch.save(data, tmp))
 
 

@@ -14,8 +14,10 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
-from .detect import Detection, GuardConfig, StepMonitor
-from .report import Event, NonFiniteError, Report, print_line, render, summary_line
+from ..core.config import GuardConfig
+from ..core.events import Detection, Event, NonFiniteError, Report
+from ..core.render.terminal import print_line, render, summary_line
+from .detect import StepMonitor
 
 LossFn = Callable[[Any], torch.Tensor]
 
@@ -41,7 +43,7 @@ class Guard:
         localize: replay a failing step under op-level instrumentation.
         quiet: print nothing (the report is still kept and written).
         tensorboard: a log directory or a ``SummaryWriter``: the step history and the events are
-            written as TensorBoard scalars/text (:mod:`nanguard.integrations.tensorboard`).
+            written as TensorBoard scalars/text (:mod:`nanguard.pytorch.tensorboard`).
         param_check_every: after each update, re-read about 1/K of the parameter bytes, every
             parameter at least every K updates (``None``: 1 up to 2 MiB of parameters, else up
             to 8). Parameters the next forward uses are caught at the next step whatever K is;
@@ -94,7 +96,7 @@ class Guard:
         self.bundle_saved: Optional[str] = None
         self.tensorboard = None
         if tensorboard is not None:
-            from .integrations.tensorboard import TensorBoardLogger
+            from .tensorboard import TensorBoardLogger
             self.tensorboard = TensorBoardLogger.attach_to(self.monitor, tensorboard)
 
     # ------------------------------------------------------------------ the step
@@ -178,7 +180,7 @@ class Guard:
 
     # ------------------------------------------------------------------ failures
     def _on_failure(self, det: Detection, batches, loss_fn, rng) -> str:
-        from .integrations.distributed import is_origin, replays_here, share_event
+        from .distributed import is_origin, replays_here, share_event
         # distributed: the bundle is saved where it was seen first; a DDP model is replayed there only
         if self.bundle_path and self.bundle_saved is None and rng is not None and is_origin(det):
             self.bundle_saved = self._safe(lambda: self._save_bundle(det, batches, rng))
@@ -209,14 +211,14 @@ class Guard:
             if self.scaler is not None:
                 self._reset_scaler_stage()
             if det.rank is not None:  # distributed: rank 0 has written the report before any rank raises
-                from .integrations.distributed import barrier
+                from .distributed import barrier
                 barrier()
             raise NonFiniteError(self.report, event)
         return "continue"
 
     def _save_bundle(self, det: Detection, batches, rng) -> str:
         from .bundle import save_bundle
-        from .replay import plain_rng
+        from .rng import plain_rng
         return save_bundle(self.bundle_path, step=det.step, phase=det.phase,
                            batch=batches if len(batches) > 1 else batches[0],
                            model_state=self.model.state_dict(),
@@ -226,7 +228,7 @@ class Guard:
                                             "history_size": self.config.history_size})
 
     def _event(self, det: Detection, loc_run) -> Event:
-        from .pipeline import build_event
+        from ..core.pipeline import build_event
         hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
         ctx = {"scaler": self.scaler is not None, "optimizer": type(self.optimizers[0]).__name__,
                "lr": [g.get("lr") for g in self.optimizers[0].param_groups],
@@ -240,14 +242,15 @@ class Guard:
     def _replay(self, batches, loss_fn, rng, det: Detection) -> dict:
         """Re-run the failing step's forward and backward under the op recorder (params unchanged)."""
         import time
-        from .replay import make_recorder, restore_rng
+        from .replay import make_recorder
+        from .rng import restore_rng
         t0 = time.time()
         params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
         saved_grads = [p.grad for p in params]
         saved_buffers = [b.detach().clone() for b in self.model.buffers()]
         after_rng = _capture_rng()
         rec = make_recorder([self.model], self.optimizers)
-        from .integrations.distributed import local_replay
+        from .distributed import local_replay
         try:
             for p in params:
                 p.grad = None
@@ -312,7 +315,7 @@ class Guard:
     def _write_report(self) -> None:
         self._sync_report()
         if self.report_path and _is_main():  # distributed: rank 0 writes the merged report
-            from .integrations.distributed import report_extra
+            from .distributed import report_extra
             report_extra(self.report)
             self._safe(lambda: self.report.write(self.report_path))
 
@@ -339,12 +342,12 @@ class Guard:
 
 
 def _is_main() -> bool:
-    from .integrations.distributed import is_main
+    from .distributed import is_main
     return is_main()
 
 
 def _capture_rng():
-    from .replay import capture_rng
+    from .rng import capture_rng
     return capture_rng(plain=False)
 
 
@@ -364,7 +367,7 @@ def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "w
     events carry the step, phase and what the check saw; use :class:`Guard` or
     ``nanguard run`` for the origin op. Yields the :class:`~nanguard.Watcher`.
     """
-    from .pipeline import build_event
+    from ..core.pipeline import build_event
     from .watch import Watcher
 
     w = Watcher(GuardConfig(on_nonfinite=on_nonfinite, strict=strict))

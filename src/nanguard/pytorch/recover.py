@@ -120,7 +120,7 @@ class Snapshot:
 
     def __init__(self, step: int, modules: Sequence[torch.nn.Module], optimizers: Sequence[Any],
                  scaler: Any = None, loss: Optional[float] = None) -> None:
-        from .replay import capture_rng
+        from .rng import capture_rng
         self.step = step
         self.prev_loss = loss  # loss of the step before (a fallback when the history has no record)
         self.modules = [(id(m), {k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()})
@@ -140,7 +140,7 @@ class Snapshot:
         the whole model + optimizer state every step. False (nothing usable left) when the
         structure changed (new optimizer state, other shapes): the caller takes a fresh one.
         """
-        from .replay import capture_rng
+        from .rng import capture_rng
         mods = [(id(m), m.state_dict()) for m in modules]
         opts = [(id(o), o.state_dict()) for o in optimizers]
         if [i for i, _ in mods] != [i for i, _ in self.modules] or \
@@ -207,7 +207,7 @@ class Snapshot:
 
     def restore(self, modules: Sequence[torch.nn.Module], optimizers: Sequence[Any], scaler: Any = None) -> None:
         """Put everything back exactly as it was (optimizer hyperparameters excepted, see module doc)."""
-        from .replay import restore_rng
+        from .rng import restore_rng
         saved = dict(self.modules)
         with torch.no_grad():
             for m in modules:
@@ -856,7 +856,7 @@ class RecoveryPolicy:
         self.events.append(event)
         self._last_rec = (step, rec)
         if not self.quiet:
-            from .report import print_line
+            from ..core.render.terminal import print_line
             extra = ""
             if "rollback" in done and done["rollback"].get("elements_only"):
                 extra += (f", {done['rollback']['elements_restored']} non-finite element(s) restored from "
@@ -888,7 +888,7 @@ class RecoveryPolicy:
         cause.setdefault("evidence", {})["recovery_stopped"] = why
         self.stopped, self.stopped_step = why, step
         if not self.quiet:
-            from .report import print_line
+            from ..core.render.terminal import print_line
             print_line(f"recovery stopped at step {step}: {why}")
         return None
 
@@ -1017,7 +1017,7 @@ class RecoveryPolicy:
     def print_summary(self) -> None:
         line = self.summary()
         if line and not self.quiet:
-            from .report import print_line
+            from ..core.render.terminal import print_line
             print_line(line)
 
     # ---------------------------------------------------------------- Guard adapter

@@ -33,8 +33,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _numerics as N
-from ._numerics import jnum
+from .. import numerics as N
+from ..numerics import jnum
 
 aten = torch.ops.aten
 
@@ -135,7 +135,8 @@ def _api_name(func: Any) -> str:
 
 
 # nanguard's own examples (the demo) are user code, wherever nanguard is installed.
-_EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), "examples")
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+_EXAMPLES_DIR = os.path.join(_PACKAGE_DIR, "examples")
 
 
 def _default_user_file(fn: str, excluded: tuple[str, ...]) -> bool:
@@ -155,7 +156,7 @@ def _default_user_file(fn: str, excluded: tuple[str, ...]) -> bool:
 
 
 def _excluded_dirs() -> tuple[str, ...]:
-    dirs = {os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__))}
+    dirs = {os.path.dirname(torch.__file__), _PACKAGE_DIR}
     for key in ("stdlib", "platstdlib"):
         try:
             dirs.add(sysconfig.get_paths()[key])

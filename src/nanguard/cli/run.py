@@ -1,15 +1,11 @@
-"""Command line: ``nanguard run``, ``nanguard demo``.
+"""``nanguard run``: run a training script as ``__main__`` under the global hooks and report.
 
-Exit status of ``nanguard run``:
-
-* the script's own exit status when nanguard did not stop it (0 for a normal end,
-  the ``sys.exit`` code, 1 for an uncaught exception, 130 for Ctrl-C);
-* ``3`` (:data:`EXIT_NONFINITE`) when nanguard stopped the run at a non-finite value;
-* ``2`` for a usage error (e.g. the script does not exist).
+Exit status: the script's own when nanguard did not stop it (0, the ``sys.exit``
+code, 1 for an uncaught exception, 130 for Ctrl-C); ``3`` when nanguard stopped
+the run at a non-finite value; ``2`` for a usage error (no such script).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import runpy
 import sys
@@ -17,50 +13,7 @@ import tempfile
 import traceback
 from typing import Any, List, Optional
 
-EXIT_NONFINITE = 3
-EXIT_USAGE = 2
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="nanguard", description="Catch the first NaN/Inf in PyTorch training, "
-                                 "find where it was born, and say why.")
-    ap.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = ap.add_subparsers(dest="cmd")
-    r = sub.add_parser("run", help="run a training script under the guard, with no code changes")
-    r.add_argument("--report", default="nanguard_report.json", help="where to write the JSON report "
-                   "(default: ./nanguard_report.json)")
-    r.add_argument("--on-nonfinite", choices=["stop", "warn"], default="stop",
-                   help="stop before the bad update is applied (default), or warn and carry on")
-    r.add_argument("--recover", default=None, metavar="auto|ACTIONS",
-                   help="recover instead of stopping: 'auto' picks the action from the diagnosis; or a "
-                        "comma list of allowed actions (skip_step,rollback,lr_backoff,clip,upcast,loss_scale)")
-    r.add_argument("--no-localize", action="store_true",
-                   help="do not re-run the script to find the origin op (detection only)")
-    r.add_argument("--strict", action="store_true", help="internal guard errors raise instead of warning")
-    r.add_argument("--bundle", default=None, help="where to save the repro bundle of the first failure "
-                   "(default: nanguard_bundle.pt next to the report)")
-    r.add_argument("--no-bundle", action="store_true", help="do not save a repro bundle")
-    r.add_argument("--tensorboard", default=None, metavar="DIR",
-                   help="also write the step history and the events to TensorBoard event files in DIR")
-    r.add_argument("script", help="the training script (run as __main__, like `python SCRIPT ARGS`)")
-    r.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
-    d = sub.add_parser("demo", help="run a small built-in training script that goes NaN, and show the report")
-    d.add_argument("--report", default=None, help="also write the JSON report here")
-    a = ap.parse_args(argv)
-    if a.version:
-        from . import __version__
-        print(f"nanguard {__version__}")
-        return 0
-    if a.cmd == "run":
-        return run_script(a.script, a.args, report_path=a.report, on_nonfinite=a.on_nonfinite,
-                          recover=a.recover, localize=not a.no_localize, strict=a.strict,
-                          bundle=None if a.no_bundle else (a.bundle or "auto"), tensorboard=a.tensorboard)
-    if a.cmd == "demo":
-        from .demo import run_demo
-        return run_demo(a.report)
-    ap.print_help()
-    return EXIT_USAGE
+from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
 
 
 def run_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
@@ -70,23 +23,24 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
     """Run ``script`` as ``__main__`` under the global hooks; write the report however it ends.
 
     Under ``torchrun`` every rank runs this; the ranks decide together at every step
-    (:mod:`nanguard.integrations.distributed`) and only rank 0 prints and writes the report.
+    (:mod:`nanguard.pytorch.distributed`) and only rank 0 prints and writes the report.
     """
     import torch
 
-    from .detect import GuardConfig
-    from .report import print_line
-    from .watch import StopRun, Watcher
-    from .replay import capture_rng
+    from ..core.config import GuardConfig
+    from ..core.render.terminal import print_line
+    from ..pytorch.watch import StopRun, Watcher
+    from ..pytorch.rng import capture_rng
 
     if not os.path.isfile(script):
         print(f"nanguard: no such script: {script}", file=sys.stderr)
         return EXIT_USAGE
     script_abs = os.path.abspath(script)
-    from .integrations.distributed import barrier, is_main, rerun_localize_all
+    from ..pytorch.distributed import barrier, is_main
+    from ..pytorch.replay import rerun_localize_all
     quiet = quiet or not is_main()
     if bundle == "auto":
-        from .bundle import default_bundle_path
+        from ..pytorch.bundle import default_bundle_path
         bundle = default_bundle_path(report_path)
     rng_fd, rng_file = tempfile.mkstemp(prefix="nanguard-rng-", suffix=".pt")
     os.close(rng_fd)
@@ -96,12 +50,11 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
     config = GuardConfig(on_nonfinite=on_nonfinite, strict=strict, param_check_every=1 if recover else None)
     policy = None
     if recover:
-        from .recover import RecoveryPolicy
+        from ..pytorch.recover import RecoveryPolicy
         policy = RecoveryPolicy.from_spec(recover)
         policy.quiet = policy.quiet or not is_main()
     watcher = Watcher(config)
     if policy is not None:
-        from .replay import rerun_localize
         policy.attach(watcher)
         cfg = child_config(config)
         if localize:
@@ -109,7 +62,7 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
                                                                bundle=bundle)
     tb = None
     if tensorboard:
-        from .integrations.tensorboard import TensorBoardLogger
+        from ..pytorch.tensorboard import TensorBoardLogger
         tb = TensorBoardLogger.attach_to(watcher.monitor, tensorboard)
     if not quiet:
         mode = "recover" if policy else on_nonfinite
@@ -174,9 +127,10 @@ def child_config(config: Any) -> dict:
 
 
 def _make_report(watcher, script_abs, args, rng_file, localize, config, policy, bundle=None):
-    from .integrations.distributed import rerun_localize_all, report_extra, share_event
-    from .pipeline import build_event
-    from .report import Event, Report
+    from ..pytorch.distributed import report_extra, share_event
+    from ..pytorch.replay import rerun_localize_all
+    from ..core.pipeline import build_event
+    from ..core.events import Report
 
     mon = watcher.monitor
     report = Report(counting=mon.counting, steps_watched=mon.steps_watched,
@@ -228,7 +182,7 @@ def _context(watcher) -> dict:
 
 
 def _print_outcome(report, report_path) -> None:
-    from .report import print_line, render, summary_line
+    from ..core.render.terminal import print_line, render, summary_line
     if report.status == "clean":
         print_line(summary_line(report))
         return
@@ -254,5 +208,3 @@ def _print_user_traceback(script_abs: str) -> None:
     traceback.print_exception(etype, value, tb)
 
 
-if __name__ == "__main__":
-    sys.exit(main())

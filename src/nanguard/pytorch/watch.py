@@ -29,7 +29,9 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from .detect import Detection, GuardConfig, StepMonitor, all_finite, is_checkable, tensors_in
+from ..core.config import GuardConfig
+from ..core.events import Detection
+from .detect import StepMonitor, all_finite, is_checkable, tensors_in
 
 
 class StopRun(BaseException):
@@ -178,7 +180,7 @@ class Watcher:
 
     def _recover(self, det: Detection, opt: Any) -> bool:
         """Diagnose ``det`` and let the policy act. True when the run may go on."""
-        from .pipeline import build_event, recurrence_event
+        from ..core.pipeline import build_event, recurrence_event
         mon = self.monitor
         hist = [h for h in mon.history.raw_dicts() if h["step"] < det.step]
         if self._first_event is None:
@@ -397,7 +399,7 @@ def _shared(event: Any, det: Detection) -> Any:
     """torch.distributed: every rank acts on the diagnosis made on the rank where ``det`` was seen first."""
     if getattr(det, "rank", None) is None:
         return event
-    from .integrations.distributed import share_event
+    from .distributed import share_event
     return share_event(event, det.rank)
 
 

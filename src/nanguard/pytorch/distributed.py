@@ -7,7 +7,7 @@ everywhere else, and might skip, roll back or stop on some ranks only: the
 ranks' weights drift apart, or the next collective hangs.
 
 nanguard avoids that with one small collective per step, added to the step's
-single host sync (:meth:`nanguard.detect.StepMonitor.check`):
+single host sync (:meth:`nanguard.pytorch.detect.StepMonitor.check`):
 
 1. each rank fills its own row of a ``world_size x 6`` table (``data_bad``,
    ``loss_bad``, ``norm_bad``, ``found_inf``, ``has_loss``, ``loss``), measured on
@@ -20,7 +20,7 @@ single host sync (:meth:`nanguard.detect.StepMonitor.check`):
    exact local check and a second small ``MAX`` all-reduce of the verdicts picks
    the global one: the earliest phase (``optimizer`` > ``params`` > ``data`` >
    ``forward`` > ``backward``) and, as origin, the lowest rank that saw it.
-   Every rank returns the same :class:`~nanguard.detect.Detection` (same step,
+   Every rank returns the same :class:`~nanguard.core.events.Detection` (same step,
    phase and ``rank``).
 
 Drivers then diagnose on the origin rank (a DDP model's replay runs there only,
@@ -183,7 +183,7 @@ def decide(reducer: Any, det: Any, dev: torch.device, flags: Sequence[float]) ->
     ``det`` is this rank's own verdict (or None). Returns the global Detection
     (``rank`` = origin rank) or None when no rank found a real non-finite value.
     """
-    from ..detect import Detection
+    from ..core.events import Detection
     W, me = reducer.world_size, reducer.rank
     P = len(VERDICTS)
     key = None
@@ -319,17 +319,6 @@ def rerun_env() -> Optional[Dict[str, str]]:
     box = [_free_port() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return {"MASTER_PORT": str(box[0]), "TORCHELASTIC_USE_AGENT_STORE": "False"}
-
-
-def rerun_localize_all(det: Any, script: str, argv: Sequence[str], rng_file: Optional[str],
-                       config: Dict[str, Any], bundle: Optional[str] = None) -> Optional[Dict[str, Any]]:
-    """``nanguard run``'s localization of ``det``, on every rank at once when distributed."""
-    from ..replay import rerun_localize
-    env = rerun_env()
-    if env is None:
-        return None
-    return rerun_localize(script, list(argv), det.step, rng_file, config,
-                          bundle=bundle if is_origin(det) else None, extra_env=env)
 
 
 def barrier() -> None:

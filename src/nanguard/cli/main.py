@@ -1,0 +1,57 @@
+"""Command line: ``nanguard run``, ``nanguard demo`` (argument parsing; the work is in :mod:`.run`).
+
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from ..core.exitcodes import EXIT_USAGE
+from .run import run_script
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="nanguard", description="Catch the first NaN/Inf in PyTorch training, "
+                                 "find where it was born, and say why.")
+    ap.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = ap.add_subparsers(dest="cmd")
+    r = sub.add_parser("run", help="run a training script under the guard, with no code changes")
+    r.add_argument("--report", default="nanguard_report.json", help="where to write the JSON report "
+                   "(default: ./nanguard_report.json)")
+    r.add_argument("--on-nonfinite", choices=["stop", "warn"], default="stop",
+                   help="stop before the bad update is applied (default), or warn and carry on")
+    r.add_argument("--recover", default=None, metavar="auto|ACTIONS",
+                   help="recover instead of stopping: 'auto' picks the action from the diagnosis; or a "
+                        "comma list of allowed actions (skip_step,rollback,lr_backoff,clip,upcast,loss_scale)")
+    r.add_argument("--no-localize", action="store_true",
+                   help="do not re-run the script to find the origin op (detection only)")
+    r.add_argument("--strict", action="store_true", help="internal guard errors raise instead of warning")
+    r.add_argument("--bundle", default=None, help="where to save the repro bundle of the first failure "
+                   "(default: nanguard_bundle.pt next to the report)")
+    r.add_argument("--no-bundle", action="store_true", help="do not save a repro bundle")
+    r.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write the step history and the events to TensorBoard event files in DIR")
+    r.add_argument("script", help="the training script (run as __main__, like `python SCRIPT ARGS`)")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    d = sub.add_parser("demo", help="run a small built-in training script that goes NaN, and show the report")
+    d.add_argument("--report", default=None, help="also write the JSON report here")
+    a = ap.parse_args(argv)
+    if a.version:
+        from .._version import __version__
+        print(f"nanguard {__version__}")
+        return 0
+    if a.cmd == "run":
+        return run_script(a.script, a.args, report_path=a.report, on_nonfinite=a.on_nonfinite,
+                          recover=a.recover, localize=not a.no_localize, strict=a.strict,
+                          bundle=None if a.no_bundle else (a.bundle or "auto"), tensorboard=a.tensorboard)
+    if a.cmd == "demo":
+        from .demo import run_demo
+        return run_demo(a.report)
+    ap.print_help()
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

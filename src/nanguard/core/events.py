@@ -1,0 +1,118 @@
+"""The report's records: detections, events and the run report (contract ``nanguard.report/1``).
+
+The JSON contract is read by graders and tools, so the names and meanings of
+``schema``, ``status`` and each event's ``step``, ``phase``, ``origin``,
+``cause``, ``fixes`` and ``recovery`` never change within schema version 1.
+Everything else is extra and may grow.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from .._version import __version__
+from .jsonio import json_safe, write_json_atomic
+
+SCHEMA = "nanguard.report/1"
+PHASES = ("data", "params", "forward", "backward", "optimizer", "eval")
+
+
+@dataclass
+class Detection:
+    """What the cheap check saw at one step (before localization and diagnosis)."""
+
+    step: int
+    phase: str
+    detected: Dict[str, Any] = field(default_factory=dict)
+    info_only: bool = False  # e.g. a GradScaler warm-up skip: reported, not a failure
+    event: Any = None        # the diagnosed report Event, once built (recovery builds it early)
+    rank: Optional[int] = None  # torch.distributed: the rank where it was seen first
+
+
+@dataclass
+class Event:
+    """One non-finite event (or one recovery) in the run."""
+
+    step: int
+    phase: str
+    origin: Optional[Dict[str, Any]] = None
+    cause: Dict[str, Any] = field(default_factory=lambda: {
+        "category": "other", "summary": "", "confidence": 0.0, "evidence": {}})
+    fixes: List[str] = field(default_factory=list)
+    recovery: Optional[Dict[str, Any]] = None
+    detected: Dict[str, Any] = field(default_factory=dict)  # what the per-step check saw
+    localization: Optional[Dict[str, Any]] = None  # how the origin was found
+    rank: Optional[int] = None
+
+    def as_dict(self) -> Dict[str, Any]:
+        d = {"step": self.step, "phase": self.phase, "origin": self.origin, "cause": self.cause,
+             "fixes": list(self.fixes), "recovery": self.recovery, "detected": self.detected,
+             "localization": self.localization}
+        if self.rank is not None:
+            d["rank"] = self.rank
+        return json_safe(d)
+
+
+@dataclass
+class Report:
+    """The whole run's report: status, events, and run facts."""
+
+    events: List[Event] = field(default_factory=list)
+    info: List[Dict[str, Any]] = field(default_factory=list)  # non-failures: scaler warm-up skips...
+    steps_watched: int = 0
+    counting: str = "optimizer"  # "optimizer" step attempts or "backward" passes
+    max_grad_norm: Optional[float] = None
+    scaler_skips: int = 0
+    history: List[Dict[str, Any]] = field(default_factory=list)
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def status(self) -> str:
+        if not self.events:
+            return "clean"
+        failures = [e for e in self.events if e.recovery is None]
+        if not failures and all((e.recovery or {}).get("ok") for e in self.events):
+            return "recovered"
+        return "nonfinite"
+
+    @property
+    def first(self) -> Optional[Event]:
+        return self.events[0] if self.events else None
+
+    def as_dict(self) -> Dict[str, Any]:
+        d = {"schema": SCHEMA, "status": self.status, "events": [e.as_dict() for e in self.events],
+             "nanguard_version": __version__, "counting": self.counting,
+             "steps_watched": self.steps_watched, "max_grad_norm": self.max_grad_norm,
+             "scaler_skips": self.scaler_skips, "info": self.info, "history": self.history}
+        d.update(self.extra)
+        return json_safe(d)
+
+    def write(self, path: str) -> str:
+        """Write the JSON report atomically (temp file + rename): never a half-written file."""
+        write_json_atomic(path, self.as_dict())
+        return path
+
+
+class NonFiniteError(RuntimeError):
+    """Raised when a non-finite value is found and the guard is set to stop.
+
+    ``err.report`` is the :class:`Report`; ``err.event`` the failing event.
+    """
+
+    def __init__(self, report: Report, event: Event) -> None:
+        self.report = report
+        self.event = event
+        super().__init__(one_line(event))
+
+
+def one_line(ev: Event) -> str:
+    where = ""
+    o = ev.origin or {}
+    if o.get("file") and o.get("line"):
+        where = f" at {os.path.basename(str(o['file']))}:{o['line']}"
+    cat = (ev.cause or {}).get("category", "other")
+    summary = (ev.cause or {}).get("summary") or ""
+    return f"non-finite value at step {ev.step} (phase {ev.phase}){where}: {cat}. {summary}".strip()
+
+

@@ -1,0 +1,138 @@
+"""The terminal rendering of a report: one status line, the one-screen panel, the summary line."""
+from __future__ import annotations
+
+import linecache
+import math
+import sys
+from typing import Optional
+
+from ..events import Report, one_line
+
+
+def _console():
+    from rich.console import Console
+    return Console(stderr=True, highlight=False, soft_wrap=False)
+
+
+def print_line(msg: str) -> None:
+    """One short status line on stderr (never stdout: the user's script owns it)."""
+    try:
+        _console().print(f"[bold cyan]nanguard[/]: {_escape(msg)}", soft_wrap=True)
+    except Exception:
+        print(f"nanguard: {msg}", file=sys.stderr)
+
+
+def _escape(s: str) -> str:
+    from rich.markup import escape
+    return escape(s)
+
+
+def render(report: Report, json_path: Optional[str] = None) -> None:
+    """Print the one-screen terminal report of the first failure (or the clean summary)."""
+    try:
+        _render(report, json_path)
+    except Exception as e:  # the report must never kill the run
+        print(f"nanguard: (could not render report: {e})", file=sys.stderr)
+        ev = report.first
+        if ev:
+            print("nanguard: " + one_line(ev), file=sys.stderr)
+
+
+def _render(report: Report, json_path: Optional[str]) -> None:
+    from rich.panel import Panel
+    from rich.syntax import Syntax
+    from rich.table import Table
+    from rich.console import Group
+
+    con = _console()
+    ev = next((e for e in report.events if e.recovery is None), report.first)
+    if ev is None:
+        con.print(f"[bold cyan]nanguard[/]: {_escape(summary_line(report))}")
+        return
+    cause = ev.cause or {}
+    parts: list = []
+    head = Table.grid(padding=(0, 1))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("step", str(ev.step))
+    head.add_row("phase", ev.phase + _PHASE_HINT.get(ev.phase, ""))
+    o = ev.origin or {}
+    if o:
+        bits = [str(o.get(k)) for k in ("op",) if o.get(k)]
+        if o.get("autograd_node"):
+            fwd = f", backward of {o['forward_op']}" if o.get("forward_op") else ""
+            bits[-1:] = [f"{bits[-1] if bits else '?'} in {o['autograd_node']}{fwd}"]
+        if o.get("module") not in (None,):
+            bits.append(f"module '{o.get('module')}'")
+        if o.get("dtype"):
+            bits.append(str(o["dtype"]))
+        head.add_row("where", _escape(", ".join(bits) or "-"))
+        if o.get("file"):
+            head.add_row("line", _escape(f"{o['file']}:{o.get('line')} in {o.get('function')}"))
+    head.add_row("cause", _escape(f"{cause.get('category', 'other')} "
+                                  f"(confidence {float(cause.get('confidence') or 0):.2f})"))
+    if cause.get("summary"):
+        head.add_row("why", _escape(str(cause["summary"])))
+    loc = ev.localization or {}
+    if loc.get("method"):
+        head.add_row("how", _escape(str(loc["method"])))
+    parts.append(head)
+    code = _excerpt(o.get("file"), o.get("line"))
+    if code:
+        parts.append(Syntax(code[0], "python", line_numbers=True, start_line=code[1],
+                            highlight_lines={int(o["line"])}, word_wrap=True))
+    if ev.fixes:
+        fx = Table.grid(padding=(0, 1))
+        fx.add_column()
+        fx.add_column()
+        for i, f in enumerate(ev.fixes, 1):
+            fx.add_row(f"[bold green]{i}.[/]", _escape(f))
+        parts.append("[bold]What to do[/]")
+        parts.append(fx)
+    more = len(report.events) - 1
+    tail = []
+    if more > 0:
+        tail.append(f"{more} more event(s) in the JSON report")
+    if json_path:
+        tail.append(f"JSON report: {json_path}")
+    if tail:
+        parts.append("[dim]" + _escape("; ".join(tail)) + "[/]")
+    con.print(Panel(Group(*parts), title="[bold red]nanguard: non-finite value[/]", expand=False))
+
+
+_PHASE_HINT = {
+    "data": " (already in the batch)",
+    "params": " (parameters were non-finite before the step)",
+    "forward": " (born in the forward pass or the loss)",
+    "backward": " (born in the backward pass; the loss was finite)",
+    "optimizer": " (made by the optimizer update; gradients were finite)",
+    "eval": " (model output during evaluation)",
+}
+
+
+def _excerpt(path: Optional[str], line: Optional[int], context: int = 2):
+    if not path or not line:
+        return None
+    try:
+        line = int(line)
+        lines = [linecache.getline(path, i) for i in range(max(1, line - context), line + context + 1)]
+    except Exception:
+        return None
+    if not any(lines):
+        return None
+    return "".join(lines).rstrip("\n"), max(1, line - context)
+
+
+def summary_line(report: Report) -> str:
+    mg = report.max_grad_norm
+    mg_s = f"{mg:.3g}" if isinstance(mg, float) and math.isfinite(mg) else "n/a"
+    unit = "steps" if report.counting == "optimizer" else "backward passes"
+    s = (f"{report.status}: watched {report.steps_watched} {unit}, max grad norm {mg_s}, "
+         f"scaler skips {report.scaler_skips}")
+    n_rec = sum(1 for e in report.events if e.recovery)
+    if n_rec:
+        s += f", recoveries {n_rec}"
+    fails = [e for e in report.events if e.recovery is None]
+    if fails:
+        s += f", first failure at step {fails[0].step} ({fails[0].phase})"
+    return s
