@@ -16,10 +16,10 @@ from .core.events import Event, NonFiniteError, Report
 
 if TYPE_CHECKING:  # pragma: no cover
     from .pytorch.bundle import Bundle, BundleError, load_bundle
-    from .pytorch.guard import Guard, watch
-    from .pytorch.watch import Watcher
+    from .pytorch.guard import Guard
+    from .pytorch.watch import Watcher, watch
 
-_LAZY = {"Guard": ".pytorch.guard", "watch": ".pytorch.guard", "Watcher": ".pytorch.watch",
+_LAZY = {"Guard": ".pytorch.guard", "watch": ".pytorch.watch", "Watcher": ".pytorch.watch",
          "Bundle": ".pytorch.bundle", "BundleError": ".pytorch.bundle", "load_bundle": ".pytorch.bundle"}
 
 __all__ = ["Guard", "watch", "Watcher", "GuardConfig", "NonFiniteError", "Report", "Event",
