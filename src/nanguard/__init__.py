@@ -8,6 +8,7 @@ PyTorch backend. The PyTorch names below are imported on first use, so
 """
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -30,7 +31,6 @@ def __getattr__(name: str) -> Any:
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'nanguard' has no attribute {name!r}")
-    import importlib
     value = getattr(importlib.import_module(mod, __name__), name)
     globals()[name] = value
     return value
