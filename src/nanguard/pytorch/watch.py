@@ -424,11 +424,11 @@ def _graph_leaves(ts: List[torch.Tensor], limit: int = 100_000) -> List[torch.Te
 
 @contextlib.contextmanager
 def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "warn",
-          strict: bool = False, quiet: bool = False) -> Iterator["Any"]:
+          strict: bool = False, quiet: bool = False) -> Iterator[Watcher]:
     """Watch every optimizer, module and GradScaler used inside the block (the hooks of ``nanguard run``).
 
     No replay is possible here (nanguard cannot call your inline step again):
-    events carry the step, phase and what the check saw; use :class:`Guard` or
+    events carry the step, phase and what the check saw; use :class:`~nanguard.Guard` or
     ``nanguard run`` for the origin op. Yields the :class:`~nanguard.Watcher`.
     """
     w = Watcher(GuardConfig(on_nonfinite=on_nonfinite, strict=strict))
