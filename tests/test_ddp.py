@@ -19,6 +19,7 @@ import torch
 
 from nanguard.pytorch.detect import StepMonitor
 from nanguard.pytorch import distributed as D
+from nanguard.pytorch.detect import consensus as C
 
 from conftest import load_report
 
@@ -219,7 +220,7 @@ class FakeReducer:
         self.calls += 1
         t = t.clone()
         other = 1 - self.rank
-        row = self.other_flags if t.shape[1] == D.ROW else self.other_verdict
+        row = self.other_flags if t.shape[1] == C.ROW else self.other_verdict
         if row is not None:
             t[other] = torch.tensor(row, dtype=t.dtype)
         return t
@@ -248,8 +249,8 @@ def test_decision_names_the_other_rank_when_this_rank_is_clean():
     mon = StepMonitor()
     mon.add_root(m)
     # other rank (1): a NaN batch and loss; its verdict is "data" at step 0
-    verdict = [0.0] * (len(D.VERDICTS) + 1)
-    verdict[D.VERDICTS.index("data")] = 1.0
+    verdict = [0.0] * (len(C.VERDICTS) + 1)
+    verdict[C.VERDICTS.index("data")] = 1.0
     fake = FakeReducer(0, other_flags=[1, 1, 0, 0, 1, 0], other_verdict=verdict)
     det = _step(mon, m, opt, torch.randn(4, 3), fake)
     assert det is not None and not det.info_only
@@ -278,8 +279,8 @@ def test_decision_prefers_the_earliest_phase_and_lowest_rank():
     m, opt = _model()
     mon = StepMonitor()
     # this rank (1) has a NaN batch; rank 0 reports "params": params come first
-    verdict = [0.0] * (len(D.VERDICTS) + 1)
-    verdict[D.VERDICTS.index("params")] = 1.0
+    verdict = [0.0] * (len(C.VERDICTS) + 1)
+    verdict[C.VERDICTS.index("params")] = 1.0
     fake = FakeReducer(1, other_flags=[0, 0, 1, 0, 1, 0], other_verdict=verdict)
     x = torch.randn(4, 3)
     x[0, 0] = float("nan")

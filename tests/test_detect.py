@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import nanguard
-from nanguard import Guard, NonFiniteError
-from nanguard.pytorch.detect import GuardConfig, StepMonitor, all_finite, is_checkable, tensors_in
+from nanguard import Guard, GuardConfig, NonFiniteError
+from nanguard.pytorch.detect import StepMonitor, all_finite, is_checkable, tensors_in
 from nanguard.core.history import StepHistory, StepRecord
 
 from conftest import INJECT, loop_script, run_ng, write

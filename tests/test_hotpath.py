@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanguard.pytorch.detect import _MINMAX_NUMEL, all_finite, finite_flag
+from nanguard.pytorch.detect.tensors import _MINMAX_NUMEL, all_finite, finite_flag
 
 BIG = _MINMAX_NUMEL * 2
 
@@ -33,7 +33,8 @@ def test_large_tensor_flag_non_contiguous_and_mixed_list():
 
 # --------------------------------------------------------------------------- markers, norms, inputs
 
-from nanguard.pytorch.detect import _norm, finite_markers  # noqa: E402
+from nanguard.pytorch.detect.norms import _norm  # noqa: E402
+from nanguard.pytorch.detect.tensors import finite_markers  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

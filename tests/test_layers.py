@@ -93,8 +93,8 @@ def _violations(src_prefix: str, forbidden) -> list:
 
 def test_the_walk_sees_the_package() -> None:
     assert "nanguard.core.events" in GRAPH and "nanguard.pytorch.detect" in GRAPH
-    assert any(t == "torch" for t, _ in GRAPH["nanguard.pytorch.detect"])
-    assert any(t == "nanguard.core.events" for t, _ in GRAPH["nanguard.pytorch.detect"])
+    assert any(t == "torch" for t, _ in GRAPH["nanguard.pytorch.detect.monitor"])
+    assert any(t == "nanguard.core.events" for t, _ in GRAPH["nanguard.pytorch.detect.monitor"])
 
 
 def test_core_imports_no_framework_and_no_backend() -> None:

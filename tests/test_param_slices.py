@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import nanguard
-from nanguard.pytorch.detect import GuardConfig, StepMonitor, plan_slices, update_suspect
+from nanguard import GuardConfig
+from nanguard.pytorch.detect import StepMonitor, plan_slices, update_suspect
 
 
 def _bytes(ts):

@@ -1,7 +1,7 @@
 """build_event / recurrence_event phase refinement (self-contained)."""
 from __future__ import annotations
 
-from nanguard.pytorch.detect import Detection
+from nanguard.core.events import Detection
 from nanguard.core.pipeline import build_event, recurrence_event
 
 

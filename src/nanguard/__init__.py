@@ -8,6 +8,7 @@ PyTorch backend. The PyTorch names below are imported on first use, so
 """
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -16,10 +17,10 @@ from .core.events import Event, NonFiniteError, Report
 
 if TYPE_CHECKING:  # pragma: no cover
     from .pytorch.bundle import Bundle, BundleError, load_bundle
-    from .pytorch.guard import Guard, watch
-    from .pytorch.watch import Watcher
+    from .pytorch.guard import Guard
+    from .pytorch.watch import Watcher, watch
 
-_LAZY = {"Guard": ".pytorch.guard", "watch": ".pytorch.guard", "Watcher": ".pytorch.watch",
+_LAZY = {"Guard": ".pytorch.guard", "watch": ".pytorch.watch", "Watcher": ".pytorch.watch",
          "Bundle": ".pytorch.bundle", "BundleError": ".pytorch.bundle", "load_bundle": ".pytorch.bundle"}
 
 __all__ = ["Guard", "watch", "Watcher", "GuardConfig", "NonFiniteError", "Report", "Event",
@@ -30,7 +31,6 @@ def __getattr__(name: str) -> Any:
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'nanguard' has no attribute {name!r}")
-    import importlib
     value = getattr(importlib.import_module(mod, __name__), name)
     globals()[name] = value
     return value

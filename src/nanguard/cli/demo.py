@@ -5,6 +5,10 @@ import os
 import tempfile
 from typing import Optional
 
+from ..core.exitcodes import EXIT_NONFINITE
+from ..core.render.terminal import print_line
+from .run import run_script
+
 
 def demo_script_path() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "demo_train.py")
@@ -12,10 +16,6 @@ def demo_script_path() -> str:
 
 def run_demo(report_path: Optional[str] = None) -> int:
     """Run the demo; exit 0 when nanguard caught and explained the failure, 1 otherwise."""
-    from ..core.exitcodes import EXIT_NONFINITE
-    from .run import run_script
-    from ..core.render.terminal import print_line
-
     script = demo_script_path()
     print_line(f"demo: training {os.path.relpath(script)} (a metric-learning net with a hand-written "
                "pairwise distance) under `nanguard run`")

@@ -7,8 +7,15 @@ import argparse
 import sys
 from typing import List, Optional
 
+from .._version import __version__
 from ..core.exitcodes import EXIT_USAGE
-from .run import run_script
+
+
+def run_script(script: str, args: List[str], **kwargs) -> int:
+    """:func:`nanguard.cli.run.run_script`, imported when a script is run: it imports torch and the
+    backend (seconds), which ``nanguard --help`` / ``--version`` do without."""
+    from .run import run_script as run
+    return run(script, args, **kwargs)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -39,7 +46,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     d.add_argument("--report", default=None, help="also write the JSON report here")
     a = ap.parse_args(argv)
     if a.version:
-        from .._version import __version__
         print(f"nanguard {__version__}")
         return 0
     if a.cmd == "run":
@@ -47,7 +53,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                           recover=a.recover, localize=not a.no_localize, strict=a.strict,
                           bundle=None if a.no_bundle else (a.bundle or "auto"), tensorboard=a.tensorboard)
     if a.cmd == "demo":
-        from .demo import run_demo
+        from .demo import run_demo  # lazy: imports torch, like `run`
         return run_demo(a.report)
     ap.print_help()
     return EXIT_USAGE

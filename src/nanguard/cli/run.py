@@ -13,7 +13,20 @@ import tempfile
 import traceback
 from typing import Any, List, Optional
 
+import torch
+
+from ..core.config import GuardConfig
+from ..core.events import Report
 from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
+from ..core.pipeline import build_event
+from ..core.render.terminal import print_line, render, summary_line
+from ..pytorch.bundle import default_bundle_path
+from ..pytorch.distributed import barrier, is_main, report_extra, share_event
+from ..pytorch.recover import RecoveryPolicy
+from ..pytorch.replay import CHILD_CONFIG_KEYS, rerun_localize_all
+from ..pytorch.rng import capture_rng
+from ..pytorch.tensorboard import TensorBoardLogger
+from ..pytorch.watch import StopRun, Watcher
 
 
 def run_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
@@ -25,22 +38,12 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
     Under ``torchrun`` every rank runs this; the ranks decide together at every step
     (:mod:`nanguard.pytorch.distributed`) and only rank 0 prints and writes the report.
     """
-    import torch
-
-    from ..core.config import GuardConfig
-    from ..core.render.terminal import print_line
-    from ..pytorch.watch import StopRun, Watcher
-    from ..pytorch.rng import capture_rng
-
     if not os.path.isfile(script):
         print(f"nanguard: no such script: {script}", file=sys.stderr)
         return EXIT_USAGE
     script_abs = os.path.abspath(script)
-    from ..pytorch.distributed import barrier, is_main
-    from ..pytorch.replay import rerun_localize_all
     quiet = quiet or not is_main()
     if bundle == "auto":
-        from ..pytorch.bundle import default_bundle_path
         bundle = default_bundle_path(report_path)
     rng_fd, rng_file = tempfile.mkstemp(prefix="nanguard-rng-", suffix=".pt")
     os.close(rng_fd)
@@ -50,7 +53,6 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
     config = GuardConfig(on_nonfinite=on_nonfinite, strict=strict, param_check_every=1 if recover else None)
     policy = None
     if recover:
-        from ..pytorch.recover import RecoveryPolicy
         policy = RecoveryPolicy.from_spec(recover)
         policy.quiet = policy.quiet or not is_main()
     watcher = Watcher(config)
@@ -62,7 +64,6 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
                                                                bundle=bundle)
     tb = None
     if tensorboard:
-        from ..pytorch.tensorboard import TensorBoardLogger
         tb = TensorBoardLogger.attach_to(watcher.monitor, tensorboard)
     if not quiet:
         mode = "recover" if policy else on_nonfinite
@@ -122,16 +123,10 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
 
 def child_config(config: Any) -> dict:
     """The settings the localization re-run needs to see the same detections as this run."""
-    return {"min_loss_scale": config.min_loss_scale, "max_consecutive_skips": config.max_consecutive_skips,
-            "param_check_every": config.param_check_every}
+    return {k: getattr(config, k) for k in CHILD_CONFIG_KEYS}
 
 
 def _make_report(watcher, script_abs, args, rng_file, localize, config, policy, bundle=None):
-    from ..pytorch.distributed import report_extra, share_event
-    from ..pytorch.replay import rerun_localize_all
-    from ..core.pipeline import build_event
-    from ..core.events import Report
-
     mon = watcher.monitor
     report = Report(counting=mon.counting, steps_watched=mon.steps_watched,
                     max_grad_norm=mon.history.max_grad_norm if len(mon.history) else None,
@@ -182,7 +177,6 @@ def _context(watcher) -> dict:
 
 
 def _print_outcome(report, report_path) -> None:
-    from ..core.render.terminal import print_line, render, summary_line
     if report.status == "clean":
         print_line(summary_line(report))
         return

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
+from . import diagnosis
 from .events import PHASES, Detection, Event
 
 # The cheap check's phase is a fact for these; the replay refines the others
@@ -36,8 +37,7 @@ def build_event(det: Detection, loc_run: Optional[Dict[str, Any]], history: Sequ
         phase = "params"
     localization = _describe_localization(det, loc_run, reproduced)
     try:
-        from .diagnosis import diagnose
-        cause = diagnose(loc if reproduced else None, list(history), phase=phase, context=context or {})
+        cause = diagnosis.diagnose(loc if reproduced else None, list(history), phase=phase, context=context or {})
     except Exception as e:  # diagnosis is best effort; the detection stands on its own
         warnings.warn(f"nanguard: diagnosis failed: {type(e).__name__}: {e}", RuntimeWarning)
         cause = {"category": "other", "summary": f"non-finite value in phase {phase} at step {det.step}",

@@ -24,7 +24,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..core.config import GuardConfig
 from ..core.events import NonFiniteError
+from ..pytorch.guard import Guard
+from ..pytorch.recover import RecoveryPolicy, skip_step
+from ..pytorch.rng import capture_rng
 
 
 class HookedGuard:
@@ -34,10 +38,8 @@ class HookedGuard:
                  localize: bool = True, bundle: Optional[str] = None, tensorboard: Any = None,
                  quiet: bool = False, history_size: int = 200, strict: bool = False,
                  check_data: bool = True) -> None:
-        from ..core.config import GuardConfig
         GuardConfig(on_nonfinite=on_nonfinite, history_size=history_size)  # validate early
         if recover:
-            from ..pytorch.recover import RecoveryPolicy
             recover = RecoveryPolicy.from_spec(recover)
         self.kw = dict(on_nonfinite=on_nonfinite, recover=recover, report=report, localize=localize,
                        bundle=bundle, tensorboard=tensorboard, quiet=quiet, history_size=history_size,
@@ -57,7 +59,6 @@ class HookedGuard:
         return self.guard is not None
 
     def start(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], scaler: Any = None):
-        from ..pytorch.guard import Guard
         g = self.guard = Guard(model, list(optimizers), scaler, **self.kw)
         replay = g._replay
 
@@ -89,7 +90,6 @@ class HookedGuard:
         g = self.guard
         if not self._batches:  # the first micro-batch of an optimizer step
             if g.localize or g.bundle_path:
-                from ..pytorch.rng import capture_rng
                 self._rng = g._safe(lambda: capture_rng(plain=False))
             if g.policy is not None:
                 g._safe(lambda: g.policy.before_step(g))
@@ -149,7 +149,6 @@ class HookedGuard:
         """Make the coming optimizer step(s) no-ops (the weights keep their last good values)."""
         if self.guard is None:
             return
-        from ..pytorch.recover import skip_step
         skip_step(self.guard.optimizers)
 
     # ------------------------------------------------------------------ end of step

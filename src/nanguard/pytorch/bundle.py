@@ -28,6 +28,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .._version import __version__
+from ..core.jsonio import write_atomic
+from .rng import restore_rng
+
 FORMAT = "nanguard.bundle/1"
 _REQUIRED = {"format": str, "step": int, "phase": str, "model_state": dict, "optimizer_states": list,
              "rng": dict, "config": dict, "versions": dict}
@@ -52,7 +56,6 @@ class Bundle:
 
     def restore_rng(self) -> None:
         """Put the RNG back where it was at the start of the failing step."""
-        from .rng import restore_rng
         restore_rng(self.rng)
 
     def state_for(self, model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -81,7 +84,6 @@ class Bundle:
 
 
 def versions() -> Dict[str, str]:
-    from .._version import __version__
     return {"nanguard": __version__, "torch": str(torch.__version__), "python": platform.python_version(),
             "platform": platform.platform()}
 
@@ -116,7 +118,6 @@ def save_bundle(path: str, *, step: int, phase: str, batch: Any, model_state: Di
             "optimizer_states": [_plain(s) for s in optimizer_states],
             "scaler_state": _plain(scaler_state), "rng": _plain(rng), "config": _plain(config or {}),
             "versions": versions(), "event": _plain(event or {})}
-    from ..core.jsonio import write_atomic
     return write_atomic(path, lambda tmp: torch.save(data, tmp))
 
 

@@ -1,4 +1,4 @@
-"""The explicit API for training loops: :class:`Guard` and :func:`watch`.
+"""The explicit API for training loops: :class:`Guard`.
 
 ``Guard.step(batch, loss_fn)`` runs one training step (zero_grad, forward +
 loss through ``loss_fn``, backward, check, update). Because the guard holds the
@@ -8,16 +8,23 @@ runs before the update), the same batch and the same random numbers.
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from ..core.config import GuardConfig
 from ..core.events import Detection, Event, NonFiniteError, Report
+from ..core.pipeline import build_event
 from ..core.render.terminal import print_line, render, summary_line
+from .bundle import default_bundle_path, save_bundle
 from .detect import StepMonitor
+from .distributed import barrier, is_main, is_origin, replays_here, report_extra, share_event
+from .recover import RecoveryPolicy
+from .replay import replay_step
+from .rng import capture_rng, plain_rng
+from .tensorboard import TensorBoardLogger
 
 LossFn = Callable[[Any], torch.Tensor]
 
@@ -80,23 +87,20 @@ class Guard:
             self.monitor.add_optimizer(o)
         self.report_path = report
         self.localize = localize
-        self.quiet = quiet or not _is_main()  # distributed: only rank 0 prints
+        self.quiet = quiet or not is_main()  # distributed: only rank 0 prints
         self.report = Report(counting="optimizer")
         self.policy = None
         if recover:
-            from .recover import RecoveryPolicy
             self.policy = RecoveryPolicy.from_spec(recover)
             self.policy.bind_guard(self)
         self.disabled = False
         self._announced = False
         if bundle == "auto":
-            from .bundle import default_bundle_path
             bundle = default_bundle_path(report)
         self.bundle_path = bundle
         self.bundle_saved: Optional[str] = None
         self.tensorboard = None
         if tensorboard is not None:
-            from .tensorboard import TensorBoardLogger
             self.tensorboard = TensorBoardLogger.attach_to(self.monitor, tensorboard)
 
     # ------------------------------------------------------------------ the step
@@ -166,7 +170,6 @@ class Guard:
 
     def _check(self, opt: torch.optim.Optimizer) -> Optional[Detection]:
         if self.scaler is not None and self.scaler.is_enabled():
-            from torch.amp.grad_scaler import OptState
             if self.scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY:
                 self.scaler.unscale_(opt)
         return self.monitor.check(opt, self.scaler)
@@ -180,7 +183,6 @@ class Guard:
 
     # ------------------------------------------------------------------ failures
     def _on_failure(self, det: Detection, batches, loss_fn, rng) -> str:
-        from .distributed import is_origin, replays_here, share_event
         # distributed: the bundle is saved where it was seen first; a DDP model is replayed there only
         if self.bundle_path and self.bundle_saved is None and rng is not None and is_origin(det):
             self.bundle_saved = self._safe(lambda: self._save_bundle(det, batches, rng))
@@ -211,14 +213,11 @@ class Guard:
             if self.scaler is not None:
                 self._reset_scaler_stage()
             if det.rank is not None:  # distributed: rank 0 has written the report before any rank raises
-                from .distributed import barrier
                 barrier()
             raise NonFiniteError(self.report, event)
         return "continue"
 
     def _save_bundle(self, det: Detection, batches, rng) -> str:
-        from .bundle import save_bundle
-        from .rng import plain_rng
         return save_bundle(self.bundle_path, step=det.step, phase=det.phase,
                            batch=batches if len(batches) > 1 else batches[0],
                            model_state=self.model.state_dict(),
@@ -228,7 +227,6 @@ class Guard:
                                             "history_size": self.config.history_size})
 
     def _event(self, det: Detection, loc_run) -> Event:
-        from ..core.pipeline import build_event
         hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
         ctx = {"scaler": self.scaler is not None, "optimizer": type(self.optimizers[0]).__name__,
                "lr": [g.get("lr") for g in self.optimizers[0].param_groups],
@@ -241,42 +239,7 @@ class Guard:
 
     def _replay(self, batches, loss_fn, rng, det: Detection) -> dict:
         """Re-run the failing step's forward and backward under the op recorder (params unchanged)."""
-        import time
-        from .replay import make_recorder
-        from .rng import restore_rng
-        t0 = time.time()
-        params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
-        saved_grads = [p.grad for p in params]
-        saved_buffers = [b.detach().clone() for b in self.model.buffers()]
-        after_rng = _capture_rng()
-        rec = make_recorder([self.model], self.optimizers)
-        from .distributed import local_replay
-        try:
-            for p in params:
-                p.grad = None
-            restore_rng(rng)
-            rec.start()
-            rec.set_stage("forward")
-            try:
-                with local_replay(self.model):  # DDP: no collectives in a one-rank replay
-                    for b in batches:
-                        loss = loss_fn(b)
-                        rec.mark_loss(loss)
-                        rec.set_stage("backward")
-                        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-                        rec.set_stage("forward")
-            finally:
-                rec.stop()
-            res = rec.result()
-        finally:
-            for p, g in zip(params, saved_grads):
-                p.grad = g
-            with torch.no_grad():
-                for b, s in zip(self.model.buffers(), saved_buffers):
-                    b.copy_(s)
-            restore_rng(after_rng)
-        return {"method": "replay", "reproduced": bool(res.get("reproduced")), "localization": res,
-                "seconds": round(time.time() - t0, 3)}
+        return replay_step(self.model, self.optimizers, self.scaler, batches, loss_fn, rng)
 
     # ------------------------------------------------------------------ housekeeping
     def _safe(self, fn: Callable[[], Any]) -> Any:
@@ -314,8 +277,7 @@ class Guard:
 
     def _write_report(self) -> None:
         self._sync_report()
-        if self.report_path and _is_main():  # distributed: rank 0 writes the merged report
-            from .distributed import report_extra
+        if self.report_path and is_main():  # distributed: rank 0 writes the merged report
             report_extra(self.report)
             self._safe(lambda: self.report.write(self.report_path))
 
@@ -341,13 +303,7 @@ class Guard:
         self.close()
 
 
-def _is_main() -> bool:
-    from .distributed import is_main
-    return is_main()
-
-
 def _capture_rng():
-    from .rng import capture_rng
     return capture_rng(plain=False)
 
 
@@ -356,38 +312,3 @@ def _model_dtype(model: torch.nn.Module) -> Optional[str]:
         if p.is_floating_point():
             return str(p.dtype).replace("torch.", "")
     return None
-
-
-@contextlib.contextmanager
-def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "warn",
-          strict: bool = False, quiet: bool = False) -> Iterator["Any"]:
-    """Watch every optimizer, module and GradScaler used inside the block (the hooks of ``nanguard run``).
-
-    No replay is possible here (nanguard cannot call your inline step again):
-    events carry the step, phase and what the check saw; use :class:`Guard` or
-    ``nanguard run`` for the origin op. Yields the :class:`~nanguard.Watcher`.
-    """
-    from ..core.pipeline import build_event
-    from .watch import Watcher
-
-    w = Watcher(GuardConfig(on_nonfinite=on_nonfinite, strict=strict))
-    w.install()
-    try:
-        yield w
-    finally:
-        w.uninstall()
-        w.finish()
-        mon = w.monitor
-        rep = Report(counting=mon.counting, steps_watched=mon.steps_watched,
-                     max_grad_norm=mon.history.max_grad_norm if len(mon.history) else None,
-                     scaler_skips=sum(1 for d in w.info if d.detected.get("scaler_skip")),
-                     history=mon.history.as_dicts())
-        rep.events = [build_event(d, None, [h for h in mon.history.raw_dicts() if h["step"] < d.step], {})
-                      for d in w.detections]
-        w.report = rep
-        if report:
-            rep.write(report)
-        if not quiet:
-            if rep.status != "clean":
-                render(rep, report)
-            print_line(summary_line(rep))

@@ -4,15 +4,17 @@ Two ways, one recorder (:class:`nanguard.pytorch.locate.OpRecorder`):
 
 * **Explicit API** (:class:`nanguard.Guard`): the guard has the step function,
   the batch and the RNG state of the step, and the parameters are still the
-  pre-update ones when the check fails, so it re-runs the step in-process.
+  pre-update ones when the check fails, so it re-runs the step in-process
+  (:func:`replay_step`).
 * **Zero-code** (``nanguard run``): the training step is inline code in the
   user's script and cannot be called again, so nanguard re-runs the script in a
-  child process, from the same initial RNG state, counting steps exactly as the
-  first run did, and arms the recorder at the start of the failing step. Cost:
-  the script's run time up to the failing step, plus one instrumented step.
-  Ops before that step run at full speed (only the cheap hooks are on).
-  A non-deterministic script may not fail the same way: the report then says
-  "could not reproduce" and gives no guessed origin.
+  child process (:func:`rerun_localize`; the child is :mod:`nanguard.pytorch.rerun`),
+  from the same initial RNG state, counting steps exactly as the first run did,
+  and arms the recorder at the start of the failing step. Cost: the script's run
+  time up to the failing step, plus one instrumented step. Ops before that step
+  run at full speed (only the cheap hooks are on). A non-deterministic script
+  may not fail the same way: the report then says "could not reproduce" and
+  gives no guessed origin.
 """
 from __future__ import annotations
 
@@ -26,15 +28,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .distributed import is_origin, local_replay, rerun_env
+from .locate import OpRecorder
 from .rng import capture_rng, restore_rng
 
 
-# --------------------------------------------------------------------------- recorder factory
+# --------------------------------------------------------------------------- the recorder
 
 
 def make_recorder(roots, optimizers, named_params=None, named_buffers=None):
-    """Build an OpRecorder for the given modules/optimizers (None if locate is unavailable)."""
-    from .locate import OpRecorder
+    """Build an OpRecorder for the given modules/optimizers."""
     params: Dict[str, torch.Tensor] = {} if named_params is None else named_params
     buffers: Dict[str, torch.Tensor] = {} if named_buffers is None else named_buffers
     fill_names(params, buffers, roots, optimizers)
@@ -60,9 +63,54 @@ def fill_names(params: Dict[str, torch.Tensor], buffers: Dict[str, torch.Tensor]
                     params[f"optimizer{oi}.param_groups[{gi}][{pi}]"] = p
 
 
-# --------------------------------------------------------------------------- zero-code child
+# --------------------------------------------------------------------------- in-process (Guard)
+
+def replay_step(model: torch.nn.Module, optimizers: Sequence[Any], scaler: Any, batches: Sequence[Any],
+                loss_fn: Callable[[Any], torch.Tensor], rng: Dict[str, Any]) -> Dict[str, Any]:
+    """Re-run a failing step's forward and backward under the op recorder (params unchanged).
+
+    ``rng`` is the RNG state the step started from. The gradients, the buffers and the RNG
+    are put back afterwards, so the caller carries on as if nothing was replayed.
+    """
+    t0 = time.time()
+    params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+    saved_grads = [p.grad for p in params]
+    saved_buffers = [b.detach().clone() for b in model.buffers()]
+    after_rng = capture_rng(plain=False)
+    rec = make_recorder([model], optimizers)
+    try:
+        for p in params:
+            p.grad = None
+        restore_rng(rng)
+        rec.start()
+        rec.set_stage("forward")
+        try:
+            with local_replay(model):  # DDP: no collectives in a one-rank replay
+                for b in batches:
+                    loss = loss_fn(b)
+                    rec.mark_loss(loss)
+                    rec.set_stage("backward")
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                    rec.set_stage("forward")
+        finally:
+            rec.stop()
+        res = rec.result()
+    finally:
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, s in zip(model.buffers(), saved_buffers):
+                b.copy_(s)
+        restore_rng(after_rng)
+    return {"method": "replay", "reproduced": bool(res.get("reproduced")), "localization": res,
+            "seconds": round(time.time() - t0, 3)}
+
+
+# --------------------------------------------------------------------------- nanguard run: re-run the script
 
 CHILD_TIMEOUT_S = 600.0
+# The settings of the first run (GuardConfig fields) the re-run needs to see the same detections.
+CHILD_CONFIG_KEYS = ("min_loss_scale", "max_consecutive_skips", "param_check_every")
 
 
 def rerun_localize(script: str, argv: List[str], step: int, rng_file: Optional[str],
@@ -73,7 +121,7 @@ def rerun_localize(script: str, argv: List[str], step: int, rng_file: Optional[s
     fd, out = tempfile.mkstemp(prefix="nanguard-loc-", suffix=".json")
     os.close(fd)
     errf = out + ".stderr"
-    cmd = [sys.executable, "-m", "nanguard.pytorch.replay", "--step", str(step), "--out", out,
+    cmd = [sys.executable, "-m", "nanguard.pytorch.rerun", "--step", str(step), "--out", out,
            "--config", json.dumps(config)]
     if rng_file:
         cmd += ["--rng", rng_file]
@@ -114,7 +162,6 @@ def rerun_localize(script: str, argv: List[str], step: int, rng_file: Optional[s
 def rerun_localize_all(det: Any, script: str, argv: Sequence[str], rng_file: Optional[str],
                        config: Dict[str, Any], bundle: Optional[str] = None) -> Optional[Dict[str, Any]]:
     """``nanguard run``'s localization of ``det``, on every rank at once when distributed."""
-    from .distributed import is_origin, rerun_env
     env = rerun_env()
     if env is None:
         return None
@@ -128,156 +175,3 @@ def _tail(path: str, n: int = 1500) -> str:
             return f.read()[-n:]
     except OSError:
         return ""
-
-
-def _child_main(argv: List[str]) -> int:
-    """``python -m nanguard.pytorch.replay --step N --out F [--rng R] -- script args``"""
-    import argparse
-    import runpy
-
-    from ..core.config import GuardConfig
-    from .watch import Watcher
-
-    ap = argparse.ArgumentParser(prog="nanguard.pytorch.replay")
-    ap.add_argument("--step", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--rng")
-    ap.add_argument("--config", default="{}")
-    ap.add_argument("--bundle", help="write a repro bundle of the failing step here")
-    ap.add_argument("rest", nargs=argparse.REMAINDER)
-    a = ap.parse_args(argv)
-    rest = a.rest[1:] if a.rest and a.rest[0] == "--" else a.rest
-    script, args = rest[0], rest[1:]
-    N = a.step
-    cfg = json.loads(a.config)
-
-    watcher = Watcher(GuardConfig(on_nonfinite="warn", **{k: v for k, v in cfg.items()
-                                                          if k in ("min_loss_scale", "max_consecutive_skips",
-                                                                   "param_check_every")}))
-    state: Dict[str, Any] = {"rec": None, "params": {}, "buffers": {}, "t_arm": None, "pre": None,
-                             "batch": None}
-
-    def dump(payload: Dict[str, Any]) -> None:
-        rec = state["rec"]
-        if rec is not None:
-            try:
-                rec.stop()
-            except Exception:
-                pass
-            fill_names(state["params"], state["buffers"], list(watcher.monitor.roots), _opts(watcher))
-            try:
-                payload["localization"] = rec.result()
-            except Exception as e:
-                payload["localization"] = None
-                payload["error"] = f"recorder failed: {type(e).__name__}: {e}"
-        if state["t_arm"] is not None:
-            payload["instrumented_seconds"] = round(time.time() - state["t_arm"], 3)
-        if a.bundle and payload.get("reproduced") and state["pre"] is not None:
-            try:
-                from .bundle import save_bundle
-                det = payload.get("detection") or {}
-                payload["bundle"] = save_bundle(a.bundle, step=N, phase=str(det.get("phase")),
-                                                batch=state["batch"], config=cfg, **state["pre"])
-            except Exception as e:
-                payload["bundle_error"] = f"{type(e).__name__}: {e}"
-        tmp = a.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(payload, f, default=str)
-        os.replace(tmp, a.out)
-        sys.stdout.flush()
-        os._exit(0)
-
-    def on_step_start(step: int) -> None:
-        if step == N and state["rec"] is None:
-            if a.bundle:
-                state["pre"] = _pre_step_state(watcher)
-            try:
-                rec = make_recorder(list(watcher.monitor.roots), _opts(watcher), state["params"],
-                                    state["buffers"])
-                rec.start()
-                rec.set_stage("forward")
-                state["rec"], state["t_arm"] = rec, time.time()
-            except Exception as e:
-                dump({"reproduced": None, "error": f"could not arm the recorder: {type(e).__name__}: {e}"})
-        elif step > N + 1:
-            dump({"reproduced": False, "reason": f"step {N} ran again without a non-finite value"})
-
-    def on_backward_begin(ts):
-        rec = state["rec"]
-        if rec is not None:
-            for t in ts:
-                rec.mark_loss(t)
-            rec.set_stage("backward")
-
-    def on_backward_end():
-        if state["rec"] is not None:
-            state["rec"].set_stage("forward")
-
-    def on_optimizer_begin():
-        if state["rec"] is not None:
-            state["rec"].set_stage("optimizer")
-
-    def on_detection(det, opt):
-        if det.phase == "eval":
-            return
-        if det.step == N:
-            dump({"reproduced": True, "detection": {"step": det.step, "phase": det.phase,
-                                                    "detected": det.detected}})
-        elif det.step < N:
-            dump({"reproduced": False, "reason": f"the re-run failed earlier, at step {det.step} ({det.phase})"})
-
-    watcher.on_step_start = on_step_start
-    watcher.on_backward_begin = on_backward_begin
-    watcher.on_backward_end = on_backward_end
-    def on_optimizer_end():
-        # With several optimizers (a GAN), the next model's forward follows this update within the
-        # same iteration: record it as forward. (With one, the stage stays until the next backward,
-        # which is how an update's non-finite output is read as an optimizer-phase sink.)
-        if state["rec"] is not None and len(watcher.monitor.views) > 1:
-            state["rec"].set_stage("forward")
-
-    watcher.on_optimizer_begin = on_optimizer_begin
-    watcher.on_optimizer_end = on_optimizer_end
-    watcher.on_detection = on_detection
-
-    if a.rng:
-        restore_rng(torch.load(a.rng, weights_only=True))
-    sys.argv = [script] + args
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    watcher.install()
-    from torch.nn.modules import module as mm
-
-    def grab_batch(module, args):
-        # The outermost module call of a training forward in the failing step: that is the batch.
-        if state["rec"] is not None and state["batch"] is None and watcher._depth() == 1 \
-                and torch.is_grad_enabled():
-            state["batch"] = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in args]
-    if a.bundle:
-        mm.register_module_forward_pre_hook(grab_batch)
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except BaseException:
-        pass
-    watcher.finish()
-    dump({"reproduced": False, "reason": f"the re-run finished without a non-finite value at step {N}"})
-    return 0
-
-
-def _pre_step_state(watcher) -> Dict[str, Any]:
-    """Model/optimizer/scaler/RNG state at the start of the failing step (for the repro bundle)."""
-    roots = list(watcher.monitor.roots)
-    model_state: Dict[str, torch.Tensor] = {}
-    for r in roots:
-        prefix = (type(r).__name__ + ":") if len(roots) > 1 else ""
-        model_state.update({prefix + k: v.detach().clone() for k, v in r.state_dict().items()})
-    scaler = watcher.scalers[0] if watcher.scalers else None
-    return {"model_state": model_state, "optimizer_states": [o.state_dict() for o in _opts(watcher)],
-            "scaler_state": scaler.state_dict() if scaler is not None else None, "rng": capture_rng()}
-
-
-def _opts(watcher) -> list:
-    return [v.opt_ref() for v in watcher.monitor.views.values() if v.opt_ref() is not None]
-
-
-if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv[1:]))

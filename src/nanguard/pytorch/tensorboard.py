@@ -14,7 +14,7 @@ class TensorBoardLogger(_NeutralLogger):
     __doc__ = _NeutralLogger.__doc__
 
     def _open(self, log_dir: str) -> Any:
-        try:
+        try:  # lazy: the tensorboard package is optional (nanguard[tensorboard]) and slow to import
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError("nanguard's TensorBoard logging needs the tensorboard package: "

@@ -18,20 +18,31 @@
 
 Every hook body is wrapped so that a bug in nanguard warns and disables the
 guard instead of killing the user's training (unless ``strict``).
+
+:func:`watch` installs the same hooks around a block of a training loop
+(detection only: nanguard cannot call an inline step again, so there is no replay).
 """
 from __future__ import annotations
 
-import sys
+import contextlib
 import threading
 import weakref
 import warnings
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
+import torch.optim.optimizer as torch_optimizer
+from torch.amp import grad_scaler as torch_grad_scaler
+from torch.amp.grad_scaler import OptState
+from torch.nn.modules import module as torch_module
 
 from ..core.config import GuardConfig
-from ..core.events import Detection
+from ..core.events import Detection, Report
+from ..core.pipeline import build_event, recurrence_event
+from ..core.render.terminal import print_line, render, summary_line
 from .detect import StepMonitor, all_finite, is_checkable, tensors_in
+from .distributed import share_event
+from .gradscaler import scaler_enabled
 
 
 class StopRun(BaseException):
@@ -85,15 +96,12 @@ class Watcher:
         if self._installed:
             return
         self._installed = True
-        import torch.optim.optimizer as oo
-        from torch.nn.modules import module as mm
-        from torch.amp import grad_scaler as gs
 
         w = self
         orig_init = torch.optim.Optimizer.__init__
         orig_backward = torch.autograd.backward
-        orig_scaler_step = gs.GradScaler.step
-        orig_scale = gs.GradScaler.scale
+        orig_scaler_step = torch_grad_scaler.GradScaler.step
+        orig_scale = torch_grad_scaler.GradScaler.scale
         self._orig = {"init": orig_init, "backward": orig_backward, "scaler_step": orig_scaler_step,
                       "scale": orig_scale}
 
@@ -116,13 +124,13 @@ class Watcher:
 
         torch.optim.Optimizer.__init__ = init
         torch.autograd.backward = backward
-        gs.GradScaler.step = scaler_step
-        gs.GradScaler.scale = scale
+        torch_grad_scaler.GradScaler.step = scaler_step
+        torch_grad_scaler.GradScaler.scale = scale
         self._handles = [
-            oo.register_optimizer_step_pre_hook(self._opt_pre),
-            oo.register_optimizer_step_post_hook(self._opt_post),
-            mm.register_module_forward_pre_hook(self._fwd_pre),
-            mm.register_module_forward_hook(self._fwd_post, always_call=True),
+            torch_optimizer.register_optimizer_step_pre_hook(self._opt_pre),
+            torch_optimizer.register_optimizer_step_post_hook(self._opt_post),
+            torch_module.register_module_forward_pre_hook(self._fwd_pre),
+            torch_module.register_module_forward_hook(self._fwd_post, always_call=True),
         ]
         if self.on_step_start is not None:
             self.on_step_start(0)
@@ -130,11 +138,10 @@ class Watcher:
     def uninstall(self) -> None:
         if not self._installed:
             return
-        from torch.amp import grad_scaler as gs
         torch.optim.Optimizer.__init__ = self._orig["init"]
         torch.autograd.backward = self._orig["backward"]
-        gs.GradScaler.step = self._orig["scaler_step"]
-        gs.GradScaler.scale = self._orig["scale"]
+        torch_grad_scaler.GradScaler.step = self._orig["scaler_step"]
+        torch_grad_scaler.GradScaler.scale = self._orig["scale"]
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -180,7 +187,6 @@ class Watcher:
 
     def _recover(self, det: Detection, opt: Any) -> bool:
         """Diagnose ``det`` and let the policy act. True when the run may go on."""
-        from ..core.pipeline import build_event, recurrence_event
         mon = self.monitor
         hist = [h for h in mon.history.raw_dicts() if h["step"] < det.step]
         if self._first_event is None:
@@ -255,14 +261,13 @@ class Watcher:
             self.on_step_start(self.monitor.step_of(opt))
 
     def _scaler_step(self, orig, scaler, optimizer, a, k):
-        if self.disabled or not _enabled(scaler):
+        if self.disabled or not scaler_enabled(scaler):
             return orig(scaler, optimizer, *a, **k)
         if scaler not in self.scalers:
             self.scalers.append(scaler)
         self._guarded(lambda: self.monitor.add_optimizer(optimizer, late=True))
 
         def prepare():
-            from torch.amp.grad_scaler import OptState
             st = scaler._per_optimizer_states[id(optimizer)]
             if st["stage"] is OptState.READY:
                 scaler.unscale_(optimizer)  # scaler.step would do the same; we check unscaled grads
@@ -372,7 +377,7 @@ class Watcher:
             return None
         nan = sum(int(torch.isnan(t).sum()) for t in ts if is_checkable(t))
         inf = sum(int(torch.isinf(t).sum()) for t in ts if is_checkable(t))
-        bad_params = self.monitor.nonfinite_params([[p for p in module.parameters() if is_checkable(p)]])
+        bad_params = self.monitor.names.nonfinite_params([[p for p in module.parameters() if is_checkable(p)]])
         return Detection(self.monitor.steps_watched, "eval",
                          {"module": type(module).__name__, "output_nan": nan, "output_inf": inf,
                           "nonfinite_params": bad_params[:20], "grad_enabled": torch.is_grad_enabled(),
@@ -399,15 +404,7 @@ def _shared(event: Any, det: Detection) -> Any:
     """torch.distributed: every rank acts on the diagnosis made on the rank where ``det`` was seen first."""
     if getattr(det, "rank", None) is None:
         return event
-    from .distributed import share_event
     return share_event(event, det.rank)
-
-
-def _enabled(scaler) -> bool:
-    try:
-        return bool(scaler.is_enabled())
-    except Exception:
-        return False
 
 
 def _graph_leaves(ts: List[torch.Tensor], limit: int = 100_000) -> List[torch.Tensor]:
@@ -423,3 +420,35 @@ def _graph_leaves(ts: List[torch.Tensor], limit: int = 100_000) -> List[torch.Te
             leaves.append(var)
         stack.extend(f for f, _ in getattr(fn, "next_functions", ()))
     return leaves
+
+
+@contextlib.contextmanager
+def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "warn",
+          strict: bool = False, quiet: bool = False) -> Iterator[Watcher]:
+    """Watch every optimizer, module and GradScaler used inside the block (the hooks of ``nanguard run``).
+
+    No replay is possible here (nanguard cannot call your inline step again):
+    events carry the step, phase and what the check saw; use :class:`~nanguard.Guard` or
+    ``nanguard run`` for the origin op. Yields the :class:`~nanguard.Watcher`.
+    """
+    w = Watcher(GuardConfig(on_nonfinite=on_nonfinite, strict=strict))
+    w.install()
+    try:
+        yield w
+    finally:
+        w.uninstall()
+        w.finish()
+        mon = w.monitor
+        rep = Report(counting=mon.counting, steps_watched=mon.steps_watched,
+                     max_grad_norm=mon.history.max_grad_norm if len(mon.history) else None,
+                     scaler_skips=sum(1 for d in w.info if d.detected.get("scaler_skip")),
+                     history=mon.history.as_dicts())
+        rep.events = [build_event(d, None, [h for h in mon.history.raw_dicts() if h["step"] < d.step], {})
+                      for d in w.detections]
+        w.report = rep
+        if report:
+            rep.write(report)
+        if not quiet:
+            if rep.status != "clean":
+                render(rep, report)
+            print_line(summary_line(rep))

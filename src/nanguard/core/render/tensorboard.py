@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from ..events import one_line
+
 __all__ = ["TensorBoardLogger"]
 
 
@@ -132,7 +134,6 @@ class TensorBoardLogger:
         """A report event: ``nonfinite`` = 1 at its step, and one line of text."""
         if self.writer is None:
             return
-        from ..events import one_line
         ev = event if not isinstance(event, dict) else None
         step = int(getattr(event, "step", None) if ev is not None else event.get("step") or 0)
         self.writer.add_scalar(f"{self.prefix}/nonfinite", 1.0, global_step=step)

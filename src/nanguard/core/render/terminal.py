@@ -10,6 +10,7 @@ from ..events import Report, one_line
 
 
 def _console():
+    # rich (and pygments, for the panel's source excerpt) are imported lazily: only a run that prints pays
     from rich.console import Console
     return Console(stderr=True, highlight=False, soft_wrap=False)
 

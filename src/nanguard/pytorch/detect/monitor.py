@@ -1,244 +1,29 @@
-"""Stage 1, detect: the always-on, per-step check.
+"""The per-step check: :class:`StepMonitor`, fed by a driver, one host sync per step.
 
-:class:`StepMonitor` is fed by a driver (the explicit :class:`~nanguard.Guard`,
-or the global hooks of ``nanguard run``) and checks, once per training step:
-
-* the batch (``data``), when the driver can see it,
-* the parameters before the step (``params``) and after the update (``optimizer``),
-* the loss (``forward``) and the gradients (``backward``).
-
-Cost model (why it is cheap):
-
-* gradients and parameters are reduced with fused ``torch._foreach_norm``
-  kernels (one pass over each), per param group, on the device;
-* everything the step needs to decide is packed into one small tensor and read
-  with **one host sync per step** (``Tensor.tolist()`` in :meth:`check`);
-* the post-update parameter norms are computed right after the optimizer step
-  but only *read* at the next step's sync, so catching an optimizer-made NaN
-  costs no extra sync (it is reported one check later, with the right step);
-* on models above 2 MiB of parameters that post-update pass covers a rotating
-  slice of about 1/K of the parameter bytes (K up to 8, ``param_check_every``),
-  so every parameter is re-read at least every K updates. A parameter the next
-  forward uses is caught by the next step's loss/gradient check anyway (the
-  slow path then checks every parameter exactly); only parameters the loss
-  does not touch can wait up to K updates. The gradient pass is never sliced;
-* an L2 norm can overflow to ``inf`` while every element is finite (values
-  around 1e20 in float32), so any non-finite norm is confirmed with an exact
-  per-tensor ``isfinite`` pass. That slow path runs only when something looks
-  wrong.
-
-Other syncs: none in the healthy path. When the scaler is used, GradScaler's
-own ``found_inf`` read stays where PyTorch puts it. Evaluation checks (outputs
-of a watched model under ``no_grad``) sync once per evaluation forward.
+The drivers (the explicit :class:`~nanguard.Guard`, ``nanguard run``'s Watcher,
+the framework callbacks) call, per step: :meth:`~StepMonitor.on_batch` and
+:meth:`~StepMonitor.on_backward` (no sync), :meth:`~StepMonitor.check` after
+backward and before the update (the one sync), :meth:`~StepMonitor.end_step`
+after the update (history; the post-update parameter norms, read at the next
+check). The cost model is in the package docstring (:mod:`nanguard.pytorch.detect`).
 """
 from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .numerics import rounds_to_zero
-from ..core.config import GuardConfig
-from ..core.events import Detection
-from ..core.history import StepHistory, StepRecord
-
-
-def is_checkable(t: Any) -> bool:
-    """Float tensors with real storage: what a finiteness check can read."""
-    return (isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided
-            and t.device.type != "meta" and t.numel() > 0)
-
-
-def tensors_in(obj: Any, limit: int = 64) -> List[torch.Tensor]:
-    """Floating tensors inside a (nested) batch: tensors, lists, tuples, dicts, dataclass-like."""
-    out: List[torch.Tensor] = []
-    stack = [obj]
-    seen = 0
-    while stack and len(out) < limit and seen < 10_000:
-        seen += 1
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            if is_checkable(x):
-                out.append(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif hasattr(x, "__dict__") and not isinstance(x, (type, torch.nn.Module)):
-            stack.extend(v for v in vars(x).values() if isinstance(v, (torch.Tensor, list, tuple, dict)))
-    return out
-
-
-# Tensors at least this large are checked with one aminmax pass instead of isfinite().all().
-_MINMAX_NUMEL = 1 << 14
-
-
-def finite_flag(t: torch.Tensor) -> torch.Tensor:
-    """0-d bool tensor (no sync): every element of ``t`` is finite. Exact.
-
-    Large tensors on CPU/CUDA take one ``aminmax`` pass: min and max propagate NaN,
-    and a finite min and max bound every element. ``isfinite(t).all()`` materialises
-    full-size temporaries instead (on CPU ~10x slower on a 2 MB batch).
-    """
-    if t.numel() >= _MINMAX_NUMEL and t.device.type in ("cpu", "cuda"):
-        try:
-            mn, mx = torch.aminmax(t)
-            return torch.isfinite(torch.stack((mn, mx))).all()
-        except (RuntimeError, NotImplementedError):  # dtypes without aminmax (float8)
-            pass
-    return torch.isfinite(t).all()
-
-
-def finite_markers(t: torch.Tensor) -> List[torch.Tensor]:
-    """0-d tensors whose values are all finite iff every element of ``t`` is (exact, no sync).
-
-    One ``aminmax`` pass (min and max propagate NaN; a finite min and max bound every
-    element), read with the step's one sync; dtypes/devices without aminmax fall back to
-    ``isfinite(t).all()`` turned into 0 (finite) or NaN.
-    """
-    if t.device.type in ("cpu", "cuda"):
-        try:
-            return list(torch.aminmax(t))
-        except (RuntimeError, NotImplementedError):  # dtypes without aminmax (float8)
-            pass
-    return [torch.where(torch.isfinite(t).all(), 0.0, float("nan"))]
-
-
-def all_finite(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """0-d bool tensor (no sync): every element of every tensor is finite."""
-    flags = [finite_flag(t) for t in tensors if is_checkable(t)]
-    if not flags:
-        return None
-    if len(flags) == 1:
-        return flags[0]
-    dev = flags[0].device
-    return torch.stack([f.to(dev) for f in flags]).all()
-
-
-# CPU: float32 tensors at least this large are reduced as rows of _ROW elements (see _norm).
-_ROWS_MIN_NUMEL = 1 << 15
-_ROW = 1024
-
-
-def _norm(tensors: List[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of a list of tensors as one float32 0-d tensor (fused; no sync).
-
-    One fused ``_foreach_norm``. On CPU, ``_foreach_norm`` loops over a whole-tensor
-    reduction kernel that runs at about half the memory bandwidth of an inner-dimension
-    reduction, so large contiguous float32 tensors are reduced as rows of 1024 (same
-    float32 accumulation and overflow behaviour, ~2x faster) and the row norms combined.
-    """
-    return planned_norm(tensors, NormPlan(tensors), tensors[0].device)
-
-
-def _rows_ok(t: torch.Tensor) -> bool:
-    n = t.numel()
-    return n >= _ROWS_MIN_NUMEL and n % _ROW == 0 and t.dtype is torch.float32 and t.device.type == "cpu"
-
-
-class NormPlan:
-    """Which tensors of a fixed list (a group's parameters, or their gradients) are reduced as rows.
-
-    Built once per parameter list, so the per-step norm does no per-tensor shape/dtype tests
-    in Python (76 tensors of a small GPT: ~0.2 ms per step saved).
-    """
-
-    __slots__ = ("rows", "rest")
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.rows = [i for i, t in enumerate(tensors) if _rows_ok(t)]
-        self.rest = [i for i, t in enumerate(tensors) if not _rows_ok(t)]
-
-
-_STRIDED = torch.strided
-
-
-def planned_norm(tensors: Sequence[Optional[torch.Tensor]], plan: NormPlan, dev: torch.device) -> torch.Tensor:
-    """:func:`_norm` of ``tensors`` (shaped like the list ``plan`` was built from; None and
-    non-strided entries, e.g. missing or sparse gradients, are skipped). Zero when empty."""
-    with torch.no_grad():  # parameters require grad; their norms need no autograd graph
-        return _reduce(tensors, plan, dev)
-
-
-def _reduce(tensors: Sequence[Optional[torch.Tensor]], plan: NormPlan, dev: torch.device) -> torch.Tensor:
-    parts: List[torch.Tensor] = []
-    rest = [t for t in (tensors[i] for i in plan.rest) if t is not None and t.layout is _STRIDED]
-    for i in plan.rows:
-        t = tensors[i]
-        if t is None or t.layout is not _STRIDED:
-            continue
-        if t.dtype is torch.float32 and t.is_contiguous():
-            parts.append(torch.linalg.vector_norm(t.view(-1, _ROW), dim=1))
-        else:
-            rest.append(t)
-    if rest:
-        norms = torch._foreach_norm(rest)
-        if any(n.device != dev for n in norms):
-            norms = [n.to(dev) for n in norms]
-        parts.append(torch.stack(norms).float())
-    if not parts:
-        return torch.zeros((), device=dev)
-    out = torch.linalg.vector_norm(parts[0] if len(parts) == 1 else torch.cat(parts))
-    return out if out.device == dev else out.to(dev)
-
-
-# Auto param_check_every: parameters up to this many bytes are all re-read after every update;
-# above it, slices of about this size, in at most _MAX_SLICES slices.
-_SLICE_BYTES = 2 << 20
-_MAX_SLICES = 8
-
-
-def plan_slices(groups: List[List[torch.Tensor]], every: Optional[int]) -> "Tuple[int, List[List[List[torch.Tensor]]], Dict[int, int]]":
-    """Split the parameters into K slices of about equal bytes for the post-update check.
-
-    Returns ``(K, slices, slice_of)``: ``slices[c][g]`` are group ``g``'s parameters in
-    slice ``c``; ``slice_of`` maps ``id(param)`` to its slice. Largest first, each into
-    the lightest slice so far (a greedy balance: one huge tensor stays one slice).
-    """
-    flat = [p for g in groups for p in g]
-    if every is None:
-        total = sum(p.numel() * p.element_size() for p in flat)
-        every = min(_MAX_SLICES, max(1, math.ceil(total / _SLICE_BYTES)))
-    k = max(1, min(every, len(flat)))
-    loads = [0] * k
-    slice_of: Dict[int, int] = {}
-    for p in sorted(flat, key=lambda t: -t.numel() * t.element_size()):
-        c = loads.index(min(loads))
-        loads[c] += p.numel() * p.element_size()
-        slice_of[id(p)] = c
-    slices = [[[p for p in g if slice_of[id(p)] == c] for g in groups] for c in range(k)]
-    return k, slices, slice_of
-
-
-class _OptimizerView:
-    """Cached per-optimizer parameter lists and slices (the hot path must not rebuild them)."""
-
-    def __init__(self, opt: torch.optim.Optimizer, every: Optional[int] = None) -> None:
-        self.opt_ref = weakref.ref(opt)
-        self.every = every
-        self.n_params = -1
-        self.groups: List[List[torch.Tensor]] = []
-        self.k = 1
-        self.slices: List[List[List[torch.Tensor]]] = []
-        self.slice_of: Dict[int, int] = {}
-        self.grad_plans: List[NormPlan] = []
-        self.slice_plans: List[List[NormPlan]] = []
-        self.refresh(opt)
-
-    def refresh(self, opt: torch.optim.Optimizer) -> None:
-        n = sum(len(g["params"]) for g in opt.param_groups)
-        if n == self.n_params and len(self.groups) == len(opt.param_groups):
-            return
-        self.groups = [[p for p in g["params"] if is_checkable(p)] for g in opt.param_groups]
-        self.n_params = n
-        self.k, self.slices, self.slice_of = plan_slices(self.groups, self.every)
-        self.grad_plans = [NormPlan(g) for g in self.groups]  # gradients are shaped like their params
-        self.slice_plans = [[NormPlan(part) for part in s] for s in self.slices]
-
-    def all_params(self) -> List[torch.Tensor]:
-        return [p for g in self.groups for p in g]
+from ...core.config import GuardConfig
+from ...core.events import Detection
+from ...core.history import StepHistory, StepRecord
+from .. import gradscaler
+from . import consensus
+from .names import TensorNames
+from .norms import NormPlan, _norm, planned_norm
+from .slices import OptimizerView, update_suspect
+from .tensors import finite_markers, is_checkable, nonfinite_tensors, tensors_in
 
 
 class StepMonitor:
@@ -247,7 +32,7 @@ class StepMonitor:
     def __init__(self, config: Optional[GuardConfig] = None) -> None:
         self.config = config or GuardConfig()
         self.history = StepHistory(self.config.history_size)
-        self.views: Dict[int, _OptimizerView] = {}
+        self.views: Dict[int, OptimizerView] = {}
         self.counts: Dict[int, int] = {}          # step attempts per optimizer
         self.backward_steps = 0                    # used when no optimizer exists
         self.roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
@@ -265,11 +50,11 @@ class StepMonitor:
         self._psq: Dict[int, List[List[float]]] = {}  # squared norm per [group][slice], last read
         self._checked: Dict[int, bool] = {}
         self._consecutive_skips = 0
-        self._names: Optional[Dict[int, str]] = None
+        self.names = TensorNames(self.roots, self.views)  # names for the report; the exact slow-path scans
         self._last: Optional[Dict[str, Any]] = None
         self._lasts: Dict[int, Dict[str, Any]] = {}  # per optimizer: what its last check read
         # torch.distributed: a MAX all-reduce of a small per-rank flag table, so that every rank
-        # reaches the same decision (nanguard.pytorch.distributed). Set automatically when a
+        # reaches the same decision (nanguard.pytorch.detect.consensus). Set automatically when a
         # process group with world_size > 1 is initialized (dist_auto; NANGUARD_DIST=0 turns it off).
         self.dist_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.dist_auto = True
@@ -287,14 +72,14 @@ class StepMonitor:
                 for d in (self._pending_post, self._pending_step, self._pending_slice, self._rot,
                           self._psq, self._checked, self._lasts):
                     d.pop(0, None)
-            self.views[id(opt)] = _OptimizerView(opt, self.config.param_check_every)
+            self.views[id(opt)] = OptimizerView(opt, self.config.param_check_every)
             self.counts.setdefault(id(opt), 0)
-            self._names = None
+            self.names.invalidate()
 
     def add_root(self, module: torch.nn.Module) -> None:
         if module not in self.roots:
             self.roots.add(module)
-            self._names = None
+            self.names.invalidate()
 
     @property
     def counting(self) -> str:
@@ -390,14 +175,14 @@ class StepMonitor:
         inputs = lv + lm + dm
         if inputs and any(t.device != dev for t in inputs):
             inputs = [t.to(dev) for t in inputs]
-        scaled = scaler is not None and _scaler_enabled(scaler)
-        sc = [_scale_tensor(scaler, dev), _found_inf(scaler, opt, dev)] if scaled else []
+        scaled = scaler is not None and gradscaler.scaler_enabled(scaler)
+        sc = [gradscaler.scale_tensor(scaler, dev), gradscaler.found_inf(scaler, opt, dev)] if scaled else []
         flat = inputs + sc + gnorms + (pre_pnorms or [])
         tail = ([post.to(dev)] if post is not None else []) + [t.to(dev) for _, t in others]
         reducer = self._dist_reducer()
         if reducer is not None:  # distributed: this rank's flags, all-reduced, read in the same sync
-            from .distributed import flag_table
-            tail.append(flag_table(reducer, dev, *self._dist_inputs(dev, sc),
+            tail.append(consensus.flag_table(reducer, dev, *consensus.rank_inputs(
+                self._loss_vals, self._loss_marks, self._data_marks, dev, sc),
                                    gnorms + (pre_pnorms or []) + ([post] if post is not None else [])
                                    + [t for _, t in others], self._loss_n > 0))
         head = [torch.stack(flat)] if flat else []
@@ -433,8 +218,7 @@ class StepMonitor:
                           found_inf=found_inf, groups=groups, opt=opt)
         self._lasts[key] = self._last
         if reducer is not None:
-            from .distributed import global_loss
-            gl = global_loss(self._dist_flags, reducer.world_size)
+            gl = consensus.global_loss(self._dist_flags, reducer.world_size)
             if gl is not None:  # the history keeps the mean loss over ranks: the same on every rank
                 self._last["loss"] = gl
 
@@ -443,7 +227,7 @@ class StepMonitor:
             if all(math.isfinite(x) for x in ovals):
                 continue
             ogroups = self.views[k].groups if k in self.views else []
-            bad = self.nonfinite_params(ogroups, roots=False)
+            bad = self.names.nonfinite_params(ogroups, roots=False)
             if bad:
                 ostep = self._pending_step.pop(k, 0)
                 self._pending_post.pop(k, None)
@@ -479,24 +263,12 @@ class StepMonitor:
         why = update_suspect(opt, unread)
         d = dict(det.detected, param_check_every=k, last_update_step=post_step)
         if why is None:
-            d["last_update_unverified"] = [self.name_of(p) for p in unread[:20]]
+            d["last_update_unverified"] = [self.names.name_of(p) for p in unread[:20]]
             return Detection(det.step, det.phase, d, det.info_only)
-        names = [self.name_of(p) for p in bad]
+        names = [self.names.name_of(p) for p in bad]
         return Detection(post_step, "optimizer", {"nonfinite_params_after_update": names[:20],
                                                   "n_bad_params": len(names), "update_suspect": why,
                                                   "param_check_every": k, "loss": det.detected.get("loss")})
-
-    def _dist_inputs(self, dev: torch.device, sc: List[torch.Tensor]):
-        """Distributed only: this step's (loss, loss_ok, data_ok, found_inf) as device tensors."""
-        lv = [t.to(dev) for t in self._loss_vals]
-        marks = lv + [t.to(dev) for t in self._loss_marks]
-        dm = [t.to(dev) for t in self._data_marks]
-        one = torch.ones((), device=dev)
-        loss = torch.stack(lv).float().mean() if lv else torch.tensor(float("nan"), device=dev)
-        loss_ok = torch.isfinite(torch.stack(marks)).all() if marks else one
-        data_ok = torch.isfinite(torch.stack(dm)).all() if dm else one
-        found_inf = sc[1] if sc else torch.zeros((), device=dev)
-        return loss, loss_ok, data_ok, found_inf
 
     def _dist_reducer(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
         """The distributed flag reducer, if any (cheap when not distributed: two calls)."""
@@ -506,8 +278,7 @@ class StepMonitor:
                 self.dist_reduce = r = None  # the process group is gone
             return r
         if self.dist_auto and torch.distributed.is_available() and torch.distributed.is_initialized():
-            from .distributed import auto_reducer
-            self.dist_reduce = auto_reducer()
+            self.dist_reduce = consensus.auto_reducer()
             if self.dist_reduce is None:
                 self.dist_auto = False  # one rank, or NANGUARD_DIST=0
         return self.dist_reduce
@@ -516,17 +287,16 @@ class StepMonitor:
         """Distributed: every rank returns the same Detection (slow path only: a second collective)."""
         if reducer is None:
             return det
-        from . import distributed as D
-        if not D.suspicious(self._dist_flags, reducer.world_size):
+        if not consensus.suspicious(self._dist_flags, reducer.world_size):
             return det  # no rank saw anything: det is None on every rank
-        return D.decide(reducer, det, dev, self._dist_flags)
+        return consensus.decide(reducer, det, dev, self._dist_flags)
 
     def _decide(self, step, opt, groups, loss, loss_ok, data_ok, scale, found_inf, gn, pre_pn,
                 post_pn, post_step, scaler) -> Optional[Detection]:
         finite = math.isfinite
         # 1. the previous update made parameters non-finite (read one check late, no extra sync)
         if post_pn is not None and not all(finite(x) for x in post_pn):
-            bad = self.nonfinite_params(groups, roots=False)
+            bad = self.names.nonfinite_params(groups, roots=False)
             if bad:
                 return Detection(post_step if post_step is not None else max(step - 1, 0), "optimizer",
                                  {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)})
@@ -538,7 +308,7 @@ class StepMonitor:
             self._consecutive_skips = 0
             return None
         # Slow path: exact checks, only when something already looks wrong.
-        bad_params = self.nonfinite_params(groups)
+        bad_params = self.names.nonfinite_params(groups)
         if bad_params:
             return Detection(step, "params", {"nonfinite_params": bad_params[:20],
                                               "n_bad_params": len(bad_params), "loss": loss})
@@ -546,10 +316,10 @@ class StepMonitor:
             return Detection(step, "data", {"nonfinite_in": list(self._data_where), "loss": loss})
         if loss_ok < 1:
             return Detection(step, "forward", {"loss": loss})
-        bad_grads = self.nonfinite_grads(groups)
+        bad_grads = self.names.nonfinite_grads(groups)
         if bad_grads:
             d = {"nonfinite_grads": bad_grads[:20], "n_bad_grads": len(bad_grads), "loss": loss}
-            if scaler is not None and _scaler_enabled(scaler):
+            if scaler is not None and gradscaler.scaler_enabled(scaler):
                 return self._scaler_skip(step, scale, d)
             return Detection(step, "backward", d)
         self._consecutive_skips = 0
@@ -625,7 +395,7 @@ class StepMonitor:
             self._pending_slice.pop(key, None)
             if not all(math.isfinite(x) for x in vals):
                 groups = self.views[key].groups if key in self.views else [self.extra_params]
-                bad = self.nonfinite_params(groups, roots=False)
+                bad = self.names.nonfinite_params(groups, roots=False)
                 if bad:
                     return Detection(step, "optimizer", {"nonfinite_params_after_update": bad[:20],
                                                          "n_bad_params": len(bad)})
@@ -638,108 +408,3 @@ class StepMonitor:
         self._lasts.pop(key, None)
         self._loss_vals, self._loss_marks, self._loss_n = [], [], 0
         self._data_marks, self._data_where = [], []
-
-    # ------------------------------------------------------------------ slow-path helpers
-    def param_names(self) -> Dict[int, str]:
-        if self._names is None:
-            names: Dict[int, str] = {}
-            for root in list(self.roots):
-                for n, p in root.named_parameters(remove_duplicate=False):
-                    names.setdefault(id(p), n)
-                for n, b in root.named_buffers(remove_duplicate=False):
-                    names.setdefault(id(b), n)
-            for oi, view in enumerate(self.views.values()):
-                opt = view.opt_ref()
-                if opt is None:
-                    continue
-                for gi, g in enumerate(opt.param_groups):
-                    for pi, p in enumerate(g["params"]):
-                        names.setdefault(id(p), f"optimizer{oi}.param_groups[{gi}][{pi}]")
-            self._names = names
-        return self._names
-
-    def name_of(self, t: torch.Tensor) -> str:
-        return self.param_names().get(id(t), f"tensor{tuple(t.shape)}")
-
-    def nonfinite_params(self, groups: Iterable[List[torch.Tensor]], roots: bool = True) -> List[str]:
-        """Names of non-finite tensors among ``groups`` and (with ``roots``) the watched modules'
-        parameters outside the optimizers (frozen ones, another model's) and buffers."""
-        groups = [list(g) for g in groups]
-        out = [self.name_of(p) for p in nonfinite_tensors(groups)]
-        seen = {id(p) for g in groups for p in g}
-        if not roots:
-            return out
-        for root in list(self.roots):
-            for n, t in list(root.named_parameters()) + list(root.named_buffers()):
-                if id(t) in seen:
-                    continue
-                seen.add(id(t))
-                if is_checkable(t) and not bool(torch.isfinite(t).all()):
-                    out.append(self.name_of(t) if isinstance(t, torch.nn.Parameter) else n)
-        return out
-
-    def nonfinite_grads(self, groups: Iterable[List[torch.Tensor]]) -> List[str]:
-        return [self.name_of(p) for g in groups for p in g
-                if p.grad is not None and is_checkable(p.grad) and not bool(torch.isfinite(p.grad).all())]
-
-
-def nonfinite_tensors(groups: Iterable[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
-    """The tensors of ``groups`` holding a NaN or Inf (exact; the slow path only)."""
-    return [p for g in groups for p in g if is_checkable(p) and not bool(torch.isfinite(p).all())]
-
-
-_HYPERPARAMETERS = ("lr", "eps", "weight_decay", "momentum", "alpha", "betas")
-
-
-def update_suspect(opt: Any, params: Sequence[torch.Tensor]) -> Optional[str]:
-    """Why ``opt``'s own update could have made ``params`` non-finite, or None if nothing says so.
-
-    Checked: non-finite hyperparameters of their groups, non-finite optimizer state for them,
-    and an ``eps`` that is 0, or rounds to 0 in the parameter's dtype (a 0/0 in Adam-style updates).
-    """
-    ids = {id(p) for p in params}
-    for g in getattr(opt, "param_groups", []):
-        ps = [p for p in g["params"] if id(p) in ids]
-        if not ps:
-            continue
-        for h in _HYPERPARAMETERS:
-            v = g.get(h)
-            for x in (v if isinstance(v, (tuple, list)) else [v]):
-                xf = float(x) if isinstance(x, (int, float)) or (isinstance(x, torch.Tensor) and x.numel() == 1) \
-                    else 0.0
-                if not math.isfinite(xf):
-                    return f"hyperparameter {h}={xf} is not finite"
-        for p in ps:
-            for name, v in (opt.state.get(p) or {}).items():
-                if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
-                    return f"optimizer state '{name}' is non-finite"
-            eps = g.get("eps")
-            if isinstance(eps, (int, float)) and p.is_floating_point() and (eps == 0 or rounds_to_zero(eps, p.dtype)):
-                return f"eps={eps:g} is 0 in {str(p.dtype).replace('torch.', '')}: a zero denominator in the update"
-    return None
-
-
-def _scaler_enabled(scaler: Any) -> bool:
-    try:
-        return bool(scaler.is_enabled())
-    except Exception:
-        return False
-
-
-def _scale_tensor(scaler: Any, dev: torch.device) -> torch.Tensor:
-    s = getattr(scaler, "_scale", None) if scaler is not None and _scaler_enabled(scaler) else None
-    if isinstance(s, torch.Tensor):
-        return s.reshape(()).float().to(dev)
-    return torch.tensor(float("nan"), device=dev)
-
-
-def _found_inf(scaler: Any, opt: Any, dev: torch.device) -> torch.Tensor:
-    if scaler is None or opt is None or not _scaler_enabled(scaler):
-        return torch.zeros((), device=dev)
-    try:
-        st = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
-        if st:
-            return sum(v.to(dev).float().reshape(()) for v in st.values())
-    except Exception:
-        pass
-    return torch.zeros((), device=dev)

@@ -1,0 +1,100 @@
+"""The interface between the recovery policy (here, framework-neutral) and a backend's actions.
+
+The policy decides on plain numbers and records: the diagnosis, the step
+history, the budget, the snapshots' steps and sizes. Everything that touches a
+framework's objects (tensors, modules, optimizers, a loss scaler) is a method
+of :class:`RecoveryActions`, which a backend implements once
+(:class:`nanguard.pytorch.recover.actions.TorchActions` for PyTorch), bound to
+the training objects of the failing step. A snapshot is the backend's too: the
+policy only reads its ``step`` and ``nbytes`` and asks whether it is finite.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Dict, List, Optional, Protocol
+
+
+class Snapshot(Protocol):
+    """A backend's copy of the training state at the start of one step."""
+
+    step: int
+    nbytes: int  # bytes it holds (reported, and compared with ``recent_max_bytes``)
+
+    def finite(self) -> bool:
+        """Every floating value it holds is finite (computed once, then cached)."""
+
+    def mark_finite(self) -> None:
+        """It was just filled from a state that was checked finite."""
+
+
+class RecoveryActions(abc.ABC):
+    """What a backend does to its training objects for the policy (one instance per call).
+
+    Records returned by the actions go into the report as they are (``recovery.actions``).
+    """
+
+    # -------------------------------------------------------------- the state
+    @abc.abstractmethod
+    def state_finite(self, with_optimizers: bool = True) -> bool:
+        """Every parameter and buffer of the model(s) (and, ``with_optimizers``, every parameter the
+        optimizers hold) is finite."""
+
+    @abc.abstractmethod
+    def optimizer_state_finite(self) -> bool:
+        """Every floating tensor of the optimizers' per-parameter state (moments...) is finite."""
+
+    # -------------------------------------------------------------- snapshots
+    @abc.abstractmethod
+    def take_snapshot(self, step: int, loss: Optional[float]) -> Snapshot:
+        """A new snapshot of the state now, as the start of ``step`` (``loss``: the previous step's)."""
+
+    @abc.abstractmethod
+    def refill_snapshot(self, snap: Snapshot, step: int, loss: Optional[float]) -> bool:
+        """Make ``snap`` the snapshot of the state now by copying into its own storage; False when the
+        structure changed (``snap`` is then unusable)."""
+
+    @abc.abstractmethod
+    def restore(self, snap: Snapshot) -> None:
+        """Roll back: model, optimizer state (not its hyperparameters), loss scaler and RNG as in ``snap``."""
+
+    @abc.abstractmethod
+    def repair_nonfinite(self, snap: Snapshot) -> int:
+        """Put back only the non-finite elements of the parameters/buffers from ``snap``; how many, or -1
+        when one has no finite saved value."""
+
+    @abc.abstractmethod
+    def restore_buffers(self, snap: Snapshot) -> int:
+        """Put back the buffers (normalisation statistics) from ``snap``; how many."""
+
+    # -------------------------------------------------------------- actions on a failure
+    @abc.abstractmethod
+    def skip_step(self) -> Dict[str, Any]:
+        """Make the coming update a no-op (drop the gradients). Record: ``{"grads_dropped": n}``."""
+
+    @abc.abstractmethod
+    def learning_rates(self) -> List[float]:
+        """The current learning rate of every param group."""
+
+    @abc.abstractmethod
+    def lr_backoff(self, factor: float) -> Dict[str, Any]:
+        """Scale every learning rate (and the schedulers' base rates) by ``factor``.
+        Record: ``{"lr_before": [...], "lr_after": [...], "factor": f}``."""
+
+    @abc.abstractmethod
+    def upcast(self, module: Optional[str], on_downstream: Callable[[str], None]) -> Optional[Dict[str, Any]]:
+        """Run the module at path ``module`` in float32 from now on (None: no such module). Modules
+        further down that then receive float32 are upcast when that happens, calling
+        ``on_downstream(path)``. Record: ``{"dtype_before", "dtype_after", "module", "downstream"}``."""
+
+    @abc.abstractmethod
+    def can_loss_scale(self) -> bool:
+        """The run has optimizers and no framework loss scaler of its own (GradScaler)."""
+
+    # -------------------------------------------------------------- every update, once armed
+    @abc.abstractmethod
+    def clip_gradients(self, max_norm: float) -> None:
+        """Clip the global gradient norm of every optimizer's parameters at ``max_norm``."""
+
+    @abc.abstractmethod
+    def unscale_gradients(self, factor: float) -> None:
+        """Multiply every gradient by ``factor`` (the policy's own loss scale, undone before the check)."""

@@ -1,0 +1,75 @@
+"""The recovery budget: how many recoveries a run may have before it stops with the diagnosis.
+
+At most ``max_recoveries`` recoveries in ``window`` steps and at most
+``max_consecutive`` failing steps in a row; for bad input data (batches skipped
+without touching the weights) at most ``max_data_skips`` in the window and
+``max_consecutive_data`` in a row. A plain rollback (nothing else changed) whose
+replay of the same state, data and RNG fails again at the same point is out of
+budget too: a rollback alone cannot fix it.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+DATA_CATEGORY = "bad_input_data"
+
+
+class RecoveryBudget:
+    """Steps that were recovered, and whether one more recovery at ``step`` is within budget."""
+
+    def __init__(self, max_recoveries: int = 10, window: int = 100, max_consecutive: int = 3,
+                 max_data_skips: int = 50, max_consecutive_data: int = 8) -> None:
+        self.max_recoveries, self.window, self.max_consecutive = max_recoveries, window, max_consecutive
+        self.max_data_skips, self.max_consecutive_data = max_data_skips, max_consecutive_data
+        self.recovery_steps: List[int] = []
+        self.data_steps: List[int] = []    # bad input data skipped without touching the weights
+        self.counts: Dict[str, int] = {}   # recoveries per category
+        self.version = 0  # bumped by every action that changes how training runs (lr, clip, dtype, scale)
+        self.last_rollback: Optional[Dict[str, Any]] = None
+
+    def exhausted(self, step: int, category: str) -> Optional[str]:
+        """Why a recovery at ``step`` is over budget, or None."""
+        data = category == DATA_CATEGORY
+        steps = self.data_steps if data else self.recovery_steps
+        limit = self.max_data_skips if data else self.max_recoveries
+        recent = [s for s in steps if s > step - self.window]
+        if len(recent) >= limit:
+            what = "bad-data skips" if data else "recoveries"
+            return (f"recovery budget exhausted: {len(recent)} {what} in the last {self.window} steps "
+                    f"(limit {limit})")
+        done = set(self.recovery_steps) | set(self.data_steps)
+        run = 1
+        while step - run in done:
+            run += 1
+        limit = self.max_consecutive_data if data else self.max_consecutive
+        if run > limit:
+            what = "batches in a row held non-finite data" if data else "the failure recurred"
+            return (f"{what} {run} steps in a row (limit {limit}): " +
+                    ("most of the data is bad, skipping would train on what is left" if data else
+                     "a deterministic bug, not a rare bad batch; recovery would only hide it"))
+        return None
+
+    def replay_failed(self, step: int, category: str) -> Optional[str]:
+        """A rollback that changed nothing else replays the same state and data (the RNG is restored too):
+        the same failure at the same point of the replay means a rollback alone cannot fix it."""
+        last = self.last_rollback
+        if last is None or last["version"] != self.version or last["category"] != category:
+            return None
+        failed, target = last["step"], last["to_step"]
+        if step - failed <= (failed - target) + 2:
+            return (f"rolled back to step {target} at step {failed}, and replaying the same state and data "
+                    f"failed again at step {step}: a rollback alone cannot fix this")
+        return None
+
+    def training_changed(self) -> None:
+        self.version += 1
+
+    def plain_rollback(self, step: int, to_step: int, category: str) -> None:
+        """A rollback with nothing else changed: its replay will be identical."""
+        self.last_rollback = {"step": step, "to_step": to_step, "category": category, "version": self.version}
+
+    def spend(self, step: int, category: str, data_skip: bool) -> int:
+        """Count a recovery at ``step``; returns the run's number of recoveries so far."""
+        (self.data_steps if data_skip else self.recovery_steps).append(step)
+        self.counts[category] = self.counts.get(category, 0) + 1
+        return len(self.recovery_steps) + len(self.data_steps)

@@ -1,0 +1,105 @@
+"""Numbers recovery takes from the step history (plain records: ``{"step", "loss", "grad_norm", "skipped"}``).
+
+* the healthy gradient norms (applied steps, finite, not a spike) and the ``clip`` threshold;
+* the ``lr_backoff`` factor (lower when the diagnosis estimated a stability limit);
+* the rollback target: the most recent snapshot from before a divergence began.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence
+
+
+def healthy_grad_norms(history: Sequence[dict]) -> List[float]:
+    """Gradient norms of the steps that were applied, finite, and not spikes (> 10x the median)."""
+    norms = [h["grad_norm"] for h in history
+             if isinstance(h.get("grad_norm"), (int, float)) and math.isfinite(h["grad_norm"])
+             and h["grad_norm"] > 0 and not h.get("skipped")]
+    if not norms:
+        return []
+    med = sorted(norms)[len(norms) // 2]
+    return sorted(n for n in norms if n <= 10 * med)
+
+
+def clip_max_norm(history: Sequence[dict], default: float = 1.0, quantile: float = 0.25) -> float:
+    """A ``max_norm`` from the healthy gradient-norm history: its lower quartile (robust to the spike,
+    and tight enough that a run sitting next to a cliff stays off it)."""
+    norms = healthy_grad_norms(history)
+    if not norms:
+        return default
+    return float(norms[int(quantile * (len(norms) - 1))])
+
+
+def backoff_factor(lr_factor: float, cause: Dict[str, Any], lrs: Sequence[float]) -> float:
+    """``lr_factor``, or lower: to half the stability limit when the diagnosis estimated one.
+    ``lrs``: the current learning rates of every param group."""
+    factor = lr_factor
+    ev = cause.get("evidence") or {}
+    limit = ev.get("estimated_stable_lr_limit")
+    if isinstance(limit, (int, float)) and math.isfinite(limit) and limit > 0 and lrs and max(lrs) > 0:
+        factor = min(factor, 0.5 * limit / max(lrs))
+    return max(factor, 1e-4)
+
+
+def rollback_target(snapshots: Sequence[Any], history: Sequence[dict] = (), step: Optional[int] = None,
+                    divergence: bool = True) -> Optional[Any]:
+    """The snapshot to roll back to, among ``snapshots`` (sorted by step; each has ``.step`` and
+    ``.finite()``).
+
+    ``divergence``: the most recent snapshot whose own step's loss (from the
+    history) is within 50% of the lowest kept one and whose gradient norm was
+    not a spike (> 10x the healthy median); else the most recent finite one.
+    """
+    snaps = [s for s in snapshots if s.finite() and (step is None or s.step <= step)]
+    if not snaps:
+        return None
+    if not divergence:
+        return snaps[-1]
+    rec: Dict[int, dict] = {}
+    for h in history:
+        rec.setdefault(h.get("step"), h)
+    norms = healthy_grad_norms(history)
+    med = norms[len(norms) // 2] if norms else None
+
+    def health(s):
+        h = rec.get(s.step)
+        if h is None:
+            return None
+        loss, gn = h.get("loss"), h.get("grad_norm")
+        if not isinstance(loss, (int, float)) or not math.isfinite(loss):
+            return False
+        if isinstance(gn, (int, float)) and (not math.isfinite(gn) or (med and gn > 10 * med)):
+            return False
+        return loss
+
+    scored = [(s, health(s)) for s in snaps]
+    known = [(s, l) for s, l in scored if l is not None and l is not False]
+    if known:
+        best = min(l for _, l in known)
+        ok = [s for s, l in known if l <= best + 0.5 * abs(best)]
+        return ok[-1]
+    unknown = [s for s, l in scored if l is None and (step is None or s.step < step)]
+    return unknown[-1] if unknown else None
+
+
+class DynamicLossScale:
+    """Loss scaling for float16 training that has no framework loss scaler (the ``loss_scale`` action).
+
+    The numbers only: ``scale`` multiplies the loss before backward and the backend
+    divides the gradients by it before the check (no sync). An overflow
+    (:meth:`backoff`) halves the scale; every ``growth_interval`` good steps double it.
+    """
+
+    def __init__(self, init: float = 2.0 ** 8, growth_interval: int = 1000) -> None:
+        self.scale = float(init)
+        self.good_steps = 0
+        self.growth_interval = growth_interval
+
+    def backoff(self) -> None:
+        self.scale /= 2
+        self.good_steps = 0
+
+    def good_step(self) -> None:
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale *= 2

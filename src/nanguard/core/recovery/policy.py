@@ -1,0 +1,311 @@
+"""The recovery policy: a diagnosed failure -> actions, within a budget, every action recorded.
+
+``recover="auto"``: the diagnosis' category picks the actions (see
+:data:`~nanguard.core.recovery.table.AUTO`; anything not listed, e.g. a rare
+log/sqrt/div domain error on some batch, gets ``skip_step``). With a list of
+allowed actions the same table is used, restricted to them (an action that is
+not allowed or not possible is left out; a plain skip is used only if
+``skip_step`` is allowed). Whatever the category, weights that are already
+non-finite are never trained on: they are rolled back to a healthy snapshot, or
+the run stops. Past the budget (:mod:`~nanguard.core.recovery.budget`) the run
+stops with the full diagnosis. A recovery is never silent: each is an event in
+the report (``recovery`` = ``{"action": ..., "ok": true, "actions": {...}}``), a
+one-line notice on stderr, and the run ends with a recovery summary line.
+
+The policy works on plain numbers and records; it acts through a backend's
+:class:`~nanguard.core.recovery.actions.RecoveryActions`, which the backend
+passes to the four hooks: :meth:`RecoveryPolicy.on_step_start` (snapshots),
+:meth:`~RecoveryPolicy.on_failure` (the decision), :meth:`~RecoveryPolicy.on_check`
+and :meth:`~RecoveryPolicy.on_update` (the armed per-update actions: loss scale, clipping).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..render.terminal import print_line
+from .actions import RecoveryActions, Snapshot
+from .budget import DATA_CATEGORY, RecoveryBudget
+from .estimates import DynamicLossScale, backoff_factor, clip_max_norm, healthy_grad_norms
+from .records import actions_tally, fmt_bytes, notice
+from .snapshots import SnapshotStore
+from .table import ACTIONS, AUTO, CHANGES_TRAINING, DIVERGENCE, actions_for, check_allowed, record_order
+
+
+def _store_attr(name: str) -> property:
+    return property(lambda self: getattr(self.store, name), doc=f"``store.{name}``")
+
+
+class RecoveryPolicy:
+    """Chooses recovery actions for diagnosed failures, within a budget; records every action."""
+
+    def __init__(self, allowed: Optional[Sequence[str]] = None, *, auto: bool = True, max_recoveries: int = 10,
+                 window: int = 100, max_consecutive: int = 3, max_data_skips: int = 50,
+                 max_consecutive_data: int = 8,
+                 snapshot_every: int = 10, keep_snapshots: int = 3, recent_snapshots: int = 2,
+                 recent_max_bytes: int = 256 * 2 ** 20, lr_factor: float = 0.1, clip_quantile: float = 0.25,
+                 quiet: bool = False) -> None:
+        check_allowed(allowed or [])
+        if not 0 < lr_factor < 1:
+            raise ValueError(f"lr_factor must be in (0, 1), got {lr_factor}")
+        self.allowed = list(allowed) if allowed else list(ACTIONS)
+        self.auto = auto
+        self.budget = RecoveryBudget(max_recoveries, window, max_consecutive, max_data_skips, max_consecutive_data)
+        self.store = SnapshotStore(snapshot_every, keep_snapshots, recent_snapshots, recent_max_bytes)
+        self.lr_factor, self.clip_quantile = lr_factor, clip_quantile
+        self.quiet = quiet
+        self.events: List[Any] = []           # the recovered events, in order
+        self.clip_norm: Optional[float] = None  # armed by ``clip``: every later update is clipped
+        self.loss_scaler: Optional[DynamicLossScale] = None  # armed by ``loss_scale``
+        self.quarantined: List[int] = []      # dataset rows of bad input data
+        self.quarantined_batch_rows: List[int] = []
+        self.upcast_modules: List[str] = []
+        self.stopped: Optional[str] = None    # why recovery stopped the run
+        self.stopped_step: Optional[int] = None
+        self._last_rec: Optional[tuple] = None
+        self._element_repairs: set = set()  # steps whose param corruption was repaired element-wise
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> "RecoveryPolicy":
+        """``"auto"``, ``"skip_step,clip"``, a list of action names, or a RecoveryPolicy."""
+        if isinstance(spec, cls):
+            return spec
+        if spec is True or spec == "auto":
+            return cls()
+        if isinstance(spec, str):
+            spec = [s.strip() for s in spec.split(",") if s.strip()]
+        if isinstance(spec, (list, tuple)) and spec:
+            return cls(allowed=list(spec))
+        raise ValueError(f"recover must be 'auto', a comma list or a list of actions, got {spec!r}")
+
+    def choose(self, category: str) -> List[str]:
+        """The actions ``auto`` takes for ``category``, restricted to the allowed ones (skip_step is implied)."""
+        return actions_for(category, self.allowed)
+
+    # ---------------------------------------------------------------- snapshots
+    initial = _store_attr("initial")
+    snapshots = _store_attr("snapshots")
+    recent = _store_attr("recent")
+    snapshot_every = _store_attr("snapshot_every")
+    keep = _store_attr("keep")
+    recent_n = _store_attr("recent_n")
+    recent_max_bytes = _store_attr("recent_max_bytes")
+
+    def all_snapshots(self) -> List[Snapshot]:
+        return self.store.all()
+
+    def snapshot_bytes(self) -> int:
+        return self.store.nbytes()
+
+    def best_snapshot(self, history: Sequence[dict] = (), step: Optional[int] = None,
+                      divergence: bool = True) -> Optional[Snapshot]:
+        """The snapshot to roll back to (see :func:`~nanguard.core.recovery.estimates.rollback_target`)."""
+        return self.store.best(history, step, divergence)
+
+    def on_step_start(self, step: int, actions: RecoveryActions, loss: Optional[float] = None) -> None:
+        """The state at the start of ``step``: snapshot it if rollback is allowed and a tier wants it."""
+        if "rollback" in self.allowed:
+            self.store.maybe_take(step, actions, loss)
+
+    # ---------------------------------------------------------------- armed actions, every update
+    def on_check(self, actions: RecoveryActions) -> None:
+        """Right before the per-step check: undo the policy's own loss scale on the gradients."""
+        if self.loss_scaler is not None:
+            actions.unscale_gradients(1.0 / self.loss_scaler.scale)
+
+    def on_update(self, actions: RecoveryActions) -> bool:
+        """Right before each update of a step that passed the check: the loss scale grows, clipping."""
+        if self.loss_scaler is not None:
+            self.loss_scaler.good_step()
+        if self.clip_norm is not None:
+            actions.clip_gradients(self.clip_norm)
+        return True
+
+    # ---------------------------------------------------------------- a failure
+    def on_failure(self, event, *, step: int, actions: RecoveryActions,
+                   history: Sequence[dict]) -> Optional[Dict[str, Any]]:
+        """Act on the diagnosed ``event`` (its ``cause`` and ``origin``). Returns the recovery record
+        (also set as ``event.recovery``), or None to stop (budget, no action, non-finite weights)."""
+        cause = event.cause if isinstance(event.cause, dict) else {}
+        event.cause = cause
+        cat = cause.get("category") or "other"
+        if self._last_rec is not None and self._last_rec[0] == step:
+            # A second optimizer of the step that already recovered: drop its update too.
+            actions.skip_step()
+            return self._last_rec[1]
+        why = self.budget.exhausted(step, cat) or self.budget.replay_failed(step, cat)
+        if why:
+            return self._stop(event, step, why)
+        params_ok = actions.state_finite()
+        acts = self.choose(cat) if self.auto else []
+        if not params_ok and "rollback" in self.allowed and "rollback" not in acts and cat != "loss_scale_collapse":
+            acts = ["rollback"] + acts  # never train on non-finite weights
+        if self.loss_scaler is not None and event.phase == "backward" and params_ok:
+            acts = ["loss_scale"]  # our own loss scale overflowed: back off (and skip), like GradScaler
+        done: Dict[str, Any] = {}
+        names: List[str] = []
+        notes: List[str] = []
+        for a in acts:
+            if a == "rollback":
+                params_ok = self._rollback(event, step, cat, actions, history, params_ok, done, notes)
+            elif a == "clip":
+                self._clip(history, done)
+            elif a == "lr_backoff":
+                done["lr_backoff"] = actions.lr_backoff(backoff_factor(self.lr_factor, cause,
+                                                                       actions.learning_rates()))
+            elif a == "upcast":
+                path = (event.origin or {}).get("module")
+                rec = actions.upcast(path, self.upcast_modules.append)
+                if rec is None:
+                    notes.append("no origin module to upcast" if path is None else f"module {path!r} not found")
+                    continue
+                self.upcast_modules.append(path)
+                done["upcast"] = rec
+            elif a == "loss_scale":
+                own_overflow = self.loss_scaler is not None and event.phase == "backward"
+                underflow = cat == "low_precision_underflow" and event.phase == "backward" and "upcast" not in done
+                if not (own_overflow or underflow) or not actions.can_loss_scale():
+                    continue
+                if self.loss_scaler is None:
+                    self.loss_scaler = DynamicLossScale()
+                else:
+                    self.loss_scaler.backoff()
+                done["loss_scale"] = {"scale": self.loss_scaler.scale}
+            if a in done:
+                names.append(a)
+        if not params_ok and "rollback" not in names:
+            return self._stop(event, step, "the parameters or buffers are non-finite and "
+                              + ("rollback is not allowed" if "rollback" not in self.allowed
+                                 else "there is no healthy snapshot to roll back to")
+                              + ": training on them would only spread the NaN")
+        if not names and ("skip_step" not in self.allowed or AUTO.get(cat) == []):
+            why = (f"no allowed recovery action for {cat}" + (f" ({'; '.join(notes)})" if notes else ""))
+            return self._stop(event, step, why)
+        return self._record(event, step, cat, actions, done, names, notes)
+
+    def _rollback(self, event, step: int, cat: str, actions: RecoveryActions, history: Sequence[dict],
+                  params_ok: bool, done: Dict[str, Any], notes: List[str]) -> bool:
+        """Roll back (or repair the non-finite elements); returns whether the parameters are now finite."""
+        snap = self.best_snapshot(history, step, divergence=cat in DIVERGENCE)
+        if snap is None:
+            notes.append("no healthy snapshot to roll back to")
+            return params_ok
+        if cat == "param_corruption" and event.phase == "params" and not params_ok \
+                and self._written_outside_update(event.cause) and actions.optimizer_state_finite():
+            # Values made non-finite between updates (an in-place edit of the weights, not the
+            # optimizer): put back only those elements, keeping the rest of the edit and the
+            # training since the snapshot. Falls back to a full rollback if that is impossible.
+            n = actions.repair_nonfinite(snap)
+            if n > 0 and actions.state_finite():
+                done["rollback"] = {"to_step": snap.step, "steps_lost": 0, "elements_only": True,
+                                    "elements_restored": n, "snapshot_bytes": snap.nbytes,
+                                    "snapshots_kept_bytes": self.snapshot_bytes()}
+                self._element_repairs.add(step)
+                return True
+        actions.restore(snap)
+        self.store.forget_after(snap.step)
+        done["rollback"] = {"to_step": snap.step, "steps_lost": step - snap.step,
+                            "snapshot_bytes": snap.nbytes, "snapshots_kept_bytes": self.snapshot_bytes()}
+        return params_ok
+
+    def _clip(self, history: Sequence[dict], done: Dict[str, Any]) -> None:
+        if self.clip_norm is not None:  # clipping did not prevent it: tighten
+            self.clip_norm = self.clip_norm / 2
+            done["clip"] = {"max_norm": self.clip_norm, "tightened": True}
+        else:
+            self.clip_norm = clip_max_norm(history, quantile=self.clip_quantile)
+            done["clip"] = {"max_norm": self.clip_norm, "from": f"{self.clip_quantile:.0%} quantile of "
+                            f"{len(healthy_grad_norms(history))} healthy gradient norms"}
+
+    def _record(self, event, step: int, cat: str, actions: RecoveryActions, done: Dict[str, Any],
+                names: List[str], notes: List[str]) -> Dict[str, Any]:
+        """Drop the failing update, count the recovery, record it and say so."""
+        done["skip_step"] = actions.skip_step()
+        if "rollback" not in names:  # the failing forward's buffer updates (BatchNorm statistics) go too
+            this = self.store.at(step)
+            if this is not None and this.finite():
+                done["skip_step"]["buffers_restored"] = actions.restore_buffers(this)
+        names.append("skip_step")
+        if cat == DATA_CATEGORY:
+            self._quarantine(event, done)
+        if notes:
+            done["notes"] = notes
+        if any(a in names for a in CHANGES_TRAINING):
+            self.budget.training_changed()
+        if set(names) == {"rollback", "skip_step"} and not done["rollback"].get("elements_only"):
+            self.budget.plain_rollback(step, done["rollback"]["to_step"], cat)  # its replay will be identical
+        n = self.budget.spend(step, cat, data_skip=cat == DATA_CATEGORY and names == ["skip_step"])
+        rec = {"action": "+".join(record_order(names)), "ok": True, "actions": done, "category": cat,
+               "recovery_number": n}
+        event.recovery = rec
+        self.events.append(event)
+        self._last_rec = (step, rec)
+        if not self.quiet:
+            print_line(notice(step, cat, rec))
+        return rec
+
+    def _written_outside_update(self, cause: Dict[str, Any]) -> bool:
+        """The replay traced the corrupted parameter to a write by the program between updates (an
+        in-place edit under no_grad, not the optimizer), or this is a recurrence of such a failure."""
+        ev = cause.get("evidence") or {}
+        wb = (ev.get("preexisting") or {}).get("written_by") or {}
+        if wb.get("op") and wb.get("stage") != "optimizer":
+            return True
+        return ev.get("same_as_step") in self._element_repairs
+
+    def _stop(self, event, step: int, why: str) -> None:
+        cause = event.cause if isinstance(event.cause, dict) else {}
+        cause.setdefault("evidence", {})["recovery_stopped"] = why
+        self.stopped, self.stopped_step = why, step
+        if not self.quiet:
+            print_line(f"recovery stopped at step {step}: {why}")
+        return None
+
+    def _quarantine(self, event, done: Dict[str, Any]) -> None:
+        origin = event.origin or {}
+        ev = (event.cause or {}).get("evidence") or {}
+        if ev.get("same_as_step") is not None:
+            done["quarantine"] = {"same_as_step": ev["same_as_step"],
+                                  "note": "not re-localized: assumed to be the same bad sample(s)"}
+            return
+        rows = [int(r) for r in (origin.get("source_rows") or []) if isinstance(r, int)]
+        batch_rows = [int(r) for r in (origin.get("samples") or []) if isinstance(r, int)]
+        q: Dict[str, Any] = {}
+        if rows:
+            q["rows"] = rows
+            self.quarantined.extend(r for r in rows if r not in self.quarantined)
+        if batch_rows:
+            q["batch_rows"] = batch_rows
+            self.quarantined_batch_rows.extend(batch_rows)
+        if origin.get("tensor"):
+            q["tensor"] = origin.get("tensor")
+        done["quarantine"] = q
+        done["quarantined_samples"] = rows or batch_rows
+
+    # ---------------------------------------------------------------- end of run
+    def summary(self) -> Optional[str]:
+        """One line on what recovery did (None when it did nothing)."""
+        if not self.events and not self.stopped:
+            return None
+        n = len(self.events)
+        s = f"recovery: {n or 'no'} recover{'y' if n == 1 else 'ies'}" + actions_tally(self.events)
+        if self.quarantined:
+            s += f"; quarantined dataset rows {self.quarantined[:20]}"
+        elif self.quarantined_batch_rows:
+            s += f"; bad batch rows {sorted(set(self.quarantined_batch_rows))[:20]}"
+        if self.upcast_modules:
+            s += f"; float32 modules {self.upcast_modules}"
+        if self.clip_norm is not None:
+            s += f"; clipping at {self.clip_norm:.3g}"
+        if self.loss_scaler is not None:
+            s += f"; loss scale {self.loss_scaler.scale:g}"
+        kept = self.all_snapshots()
+        if kept:
+            s += f"; {len(kept)} snapshots kept, {fmt_bytes(self.snapshot_bytes())}"
+        if self.stopped:
+            s += f"; then stopped at step {self.stopped_step} (recovery would not help: see above)"
+        return s
+
+    def print_summary(self) -> None:
+        line = self.summary()
+        if line and not self.quiet:
+            print_line(line)

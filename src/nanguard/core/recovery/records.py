@@ -1,0 +1,51 @@
+"""The words of recovery: the one-line notice of each recovery and the run's summary line."""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+
+def notice(step: int, category: str, record: Dict[str, Any]) -> str:
+    """``recovered at step 17: lr_too_high -> rollback+lr_backoff+skip_step, back to step 10, ...``"""
+    done = record["actions"]
+    extra = ""
+    if "rollback" in done and done["rollback"].get("elements_only"):
+        extra += (f", {done['rollback']['elements_restored']} non-finite element(s) restored from "
+                  f"step {done['rollback']['to_step']}'s snapshot")
+    elif "rollback" in done:
+        extra += f", back to step {done['rollback']['to_step']}"
+    if "lr_backoff" in done:
+        extra += f", lr {fmt_list(done['lr_backoff']['lr_before'])} -> {fmt_list(done['lr_backoff']['lr_after'])}"
+    if "clip" in done:
+        extra += f", clip grad norm at {done['clip']['max_norm']:.3g}"
+    if "upcast" in done:
+        extra += f", module {done['upcast']['module']!r} now float32"
+    if "quarantine" in done and done["quarantine"].get("rows"):
+        extra += f", quarantined rows {done['quarantine']['rows']}"
+    return (f"recovered at step {step}: {category} -> {record['action']}{extra} "
+            f"(recovery {record['recovery_number']})")
+
+
+def actions_tally(events: List[Any]) -> str:
+    """`` (skip_step x2, rollback x1) at steps 4, 9`` for the recovered events."""
+    acts: Dict[str, int] = {}
+    for e in events:
+        for a in (e.recovery or {}).get("action", "").split("+"):
+            if a:
+                acts[a] = acts.get(a, 0) + 1
+    steps = [e.step for e in events]
+    n = len(events)
+    return ((f" ({', '.join(f'{a} x{c}' for a, c in acts.items())})" if acts else "")
+            + (f" at step{'s' if n > 1 else ''} {', '.join(map(str, steps[:12]))}"
+               f"{'...' if n > 12 else ''}" if steps else ""))
+
+
+def fmt_list(xs: List[float]) -> str:
+    return ", ".join(f"{x:.3g}" for x in xs[:4]) + ("..." if len(xs) > 4 else "")
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"

@@ -1,0 +1,65 @@
+"""Names of the watched tensors (as the report gives them), and the exact slow-path scans that name
+the non-finite ones."""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, Iterable, List, Optional
+
+import torch
+
+from .slices import OptimizerView
+from .tensors import is_checkable, nonfinite_tensors
+
+
+class TensorNames:
+    """``id(tensor) -> name`` over the watched modules (parameters, buffers) and optimizers."""
+
+    def __init__(self, roots: "weakref.WeakSet[torch.nn.Module]", views: Dict[int, OptimizerView]) -> None:
+        self.roots, self.views = roots, views  # the monitor's own (live) collections
+        self._names: Optional[Dict[int, str]] = None
+
+    def invalidate(self) -> None:
+        """A module or optimizer was added: rebuild the map when next needed."""
+        self._names = None
+
+    def param_names(self) -> Dict[int, str]:
+        if self._names is None:
+            names: Dict[int, str] = {}
+            for root in list(self.roots):
+                for n, p in root.named_parameters(remove_duplicate=False):
+                    names.setdefault(id(p), n)
+                for n, b in root.named_buffers(remove_duplicate=False):
+                    names.setdefault(id(b), n)
+            for oi, view in enumerate(self.views.values()):
+                opt = view.opt_ref()
+                if opt is None:
+                    continue
+                for gi, g in enumerate(opt.param_groups):
+                    for pi, p in enumerate(g["params"]):
+                        names.setdefault(id(p), f"optimizer{oi}.param_groups[{gi}][{pi}]")
+            self._names = names
+        return self._names
+
+    def name_of(self, t: torch.Tensor) -> str:
+        return self.param_names().get(id(t), f"tensor{tuple(t.shape)}")
+
+    def nonfinite_params(self, groups: Iterable[List[torch.Tensor]], roots: bool = True) -> List[str]:
+        """Names of non-finite tensors among ``groups`` and (with ``roots``) the watched modules'
+        parameters outside the optimizers (frozen ones, another model's) and buffers."""
+        groups = [list(g) for g in groups]
+        out = [self.name_of(p) for p in nonfinite_tensors(groups)]
+        seen = {id(p) for g in groups for p in g}
+        if not roots:
+            return out
+        for root in list(self.roots):
+            for n, t in list(root.named_parameters()) + list(root.named_buffers()):
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                if is_checkable(t) and not bool(torch.isfinite(t).all()):
+                    out.append(self.name_of(t) if isinstance(t, torch.nn.Parameter) else n)
+        return out
+
+    def nonfinite_grads(self, groups: Iterable[List[torch.Tensor]]) -> List[str]:
+        return [self.name_of(p) for g in groups for p in g
+                if p.grad is not None and is_checkable(p.grad) and not bool(torch.isfinite(p.grad).all())]

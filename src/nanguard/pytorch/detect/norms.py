@@ -1,0 +1,73 @@
+"""Fused L2 norms of parameter/gradient lists, one float32 0-d tensor per list (no sync)."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+
+# CPU: float32 tensors at least this large are reduced as rows of _ROW elements (see _norm).
+_ROWS_MIN_NUMEL = 1 << 15
+_ROW = 1024
+
+
+def _norm(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of a list of tensors as one float32 0-d tensor (fused; no sync).
+
+    One fused ``_foreach_norm``. On CPU, ``_foreach_norm`` loops over a whole-tensor
+    reduction kernel that runs at about half the memory bandwidth of an inner-dimension
+    reduction, so large contiguous float32 tensors are reduced as rows of 1024 (same
+    float32 accumulation and overflow behaviour, ~2x faster) and the row norms combined.
+    """
+    return planned_norm(tensors, NormPlan(tensors), tensors[0].device)
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    n = t.numel()
+    return n >= _ROWS_MIN_NUMEL and n % _ROW == 0 and t.dtype is torch.float32 and t.device.type == "cpu"
+
+
+class NormPlan:
+    """Which tensors of a fixed list (a group's parameters, or their gradients) are reduced as rows.
+
+    Built once per parameter list, so the per-step norm does no per-tensor shape/dtype tests
+    in Python (76 tensors of a small GPT: ~0.2 ms per step saved).
+    """
+
+    __slots__ = ("rows", "rest")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.rows = [i for i, t in enumerate(tensors) if _rows_ok(t)]
+        self.rest = [i for i, t in enumerate(tensors) if not _rows_ok(t)]
+
+
+_STRIDED = torch.strided
+
+
+def planned_norm(tensors: Sequence[Optional[torch.Tensor]], plan: NormPlan, dev: torch.device) -> torch.Tensor:
+    """:func:`_norm` of ``tensors`` (shaped like the list ``plan`` was built from; None and
+    non-strided entries, e.g. missing or sparse gradients, are skipped). Zero when empty."""
+    with torch.no_grad():  # parameters require grad; their norms need no autograd graph
+        return _reduce(tensors, plan, dev)
+
+
+def _reduce(tensors: Sequence[Optional[torch.Tensor]], plan: NormPlan, dev: torch.device) -> torch.Tensor:
+    parts: List[torch.Tensor] = []
+    rest = [t for t in (tensors[i] for i in plan.rest) if t is not None and t.layout is _STRIDED]
+    for i in plan.rows:
+        t = tensors[i]
+        if t is None or t.layout is not _STRIDED:
+            continue
+        if t.dtype is torch.float32 and t.is_contiguous():
+            parts.append(torch.linalg.vector_norm(t.view(-1, _ROW), dim=1))
+        else:
+            rest.append(t)
+    if rest:
+        norms = torch._foreach_norm(rest)
+        if any(n.device != dev for n in norms):
+            norms = [n.to(dev) for n in norms]
+        parts.append(torch.stack(norms).float())
+    if not parts:
+        return torch.zeros((), device=dev)
+    out = torch.linalg.vector_norm(parts[0] if len(parts) == 1 else torch.cat(parts))
+    return out if out.device == dev else out.to(dev)

@@ -1,0 +1,83 @@
+"""Which tensors can be checked, and exact finiteness flags that need no host sync."""
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Optional, Sequence
+
+import torch
+
+
+def is_checkable(t: Any) -> bool:
+    """Float tensors with real storage: what a finiteness check can read."""
+    return (isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided
+            and t.device.type != "meta" and t.numel() > 0)
+
+
+def tensors_in(obj: Any, limit: int = 64) -> List[torch.Tensor]:
+    """Floating tensors inside a (nested) batch: tensors, lists, tuples, dicts, dataclass-like."""
+    out: List[torch.Tensor] = []
+    stack = [obj]
+    seen = 0
+    while stack and len(out) < limit and seen < 10_000:
+        seen += 1
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            if is_checkable(x):
+                out.append(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif hasattr(x, "__dict__") and not isinstance(x, (type, torch.nn.Module)):
+            stack.extend(v for v in vars(x).values() if isinstance(v, (torch.Tensor, list, tuple, dict)))
+    return out
+
+
+# Tensors at least this large are checked with one aminmax pass instead of isfinite().all().
+_MINMAX_NUMEL = 1 << 14
+
+
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor (no sync): every element of ``t`` is finite. Exact.
+
+    Large tensors on CPU/CUDA take one ``aminmax`` pass: min and max propagate NaN,
+    and a finite min and max bound every element. ``isfinite(t).all()`` materialises
+    full-size temporaries instead (on CPU ~10x slower on a 2 MB batch).
+    """
+    if t.numel() >= _MINMAX_NUMEL and t.device.type in ("cpu", "cuda"):
+        try:
+            mn, mx = torch.aminmax(t)
+            return torch.isfinite(torch.stack((mn, mx))).all()
+        except (RuntimeError, NotImplementedError):  # dtypes without aminmax (float8)
+            pass
+    return torch.isfinite(t).all()
+
+
+def finite_markers(t: torch.Tensor) -> List[torch.Tensor]:
+    """0-d tensors whose values are all finite iff every element of ``t`` is (exact, no sync).
+
+    One ``aminmax`` pass (min and max propagate NaN; a finite min and max bound every
+    element), read with the step's one sync; dtypes/devices without aminmax fall back to
+    ``isfinite(t).all()`` turned into 0 (finite) or NaN.
+    """
+    if t.device.type in ("cpu", "cuda"):
+        try:
+            return list(torch.aminmax(t))
+        except (RuntimeError, NotImplementedError):  # dtypes without aminmax (float8)
+            pass
+    return [torch.where(torch.isfinite(t).all(), 0.0, float("nan"))]
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """0-d bool tensor (no sync): every element of every tensor is finite."""
+    flags = [finite_flag(t) for t in tensors if is_checkable(t)]
+    if not flags:
+        return None
+    if len(flags) == 1:
+        return flags[0]
+    dev = flags[0].device
+    return torch.stack([f.to(dev) for f in flags]).all()
+
+
+def nonfinite_tensors(groups: Iterable[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
+    """The tensors of ``groups`` holding a NaN or Inf (exact; the slow path only)."""
+    return [p for g in groups for p in g if is_checkable(p) and not bool(torch.isfinite(p).all())]

@@ -1,0 +1,84 @@
+"""The PyTorch side of recovery: :class:`TorchActions` carries out the policy's decisions on the
+model(s), optimizer(s) and GradScaler of one step (see :class:`nanguard.core.recovery.RecoveryActions`)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from ...core.recovery import RecoveryActions
+from ..gradscaler import scaler_enabled
+from .clip import clip_grads
+from .loss_scale import unscale_grads
+from .lr_backoff import learning_rates, lr_backoff
+from .skip import skip_step
+from .snapshot import Snapshot
+from .state import optimizer_state_finite, state_finite
+from .upcast import find_module, upcast_downstream, upcast_module
+
+
+class TorchActions(RecoveryActions):
+    """Recovery actions on PyTorch training objects.
+
+    ``modules``: the models whose state is checked, snapshotted and rolled back;
+    ``roots``: where the origin module (a path as in ``named_modules()``) is looked up;
+    ``hooks``: where the handles of the hooks an upcast installs are kept.
+    """
+
+    def __init__(self, modules: Sequence[torch.nn.Module], optimizers: Sequence[Any], scaler: Any = None,
+                 roots: Sequence[torch.nn.Module] = (), hooks: Optional[List[Any]] = None) -> None:
+        self.modules, self.optimizers, self.roots = list(modules), list(optimizers), list(roots)
+        self.scaler = scaler
+        self.hooks = hooks if hooks is not None else []
+
+    # -------------------------------------------------------------- the state
+    def state_finite(self, with_optimizers: bool = True) -> bool:
+        return state_finite(self.modules, self.optimizers if with_optimizers else ())
+
+    def optimizer_state_finite(self) -> bool:
+        return optimizer_state_finite(self.optimizers)
+
+    # -------------------------------------------------------------- snapshots
+    def take_snapshot(self, step: int, loss: Optional[float]) -> Snapshot:
+        return Snapshot(step, self.modules, self.optimizers, self.scaler, loss)
+
+    def refill_snapshot(self, snap: Snapshot, step: int, loss: Optional[float]) -> bool:
+        return snap.refill(step, self.modules, self.optimizers, self.scaler, loss)
+
+    def restore(self, snap: Snapshot) -> None:
+        snap.restore(self.modules, self.optimizers, self.scaler)
+
+    def repair_nonfinite(self, snap: Snapshot) -> int:
+        return snap.repair_nonfinite(self.modules)
+
+    def restore_buffers(self, snap: Snapshot) -> int:
+        return snap.restore_buffers(self.modules)
+
+    # -------------------------------------------------------------- actions on a failure
+    def skip_step(self) -> Dict[str, Any]:
+        return skip_step(self.optimizers, self.modules)
+
+    def learning_rates(self) -> List[float]:
+        return learning_rates(self.optimizers)
+
+    def lr_backoff(self, factor: float) -> Dict[str, Any]:
+        return lr_backoff(self.optimizers, factor)
+
+    def upcast(self, module: Optional[str], on_downstream: Callable[[str], None]) -> Optional[Dict[str, Any]]:
+        mod = find_module(self.roots, module)
+        if mod is None:
+            return None
+        rec = dict(upcast_module(mod, self.optimizers), module=module)
+        rec["downstream"] = []
+        self.hooks.extend(upcast_downstream(self.roots, mod, self.optimizers, rec, on_downstream))
+        return rec
+
+    def can_loss_scale(self) -> bool:
+        return bool(self.optimizers) and not (self.scaler is not None and scaler_enabled(self.scaler))
+
+    # -------------------------------------------------------------- every update, once armed
+    def clip_gradients(self, max_norm: float) -> None:
+        clip_grads(self.optimizers, max_norm)
+
+    def unscale_gradients(self, factor: float) -> None:
+        unscale_grads(self.optimizers, factor)

@@ -1,0 +1,90 @@
+"""The recovery policy for PyTorch: the core policy acting through :class:`TorchActions`, and its
+adapters to the two drivers (:class:`nanguard.Guard` and ``nanguard run``'s Watcher).
+
+Under ``nanguard run`` the snapshot of a step is taken when that step starts (its
+first training-mode forward of a watched model, else its backward or its
+optimizer step), so edits the script makes between steps (a projection, a
+re-normalisation) are part of it; and, once, just before the first update.
+GradScaler: under ``nanguard run`` a skipped step is left to the script's
+``scaler.update()`` (which sees the step's inf and halves the scale, as for its
+own skips); ``Guard`` skips the step without an update (scale unchanged); a
+rollback restores the scale and growth tracker first.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from ...core.recovery import RecoveryPolicy as _NeutralPolicy
+from .actions import TorchActions
+from .loss_scale import scale_loss
+
+
+class RecoveryPolicy(_NeutralPolicy):
+    """Chooses and applies recovery actions on PyTorch training objects, within a budget; records every
+    action. The arguments are :class:`nanguard.core.recovery.RecoveryPolicy`'s."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hooks: List[Any] = []  # handles of the hooks an upcast installed downstream
+        self._watcher: Any = None
+
+    def actions(self, modules: Sequence[torch.nn.Module] = (), optimizers: Sequence[Any] = (), scaler: Any = None,
+                roots: Sequence[torch.nn.Module] = ()) -> TorchActions:
+        """The actions on these training objects."""
+        return TorchActions(modules, optimizers, scaler, roots, self._hooks)
+
+    def maybe_snapshot(self, step: int, modules, optimizers, scaler, loss: Optional[float] = None) -> None:
+        """Take the snapshot of the state at the start of ``step`` if a tier wants it."""
+        if not modules:
+            return
+        self.on_step_start(step, self.actions(modules, optimizers, scaler), loss)
+
+    def apply(self, event, *, step: int, modules, optimizers, scaler, roots, history) -> Optional[Dict[str, Any]]:
+        """Apply the actions for ``event``. Returns the recovery record, or None to stop (budget/no action)."""
+        return self.on_failure(event, step=step, actions=self.actions(modules, optimizers, scaler, roots),
+                               history=history)
+
+    # ---------------------------------------------------------------- per-step hooks
+    def scale_loss(self, loss):
+        """The tensor to call backward on: the loss times the dynamic loss scale, once that is on."""
+        return scale_loss(loss, self.loss_scaler)
+
+    def before_check(self, optimizers) -> None:
+        """Right before the per-step check: unscale the gradients of the dynamic loss scale (no sync)."""
+        if self.loss_scaler is not None:
+            self.on_check(self.actions(optimizers=optimizers))
+
+    def before_update(self, optimizers) -> bool:
+        """Right before each optimizer update of a step that passed the check: clipping."""
+        if self._watcher is not None and self.initial is None and optimizers:
+            w = self._watcher()
+            if w is not None:  # nanguard run: the state before the very first update
+                self.maybe_snapshot(w.monitor.step_of(optimizers[0]), list(w.monitor.roots), w.optimizers(),
+                                    w.scalers[0] if w.scalers else None)
+        return self.on_update(self.actions(optimizers=optimizers))
+
+    # ---------------------------------------------------------------- Guard adapter
+    def bind_guard(self, guard) -> None:
+        self.quiet = self.quiet or guard.quiet
+
+    def before_step(self, guard) -> None:
+        step = guard.monitor.steps_watched
+        last = guard.monitor.history.last()
+        self.maybe_snapshot(step, [guard.model], guard.optimizers, guard.scaler, last.loss if last else None)
+
+    def after_step(self, guard) -> None:
+        pass
+
+    def decide(self, guard, event) -> Optional[str]:
+        hist = [h for h in guard.monitor.history.raw_dicts() if h["step"] < event.step]
+        rec = self.apply(event, step=event.step, modules=[guard.model], optimizers=guard.optimizers,
+                         scaler=guard.scaler, roots=[guard.model], history=hist)
+        return "skip" if rec else None
+
+    # ---------------------------------------------------------------- Watcher adapter (nanguard run)
+    def attach(self, watcher) -> None:
+        watcher.policy = self
+        self._watcher = weakref.ref(watcher)

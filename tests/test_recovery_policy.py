@@ -1,0 +1,272 @@
+"""The framework-neutral recovery policy (``nanguard.core.recovery``) on plain records, without torch.
+
+A fake backend (:class:`FakeActions`) implements :class:`RecoveryActions` over a few numbers and logs
+every call, so these tests check the policy's decisions (which actions, in which order, on which
+snapshot, within which budget) and nothing of PyTorch. The PyTorch actions are tested in
+``test_recover.py``.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from nanguard.core.events import Event
+from nanguard.core.recovery import (AUTO, RecoveryActions, RecoveryBudget, RecoveryPolicy, SnapshotStore,
+                                    backoff_factor, rollback_target)
+
+
+class FakeSnapshot:
+    def __init__(self, step, state, nbytes=100):
+        self.step, self.state, self.nbytes = step, dict(state), nbytes
+        self.checks = 0
+        self._finite = None
+
+    def finite(self):
+        if self._finite is None:
+            self.checks += 1
+            self._finite = all(v == v and abs(v) != float("inf") for v in self.state.values())
+        return self._finite
+
+    def mark_finite(self):
+        self._finite = True
+
+
+class FakeActions(RecoveryActions):
+    """A "model" that is a dict of floats, one optimizer with learning rates, a call log."""
+
+    def __init__(self, state=None, lrs=(0.1,), modules=("fc", "head"), optimizers=True, scaler=False):
+        self.state = dict(state or {"w": 1.0, "b": 0.0})
+        self.lrs = list(lrs)
+        self.modules, self.has_optimizers, self.scaler = modules, optimizers, scaler
+        self.calls = []
+
+    def _finite(self):
+        return all(v == v and abs(v) != float("inf") for v in self.state.values())
+
+    def state_finite(self, with_optimizers=True):
+        return self._finite()
+
+    def optimizer_state_finite(self):
+        return True
+
+    def take_snapshot(self, step, loss):
+        self.calls.append(("take", step))
+        return FakeSnapshot(step, self.state)
+
+    def refill_snapshot(self, snap, step, loss):
+        self.calls.append(("refill", step))
+        snap.step, snap.state, snap._finite = step, dict(self.state), None
+        return True
+
+    def restore(self, snap):
+        self.calls.append(("restore", snap.step))
+        self.state = dict(snap.state)
+
+    def repair_nonfinite(self, snap):
+        n = 0
+        for k, v in self.state.items():
+            if not (v == v and abs(v) != float("inf")):
+                self.state[k] = snap.state[k]
+                n += 1
+        self.calls.append(("repair", snap.step))
+        return n
+
+    def restore_buffers(self, snap):
+        self.calls.append(("buffers", snap.step))
+        return 1
+
+    def skip_step(self):
+        self.calls.append(("skip",))
+        return {"grads_dropped": 2}
+
+    def learning_rates(self):
+        return list(self.lrs)
+
+    def lr_backoff(self, factor):
+        before = list(self.lrs)
+        self.lrs = [x * factor for x in self.lrs]
+        self.calls.append(("lr_backoff", factor))
+        return {"lr_before": before, "lr_after": list(self.lrs), "factor": factor}
+
+    def upcast(self, module, on_downstream):
+        self.calls.append(("upcast", module))
+        if module not in self.modules:
+            return None
+        return {"dtype_before": ["float16"], "dtype_after": "float32", "module": module, "downstream": []}
+
+    def can_loss_scale(self):
+        return self.has_optimizers and not self.scaler
+
+    def clip_gradients(self, max_norm):
+        self.calls.append(("clip", max_norm))
+
+    def unscale_gradients(self, factor):
+        self.calls.append(("unscale", factor))
+
+
+def event(category, phase="forward", step=5, origin=None, evidence=None):
+    return Event(step=step, phase=phase, origin=origin,
+                 cause={"category": category, "summary": "test", "confidence": 0.9, "evidence": dict(evidence or {})})
+
+
+def hist(losses, norms=None):
+    norms = norms or [1.0] * len(losses)
+    return [{"step": i, "loss": l, "grad_norm": g, "skipped": False} for i, (l, g) in enumerate(zip(losses, norms))]
+
+
+def snapshots(policy, actions, steps):
+    for s in steps:
+        policy.on_step_start(s, actions)
+
+
+def test_the_core_policy_imports_no_framework():
+    code = ("import sys, nanguard.core.recovery, nanguard.core.pipeline; "
+            "bad = [m for m in ('torch', 'tensorflow', 'numpy') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_lr_too_high_rolls_back_before_the_divergence_and_backs_off():
+    p, a = RecoveryPolicy(snapshot_every=5, quiet=True), FakeActions()
+    snapshots(p, a, range(10))
+    assert [s.step for s in p.all_snapshots()] == [0, 5, 8, 9]
+    a.calls.clear()
+    growing = hist([1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 5.0, 50.0, 500.0, 5000.0])
+    ev = event("lr_too_high", step=10, evidence={"estimated_stable_lr_limit": 0.004})
+    rec = p.on_failure(ev, step=10, actions=a, history=growing)
+    assert rec["action"] == "rollback+lr_backoff+skip_step" and ev.recovery is rec
+    assert a.calls == [("restore", 5), ("lr_backoff", pytest.approx(0.02)), ("skip",)]
+    assert rec["actions"]["rollback"]["to_step"] == 5 and rec["actions"]["rollback"]["steps_lost"] == 5
+    assert a.lrs == [pytest.approx(0.002)]  # half the estimated limit, below x0.1
+    assert [s.step for s in p.all_snapshots()] == [0, 5]  # the abandoned trajectory's snapshots went
+    assert p.events == [ev] and p.budget.recovery_steps == [10] and p.budget.counts == {"lr_too_high": 1}
+
+
+def test_bad_data_skips_restores_the_buffers_and_quarantines_the_rows():
+    p, a = RecoveryPolicy(quiet=True), FakeActions()
+    snapshots(p, a, [4])
+    ev = event("bad_input_data", phase="data", step=4, origin={"source_rows": [7, 7, 9], "samples": [1]})
+    rec = p.on_failure(ev, step=4, actions=a, history=[])
+    assert rec["action"] == "skip_step"
+    assert rec["actions"] == {"skip_step": {"grads_dropped": 2, "buffers_restored": 1},
+                              "quarantine": {"rows": [7, 7, 9], "batch_rows": [1]}, "quarantined_samples": [7, 7, 9]}
+    assert p.quarantined == [7, 9] and p.budget.data_steps == [4] and p.budget.recovery_steps == []
+    assert "quarantined dataset rows [7, 9]" in p.summary()
+
+
+def test_nonfinite_weights_without_a_snapshot_stop_the_run():
+    p, a = RecoveryPolicy(quiet=True), FakeActions(state={"w": float("nan")})
+    ev = event("log_domain", step=0)
+    assert p.on_failure(ev, step=0, actions=a, history=[]) is None
+    assert "no healthy snapshot" in ev.cause["evidence"]["recovery_stopped"]
+    assert p.stopped_step == 0 and ("skip",) not in a.calls
+
+
+def test_upcast_of_an_unknown_module_falls_back_to_a_skip_with_a_note():
+    p, a = RecoveryPolicy(quiet=True), FakeActions()
+    rec = p.on_failure(event("low_precision_overflow", origin={"module": "nope"}), step=3, actions=a, history=[])
+    assert rec["action"] == "skip_step" and rec["actions"]["notes"] == ["module 'nope' not found"]
+    rec = p.on_failure(event("low_precision_overflow", origin={"module": "head"}), step=9, actions=a, history=[])
+    assert rec["action"] == "upcast+skip_step" and p.upcast_modules == ["head"]
+
+
+def test_loss_scale_is_armed_then_applied_on_every_check_and_update():
+    p, a = RecoveryPolicy(allowed=["loss_scale", "skip_step"], quiet=True), FakeActions()
+    rec = p.on_failure(event("low_precision_underflow", phase="backward"), step=2, actions=a, history=[])
+    assert rec["action"] == "loss_scale+skip_step" and rec["actions"]["loss_scale"] == {"scale": 256.0}
+    p.on_check(a)
+    assert a.calls[-1] == ("unscale", 1 / 256.0)
+    # an overflow of the policy's own scale: halve it and skip, whatever the category
+    rec = p.on_failure(event("log_domain", phase="backward", step=9), step=9, actions=a, history=[])
+    assert rec["action"] == "loss_scale+skip_step" and p.loss_scaler.scale == 128.0
+    # with a framework loss scaler of its own, loss_scale is not possible: a plain skip
+    p2, a2 = RecoveryPolicy(allowed=["loss_scale", "skip_step"], quiet=True), FakeActions(scaler=True)
+    rec = p2.on_failure(event("low_precision_underflow", phase="backward"), step=2, actions=a2, history=[])
+    assert rec["action"] == "skip_step" and p2.loss_scaler is None
+
+
+def test_clip_threshold_comes_from_the_history_and_is_applied_before_updates():
+    p, a = RecoveryPolicy(allowed=["clip", "skip_step"], quiet=True), FakeActions()
+    h = hist([1.0] * 9, [4.0, 1.0, 2.0, 3.0, 5.0, 6.0, 7.0, 8.0, 1e4])
+    rec = p.on_failure(event("gradient_explosion", step=10), step=10, actions=a, history=h)
+    assert rec["actions"]["clip"] == {"max_norm": 2.0, "from": "25% quantile of 8 healthy gradient norms"}
+    assert p.on_update(a) is True and a.calls[-1] == ("clip", 2.0)
+
+
+def test_a_second_optimizer_of_a_recovered_step_only_skips():
+    p, a = RecoveryPolicy(quiet=True), FakeActions()
+    rec = p.on_failure(event("log_domain", step=4), step=4, actions=a, history=[])
+    a.calls.clear()
+    assert p.on_failure(event("log_domain", step=4), step=4, actions=a, history=[]) is rec
+    assert a.calls == [("skip",)] and p.budget.recovery_steps == [4]
+
+
+def test_loss_scale_collapse_stops_and_every_category_has_known_actions():
+    p, a = RecoveryPolicy(quiet=True), FakeActions()
+    ev = event("loss_scale_collapse", phase="backward")
+    assert p.on_failure(ev, step=5, actions=a, history=[]) is None
+    assert ev.cause["evidence"]["recovery_stopped"] == "no allowed recovery action for loss_scale_collapse"
+    assert "then stopped at step 5" in p.summary()
+    assert all(x in ("skip_step", "rollback", "lr_backoff", "clip", "upcast", "loss_scale")
+               for acts in AUTO.values() for x in acts)
+
+
+def test_budget_window_in_a_row_and_data_allowance():
+    b = RecoveryBudget(max_recoveries=3, window=10, max_consecutive=2, max_data_skips=2, max_consecutive_data=5)
+    for s in (1, 2):
+        assert b.exhausted(s, "log_domain") is None
+        b.spend(s, "log_domain", data_skip=False)
+    assert "3 steps in a row (limit 2)" in b.exhausted(3, "log_domain")
+    assert b.exhausted(5, "log_domain") is None
+    b.spend(5, "log_domain", data_skip=False)
+    assert "budget exhausted: 3 recoveries in the last 10 steps" in b.exhausted(8, "log_domain")
+    assert b.exhausted(12, "log_domain") is None  # steps 1 and 2 left the window
+    for s in (29, 30):
+        b.spend(s, "bad_input_data", data_skip=True)
+    assert "2 bad-data skips" in b.exhausted(31, "bad_input_data")
+
+
+def test_a_plain_rollback_replaying_into_the_same_failure_is_out_of_budget():
+    b = RecoveryBudget()
+    b.plain_rollback(6, 5, "param_corruption")
+    assert "a rollback alone cannot fix this" in b.replay_failed(8, "param_corruption")
+    assert b.replay_failed(8, "lr_too_high") is None  # another failure
+    assert b.replay_failed(20, "param_corruption") is None  # well past the replayed steps
+    b.training_changed()  # e.g. an lr_backoff since: the replay is not the same
+    assert b.replay_failed(8, "param_corruption") is None
+
+
+def test_rollback_target_on_plain_snapshots():
+    snaps = [FakeSnapshot(s, {"w": 1.0}) for s in (0, 5, 8, 9)]
+    spike = hist([0.5] * 10, [2.0] * 9 + [1000.0])
+    assert rollback_target(snaps, spike, 10).step == 8  # step 9's gradient was a spike
+    assert rollback_target(snaps, spike, 10, divergence=False).step == 9
+    assert rollback_target(snaps, [], 10).step == 9  # no history: the most recent one before the step
+    assert rollback_target([FakeSnapshot(3, {"w": float("inf")})], [], 10) is None
+
+
+def test_snapshot_tiers_keep_the_first_periodic_and_recent_and_refill_the_oldest():
+    store, a = SnapshotStore(snapshot_every=5, keep_snapshots=3, recent_snapshots=2), FakeActions()
+    for s in range(11):
+        store.maybe_take(s, a)
+    oldest = store.recent[0]
+    assert [s.step for s in store.all()] == [0, 5, 9, 10] and oldest.step == 9
+    checks = oldest.checks
+    store.maybe_take(11, a)
+    assert a.calls[-1] == ("refill", 11) and store.recent[-1] is oldest  # reused, not a new one
+    assert oldest.finite() and oldest.checks == checks  # refilled from a checked state: no second pass
+    assert [s.step for s in store.all()] == [0, 5, 10, 11]
+    store.forget_after(5)
+    assert [s.step for s in store.all()] == [0, 5]
+    big = SnapshotStore(recent_max_bytes=10)  # snapshots over the limit: no per-step tier
+    for s in range(3):
+        big.maybe_take(s, a)
+    assert [s.step for s in big.all()] == [0]
+
+
+def test_backoff_factor():
+    assert backoff_factor(0.1, {}, [0.1]) == 0.1
+    assert backoff_factor(0.1, {"evidence": {"estimated_stable_lr_limit": 0.004}}, [0.1]) == pytest.approx(0.02)
+    assert backoff_factor(0.1, {"evidence": {"estimated_stable_lr_limit": 1e-9}}, [0.1]) == 1e-4  # floor
