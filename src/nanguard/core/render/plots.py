@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .values import is_recovery, is_warning, n_groups, series
+from .values import choose_scale, is_recovery, is_warning, n_groups, num, series
 
 MAX_POINTS = 300
 INSTALL_HINT = "pip install 'nanguard[html]'"
@@ -51,8 +51,13 @@ class Panel:
     lines: List[Tuple[str, List[int], List[Optional[float]]]]  # (label, steps, values)
 
 
-def panels(history: List[Dict[str, Any]]) -> Tuple[List[Panel], List[str]]:
-    """The panels that have data, and notes on those left out (e.g. no loss scale recorded)."""
+def panels(history: List[Dict[str, Any]], events: Sequence[Dict[str, Any]] = ()) -> Tuple[List[Panel], List[str]]:
+    """The panels that have data, and notes on those left out (e.g. no loss scale recorded).
+
+    A failure that stopped the run is not in the history (the step never finished): the loss its
+    check saw (``detected.loss``) is added at its step, so the loss line ends there (or a NaN/Inf
+    marker shows it).
+    """
     out: List[Panel] = []
     notes: List[str] = []
 
@@ -66,7 +71,16 @@ def panels(history: List[Dict[str, Any]]) -> Tuple[List[Panel], List[str]]:
             return True
         return False
 
-    single("loss", "Loss", "loss", "loss")
+    if single("loss", "Loss", "loss", "loss"):
+        known = set(out[0].lines[0][1])
+        extra = sorted({(e["step"], num((e.get("detected") or {}).get("loss"))) for e in events
+                        if isinstance(e, dict) and not is_warning(e) and isinstance(e.get("step"), int)
+                        and e["step"] not in known and num((e.get("detected") or {}).get("loss")) is not None},
+                       key=lambda t: t[0])
+        if extra:
+            _, steps, vals = out[0].lines[0]
+            pts = sorted(list(zip(steps, vals)) + extra, key=lambda t: t[0])
+            out[0].lines[0] = ("loss", [p[0] for p in pts], [p[1] for p in pts])
     s, v = series(history, "grad_norm")
     lines = [("global", s, v)] if has(v) else []
     ng = n_groups(history, "group_grad_norms")
@@ -136,20 +150,6 @@ def downsample(steps: Sequence[int], vals: Sequence[Optional[float]], max_points
     return out_s, out_v
 
 
-def choose_scale(values: Sequence[float]) -> Tuple[str, Optional[float]]:
-    """``("log", None)`` when the positive values span two decades or more (none negative),
-    ``("symlog", linthresh)`` when zeros come with such a span, else ``("linear", None)``."""
-    fin = [v for v in values if v is not None and math.isfinite(v)]
-    pos = [v for v in fin if v > 0]
-    if not pos or any(v < 0 for v in fin):
-        return "linear", None
-    if max(pos) / min(pos) < 100:
-        return "linear", None
-    if any(v == 0 for v in fin):
-        return "symlog", min(pos)
-    return "log", None
-
-
 def history_plots(report: Dict[str, Any], *, max_points: int = MAX_POINTS) -> Tuple[List[Plot], List[str]]:
     """Render the history panels of ``report`` to inline SVGs. Raises :class:`PlotsUnavailable`."""
     try:
@@ -160,7 +160,7 @@ def history_plots(report: Dict[str, Any], *, max_points: int = MAX_POINTS) -> Tu
         raise PlotsUnavailable(f"matplotlib is not available ({type(e).__name__}: {e}); "
                                f"for plots: {INSTALL_HINT}") from e
     history = [r for r in report.get("history") or [] if isinstance(r, dict)]
-    pans, notes = panels(history)
+    pans, notes = panels(history, report.get("events") or [])
     marks = markers(report)
     plots: List[Plot] = []
     rc = {"svg.fonttype": "none", "font.family": "sans-serif",
@@ -215,6 +215,10 @@ def _draw(ax, p: Panel, marks: Dict[str, List[int]], max_points: int) -> Tuple[s
     elif scale == "symlog":
         ax.set_yscale("symlog", linthresh=linthresh)
     lo, hi = (min(xs_all), max(xs_all)) if xs_all else (0, 1)
+    # events just past the window (the step that stopped the run never entered the history) widen it
+    reach = hi + max(2, (hi - lo) // 10)
+    near = [s for k in ("failure", "recovery", "warning") for s in marks.get(k, []) if hi < s <= reach]
+    hi = max([hi] + near)
 
     def visible(steps):
         return [s for s in steps if lo - 0.5 <= s <= hi + 0.5]
@@ -240,8 +244,8 @@ def _draw(ax, p: Panel, marks: Dict[str, List[int]], max_points: int) -> Tuple[s
     ax.set_title(p.title, loc="left")
     ax.set_xlabel("step")
     ax.grid(True, lw=0.3, alpha=0.5)
-    if hi - lo < 1:
-        ax.set_xlim(lo - 1, hi + 1)
+    pad = max(0.5, (hi - lo) * 0.02)
+    ax.set_xlim(lo - pad, hi + pad)
     from matplotlib.ticker import MaxNLocator
     ax.xaxis.set_major_locator(MaxNLocator(nbins=8, integer=True))
     handles, labels = ax.get_legend_handles_labels()

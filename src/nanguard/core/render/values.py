@@ -5,7 +5,7 @@ Shared by the HTML page, its plots and the text history table. Framework-neutral
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 _NONFINITE = {"nan": math.nan, "+nan": math.nan, "-nan": math.nan, "inf": math.inf, "+inf": math.inf,
               "infinity": math.inf, "+infinity": math.inf, "-inf": -math.inf, "-infinity": -math.inf}
@@ -93,3 +93,17 @@ def headline_event(report: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """The event a reader looks at first: the first non-finite event (recovered or not), else None."""
     evs = [e for e in report.get("events") or [] if isinstance(e, dict) and not is_warning(e)]
     return evs[0] if evs else None
+
+
+def choose_scale(values: Sequence[float]) -> Tuple[str, Optional[float]]:
+    """``("log", None)`` when the positive values span two decades or more (none negative),
+    ``("symlog", linthresh)`` when zeros come with such a span, else ``("linear", None)``."""
+    fin = [v for v in values if v is not None and math.isfinite(v)]
+    pos = [v for v in fin if v > 0]
+    if not pos or any(v < 0 for v in fin):
+        return "linear", None
+    if max(pos) / min(pos) < 100:
+        return "linear", None
+    if any(v == 0 for v in fin):
+        return "symlog", min(pos)
+    return "log", None

@@ -1,0 +1,34 @@
+"""``nanguard report R.json -o R.html``: the self-contained HTML page of any saved JSON report."""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from ..core.exitcodes import EXIT_USAGE
+from .reportfile import ReportFileError, load_report
+
+
+def report_html(json_path: str, out: Optional[str] = None, *, plots: bool = True) -> int:
+    """Render ``json_path`` to ``out`` (default: the same name with ``.html``). Exit status 0, or 2."""
+    from ..core.render.html import default_html_path, write_html
+    try:
+        report = load_report(json_path)
+    except ReportFileError as e:
+        print(f"nanguard: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    out = out or default_html_path(json_path)
+    try:
+        path = write_html(report, out, plots=plots)
+    except OSError as e:
+        print(f"nanguard: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
+    note = ""
+    if plots and not _have_matplotlib():
+        note = " (without plots: pip install 'nanguard[html]')"
+    print(f"nanguard: HTML report written to {path}{note}", file=sys.stderr)
+    return 0
+
+
+def _have_matplotlib() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("matplotlib") is not None
