@@ -21,6 +21,8 @@ import textwrap
 from pathlib import Path
 from typing import Any, Dict, Tuple
 
+from nanguard.core.events import SCHEMA
+
 LOG_DOMAIN = '''\
 # Binary classifier whose head returns log-probabilities computed by hand.
 import torch
@@ -144,3 +146,37 @@ def add_warning(rep: Dict[str, Any], step: int = WARNING_STEP) -> Dict[str, Any]
         "fixes": ["clip the gradient norm: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"],
         "recovery": None, "detected": {"grad_norm": h["grad_norm"]}, "localization": None})
     return rep
+
+
+PAYLOADS = {
+    "module": '<script>window.__ng_pwned = "module"</script>enc',
+    "summary": 'summary <img src=x onerror="window.__ng_pwned=\'summary\'"> & "quotes"',
+    "fix": 'use `x.clamp(min=1e-12)` </li><script>window.__ng_pwned="fix"</script>',
+    "source": 'y = x  # <img src=x onerror="window.__ng_pwned=\'source\'"><script>alert(1)</script>',
+}
+
+
+def payload_report(folder: Path) -> dict:
+    """A hand-made report whose strings carry HTML/JS payloads (and a source file whose line does)."""
+    src = Path(folder) / "evil_<marquee>.py"
+    src.write_text("import torch\n\n\ndef f(x):\n    " + PAYLOADS["source"] + "\n    return y\n")
+    return {
+        "schema": SCHEMA, "status": "nonfinite", "nanguard_version": "0.1.0", "counting": "optimizer",
+        "steps_watched": 3, "max_grad_norm": "inf", "scaler_skips": 0,
+        "info": [{"step": 1, "phase": "data", "note": "<script>x</script>"}],
+        "history": [{"step": 0, "loss": 1.0, "grad_norm": 2.0, "group_grad_norms": [2.0], "param_norm": 3.0,
+                     "update_ratio": 0.01, "lr": [0.1], "loss_scale": None, "skipped": False},
+                    {"step": 1, "loss": "nan", "grad_norm": "inf", "group_grad_norms": ["inf"], "param_norm": 3.0,
+                     "update_ratio": None, "lr": [0.1], "loss_scale": None, "skipped": True}],
+        "events": [{
+            "step": 2, "phase": "forward", "rank": "<i>0</i>",
+            "origin": {"op": "aten.log.default", "module": PAYLOADS["module"], "file": str(src), "line": 5,
+                       "function": "<lambda>", "dtype": "float32", "shape": [4],
+                       "inputs": [{"dtype": "<u>float</u>", "shape": [4], "numel": 4, "min": 0.0}]},
+            "cause": {"category": "log_domain<svg onload=alert(1)>", "summary": PAYLOADS["summary"],
+                      "confidence": 0.9, "evidence": {"note": "</table><script>alert(2)</script>",
+                                                      "sink": {"kind": "loss", "names": ["<xmp>nan</xmp>"]}}},
+            "fixes": [PAYLOADS["fix"]], "recovery": None,
+            "localization": {"method": "<script>alert(3)</script>", "reproduced": True}}],
+        "<key>": "<script>alert(4)</script>",
+    }

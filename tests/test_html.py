@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from html_cases import LOG_DOMAIN_LINE, WARNING_STEP, run_case
+from html_cases import LOG_DOMAIN_LINE, PAYLOADS, WARNING_STEP, payload_report, run_case
 from nanguard.cli.main import main
 from nanguard.core.events import SCHEMA, Event, Report
 from nanguard.core.render.html import _prose, read_source, render_html, write_html
@@ -122,40 +122,6 @@ def test_report_round_trips_through_from_dict(cases):
 
 
 # --------------------------------------------------------------------------- safety
-
-PAYLOADS = {
-    "module": '<script>window.__ng_pwned = "module"</script>enc',
-    "summary": 'summary <img src=x onerror="window.__ng_pwned=\'summary\'"> & "quotes"',
-    "fix": 'use `x.clamp(min=1e-12)` </li><script>window.__ng_pwned="fix"</script>',
-    "source": 'y = x  # <img src=x onerror="window.__ng_pwned=\'source\'"><script>alert(1)</script>',
-}
-
-
-def payload_report(folder: Path) -> dict:
-    """A hand-made report whose strings carry HTML/JS payloads (and a source file whose line does)."""
-    src = Path(folder) / "evil_<marquee>.py"
-    src.write_text("import torch\n\n\ndef f(x):\n    " + PAYLOADS["source"] + "\n    return y\n")
-    return {
-        "schema": SCHEMA, "status": "nonfinite", "nanguard_version": "0.1.0", "counting": "optimizer",
-        "steps_watched": 3, "max_grad_norm": "inf", "scaler_skips": 0,
-        "info": [{"step": 1, "phase": "data", "note": "<script>x</script>"}],
-        "history": [{"step": 0, "loss": 1.0, "grad_norm": 2.0, "group_grad_norms": [2.0], "param_norm": 3.0,
-                     "update_ratio": 0.01, "lr": [0.1], "loss_scale": None, "skipped": False},
-                    {"step": 1, "loss": "nan", "grad_norm": "inf", "group_grad_norms": ["inf"], "param_norm": 3.0,
-                     "update_ratio": None, "lr": [0.1], "loss_scale": None, "skipped": True}],
-        "events": [{
-            "step": 2, "phase": "forward", "rank": "<i>0</i>",
-            "origin": {"op": "aten.log.default", "module": PAYLOADS["module"], "file": str(src), "line": 5,
-                       "function": "<lambda>", "dtype": "float32", "shape": [4],
-                       "inputs": [{"dtype": "<u>float</u>", "shape": [4], "numel": 4, "min": 0.0}]},
-            "cause": {"category": "log_domain<svg onload=alert(1)>", "summary": PAYLOADS["summary"],
-                      "confidence": 0.9, "evidence": {"note": "</table><script>alert(2)</script>",
-                                                      "sink": {"kind": "loss", "names": ["<xmp>nan</xmp>"]}}},
-            "fixes": [PAYLOADS["fix"]], "recovery": None,
-            "localization": {"method": "<script>alert(3)</script>", "reproduced": True}}],
-        "<key>": "<script>alert(4)</script>",
-    }
-
 
 def test_every_string_from_the_run_is_escaped(tmp_path):
     page = render_html(payload_report(tmp_path))

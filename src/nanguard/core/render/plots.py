@@ -195,7 +195,7 @@ def _draw(ax, p: Panel, marks: Dict[str, List[int]], max_points: int) -> Tuple[s
         color = LINE_COLORS[j % len(LINE_COLORS)]
         s, v = downsample(steps, vals, max_points)
         few = len(s) <= 40
-        ax.plot(s, v, color=color, lw=1.2 if j == 0 else 0.9, label=label,
+        ax.plot(s, v, color=color, lw=1.2 if j == 0 else 0.9, label=label, gid=f"ng-line-{p.key}-{j}",
                 marker="o" if few else None, ms=2.5,
                 drawstyle="steps-post" if p.key in ("lr", "loss_scale") else "default")
         for kind, test, y, m in (("nan", math.isnan, 0.94, "x"),
