@@ -447,7 +447,7 @@ def _sink_html(sink: Dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- evidence, fixes
 
 _EVIDENCE_SHOWN = {"op", "file", "line", "function", "dtype", "shape", "stage", "autograd_node", "forward_op",
-                   "inputs", "sink", "output", "samples"}
+                   "inputs", "sink", "output", "samples", "api", "module", "module_type", "layer"}
 
 
 def _evidence(ev: Dict[str, Any]) -> str:
