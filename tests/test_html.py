@@ -19,7 +19,7 @@ import pytest
 from html_cases import LOG_DOMAIN_LINE, PAYLOADS, WARNING_STEP, payload_report, run_case
 from nanguard.cli.main import main
 from nanguard.core.events import SCHEMA, Event, Report
-from nanguard.core.render.html import _prose, read_source, render_html, write_html
+from nanguard.core.render.html import _prose, _umask, read_source, render_html, write_html
 from nanguard.core.render.history_text import history_text, sparkline
 from nanguard.core.render.values import choose_scale
 
@@ -83,7 +83,7 @@ def test_recovered_divergence_page(cases):
     # the divergence spans decades: log scale; the inf loss is a marker, not a crash
     assert re.search(r'data-key="loss" data-scale="log"', page)
     assert re.search(r'id="ng-nonfinite-loss-0-inf"', page)
-    assert f'id="ng-recovery-marks-loss"' in page and f'id="ng-failure-line-loss-{ev["step"]}"' in page
+    assert 'id="ng-recovery-marks-loss"' in page and f'id="ng-failure-line-loss-{ev["step"]}"' in page
     assert 'id="ng-skipped-loss"' in page
 
 
@@ -162,6 +162,30 @@ def test_source_excerpt_unavailable(tmp_path):
     assert 'id="source-unavailable"' in page and "does not exist on this machine" in page
 
 
+def test_keras_layer_ranks_path_and_environment(tmp_path):
+    """Framework-neutral fields: a Keras ``layer`` origin, DDP ranks, a provenance ``path`` and an
+    ``environment`` block are shown when a report carries them (hand-made: no run writes them yet)."""
+    rep = payload_report(tmp_path)
+    ev = rep["events"][0]
+    ev["origin"] = {"op": "Log", "layer": "dense_1", "file": str(tmp_path / "k.py"), "line": 3, "dtype": "float32",
+                    "shape": [8, 1]}
+    ev["rank"] = 1
+    ev["localization"]["path"] = [{"op": "Mul", "layer": "loss", "file": "/x/k.py", "line": 9,
+                                   "output": {"nan": 8}}, "Mean"]
+    rep["events"].append(dict(ev, step=7, rank=0, recovery={"action": "skip_step", "ok": True}))
+    rep["environment"] = {"python": "3.11.2", "framework": "tensorflow", "framework_version": "2.21.0",
+                          "argv": ["train.py", "--epochs", "3"]}
+    page = render_html(rep, plots=False)
+    assert '<tr><th scope="row">layer</th><td><code id="origin-module">dense_1</code>' in page
+    assert '<th scope="row">module</th>' not in page.split('id="origin"')[1].split("</section>")[0]
+    assert "<th>rank</th>" in page and "(rank 1)" in page
+    assert 'id="path-missing"' not in page and "<code>Mul</code>" in page and "<code>Mean</code>" in page
+    env = page.split('id="environment"')[1]
+    assert "tensorflow" in env and "--epochs" in env
+    missing = re.search(r'id="env-missing">([^<]*)<', env).group(1)
+    assert "Python version" not in missing and "command line" not in missing and "device" in missing
+
+
 # --------------------------------------------------------------------------- plots, values
 
 @needs_mpl
@@ -222,6 +246,7 @@ def test_write_html_is_atomic(tmp_path, monkeypatch):
     import nanguard.core.jsonio as jio
     real = jio.write_atomic
     monkeypatch.setattr(jio, "write_atomic", lambda p, w, s=".tmp": real(p, boom, s))
+    assert (out.stat().st_mode & 0o777) == 0o666 & ~_umask()  # not mkstemp's 0600
     with pytest.raises(RuntimeError):
         write_html(rep, str(out), plots=False)
     assert out.read_text() == first and sorted(os.listdir(out.parent)) == ["r.html"]
@@ -300,3 +325,16 @@ def test_sparkline():
     assert sparkline([1.0, math.nan, None, 3.0], 4, ascii=True) == "_! #"
     assert sparkline([1e-3, 1e-2, 1e-1, 1.0], 4, ascii=True) == "_-+#"  # log scale: even steps
     assert sparkline([5.0] * 100, 10, ascii=True) == "_" * 10
+
+
+def test_headline_is_the_failure_that_was_not_recovered(tmp_path):
+    rep = payload_report(tmp_path)
+    failure = rep["events"][0]
+    recovered = dict(failure, step=1, recovery={"action": "skip_step", "ok": True},
+                     cause={"category": "div_by_zero", "summary": "earlier", "confidence": 0.5})
+    rep["events"] = [recovered, failure]
+    page = render_html(rep, plots=False)
+    assert '<span id="failing-step" class="big">2</span>' in page  # as the terminal panel picks it
+    assert "earlier non-finite step recovered: 1" in page
+    rep["events"] = [recovered]
+    assert '<span id="failing-step" class="big">1</span>' in render_html(rep, plots=False)

@@ -75,7 +75,20 @@ def write_html(report: Dict[str, Any], path: str, *, plots: bool = True) -> str:
             f.write(page)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # a page to open and share: not the temp file's 0600
     return write_atomic(path, write, ".html.tmp")
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (Linux), else the usual 022."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def render_html(report: Dict[str, Any], *, plots: bool = True) -> str:
@@ -149,6 +162,11 @@ def _headline(report: Dict[str, Any], ev: Optional[Dict[str, Any]]) -> str:
     if rec:
         rows.append(("recovery", _recovery_summary(rec)))
     rows.append(("found by", how))
+    earlier = [x for x in events if is_recovery(x) and x is not ev and isinstance(x.get("step"), int)
+               and isinstance(ev.get("step"), int) and x["step"] <= ev["step"]]
+    if earlier:
+        facts.append(f"earlier non-finite step{'s' if len(earlier) > 1 else ''} recovered: "
+                     + e(", ".join(str(x["step"]) for x in earlier[:10])) + (" …" if len(earlier) > 10 else ""))
     summary = cause.get("summary") or ""
     return (f'<header class="headline"><h1>{badge} {e(what)} at step {e(ev.get("step"))}</h1>'
             + (f'<p class="summary" id="summary">{_prose(summary)}</p>' if summary else "")
@@ -705,7 +723,7 @@ footer{margin-top:2.5rem;padding-top:.6rem;border-top:1px solid var(--line);colo
  .headline,.headline:has(.status-clean),.headline:has(.status-recovered){background:#fff}
  .plots{grid-template-columns:1fr 1fr;gap:4mm}
  h2{break-after:avoid;page-break-after:avoid}
- figure.code,table.kv,tr{break-inside:avoid;page-break-inside:avoid}
+ figure.code,table.nested,tr{break-inside:avoid;page-break-inside:avoid}
  .scroll{overflow:visible}
  figure.code pre,.ln{white-space:pre-wrap}
  .badge,.bar span,.ln.hl{-webkit-print-color-adjust:exact;print-color-adjust:exact}

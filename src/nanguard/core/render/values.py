@@ -90,9 +90,11 @@ def is_failure(ev: Dict[str, Any]) -> bool:
 
 
 def headline_event(report: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """The event a reader looks at first: the first non-finite event (recovered or not), else None."""
+    """The event a reader looks at first, as in the terminal panel: the first non-finite event that
+    was not recovered (the one that stopped or failed the run), else the first recovered one; None
+    when there is no non-finite event (warnings are not)."""
     evs = [e for e in report.get("events") or [] if isinstance(e, dict) and not is_warning(e)]
-    return evs[0] if evs else None
+    return next((e for e in evs if e.get("recovery") is None), evs[0] if evs else None)
 
 
 def choose_scale(values: Sequence[float]) -> Tuple[str, Optional[float]]:
