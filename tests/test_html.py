@@ -338,3 +338,19 @@ def test_headline_is_the_failure_that_was_not_recovered(tmp_path):
     assert "earlier non-finite step recovered: 1" in page
     rep["events"] = [recovered]
     assert '<span id="failing-step" class="big">1</span>' in render_html(rep, plots=False)
+
+
+def test_cli_show_on_an_ascii_stream(cases, tmp_path):
+    """A terminal that cannot take unicode gets ASCII boxes and sparklines, not an encoding error."""
+    import io
+    from nanguard.cli.show import show
+    rep, _ = cases["log_domain"]
+    j = tmp_path / "r.json"
+    j.write_text(json.dumps(rep))
+    for history in (False, True):
+        buf = io.BytesIO()
+        out = io.TextIOWrapper(buf, encoding="ascii")
+        assert show(str(j), history=history, out=out) == 0
+        out.flush()
+        text = buf.getvalue().decode("ascii")
+        assert ("step  25" in text and "+----" in text) if not history else "loss " in text

@@ -42,8 +42,10 @@ def _show_report(data: dict, json_path: str, out) -> int:
     except (ValueError, TypeError) as e:
         print(f"nanguard: {json_path}: {e}", file=sys.stderr)
         return EXIT_USAGE
-    con = Console(file=out, highlight=False, soft_wrap=False, emoji=False)  # ASCII boxes by itself
-                                                                           # where out is not UTF-8
+    from ..core.render.history_text import can_unicode
+    if not can_unicode(out):  # rich picks ASCII boxes itself; other symbols (the line marker) become '?'
+        out = _Replacing(out)
+    con = Console(file=out, highlight=False, soft_wrap=False, emoji=False)
     saved = data.get("status")
     if report.events:
         render(report, None, console=con)
@@ -70,3 +72,23 @@ def _show_report(data: dict, json_path: str, out) -> int:
         con.print(escape(f"history: {len(hist)} steps in the report (nanguard show --history {json_path}); "
                          f"max grad norm {fmt(data.get('max_grad_norm'), 3)}"), style="dim")
     return 0
+
+
+class _Replacing:
+    """A text stream that replaces what its encoding cannot write instead of raising."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self.encoding = getattr(f, "encoding", None) or "ascii"
+
+    def write(self, s: str) -> int:
+        return self._f.write(s.encode(self.encoding, "replace").decode(self.encoding))
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def isatty(self) -> bool:
+        return bool(getattr(self._f, "isatty", lambda: False)())
+
+    def fileno(self) -> int:
+        return self._f.fileno()
