@@ -8,7 +8,9 @@ import sys
 from typing import List, Optional
 
 from ..core.exitcodes import EXIT_USAGE
+from .report_html import add_parser as add_report_parser
 from .run import run_script
+from .show import add_parser as add_show_parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -37,15 +39,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     d = sub.add_parser("demo", help="run a small built-in training script that goes NaN, and show the report")
     d.add_argument("--report", default=None, help="also write the JSON report here")
-    h = sub.add_parser("report", help="render a saved JSON report as a self-contained HTML page")
-    h.add_argument("json", help="the JSON report (nanguard_report.json)")
-    h.add_argument("-o", "--output", default=None, help="the HTML file (default: the JSON path with .html)")
-    h.add_argument("--no-plots", action="store_true", help="leave the history plots out")
-    s = sub.add_parser("show", help="print a saved JSON report in the terminal")
-    s.add_argument("json", help="the JSON report (nanguard_report.json)")
-    s.add_argument("--history", action="store_true", help="the step history instead: sparklines and last rows")
-    s.add_argument("--rows", type=int, default=20, help="history rows to print (default 20)")
-    s.add_argument("--ascii", action="store_true", default=None, help="plain ASCII sparklines")
+    add_report_parser(sub)
+    add_show_parser(sub)
     a = ap.parse_args(argv)
     if a.version:
         from .._version import __version__
@@ -58,12 +53,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.cmd == "demo":
         from .demo import run_demo
         return run_demo(a.report)
-    if a.cmd == "report":
-        from .report_html import report_html
-        return report_html(a.json, a.output, plots=not a.no_plots)
-    if a.cmd == "show":
-        from .show import show
-        return show(a.json, history=a.history, rows=a.rows, ascii=a.ascii)
+    if a.cmd in ("report", "show"):
+        return a.run(a)
     ap.print_help()
     return EXIT_USAGE
 

@@ -8,6 +8,14 @@ from ..core.exitcodes import EXIT_USAGE
 from .reportfile import ReportFileError, load_report
 
 
+def add_parser(sub) -> None:
+    h = sub.add_parser("report", help="render a saved JSON report as a self-contained HTML page")
+    h.add_argument("json", help="the JSON report (nanguard_report.json)")
+    h.add_argument("-o", "--output", default=None, help="the HTML file (default: the JSON path with .html)")
+    h.add_argument("--no-plots", action="store_true", help="leave the history plots out")
+    h.set_defaults(run=lambda a: report_html(a.json, a.output, plots=not a.no_plots))
+
+
 def report_html(json_path: str, out: Optional[str] = None, *, plots: bool = True) -> int:
     """Render ``json_path`` to ``out`` (default: the same name with ``.html``). Exit status 0, or 2."""
     from ..core.render.html import default_html_path, write_html

@@ -8,6 +8,15 @@ from ..core.exitcodes import EXIT_USAGE
 from .reportfile import ReportFileError, load_report
 
 
+def add_parser(sub) -> None:
+    s = sub.add_parser("show", help="print a saved JSON report in the terminal")
+    s.add_argument("json", help="the JSON report (nanguard_report.json)")
+    s.add_argument("--history", action="store_true", help="the step history instead: sparklines and last rows")
+    s.add_argument("--rows", type=int, default=20, help="history rows to print (default 20)")
+    s.add_argument("--ascii", action="store_true", default=None, help="plain ASCII sparklines")
+    s.set_defaults(run=lambda a: show(a.json, history=a.history, rows=a.rows, ascii=a.ascii))
+
+
 def show(json_path: str, *, history: bool = False, rows: int = 20, ascii: Optional[bool] = None,
          out=None) -> int:
     """Print the saved report at ``json_path`` on ``out`` (stdout). Exit status 0, or 2."""
