@@ -7,8 +7,9 @@ Each case is run once per test session (cached here) in a temporary folder:
 * ``lr_recovered``: raw polynomial features under momentum SGD with a learning rate far above the
   stability limit diverge to inf; ``--recover auto`` rolls back and lowers the learning rate;
 * ``clean_warning``: a clean two-group Adam run. nanguard has no warning events yet, so the test
-  adds one (``"kind": "warning"``, the shape the warnings feature is planned to write) to the
-  real clean report: the page must mark it on the plots and list it.
+  adds one by hand to the real clean report: ``"kind": "warning"`` plus the usual event keys (a
+  guess at the shape the warnings feature will write; the page reads only ``kind``, ``step``,
+  ``phase``, ``cause`` and ``fixes``). The page must mark it on the plots and list it.
 """
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ import pytest
 from html_cases import LOG_DOMAIN_LINE, PAYLOADS, WARNING_STEP, payload_report, run_case
 from nanguard.core.render.html import write_html
 
-CHROMIUM = os.environ.get("NANGUARD_CHROMIUM") or next(
-    (p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
+CHROMIUM = next((p for p in [os.environ.get("NANGUARD_CHROMIUM")] + [shutil.which(n) for n in (
+    "chromium", "chromium-browser", "google-chrome")] if p and os.access(p, os.X_OK)), None)
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--no-first-run", "--disable-default-apps", "--disable-extensions",
         "--host-resolver-rules=MAP * ~NOTFOUND"]  # no name resolves: nothing could leave even if asked
