@@ -9,6 +9,8 @@ from typing import List, Optional
 
 from .._version import __version__
 from ..core.exitcodes import EXIT_USAGE
+from .report_html import add_parser as add_report_parser
+from .show import add_parser as add_show_parser
 
 
 def run_script(script: str, args: List[str], **kwargs) -> int:
@@ -44,6 +46,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     d = sub.add_parser("demo", help="run a small built-in training script that goes NaN, and show the report")
     d.add_argument("--report", default=None, help="also write the JSON report here")
+    add_report_parser(sub)
+    add_show_parser(sub)
     a = ap.parse_args(argv)
     if a.version:
         print(f"nanguard {__version__}")
@@ -55,6 +59,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.cmd == "demo":
         from .demo import run_demo  # lazy: imports torch, like `run`
         return run_demo(a.report)
+    if a.cmd in ("report", "show"):
+        return a.run(a)
     ap.print_help()
     return EXIT_USAGE
 

@@ -8,7 +8,7 @@ Everything else is extra and may grow.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 from .._version import __version__
@@ -53,6 +53,14 @@ class Event:
             d["rank"] = self.rank
         return json_safe(d)
 
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Event":
+        """The event of a saved report (``as_dict`` output); keys this class does not know are ignored."""
+        if not isinstance(d, dict) or "step" not in d or "phase" not in d:
+            raise ValueError("an event needs at least 'step' and 'phase'")
+        names = {f.name for f in fields(cls)} - {"step", "phase"}
+        return cls(step=int(d["step"]), phase=str(d["phase"]), **{k: d[k] for k in names if k in d})
+
 
 @dataclass
 class Report:
@@ -87,6 +95,36 @@ class Report:
              "scaler_skips": self.scaler_skips, "info": self.info, "history": self.history}
         d.update(self.extra)
         return json_safe(d)
+
+    _FIELDS = ("counting", "steps_watched", "max_grad_norm", "scaler_skips", "info", "history")
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Report":
+        """Rebuild a report from its JSON form (``as_dict``, or a saved file): ``as_dict`` gives it back.
+
+        ``status`` is not stored: it follows from the events. Keys outside the fixed ones go to
+        ``extra`` (so a saved ``nanguard_version`` is kept). Non-finite numbers stay the JSON
+        strings ``"nan"``/``"inf"``/``"-inf"``.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"a report is a JSON object, not {type(d).__name__}")
+        schema = d.get("schema")
+        if not (isinstance(schema, str) and schema.split("/")[0] == SCHEMA.split("/")[0]):
+            raise ValueError(f"not a nanguard report (schema {schema!r})")
+        evs = d.get("events") or []
+        if not isinstance(evs, list):
+            raise ValueError("'events' is not a list")
+        r = cls(events=[Event.from_dict(e) for e in evs])
+        for k in cls._FIELDS:
+            if k in d:
+                setattr(r, k, d[k])
+        if isinstance(r.max_grad_norm, str):  # "inf"/"nan" in the file
+            try:
+                r.max_grad_norm = float(r.max_grad_norm)
+            except ValueError:
+                pass
+        r.extra = {k: v for k, v in d.items() if k not in cls._FIELDS + ("schema", "status", "events")}
+        return r
 
     def write(self, path: str) -> str:
         """Write the JSON report atomically (temp file + rename): never a half-written file."""

@@ -28,10 +28,13 @@ def _escape(s: str) -> str:
     return escape(s)
 
 
-def render(report: Report, json_path: Optional[str] = None) -> None:
-    """Print the one-screen terminal report of the first failure (or the clean summary)."""
+def render(report: Report, json_path: Optional[str] = None, console=None) -> None:
+    """Print the one-screen terminal report of the first failure (or the clean summary).
+
+    On stderr, or on ``console`` (a ``rich.console.Console``: ``nanguard show`` prints to stdout).
+    """
     try:
-        _render(report, json_path)
+        _render(report, json_path, console)
     except Exception as e:  # the report must never kill the run
         print(f"nanguard: (could not render report: {e})", file=sys.stderr)
         ev = report.first
@@ -39,13 +42,13 @@ def render(report: Report, json_path: Optional[str] = None) -> None:
             print("nanguard: " + one_line(ev), file=sys.stderr)
 
 
-def _render(report: Report, json_path: Optional[str]) -> None:
+def _render(report: Report, json_path: Optional[str], console=None) -> None:
     from rich.panel import Panel
     from rich.syntax import Syntax
     from rich.table import Table
     from rich.console import Group
 
-    con = _console()
+    con = console or _console()
     ev = next((e for e in report.events if e.recovery is None), report.first)
     if ev is None:
         con.print(f"[bold cyan]nanguard[/]: {_escape(summary_line(report))}")
