@@ -120,6 +120,7 @@ def run_ng(tmp_path: Path, script: str, args: Sequence[Any] = (), report: Option
     report = report or str(Path(tmp_path) / "report.json")
     kw.setdefault("localize", False)
     kw.setdefault("quiet", True)
+    kw.setdefault("html", None)  # the page (seconds of plotting) is tested on its own
     code = run_script(script, [str(a) for a in args], report_path=report, **kw)
     rep = load_report(report) if os.path.exists(report) else None
     return code, rep

@@ -19,7 +19,8 @@ import pytest
 from html_cases import LOG_DOMAIN_LINE, PAYLOADS, WARNING_STEP, payload_report, run_case
 from nanguard.cli.main import main
 from nanguard.core.events import SCHEMA, Event, Report
-from nanguard.core.render.html import _prose, _umask, read_source, render_html, write_html
+from nanguard.core.jsonio import _umask
+from nanguard.core.render.html import _prose, read_source, render_html, write_html
 from nanguard.core.render.history_text import history_text, sparkline
 from nanguard.core.render.values import choose_scale
 
@@ -354,3 +355,17 @@ def test_cli_show_on_an_ascii_stream(cases, tmp_path):
         out.flush()
         text = buf.getvalue().decode("ascii")
         assert ("step  25" in text and "+----" in text) if not history else "loss " in text
+
+
+def test_a_failing_run_writes_its_page_beside_the_json_report_and_a_clean_run_none(tmp_path) -> None:
+    from conftest import INJECT, loop_script, run_ng  # tests/ is on sys.path under pytest
+    script = tmp_path / "train.py"
+    script.write_text(loop_script(**INJECT["data_nan"]))
+    code, rep = run_ng(tmp_path, str(script), [3], report=str(tmp_path / "bad.json"), html="auto")
+    assert code == 3 and rep["status"] == "nonfinite"
+    page = (tmp_path / "bad.html").read_text()
+    assert "step 3" in page and "bad_input_data" in page
+    code, rep = run_ng(tmp_path, str(script), [-1], report=str(tmp_path / "ok.json"), html="auto")
+    assert code == 0 and rep["status"] == "clean" and not (tmp_path / "ok.html").exists()
+    code, rep = run_ng(tmp_path, str(script), [3], report=str(tmp_path / "none.json"), html=None)
+    assert code == 3 and not (tmp_path / "none.html").exists()

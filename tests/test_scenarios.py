@@ -24,7 +24,7 @@ CASES = sorted(HERE.glob("*.json"))
 
 def _run(script: pathlib.Path, tmp_path: pathlib.Path, recover: bool):
     report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "nanguard", "run", "--report", str(report), "--no-bundle"]
+    cmd = [sys.executable, "-m", "nanguard", "run", "--report", str(report), "--no-bundle", "--no-html"]
     if recover:
         cmd += ["--recover", "auto"]
     cmd.append(str(script))

@@ -40,6 +40,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--bundle", default=None, help="where to save the repro bundle of the first failure "
                    "(default: nanguard_bundle.pt next to the report)")
     r.add_argument("--no-bundle", action="store_true", help="do not save a repro bundle")
+    r.add_argument("--html", default="auto", metavar="PATH", help="where to write the HTML report of a run "
+                   "that had an event (default: beside the JSON report, .html)")
+    r.add_argument("--no-html", action="store_true", help="do not write the HTML report")
     r.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also write the step history and the events to TensorBoard event files in DIR")
     r.add_argument("script", help="the training script (run as __main__, like `python SCRIPT ARGS`)")
@@ -55,7 +58,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.cmd == "run":
         return run_script(a.script, a.args, report_path=a.report, on_nonfinite=a.on_nonfinite,
                           recover=a.recover, localize=not a.no_localize, strict=a.strict,
-                          bundle=None if a.no_bundle else (a.bundle or "auto"), tensorboard=a.tensorboard)
+                          bundle=None if a.no_bundle else (a.bundle or "auto"), tensorboard=a.tensorboard,
+                          html=None if a.no_html else a.html)
     if a.cmd == "demo":
         from .demo import run_demo  # lazy: imports torch, like `run`
         return run_demo(a.report)

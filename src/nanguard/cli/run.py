@@ -19,6 +19,7 @@ from ..core.config import GuardConfig
 from ..core.events import Report
 from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
 from ..core.pipeline import build_event
+from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
 from ..pytorch.bundle import default_bundle_path
 from ..pytorch.distributed import barrier, is_main, report_extra, share_event
@@ -32,8 +33,11 @@ from ..pytorch.watch import StopRun, Watcher
 def run_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
                on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
                strict: bool = False, quiet: bool = False, bundle: Optional[str] = None,
-               tensorboard: Optional[str] = None) -> int:
+               tensorboard: Optional[str] = None, html: Optional[str] = "auto") -> int:
     """Run ``script`` as ``__main__`` under the global hooks; write the report however it ends.
+
+    ``html``: the HTML page of a run that had an event, ``"auto"`` beside the JSON report, a path,
+    or None for none.
 
     Under ``torchrun`` every rank runs this; the ranks decide together at every step
     (:mod:`nanguard.pytorch.distributed`) and only rank 0 prints and writes the report.
@@ -100,10 +104,15 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
         if tb is not None:
             tb.log_report(report)
             tb.close()
+        page = None
         if report_path and is_main():  # torch.distributed: rank 0 writes the merged report
             report.write(report_path)
+        if is_main():
+            page = write_run_html(report, report_path, html)
         if not quiet:
             _print_outcome(report, report_path)
+            if page:
+                print_line(f"HTML report: {page}")
             if policy is not None:
                 policy.print_summary()
         barrier()  # torch.distributed: no rank exits (and gets the others killed) before rank 0 is done

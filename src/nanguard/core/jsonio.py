@@ -24,7 +24,9 @@ def json_safe(obj: Any) -> Any:
 
 
 def write_atomic(path: str, write: Callable[[str], None], suffix: str = ".tmp") -> str:
-    """Write through ``write(tmp_path)`` then rename over ``path``: readers never see half a file."""
+    """Write through ``write(tmp_path)`` then rename over ``path``: readers never see half a file.
+
+    The file gets the permissions a plain ``open(path, "w")`` would give (the temp file's are 0600)."""
     path = os.path.abspath(path)
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
@@ -32,6 +34,7 @@ def write_atomic(path: str, write: Callable[[str], None], suffix: str = ".tmp") 
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -51,3 +54,15 @@ def write_json_atomic(path: str, data: Any) -> None:
     write_atomic(path, write, ".json.tmp")
 
 
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (Linux), else the usual 022."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022

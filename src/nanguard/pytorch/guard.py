@@ -17,6 +17,7 @@ from torch.amp.grad_scaler import OptState
 from ..core.config import GuardConfig
 from ..core.events import Detection, Event, NonFiniteError, Report
 from ..core.pipeline import build_event
+from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
 from .bundle import default_bundle_path, save_bundle
 from .detect import StepMonitor
@@ -45,6 +46,8 @@ class Guard:
             update is applied; ``"warn"`` prints the report and carries on.
         recover: ``None``, ``"auto"`` or a list of allowed recovery actions.
         report: path of the JSON report, written at each failure and by :meth:`close`.
+        html: the HTML page of a run that had an event, written when the guard stops the run or
+            by :meth:`close`: ``"auto"`` beside the JSON report, a path, or ``None``.
         bundle: where to save the repro bundle of the first failure (``"auto"``: next to
             the report, or ``./nanguard_bundle.pt``; ``None``: no bundle).
         localize: replay a failing step under op-level instrumentation.
@@ -68,7 +71,7 @@ class Guard:
                  report: Optional[str] = None, history_size: int = 200, strict: bool = False,
                  localize: bool = True, check_data: bool = True, quiet: bool = False,
                  bundle: Optional[str] = "auto", tensorboard: Any = None,
-                 param_check_every: Optional[int] = None) -> None:
+                 param_check_every: Optional[int] = None, html: Optional[str] = "auto") -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -86,6 +89,7 @@ class Guard:
         for o in opts:
             self.monitor.add_optimizer(o)
         self.report_path = report
+        self.html = html
         self.localize = localize
         self.quiet = quiet or not is_main()  # distributed: only rank 0 prints
         self.report = Report(counting="optimizer")
@@ -212,6 +216,7 @@ class Guard:
                 self._safe(lambda: self.monitor.discard_step(o))
             if self.scaler is not None:
                 self._reset_scaler_stage()
+            self._write_html()
             if det.rank is not None:  # distributed: rank 0 has written the report before any rank raises
                 barrier()
             raise NonFiniteError(self.report, event)
@@ -281,6 +286,12 @@ class Guard:
             report_extra(self.report)
             self._safe(lambda: self.report.write(self.report_path))
 
+    def _write_html(self) -> None:
+        if is_main():  # the page renders in seconds (plots): once, when the run stops or ends
+            page = write_run_html(self.report, self.report_path, self.html)
+            if page and not self.quiet:
+                print_line(f"HTML report: {page}")
+
     def close(self) -> Report:
         """Finish: read the last pending check, write the report, print the one-line summary."""
         det = self._safe(self.monitor.flush)
@@ -288,6 +299,7 @@ class Guard:
             self.report.events.append(self._safe(lambda: self._event(det, None)) or
                                       Event(step=det.step, phase=det.phase, detected=det.detected))
         self._write_report()
+        self._write_html()
         if self.tensorboard is not None:
             self._safe(self.tensorboard.close)
         if not self.quiet:

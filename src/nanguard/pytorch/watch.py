@@ -39,6 +39,7 @@ from torch.nn.modules import module as torch_module
 from ..core.config import GuardConfig
 from ..core.events import Detection, Report
 from ..core.pipeline import build_event, recurrence_event
+from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
 from .detect import StepMonitor, all_finite, is_checkable, tensors_in
 from .distributed import share_event
@@ -424,7 +425,7 @@ def _graph_leaves(ts: List[torch.Tensor], limit: int = 100_000) -> List[torch.Te
 
 @contextlib.contextmanager
 def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "warn",
-          strict: bool = False, quiet: bool = False) -> Iterator[Watcher]:
+          strict: bool = False, quiet: bool = False, html: Optional[str] = "auto") -> Iterator[Watcher]:
     """Watch every optimizer, module and GradScaler used inside the block (the hooks of ``nanguard run``).
 
     No replay is possible here (nanguard cannot call your inline step again):
@@ -448,7 +449,10 @@ def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "w
         w.report = rep
         if report:
             rep.write(report)
+        page = write_run_html(rep, report, html)
         if not quiet:
             if rep.status != "clean":
                 render(rep, report)
             print_line(summary_line(rep))
+            if page:
+                print_line(f"HTML report: {page}")

@@ -20,6 +20,7 @@ import datetime
 import math
 import os
 import re
+import warnings
 from html import escape
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -65,6 +66,33 @@ def default_html_path(json_path: str) -> str:
     return (root if ext.lower() == ".json" else json_path) + ".html"
 
 
+def html_target(json_path: Optional[str], html: Optional[str]) -> Optional[str]:
+    """Where a run writes its page: ``html="auto"`` beside the JSON report (no JSON report: none),
+    a path, or None / "" for no page."""
+    if not html:
+        return None
+    if html == "auto":
+        return default_html_path(json_path) if json_path else None
+    return html
+
+
+def write_run_html(report: Any, json_path: Optional[str], html: Optional[str] = "auto") -> Optional[str]:
+    """End of a run: write the page when the run had an event (see :func:`html_target`).
+
+    Takes a :class:`~nanguard.core.events.Report` (or its dict). Never raises: a page that cannot be
+    rendered is a warning, the run's own outcome stands. Returns the path written, or None."""
+    path = html_target(json_path, html)
+    data = report.as_dict() if hasattr(report, "as_dict") else report
+    if not path or not (data or {}).get("events"):
+        return None
+    try:
+        return write_html(data, path)
+    except Exception as exc:  # a report page must never change how the run ends
+        warnings.warn(f"nanguard: could not write the HTML report {path}: {type(exc).__name__}: {exc}",
+                      RuntimeWarning)
+        return None
+
+
 def write_html(report: Dict[str, Any], path: str, *, plots: bool = True) -> str:
     """Render ``report`` (the JSON report dict) to ``path`` atomically; returns the absolute path."""
     from ..jsonio import write_atomic
@@ -75,20 +103,7 @@ def write_html(report: Dict[str, Any], path: str, *, plots: bool = True) -> str:
             f.write(page)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # a page to open and share: not the temp file's 0600
     return write_atomic(path, write, ".html.tmp")
-
-
-def _umask() -> int:
-    """The process umask, read without changing it (Linux), else the usual 022."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
 
 
 def render_html(report: Dict[str, Any], *, plots: bool = True) -> str:
