@@ -24,7 +24,13 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
 
     Under ``torchrun`` every rank runs this; the ranks decide together at every step
     (:mod:`nanguard.pytorch.distributed`) and only rank 0 prints and writes the report.
+    A TensorFlow/Keras script goes to the TensorFlow runner (:func:`script_backend`).
     """
+    if script_backend(script) == "tensorflow":
+        from ..tensorflow.run import run_tf_script
+        return run_tf_script(script, args, report_path=report_path, on_nonfinite=on_nonfinite,
+                             recover=recover, localize=localize, strict=strict, quiet=quiet,
+                             bundle=bundle, tensorboard=tensorboard)
     import torch
 
     from ..core.config import GuardConfig
@@ -118,6 +124,31 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
     if stopped:
         return EXIT_NONFINITE
     return code
+
+
+def script_backend(script: str) -> str:
+    """``"tensorflow"`` for a script that imports tensorflow/keras and not torch (read from its
+    import statements, without importing anything), or when torch is not installed; else ``"torch"``.
+    The TensorFlow runner imports TensorFlow only when the script does (an import hook)."""
+    import ast
+    import importlib.util
+    names = set()
+    try:
+        with open(script, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=script)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update(a.name.partition(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.partition(".")[0])
+    except (OSError, SyntaxError, ValueError):
+        pass
+    tf = bool(names & {"tensorflow", "keras", "tf_keras"})
+    if tf and "torch" not in names:
+        return "tensorflow"
+    if importlib.util.find_spec("torch") is None and importlib.util.find_spec("tensorflow") is not None:
+        return "tensorflow"
+    return "torch"
 
 
 def child_config(config: Any) -> dict:
