@@ -412,7 +412,7 @@ class TFWatcher:
         model._nanguard_train_step = train_step
         model._nanguard_inner_train_step = inner
         model.train_step = train_step
-        model.train_function = None  # traced again with the check in it (free if never called)
+        model.make_train_function(force=True)  # traced with the check in it (at its first call)
         self._fit_models.add(model)
 
     # ------------------------------------------------------------------ the update
