@@ -146,6 +146,9 @@ class StepCapture:
         self.restore()
         out = ReplayOutcome(False)
         prev_eager = tf.config.functions_run_eagerly()
+        reinstall = not w._installed  # the report is built after the script: hooks back for the replay
+        if reinstall:
+            w.install()
         w.replay_hooks = recorder
         try:
             tf.config.run_functions_eagerly(True)
@@ -160,6 +163,8 @@ class StepCapture:
             out.error = f"{type(e).__name__}: {e}"
         finally:
             w.replay_hooks = None
+            if reinstall:
+                w.uninstall()
             tf.config.run_functions_eagerly(prev_eager)
             self.restore()
         out.seconds = round(time.time() - t0, 3)

@@ -160,6 +160,8 @@ class TFWatcher:
         self.capture_enabled = False  # build the in-graph capture of failing fit steps
         self.capture_error: Optional[str] = None
         self.replay_hooks: Any = None  # set while a captured step is replayed (see .capture)
+        self.observer: Any = None      # a recorder watching live steps (the re-run child), see .replay
+        self.on_update_done: Optional[Callable[[int], None]] = None  # host: N updates attempted so far
 
     @property
     def skip_bad(self) -> bool:
@@ -196,7 +198,7 @@ class TFWatcher:
 
         def gradient(tape, target, sources, *a, **k):
             w._guarded(lambda: w._on_target(target))
-            hooks = w.replay_hooks
+            hooks = w.replay_hooks or w.observer
             if hooks is not None:
                 hooks.set_stage("backward")
             out = orig["gradient"](tape, target, sources, *a, **k)
@@ -358,21 +360,23 @@ class TFWatcher:
         return p if p is not None else _Pending()
 
     def _on_target(self, target: Any) -> None:
-        if self.replay_hooks is not None:
-            flat = [t for t in tf.nest.flatten(target) if isinstance(t, tf.Tensor)]
-            for t in flat:
-                self.replay_hooks.mark_loss(t)
-            return
         p = self._pend()
+        hooks = self.replay_hooks or self.observer
         for t in tf.nest.flatten(target):
             if t is None or not isinstance(t, (tf.Tensor, tf.Variable)):
                 continue
             for scaled, loss in p.scaled:
                 if scaled is t:
-                    t = loss
+                    t = loss  # the user's loss, not loss * scale
                     break
-            if t.dtype.is_floating:
+            if not t.dtype.is_floating:
+                continue
+            if hooks is not None:
+                hooks.mark_loss(t)
+            if self.replay_hooks is None:
                 p.losses.append(t)
+        if self.replay_hooks is not None:
+            self._pending.pop(_graph_key(), None)
 
     def _on_outer_call(self, layer: Any, args: tuple, kwargs: dict) -> None:
         from tensorflow.python.eager import record
@@ -607,9 +611,18 @@ class TFWatcher:
         if not ok:  # decided now, before the update: a stop raises here, the variables untouched
             self._guarded(lambda: self._finish_row(st, D.Row(row)))
         if ok or not self.skip_bad:
-            self._run_update(opt, grads, trainable_variables, st)
+            obs = self.observer
+            if obs is not None:
+                obs.set_stage("optimizer")
+            try:
+                self._run_update(opt, grads, trainable_variables, st)
+            finally:
+                if obs is not None:
+                    obs.set_stage("forward")
         if ok:
             self._guarded(lambda: self._eager_post(st, opt, row, tvars))
+        if self.on_update_done is not None:
+            self.on_update_done(st.attempts)
         return None
 
     def _eager_pre(self, st: OptState, opt: Any, grads: List[Any], tvars: List[Any], lso: bool) -> List[float]:
@@ -666,6 +679,8 @@ class TFWatcher:
         if sts and not self.disabled:
             for st in list(sts):
                 self._guarded(lambda st=st: self._read_stash(st))
+            if self.on_update_done is not None:
+                self.on_update_done(self.steps_watched)
         self._raise_if_stopped()
 
     def _read_stash(self, st: OptState) -> None:
