@@ -29,10 +29,19 @@ class RunDriver:
         self.captures: Dict[int, Any] = {}  # step -> StepCapture (in-process replay of a failing step)
         self.loc_runs: Dict[int, Dict[str, Any]] = {}
         self.policy = None
+        self.recover_unavailable: Optional[str] = None
         if recover:
-            from .recover import TFRecovery
-            self.policy = TFRecovery.from_spec(recover, quiet=quiet)
-            self.watcher.policy = self.policy
+            from .recover import RecoveryUnavailable, TFRecovery
+            try:
+                self.policy = TFRecovery.from_spec(recover, quiet=quiet)
+            except RecoveryUnavailable as e:
+                from ..core.render.terminal import print_line
+                print_line(f"{e}: detection only")
+                self.recover_unavailable = str(e)
+            else:
+                self.policy.localizer = self.localize_detection
+                self.policy.context = self.context
+                self.watcher.policy = self.policy
         if localize:
             self.watcher.capture_enabled = True
             self.watcher.on_failure_capture = self._on_capture
@@ -119,6 +128,8 @@ class RunDriver:
         events.sort(key=lambda e: (e.step, e.recovery is not None))
         report.events = events
         report.extra["framework"] = "tensorflow"
+        if self.recover_unavailable:
+            report.extra["recovery_unavailable"] = self.recover_unavailable
         if w.dropped_events:
             report.extra["dropped_events"] = w.dropped_events
         lost = sum(st.lost_rows for st in w.states.values())

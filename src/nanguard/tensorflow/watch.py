@@ -149,6 +149,7 @@ class TFWatcher:
         self._fn_states: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
         self._orphans: set = set()
         self._fit_models: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._snap_due = True  # recovery: the state at the start of the next step is to be snapshot
         self._installed = False
         self._orig: Dict[str, Any] = {}
         self._class_apply: Dict[type, Callable] = {}
@@ -222,6 +223,8 @@ class TFWatcher:
                 return orig["fn_call"](fn, *args, **kwargs)
             _set("fn_depth", 1)
             _set("current_fn", fn)
+            if w.policy is not None and w._snap_due:
+                w._guarded(w._take_due_snapshot)
             try:
                 out = orig["fn_call"](fn, *args, **kwargs)
             finally:
@@ -382,6 +385,8 @@ class TFWatcher:
         from tensorflow.python.eager import record
         if kwargs.get("training") is False or not record.could_possibly_record():
             return
+        if self.policy is not None and self._snap_due and tf.executing_eagerly() and _get("fn_depth") == 0:
+            self._take_due_snapshot()  # an eager step starts with its first training forward
         self.models.add(layer)
         if not self.config.check_data or self.replay_hooks is not None:
             return
@@ -419,6 +424,14 @@ class TFWatcher:
         model.make_train_function(force=True)  # traced with the check in it (at its first call)
         self._fit_models.add(model)
 
+    def _take_due_snapshot(self) -> None:
+        """Recovery: the snapshot of the state at the start of the coming step (taken when it starts,
+        so what the script changes between steps is part of it)."""
+        if self.policy is None or not (self.models or self.states):
+            return  # nothing to snapshot yet: still due
+        self._snap_due = False
+        self.policy.step_start(self, self.steps_watched)
+
     # ------------------------------------------------------------------ the update
     def _state(self, opt: Any, n_vars: int) -> OptState:
         st = self.states.get(id(opt))
@@ -454,7 +467,13 @@ class TFWatcher:
             opt.built = True
         if isinstance(opt, LossScaleOptimizer):
             self.lso = True
+        first = self.policy is not None and id(opt) not in self.states
+        if first:
+            self.policy.prepare(opt)
         st = self._state(opt, len(tvars))
+        if first and self._snap_due:
+            with tf.init_scope():  # traced before the first update runs: the state it starts from
+                self._take_due_snapshot()
         st.tvars = tvars
         return st
 
@@ -603,6 +622,8 @@ class TFWatcher:
                      tvars: List[Any]) -> Any:
         from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
         lso = isinstance(opt, LossScaleOptimizer)
+        if self.policy is not None and self._snap_due:
+            self._guarded(self._take_due_snapshot)
         row = self._guarded(lambda: self._eager_pre(st, opt, grads, tvars, lso))
         if row is None:
             return self._dispatch_apply(opt, grads, trainable_variables)
@@ -621,6 +642,7 @@ class TFWatcher:
                     obs.set_stage("forward")
         if ok:
             self._guarded(lambda: self._eager_post(st, opt, row, tvars))
+        self._snap_due = True
         if self.on_update_done is not None:
             self.on_update_done(st.attempts)
         return None
@@ -679,6 +701,7 @@ class TFWatcher:
         if sts and not self.disabled:
             for st in list(sts):
                 self._guarded(lambda st=st: self._read_stash(st))
+            self._snap_due = True
             if self.on_update_done is not None:
                 self.on_update_done(self.steps_watched)
         self._raise_if_stopped()
@@ -745,14 +768,15 @@ class TFWatcher:
         if len(self.detections) >= self.config.max_events:
             self.dropped_events += 1
             return
+        if self.policy is not None:
+            if self._guarded(lambda: self.policy.handle(self, det, st)):
+                return  # recovered: the event is the policy's (the failing update was dropped in-graph)
+            self.detections.append(det)
+            self._request_stop(det, st)
+            return
         self.detections.append(det)
         if self.on_detection is not None:
             self.on_detection(det, st)
-        if self.policy is not None:
-            if self.policy.handle(self, det, st):
-                return
-            self._request_stop(det, st)
-            return
         if self.config.on_nonfinite == "stop":
             self._request_stop(det, st)
 
