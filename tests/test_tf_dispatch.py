@@ -38,3 +38,6 @@ def test_no_torch_import_on_the_tensorflow_runner_until_the_script_runs(tmp_path
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ran" in out.stdout
+    import json
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["status"] == "clean" and "never imported" in rep["note"]
