@@ -62,3 +62,66 @@ def test_optimizer_failure_at_the_last_step_is_read_at_the_end(tmp_path):
     assert rep["status"] == "nonfinite"
     assert [(e["step"], e["phase"]) for e in rep["events"]] == [(5, "optimizer")]
     assert rep["steps_watched"] == 6
+
+
+SPE_FIT = """
+    import sys, numpy as np, tensorflow as tf, keras
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(320, 4)).astype("float32")
+    y = x[:, :1].copy()
+    x[32 * 5 + 7, 2] = np.nan  # the batch of step 5
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", steps_per_execution=4)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    np.save(sys.argv[1], model.layers[0].kernel.numpy())
+"""
+
+
+def test_steps_per_execution_reports_the_step_inside_the_call_and_applies_nothing_after_it(tmp_path):
+    import numpy as np
+    from tf_helpers import write
+    s = write(tmp_path, SPE_FIT)
+    out = str(tmp_path / "k.npy")
+    code, rep = run_tf(tmp_path, s, [out], localize=False, on_nonfinite="warn")
+    assert code == 0
+    assert [(e["step"], e["phase"]) for e in rep["events"]][:1] == [(5, "data")]
+    assert rep["steps_watched"] == 10 and len(rep["history"]) == 10
+    code, rep = run_tf(tmp_path, s, [out + "2"], localize=False)  # stop: steps 6 and 7 share the call
+    assert code == 3 and rep["events"][0]["step"] == 5
+    assert [h["step"] for h in rep["history"]] == [0, 1, 2, 3, 4, 5]
+
+
+def test_watch_context_manager(tmp_path):
+    import numpy as np
+    import tensorflow as tf
+    import keras
+    import nanguard
+    import nanguard.keras
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    opt = keras.optimizers.SGD(0.1)
+    x = np.ones((8, 2), "float32")
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(x, training=True) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    init = model.get_weights()
+    with nanguard.keras.watch(report=None, quiet=True) as w:  # warn: carries on (the NaN update applies)
+        step(x)
+        step(x * np.nan)
+        step(x)
+    assert w.report.status == "nonfinite"
+    assert [(e.step, e.phase) for e in w.report.events] == [(1, "data"), (2, "params")]
+    model.set_weights(init)
+    # the step traced under the first watcher reports to the second one, counting from 0 again
+    with pytest.raises(nanguard.NonFiniteError) as ei:
+        with nanguard.keras.watch(report=str(tmp_path / "w.json"), on_nonfinite="stop", quiet=True):
+            step(x)
+            step(x * np.nan)
+            step(x)  # not reached
+    assert ei.value.report.first.step == 1 and ei.value.report.first.phase == "data"
+    assert ei.value.report.steps_watched == 2

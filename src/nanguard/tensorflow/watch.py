@@ -51,6 +51,12 @@ class StopRun(BaseException):
 
 _local = threading.local()
 _ACTIVE: Optional["TFWatcher"] = None
+# The per-optimizer stash variables and which tf.functions hold a check are global, not per watcher:
+# a step traced under one watcher keeps its check in its graph, and a later watcher (another fit with
+# the callback, another `watch()` block) reads it. With no watcher installed the check still runs
+# but never skips an update (its `active` variable is off).
+_STATES: Dict[int, "OptState"] = {}
+_FN_STATES: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
 _INSTALL_HOOKS: List[Tuple[str, Callable[[], Optional[Callable[[], None]]]]] = []
 
 
@@ -109,6 +115,7 @@ class OptState:
         self.opt_ref = weakref.ref(opt)
         self.name = type(opt).__name__
         self.n_vars = n_vars
+        self.offset = 0  # the raw step count when the current watcher adopted this state
         with tf.init_scope():
             self.stash = tf.Variable(np.full((D.RING, D.NCOL), -1.0), dtype=tf.float64, trainable=False,
                                      name="nanguard_stash")
@@ -146,7 +153,6 @@ class TFWatcher:
         self.models: "weakref.WeakSet[Any]" = weakref.WeakSet()  # outermost layers called in training
         self.lso = False
         self._pending: "weakref.WeakKeyDictionary[Any, _Pending]" = weakref.WeakKeyDictionary()
-        self._fn_states: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
         self._orphans: set = set()
         self._fit_models: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._snap_due = True  # recovery: the state at the start of the next step is to be snapshot
@@ -255,6 +261,14 @@ class TFWatcher:
         self._patch_apply(BaseOptimizer)
         _ACTIVE = self
         self._installed = True
+        for key, st in list(_STATES.items()):  # checks traced under an earlier watcher report here
+            if st.opt_ref() is None:
+                del _STATES[key]
+            elif key not in self.states:
+                self._adopt(st)
+                self.states[key] = st
+            else:
+                st.active.assign(self.skip_bad)
         self._uninstallers = []
         for name, hook in list(_INSTALL_HOOKS):
             try:
@@ -436,8 +450,23 @@ class TFWatcher:
     def _state(self, opt: Any, n_vars: int) -> OptState:
         st = self.states.get(id(opt))
         if st is None or st.opt_ref() is not opt:
-            st = self.states[id(opt)] = OptState(self, opt, n_vars)
+            st = _STATES.get(id(opt))
+            if st is None or st.opt_ref() is not opt:
+                st = _STATES[id(opt)] = OptState(self, opt, n_vars)
+            else:
+                self._adopt(st)
+            self.states[id(opt)] = st
         return st
+
+    def _adopt(self, st: "OptState") -> None:
+        """A state made under an earlier watcher: this watcher's steps count from its current count."""
+        raw = int(st.counter.numpy())
+        st.offset = st.next_step = st.attempts = raw
+        st.eager_post = None
+        st.active.assign(self.skip_bad)
+        st.stop_mode.assign(self.config.on_nonfinite == "stop" and self.policy is None)
+        st.halt.assign(False)
+        st.clip.assign(float("inf"))
 
     def _apply(self, opt: Any, grads: Any, trainable_variables: Any) -> Any:
         grads = list(grads)
@@ -581,7 +610,7 @@ class TFWatcher:
             st.counter.assign_add(1)
         fn = _get("current_fn", None)
         if fn is not None:
-            self._fn_states.setdefault(fn, set()).add(st)
+            _FN_STATES.setdefault(fn, set()).add(st)
         else:
             self._orphans.add(st)
         return True
@@ -596,17 +625,18 @@ class TFWatcher:
         struct = tf.nest.map_structure(lambda t: None, p.batch)
         gens = [g for g, _ in p.seeds.values()]
         seeds = [s for _, s in p.seeds.values()]
-        w = self
 
         def capture(step_t, *vals):
+            w = _ACTIVE  # the watcher installed when the step runs (not necessarily the tracing one)
+            if w is None or w.on_failure_capture is None or w.states.get(id(st.opt_ref())) is not st:
+                return tf.constant(0)
             try:  # never raise inside the graph: the step would fail
                 n = len(flat)
                 batch = [np.array(v.numpy()) for v in vals[:n]]
                 seed_vals = [np.array(v.numpy()) for v in vals[n:]]
-                cb = w.on_failure_capture
-                if cb is not None:
-                    cb({"step": int(step_t.numpy()), "optimizer": st.opt_ref(), "batch_flat": batch,
-                        "batch_structure": struct, "seeds": list(zip(gens, seed_vals))})
+                w.on_failure_capture({"step": int(step_t.numpy()) - st.offset, "optimizer": st.opt_ref(),
+                                      "batch_flat": batch, "batch_structure": struct,
+                                      "seeds": list(zip(gens, seed_vals))})
             except Exception as e:
                 w.capture_error = f"{type(e).__name__}: {e}"
             return tf.constant(0)
@@ -630,7 +660,7 @@ class TFWatcher:
         ok = row[D.C["guard_skipped"]] < 0.5 and row[D.C["loss_ok"]] >= 0.5 and row[D.C["data_ok"]] >= 0.5 \
             and row[D.C["pre_ok"]] >= 0.5 and (lso or row[D.C["grads_ok"]] >= 0.5)
         if not ok:  # decided now, before the update: a stop raises here, the variables untouched
-            self._guarded(lambda: self._finish_row(st, D.Row(row)))
+            self._guarded(lambda: self._finish_row(st, D.Row(row), raw=False))
         if ok or not self.skip_bad:
             obs = self.observer
             if obs is not None:
@@ -644,7 +674,7 @@ class TFWatcher:
             self._guarded(lambda: self._eager_post(st, opt, row, tvars))
         self._snap_due = True
         if self.on_update_done is not None:
-            self.on_update_done(st.attempts)
+            self.on_update_done(st.attempts - st.offset)
         return None
 
     def _eager_pre(self, st: OptState, opt: Any, grads: List[Any], tvars: List[Any], lso: bool) -> List[float]:
@@ -662,7 +692,7 @@ class TFWatcher:
             st.eager_post = None
             row_prev = prev[0]
             row_prev[D.C["param_norm"]], row_prev[D.C["post_ok"]] = vals[7], vals[8]
-            self._finish_row(st, D.Row(row_prev))
+            self._finish_row(st, D.Row(row_prev), raw=False)
         loss, loss_known, loss_ok, data_ok, gn, lr, scale = vals[:7]
         grads_ok = math.isfinite(gn)
         if not grads_ok:  # slow path: exact (a norm overflows with finite elements ~1e19 in float32)
@@ -678,6 +708,7 @@ class TFWatcher:
         step = st.attempts
         st.attempts += 1
         st.counter.assign(st.attempts)  # keeps a graph step that follows in the same count (no read)
+        step -= st.offset
         row = [0.0] * D.NCOL
         for k, v in (("step", step), ("loss", loss), ("loss_known", loss_known), ("loss_ok", loss_ok),
                      ("data_ok", data_ok), ("grad_norm", gn), ("grads_ok", grads_ok), ("pre_ok", pre_ok),
@@ -697,9 +728,11 @@ class TFWatcher:
 
     # ------------------------------------------------------------------ host: reading and deciding
     def _after_function(self, fn: Any) -> None:
-        sts = self._fn_states.get(fn)
+        sts = _FN_STATES.get(fn)
         if sts and not self.disabled:
             for st in list(sts):
+                if self.states.get(id(st.opt_ref())) is not st:
+                    continue  # adopted at install (see install): not this watcher's if absent
                 self._guarded(lambda st=st: self._read_stash(st))
             self._snap_due = True
             if self.on_update_done is not None:
@@ -715,11 +748,17 @@ class TFWatcher:
                 st.next_step = int(r[0])
             self._finish_row(st, D.Row(r))
 
-    def _finish_row(self, st: OptState, row: D.Row) -> None:
-        """Record one step in the history and decide it; a stop is raised later (_raise_if_stopped)."""
+    def _finish_row(self, st: OptState, row: D.Row, raw: bool = True) -> None:
+        """Record one step in the history and decide it; a stop is raised later (_raise_if_stopped).
+        ``raw``: the row's step is the raw in-graph count (else already this watcher's step)."""
+        if raw:
+            r = int(row.step)
+            st.next_step = r + 1
+            st.attempts = max(st.attempts, r + 1)
+            row.vals[D.C["step"]] = float(r - st.offset)
+        else:
+            st.next_step = max(st.next_step, int(row.step) + st.offset + 1)
         step = int(row.step)
-        st.next_step = step + 1
-        st.attempts = max(st.attempts, step + 1)
         if row.flag("halted"):
             return  # after a stop inside the same graph call: nothing was applied
         if not row.flag("post_ok") and math.isinf(row.param_norm):
@@ -813,7 +852,7 @@ class TFWatcher:
     # ------------------------------------------------------------------ end of run
     @property
     def steps_watched(self) -> int:
-        return max((st.attempts for st in self.states.values()), default=0)
+        return max((st.attempts - st.offset for st in self.states.values()), default=0)
 
     def finish(self) -> None:
         """Read what is still unread: the last eager update's norms, stashes of uncalled graphs.
@@ -835,7 +874,7 @@ class TFWatcher:
                 def fin(row=row, post=post, st=st):
                     v = post.numpy().tolist()
                     row[D.C["param_norm"]], row[D.C["post_ok"]] = v[0], v[1]
-                    self._finish_row(st, D.Row(row))
+                    self._finish_row(st, D.Row(row), raw=False)
                 self._guarded(fin)
             elif self.stop_requested is None:
                 self._guarded(lambda st=st: self._read_stash(st))
