@@ -79,7 +79,6 @@ SPE_FIT = """
 
 
 def test_steps_per_execution_reports_the_step_inside_the_call_and_applies_nothing_after_it(tmp_path):
-    import numpy as np
     from tf_helpers import write
     s = write(tmp_path, SPE_FIT)
     out = str(tmp_path / "k.npy")

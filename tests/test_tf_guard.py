@@ -3,7 +3,6 @@ update never reaches the variables; LossScaleOptimizer warm-up skips are counted
 and a collapsing scale is; exit statuses of `nanguard run` on TF scripts."""
 from __future__ import annotations
 
-import os
 
 import pytest
 

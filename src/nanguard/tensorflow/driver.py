@@ -3,8 +3,6 @@ callback: a :class:`~.watch.TFWatcher`, the failing-step capture, localization, 
 report (the same ``nanguard.report/1`` as the PyTorch backend, via ``nanguard.core``)."""
 from __future__ import annotations
 
-import os
-import sys
 import time
 from typing import Any, Dict, List, Optional
 

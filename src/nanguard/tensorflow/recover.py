@@ -287,6 +287,7 @@ class KerasActions(_ActionsBase):
     def clip_gradients(self, max_norm: float) -> None:
         for st in self.w.states.values():
             st.clip.assign(float(max_norm))
+            st.clip_host = float(max_norm)
 
     def unscale_gradients(self, factor: float) -> None:  # never armed: can_loss_scale() is False
         return None

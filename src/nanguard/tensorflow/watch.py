@@ -30,7 +30,7 @@ import math
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -116,6 +116,7 @@ class OptState:
         self.name = type(opt).__name__
         self.n_vars = n_vars
         self.offset = 0  # the raw step count when the current watcher adopted this state
+        self.clip_host = float("inf")  # the clip variable's value, as last set from the host
         with tf.init_scope():
             self.stash = tf.Variable(np.full((D.RING, D.NCOL), -1.0), dtype=tf.float64, trainable=False,
                                      name="nanguard_stash")
@@ -467,6 +468,7 @@ class TFWatcher:
         st.stop_mode.assign(self.config.on_nonfinite == "stop" and self.policy is None)
         st.halt.assign(False)
         st.clip.assign(float("inf"))
+        st.clip_host = float("inf")
 
     def _apply(self, opt: Any, grads: Any, trainable_variables: Any) -> Any:
         grads = list(grads)
@@ -543,8 +545,8 @@ class TFWatcher:
     def _clip(self, grads: List[Any], st: OptState) -> List[Any]:
         """Recovery's global-norm clipping, in-graph and off unless the clip variable is finite
         (the unclipped branch returns the gradients unchanged: bit-for-bit)."""
-        if self.policy is None:
-            return grads
+        if self.policy is None or (tf.executing_eagerly() and math.isinf(st.clip_host)):
+            return grads  # eager: decided on the host copy of the clip (no read)
         idx = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)
                and g.dtype.is_floating]
         if not idx:
