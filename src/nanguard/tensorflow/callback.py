@@ -1,0 +1,97 @@
+"""The Keras callback behind :class:`nanguard.keras.NanGuard`."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import keras
+
+from ..core.config import GuardConfig
+from ..core.events import Report
+
+
+class NanGuard(keras.callbacks.Callback):
+    """Guard ``model.fit`` against NaN/Inf: ``model.fit(..., callbacks=[nanguard.keras.NanGuard()])``.
+
+    Every step, in-graph (fit's train step is a ``tf.function``): the loss, the batch, the gradients
+    and, after the update, the variables and the optimizer state are checked, with one host read
+    per step. A step that fails the check has its update skipped in-graph (it never reaches the
+    variables); then training stops (``on_nonfinite="stop"``: ``model.stop_training``) or goes on
+    (``"warn"``: the update is applied, as without the guard). A LossScaleOptimizer's own skips are
+    counted as steps and reported as information unless the loss scale collapses.
+
+    Args:
+        on_nonfinite: ``"stop"`` (default) or ``"warn"``.
+        report: path of the JSON report (``nanguard.report/1``), written when fit ends; None: none.
+        recover: None, ``"auto"`` or a list of recovery actions (see :mod:`nanguard.tensorflow.recover`).
+        localize: replay the failing step under the op-level recorder, when it is available.
+        quiet: print nothing (the report is still built: ``callback.report``).
+        strict: internal guard errors raise instead of warning and disabling the guard.
+        history_size: steps kept in the step history.
+
+    After ``fit``: ``callback.report`` (:class:`nanguard.Report`), ``callback.stopped`` (bool).
+    Under ``nanguard run`` (whose hooks already watch the script) the callback defers to it.
+    """
+
+    def __init__(self, on_nonfinite: str = "stop", report: Optional[str] = "nanguard_report.json",
+                 recover: Any = None, localize: bool = True, quiet: bool = False, strict: bool = False,
+                 history_size: int = 200) -> None:
+        super().__init__()
+        self.config = GuardConfig(on_nonfinite=on_nonfinite, strict=strict, history_size=history_size)
+        self.report_path = report
+        self.recover = recover
+        self.localize = localize
+        self.quiet = quiet
+        self.report: Optional[Report] = None
+        self.stopped = False
+        self._driver = None
+        self._external = None
+
+    def on_train_begin(self, logs=None) -> None:
+        from . import watch as W
+        from .driver import RunDriver
+        self.report, self.stopped = None, False
+        ext = W.active()
+        if ext is not None:  # nanguard run / nanguard.keras.watch() already watches everything
+            self._external = ext
+            return
+        drv = RunDriver(self.config, recover=self.recover, localize=self.localize, quiet=self.quiet,
+                        raise_on_stop=False)
+        drv.install()
+        self._driver = drv
+        try:
+            drv.watcher._watch_fit(self.model)  # re-make the train function: traced with the check
+        except Exception as e:
+            drv.uninstall()
+            self._driver = None
+            if self.config.strict:
+                raise
+            warnings.warn(f"nanguard: could not guard this fit: {type(e).__name__}: {e}", RuntimeWarning)
+        if not self.quiet:
+            from ..core.render.terminal import print_line
+            mode = "recover" if self.recover else self.config.on_nonfinite
+            print_line(f"guarding {type(self.model).__name__}.fit (on non-finite: {mode})")
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        w = self._driver.watcher if self._driver is not None else self._external
+        if w is not None and w.stop_requested is not None and self._driver is not None:
+            self.model.stop_training = True
+            self.stopped = True
+
+    def on_train_end(self, logs=None) -> None:
+        drv, self._driver, self._external = self._driver, None, None
+        if drv is None:
+            return
+        drv.uninstall()
+        try:
+            self.report = drv.make_report()
+            if self.report_path:
+                self.report.write(self.report_path)
+            if not self.quiet:
+                from .driver import print_outcome
+                print_outcome(self.report, self.report_path, drv)
+        except Exception as e:
+            if self.config.strict:
+                raise
+            warnings.warn(f"nanguard: could not build the report: {type(e).__name__}: {e}", RuntimeWarning)
+        self.stopped = self.stopped or drv.stopped

@@ -1,0 +1,196 @@
+"""Stage 1 for TensorFlow/Keras: the per-step check, built into the step itself.
+
+``model.fit`` and ``@tf.function`` training steps run as graphs: a Python hook on the
+optimizer runs once, when the step is traced. So the check is built *into* the step, around
+the optimizer's update (see :mod:`.watch`, which calls :func:`build_check` from its
+``Optimizer.apply`` wrapper):
+
+* before the update, in-graph: the loss (what ``GradientTape.gradient`` differentiated,
+  unscaled under a ``LossScaleOptimizer``), the batch (inputs of the outermost layer call
+  under a recording tape), the global gradient norm (one fused pass over the gradients) and,
+  only when one of those is non-finite (a ``tf.cond`` that costs nothing on a healthy step),
+  an exact pass over the variables (``params``) and per-variable gradient flags;
+* the update runs under ``tf.cond(ok, update, skip)``: a step that fails the check never
+  reaches the variables (as a LossScaleOptimizer does with its own skips);
+* after the update: the parameter norm and the optimizer state's finiteness (one pass each);
+* everything lands in one row of a small float64 ring-buffer variable (the "stash").
+
+The host reads the stash **once per step**: right after the outermost ``tf.function`` call that
+ran the step returns (``model.fit``'s train function is one), and decides there
+(:class:`StepDecider`): history record, detection, phase. Eager steps take the same numbers
+eagerly; their one read per step is the pre-update vector, and the post-update norms are
+read with the next step's vector (or at the end), as the PyTorch backend does.
+
+A norm can overflow while every element is finite (gradients ~1e20 in float32): a non-finite
+norm is confirmed by an exact ``is_finite`` pass, in the same ``tf.cond`` slow path, and the
+history then gets the float64 norm.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import tensorflow as tf
+
+from ..core.config import GuardConfig
+from ..core.events import Detection
+from ..core.history import StepHistory, StepRecord
+
+# The stash row (float64). Flags are 1.0 / 0.0.
+COLS = ("step", "loss", "loss_known", "loss_ok", "data_ok", "grad_norm", "grads_ok", "pre_ok",
+        "guard_skipped", "lso", "param_norm", "post_ok", "lr", "loss_scale", "lso_finite", "halted")
+C = {name: i for i, name in enumerate(COLS)}
+NCOL = len(COLS)
+RING = 64  # rows kept per optimizer between two host reads (steps of one tf.function call)
+
+
+# --------------------------------------------------------------------------- tensor helpers
+
+def float_tensors(xs: Sequence[Any]) -> List[tf.Tensor]:
+    """Floating tensors among ``xs`` (variables read, IndexedSlices as their values; None skipped)."""
+    out = []
+    for t in xs:
+        if t is None:
+            continue
+        if isinstance(t, tf.IndexedSlices):
+            t = t.values
+        elif not isinstance(t, tf.Tensor) and hasattr(t, "value") and hasattr(t, "assign"):
+            t = t.value  # keras / tf variables
+        try:
+            t = tf.convert_to_tensor(t)
+        except (TypeError, ValueError):
+            continue
+        if t.dtype.is_floating:
+            out.append(t)
+    return out
+
+
+def all_finite(ts: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Exact: every element of every tensor is finite (a bool scalar)."""
+    flags = [tf.reduce_all(tf.math.is_finite(t)) for t in ts]
+    if not flags:
+        return tf.constant(True)
+    return tf.reduce_all(tf.stack(flags))
+
+
+def norm32(ts: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Global L2 norm in float32 (one pass; may overflow to inf with finite elements)."""
+    if not ts:
+        return tf.constant(0.0, tf.float32)
+    sq = [tf.reduce_sum(tf.square(tf.cast(t, tf.float32))) for t in ts]
+    return tf.sqrt(tf.add_n(sq) if len(sq) > 1 else sq[0])
+
+
+def norm64(ts: Sequence[tf.Tensor]) -> tf.Tensor:
+    if not ts:
+        return tf.constant(0.0, tf.float64)
+    sq = [tf.reduce_sum(tf.square(tf.cast(t, tf.float64))) for t in ts]
+    return tf.sqrt(tf.add_n(sq) if len(sq) > 1 else sq[0])
+
+
+def checked_norm(ts: Sequence[tf.Tensor]):
+    """(finite flag, float64 norm): one float32 pass; an overflowed norm is confirmed exactly and
+    recomputed in float64 (slow path, in a ``tf.cond``)."""
+    n = norm32(ts)
+    fast = tf.math.is_finite(n)
+    return tf.cond(fast, lambda: (tf.constant(True), tf.cast(n, tf.float64)),
+                   lambda: (all_finite(ts), norm64(ts)))
+
+
+def finite_cheap(ts: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Exact finiteness with one summing pass in the healthy case (a finite sum of finite sums
+    means every element is finite; a non-finite one is confirmed element-wise)."""
+    if not ts:
+        return tf.constant(True)
+    s = [tf.reduce_sum(tf.cast(t, tf.float32)) for t in ts]
+    tot = tf.add_n(s) if len(s) > 1 else s[0]
+    return tf.cond(tf.math.is_finite(tot), lambda: tf.constant(True), lambda: all_finite(ts))
+
+
+def f64(x: Any) -> tf.Tensor:
+    return tf.cast(x, tf.float64)
+
+
+# --------------------------------------------------------------------------- host side
+
+@dataclass
+class Row:
+    """One step's numbers, as read from the stash (or assembled eagerly)."""
+
+    vals: List[float]
+
+    def __getattr__(self, name: str) -> float:
+        try:
+            return self.vals[C[name]]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def flag(self, name: str) -> bool:
+        return self.vals[C[name]] >= 0.5
+
+
+class StepDecider:
+    """Host-side decision for one optimizer's steps: history, detections, LossScale skips.
+
+    The decision mirrors ``nanguard.pytorch.detect.StepMonitor._decide``: parameters non-finite
+    before the step -> ``params``; the batch -> ``data``; the loss -> ``forward``; a gradient ->
+    ``backward`` (under a LossScaleOptimizer, the scaler's own skip: information, unless the scale
+    collapses); finite loss and gradients but non-finite parameters or optimizer state after the
+    update -> ``optimizer``.
+    """
+
+    def __init__(self, config: GuardConfig, history: StepHistory) -> None:
+        self.config = config
+        self.history = history
+        self.consecutive_skips = 0
+
+    def record(self, row: Row) -> None:
+        gn = row.grad_norm
+        scale = row.loss_scale if row.flag("lso") and math.isfinite(row.loss_scale) else None
+        if scale and math.isfinite(gn):
+            gn = gn / scale  # the history keeps the unscaled gradient norm
+        pn = row.param_norm if math.isfinite(row.param_norm) and row.param_norm > 0 else None
+        lr = row.lr
+        ratio = None
+        if pn and math.isfinite(lr) and math.isfinite(gn):
+            ratio = lr * gn / pn
+        skipped = row.flag("guard_skipped") or (row.flag("lso") and not row.flag("lso_finite"))
+        self.history.append(StepRecord(
+            step=int(row.step), loss=row.loss if row.flag("loss_known") else None, grad_norm=gn,
+            group_grad_norms=[gn], param_norm=pn, update_ratio=ratio,
+            lr=[lr] if math.isfinite(lr) else [], loss_scale=scale, skipped=skipped))
+
+    def decide(self, row: Row) -> Optional[Detection]:
+        step = int(row.step)
+        loss = row.loss if row.flag("loss_known") else None
+        if row.flag("halted"):
+            return None  # a step after a stop inside the same graph call: its update was not applied
+        loss_ok, data_ok, grads_ok, pre_ok = (row.flag(k) for k in ("loss_ok", "data_ok", "grads_ok", "pre_ok"))
+        if loss_ok and data_ok and grads_ok and pre_ok:
+            self.consecutive_skips = 0
+            if not row.flag("post_ok"):
+                return Detection(step, "optimizer", {"loss": loss})
+            return None
+        if not pre_ok:
+            return Detection(step, "params", {"loss": loss})
+        if not data_ok:
+            return Detection(step, "data", {"loss": loss})
+        if not loss_ok:
+            return Detection(step, "forward", {"loss": loss})
+        d: Dict[str, Any] = {"loss": loss}
+        if row.flag("lso"):
+            return self._scaler_skip(step, row.loss_scale, d)
+        return Detection(step, "backward", d)
+
+    def _scaler_skip(self, step: int, scale: float, d: Dict[str, Any]) -> Detection:
+        """A LossScaleOptimizer skip (non-finite scaled gradients, finite loss): warm-up is
+        information; a collapsing scale is a failure (as for torch's GradScaler)."""
+        if not (math.isfinite(scale) and scale > self.config.warmup_loss_scale):
+            self.consecutive_skips += 1
+        d = dict(d, loss_scale=scale, consecutive_skips=self.consecutive_skips)
+        collapsed = (math.isfinite(scale) and scale < self.config.min_loss_scale) or \
+            self.consecutive_skips >= self.config.max_consecutive_skips
+        if collapsed:
+            return Detection(step, "backward", dict(d, loss_scale_collapse=True))
+        return Detection(step, "backward", dict(d, scaler_skip=True), info_only=True)

@@ -1,0 +1,373 @@
+"""Stage 4 for TensorFlow/Keras: the recovery *actions* on Keras objects.
+
+The policy (which actions a diagnosis calls for, the budget, the snapshot tiers) is framework-neutral:
+``nanguard.core.recovery.RecoveryPolicy``. This module implements what it acts through
+(:class:`KerasActions`, the ``RecoveryActions`` interface) and the glue that drives it from the
+watcher (:class:`TFRecovery`).
+
+* **skip_step**: a step that fails the check never updates anything: under recovery the watcher's
+  in-graph ``tf.cond`` drops the update (variables, optimizer state and ``iterations`` untouched);
+  the record says so. Non-trainable variables the failing forward changed (BatchNorm moving
+  statistics) are put back from the step's snapshot by the policy.
+* **rollback**: :class:`TFSnapshot` holds numpy copies of every model variable (trainable and not,
+  the Keras seed generators' states included: dropout draws the same numbers after a rollback),
+  every optimizer variable except the learning rate (a rollback keeps the current rate, as for
+  PyTorch), and the global Keras seed generator; ``restore`` assigns them back.
+* **lr_backoff**: the learning-rate variable is multiplied (the inner optimizer's under a
+  LossScaleOptimizer); a ``LearningRateSchedule`` is wrapped, when recovery is on and before the
+  step is traced, in :class:`ScaledSchedule`, whose factor variable (1.0, exact) is multiplied.
+* **clip**: global-norm clipping inside the guarded update, off (an identity branch) until the
+  watcher's clip variable is set (:meth:`KerasActions.clip_gradients`), so it works in traced steps.
+* **upcast**: the origin layer (``origin.layer``, a Keras layer path or name) gets the ``"float32"``
+  dtype policy, and so do the layers after it in its model that compute in float16/bfloat16 (they
+  would cast its float32 output back and overflow again); ``model.fit``'s train function is then
+  re-traced. A hand-written ``@tf.function`` step is not re-traced (the record says so).
+* **loss_scale**: not offered (``can_loss_scale`` is False): Keras has its own LossScaleOptimizer.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+import tensorflow as tf
+
+try:  # the framework-neutral policy's interface (nanguard.core.recovery)
+    from ..core.recovery.actions import RecoveryActions as _ActionsBase
+except ImportError:  # pragma: no cover - the core policy has not landed in this build
+    _ActionsBase = object  # type: ignore[assignment,misc]
+
+
+class RecoveryUnavailable(RuntimeError):
+    """The framework-neutral recovery policy (``nanguard.core.recovery``) is not in this build."""
+
+
+# --------------------------------------------------------------------------- learning-rate schedules
+
+def _schedule_base():
+    import keras
+    return keras.optimizers.schedules.LearningRateSchedule
+
+
+class ScaledSchedule:
+    """``schedule(step) * factor``, the factor a variable (1.0 until ``lr_backoff``): works in traced steps."""
+
+    def __init__(self, schedule: Any) -> None:
+        self.schedule = schedule
+        with tf.init_scope():
+            self.factor = tf.Variable(1.0, dtype=tf.float32, trainable=False, name="nanguard_lr_factor")
+
+    def __call__(self, step):
+        lr = self.schedule(step)
+        return lr * tf.cast(self.factor, lr.dtype)
+
+    def get_config(self) -> dict:
+        return self.schedule.get_config()
+
+
+def make_schedule_scalable(opt: Any) -> None:
+    """Wrap a LearningRateSchedule in a :class:`ScaledSchedule` (call before the update is traced)."""
+    inner = getattr(opt, "inner_optimizer", None) or opt
+    lr = getattr(inner, "_learning_rate", None)
+    if lr is None or isinstance(lr, ScaledSchedule) or not isinstance(lr, _schedule_base()):
+        return
+    scaled = ScaledSchedule(lr)
+    # Keras checks isinstance(LearningRateSchedule) when it calls the schedule: make one on the fly
+    cls = type("ScaledSchedule", (ScaledSchedule, _schedule_base()), {})
+    scaled.__class__ = cls
+    inner._learning_rate = scaled
+
+
+# --------------------------------------------------------------------------- snapshots
+
+class TFSnapshot:
+    """Numpy copies of the training state at the start of one step."""
+
+    def __init__(self, step: int, variables: List[Any], loss: Optional[float] = None) -> None:
+        self.step = step
+        self.prev_loss = loss
+        self.vars = list(variables)
+        self.values = [np.array(v.numpy()) for v in self.vars]
+        self.py_random = random.getstate()
+        self.np_random = np.random.get_state()
+        self.nbytes = int(sum(a.nbytes for a in self.values))
+        self._finite: Optional[bool] = None
+        self.n_model = 0  # the first n_model entries are model variables (the rest: optimizer, globals)
+
+    def finite(self) -> bool:
+        if self._finite is None:
+            self._finite = all(bool(np.isfinite(a).all()) for a in self.values[:self.n_model] if a.dtype.kind == "f")
+        return self._finite
+
+    def mark_finite(self) -> None:
+        self._finite = True
+
+    def refill(self, step: int, variables: List[Any], loss: Optional[float]) -> bool:
+        if [id(v) for v in variables] != [id(v) for v in self.vars]:
+            return False
+        for a, v in zip(self.values, variables):
+            x = v.numpy()
+            if a.shape != x.shape or a.dtype != x.dtype:
+                return False
+            np.copyto(a, x)
+        self.step, self.prev_loss = step, loss
+        self.py_random = random.getstate()
+        self.np_random = np.random.get_state()
+        self._finite = None
+        return True
+
+
+# --------------------------------------------------------------------------- actions
+
+class KerasActions(_ActionsBase):
+    """``RecoveryActions`` on the Keras models and optimizers a :class:`~.watch.TFWatcher` has seen."""
+
+    def __init__(self, watcher: Any) -> None:
+        self.w = watcher
+        self.models = [m for m in list(watcher.models)]
+        self.optimizers = watcher.optimizers()
+
+    # -------------------------------------------------------------- variables
+    def model_variables(self) -> List[Any]:
+        out, seen = [], set()
+        for m in self.models:
+            for v in getattr(m, "variables", []):
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    out.append(v)
+        for o in self.optimizers:  # variables the optimizers train outside the models
+            for v in getattr(o, "_trainable_variables", []):
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    out.append(v)
+        return out
+
+    def optimizer_variables(self) -> List[Any]:
+        """Optimizer state, without the learning rate (a rollback keeps the current rate)."""
+        skip = set()
+        for o in self.optimizers:
+            for x in (o, getattr(o, "inner_optimizer", None)):
+                lr = getattr(x, "_learning_rate", None)
+                if lr is not None and hasattr(lr, "assign"):
+                    skip.add(id(lr))
+        out, seen = [], set()
+        for o in self.optimizers:
+            for v in getattr(o, "variables", []):
+                if id(v) not in seen and id(v) not in skip:
+                    seen.add(id(v))
+                    out.append(v)
+        return out
+
+    def _global_seed_vars(self) -> List[Any]:
+        try:
+            from keras.src.random.seed_generator import global_seed_generator
+            return [global_seed_generator().state]
+        except Exception:
+            return []
+
+    def _snap_vars(self):
+        mv = self.model_variables()
+        return mv, mv + self.optimizer_variables() + self._global_seed_vars()
+
+    # -------------------------------------------------------------- the state
+    def state_finite(self, with_optimizers: bool = True) -> bool:
+        return all(_finite(v) for v in self.model_variables())
+
+    def optimizer_state_finite(self) -> bool:
+        return all(_finite(v) for v in self.optimizer_variables())
+
+    # -------------------------------------------------------------- snapshots
+    def take_snapshot(self, step: int, loss: Optional[float]) -> TFSnapshot:
+        mv, allv = self._snap_vars()
+        s = TFSnapshot(step, allv, loss)
+        s.n_model = len(mv)
+        return s
+
+    def refill_snapshot(self, snap: TFSnapshot, step: int, loss: Optional[float]) -> bool:
+        mv, allv = self._snap_vars()
+        return len(mv) == snap.n_model and snap.refill(step, allv, loss)
+
+    def restore(self, snap: TFSnapshot) -> None:
+        for v, a in zip(snap.vars, snap.values):
+            v.assign(a)
+        random.setstate(snap.py_random)
+        np.random.set_state(snap.np_random)
+
+    def repair_nonfinite(self, snap: TFSnapshot) -> int:
+        n, plan = 0, []
+        for v, a in zip(snap.vars[:snap.n_model], snap.values[:snap.n_model]):
+            cur = np.array(v.numpy())
+            if cur.dtype.kind != "f":
+                continue
+            bad = ~np.isfinite(cur)
+            if not bad.any():
+                continue
+            if a.shape != cur.shape or not np.isfinite(a[bad]).all():
+                return -1
+            plan.append((v, cur, bad, a))
+        for v, cur, bad, a in plan:
+            cur[bad] = a[bad]
+            v.assign(cur)
+            n += int(bad.sum())
+        return n
+
+    def restore_buffers(self, snap: TFSnapshot) -> int:
+        """Non-trainable model variables (BatchNorm moving statistics; not the seed generators)."""
+        n = 0
+        for v, a in zip(snap.vars[:snap.n_model], snap.values[:snap.n_model]):
+            if not getattr(v, "trainable", True) and "seed_generator" not in str(getattr(v, "path", "")):
+                v.assign(a)
+                n += 1
+        return n
+
+    # -------------------------------------------------------------- actions on a failure
+    def skip_step(self) -> Dict[str, Any]:
+        n = sum(len(getattr(o, "_trainable_variables", [])) for o in self.optimizers)
+        return {"grads_dropped": n, "update_skipped_in_graph": True}
+
+    def learning_rates(self) -> List[float]:
+        out = []
+        for o in self.optimizers:
+            try:
+                out.append(float(np.asarray(o.learning_rate)))
+            except Exception:
+                pass
+        return out
+
+    def lr_backoff(self, factor: float) -> Dict[str, Any]:
+        before = self.learning_rates()
+        how = []
+        for o in self.optimizers:
+            inner = getattr(o, "inner_optimizer", None) or o
+            lr = getattr(inner, "_learning_rate", None)
+            if isinstance(lr, ScaledSchedule):
+                lr.factor.assign(lr.factor * factor)
+                how.append("schedule factor")
+            elif lr is not None and hasattr(lr, "assign"):
+                lr.assign(lr * factor)
+                how.append("variable")
+            else:
+                how.append("not changed (a schedule traced before recovery was on)")
+        return {"lr_before": before, "lr_after": self.learning_rates(), "factor": factor, "how": how}
+
+    def upcast(self, module: Optional[str], on_downstream: Callable[[str], None]) -> Optional[Dict[str, Any]]:
+        found = find_layer(self.models, module)
+        if found is None:
+            return None
+        layer, owner = found
+        before = str(layer.dtype_policy.name)
+        layer.dtype_policy = "float32"
+        rec: Dict[str, Any] = {"dtype_before": before, "dtype_after": "float32", "module": module,
+                               "layer": layer.name, "downstream": []}
+        if owner is not None:
+            layers = list(owner.layers)
+            if layer in layers:
+                for later in layers[layers.index(layer) + 1:]:
+                    if str(getattr(later, "compute_dtype", "")) in ("float16", "bfloat16"):
+                        later.dtype_policy = "float32"
+                        name = str(getattr(later, "path", None) or later.name)
+                        rec["downstream"].append(name)
+                        on_downstream(name)
+        rec["retraced"] = self._retrace()
+        return rec
+
+    def _retrace(self) -> bool:
+        """model.fit: re-make the train function so the new dtypes are traced (next batch)."""
+        done = False
+        for m in self.models:
+            if getattr(m, "_nanguard_train_step", None) is not None:
+                m.make_train_function(force=True)
+                done = True
+        return done
+
+    def can_loss_scale(self) -> bool:
+        return False
+
+    # -------------------------------------------------------------- every update, once armed
+    def clip_gradients(self, max_norm: float) -> None:
+        for st in self.w.states.values():
+            st.clip.assign(float(max_norm))
+            st.clip_host = float(max_norm)
+
+    def unscale_gradients(self, factor: float) -> None:  # never armed: can_loss_scale() is False
+        return None
+
+
+def find_layer(models: List[Any], path: Optional[str]):
+    """(layer, the model whose ``layers`` list holds it) for a Keras layer path or name."""
+    if not path:
+        return None
+    for m in models:
+        stack = [(m, None)]
+        while stack:
+            layer, owner = stack.pop()
+            if path in (getattr(layer, "path", None), getattr(layer, "name", None)) and layer is not m:
+                return layer, owner
+            for sub in getattr(layer, "layers", []) or []:
+                stack.append((sub, layer))
+    return None
+
+
+def _finite(v: Any) -> bool:
+    try:
+        a = np.asarray(v.numpy())
+    except Exception:
+        return True
+    return a.dtype.kind != "f" or bool(np.isfinite(a).all())
+
+
+# --------------------------------------------------------------------------- glue: watcher <-> policy
+
+class TFRecovery:
+    """Drives ``nanguard.core.recovery.RecoveryPolicy`` from the TF watcher: a snapshot when a step
+    starts, the decision when a step fails (its update was already dropped in-graph)."""
+
+    def __init__(self, policy: Any, quiet: bool = False) -> None:
+        self.policy = policy
+        self.policy.quiet = policy.quiet or quiet
+        self.localizer: Optional[Callable[[Any], Any]] = None
+        self.context: Callable[[], Dict[str, Any]] = dict
+        self._first_event: Any = None
+
+    @classmethod
+    def from_spec(cls, spec: Any, quiet: bool = False) -> "TFRecovery":
+        try:
+            from ..core.recovery import RecoveryPolicy  # type: ignore[attr-defined]
+        except ImportError as e:
+            raise RecoveryUnavailable("recovery for TensorFlow needs nanguard.core.recovery, which is not in "
+                                      "this build") from e
+        return cls(RecoveryPolicy.from_spec(spec), quiet)
+
+    @property
+    def events(self) -> list:
+        return self.policy.events
+
+    def prepare(self, opt: Any) -> None:
+        """Before the update is traced (first apply): schedules get a scalable factor."""
+        make_schedule_scalable(opt)
+
+    def step_start(self, watcher: Any, step: int) -> None:
+        last = watcher.history.last()
+        self.policy.on_step_start(step, KerasActions(watcher), last.loss if last else None)
+
+    def handle(self, watcher: Any, det: Any, st: Any) -> bool:
+        """Diagnose ``det`` and let the policy act. True when the run may go on."""
+        from ..core.pipeline import build_event, recurrence_event
+        hist = [h for h in watcher.history.raw_dicts() if h["step"] < det.step]
+        ctx = self.context()
+        if self._first_event is None:
+            loc_run = self.localizer(det) if self.localizer is not None else None
+            event = build_event(det, loc_run, hist, ctx)
+            self._first_event = event
+        else:
+            event = recurrence_event(det, self._first_event, hist, ctx)
+        det.event = event
+        actions = KerasActions(watcher)
+        rec = self.policy.on_failure(event, step=det.step, actions=actions, history=hist)
+        if rec is None:
+            return False
+        self.policy.on_update(actions)  # arms clipping (an in-graph variable) for the next updates
+        return True
+
+    def print_summary(self) -> None:
+        self.policy.print_summary()

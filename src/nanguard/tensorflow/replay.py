@@ -1,0 +1,232 @@
+"""Stage 2 driver for TensorFlow: replay the failing step under the op-level recorder.
+
+The recorder is ``nanguard.tensorflow.locate.make_recorder(capture)`` (interface: :mod:`.capture`).
+Two ways to run the step again:
+
+* **in-process** (``model.fit``): the failing step was captured in-graph (batch, seed states;
+  the update was skipped, so the variables are pre-step): :meth:`StepCapture.run` re-runs
+  ``model.train_step(batch)`` eagerly under the recorder. Cost: one eager step.
+* **re-run** (inline GradientTape loops, eager or ``@tf.function``): the step is the script's own
+  code, so the script is re-run in a child process (``python -m nanguard.tensorflow.replay``) with
+  the same hooks counting update attempts the same way; when step N starts, ``tf.function``\\ s are
+  switched to eager execution and the recorder is armed. Cost: the script's run time up to step N
+  in graph mode, plus one eager step. The scripts seed themselves; one that does not may not fail
+  the same way, and the report then says "could not reproduce" and claims no origin.
+
+``NANGUARD_TF_RECORDER=module:function`` names another recorder factory (tests, development).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+CHILD_TIMEOUT_S = 600.0
+
+
+def recorder_factory() -> Optional[Callable[[Any], Any]]:
+    """The op-level recorder factory, or None when ``nanguard.tensorflow.locate`` is not there."""
+    spec = os.environ.get("NANGUARD_TF_RECORDER")
+    if spec:
+        mod, _, fn = spec.partition(":")
+        return getattr(importlib.import_module(mod), fn)
+    try:
+        from .locate import make_recorder  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return make_recorder
+
+
+def localize(driver: Any, det: Any) -> Optional[Dict[str, Any]]:
+    """``loc_run`` for ``det`` (what ``core.pipeline.build_event`` reads), or None when no replay ran."""
+    make = recorder_factory()
+    if make is None:
+        return None
+    from .capture import StepCapture
+    cap = driver.captures.get(det.step)
+    if isinstance(cap, StepCapture) and cap.kind == "fit" and cap.step_fn is not None:
+        cap.detection = det
+        return replay_in_process(cap, make)
+    if driver.script:
+        return rerun_localize(driver.script, driver.args, det.step, child_config(driver.config))
+    return None
+
+
+def replay_in_process(cap: Any, make: Callable[[Any], Any]) -> Dict[str, Any]:
+    t0 = time.time()
+    res: Dict[str, Any] = {"method": "replay", "step": cap.step}
+    try:
+        rec = make(cap)
+        rec.apply_update = getattr(cap.detection, "phase", None) == "optimizer"
+        out = cap.run(rec)
+        loc = rec.result()
+        res["localization"] = loc
+        res["reproduced"] = bool((loc or {}).get("reproduced"))
+        if out.error:
+            res["error"] = f"the replayed step raised {out.error}"
+        if not res["reproduced"] and not out.error:
+            res["reason"] = "the replayed step (same variables, batch and seeds) gave no non-finite value"
+    except Exception as e:  # localization is best effort: detection already happened
+        res["reproduced"] = False
+        res["error"] = f"{type(e).__name__}: {e}"
+    res["seconds"] = round(time.time() - t0, 3)
+    return res
+
+
+def child_config(config: Any) -> Dict[str, Any]:
+    return {"min_loss_scale": config.min_loss_scale, "max_consecutive_skips": config.max_consecutive_skips,
+            "warmup_loss_scale": config.warmup_loss_scale}
+
+
+def rerun_localize(script: str, argv: List[str], step: int, config: Dict[str, Any],
+                   timeout: float = CHILD_TIMEOUT_S) -> Dict[str, Any]:
+    """Re-run ``script`` in a child process and localize step ``step``. Never raises."""
+    t0 = time.time()
+    fd, out = tempfile.mkstemp(prefix="nanguard-tfloc-", suffix=".json")
+    os.close(fd)
+    errf = out + ".stderr"
+    cmd = [sys.executable, "-m", "nanguard.tensorflow.replay", "--step", str(step), "--out", out,
+           "--config", json.dumps(config), "--", script] + list(argv)
+    res: Dict[str, Any] = {"method": "rerun", "step": step}
+    try:
+        env = dict(os.environ)
+        env["NANGUARD_REPLAY_CHILD"] = "1"
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        with open(errf, "w") as ef:
+            p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=ef, stdin=subprocess.DEVNULL,
+                               timeout=timeout, cwd=os.getcwd(), env=env)
+        res["returncode"] = p.returncode
+        if os.path.getsize(out) > 0:
+            with open(out) as f:
+                res.update(json.load(f))
+        else:
+            res["error"] = "the re-run ended without reaching the failing step"
+            res["stderr_tail"] = _tail(errf)
+    except subprocess.TimeoutExpired:
+        res["error"] = f"the re-run timed out after {timeout:.0f}s"
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        for f in (out, errf):
+            try:
+                os.unlink(f)
+            except OSError:
+                pass
+    res["seconds"] = round(time.time() - t0, 3)
+    return res
+
+
+def _tail(path: str, n: int = 1500) -> str:
+    try:
+        with open(path) as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
+
+
+def _child_main(argv: List[str]) -> int:
+    """``python -m nanguard.tensorflow.replay --step N --out F [--config J] -- script args``"""
+    import argparse
+    import runpy
+
+    ap = argparse.ArgumentParser(prog="nanguard.tensorflow.replay")
+    ap.add_argument("--step", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--config", default="{}")
+    ap.add_argument("rest", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    rest = a.rest[1:] if a.rest and a.rest[0] == "--" else a.rest
+    script, args = os.path.abspath(rest[0]), rest[1:]
+    N = a.step
+    cfg = json.loads(a.config)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    from ..core.config import GuardConfig
+    from .capture import StepCapture, variables_of
+    from .watch import TFWatcher
+
+    config = GuardConfig(on_nonfinite="warn", **{k: v for k, v in cfg.items() if k in (
+        "min_loss_scale", "max_consecutive_skips", "warmup_loss_scale")})
+    watcher = TFWatcher(config, raise_on_stop=False)
+    state: Dict[str, Any] = {"rec": None, "t_arm": None}
+    make = recorder_factory()
+
+    def dump(payload: Dict[str, Any]) -> None:
+        rec = state["rec"]
+        if rec is not None:
+            try:
+                rec.stop()
+            except Exception:
+                pass
+            try:
+                payload["localization"] = rec.result()
+            except Exception as e:
+                payload["localization"] = None
+                payload["error"] = f"recorder failed: {type(e).__name__}: {e}"
+        if state["t_arm"] is not None:
+            payload["instrumented_seconds"] = round(time.time() - state["t_arm"], 3)
+        tmp = a.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(payload, f, default=str)
+        os.replace(tmp, a.out)
+        sys.stdout.flush()
+        os._exit(0)
+
+    def arm() -> None:
+        if make is None:
+            dump({"reproduced": None, "error": "no op-level recorder for TensorFlow is available"})
+        try:
+            opts = watcher.optimizers()
+            opt = opts[0] if opts else None
+            models = list(watcher.models)
+            cap = StepCapture(step=N, kind="rerun", optimizer=opt, models=models,
+                              model=models[-1] if models else None, watcher=watcher)
+            cap.variables = variables_of(models, opt)
+            rec = make(cap)
+            tf.config.run_functions_eagerly(True)  # step N's ops run one by one under the recorder
+            rec.set_stage("forward")
+            rec.start()
+            watcher.observer = rec
+            state["rec"], state["t_arm"] = rec, time.time()
+        except Exception as e:
+            dump({"reproduced": None, "error": f"could not arm the recorder: {type(e).__name__}: {e}"})
+
+    def on_update_done(next_step: int) -> None:
+        if next_step == N and state["rec"] is None:
+            arm()
+        elif next_step > N + 1 and state["rec"] is not None:
+            dump({"reproduced": False, "reason": f"step {N} ran again without a non-finite value"})
+
+    def on_detection(det, st) -> None:
+        if det.step == N:
+            dump({"reproduced": True, "detection": {"step": det.step, "phase": det.phase,
+                                                    "detected": det.detected}})
+        elif det.step < N:
+            dump({"reproduced": False, "reason": f"the re-run failed earlier, at step {det.step} ({det.phase})"})
+
+    watcher.on_update_done = on_update_done
+    watcher.on_detection = on_detection
+    sys.argv = [script] + list(args)
+    sys.path.insert(0, os.path.dirname(script))
+    watcher.install()
+    if N == 0:
+        arm()
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except BaseException:
+        pass
+    watcher.finish()
+    dump({"reproduced": False, "reason": f"the re-run finished without a non-finite value at step {N}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))

@@ -1,0 +1,147 @@
+"""``nanguard run`` for TensorFlow/Keras scripts: run the script as ``__main__`` under the TF hooks.
+
+Same contract as :mod:`nanguard.pytorch.run` (the PyTorch runner): exit status 0 / the script's own
+status when nanguard did not stop it (its ``sys.exit`` code, 1 for an uncaught exception, 130 for
+Ctrl-C), ``3`` when nanguard stopped the run at a non-finite value, ``2`` for a usage error; the
+report is written however the script ends.
+
+TensorFlow is imported only when the script imports it: the hooks are installed by an import hook
+the moment ``tensorflow`` or ``keras`` is first imported (before the script's next line runs), or
+right away when it already is.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import os
+import sys
+import time
+from typing import List, Optional
+
+from ..core.config import GuardConfig
+from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
+from ..core.render.html import write_run_html
+from ..core.render.terminal import print_line
+from ..core.script import run_as_main
+
+_TF_MODULES = ("tensorflow", "keras")
+
+
+class _InstallOnImport(importlib.abc.MetaPathFinder):
+    """Calls ``install()`` once, right after the outermost import of tensorflow or keras completes
+    (``import keras`` imports tensorflow inside it: the hooks go in when keras is done)."""
+
+    def __init__(self, install) -> None:
+        self.install = install
+        self.done = False
+        self.depth = 0
+        self._busy = False
+
+    def find_spec(self, name, path=None, target=None):
+        if self.done or self._busy or name not in _TF_MODULES:
+            return None
+        self._busy = True
+        try:
+            import importlib.util
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._busy = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _ChainedLoader(spec.loader, self)
+        return spec
+
+
+class _ChainedLoader(importlib.abc.Loader):
+    def __init__(self, loader, finder: _InstallOnImport) -> None:
+        self.loader = loader
+        self.finder = finder
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = self.loader  # the module keeps its own loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self.loader
+        f = self.finder
+        f.depth += 1
+        try:
+            self.loader.exec_module(module)
+        finally:
+            f.depth -= 1
+        if f.depth == 0 and not f.done:
+            f.done = True
+            f.install()
+
+
+def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
+                  on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
+                  strict: bool = False, quiet: bool = False, bundle: Optional[str] = None,
+                  tensorboard: Optional[str] = None, html: Optional[str] = "auto") -> int:
+    """Run a TensorFlow/Keras ``script`` as ``__main__`` under the guard; write the report however it ends."""
+    if not os.path.isfile(script):
+        print(f"nanguard: no such script: {script}", file=sys.stderr)
+        return EXIT_USAGE
+    script_abs = os.path.abspath(script)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    config = GuardConfig(on_nonfinite=on_nonfinite, strict=strict)
+    state: dict = {"watcher": None, "policy": None, "driver": None}
+
+    def install() -> None:
+        from .driver import RunDriver
+        drv = RunDriver(config, script_abs, list(args), recover=recover, localize=localize, quiet=quiet)
+        state["driver"] = drv
+        drv.install()
+
+    if not quiet:
+        mode = "recover" if recover else on_nonfinite
+        print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}; report: {report_path})")
+    hook = _InstallOnImport(install)
+    if any(m in sys.modules for m in _TF_MODULES):
+        hook.done = True
+        install()
+    else:
+        sys.meta_path.insert(0, hook)
+
+    t0 = time.time()
+    try:
+        outcome = run_as_main(script, list(args), _is_stop)
+    finally:
+        try:
+            sys.meta_path.remove(hook)
+        except ValueError:
+            pass
+        drv = state["driver"]
+        if drv is not None:
+            drv.uninstall()
+    code, stopped = outcome.code, outcome.stopped
+    drv = state["driver"]
+    try:
+        if drv is None:
+            from .driver import empty_report
+            report = empty_report()
+        else:
+            report = drv.make_report(run_seconds=time.time() - t0)
+        if report_path:
+            report.write(report_path)
+        page = write_run_html(report, report_path, html)
+        if not quiet:
+            from .driver import print_outcome
+            print_outcome(report, report_path, drv)
+            if page:
+                print_line(f"HTML report: {page}")
+    except Exception as e:
+        if strict:
+            raise
+        print(f"nanguard: could not build the report: {type(e).__name__}: {e}", file=sys.stderr)
+    if stopped or (drv is not None and drv.stopped):
+        return EXIT_NONFINITE
+    return code
+
+
+def _is_stop(e: BaseException) -> bool:
+    """Our StopRun, also when TensorFlow wrapped it (an exception raised inside a graph call)."""
+    if "nanguard.tensorflow.watch" not in sys.modules:  # TF never imported: it cannot be ours
+        return False
+    from .watch import StopRun
+    return isinstance(e, StopRun)
