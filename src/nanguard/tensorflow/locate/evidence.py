@@ -219,7 +219,7 @@ def facts(rec: Any, t_op: str, idx: int, inputs: tuple, attrs: Any, outputs: tup
         subst = {}
         for x in inputs:
             if _eager(x) and x.dtype.is_floating and x.dtype.name in N.LOW_PRECISION:
-                subst[id(x)] = _rerun32_tensor(rec, x, 2, chain_ops)
+                subst[id(x)] = _rerun32_tensor(rec, x, 4, chain_ops)
         chain = rerun_fact(t_op, inputs, attrs, n_out, tf.float32, pos0 if n_out > 1 else None, subst)
         f["float32_rerun"] = {"direct_finite": direct.get("finite"), "chain_finite": chain.get("finite"),
                               "chain_ops": chain_ops[:10], "max_abs": direct.get("max_abs")}

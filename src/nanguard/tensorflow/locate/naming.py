@@ -299,6 +299,7 @@ class ComponentStack:
         self._orig: list[tuple[Any, Any]] = []
         self._thread: Optional[int] = None
         self.active = False
+        self.on_root: Optional[Callable[[Any], None]] = None   # called with each new outermost layer
 
     def install(self) -> None:
         from keras.src.layers.layer import Layer
@@ -316,6 +317,11 @@ class ComponentStack:
                     if kind == "layer" and not any(x.kind == "layer" for x in me.stack):
                         if not any(r is obj for r in me.roots):
                             me.roots.append(obj)
+                            if me.on_root is not None:
+                                try:
+                                    me.on_root(obj)
+                                except Exception:
+                                    pass
                     me.stack.append(c)
                     try:
                         return orig(obj, *args, **kwargs)

@@ -77,6 +77,7 @@ NO_VALUE_FLOW = {"Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike", "Br
                  "BroadcastGradientArgs"}
 # variable writes: (op type, index of the value input, how the new value is made)
 VAR_WRITES = {"AssignVariableOp": "set", "AssignAddVariableOp": "add", "AssignSubVariableOp": "sub"}
+VAR_WRITE_PREFIXES = ("ResourceApply", "ResourceSparseApply", "ResourceScatter")
 VAR_READS = {"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VarHandleOp"}
 
 # forward ops whose inputs are kept (by reference) so that a backward origin can re-run them

@@ -55,10 +55,11 @@ class _Info:
 
 class _Origin:
     """A taint source. kind: 'op' (real origin), 'constant', 'preexisting', 'untracked'."""
-    __slots__ = ("seq", "kind", "soft", "op", "stage", "detail", "pre_kind", "name", "first_use", "tref")
+    __slots__ = ("seq", "kind", "soft", "op", "stage", "detail", "pre_kind", "name", "first_use", "tref", "hid")
 
     def __init__(self, seq, kind, soft, op=None, stage=None):
         self.seq, self.kind, self.soft, self.op, self.stage = seq, kind, soft, op, stage
+        self.hid: Optional[int] = None     # the variable's handle id, for a variable
         self.detail: Optional[dict] = None
         self.pre_kind: Optional[str] = None
         self.name: Optional[str] = None
@@ -161,6 +162,7 @@ class TFRecorder:
         self._ring: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._ring_elems = 0
         self._vars: dict[int, _Var] = {}
+        self._var_start_nf: dict[int, tuple[bool, bool]] = {}
         self._var_taint: dict[int, Optional[_Origin]] = {}
         self._var_pre: dict[int, _Origin] = {}
         self._opt_written: dict[int, Any] = {}
@@ -192,6 +194,7 @@ class TFRecorder:
         self._thread = threading.get_ident()
         try:
             self._index_variables()
+            self._comps.on_root = self._on_root
             self._comps.install()
             self._undo.append(self._comps.uninstall)
             rec = self
@@ -422,6 +425,23 @@ class TFRecorder:
         except TypeError:
             ref = (lambda v=v: v)
         self._vars[id(h)] = _Var(str(nm) if nm is not None else None, kind, ref, getattr(v, "dtype", None))
+        if id(h) not in self._var_start_nf:
+            self._var_start_nf[id(h)] = self._scan_var(h, getattr(v, "dtype", None))
+
+    def _scan_var(self, h: Any, dtype: Any) -> tuple[bool, bool]:
+        """(nan, inf) of a variable when it becomes known (before the step writes it)."""
+        try:
+            dt = tf.as_dtype(dtype)
+        except Exception:
+            return False, False
+        if not dt.is_floating:
+            return False, False
+        prev, self._busy = self._busy, True
+        try:
+            a = self._read_var(h, dt)
+        finally:
+            self._busy = prev
+        return N.nonfinite_flags(a) if a is not None else (False, False)
 
     @staticmethod
     def _handle(v: Any) -> Any:
@@ -453,6 +473,20 @@ class TFRecorder:
             if h is not None and id(h) in self._vars and self._vars[id(h)].kind == "optimizer_state":
                 kind = "optimizer_state"
             self._add_var(v, name, kind)
+
+    def _on_root(self, layer: Any) -> None:
+        """An outermost layer called while armed (the model): name its variables if nobody did."""
+        if any(m is layer for m in self.models):
+            return
+        self.models.append(layer)
+        for v in getattr(layer, "trainable_variables", []) or []:
+            h = self._handle(v)
+            if h is not None and id(h) not in self._vars:
+                self._add_var(v, None, "param")
+        for v in getattr(layer, "non_trainable_variables", []) or []:
+            h = self._handle(v)
+            if h is not None and id(h) not in self._vars:
+                self._add_var(v, None, "buffer")
 
     def _index_optimizer(self, opt: Any) -> None:
         seen = set()
@@ -537,7 +571,7 @@ class TFRecorder:
             o.tref = weakref.ref(t)
         except TypeError:
             o.tref = None
-        st = N.tensor_stats(a, _dtype_name(t.dtype))
+        st = N.tensor_stats(a, _dtype_name(getattr(t, "dtype", None)) or str(a.dtype))
         st["bad_rows"] = N.bad_rows(a)
         o.detail = {"stats": st}
         self._origins.append(o)
@@ -665,7 +699,7 @@ class TFRecorder:
                         self._ring_elems -= self._ring.popitem(last=False)[1][4]
 
         # variables: reads and writes
-        if handles:
+        if handles and (t_op in O.VAR_READS or t_op in O.VAR_WRITES or t_op.startswith(O.VAR_WRITE_PREFIXES)):
             self._on_var_op(t_op, idx, stage, handles, ins, results, attrs)
             return
 
@@ -673,7 +707,7 @@ class TFRecorder:
         for pos, o, nan, inf, a in results:
             taint = None
             if nan or inf:
-                if t_op in O.DATA_OPS or (not ins and not handles):
+                if t_op in O.DATA_OPS or not ins:
                     taint = self._preexisting(o, a, nan, inf, "data", None, idx)
                     taint.first_use = None
                 else:
@@ -763,6 +797,7 @@ class TFRecorder:
             if full is None:
                 full = _np(out) if out is not None else np.zeros(0, np.float32)
             o = self._preexisting(out, full, nan, inf, kind, name, idx)
+            o.hid = id(h)
             self._var_pre[id(h)] = o
             self._var_taint[id(h)] = o
         return o
@@ -781,7 +816,7 @@ class TFRecorder:
             return
         for pos, o, nan, inf, a in results:
             self._set_info(o, nan, inf, None, (idx, pos))
-        if t_op in O.VAR_WRITES or t_op.startswith(("ResourceApply", "ResourceSparseApply", "ResourceScatter")):
+        if t_op in O.VAR_WRITES or t_op.startswith(O.VAR_WRITE_PREFIXES):
             targets = [handles[0]] if t_op in O.VAR_WRITES else handles
             for _p, hh in targets:
                 dt = None
@@ -798,15 +833,20 @@ class TFRecorder:
                     continue
                 nan, inf = N.nonfinite_flags(new)
                 taint = None
-                if nan or inf:
+                if (nan or inf) and stage != "optimizer" and not any(self._var_start_nf.get(id(hh), (False, False))):
+                    # the program itself wrote non-finite values into a variable (an assign between updates,
+                    # a warm start, a bad re-initialisation): for the step that reads it, a corrupted variable
+                    taint = self._written_var(hh, var, new, nan, inf, t_op, idx, ins, stage)
+                elif nan or inf:
                     real = [i[4] for i in ins if i[4] is not None and i[4].real]
                     old = self._var_taint.get(id(hh))
                     if real:
                         taint = min(real, key=lambda o: o.seq)
                     elif t_op != "AssignVariableOp" and old is not None:
                         taint = old
-                    elif t_op != "AssignVariableOp" and id(hh) not in self._var_taint and var is not None:
-                        taint = None   # decided below: the variable may have been non-finite already
+                    elif t_op != "AssignVariableOp" and any(self._var_start_nf.get(id(hh), (False, False))):
+                        # non-finite before the step, never read as such: the update carried it along
+                        taint = self._var_taint_or_pre(hh, tf.as_dtype(dt), nan, inf, idx)
                     soft = [i[4] for i in ins if i[4] is not None]
                     if taint is None and soft:
                         taint = min(soft, key=lambda o: o.seq)
@@ -817,6 +857,28 @@ class TFRecorder:
                 self._var_taint[id(hh)] = taint
                 if stage == "optimizer":
                     self._opt_written[id(hh)] = hh
+
+    def _written_var(self, h: Any, var: Optional[_Var], new: np.ndarray, nan: bool, inf: bool, t_op: str,
+                     idx: int, ins: list, stage: str) -> _Origin:
+        """A variable the program wrote non-finite values into outside the optimizer's update: reported
+        as that variable (``param_corruption``), with the write as ``written_by``."""
+        o = _Origin(len(self._origins), "preexisting", False, op=idx, stage=stage)
+        o.pre_kind = var.kind if var is not None else "param"
+        o.name = var.name if var is not None else None
+        o.hid = id(h)
+        st = N.tensor_stats(new, str(new.dtype))
+        st["bad_rows"] = N.bad_rows(new)
+        loc = self.op_loc[idx] if idx < len(self.op_loc) else None
+        vt = [i[4] for i in ins if i[4] is not None]
+        wb: dict[str, Any] = {"op": O.canonical(t_op), "tf_op": t_op, "api": t_op, "stage": stage,
+                              "kind": vt[0].kind if vt else "op", "value_kind": vt[0].pre_kind if vt else None,
+                              "input_numel": [int(i[1].shape.num_elements() or 0) for i in ins[:4]]}
+        if loc is not None:
+            wb.update(file=loc.file, line=loc.line, function=loc.function, module=loc.module)
+        o.detail = {"stats": st, "written_by": wb}
+        self._origins.append(o)
+        self._var_pre[id(h)] = o
+        return o
 
     def _describe_var_write(self, o: _Origin, t_op: str, idx: int, ins: list, new: np.ndarray, stage: str,
                             var: Optional[_Var]) -> None:
@@ -1009,6 +1071,11 @@ class TFRecorder:
             res["phase"] = {"loss": "forward", "grad": "backward", "optimizer": "optimizer"}[sink_kind]
             return res
         if taint.kind == "preexisting":
+            if taint.hid is not None and taint.hid in self._vars:   # named after the fact (model seen later)
+                var = self._vars[taint.hid]
+                taint.name = taint.name or var.name
+                if taint.pre_kind in ("data", "param", None):
+                    taint.pre_kind = var.kind
             st = (taint.detail or {}).get("stats", {})
             fu = taint.first_use or {}
             is_data = taint.pre_kind == "data"
@@ -1016,7 +1083,7 @@ class TFRecorder:
                                   "samples": fu.get("samples", []) if is_data else [],
                                   "source_rows": fu.get("source_rows", []) if is_data else [], "stats": st,
                                   "rows_in_tensor": st.get("bad_rows", []), "first_use": fu or None,
-                                  "written_by": None}
+                                  "written_by": (taint.detail or {}).get("written_by")}
             res["phase"] = {"data": "data", "param": "params", "buffer": "params",
                             "optimizer_state": "optimizer"}.get(taint.pre_kind, "data")
             res["facts"] = {"preexisting": {"kind": taint.pre_kind, "name": taint.name,
