@@ -11,7 +11,7 @@ keras = pytest.importorskip("keras")
 
 
 @pytest.fixture(autouse=True)
-def _tf_state():
+def _tf_state(request):
     """One thread (results must not depend on the core count), fresh layer names, the construction
     hook installed before the test builds its model, float32 policy."""
     from nanguard.tensorflow.locate import install_construction_hook
@@ -22,10 +22,14 @@ def _tf_state():
         pass
     keras.backend.clear_session()
     keras.utils.set_random_seed(0)
-    uninstall = install_construction_hook()
+    uninstall = (lambda: None) if request.node.get_closest_marker("no_ctor_hook") else install_construction_hook()
     try:
         yield
     finally:
         uninstall()
         keras.mixed_precision.set_global_policy("float32")
         tf.config.run_functions_eagerly(False)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "no_ctor_hook: build the model without the construction hook (fallback names)")

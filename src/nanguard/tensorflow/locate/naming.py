@@ -437,6 +437,11 @@ def resolve(frame: Any, comps: ComponentStack, users: UserFiles) -> Location:
     if how == "constructor" and best is not None:
         loc.component = f"{type(best.obj).__name__}({getattr(best.obj, 'name', '')})"
         if decided is None:   # no hook: unique constructor call in the user's source, else the call site
+            g = f
+            while g is not None and first_user is None:   # the user frame that called the model
+                if users(g.f_code.co_filename):
+                    first_user = (g.f_code.co_filename, g.f_lineno, g.f_code.co_name)
+                g = g.f_back
             files = [x[0] for x in (user_seg, first_user) if x]
             main = getattr(sys.modules.get("__main__"), "__file__", None)
             if main:

@@ -718,7 +718,7 @@ class TFRecorder:
                             self._origins.append(new_origin)
                         taint = new_origin
                     elif taint.kind == "preexisting" and taint.first_use is None:
-                        taint.first_use = self._first_use(t_op, inputs, o, a, stage, loc)
+                        taint.first_use = self._first_use(t_op, inputs, o, a, stage, loc, taint)
             self._set_info(o, nan, inf, taint, (idx, pos))
         if new_origin is not None:
             self._describe_origin(new_origin, t_op, idx, inputs, attrs, outputs, ins, results, stage, fwd, loc)
@@ -811,7 +811,7 @@ class TFRecorder:
                 if nan or inf:
                     taint = self._var_taint_or_pre(h, o.dtype, nan, inf, idx, o)
                     if taint.kind == "preexisting" and taint.first_use is None and t_op != "ReadVariableOp":
-                        taint.first_use = self._first_use(t_op, [h] + [i[1] for i in ins], o, a, stage, None)
+                        taint.first_use = self._first_use(t_op, [h] + [i[1] for i in ins], o, a, stage, None, taint)
                 self._set_info(o, nan, inf, taint, (idx, pos))
             return
         for pos, o, nan, inf, a in results:
@@ -894,19 +894,23 @@ class TFRecorder:
 
     # ------------------------------------------------------------------ origin description
     def _first_use(self, t_op: str, inputs: Sequence[Any], out: Any, a: Optional[np.ndarray], stage: str,
-                   loc: Optional[naming.Location]) -> dict:
+                   loc: Optional[naming.Location], pre: Optional[_Origin] = None) -> dict:
         """Where a pre-existing non-finite tensor first enters the step (sample rows, source rows)."""
         if loc is None:
             loc = self._loc_now()
         if a is None:
             a = _np(out)
+        gather = t_op in ("GatherV2", "ResourceGather")
+        if not gather and pre is not None and pre.tref is not None and pre.tref() is not None:
+            rows = N.bad_rows(_np(pre.tref()))     # the batch itself: its rows are the sample rows
+        else:
+            rows = N.bad_rows(a) if a is not None else []   # a gather's output rows are the batch rows
         d: dict[str, Any] = {"op": O.canonical(t_op), "tf_op": t_op, "stage": stage,
                              "file": loc.file if loc else None, "line": loc.line if loc else None,
                              "function": loc.function if loc else None, "module": loc.module if loc else None,
-                             "layer": loc.layer if loc else None,
-                             "samples": N.bad_rows(a) if a is not None else [], "source_rows": []}
+                             "layer": loc.layer if loc else None, "samples": rows, "source_rows": []}
         try:
-            if t_op in ("GatherV2", "ResourceGather") and d["samples"] and len(inputs) > 1:
+            if gather and d["samples"] and len(inputs) > 1:
                 index = _np(inputs[1])
                 if index is not None and index.dtype.kind in "iu" and index.ndim >= 1:
                     flat = index if index.ndim == 1 else index.reshape(index.shape[0], -1)[:, 0]
