@@ -274,7 +274,7 @@ def facts(rec: Any, t_op: str, idx: int, inputs: tuple, attrs: Any, outputs: tup
                             "lt_1": int((xf < 1).sum()) if e_op == "Acosh" else None,
                             "max_abs": N.tensor_stats(xf).get("max_abs"), "numel": int(xf.size)}
     if (e_op in O.EXP_OPS or (e_op in O.POW_OPS and _eager(arg(1)) and
-                              int(arg(1).shape.num_elements() or 0) > 1)) and xa is not None:
+                              int(np.prod(arg(1)._shape_tuple())) > 1)) and xa is not None:
         src = _np(arg(1)) if e_op in O.POW_OPS else xa
         st = N.tensor_stats(src)
         f["exp_input_max"] = st.get("max")

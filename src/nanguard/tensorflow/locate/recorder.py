@@ -90,6 +90,20 @@ def _is_eager(t: Any) -> bool:
         type(t).__name__ == "EagerTensor"
 
 
+def _numel(t: Any) -> int:
+    """Element count of an eager tensor without building a TensorShape (hot path)."""
+    try:
+        n = 1
+        for d in t._shape_tuple():
+            n *= int(d)
+        return n
+    except Exception:
+        try:
+            return int(t.shape.num_elements() or 0)
+        except Exception:
+            return 0
+
+
 def _dtype_name(dt: Any) -> Optional[str]:
     try:
         return tf.as_dtype(dt).name
@@ -638,7 +652,7 @@ class TFRecorder:
             ins.append((pos, x, nan, inf, taint, info.prod if info is not None else None))
             if N.is_float_dtype(dt) and record:
                 try:
-                    if x.shape.num_elements() == 1:
+                    if _numel(x) == 1:
                         scal.append((pos, float(_np(x).reshape(-1)[0])))
                 except Exception:
                     pass
@@ -679,7 +693,7 @@ class TFRecorder:
             if stage == "forward":
                 self._fwd_by_type.setdefault(t_op, []).append(idx)
                 if t_op in O.KEEP_FWD and self._keep_elems < _KEEP_FWD_BUDGET:
-                    n = sum(int(x.shape.num_elements() or 0) for x in inputs if _is_eager(x))
+                    n = sum(_numel(x) for x in inputs if _is_eager(x))
                     if self._keep_elems + n <= _KEEP_FWD_BUDGET:
                         self._keep[idx] = (t_op, inputs, attrs, len(outputs))
                         self._keep_elems += n
@@ -691,7 +705,7 @@ class TFRecorder:
                             i[2] or i[3] or self.op_type[p[0]] in O.KEEP_FWD):
                         self._consumers.setdefault(p[0], []).append((idx, t_op, any_nf, float_out))
             if low:
-                n = sum(int(x.shape.num_elements() or 0) for x in inputs if _is_eager(x))
+                n = sum(_numel(x) for x in inputs if _is_eager(x))
                 if n <= _RING_BUDGET:
                     self._ring[idx] = (t_op, inputs, attrs, len(outputs), n)
                     self._ring_elems += n
@@ -747,8 +761,8 @@ class TFRecorder:
         """A sum/mean over positions a mask filled with +-inf, giving a non-finite result."""
         if t_op not in O.MASK_SINKS or self._cur_stage() != "forward":
             return None
-        big = max((int(i[1].shape.num_elements() or 0) for i in ins), default=0)
-        if int(out.shape.num_elements() or 0) >= big:
+        big = max((_numel(i[1]) for i in ins), default=0)
+        if _numel(out) >= big:
             return None
         consts = [o for o in soft if o.kind == "constant" or (o.kind == "preexisting" and o.soft)]
         if len(consts) != len(soft):
@@ -872,7 +886,7 @@ class TFRecorder:
         vt = [i[4] for i in ins if i[4] is not None]
         wb: dict[str, Any] = {"op": O.canonical(t_op), "tf_op": t_op, "api": t_op, "stage": stage,
                               "kind": vt[0].kind if vt else "op", "value_kind": vt[0].pre_kind if vt else None,
-                              "input_numel": [int(i[1].shape.num_elements() or 0) for i in ins[:4]]}
+                              "input_numel": [_numel(i[1]) for i in ins[:4]]}
         if loc is not None:
             wb.update(file=loc.file, line=loc.line, function=loc.function, module=loc.module)
         o.detail = {"stats": st, "written_by": wb}
@@ -1065,6 +1079,12 @@ class TFRecorder:
                                "masked_nonfinite_origins": 0}
         if not self._loss_sinks and not self._grad_marked:
             notes.append("no loss or gradient was marked during the replay (no GradientTape.gradient call seen)")
+        scale = self._loss_scale()
+        if scale is not None:
+            res["loss_scale"] = scale
+            if sink_kind == "grad" and self._loss_sinks:
+                notes.append(f"the loss is finite and only the gradients of the loss scaled by {scale:g} are "
+                             "non-finite: a LossScaleOptimizer skips such a step and lowers its scale")
         if not reproduced:
             res["masked_nonfinite_origins"] = sum(1 for o in self._origins if o.kind in ("op", "constant"))
             if res["masked_nonfinite_origins"]:
@@ -1129,6 +1149,17 @@ class TFRecorder:
         if stage == "optimizer" or sink_kind == "optimizer":
             res["optimizer"] = self._optimizer_info(taint)
         return res
+
+    def _loss_scale(self) -> Optional[float]:
+        """The dynamic loss scale of a LossScaleOptimizer (as it was when the replay ended), else None."""
+        opt = self.optimizer
+        ds = getattr(opt, "dynamic_scale", None) if opt is not None else None
+        if ds is None:
+            return None
+        try:
+            return float(ds.numpy()) if hasattr(ds, "numpy") else float(ds)
+        except Exception:
+            return None
 
     def _optimizer_info(self, taint: _Origin) -> Optional[dict]:
         opt = self.optimizer
