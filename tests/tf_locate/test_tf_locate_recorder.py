@@ -199,3 +199,17 @@ def test_the_recorder_never_breaks_the_step():
         raise RuntimeError("user check failed")
     loc = localize(step, np.ones((2, 2), "float32"), model=model, optimizer=opt)
     assert not loc["reproduced"] and any("user check failed" in n for n in loc["notes"])
+
+
+def test_batchnorm_statistics_of_a_nan_batch_stay_bad_input_data():
+    """BatchNormalization writes the batch's NaN statistics into its moving averages during the step:
+    that write carries the batch's taint, it is not a parameter corruption."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+    opt = keras.optimizers.SGD(0.01)
+    x = np.ones((4, 3), "float32")
+    x[2, 0] = np.nan
+    loc = localize(lambda a, b: _train(model, opt, a, b), x, np.zeros((4, 1), "float32"), model=model,
+                   optimizer=opt)
+    assert loc["phase"] == "data" and loc["preexisting"]["kind"] == "data" and loc["preexisting"]["samples"] == [2]
+    assert category(loc) == "bad_input_data"
+    assert np.isfinite(model.layers[0].moving_mean.numpy()).all()      # restored

@@ -847,7 +847,10 @@ class TFRecorder:
                     continue
                 nan, inf = N.nonfinite_flags(new)
                 taint = None
-                if (nan or inf) and stage != "optimizer" and not any(self._var_start_nf.get(id(hh), (False, False))):
+                vt = [i[4] for i in ins if i[4] is not None and i[4].real]
+                external = all(t.op == idx for t in vt)   # the value's taint was born here: made outside the step
+                if (nan or inf) and stage != "optimizer" and external and \
+                        not any(self._var_start_nf.get(id(hh), (False, False))):
                     # the program itself wrote non-finite values into a variable (an assign between updates,
                     # a warm start, a bad re-initialisation): for the step that reads it, a corrupted variable
                     taint = self._written_var(hh, var, new, nan, inf, t_op, idx, ins, stage)
