@@ -406,3 +406,16 @@ def test_large_but_finite_values_are_clean():
     y = np.full(16, 3e30, "float32")
     loc = localize(_step(model, l1_kg, opt), x, y, model=model, optimizer=opt)
     assert not loc["reproduced"] and loc["origins_seen"] == 0 and loc["n_ops"] > 20
+
+
+# ----------------------------------------------------------------------------- kl_misuse does not apply
+def test_keras_kl_divergence_with_log_probability_targets_is_finite():
+    """kl_misuse (PyTorch's F.kl_div fed log-probabilities as target) has no TensorFlow counterpart:
+    keras.losses.KLDivergence clips both arguments to [eps, 1], so log-probability targets give a wrong
+    but finite loss; the recorder must report nothing."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+    opt = keras.optimizers.SGD(0.01)
+    target_logp = np.log(np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]], "float32"))
+    loc = localize(_step(model, keras.losses.KLDivergence(), opt), np.ones((2, 4), "float32"), target_logp,
+                   model=model, optimizer=opt)
+    assert not loc["reproduced"] and loc["origins_seen"] == 0
