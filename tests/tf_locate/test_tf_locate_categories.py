@@ -419,3 +419,27 @@ def test_keras_kl_divergence_with_log_probability_targets_is_finite():
     loc = localize(_step(model, keras.losses.KLDivergence(), opt), np.ones((2, 4), "float32"), target_logp,
                    model=model, optimizer=opt)
     assert not loc["reproduced"] and loc["origins_seen"] == 0
+
+
+# ----------------------------------------------------------------------------- built-in loss
+class MaskLogits(keras.layers.Layer):
+    def call(self, logits, allowed):
+        return tf.where(allowed, logits, -np.inf)
+
+
+def test_op_inside_a_builtin_loss_is_named_by_the_loss_construction_line():
+    """Constrained decoding: disallowed classes get -inf logits; a row with no allowed class makes the
+    built-in cross-entropy's fused log-softmax NaN. The op is inside keras' loss, so the line is where
+    that loss object was constructed."""
+    x_in, a_in = keras.Input((4,)), keras.Input((3,), dtype="bool")
+    model = keras.Model([x_in, a_in], MaskLogits()(keras.layers.Dense(3)(x_in), a_in))
+    opt = keras.optimizers.SGD(0.01)
+    xent = keras.losses.CategoricalCrossentropy(from_logits=True)  # <loss-ctor>
+    allowed = np.array([[1, 1, 0], [0, 0, 0], [1, 0, 1]], bool)       # row 1: nothing allowed
+    y = keras.utils.to_categorical([0, 1, 2], 3).astype("float32")
+    loc = localize(_step(model, xent, opt), (np.ones((3, 4), "float32"), allowed), y, model=model, optimizer=opt)
+    o = loc["origin"]
+    assert loc["phase"] == "forward" and o["tf_op"] == "SoftmaxCrossEntropyWithLogits"
+    assert o["line"] == L("# <loss-ctor>") and o["line_source"] == "constructor" and o["layer"] is None
+    assert loc["facts"]["softmax_all_masked_rows"]["batch_rows"] == [1]
+    assert category(loc) == "masked_softmax"
