@@ -49,10 +49,9 @@ What the recorder implements (``locate.make_recorder(capture) -> Recorder``)
                                   ``reproduced``), which ``nanguard.core.pipeline.build_event`` and
                                   ``nanguard.core.diagnosis.diagnose`` read.
 
-Optionally, ``locate`` may call ``nanguard.tensorflow.watch.register_install_hook(name, install)``
-at import to have ``install()`` run whenever a watcher is installed (before a script's first line
-under ``nanguard run``), e.g. to record each Keras layer's construction line; ``install`` returns
-its own uninstall callable.
+The watcher installs ``locate.naming.install_construction_hook`` with its other hooks (before a
+script's first line under ``nanguard run``), so an origin inside a built-in layer is named by the
+line where that layer was constructed.
 
 The driver (:func:`nanguard.tensorflow.replay.localize`) turns the outcome into the ``loc_run`` dict
 of ``build_event``: ``{"method": "replay" | "rerun", "reproduced": bool, "localization": loc,

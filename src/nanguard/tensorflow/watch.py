@@ -18,8 +18,8 @@
   replay of a failing ``model.fit`` step: dropout draws the same numbers);
 * ``Model.fit``: the batch of each ``train_step`` is kept, in-graph, for the failing-step capture
   (:mod:`.capture`), and only read when a step fails;
-* and the install hooks registered with :func:`register_install_hook` (e.g. the op recorder's
-  construction-line hook on ``Layer.__init__``).
+* ``keras.layers.Layer`` / ``keras.losses.Loss`` construction: the user line where each is built,
+  for naming an origin inside a built-in layer (:func:`.locate.naming.install_construction_hook`).
 
 Every hook body is guarded: a bug in nanguard warns and disables the guard instead of killing the
 user's training (unless ``strict``).
@@ -39,6 +39,7 @@ from ..core.config import GuardConfig
 from ..core.events import Detection
 from ..core.history import StepHistory
 from . import detect as D
+from .locate.naming import install_construction_hook
 
 
 class StopRun(BaseException):
@@ -57,15 +58,6 @@ _ACTIVE: Optional["TFWatcher"] = None
 # but never skips an update (its `active` variable is off).
 _STATES: Dict[int, "OptState"] = {}
 _FN_STATES: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
-_INSTALL_HOOKS: List[Tuple[str, Callable[[], Optional[Callable[[], None]]]]] = []
-
-
-def register_install_hook(name: str, install: Callable[[], Optional[Callable[[], None]]]) -> None:
-    """Run ``install()`` whenever a watcher is installed (before the script runs, under ``nanguard
-    run``); the callable it returns (if any) is called at uninstall. For hooks that must see the
-    script from its start, e.g. recording the construction line of every Keras layer."""
-    if all(n != name for n, _ in _INSTALL_HOOKS):
-        _INSTALL_HOOKS.append((name, install))
 
 
 def active() -> Optional["TFWatcher"]:
@@ -271,14 +263,11 @@ class TFWatcher:
             else:
                 st.active.assign(self.skip_bad)
         self._uninstallers = []
-        for name, hook in list(_INSTALL_HOOKS):
-            try:
-                undo = hook()
-            except Exception as e:
-                warnings.warn(f"nanguard: install hook {name!r} failed: {type(e).__name__}: {e}", RuntimeWarning)
-                continue
-            if callable(undo):
-                self._uninstallers.append(undo)
+        try:
+            self._uninstallers.append(install_construction_hook())
+        except Exception as e:
+            warnings.warn(f"nanguard: could not record layer construction lines: {type(e).__name__}: {e}",
+                          RuntimeWarning)
         del keras
 
     def _patch_apply(self, base: type) -> None:
