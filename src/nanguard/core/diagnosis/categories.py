@@ -15,8 +15,9 @@ CATEGORIES: dict[str, str] = {
     "param_corruption": "A parameter or buffer is non-finite before the step uses it (bad initialisation, a "
                         "write under no_grad, a previous bad update). Selected when the provenance ends in a "
                         "parameter/buffer, or the detector saw non-finite parameters before the forward.",
-    "log_domain": "log/log2/log10/log1p/xlogy received 0 or a negative number (log(0) = -inf, log(<0) = NaN), "
-                  "e.g. log(sigmoid) or log(1 - p) where a probability rounded to exactly 0 or 1. Selected by "
+    "log_domain": "log/log2/log10/xlogy received 0 or a negative number (log(0) = -inf, log(<0) = NaN), or log1p "
+                  "-1 or below, e.g. log(sigmoid) or log(1 - p) where a probability rounded to exactly 0 or 1. "
+                  "Selected by "
                   "an origin op of the log family with inputs <= 0 in a float32/float64 model (or a float16 "
                   "one whose float32 re-run is just as non-finite).",
     "div_by_zero": "A division whose denominator is exactly 0 (x/0 = inf, 0/0 = NaN), typically a count or a "
@@ -26,8 +27,9 @@ CATEGORIES: dict[str, str] = {
                    "the backward 1/(2*sqrt(0)) = inf times 0 = NaN. Selected by such an origin op (for pow "
                    "with element-wise exponents: a negative base under a non-integer exponent), or a "
                    "backward origin in SqrtBackward/RsqrtBackward/PowBackward/NormBackward.",
-    "trig_domain": "acos/asin/atanh (and acosh) evaluated at or beyond +-1 (NaN or inf in the value or the "
-                   "gradient). Selected by such an origin op with |x| >= 1.",
+    "trig_domain": "acos/asin/atanh evaluated at or beyond +-1, or acosh at or below 1 (NaN or inf in the value "
+                   "or the gradient). Selected by such an origin op with |x| >= 1 (acosh: x < 1, or x = 1 for a "
+                   "backward origin).",
     "exp_overflow": "exp (or sinh/cosh/softplus-like) of an argument above log(dtype max) (88.7 in float32) "
                     "gives inf, typically a hand-written softmax; inf/inf then gives NaN. Selected by an exp-"
                     "family origin whose input max passes the threshold with no sign of divergence in the "

@@ -2,27 +2,27 @@
 
 Add an op rule
 --------------
-1. Find the family module in ``core/diagnosis/rules/`` (log, roots, trig, exp, division, softmax,
-   stdvar) or add one (and import it in ``rules/__init__.py``). Declare the family once::
+1. Declare the family once, in its group module under ``core/diagnosis/rules/`` (log, roots, trig,
+   exp, division, softmax, stdvar; a new module is imported in ``rules/__init__.py``)::
 
        ERFINV = register(Family(
-           "erfinv", ops={"erfinv"}, tf_ops={"Erfinv"},        # aten names without overload / "_"
-           domain=Domain("ge", 1.0, abs=True),                   # plain data: |x| >= 1 is non-finite
-           evidence=("domain",), nodes=("erfinv",),              # facts to gather; autograd node family
-           categories=("other",)))
+           "erfinv", ops={"erfinv"}, tf_ops={"Erfinv"},   # aten names (no overload, no "_"); TF op types
+           domain=Domain("ge", 1.0, abs=True),              # plain data: not finite where |x| >= 1
+           evidence=("domain",), nodes=("erfinv",),         # facts to gather; 'ErfinvBackward0' -> 'erfinv'
+           keep_forward=True, categories=("other",)))       # keep inputs for backward origins
 
-2. Write its rule next to it: a function of a :class:`~.case.Case` that returns a cause
-   (``text.result(category, summary with numbers, confidence, c.ev, fixes, c.method)``) or None to
-   let later rules decide. ``@ERFINV.rule(DOMAIN)`` runs it for forward origins of the family's
-   ops; ``stage="backward", match="op_or_node"`` for backward origins. Rules run by ``order``
-   (the slots below); ``rules/trig.py``'s acosh is a complete example (domain rule, both stages).
-3. Evidence: ``"domain"`` (counts of inputs inside ``Domain``, for the value and the gradient) is
-   generic, so a declared domain needs no new code. A rule that needs other numbers adds a
-   gatherer to ``nanguard/pytorch/locate/evidence.py`` (``@gatherer("my_fact")``, writing
-   ``facts["my_fact"]``) and lists ``"my_fact"`` in ``evidence=``; the TensorFlow backend keys its
-   gatherers by the same names.
-4. Add a test driven by a real training step (``tests/test_locate.py``) and regenerate
-   ``docs/CATEGORIES.md`` (``python -m nanguard.core.diagnosis.docs``).
+2. Write its rule below it: ``fn(c: Case) -> cause | None`` (None lets later rules decide), e.g.
+   ``@ERFINV.rule(DOMAIN)`` returning ``domain_result(c, "other", why=..., fixes=[...])``
+   (``rules/domain.py``: a summary with the counts, the condition and the range), or your own
+   ``text.result(category, summary, confidence, c.ev, fixes, c.method)``. Add
+   ``@ERFINV.rule(BACKWARD + 20, stage="backward", match="op_or_node")`` for backward origins.
+   Rules run by ``order`` (the slots below); the acosh family in ``rules/trig.py`` is a complete example.
+3. Evidence: the ``"domain"`` gatherer is generic (counts of the inputs inside ``Domain``, for the value
+   and the gradient), so a declared domain needs no backend code. For other numbers add a gatherer to
+   ``nanguard/pytorch/locate/evidence.py`` (``@gatherer("my_fact")`` returning ``{"my_fact": ...}``)
+   and list ``"my_fact"`` in ``evidence=``; it then also shows in ``cause.evidence.facts``.
+4. Add a test that drives a real training step to the failure (``tests/test_locate.py``) and
+   regenerate ``docs/CATEGORIES.md`` (``python -m nanguard.core.diagnosis.docs > docs/CATEGORIES.md``).
 The recorder and the dispatcher (``engine.py``) need no change.
 """
 from __future__ import annotations

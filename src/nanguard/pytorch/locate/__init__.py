@@ -25,7 +25,7 @@ Parts, one job each:
 * ``oplog``: the per-op records of the step and the tensors kept alive for evidence;
 * ``provenance``: taints, origins and the sinks they must reach;
 * ``evidence``: the facts about an origin, one registered gatherer per fact (keyed like the op
-  families of ``nanguard.core.diagnosis.families``);
+  families of ``nanguard.core.diagnosis.families``); ``rerun``: an op re-run in float64/float32;
 * ``recorder``: ``OpRecorder``, which ties them; ``result``: the localisation dict it returns.
 """
 from __future__ import annotations

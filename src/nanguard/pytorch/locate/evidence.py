@@ -21,8 +21,9 @@ from .. import numerics as N
 from ..numerics import jnum
 from .naming import Frames
 from .oplog import OpLog
-from .ops import Mutations, flat_tensors, is_inplace, opname
+from .ops import Mutations, flat_tensors, opname
 from .provenance import Origin, Provenance
+from .rerun import Reruns
 
 aten = torch.ops.aten
 
@@ -90,8 +91,8 @@ class Evidence:
     """Describes origins (op, line, module, inputs, facts) from the op log and the provenance."""
 
     def __init__(self, log: OpLog, prov: Provenance, frames: Frames, api_stack: list, mutations: Mutations) -> None:
-        self.log, self.prov, self.frames, self.api_stack, self.mutated = log, prov, frames, api_stack, mutations
-        self._chain_ops: list[str] = []
+        self.log, self.prov, self.frames, self.api_stack = log, prov, frames, api_stack
+        self.reruns = Reruns(log, prov, mutations)
 
     # ------------------------------------------------------------------ origin description
     def first_use(self, func: Any, name: str, args: Sequence[Any], out: torch.Tensor, stage: str,
@@ -211,86 +212,6 @@ class Evidence:
                             out.append(f)
         return out[:10]
 
-    def cast_args(self, args: Any, kwargs: dict, dtype: torch.dtype, subst: dict | None = None) -> tuple:
-        def cv(a):
-            if isinstance(a, torch.Tensor):
-                if subst and id(a) in subst:
-                    return subst[id(a)]
-                if a.dtype.is_floating_point and a.layout == torch.strided:
-                    return aten._to_copy.default(a.detach(), dtype=dtype)
-                return a.detach()
-            if isinstance(a, (list, tuple)):
-                return type(a)(cv(b) for b in a)
-            if isinstance(a, torch.dtype) and a.is_floating_point:
-                return dtype
-            return a
-        return tuple(cv(a) for a in args), {k: cv(v) for k, v in kwargs.items()}
-
-    def rerun(self, func: Any, args: Any, kwargs: dict, dtype: torch.dtype, pos: int | None,
-              subst: dict | None = None) -> list[torch.Tensor]:
-        """Floating outputs of ``func`` re-run on copies of its arguments cast to ``dtype``."""
-        a, k = self.cast_args(args, kwargs, dtype, subst)
-        if "out" in k:
-            return []
-        out = func(*a, **k)
-        mut = [m for _k, m in self.mutated(func, a, k)]
-        res = []
-        for o in ([out] if isinstance(out, torch.Tensor) else list(out or ())) + mut:
-            if isinstance(o, (list, tuple)):
-                if pos is not None and pos < len(o):
-                    o = o[pos]
-                else:
-                    continue
-            if isinstance(o, torch.Tensor) and o.dtype.is_floating_point:
-                res.append(o)
-        return res
-
-    def rerun_fact(self, func, args, kwargs, dtype, pos, subst=None) -> dict:
-        try:
-            outs = self.rerun(func, args, kwargs, dtype, pos, subst)
-        except Exception as e:
-            return {"error": f"{type(e).__name__}: {str(e)[:120]}"}
-        if not outs:
-            return {"error": "no floating output"}
-        fin = all(not any(N.nonfinite_flags(o)) for o in outs)
-        mx = max((N.tensor_stats(o).get("max_abs") for o in outs), key=lambda v: v if isinstance(v, float) else -1)
-        return {"op": str(func), "dtype": N.dtype_name(dtype), "finite": fin, "max_abs": mx}
-
-    def rerun32_tensor(self, t: Any, depth: int) -> Any:
-        """float32 version of ``t``, recomputed from its producers' inputs when they are still held."""
-        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.dtype not in N.LOW_PRECISION:
-            return t
-        prod = self.prov.producer(t)
-        if depth <= 0 or prod is None or prod[0] not in self.log.ring:
-            return aten._to_copy.default(t.detach(), dtype=torch.float32)
-        func, args, kwargs, _n = self.log.ring[prod[0]]
-        if is_inplace(func) or self.mutated(func, args, kwargs):
-            return aten._to_copy.default(t.detach(), dtype=torch.float32)
-        subst = {}
-        for _k, _p, a in flat_tensors(args, kwargs):
-            if a.dtype in N.LOW_PRECISION:
-                subst[id(a)] = self.rerun32_tensor(a, depth - 1)
-        try:
-            outs = self.rerun(func, args, kwargs, torch.float32, prod[1], subst)
-        except Exception:
-            outs = []
-        match = [o for o in outs if tuple(o.shape) == tuple(t.shape)]
-        self._chain_ops.append(self.log.name[prod[0]])
-        return match[0] if match else aten._to_copy.default(t.detach(), dtype=torch.float32)
-
-    def float32_chain(self, p: Probe) -> dict:
-        """The origin re-run in float32 directly, and with its low-precision inputs recomputed in float32
-        from their producers (up to two ops up)."""
-        direct = self.rerun_fact(p.func, p.args, p.kwargs, torch.float32, p.pos0)
-        self._chain_ops = []
-        subst = {}
-        for i in p.rel:
-            if i[2].dtype in N.LOW_PRECISION:
-                subst[id(i[2])] = self.rerun32_tensor(i[2], 2)
-        chain = self.rerun_fact(p.func, p.args, p.kwargs, torch.float32, p.pos0, subst)
-        return {"direct_finite": direct.get("finite"), "chain_finite": chain.get("finite"),
-                "chain_ops": self._chain_ops[:10], "max_abs": direct.get("max_abs")}
-
     def kl_facts(self) -> dict | None:
         """The target of an enclosing F.kl_div call: log-probabilities given with log_target=False?"""
         for nm, a, k in reversed(self.api_stack):
@@ -353,11 +274,11 @@ class Evidence:
 def _float64(p: Probe) -> dict:
     """The origin op in float64 (still non-finite: a domain error; finite: the dtype ran out), and the
     examined forward op of a backward origin (its float64 re-run and its output statistics)."""
-    ev = p.ev
-    f = {"float64_rerun": ev.rerun_fact(p.func, p.args, p.kwargs, torch.float64, p.pos0)}
+    rr = p.ev.reruns
+    f = {"float64_rerun": rr.rerun_fact(p.func, p.args, p.kwargs, torch.float64, p.pos0)}
     if p.e_func is not p.func:
-        f["forward_float64_rerun"] = ev.rerun_fact(p.e_func, p.e_args, p.e_kwargs, torch.float64, None)
-        fo = ev.rerun(p.e_func, p.e_args, p.e_kwargs, p.ftens[0].dtype if p.ftens else p.t0.dtype, None) \
+        f["forward_float64_rerun"] = rr.rerun_fact(p.e_func, p.e_args, p.e_kwargs, torch.float64, None)
+        fo = rr.rerun(p.e_func, p.e_args, p.e_kwargs, p.ftens[0].dtype if p.ftens else p.t0.dtype, None) \
             if p.ftens else []
         if fo:
             f["forward_output"] = N.tensor_stats(fo[0])
@@ -367,7 +288,7 @@ def _float64(p: Probe) -> dict:
 @gatherer("float32_rerun", always=True)
 def _float32(p: Probe) -> dict | None:
     if p.t0.dtype in N.LOW_PRECISION and p.stage != "backward":
-        return {"float32_rerun": p.ev.float32_chain(p)}
+        return {"float32_rerun": p.ev.reruns.float32_chain(p.func, p.args, p.kwargs, p.pos0, p.rel)}
     return None
 
 

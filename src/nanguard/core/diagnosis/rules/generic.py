@@ -16,7 +16,7 @@ def _where_trap_rule(c) -> dict | None:
 
 
 @F.generic_rule(1700, categories=("low_precision_overflow", "lr_too_high", "gradient_explosion", "other"))
-def _overflow_rule(c) -> dict | None:
+def _overflow_from_finite_inputs_rule(c) -> dict | None:
     """+-inf from finite inputs: low precision, divergence in the history, a pole, or the dtype's range."""
     if not (c.overflow_range or c.inf_only):
         return None

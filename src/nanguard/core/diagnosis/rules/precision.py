@@ -8,14 +8,14 @@ from .. import text as T
 
 
 @F.generic_rule(800, categories=("low_precision_overflow",))
-def _overflow_rule(c) -> dict | None:
+def _low_precision_overflow_rule(c) -> dict | None:
     if c.low and c.overflow_range and c.f32.get("direct_finite"):
         return lp_overflow(c.origin, c.facts, c.ev, c.method)
     return None
 
 
 @F.generic_rule(1600, categories=("low_precision_underflow",))
-def _underflow_rule(c) -> dict | None:
+def _low_precision_underflow_rule(c) -> dict | None:
     if c.low and underflow_evidence(c.facts):
         return lp_underflow(c.origin, c.facts, c.ev, c.method)
     return None
