@@ -326,7 +326,8 @@ def test_acosh_rule_reads_the_generic_domain_fact():
               forward_op="aten.acosh.default", sink="grad", facts={"domain": dict(dom, inside=0, grad_inside=1)},
               output={"nan": 0, "posinf": 1, "neginf": 0})
     d = run(bwd, CALM, phase="backward")
-    assert d["category"] == "trig_domain" and "AcoshBackward0" in d["summary"] and "1 input(s) with x <= 1" in d["summary"]
+    assert d["category"] == "trig_domain" and "AcoshBackward0" in d["summary"]
+    assert "1 input(s) with x <= 1" in d["summary"]
 
 
 def test_log1p_fixes_keep_the_argument_above_minus_one():

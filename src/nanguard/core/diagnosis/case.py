@@ -1,8 +1,6 @@
 """What a rule sees: one origin with its evidence, read once into plain attributes."""
 from __future__ import annotations
 
-from typing import Any
-
 from . import families as F
 from .text import LOW_DTYPES, api_or_op, node_family, opshort, where
 
@@ -36,17 +34,9 @@ class Case:
         self.family = F.family_of(self.examined)
         self.node_family = node_family(self.node)
 
-    def in_family(self, *names: str) -> bool:
-        """Is the examined op in one of the named families?"""
-        return self.family is not None and self.family.name in names
-
     def domain(self) -> F.Domain | None:
         """The declared domain of the examined op."""
         return self.family.domain_for(self.examined) if self.family is not None else None
 
     def __repr__(self) -> str:
         return f"Case({self.examined!r}, stage={self.stage!r}, family={getattr(self.family, 'name', None)!r})"
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """A fact (evidence gathered by the backend), ``default`` when absent or empty."""
-        return self.facts.get(key) or default

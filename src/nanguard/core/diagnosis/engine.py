@@ -39,8 +39,8 @@ def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: 
             out = from_history(loc, sig, phase, context)
     except Exception as e:  # a diagnosis must always come back
         out = T.result("other", f"diagnosis failed ({type(e).__name__}: {e}); phase {phase}", 0.1,
-                      {"error": str(e)[:200]}, ["inspect the step manually with torch.autograd.detect_anomaly()"],
-                      "error while diagnosing")
+                       {"error": str(e)[:200]}, ["inspect the step manually with torch.autograd.detect_anomaly()"],
+                       "error while diagnosing")
     out["evidence"].setdefault("history", {k: v for k, v in sig.items() if v not in (None, False, 0, [])})
     out["confidence"] = float(max(0.0, min(1.0, out["confidence"])))
     return T.jsonable(out)
@@ -60,14 +60,14 @@ def from_history(loc: dict | None, sig: dict, phase: str, ctx: dict) -> dict:
         when = "; ".join(f"{n} since step {s}" for n, s in list(since.items())[:5])
         ev["params_nonfinite"] = bad_params[:10]
         return T.result("param_corruption", f"parameters {names} are non-finite before the step"
-                       + (f" ({when})" if when else ""), 0.6, ev,
-                       [f"find what wrote non-finite values into {names}: check initialisation and any "
+                        + (f" ({when})" if when else ""), 0.6, ev,
+                        [f"find what wrote non-finite values into {names}: check initialisation and any "
                         "in-place writes under torch.no_grad()",
                         "restore the last finite checkpoint (or roll back the update) and re-initialise the "
                         "affected parameters"], method)
     if phase == "data":
         return T.result("bad_input_data", "the batch already holds non-finite values before the forward", 0.55,
-                       ev, ["filter non-finite samples in the data pipeline, e.g. keep rows with "
+                        ev, ["filter non-finite samples in the data pipeline, e.g. keep rows with "
                             "torch.isfinite(x).all(dim=1)", "fix the source rows (blank CSV fields, "
                             "division by zero in preprocessing)"], method)
     dv = divergence(sig, None, ev, method, 0.55)
@@ -76,8 +76,8 @@ def from_history(loc: dict | None, sig: dict, phase: str, ctx: dict) -> dict:
     if phase == "optimizer":
         return optimizer_result(None, {}, ev, method, 0.4, ctx)
     return T.result("other", f"a non-finite value appeared in the {phase} phase; the history shows no "
-                   "divergence and the op could not be identified", 0.2, ev,
-                   ["re-run the failing step under torch.autograd.detect_anomaly(check_nan=True) to find the "
+                    "divergence and the op could not be identified", 0.2, ev,
+                    ["re-run the failing step under torch.autograd.detect_anomaly(check_nan=True) to find the "
                     "op", "check inputs with torch.isfinite before the forward"], method)
 
 
@@ -106,8 +106,8 @@ def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
         return optimizer_result(loc, facts, ev, method, 0.85, ctx)
     if origin.get("kind") == "constant":
         return T.result("other", f"a non-finite constant written by the program at {T.where(origin)} "
-                       f"({T.api_or_op(origin)}) reached the {phase} result", 0.5, ev,
-                       ["mask with a large finite value (torch.finfo(dtype).min) instead of -inf, or make sure "
+                        f"({T.api_or_op(origin)}) reached the {phase} result", 0.5, ev,
+                        ["mask with a large finite value (torch.finfo(dtype).min) instead of -inf, or make sure "
                         "the masked entries never reach the loss (torch.where / nan_to_num after the op)"], method)
     return mechanism(Case(origin, facts, sig, phase, ev, method, ctx))
 

@@ -97,7 +97,7 @@ class Rule:
         return bool(op or node)
 
 
-@dataclass
+@dataclass(eq=False)
 class Family:
     """Ops that fail the same way. ``ops``: aten names (overload and in-place ``_`` dropped);
     ``tf_ops``: TensorFlow op type names; ``name_contains``: substrings for open-ended op names
@@ -124,12 +124,6 @@ class Family:
     def __post_init__(self) -> None:
         self.ops = frozenset(self.ops)
         self.tf_ops = frozenset(self.tf_ops)
-
-    def __hash__(self) -> int:
-        return id(self)
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
 
     def domain_for(self, op: str | None) -> Domain | None:
         """The op's own domain (log1p: x <= -1) or the family's."""

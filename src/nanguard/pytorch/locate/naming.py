@@ -121,7 +121,8 @@ class Names:
     after start()); ``optimizers`` the caller's list (optimizers found on the stack are appended)."""
 
     def __init__(self, named_params: dict, named_buffers: dict, optimizers: list, notes: list[str]) -> None:
-        self.named_params, self.named_buffers, self.optimizers, self.notes = named_params, named_buffers, optimizers, notes
+        self.named_params, self.named_buffers = named_params, named_buffers
+        self.optimizers, self.notes = optimizers, notes
         self.param_ids: dict[int, str] = {}
         self.buffer_ids: dict[int, str] = {}
         self.param_storage: dict[int, str] = {}

@@ -32,7 +32,7 @@ def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: floa
         growth = f"the loss grew ×{T.g(lfac, 3)} per step for {lrun} consecutive steps" if lrun >= 3 else \
             f"the gradient norm grew ×{T.g(gfac, 3)} per step for {grun} consecutive steps"
         return T.result("lr_too_high", f"learning rate too high: {growth} until it overflowed{where}"
-                       + (f"; lr {T.g(lr0)}" if lr0 else ""), conf, ev, fixes, method)
+                        + (f"; lr {T.g(lr0)}" if lr0 else ""), conf, ev, fixes, method)
     if sig.get("grad_jump"):
         p95 = sig.get("grad_norm_p95_healthy")
         ev.update(grad_norm_last=sig.get("grad_norm_last"), grad_norm_median_before=sig.get(
@@ -46,9 +46,9 @@ def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: floa
         fixes.append("for recurrent models keep the recurrent matrix's spectral radius below 1 (orthogonal "
                      "init with gain < 1, gating) and use truncated BPTT")
         return T.result("gradient_explosion", f"gradient explosion: the gradient norm jumped from a median of "
-                       f"{T.g(sig.get('grad_norm_median_before'))} to {T.g(sig.get('grad_norm_last'))} "
-                       f"(×{T.g(sig.get('grad_jump_factor'), 3)}) in one step and the next forward overflowed"
-                       f"{where}", conf, ev, fixes, method)
+                        f"{T.g(sig.get('grad_norm_median_before'))} to {T.g(sig.get('grad_norm_last'))} "
+                        f"(×{T.g(sig.get('grad_jump_factor'), 3)}) in one step and the next forward overflowed"
+                        f"{where}", conf, ev, fixes, method)
     return None
 
 
@@ -56,10 +56,10 @@ def loss_scale(sig: dict, ev: dict, method: str, conf: float) -> dict:
     ev.update(loss_scale_first=sig.get("loss_scale_first"), loss_scale_last=sig.get("loss_scale_last"),
               loss_scale_drops=sig.get("loss_scale_drops"), skipped_recent=sig.get("skipped_recent"))
     return T.result("loss_scale_collapse", f"the loss scale fell from {T.g(sig.get('loss_scale_first'))} to "
-                   f"{T.g(sig.get('loss_scale_last'))} over {sig.get('loss_scale_drops')} consecutive reductions "
-                   f"with {sig.get('skipped_recent')} of the last 8 steps skipped: gradients are non-finite at "
-                   "every scale", conf, ev,
-                   ["the gradients overflow even at a tiny scale, so a real non-finite source exists: run one "
+                    f"{T.g(sig.get('loss_scale_last'))} over {sig.get('loss_scale_drops')} consecutive reductions "
+                    f"with {sig.get('skipped_recent')} of the last 8 steps skipped: gradients are non-finite at "
+                    "every scale", conf, ev,
+                    ["the gradients overflow even at a tiny scale, so a real non-finite source exists: run one "
                     "step in float32 (autocast disabled) to find it",
                     "use bfloat16 autocast (float32 range, no loss scaling needed) instead of float16",
                     "keep torch.amp.GradScaler but lower growth_factor / raise growth_interval, and keep "

@@ -28,8 +28,8 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
         return T.result("bad_input_data", summ, 0.95, ev, fixes, method)
     if kind == "optimizer_state":
         return T.result("optimizer_numerics", f"optimizer state {name} was already non-finite before the step "
-                       f"({n_bad} of {numel} values)", 0.7, ev,
-                       ["reset the optimizer state (re-create the optimizer) after restoring finite parameters",
+                        f"({n_bad} of {numel} values)", 0.7, ev,
+                        ["reset the optimizer state (re-create the optimizer) after restoring finite parameters",
                         "see why a previous update made the state non-finite (eps below the dtype's tiny, "
                         "float16 state)"], method)
     since = (ctx.get("bad_params_since") or {}).get(name)
