@@ -261,8 +261,79 @@ def test_long_accelerating_growth_is_divergence_not_other():
 
 
 def test_categories_doc_matches_the_code():
+    """docs/CATEGORIES.md is generated from CATEGORIES and the op-family registry (the ops per category)."""
     import pathlib
     from nanguard.core.diagnosis import CATEGORIES
+    from nanguard.core.diagnosis.docs import categories_markdown
     doc = (pathlib.Path(__file__).parent.parent / "docs" / "CATEGORIES.md").read_text()
+    assert doc == categories_markdown(), "regenerate: python -m nanguard.core.diagnosis.docs > docs/CATEGORIES.md"
+    rows = {ln.split(" | ")[0][3:-1]: ln for ln in doc.splitlines() if ln.startswith("| `")}
     for name, text in CATEGORIES.items():
-        assert f"| `{name}` | {text.replace('|', '/')} |" in doc, name
+        assert f"| `{name}` | {text.replace('|', chr(92) + '|')} |" in rows[name], name
+    assert "`acosh`" in rows["trig_domain"] and "`log1p`" in rows["log_domain"] and "`sqrt`" in rows["sqrt_domain"]
+    assert "`acosh`" not in rows["log_domain"]
+
+
+# --------------------------------------------------------------------------- the op-family registry
+def test_family_registry_is_consistent():
+    from nanguard.core.diagnosis import families as F
+    fams = F.families()
+    names = [f.name for f in fams]
+    assert len(names) == len(set(names))
+    seen: dict = {}
+    for f in fams:
+        for op in f.ops:
+            assert op not in seen, (op, f.name, seen.get(op))
+            seen[op] = f.name
+        assert F.family_of(next(iter(f.ops), None) or f.name_contains[0] + "_x") is f
+    for r in F.rules():
+        assert r.categories and set(r.categories) <= set(CATEGORIES), (r.fn.__name__, r.categories)
+        assert r.match in ("op", "node", "op_or_node", "any") and r.stage in ("any", "backward")
+    orders = [r.order for r in F.rules()]
+    assert orders == sorted(orders)
+    # one family lookup for both frameworks: aten names and TensorFlow op types
+    assert F.family_of("acosh").name == F.family_of("Acosh").name == "acosh"
+    assert F.family_of("log1p").name == F.family_of("Log1p").name == "log1p"
+    assert F.family_of("_scaled_dot_product_flash_attention_for_cpu").name == "attention"
+    assert F.family_of("mm") is None and F.family_of("") is None and F.family_of(None) is None
+    with pytest.raises(ValueError):
+        F.register(F.Family("log_again", ops={"log"}))
+    assert F.family_of("log").name == "log"
+
+
+def test_declared_domains_are_plain_data():
+    from nanguard.core.diagnosis import families as F
+    acosh = F.family_of("acosh").domain
+    assert acosh.text() == "x < 1" and acosh.text(grad=True) == "x <= 1"
+    assert acosh.contains(0.5) and not acosh.contains(1.0) and acosh.contains(1.0, grad=True)
+    log = F.family_of("log")
+    assert log.domain_for("log").text() == "x <= 0" and log.domain_for("xlogy").text("other") == "other <= 0"
+    assert F.family_of("log1p").domain_for("log1p").contains(-1.0) and not F.family_of("log1p").domain.contains(-0.5)
+    trig = F.family_of("acos").domain
+    assert trig.text() == "|x| > 1" and trig.contains(-1.5) and not trig.contains(1.0) and trig.contains(1.0, grad=True)
+    with pytest.raises(ValueError):
+        F.Domain("eq", 0.0)
+
+
+def test_acosh_rule_reads_the_generic_domain_fact():
+    dom = {"condition": "x < 1", "grad_condition": "x <= 1", "arg": "self", "inside": 5, "grad_inside": 5,
+           "numel": 16, "min": -0.2, "max": 1.7}
+    d = run(loc("aten.acosh.default", api="torch.acosh", facts={"domain": dom},
+                output={"nan": 5, "posinf": 0, "neginf": 0}), CALM)
+    assert d["category"] == "trig_domain" and "5 value(s) with x < 1 of 16" in d["summary"]
+    assert d["evidence"]["facts"]["domain"] == dom and "clamp(min=1 + 1e-6)" in d["fixes"][0]
+    bwd = loc("aten.rsqrt.default", api=None, stage="backward", phase="backward", node="AcoshBackward0",
+              forward_op="aten.acosh.default", sink="grad", facts={"domain": dict(dom, inside=0, grad_inside=1)},
+              output={"nan": 0, "posinf": 1, "neginf": 0})
+    d = run(bwd, CALM, phase="backward")
+    assert d["category"] == "trig_domain" and "AcoshBackward0" in d["summary"]
+    assert "1 input(s) with x <= 1" in d["summary"]
+
+
+def test_log1p_fixes_keep_the_argument_above_minus_one():
+    f = {"log_domain": {"le_limit": 3, "limit": -1.0, "zeros": 0, "negatives": 3, "min": -1.0, "numel": 3},
+         "producers": [["neg", "sigmoid", "addmm"]]}
+    d = run(loc("aten.log1p.default", api="torch.log1p", facts=f), CALM)
+    assert d["category"] == "log_domain" and "values <= -1 in 3 of 3" in d["summary"]
+    assert "F.logsigmoid(-z)" in d["fixes"][0] and any("clamp(min=-1 + 1e-6)" in x for x in d["fixes"])
+    assert not any("clamp(min=1e-12)" in x for x in d["fixes"])

@@ -205,6 +205,85 @@ def test_acos_beyond_one_is_trig_domain():
     check(res, phase="forward", tag="acos", category="trig_domain")
 
 
+def test_acosh_below_one_is_trig_domain_with_its_own_domain():
+    # a network that predicts the Lorentz-model time coordinate (which must be >= 1) directly and takes its
+    # acosh: acosh is NaN below 1, a different domain from acos/asin (|x| > 1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 4)
+    with torch.no_grad():
+        below = int((model(x) + 1.0 < 1).sum())
+    assert 0 < below < 16
+
+    def fwd():
+        t = model(x).squeeze(-1) + 1.0
+        return torch.acosh(t).mean()  # ORIGIN:acosh
+
+    res = armed_step(model, opt, fwd)
+    assert res["origin"]["op"] == "aten.acosh.default"
+    dom = res["facts"]["domain"]
+    assert dom["condition"] == "x < 1" and dom["inside"] == below and dom["numel"] == 16
+    assert "trig_domain" not in res["facts"]
+    d = check(res, phase="forward", tag="acosh", category="trig_domain", history=calm_history())
+    assert f"{below} value(s) with x < 1 of 16" in d["summary"], d["summary"]
+    assert any("clamp(min=1 + 1e-6)" in f for f in d["fixes"])
+    assert not any("1 - 1e-6" in f for f in d["fixes"])    # acos's clamp into (-1, 1) makes every acosh NaN
+
+
+def test_acosh_gradient_at_one_is_a_backward_trig_domain():
+    # Poincare-ball distance acosh(1 + 2|a - b|^2 / ((1 - |a|^2)(1 - |b|^2))): a point paired with itself
+    # gives exactly 1, where acosh is 0 but its gradient 1/sqrt(x^2 - 1) is infinite (then inf * 0 = NaN)
+    torch.manual_seed(0)
+    enc = torch.nn.Linear(5, 2)
+    opt = torch.optim.SGD(enc.parameters(), lr=0.1)
+    x = torch.randn(6, 5)
+    i, j = torch.tensor([0, 1, 2, 3]), torch.tensor([4, 1, 5, 0])   # (1, 1) is a self-pair
+
+    def fwd():
+        u = 0.5 * torch.tanh(enc(x))
+        a, b = u[i], u[j]
+        arg = 1 + 2 * ((a - b) ** 2).sum(-1) / ((1 - (a ** 2).sum(-1)) * (1 - (b ** 2).sum(-1)))
+        return torch.acosh(arg).mean()  # ORIGIN:acoshbwd
+
+    res = armed_step(enc, opt, fwd)
+    o = res["origin"]
+    assert o["stage"] == "backward" and o["autograd_node"] == "AcoshBackward0"
+    assert o["forward_op"] == "aten.acosh.default" and res["sink"]["kind"] == "grad"
+    dom = res["facts"]["domain"]
+    assert dom["inside"] == 0 and dom["grad_inside"] == 1 and dom["min"] == 1.0
+    d = check(res, phase="backward", tag="acoshbwd", category="trig_domain")
+    assert "AcoshBackward0" in d["summary"] and "1 input(s) with x <= 1 of 4" in d["summary"], d["summary"]
+
+
+def test_log1p_of_minus_saturated_sigmoid_is_log_domain_at_minus_one():
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        fc.weight.fill_(20.0)
+    opt = torch.optim.SGD(fc.parameters(), lr=0.1)
+    x = torch.ones(3, 2)
+
+    def fwd():
+        p = torch.sigmoid(fc(x))                       # z ~ 40: rounds to exactly 1.0 in float32
+        return -torch.log1p(-p).mean()  # ORIGIN:log1p
+
+    res = armed_step(fc, opt, fwd)
+    assert res["origin"]["op"] == "aten.log1p.default"
+    ld = res["facts"]["log_domain"]
+    assert ld["limit"] == -1.0 and ld["le_limit"] == 3 and ld["min"] == -1.0
+    d = check(res, phase="forward", tag="log1p", category="log_domain", history=calm_history())
+    assert "values <= -1 in 3 of 3" in d["summary"], d["summary"]
+    assert any("F.logsigmoid(-z)" in f for f in d["fixes"]) and any("clamp(min=-1 + 1e-6)" in f for f in d["fixes"])
+    assert not any("torch.log(x.clamp(min=1e-12))" in f for f in d["fixes"])   # log's fix, wrong for log1p
+
+
+def test_every_family_evidence_has_a_torch_gatherer():
+    from nanguard.core.diagnosis import families
+    from nanguard.pytorch.locate.evidence import GATHERERS
+    assert {(f.name, e) for f in families.families() for e in f.evidence if e not in GATHERERS} == set()
+
+
 def test_negative_base_under_element_wise_fractional_exponents_is_sqrt_domain():
     # x ** b with a learned exponent per element: a negative base under a non-integer exponent is NaN
     torch.manual_seed(0)

@@ -1,0 +1,133 @@
+"""The diagnosis chain: a localisation (or only the history) -> a cause.
+
+``diagnose`` takes the provenance kinds first (a tensor non-finite before the step, no origin, the
+optimizer stage, a program constant), then hands an origin op to ``mechanism``, which tries the
+registered rules (``families.rules()``: per-family rules from ``rules/*.py`` and generic ones) in
+order; the first one that returns a cause wins.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from . import families as F
+from . import rules as _rules  # noqa: F401  (registers every family and rule)
+from . import text as T
+from .case import Case
+from .rules.divergence import divergence, loss_scale
+from .rules.generic import other
+from .rules.optimizer import optimizer_result
+from .rules.preexisting import preexisting
+from .signals import history_signals
+
+__all__ = ["diagnose", "mechanism"]
+
+# facts copied into ``cause.evidence.facts`` (then any evidence a registered family adds)
+_SHOWN_FACTS = ("float64_rerun", "float32_rerun", "eps_constants", "zero_denominator", "softmax_all_masked_rows",
+                "std_var", "where_trap", "kl_div", "exp_input_max", "overflow_threshold", "overflow", "log_domain",
+                "sqrt_domain", "trig_domain", "forward_output", "producers", "dtype_info")
+
+
+def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: dict | None = None) -> dict:
+    """Name the cause of the first non-finite value (category, summary, confidence, evidence, fixes)."""
+    context = dict(context or {})
+    history = list(history or [])
+    sig = history_signals(history)
+    try:
+        if loc and loc.get("reproduced"):
+            out = from_localisation(loc, sig, phase, context)
+        else:
+            out = from_history(loc, sig, phase, context)
+    except Exception as e:  # a diagnosis must always come back
+        out = T.result("other", f"diagnosis failed ({type(e).__name__}: {e}); phase {phase}", 0.1,
+                       {"error": str(e)[:200]}, ["inspect the step manually with torch.autograd.detect_anomaly()"],
+                       "error while diagnosing")
+    out["evidence"].setdefault("history", {k: v for k, v in sig.items() if v not in (None, False, 0, [])})
+    out["confidence"] = float(max(0.0, min(1.0, out["confidence"])))
+    return T.jsonable(out)
+
+
+def from_history(loc: dict | None, sig: dict, phase: str, ctx: dict) -> dict:
+    why = "no op-level replay was possible" if loc is None else \
+        "the replay under op-level instrumentation did not reproduce the failure"
+    method = f"{why}; diagnosed from the detector phase '{phase}' and the step history"
+    ev: dict[str, Any] = {"phase": phase, "replayed": loc is not None}
+    bad_params = list(ctx.get("params_nonfinite") or [])
+    if sig.get("loss_scale_collapse"):
+        return loss_scale(sig, ev, method, 0.6)
+    if phase == "params" or (bad_params and phase != "optimizer"):
+        since = ctx.get("bad_params_since") or {}
+        names = ", ".join(bad_params[:5]) or "some parameters"
+        when = "; ".join(f"{n} since step {s}" for n, s in list(since.items())[:5])
+        ev["params_nonfinite"] = bad_params[:10]
+        return T.result("param_corruption", f"parameters {names} are non-finite before the step"
+                        + (f" ({when})" if when else ""), 0.6, ev,
+                        [f"find what wrote non-finite values into {names}: check initialisation and any "
+                        "in-place writes under torch.no_grad()",
+                        "restore the last finite checkpoint (or roll back the update) and re-initialise the "
+                        "affected parameters"], method)
+    if phase == "data":
+        return T.result("bad_input_data", "the batch already holds non-finite values before the forward", 0.55,
+                        ev, ["filter non-finite samples in the data pipeline, e.g. keep rows with "
+                            "torch.isfinite(x).all(dim=1)", "fix the source rows (blank CSV fields, "
+                            "division by zero in preprocessing)"], method)
+    dv = divergence(sig, None, ev, method, 0.55)
+    if dv is not None:
+        return dv
+    if phase == "optimizer":
+        return optimizer_result(None, {}, ev, method, 0.4, ctx)
+    return T.result("other", f"a non-finite value appeared in the {phase} phase; the history shows no "
+                    "divergence and the op could not be identified", 0.2, ev,
+                    ["re-run the failing step under torch.autograd.detect_anomaly(check_nan=True) to find the "
+                    "op", "check inputs with torch.isfinite before the forward"], method)
+
+
+def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
+    facts = loc.get("facts") or {}
+    n_ops = loc.get("n_ops")
+    method = f"replayed the failing step under op-level instrumentation ({n_ops} ops recorded), reproduced"
+    if ctx.get("step") is not None:
+        method = method.replace("the failing step", f"step {ctx['step']}")
+    pre = loc.get("preexisting")
+    phase = loc.get("phase") or det_phase
+    ev: dict[str, Any] = {"phase": phase, "detector_phase": det_phase, "sink": loc.get("sink")}
+    if pre:
+        method += "; provenance ends in a tensor that was non-finite before the step"
+        return preexisting(pre, phase, ev, method, ctx)
+    origin = loc.get("origin")
+    if not origin:
+        dv = divergence(sig, None, ev, method + "; no single origin op", 0.6)
+        return dv or from_history(loc, sig, det_phase, ctx)
+    method += "; origin found by provenance (the op that created the non-finite values that reached the " \
+              f"{ {'loss': 'loss', 'grad': 'gradients', 'optimizer': 'parameters'}.get((loc.get('sink') or {}).get('kind'), 'sink')})"
+    ev.update(origin_evidence(origin, facts))
+    if sig.get("loss_scale_collapse") and phase != "forward":
+        return loss_scale(sig, ev, method, 0.6)
+    if origin.get("stage") == "optimizer" or phase == "optimizer":
+        return optimizer_result(loc, facts, ev, method, 0.85, ctx)
+    if origin.get("kind") == "constant":
+        return T.result("other", f"a non-finite constant written by the program at {T.where(origin)} "
+                        f"({T.api_or_op(origin)}) reached the {phase} result", 0.5, ev,
+                        ["mask with a large finite value (torch.finfo(dtype).min) instead of -inf, or make sure "
+                        "the masked entries never reach the loss (torch.where / nan_to_num after the op)"], method)
+    return mechanism(Case(origin, facts, sig, phase, ev, method, ctx))
+
+
+def origin_evidence(origin: dict, facts: dict) -> dict:
+    ev = {k: origin.get(k) for k in ("op", "api", "module", "module_type", "file", "line", "function", "dtype",
+                                     "shape", "stage", "autograd_node", "forward_op", "output", "samples")
+          if origin.get(k) not in (None, [], {})}
+    if origin.get("inputs"):
+        ev["inputs"] = origin["inputs"][:4]
+    keep = _SHOWN_FACTS + tuple(n for n in F.evidence_names() if n not in _SHOWN_FACTS)
+    ev["facts"] = {k: facts[k] for k in keep if k in facts}
+    return ev
+
+
+def mechanism(c: Case) -> dict:
+    """Category from the origin op and the evidence facts: the first registered rule with a cause."""
+    for rule in F.rules():
+        if rule.applies(c):
+            out = rule.fn(c)
+            if out is not None:
+                return out
+    return other(c)

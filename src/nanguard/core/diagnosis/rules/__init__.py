@@ -1,0 +1,8 @@
+"""Per-family rules (one module per family group) and the rules that are not about one op.
+
+Importing this package registers every family and rule with ``..families``; the order below is
+the registration order, which only breaks ties between rules of equal ``order``.
+"""
+from __future__ import annotations
+
+from . import generic, precision, softmax, kl, stdvar, division, exp, roots, trig, log  # noqa: F401

@@ -1,0 +1,115 @@
+"""Division by zero: x/0 = inf, 0/0 = NaN; the mean of an empty set; nll_loss with no valid target."""
+from __future__ import annotations
+
+from .. import families as F
+from .. import text as T
+from .precision import lp_underflow, underflow_evidence
+from .stdvar import variance
+
+DIV = F.register(F.Family(
+    "div", ops={"div", "true_divide", "reciprocal", "addcdiv", "_foreach_div", "_foreach_addcdiv",
+                "_foreach_reciprocal", "remainder", "fmod", "floor_divide", "divide"},
+    tf_ops={"RealDiv", "Div", "Reciprocal", "FloorDiv", "FloorMod"}, evidence=("zero_denominator",),
+    node_prefixes=("div",), keep_forward=True, note="denominator == 0",
+    categories=("div_by_zero", "variance_zero", "low_precision_underflow")))
+
+MEAN = F.register(F.Family("mean", ops={"mean", "nanmean"}, tf_ops={"Mean"}, note="an empty input (0/0)",
+                           categories=("div_by_zero",)))
+
+NLL = F.register(F.Family(
+    "nll", ops={"nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss_nd", "nll_loss2d"},
+    note="every target == ignore_index (0/0 in the mean)", categories=("div_by_zero",)))
+
+
+@DIV.rule(F.BACKWARD + 50, stage="backward", match="op_or_node")
+def _div_backward(c) -> dict:
+    return div_result(c.origin, c.facts, c.ev, c.method, c.low)
+
+
+@DIV.rule(1000)
+def _div_forward(c) -> dict | None:
+    zd = c.facts.get("zero_denominator") or {}
+    if zd.get("from_std_var"):
+        return variance(c.origin, c.facts, c.ev, c.method)
+    if c.low and underflow_evidence(c.facts):
+        return lp_underflow(c.origin, c.facts, c.ev, c.method)
+    if zd.get("zeros") or zd.get("scalar_denominator") == 0:
+        return div_result(c.origin, c.facts, c.ev, c.method, c.low)
+    return None
+
+
+@MEAN.rule(1100)
+def _empty_mean(c) -> dict | None:
+    if c.out.get("nan") and _empty_input(c.origin):
+        return div_result(c.origin, c.facts, c.ev, c.method, c.low, empty_mean=True)
+    return None
+
+
+@NLL.rule(1200)
+def _nll_all_ignored(c) -> dict | None:
+    if c.out.get("nan") and _all_targets_ignored(c.origin):
+        return div_result(c.origin, c.facts, c.ev, c.method, c.low, empty_mean=True, all_ignored=True)
+    return None
+
+
+def _empty_input(origin: dict) -> bool:
+    ins = origin.get("inputs") or []
+    return bool(ins) and ins[0].get("numel") == 0
+
+
+def _all_targets_ignored(origin: dict) -> bool:
+    """nll_loss with mean reduction (scalars [reduction, ignore_index]) whose targets all equal
+    ignore_index: the mean divides a zero sum by a zero total weight."""
+    sc, ins = origin.get("scalars") or [], origin.get("inputs") or []
+    if len(sc) < 2 or sc[0] != 1 or len(ins) < 2:
+        return False
+    tgt = ins[1]
+    return tgt.get("min") == tgt.get("max") == sc[1]
+
+
+def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empty_mean: bool = False,
+         pow_zero: bool = False, all_ignored: bool = False) -> dict:
+    zd = facts.get("zero_denominator") or {}
+    where = T.where(origin)
+    api = T.api_or_op(origin)
+    if pow_zero:
+        sd = facts.get("sqrt_domain") or {}
+        if sd.get("zero_base_negative_exp"):  # element-wise exponents
+            summ = (f"{api} at {where} raised {sd['zero_base_negative_exp']} zero(s) to negative powers (exponents "
+                    f"{T.g((sd.get('exponent_range') or [None])[0])}..{T.g((sd.get('exponent_range') or [None, None])[1])}) (1/0)")
+        else:
+            summ = (f"{api} at {where} raised {sd.get('zeros')} zero(s) to the negative power "
+                    f"{T.g(sd.get('exponent'))} (1/0)")
+        fixes = [f"keep the base away from 0 at {where}: x.clamp(min=eps) ** p, or (x + eps) ** p"]
+        return T.result("div_by_zero", summ, 0.85, ev, fixes, method)
+    if all_ignored:
+        ign = (origin.get("scalars") or [None, None])[1]
+        summ = (f"{api} at {where}: every target in this batch equals ignore_index ({ign}), so the mean "
+                "reduction divides a zero sum by a zero total weight: 0/0 = NaN")
+        fixes = [f"skip batches (or micro-batches) with no valid target before {where}: "
+                 f"if (target != {ign}).any(): ...",
+                 "or use reduction='sum' and divide by the number of valid targets over the whole "
+                 "accumulated batch, clamped to at least 1"]
+        return T.result("div_by_zero", summ, 0.9, ev, fixes, method)
+    if empty_mean:
+        summ = f"{api} at {where} averaged an empty tensor: sum/count = 0/0 = NaN"
+        fixes = [f"guard the empty case at {where}: x.sum(0) / max(len(x), 1), or skip groups with no members"]
+        return T.result("div_by_zero", summ, 0.85, ev, fixes, method)
+    zz, xz = zd.get("zero_over_zero"), zd.get("nonzero_over_zero")
+    kind = []
+    if zz:
+        kind.append(f"{zz} 0/0")
+    if xz:
+        kind.append(f"{xz} x/0")
+    src = ""
+    if zd.get("from_reduction"):
+        src = f"; the denominator comes from {(zd.get('producer_chain') or ['a reduction'])[0]} (a count/sum that " \
+              "is 0 for an empty set)"
+    bwd = origin.get("stage") == "backward"
+    summ = (f"{api} at {where} divided by zero: {zd.get('zeros', '?')} zero(s) in the denominator of "
+            f"{zd.get('numel', '?')}" + (f" ({', '.join(kind)})" if kind else "") + src
+            + (" (in its backward)" if bwd else ""))
+    fixes = [f"guard the denominator at {where}: divide by count.clamp(min=1) (or x.clamp(min=eps) for "
+             "continuous values)",
+             "or mask the empty entries: torch.where(count > 0, total / count.clamp(min=1), 0.0)"]
+    return T.result("div_by_zero", summ, 0.9, ev, fixes, method)

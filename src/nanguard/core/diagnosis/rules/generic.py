@@ -1,0 +1,67 @@
+"""Rules that read facts, not the op: the where-trap (first) and overflow from finite inputs (last),
+plus the final "other" when nothing matched."""
+from __future__ import annotations
+
+from .. import families as F
+from .. import text as T
+from .divergence import divergence
+from .precision import lp_overflow
+
+
+@F.generic_rule(F.TRAP, categories=("where_gradient_trap",))
+def _where_trap_rule(c) -> dict | None:
+    if c.backward_failure and c.facts.get("where_trap"):
+        return where_trap(c.origin, c.facts, c.ev, c.method)
+    return None
+
+
+@F.generic_rule(1700, categories=("low_precision_overflow", "lr_too_high", "gradient_explosion", "other"))
+def _overflow_from_finite_inputs_rule(c) -> dict | None:
+    """+-inf from finite inputs: low precision, divergence in the history, a pole, or the dtype's range."""
+    if not (c.overflow_range or c.inf_only):
+        return None
+    origin, facts, ev, method, f64 = c.origin, c.facts, c.ev, c.method, c.f64
+    api, where, dtype = c.api, c.where, c.dtype
+    if c.low and c.f32.get("direct_finite"):
+        return lp_overflow(origin, facts, ev, method)
+    dv = divergence(c.sig, origin, ev, method, 0.85)
+    if dv is not None:
+        return dv
+    dtype_max = (facts.get("overflow") or {}).get("dtype_max")
+    if f64 and not f64.get("finite"):  # float64 is infinite too: a pole of the function, not its range
+        return T.result("other", f"{api} at {where} returned +-inf from finite inputs, in float64 as well: "
+                        "its inputs sit on a pole of the function (e.g. erfinv(+-1), 1/0-like limits)",
+                        0.45, ev, [f"keep the inputs of {api} at {where} strictly inside its domain (clamp "
+                                   "them a small margin away from the pole)",
+                                   "find which upstream value saturated onto the pole (a sigmoid/tanh that "
+                                   "rounds to exactly +-1 or 0/1)"], method)
+    return T.result("other", f"{api} overflowed the {dtype} range (max {T.g(dtype_max)}) at {where}; float64 "
+                    f"would hold it (max |x| {T.g(f64.get('max_abs'))}) and the history shows no divergence",
+                    0.45, ev, ["rescale the values feeding this op (normalise inputs/targets) or compute it in "
+                               "float64", "check the parameter norms for slow growth (weight decay, lower lr)"],
+                    method)
+
+
+def other(c) -> dict:
+    """No rule matched: report the op, its output counts and the line."""
+    out = c.out
+    return T.result("other", f"{c.api} produced {out.get('nan', 0)} NaN / {out.get('posinf', 0)} +Inf / "
+                    f"{out.get('neginf', 0)} -Inf from finite inputs at {c.where} ({c.dtype})", 0.35, c.ev,
+                    [f"inspect the inputs of {c.api} at {c.where} (evidence.inputs) and guard them"], c.method)
+
+
+def where_trap(origin: dict, facts: dict, ev: dict, method: str) -> dict:
+    where = T.where(origin)
+    api = origin.get("forward_api") or T.opshort(origin.get("forward_op") or origin.get("op"))
+    fo = facts.get("forward_output") or {}
+    ld = facts.get("log_domain") or facts.get("sqrt_domain") or {}
+    n = ld.get("zeros") if ld else None
+    summ = (f"{api} at {where} produced non-finite values"
+            + (f" ({fo.get('nonfinite')} of {fo.get('numel')})" if fo.get("nonfinite") else "")
+            + (f" from {n} zero input(s)" if n else "")
+            + " that torch.where/masked_fill discarded in the forward, but its backward still computes 0/0 or "
+              "0*inf = NaN for them")
+    fixes = [f"use the double-where pattern at {where}: torch.where(m, torch.{api.split('.')[-1]}(torch.where(m, x, "
+             "1.0)), 0.0) so the unselected branch never sees the bad input",
+             "or clamp the input before the op (e.g. x.clamp(min=1e-12)) so both branches are finite"]
+    return T.result("where_gradient_trap", summ, 0.9, ev, fixes, method)

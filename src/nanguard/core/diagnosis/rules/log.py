@@ -1,0 +1,94 @@
+"""The log families: log(0) = -inf, log(x < 0) = NaN; log1p(-1) = -inf, log1p(x < -1) = NaN."""
+from __future__ import annotations
+
+from .. import families as F
+from .. import text as T
+from .precision import lp_underflow, underflow_evidence
+
+LOG = F.register(F.Family(
+    "log", ops={"log", "log2", "log10", "xlogy", "special_entr", "_foreach_log", "_foreach_log2", "_foreach_log10",
+                "logit", "special_logit", "lgamma", "digamma"},
+    tf_ops={"Log", "Xlogy"},
+    domain=F.Domain("le", 0.0), op_domains={"xlogy": F.Domain("le", 0.0, arg=1, kwarg="other")},
+    evidence=("log_domain",), nodes=("log", "log2", "log10", "xlogy"), keep_forward=True,
+    categories=("log_domain", "low_precision_underflow")))
+
+LOG1P = F.register(F.Family(
+    "log1p", ops={"log1p", "_foreach_log1p", "special_xlog1py"}, tf_ops={"Log1p", "Xlog1py"},
+    domain=F.Domain("le", -1.0), op_domains={"special_xlog1py": F.Domain("le", -1.0, arg=1, kwarg="other")},
+    evidence=("log_domain",), nodes=("log1p",), keep_forward=True,
+    categories=("log_domain", "low_precision_underflow")))
+
+
+@LOG.rule(F.BACKWARD + 40, stage="backward", match="op_or_node")
+def _log_backward(c) -> dict:
+    return log_result(c.origin, c.facts, c.ev, c.method, c.low)
+
+
+@LOG.rule(900)
+def _log_forward(c) -> dict:
+    if c.low and underflow_evidence(c.facts):
+        return lp_underflow(c.origin, c.facts, c.ev, c.method)
+    return log_result(c.origin, c.facts, c.ev, c.method, c.low)
+
+
+@LOG1P.rule(F.BACKWARD + 40, stage="backward", match="op_or_node")
+def _log1p_backward(c) -> dict:
+    return log1p_result(c)
+
+
+@LOG1P.rule(900)
+def _log1p_forward(c) -> dict:
+    if c.low and underflow_evidence(c.facts):
+        return lp_underflow(c.origin, c.facts, c.ev, c.method)
+    return log1p_result(c)
+
+
+def log1p_result(c) -> dict:
+    """log1p(x) at x <= -1: the same numbers as log_domain, fixes for the -1 boundary."""
+    summ, where, prods = log_summary(c.origin, c.facts)
+    fixes = []
+    if "sigmoid" in prods:
+        fixes.append(f"log1p(-sigmoid(z)) is F.logsigmoid(-z) (and log1p(-sigmoid(-z)) is F.logsigmoid(z)): compute it "
+                     f"from the logits at {where}; sigmoid rounds to exactly 1 for z > ~17 in float32, and "
+                     "log1p(-1) = -inf")
+    fixes.append(f"keep the argument above -1 at {where}: torch.log1p(x.clamp(min=-1 + 1e-6)) (the margin must "
+                 "exceed the dtype's eps next to 1: 1.2e-07 in float32, 9.8e-04 in float16)")
+    fixes.append("if those entries are legitimately masked, use the safe double-where pattern: "
+                 "torch.where(m, torch.log1p(torch.where(m, x, 0.0)), 0.0)")
+    return T.result("log_domain", summ, 0.92, c.ev, fixes, c.method)
+
+
+def log_summary(origin: dict, facts: dict) -> tuple[str, str, list[str]]:
+    """'torch.log received 0 in 3 of 32 elements at train.py:42 (input min 0, float32)', the location and the
+    producer ops of the inputs."""
+    ld = facts.get("log_domain") or {}
+    inp = T.first_input(origin)
+    api = T.api_or_op(origin)
+    where = T.where(origin)
+    n = ld.get("le_limit", inp.get("zeros"))
+    numel = ld.get("numel", inp.get("numel"))
+    prods = [p for chain in facts.get("producers") or [] for p in chain]
+    lim = ld.get("limit", 0.0)
+    val = "0" if (ld.get("zeros") and not ld.get("negatives")) else "values <= 0" if lim == 0 else "values <= -1"
+    bwd = origin.get("stage") == "backward"
+    summ = (f"{api} received {val} in {T.g(n)} of {T.g(numel)} elements at {where} (input min "
+            f"{T.g(ld.get('min', inp.get('min')))}, {origin.get('dtype')})"
+            + ("; its backward divides by that input" if bwd else ""))
+    return summ, where, prods
+
+
+def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> dict:
+    summ, where, prods = log_summary(origin, facts)
+    fixes = []
+    if "sigmoid" in prods:
+        fixes.append(f"compute the loss from the logits: F.binary_cross_entropy_with_logits(logits, y) (or "
+                     f"F.logsigmoid(x) / F.logsigmoid(-x)) instead of log(sigmoid) / log(1 - sigmoid) at {where}; "
+                     "sigmoid rounds to exactly 0 or 1 for |logit| > ~17 in float32")
+    if any(p in prods for p in ("_softmax", "softmax")):
+        fixes.append(f"use torch.log_softmax (or F.cross_entropy on the logits) instead of log(softmax) at {where}")
+    fixes.append(f"clamp the argument away from 0 at {where}: torch.log(x.clamp(min=1e-12)) in float32 "
+                 "(use a floor the dtype can hold: float32 tiny is 1.2e-38, float16 tiny is 6.1e-05)")
+    fixes.append("if the zeros are legitimately masked, use the safe double-where pattern: "
+                 "torch.where(m, torch.log(torch.where(m, x, 1.0)), 0.0)")
+    return T.result("log_domain", summ, 0.92, ev, fixes, method)

@@ -1,0 +1,76 @@
+"""Low-precision rules (generic: any op): a float16/bfloat16 value beyond the dtype's range that
+float32 holds (overflow), or an eps / small value that rounds to 0 before a log or a division
+(underflow)."""
+from __future__ import annotations
+
+from .. import families as F
+from .. import text as T
+
+
+@F.generic_rule(800, categories=("low_precision_overflow",))
+def _low_precision_overflow_rule(c) -> dict | None:
+    if c.low and c.overflow_range and c.f32.get("direct_finite"):
+        return lp_overflow(c.origin, c.facts, c.ev, c.method)
+    return None
+
+
+@F.generic_rule(1600, categories=("low_precision_underflow",))
+def _low_precision_underflow_rule(c) -> dict | None:
+    if c.low and underflow_evidence(c.facts):
+        return lp_underflow(c.origin, c.facts, c.ev, c.method)
+    return None
+
+
+def underflow_evidence(facts: dict) -> bool:
+    eps = facts.get("eps_constants") or []
+    f32 = facts.get("float32_rerun") or {}
+    return any(e.get("rounds_to_zero") or e.get("absorbed_next_to_1") for e in eps) or bool(f32.get("chain_finite"))
+
+
+def lp_underflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
+    api = T.api_or_op(origin)
+    where = T.where(origin)
+    dt = origin.get("dtype")
+    eps = [e for e in facts.get("eps_constants") or [] if e.get("rounds_to_zero") or e.get("absorbed_next_to_1")]
+    inp = T.first_input(origin)
+    fi = facts.get("dtype_info") or {}
+    f32 = facts.get("float32_rerun") or {}
+    parts = [f"{api} at {where} received {inp.get('zeros', '?')} zero(s) of {inp.get('numel', '?')} in {dt}"]
+    if eps:
+        e = eps[0]
+        how = "rounds to 0" if e.get("rounds_to_zero") else "vanishes next to 1.0"
+        parts.append(f"the constant {T.g(e.get('value'))} added before it {how} in {dt} (tiny "
+                     f"{T.g(fi.get('tiny'))}, smallest subnormal {T.g(fi.get('smallest_subnormal'))})")
+    if f32.get("chain_finite"):
+        parts.append("re-running the producer chain in float32 gives finite values")
+    safe_eps = max(float(fi.get("tiny") or 6.1e-05) * 2, 1e-4) if dt == "float16" else 1e-6
+    fixes = [f"compute {api} and the loss in float32 at {where}: e.g. torch.log(probs.float() + 1e-8), or better "
+             "F.log_softmax(logits.float(), -1) / F.cross_entropy(logits.float(), y)",
+             f"use an eps the dtype can hold ({dt} tiny {T.g(fi.get('tiny'))}, eps {T.g(fi.get('eps'))}): e.g. "
+             f"{T.g(safe_eps)} instead of {T.g(eps[0].get('value')) if eps else 'the current value'}",
+             "train with torch.autocast (float16/bfloat16 matmuls, float32 losses and reductions) and "
+             "torch.amp.GradScaler instead of a model cast to half, or use bfloat16"]
+    return T.result("low_precision_underflow", "; ".join(parts), 0.9, ev, fixes, method)
+
+
+def lp_overflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
+    api = T.api_or_op(origin)
+    where = T.where(origin)
+    dt = origin.get("dtype")
+    fi = facts.get("dtype_info") or {}
+    f32 = facts.get("float32_rerun") or {}
+    out = origin.get("output") or {}
+    n = (out.get("posinf") or 0) + (out.get("neginf") or 0)
+    mod = origin.get("module")
+    summ = (f"{api} at {where} overflowed {dt}: float32 gives max |x| {T.g(f32.get('max_abs'))} > {dt} max "
+            f"{T.g(fi.get('max'))}; {n} element(s) became ±inf")
+    target = f"module '{mod}'" + (f" ({origin['module_type']})" if origin.get("module_type") else "") if mod \
+        else f"the op at {where}"
+    fixes = [f"run {target} in float32: e.g. model.get_submodule('{mod}').float() and feed it x.float(), or wrap "
+             "it in torch.autocast(device_type, enabled=False)" if mod else
+             f"compute the op at {where} in float32 (cast its inputs with .float())",
+             f"use bfloat16 (max 3.4e38, same range as float32) instead of {dt}, or torch.autocast + "
+             "torch.amp.GradScaler instead of casting the whole model",
+             "rescale the quantities (e.g. normalise targets/inputs so activations stay far below "
+             f"{T.g(fi.get('max'))})"]
+    return T.result("low_precision_overflow", summ, 0.92, ev, fixes, method)

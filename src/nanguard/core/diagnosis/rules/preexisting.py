@@ -1,0 +1,72 @@
+"""Provenance that ends before the step: a bad sample in the batch, a corrupted parameter or buffer
+(with the op that wrote it, when the recorder saw the write), non-finite optimizer state."""
+from __future__ import annotations
+
+import os
+
+from .. import text as T
+from .division import MEAN
+
+
+def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict:
+    kind, name = pre.get("kind"), pre.get("name")
+    st = pre.get("stats") or {}
+    ev.update(preexisting=pre)
+    n_bad, numel = st.get("nonfinite"), st.get("numel")
+    what = "NaN" if st.get("nan") else "Inf" if (st.get("posinf") or st.get("neginf")) else "non-finite"
+    if kind == "data":
+        src, rows, tr = pre.get("source_rows") or [], pre.get("samples") or [], pre.get("rows_in_tensor") or []
+        fu = pre.get("first_use") or {}
+        where = f" (it enters at {os.path.basename(str(fu.get('file')))}:{fu.get('line')})" if fu.get("file") else ""
+        rows_s = f"dataset row(s) {src}" if src else f"row(s) {tr}" if tr else "some rows"
+        summ = (f"bad input data: {rows_s} of the input tensor hold {n_bad} {what} value(s) of {numel}; batch "
+                f"position(s) {rows} carry them into the loss{where}")
+        fixes = [f"clean or drop {rows_s} at the source (a blank field parsed as NaN?), e.g. "
+                 "x = x[torch.isfinite(x).all(dim=1)] before building batches",
+                 "validate batches in the data loader (assert torch.isfinite(batch).all()) or replace missing "
+                 "values (torch.nan_to_num / imputation with the column mean)"]
+        return T.result("bad_input_data", summ, 0.95, ev, fixes, method)
+    if kind == "optimizer_state":
+        return T.result("optimizer_numerics", f"optimizer state {name} was already non-finite before the step "
+                        f"({n_bad} of {numel} values)", 0.7, ev,
+                        ["reset the optimizer state (re-create the optimizer) after restoring finite parameters",
+                        "see why a previous update made the state non-finite (eps below the dtype's tiny, "
+                        "float16 state)"], method)
+    since = (ctx.get("bad_params_since") or {}).get(name)
+    wb = pre.get("written_by") or {}
+    rows = st.get("bad_rows") or []
+    wb_s, wb_fix = "", None
+    if wb.get("file"):
+        wop = T.opshort(wb.get("op"))
+        at = f"{os.path.basename(str(wb['file']))}:{wb.get('line')}"
+        wb_s = f"; the values were written at {at} by {wb.get('api') or wop}"
+        wf = wb.get("facts") or {}
+        f32w = wf.get("float32_rerun") or {}
+        dti = wf.get("dtype_info") or {}
+        if wop in ("_to_copy", "copy", "copy_") and st.get("dtype") in T.LOW_DTYPES and not st.get("nan") \
+                and f32w.get("direct_finite"):
+            # a cast into float16/bfloat16 of values beyond its range: the weights were fine before it
+            summ = (f"{kind} '{name or '?'}' holds {n_bad} Inf value(s) of {numel} before the step uses it: "
+                    f"{wb.get('api') or wop} at {at} cast values up to |x| = {T.g(f32w.get('max_abs'))} into "
+                    f"{st.get('dtype')}, whose max is {T.g(dti.get('max'))}; in float32 they are finite")
+            fixes = [f"keep '{name or 'the parameter'}' in float32: train with torch.autocast (+ GradScaler for "
+                     f"float16) instead of casting the model at {at}",
+                     f"or rescale it before the cast so |x| < {T.g(dti.get('max'))} (e.g. fold a large input "
+                     "scale into a normalisation of the inputs instead of the weights), or use bfloat16",
+                     "assert torch.isfinite(p).all() for every parameter after a cast or a load"]
+            return T.result("low_precision_overflow", summ, 0.9, ev, fixes, method)
+        if wop in MEAN.ops and 0 in (wb.get("input_numel") or []):
+            wb_s += " (the mean of an empty tensor: 0/0 = NaN)"
+            wb_fix = (f"fix the write at {at}: the mean is taken over an empty set (0 elements); skip empty "
+                      "groups (if mask.any(): ...) or keep the default initialisation for them")
+        else:
+            wb_fix = f"fix the write at {at}: {wb.get('api') or wop} produced non-finite values that were " \
+                     "stored into the parameter"
+    summ = (f"{kind} '{name or '?'}' holds {n_bad} {what} value(s) of {numel}"
+            + (f" (rows {rows})" if rows else "") + " before the step uses it"
+            + (f"; non-finite since step {since}" if since is not None else "") + wb_s)
+    fixes = [wb_fix,
+             f"re-initialise '{name or 'the parameter'}' (or restore it from the last finite checkpoint); a "
+             "skip/rollback cannot fix a parameter that is already non-finite"]
+    fixes.append("assert torch.isfinite(p).all() for every parameter after initialisation / loading")
+    return T.result("param_corruption", summ, 0.95, ev, fixes, method)

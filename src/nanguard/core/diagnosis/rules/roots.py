@@ -1,0 +1,99 @@
+"""Roots and powers: sqrt(x < 0) = NaN, the gradient of sqrt/norm at 0 (1/(2*sqrt(0)) * 0 = NaN),
+a negative base under a non-integer exponent, 0 ** negative = 1/0, and pow overflow."""
+from __future__ import annotations
+
+from .. import families as F
+from .. import text as T
+from .division import div_result
+from .exp import exp_rule
+
+SQRT = F.register(F.Family(
+    "sqrt", ops={"sqrt", "rsqrt", "_foreach_sqrt", "_foreach_rsqrt"}, tf_ops={"Sqrt", "Rsqrt"},
+    domain=F.Domain("lt", 0.0, grad_cmp="le"), evidence=("sqrt_domain",), nodes=("sqrt", "rsqrt"),
+    keep_forward=True, categories=("sqrt_domain",)))
+
+NORM = F.register(F.Family(
+    "norm", ops={"linalg_vector_norm", "norm", "_foreach_norm", "linalg_norm", "frobenius_norm", "cdist",
+                 "_cdist_forward", "_cdist_backward", "pdist", "_pdist_forward", "_euclidean_dist"},
+    tf_ops={"EuclideanNorm"}, evidence=("sqrt_domain",), node_prefixes=("norm", "linalgvectornorm", "cdist", "pdist"),
+    keep_forward=True, note="gradient at a zero norm", categories=("sqrt_domain",)))
+
+POW = F.register(F.Family(
+    "pow", ops={"pow", "_foreach_pow", "float_power"}, tf_ops={"Pow"}, evidence=("sqrt_domain", "exp_input"),
+    node_prefixes=("pow",), keep_forward=True,
+    note="x < 0 under a non-integer exponent; 0 under a negative one; overflow",
+    categories=("sqrt_domain", "div_by_zero", "exp_overflow", "low_precision_overflow")))
+
+
+@POW.rule(F.TRAP + 100, match="op_or_node", categories=("div_by_zero",))
+def _zero_to_negative_power(c) -> dict | None:
+    sd = c.facts.get("sqrt_domain") or {}
+    neg_pow = T.fin(sd.get("exponent")) and sd["exponent"] < 0 and not sd.get("fractional")
+    if (neg_pow and sd.get("zeros")) or (c.family is POW and sd.get("zero_base_negative_exp")
+                                         and not sd.get("neg_base_fractional_exp")):
+        return div_result(c.origin, c.facts, c.ev, c.method, c.low, pow_zero=True)
+    return None
+
+
+@SQRT.rule(F.BACKWARD + 10, stage="backward", match="op_or_node")
+@NORM.rule(F.BACKWARD + 10, stage="backward", match="op_or_node")
+@POW.rule(F.BACKWARD + 10, stage="backward", match="node", categories=("sqrt_domain",))
+def _root_backward(c) -> dict:
+    return sqrt_result(c.origin, c.facts, c.ev, c.method, backward=True)
+
+
+@SQRT.rule(1300)
+@NORM.rule(1300)
+def _root_forward(c) -> dict:
+    return sqrt_result(c.origin, c.facts, c.ev, c.method, backward=False)
+
+
+@POW.rule(1300, categories=("sqrt_domain",))
+def _fractional_power(c) -> dict | None:
+    if (c.facts.get("sqrt_domain") or {}).get("fractional"):
+        return sqrt_result(c.origin, c.facts, c.ev, c.method, backward=False)
+    return None
+
+
+@POW.rule(F.LATE, categories=("exp_overflow", "low_precision_overflow", "lr_too_high", "gradient_explosion"))
+def _pow_overflow(c) -> dict | None:
+    """pow with element-wise exponents overflows like exp(exponent * log|base|): only with an inf out."""
+    if c.facts.get("exp_input_max") is not None and bool(c.out.get("posinf") or c.out.get("neginf")):
+        return exp_rule(c)
+    return None
+
+
+def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool) -> dict:
+    sd = facts.get("sqrt_domain") or {}
+    where = T.where(origin)
+    api = T.api_or_op(origin)
+    node = origin.get("autograd_node")
+    if backward:
+        summ = (f"the backward of {api} at {where} ({node}) divides by sqrt(0): {sd.get('zeros', '?')} input(s) "
+                f"of {sd.get('numel', '?')} are exactly 0, the forward is finite but the gradient is 0/0 = NaN")
+    else:
+        summ = (f"{api} at {where} received {sd.get('negatives', '?')} negative and {sd.get('zeros', '?')} zero "
+                f"input(s) of {sd.get('numel', '?')} ({origin.get('dtype')})")
+    fixes = [f"use torch.linalg.vector_norm(a - b, dim=-1) at {where} (its gradient at 0 is defined as 0) "
+             "instead of sqrt(sum of squares)",
+             f"or add a small eps inside the root: torch.sqrt(x + 1e-12) (float32) / x.clamp(min=1e-12).sqrt()",
+             "if the zero distance comes from pairing a sample with itself, exclude those pairs"]
+    is_pow = T.opshort(origin.get("forward_op") or origin.get("op")) in POW.ops or T.node_family(node).startswith("pow")
+    if is_pow and backward:
+        summ = (f"the backward of {api} at {where} ({node}): the gradient of x ** p with p < 1 is "
+                f"p * x ** (p - 1), infinite at x = 0 ({sd.get('zeros', '?')} zero base(s) of "
+                f"{sd.get('numel', '?')}), then inf * 0 = NaN")
+        fixes = [f"keep the base away from 0 at {where}: x.clamp(min=1e-6) ** p (or (x + 1e-6) ** p)",
+                 "or use an integer exponent / a formulation whose gradient is finite at 0"]
+    elif is_pow:
+        n = sd.get("neg_base_fractional_exp", sd.get("negatives", "?"))
+        summ = (f"{api} at {where} raised {n} negative base(s) of {sd.get('numel', '?')} to a non-integer power: "
+                f"x ** p is NaN for x < 0 ({origin.get('dtype')})")
+        fixes = [f"clamp the base at {where}: x.clamp(min=0) ** p (or x.clamp(min=eps) if p < 0)",
+                 "if the sign should carry through: torch.sign(x) * x.abs() ** p",
+                 "find why the base goes negative (a threshold or offset larger than the data)"]
+        return T.result("sqrt_domain", summ, 0.9, ev, fixes, method)
+    if not backward and sd.get("negatives"):
+        fixes.insert(0, f"clamp the argument at {where}: torch.sqrt(x.clamp(min=0)); negative values usually come "
+                        "from cancellation (e.g. E[x^2] - E[x]^2)")
+    return T.result("sqrt_domain", summ, 0.9, ev, fixes, method)

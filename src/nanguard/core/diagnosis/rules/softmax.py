@@ -1,0 +1,67 @@
+"""Softmax over fully masked rows, and -inf masks that a reduction carries into the loss."""
+from __future__ import annotations
+
+import os
+
+from .. import families as F
+from .. import text as T
+
+SOFTMAX = F.register(F.Family(
+    "softmax", ops={"_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax", "_masked_softmax",
+                    "special_softmax", "special_log_softmax"},
+    tf_ops={"Softmax", "LogSoftmax"}, evidence=("softmax_all_masked_rows",), keep_forward=True,
+    note="a row whose inputs are all -inf (0/0)", categories=("masked_softmax",)))
+
+# fused attention kernels (scaled_dot_product_attention and its backends): open-ended op names
+ATTENTION = F.register(F.Family(
+    "attention", name_contains=("attention", "scaled_dot_product"), evidence=("attn_mask_rows",),
+    note="a query whose keys are all masked (0/0)", categories=("masked_softmax",)))
+
+
+@SOFTMAX.rule(500)
+@ATTENTION.rule(500)
+def _masked_softmax_rule(c) -> dict | None:
+    if (c.facts.get("softmax_all_masked_rows") or {}).get("count"):
+        return masked_softmax(c.origin, c.facts, c.ev, c.method)
+    return None
+
+
+@F.generic_rule(400, categories=("masked_softmax",))
+def _mask_escape_rule(c) -> dict | None:
+    """A sum/mean that kept -inf-masked entries (provenance fact, whatever the reduction op)."""
+    if c.facts.get("mask_escape") and not c.backward_failure:
+        return mask_escape(c.origin, c.facts["mask_escape"], c.ev, c.method)
+    return None
+
+
+def masked_softmax(origin: dict, facts: dict, ev: dict, method: str) -> dict:
+    sm = facts.get("softmax_all_masked_rows") or {}
+    where = T.where(origin)
+    api = T.api_or_op(origin)
+    summ = (f"{api} at {where} got {sm.get('count')} of {sm.get('rows_total')} rows whose inputs are all -inf "
+            f"(every key masked; batch rows {sm.get('batch_rows')}): 0/0 = NaN")
+    fixes = ["make sure every query keeps at least one visible key (drop or skip empty/all-padding sequences, or "
+             "always unmask one position such as a CLS/BOS token)",
+             "fill masked scores with a large finite value (torch.finfo(scores.dtype).min) instead of -inf, or "
+             "zero the fully masked rows after the softmax: torch.nan_to_num(att, nan=0.0)",
+             "or use F.scaled_dot_product_attention, which handles fully masked rows"]
+    return T.result("masked_softmax", summ, 0.93, ev, fixes, method)
+
+
+def mask_escape(origin: dict, me: dict, ev: dict, method: str) -> dict:
+    where = T.where(origin)
+    api = T.api_or_op(origin)
+    at = f"{os.path.basename(str(me.get('file')))}:{me.get('line')}" if me.get("file") else "an earlier line"
+    ev["mask_escape"] = me
+    summ = (f"{api} at {where} reduced over positions that {me.get('mask_api') or me.get('mask_op')} at {at} "
+            f"filled with {T.g(me.get('constant'))}: the masked entries were summed into the result instead of "
+            "being left out (softmax/logsumexp absorb a -inf mask, a sum or mean over it does not; e.g. "
+            "label smoothing or a mean log-probability over masked classes)")
+    fixes = [f"leave masked entries out of the reduction at {where}: (x.masked_fill(mask, 0)).sum(-1) / "
+             "(~mask).sum(-1) instead of x.sum(-1) / x.mean(-1)",
+             "with F.cross_entropy(label_smoothing=...) and masked classes, write the smoothing term over the "
+             "allowed classes yourself: label smoothing spreads probability over every class, masked ones "
+             "included",
+             f"keep the -inf mask at {at} for softmax/argmax only; do not replace it by a large finite "
+             "negative, which turns the infinite loss into a huge finite one"]
+    return T.result("masked_softmax", summ, 0.85, ev, fixes, method)

@@ -1,0 +1,41 @@
+"""std/var over too few elements (n <= correction), and divisions by a zero standard deviation."""
+from __future__ import annotations
+
+from .. import families as F
+from .. import text as T
+
+STDVAR = F.register(F.Family(
+    "stdvar", ops={"std", "var", "std_mean", "var_mean"}, tf_ops=(), evidence=("std_var",),
+    nodes=("std", "var", "stdmean", "varmean"), keep_forward=True,
+    note="n - correction <= 0 elements; gradient at std = 0", categories=("variance_zero",)))
+
+
+@STDVAR.rule(F.BACKWARD + 30, stage="backward", match="op_or_node")
+def _stdvar_backward(c) -> dict:
+    return variance(c.origin, c.facts, c.ev, c.method, backward=True)
+
+
+@STDVAR.rule(700)
+def _stdvar_degenerate(c) -> dict | None:
+    if (c.facts.get("std_var") or {}).get("degenerate"):
+        return variance(c.origin, c.facts, c.ev, c.method)
+    return None
+
+
+def variance(origin: dict, facts: dict, ev: dict, method: str, backward: bool = False) -> dict:
+    sv = facts.get("std_var") or {}
+    zd = facts.get("zero_denominator") or {}
+    where = T.where(origin)
+    api = T.api_or_op(origin)
+    if sv:
+        summ = (f"{api} at {where} reduced over n = {sv.get('n')} element(s) with correction "
+                f"{T.g(sv.get('correction'))}: n - correction = {T.g(sv.get('n_minus_correction'))} <= 0 gives NaN")
+    elif zd:
+        summ = f"{api} at {where} divided by a zero standard deviation/variance ({zd.get('zeros')} zero(s))"
+    else:
+        summ = f"{api} at {where}: the backward of std/var divides by a zero standard deviation"
+    fixes = ["use the biased estimate where a group can have one element: x.std(dim, unbiased=False) / "
+             "correction=0, plus an eps: (x - mean) / (std + 1e-5)",
+             "avoid batches of size 1: DataLoader(..., drop_last=True) or skip batches with fewer than 2 samples",
+             "or normalise with statistics computed once over the whole training set"]
+    return T.result("variance_zero", summ, 0.9, ev, fixes, method)

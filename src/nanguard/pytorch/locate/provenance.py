@@ -1,0 +1,305 @@
+"""Provenance (taint) tracking: which op made a non-finite value out of finite inputs, and whether it
+reaches a sink (the loss, the parameter gradients, the parameters / optimizer state after the update).
+
+Every non-finite tensor produced while armed carries a taint (an :class:`Origin`): a real origin (an
+op, a tensor already non-finite before the step, a mutation the recorder did not see) or a soft one
+(an intentional non-finite constant such as ``masked_fill(mask, -inf)``, a pre-existing -inf mask).
+Outputs inherit the earliest real taint of their inputs; masked values that never reach a sink are
+never origins.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from ...core.diagnosis.roles import MASK_SINK, MASK_WRITE
+from .. import numerics as N
+from .naming import Names
+from .ops import nonfinite_scalar
+
+aten = torch.ops.aten
+
+__all__ = ["Info", "Origin", "Provenance", "Sinks"]
+
+
+class Info:
+    """What we know about one tensor object: finiteness at a version (and storage), taint, producer op."""
+    __slots__ = ("ref", "ver", "nan", "inf", "taint", "prod", "where")
+
+    def __init__(self, ref, ver, nan, inf, taint, prod, where=None):
+        self.ref, self.ver, self.nan, self.inf, self.taint, self.prod = ref, ver, nan, inf, taint, prod
+        self.where = where
+
+
+def where_stored(t: torch.Tensor) -> tuple | None:
+    """Storage and dtype of ``t``: ``param.data = ...`` (e.g. ``model.half()``) swaps both
+    without bumping the version counter, so the version alone cannot say "unchanged"."""
+    try:
+        return (t.untyped_storage().data_ptr(), t.dtype)
+    except Exception:
+        return None
+
+
+class Origin:
+    """A taint source. kind: 'op' (real origin), 'constant', 'preexisting', 'untracked'."""
+    __slots__ = ("seq", "kind", "soft", "op", "stage", "detail", "pre_kind", "name", "first_use", "tref")
+
+    def __init__(self, seq, kind, soft, op=None, stage=None):
+        self.seq, self.kind, self.soft, self.op, self.stage = seq, kind, soft, op, stage
+        self.detail: dict | None = None
+        self.pre_kind: str | None = None
+        self.name: str | None = None
+        self.first_use: dict | None = None
+        self.tref: Any = None
+
+    @property
+    def real(self) -> bool:
+        return not self.soft
+
+
+class Provenance:
+    """Taints of the tensors of one step. ``now()`` gives (current op index, current stage)."""
+
+    def __init__(self, names: Names, notes: list[str], now: Callable[[], tuple[int, str]]) -> None:
+        self.names, self.notes, self.now = names, notes, now
+        self.infos: dict[int, Info] = {}
+        self.by_storage: dict[int, Origin] = {}
+        self.origins: list[Origin] = []
+        self._wrapped: dict[Any, Origin] = {}
+        self.escaped_mask: Origin | None = None   # set by decide(), read by the origin description
+
+    def _new(self, kind: str, soft: bool) -> Origin:
+        idx, stage = self.now()
+        o = Origin(len(self.origins), kind, soft, op=idx, stage=stage)
+        self.origins.append(o)
+        return o
+
+    def lookup(self, t: torch.Tensor) -> tuple[bool, bool, Origin | None, Info | None]:
+        """Finiteness + taint of an input tensor, checking it if unseen or modified since."""
+        if not N.is_checkable(t):
+            return False, False, None, None
+        key = id(t)
+        info = self.infos.get(key)
+        ver = N.version(t)
+        where = where_stored(t)
+        if info is not None and info.ref() is t:
+            if ver is not None and info.ver == ver and info.where == where:
+                return info.nan, info.inf, info.taint, info
+            nan, inf = N.nonfinite_flags(t)
+            taint = None
+            if nan or inf:
+                taint = info.taint if (info.nan or info.inf) else None
+                taint = taint or self.storage_taint(t) or self._untracked(t)
+            info.ver, info.nan, info.inf, info.taint, info.where = ver, nan, inf, taint, where
+            return nan, inf, taint, info
+        nan, inf = N.nonfinite_flags(t)
+        taint = None
+        if nan or inf:
+            taint = self.storage_taint(t) or self._preexisting(t, nan, inf)
+        info = Info(weakref.ref(t), ver, nan, inf, taint, None, where)
+        self.infos[key] = info
+        return nan, inf, taint, info
+
+    def storage_taint(self, t: torch.Tensor) -> Origin | None:
+        if not self.by_storage:
+            return None
+        try:
+            return self.by_storage.get(t.untyped_storage().data_ptr())
+        except Exception:
+            return None
+
+    def _untracked(self, t: torch.Tensor) -> Origin:
+        o = self._new("untracked", False)
+        self.notes.append("a tensor became non-finite through a mutation the recorder did not see")
+        return o
+
+    def _preexisting(self, t: torch.Tensor, nan: bool, inf: bool) -> Origin:
+        kind, name = self.names.kind_of(t)
+        # A tensor that only holds -inf and is not a parameter is most likely an intentional mask.
+        soft = False
+        if not nan and kind in ("data", "buffer"):
+            soft = not bool(N._scalar(aten.any.default(aten.isposinf.default(t))))
+        o = self._new("preexisting", soft)
+        o.pre_kind, o.name = kind, name
+        o.tref = weakref.ref(t)
+        st = N.tensor_stats(t)
+        st["bad_rows"] = N.bad_rows(t)
+        o.detail = {"stats": st}
+        return o
+
+    def param_written(self, t: torch.Tensor, taint: Origin, info: Info | None) -> Origin | None:
+        """A parameter read while holding non-finite values written by an op (e.g. a bad init under
+        no_grad): it is a corrupted parameter; the writing op is kept as ``written_by``."""
+        pn = self.names.param_name(t)
+        if pn is None:
+            return None
+        try:
+            key = ("written", pn[0], pn[1] if pn[1] is not None else t.untyped_storage().data_ptr())
+        except Exception:
+            key = ("written", pn[0], pn[1] if pn[1] is not None else id(t))
+        o = self._wrapped.get(key)
+        if o is None:
+            o = self._new("preexisting", False)
+            o.pre_kind, o.name = pn
+            o.tref = weakref.ref(t)
+            st = N.tensor_stats(t)
+            st["bad_rows"] = N.bad_rows(t)
+            wd = dict(taint.detail or {})
+            wb = {k: wd.get(k) for k in ("op", "api", "module", "file", "line", "function", "stage", "facts",
+                                          "output")}
+            wb["input_numel"] = [i.get("numel") for i in wd.get("inputs") or []]
+            wb["kind"] = taint.kind
+            o.detail = {"stats": st, "written_by": wb}
+            self._wrapped[key] = o
+        if info is not None:
+            info.taint = o
+        return o
+
+    def decide(self, out_nan: bool, out_inf: bool, ins: list, scal: list, name: str | None = None,
+               out: torch.Tensor | None = None) -> Any:
+        """Taint of a non-finite output: inherit a real origin, start a new one ("new"), or a constant ("const")."""
+        real = [i[5] for i in ins if i[5] is not None and i[5].real]
+        if real:
+            return min(real, key=lambda o: o.seq)
+        s_nan = any(nonfinite_scalar(v)[0] for _k, _p, v in scal)
+        s_inf = any(nonfinite_scalar(v)[1] for _k, _p, v in scal)
+        in_nan = s_nan or any(i[3] for i in ins)
+        in_inf = s_inf or any(i[4] for i in ins)
+        if out_nan and not in_nan:
+            return "new"       # NaN out of NaN-free inputs (incl. softmax of an all -inf row)
+        if out_inf and not out_nan and not in_inf:
+            return "new"       # overflow, x/0, log(0) from finite inputs
+        soft = [i[5] for i in ins if i[5] is not None]
+        if soft:
+            mask = self._mask_escape(name, out, ins, soft)
+            if mask is not None:
+                self.escaped_mask = mask
+                return "new"   # masked entries summed into a result: the bug is this reduction
+            return min(soft, key=lambda o: o.seq)
+        return "const"         # introduced from a non-finite scalar constant
+
+    def _mask_escape(self, name: str | None, out: Any, ins: list, soft: list) -> Origin | None:
+        """A sum/mean over positions that a mask filled with +-inf, giving a non-finite result
+        (e.g. label smoothing or a mean log-prob over -inf-masked logits). Masks are meant to be
+        absorbed (softmax, logsumexp, max turn them into finite values); a reduction that keeps
+        them is where the intended infinity becomes a real failure. The mask's origin, or None."""
+        if name not in MASK_SINK.ops or not isinstance(out, torch.Tensor) or self.now()[1] != "forward":
+            return None
+        big = max((int(i[2].numel()) for i in ins if isinstance(i[2], torch.Tensor)), default=0)
+        if out.numel() >= big:
+            return None
+        consts = [o for o in soft if o.kind == "constant"]
+        if len(consts) != len(soft):
+            return None
+        masks = [o for o in consts if (o.detail or {}).get("name") in MASK_WRITE.ops]
+        return min(masks, key=lambda o: o.seq) if masks and len(masks) == len(consts) else None
+
+    def new_origin(self, kind: str, idx: int, stage: str) -> Origin:
+        """A taint born at op ``idx``: kind 'op' (real) or 'constant' (soft)."""
+        o = Origin(len(self.origins), kind, kind == "constant", op=idx, stage=stage)
+        self.origins.append(o)
+        return o
+
+    def set_info(self, t: torch.Tensor, nan: bool, inf: bool, taint: Origin | None, prod: tuple,
+                 mutated: bool) -> None:
+        ver = N.version(t)
+        if mutated and ver is not None:
+            ver += 1   # ADInplaceOrView bumps the version after this mode returns
+        info = self.infos.get(id(t))
+        if info is not None and info.ref() is t:
+            info.ver, info.nan, info.inf, info.taint, info.prod = ver, nan, inf, taint, prod
+            info.where = where_stored(t)
+        else:
+            self.infos[id(t)] = Info(weakref.ref(t), ver, nan, inf, taint, prod, where_stored(t))
+        if taint is not None:
+            try:
+                self.by_storage[t.untyped_storage().data_ptr()] = taint
+            except Exception:
+                pass
+        elif self.by_storage:
+            try:
+                st = t.untyped_storage()
+                if st.nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0:
+                    self.by_storage.pop(st.data_ptr(), None)
+            except Exception:
+                pass
+
+    def producer(self, t: Any) -> tuple[int, int | None] | None:
+        """(op index, output position) that made ``t``, when it was made while armed."""
+        info = self.infos.get(id(t)) if isinstance(t, torch.Tensor) else None
+        if info is not None and info.ref() is t:
+            return info.prod
+        return None
+
+    def taint_of(self, t: torch.Tensor) -> Origin | None:
+        info = self.infos.get(id(t))
+        if info is not None and info.ref() is t:
+            return self.lookup(t)[2]
+        return self.storage_taint(t)
+
+    @staticmethod
+    def earliest(taints: list) -> Origin | None:
+        ts = [t for t in taints if t is not None]
+        real = [t for t in ts if t.real]
+        pool = real or ts
+        return min(pool, key=lambda o: o.seq) if pool else None
+
+    def fallback(self, stage: str) -> Origin | None:
+        real = [o for o in self.origins if o.real and o.kind in ("op", "preexisting")]
+        same = [o for o in real if o.stage == stage]
+        return (same or real or [None])[0]
+
+
+class Sinks:
+    """Where a taint must arrive to matter: the loss tensors (``mark_loss``), the parameter gradients
+    (evaluated once, before the update) and the parameters / optimizer state after the update."""
+
+    def __init__(self, prov: Provenance, names: Names) -> None:
+        self.prov, self.names = prov, names
+        self.loss: list[tuple[Origin | None, dict]] = []
+        self.grad: list[tuple[str, Origin | None]] | None = None
+        self.opt: list[tuple[str, str | None, Origin | None]] | None = None
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        if not isinstance(loss, torch.Tensor) or not N.is_checkable(loss):
+            return
+        nan, inf = N.nonfinite_flags(loss)
+        if not (nan or inf):
+            self.loss.append((None, {"finite": True}))
+            return
+        taint = self.prov.taint_of(loss)
+        info = {"finite": False, "value": N.jnum(loss.detach().reshape(-1)[0].item()) if loss.numel() else None,
+                "shape": list(loss.shape)}
+        self.loss.append((taint, info))
+
+    def eval_grad(self) -> None:
+        res = []
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            for pid, p in list(self.names.params.items()):
+                name = self.names.param_ids[pid]
+                g = getattr(p, "grad", None)
+                if g is None or not N.is_checkable(g):
+                    continue
+                nan, inf = N.nonfinite_flags(g)
+                if nan or inf:
+                    res.append((name, self.prov.taint_of(g)))
+        self.grad = res
+
+    def eval_opt(self) -> None:
+        res = []
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            for pid, p in list(self.names.params.items()):
+                name = self.names.param_ids[pid]
+                if N.is_checkable(p) and any(N.nonfinite_flags(p)):
+                    res.append((name, None, self.prov.taint_of(p)))
+            for opt in self.names.optimizers:
+                for p, st in list(opt.state.items()):
+                    if not isinstance(st, dict):
+                        continue
+                    pname = self.names.param_ids.get(id(p), "?")
+                    for k, v in st.items():
+                        if isinstance(v, torch.Tensor) and N.is_checkable(v) and any(N.nonfinite_flags(v)):
+                            res.append((pname, k, self.prov.taint_of(v)))
+        self.opt = res

@@ -1,0 +1,354 @@
+"""``OpRecorder``: ties the parts together for one armed training step and builds the result.
+
+Per ATen op (``_before`` / ``_after``, called by the dispatch mode): the inputs' finiteness and taints
+(provenance), the op record (op log: name, stage, module, API, user line), the outputs' taints, and
+for a new origin its description and evidence facts.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ...core.diagnosis.roles import OVERWRITE, UNINITIALISED
+from .. import numerics as N
+from .evidence import Evidence
+from .modes import Modes, Switch
+from .naming import Frames, ModuleTracker, Names
+from .oplog import OpLog
+from .ops import Mutations, flatten, opname
+from .provenance import Origin, Provenance, Sinks
+from .result import build_result
+
+__all__ = ["OpRecorder"]
+
+
+class OpRecorder:
+    """Record every ATen op of one training step and find where a non-finite value is born.
+
+    Call order for one step (``start``/``stop`` may run in different hooks, same thread)::
+
+        rec.start()                      # before the step's forward (or before the script for step 0)
+        loss = model(batch) ...
+        rec.mark_loss(loss)              # each tensor .backward() is called on
+        rec.set_stage("backward"); loss.backward()
+        rec.set_stage("optimizer"); opt.step()   # evaluates the gradient sink first
+        rec.stop()                       # evaluates the parameter/state sink, removes modes and hooks
+        loc = rec.result()
+
+    Ops inside the autograd engine are "backward" whatever the stage says; other ops are "forward"
+    until ``set_stage("optimizer")``. ``with rec.paused(): ...`` runs the caller's own checks unrecorded.
+    """
+
+    def __init__(self, *, named_params: dict[str, torch.Tensor], named_buffers: dict[str, torch.Tensor],
+                 roots: Sequence[torch.nn.Module] = (), optimizers: Sequence[torch.optim.Optimizer] = (),
+                 user_file_filter: Callable[[str], bool] | None = None, max_records: int = 200_000,
+                 anomaly_tracebacks: bool = False):
+        """``anomaly_tracebacks``: also turn on autograd anomaly mode (check_nan=False) so every node keeps
+        ``metadata["traceback_"]``. Off by default: every node is already tagged with the forward op that
+        created it (op, module, user frame), and the traceback capture costs ~0.1-0.3 ms per node."""
+        self.anomaly_tracebacks = bool(anomaly_tracebacks)
+        # the caller's dicts are kept by reference (they may be filled after start()) and never mutated
+        self.named_params = named_params if isinstance(named_params, dict) else dict(named_params or {})
+        self.named_buffers = named_buffers if isinstance(named_buffers, dict) else dict(named_buffers or {})
+        self.roots = list(roots)
+        # kept by reference when a list: a caller may register optimizers created after start()
+        self.optimizers = optimizers if isinstance(optimizers, list) else list(optimizers)
+        self.user_file_filter = user_file_filter
+        self.max_records = int(max_records)
+        self._frames = Frames(user_file_filter)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._switch = Switch()
+        self._started = False
+        self._stopped = False
+        self._stage = "forward"
+        self._notes: list[str] = []
+        self._errors = 0
+        self._result: dict | None = None
+        self._n_ops = 0
+        self._thread: int | None = None
+        self._pending: list[tuple[Any, int]] = []     # recent forward outputs whose grad_fn is not tagged yet
+        self._param_versions: dict[int, int | None] = {}
+        self._mutated = Mutations()
+        self._names = Names(self.named_params, self.named_buffers, self.optimizers, self._notes)
+        self._modules = ModuleTracker(self._names, self._switch)
+        self._modes = Modes(self._switch, self._notes)
+        self._log = OpLog(self.max_records)
+        self._prov = Provenance(self._names, self._notes, self._now)
+        self._sinks = Sinks(self._prov, self._names)
+        self._evidence = Evidence(self._log, self._prov, self._frames, self._modes.api_stack, self._mutated)
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "OpRecorder":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Arm: dispatch + function modes, global module hooks (and anomaly metadata if asked for)."""
+        if self._started:
+            return
+        self._started = True
+        self._thread = threading.get_ident()
+        self._names.index_known()
+        self._param_versions = {pid: N.version(p) for pid, p in self._names.params.items()}
+        for root in self.roots:
+            self._modules.register_tree(root)
+        if self.anomaly_tracebacks:
+            self._modes.enable_anomaly_metadata()
+        try:
+            self._modules.install(self._thread)
+            self._modes.install(self._before, self._after, self._fail)
+        except Exception:
+            self.stop()
+            raise
+        self._switch.armed = True
+
+    def stop(self) -> None:
+        """Disarm (idempotent) and evaluate the sinks; never leaves modes or hooks installed."""
+        if not self._started or self._stopped:
+            return
+        self._stopped = True
+        self._switch.armed = False
+        try:
+            self._switch.busy = True
+            try:
+                self._resolve_pending()
+                if self._sinks.grad is None:
+                    self._sinks.eval_grad()
+                self._names.sync_given()
+                updated = any(N.version(p) != self._param_versions.get(pid, N.version(p))
+                              for pid, p in self._names.params.items())
+                if self._stage == "optimizer" or self._log.opt_ops or updated:
+                    self._sinks.eval_opt()
+            except Exception as e:
+                self._fail(e)
+            finally:
+                self._switch.busy = False
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        self._modes.remove()
+        self._modules.remove()
+        self._modes.restore_anomaly()
+        self._modes.api_stack.clear()
+        self._log.clear_ring()
+
+    def paused(self):
+        """Context manager: run your own torch code while armed without it being recorded."""
+        return self._modes.paused()
+
+    def set_stage(self, stage: str) -> None:
+        """'forward' | 'backward' | 'optimizer' (set by the caller around backward() and step())."""
+        if stage not in ("forward", "backward", "optimizer"):
+            raise ValueError(f"unknown stage {stage!r}")
+        prev_busy, self._switch.busy = self._switch.busy, True
+        try:
+            self._resolve_pending()
+            self._names.sync_given()
+            if stage == "optimizer" and self._stage != "optimizer":
+                self._sinks.eval_grad()
+                self._names.index_optimizer_state()
+            self._stage = stage
+        except Exception as e:
+            self._fail(e)
+        finally:
+            self._switch.busy = prev_busy
+
+    def mark_loss(self, loss: torch.Tensor) -> None:
+        """The tensor .backward() is called on (forward sink); may be called several times."""
+        prev_busy, self._switch.busy = self._switch.busy, True
+        try:
+            with torch._C.DisableTorchFunction(), torch.no_grad():
+                self._resolve_pending()
+                self._sinks.add_loss(loss)
+        except Exception as e:
+            self._fail(e)
+        finally:
+            self._switch.busy = prev_busy
+
+    def result(self) -> dict:
+        """The localisation (JSON-serialisable). Call after stop()."""
+        if self._result is not None:
+            return self._result
+        prev_busy, self._switch.busy = self._switch.busy, True
+        try:
+            with torch._C.DisableTorchFunction(), torch.no_grad():
+                self._names.sync_given()
+                res = build_result(self._notes, self._n_ops, self._sinks, self._prov, self._names, self._log,
+                                   self._evidence)
+        except Exception as e:
+            res = {"reproduced": False, "phase": None, "origin": None, "preexisting": None, "optimizer": None,
+                   "facts": {}, "n_ops": self._n_ops, "notes": self._notes + [f"result failed: {e!r}"[:200]]}
+        finally:
+            self._switch.busy = prev_busy
+        if self._stopped:
+            self._result = res
+        return res
+
+    # ------------------------------------------------------------------ per-op core
+    def _fail(self, e: BaseException) -> None:
+        self._errors += 1
+        if self._errors <= 5:
+            self._notes.append(f"recorder error (ignored): {type(e).__name__}: {str(e)[:200]}")
+
+    def _cur_stage(self) -> str:
+        """'backward' inside the autograd engine; 'optimizer' after set_stage('optimizer'); else 'forward'
+        (ops between backward() and step(), or the next micro-batch's forward, run outside the engine)."""
+        try:
+            if torch._C._current_autograd_node() is not None:
+                return "backward"
+        except Exception:
+            pass
+        return "optimizer" if self._stage == "optimizer" else "forward"
+
+    def _now(self) -> tuple[int, str]:
+        return self._n_ops, self._cur_stage()
+
+    def _resolve_pending(self) -> None:
+        """Tag the autograd node of each recent forward output with the op that created it."""
+        if not self._pending:
+            return
+        pend, self._pending = self._pending, []
+        with torch._C.DisableTorchFunction():
+            for ref, idx in pend:
+                t = ref()
+                if t is None:
+                    continue
+                try:
+                    gf = t.grad_fn
+                    if gf is not None:
+                        md = gf.metadata
+                        if "nanguard_fwd" not in md:
+                            md["nanguard_fwd"] = idx
+                except Exception:
+                    pass
+
+    def _before(self, func, args, kwargs):
+        """Inputs read by the op: (key, list position, tensor, nan, inf, taint, producer)."""
+        self._resolve_pending()
+        stage = self._cur_stage()
+        tens, scal = flatten(args, kwargs)
+        over = opname(func) in OVERWRITE.ops
+        prov = self._prov
+        ins = []
+        for key, pos, t in tens:
+            if key == "out" or (over and key == 0):
+                continue    # written, not read: its old values do not matter
+            nan, inf, taint, info = prov.lookup(t)
+            if taint is not None and taint.real and stage != "optimizer" and not (
+                    taint.kind == "preexisting" and taint.pre_kind in ("param", "buffer")):
+                taint = prov.param_written(t, taint, info) or taint
+            ins.append((key, pos, t, nan, inf, taint, info.prod if info is not None else None))
+        return stage, ins, scal
+
+    def _outputs(self, func, args, kwargs, out, foreach: bool) -> tuple[list, set]:
+        """Returned tensors plus the arguments the op writes (in-place / out=), and the ids of the latter."""
+        outs: list[tuple[int | None, torch.Tensor]] = []
+        seen: set[int] = set()
+        mut_ids: set[int] = set()
+
+        def add(t: Any, pos: int | None) -> None:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                outs.append((pos if foreach else None, t))
+        if isinstance(out, torch.Tensor):
+            add(out, None)
+        elif isinstance(out, (list, tuple)):
+            for j, o in enumerate(out):
+                if isinstance(o, (list, tuple)):
+                    for jj, oo in enumerate(o):
+                        add(oo, jj)
+                else:
+                    add(o, j)
+        for _key, m in self._mutated(func, args, kwargs):
+            if isinstance(m, torch.Tensor):
+                mut_ids.add(id(m))
+                add(m, None)
+            elif isinstance(m, (list, tuple)):
+                for j, mm in enumerate(m):
+                    if isinstance(mm, torch.Tensor):
+                        mut_ids.add(id(mm))
+                        add(mm, j)
+        return outs, mut_ids
+
+    def _after(self, func, args, kwargs, out, pre) -> None:
+        stage, ins, scal = pre
+        idx = self._n_ops
+        self._n_ops += 1
+        name = opname(func)
+        foreach = name.startswith("_foreach_")
+        log = self._log
+        record = idx < log.max_records
+        if idx == log.max_records:
+            self._notes.append(f"more than {log.max_records} ops: later ops are tracked but not recorded")
+        outs, mut_ids = self._outputs(func, args, kwargs, out, foreach)
+        module = self._modules.current
+        api = self._modes.api_stack[-1][0] if self._modes.api_stack else None
+        low = False
+        any_nf = False
+        results = []
+        garbage = name in UNINITIALISED.ops
+        for pos, t in outs:
+            if not N.is_checkable(t):
+                continue
+            if t.dtype in N.LOW_PRECISION:
+                low = True
+            nan, inf = (False, False) if garbage else N.nonfinite_flags(t)
+            results.append((pos, t, nan, inf))
+            any_nf = any_nf or nan or inf
+
+        if record:
+            log.append(func, name, stage, module, api, scal, any_nf, ins,
+                       self._frames.user_frame() if stage == "forward" else None)
+            if low:
+                log.hold_low_precision(idx, func, args, kwargs, ins)
+            if stage == "forward":
+                log.hold_forward(idx, name, func, args, kwargs, ins)
+            if stage == "optimizer":
+                if not log.opt_ops:
+                    self._names.discover_optimizer()
+                log.opt_ops.append((idx, [(i[0], i[1], id(i[2])) for i in ins], [(p, id(t)) for p, t in outs]))
+
+        # consumers of non-finite forward tensors and of domain-sensitive ops' outputs (where-trap evidence)
+        if stage == "forward":
+            log.add_consumers(idx, name, ins, any_nf, bool(results))
+
+        prov = self._prov
+        new_origin: Origin | None = None
+        new_const: Origin | None = None
+        for pos, t, nan, inf in results:
+            taint = None
+            if nan or inf:
+                rel = [i for i in ins if not foreach or i[1] is None or i[1] == pos]
+                rel_s = [s for s in scal if not foreach or s[1] is None or s[1] == pos]
+                taint = prov.decide(nan, inf, rel, rel_s, name, t)
+                if taint == "new":
+                    if new_origin is None:
+                        new_origin = prov.new_origin("op", idx, stage)
+                    taint = new_origin
+                elif taint == "const":
+                    if new_const is None:
+                        new_const = prov.new_origin("constant", idx, stage)
+                    taint = new_const
+                elif taint.kind == "preexisting" and taint.first_use is None:
+                    taint.first_use = self._evidence.first_use(func, name, args, t, stage, self._modules.current)
+            prov.set_info(t, nan, inf, taint, (idx, pos), mutated=id(t) in mut_ids)
+            if stage == "forward" and record:
+                self._pending.append((weakref.ref(t), idx))
+        if new_origin is not None:
+            self._evidence.describe(new_origin, func, name, args, kwargs, ins, scal, results, stage, module, api,
+                                    self._modules.current_type)
+        if new_const is not None:
+            fr = self._frames.user_frame()
+            new_const.detail = {"op": str(func), "name": name, "api": api, "module": module, "stage": stage,
+                                "file": fr[0] if fr else None, "line": fr[1] if fr else None,
+                                "function": fr[2] if fr else None, "constant": True,
+                                "scalars": [N.jnum(v) for _k, _p, v in scal][:6]}

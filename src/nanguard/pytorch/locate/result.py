@@ -1,0 +1,197 @@
+"""The localisation dict of one recorded step (``OpRecorder.result()``), from the sinks' taints.
+
+Keys: reproduced, phase, origin, preexisting, optimizer, facts, n_ops, notes, sink, origins_seen,
+masked_nonfinite_origins (see ``nanguard.core.diagnosis`` for how they are read).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import numerics as N
+from ..numerics import jnum
+from .evidence import Evidence
+from .naming import Names
+from .oplog import OpLog
+from .provenance import Origin, Provenance, Sinks
+
+__all__ = ["build_result"]
+
+_OUT_KEYS = ("op", "api", "module", "file", "line", "function", "dtype", "shape", "stage", "autograd_node",
+             "forward_op", "forward_file", "forward_line", "forward_function", "forward_module", "inputs", "output",
+             "samples")
+
+
+def build_result(notes: list[str], n_ops: int, sinks: Sinks, prov: Provenance, names: Names, log: OpLog,
+                 evidence: Evidence) -> dict:
+    """Pick the sink that failed (loss, else gradients, else parameters/state after the update), follow
+    its earliest real taint to the origin and describe it."""
+    notes = list(notes)
+    sink_kind, sink_names, taint = None, [], None
+    bad_loss = [(t, info) for t, info in sinks.loss if not info.get("finite", True)]
+    if bad_loss:
+        sink_kind = "loss"
+        taint = prov.earliest([t for t, _ in bad_loss])
+        sink_names = [info.get("value") for _, info in bad_loss][:3]
+        fb_stage = "forward"
+    elif sinks.grad:
+        sink_kind = "grad"
+        taint = prov.earliest([t for _, t in sinks.grad])
+        sink_names = [n for n, _ in sinks.grad][:10]
+        fb_stage = "backward"
+    elif sinks.opt:
+        sink_kind = "optimizer"
+        taint = prov.earliest([t for *_, t in sinks.opt])
+        sink_names = [n if k is None else f"{n}:{k}" for n, k, _ in sinks.opt][:10]
+        fb_stage = "optimizer"
+    reproduced = sink_kind is not None
+    if reproduced and taint is None:
+        taint = prov.fallback(fb_stage)
+        notes.append("the non-finite sink could not be traced to an op; using the earliest real origin")
+    res: dict[str, Any] = {"reproduced": reproduced, "phase": None, "origin": None, "preexisting": None,
+                           "optimizer": None, "facts": {}, "n_ops": n_ops, "notes": notes,
+                           "sink": {"kind": sink_kind, "names": sink_names},
+                           "origins_seen": sum(1 for o in prov.origins if o.kind == "op"),
+                           "masked_nonfinite_origins": 0}
+    if not reproduced:
+        res["masked_nonfinite_origins"] = sum(1 for o in prov.origins if o.kind in ("op", "constant"))
+        if res["masked_nonfinite_origins"]:
+            notes.append(f"{res['masked_nonfinite_origins']} non-finite intermediate(s) appeared but were "
+                         "masked before reaching the loss, gradients or parameters")
+        return res
+    if taint is None:
+        res["phase"] = {"loss": "forward", "grad": "backward", "optimizer": "optimizer"}[sink_kind]
+        return res
+    if taint.kind == "preexisting":
+        return _preexisting(res, taint, names)
+    res["phase"] = {"loss": "forward", "grad": "backward", "optimizer": "optimizer"}[sink_kind]
+    d = dict(taint.detail or {})
+    facts = dict(d.pop("facts", {}) or {})
+    if d.get("mask_escape"):
+        facts["mask_escape"] = d["mask_escape"]
+    if taint.kind == "constant":
+        notes.append("a non-finite constant written by the program (e.g. masked_fill with -inf) reached the "
+                     + sink_kind)
+        facts["intentional_constant"] = True
+    if taint.kind == "untracked":
+        notes.append("the origin is a mutation outside the recorded ops")
+    stage = d.get("stage") or taint.stage
+    if "where_trap" not in facts and taint.kind == "op" and sink_kind == "grad" and stage == "forward":
+        facts["where_trap"] = evidence.where_trap(taint.op)
+    origin = {k: d.get(k) for k in _OUT_KEYS}
+    origin["stage"] = stage
+    origin["kind"] = taint.kind
+    origin["forward_api"] = d.get("forward_api")
+    origin["scalars"] = d.get("scalars")
+    origin["module_type"] = d.get("module_type")
+    if stage == "backward" and d.get("forward_line") is not None:
+        origin["backward_file"], origin["backward_line"] = d.get("file"), d.get("line")
+        origin["file"], origin["line"] = d.get("forward_file"), d.get("forward_line")
+        origin["function"] = d.get("forward_function")
+        if d.get("forward_module") is not None:
+            origin["module"] = d.get("forward_module")
+    if origin["inputs"] is None:
+        origin["inputs"] = []
+    if origin["output"] is None:
+        origin["output"] = {"nan": 0, "posinf": 0, "neginf": 0}
+    if origin["samples"] is None:
+        origin["samples"] = []
+    res["origin"] = origin
+    res["facts"] = facts
+    if stage == "optimizer" or sink_kind == "optimizer":
+        res["optimizer"] = optimizer_info(taint, sinks, names, log)
+    return res
+
+
+def _preexisting(res: dict, taint: Origin, names: Names) -> dict:
+    t = taint.tref() if taint.tref is not None else None
+    if t is not None and taint.pre_kind in ("param", "buffer", "data"):
+        pn = names.param_name(t)    # names may have been learnt (or improved) after the first read
+        if pn is not None and pn[1] is not None:
+            taint.pre_kind, taint.name = pn
+    st = (taint.detail or {}).get("stats", {})
+    fu = taint.first_use or {}
+    is_data = taint.pre_kind == "data"   # batch rows only mean something for data
+    res["preexisting"] = {"kind": taint.pre_kind, "name": taint.name,
+                          "samples": fu.get("samples", []) if is_data else [],
+                          "source_rows": fu.get("source_rows", []) if is_data else [], "stats": st,
+                          "rows_in_tensor": st.get("bad_rows", []), "first_use": fu or None,
+                          "written_by": (taint.detail or {}).get("written_by")}
+    res["phase"] = {"data": "data", "param": "params", "buffer": "params",
+                    "optimizer_state": "optimizer"}.get(taint.pre_kind, "data")
+    res["facts"] = {"preexisting": {"kind": taint.pre_kind, "name": taint.name,
+                                    "nonfinite": st.get("nonfinite"), "numel": st.get("numel")}}
+    return res
+
+
+def optimizer_info(taint: Origin, sinks: Sinks, names: Names, log: OpLog) -> dict | None:
+    """Which parameter and which state slot the optimizer-stage origin belongs to (followed through the
+    optimizer's op graph by tensor id), and the optimizer's hyperparameters."""
+    optimizers = names.optimizers
+    if not optimizers and not sinks.opt:
+        return None
+    ident: dict[int, tuple[str, str | None]] = {}
+    for pid in names.params:
+        ident[pid] = (names.param_ids[pid], None)
+    for opt in optimizers:
+        for p, st in list(opt.state.items()):
+            if isinstance(st, dict):
+                pname = names.param_ids.get(id(p), "?")
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        ident[id(v)] = (pname, k)
+    assoc = dict(ident)
+    d = taint.detail or {}
+    pos0 = (d.get("positions") or [None])[0]
+    found: list[tuple[Any, tuple]] = []
+    for idx, ins, outs in log.opt_ops:
+        by_pos: dict[Any, list] = {}
+        for k, p, tid in ins:
+            a = assoc.get(tid)
+            if a is not None:
+                by_pos.setdefault(p, []).append((k, a))
+        if idx == taint.op:
+            for p in ([pos0] if pos0 is not None else list(by_pos)):
+                found += by_pos.get(p, [])
+            if pos0 is not None:
+                found += by_pos.get(None, [])
+        for p, tid in outs:
+            if tid in ident:
+                continue
+            cand = by_pos.get(p) or by_pos.get(None) or [x for v in by_pos.values() for x in v]
+            if cand:
+                withkey = [c for c in cand if c[1][1] is not None]
+                assoc[tid] = (withkey or cand)[0][1]
+    name = d.get("name") or ""
+    den_key = {"addcdiv": 2, "_foreach_addcdiv": 2, "div": 1, "_foreach_div": 1, "reciprocal": 0,
+               "_foreach_reciprocal": 0}.get(name)
+    param = next((a[0] for _k, a in found if a[0] and a[0] != "?"), None)
+    state = next((a[1] for k, a in found if k == den_key and a[1] is not None), None) if den_key is not None \
+        else None
+    state = state or next((a[1] for _k, a in found if a[1] is not None and a[1] != "step"), None)
+    info: dict[str, Any] = {"param": param, "state": state, "inputs": [
+        {"arg": str(k), "param": a[0], "state": a[1]} for k, a in found][:10]}
+    if sinks.opt:
+        info["nonfinite_after_step"] = [n if k is None else f"{n}:{k}" for n, k, _ in sinks.opt][:10]
+        if info["param"] is None:
+            info["param"] = sinks.opt[0][0]
+        if info["state"] is None:
+            info["state"] = next((k for _n, k, _t in sinks.opt if k), None)
+    for opt in optimizers:
+        info["optimizer"] = type(opt).__name__
+        g = opt.param_groups[0]
+        for key in ("lr", "eps", "weight_decay", "betas", "momentum"):
+            if key in g:
+                v = g[key]
+                if isinstance(v, torch.Tensor):
+                    v = v.item()
+                info[key] = [jnum(x) for x in v] if isinstance(v, (list, tuple)) else jnum(v)
+        by_name = {names.param_ids[pid]: p for pid, p in names.params.items()}
+        if param and param in by_name:
+            pdt = by_name[param].dtype
+            info["param_dtype"] = N.dtype_name(pdt)
+            if "eps" in g and isinstance(g["eps"], (int, float)) and pdt.is_floating_point:
+                info["eps_fact"] = N.eps_fact(float(g["eps"]), pdt)
+        break
+    return info
