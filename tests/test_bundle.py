@@ -14,7 +14,7 @@ import nanguard
 from nanguard import BundleError, Guard, NonFiniteError, load_bundle
 from nanguard.pytorch.bundle import FORMAT, save_bundle
 
-from conftest import run_ng, write
+from ngtest import run_ng, write
 
 
 class Net(nn.Module):

@@ -21,7 +21,7 @@ from nanguard.pytorch.detect import StepMonitor
 from nanguard.pytorch import distributed as D
 from nanguard.pytorch.detect import consensus as C
 
-from conftest import load_report
+from ngtest import load_report
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
 

@@ -15,7 +15,7 @@ from nanguard import Guard, GuardConfig, NonFiniteError
 from nanguard.pytorch.detect import StepMonitor, all_finite, is_checkable, tensors_in
 from nanguard.core.history import StepHistory, StepRecord
 
-from conftest import INJECT, loop_script, run_ng, write
+from ngtest import INJECT, loop_script, run_ng, write
 
 
 def _guard(model, opt, **kw):

@@ -13,7 +13,7 @@ import nanguard.pytorch.detect.monitor
 from nanguard import Guard, GuardConfig, NonFiniteError
 from nanguard.core.events import SCHEMA
 
-from conftest import assert_same_params, load_report
+from ngtest import assert_same_params, load_report
 
 
 class Net(nn.Module):

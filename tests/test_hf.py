@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from nanguard.integrations.hf import NanGuardCallback  # noqa: E402
 
-from conftest import load_report  # noqa: E402
+from ngtest import load_report  # noqa: E402
 
 BS, STEPS, K = 4, 6, 3
 pytestmark = pytest.mark.skipif(not hasattr(transformers.TrainerCallback, "on_pre_optimizer_step"),

@@ -358,7 +358,7 @@ def test_cli_show_on_an_ascii_stream(cases, tmp_path):
 
 
 def test_a_failing_run_writes_its_page_beside_the_json_report_and_a_clean_run_none(tmp_path) -> None:
-    from conftest import INJECT, loop_script, run_ng  # tests/ is on sys.path under pytest
+    from ngtest import INJECT, loop_script, run_ng  # tests/ is on sys.path under pytest
     script = tmp_path / "train.py"
     script.write_text(loop_script(**INJECT["data_nan"]))
     code, rep = run_ng(tmp_path, str(script), [3], report=str(tmp_path / "bad.json"), html="auto")

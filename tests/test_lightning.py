@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from nanguard.integrations.lightning import NanGuardCallback  # noqa: E402
 
-from conftest import load_report  # noqa: E402
+from ngtest import load_report  # noqa: E402
 
 BS, N = 8, 48
 

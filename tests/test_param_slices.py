@@ -224,7 +224,7 @@ def test_nanguard_run_above_2_mib_blames_the_update_and_the_rerun_agrees(tmp_pat
     # reproduces the same detection.
     import textwrap
 
-    from conftest import run_ng
+    from ngtest import run_ng
 
     script = tmp_path / "big_fp16_table.py"
     script.write_text(textwrap.dedent("""

@@ -22,7 +22,7 @@ from nanguard.pytorch.recover import (ACTIONS, AUTO, DynamicLossScale, RecoveryP
                               skip_step, upcast_module)
 from nanguard.core.events import Event
 
-from conftest import assert_same_state, loop_script, run_ng, run_plain, write
+from ngtest import assert_same_state, loop_script, run_ng, run_plain, write
 
 
 # --------------------------------------------------------------------------- helpers
@@ -504,7 +504,7 @@ def test_guard_recovers_and_reports_every_recovery(tmp_path, capsys):
     rep = g.close()
     assert rep.status == "recovered" and [e.step for e in rep.events] == [2, 6]
     assert all(e.recovery["ok"] and "skip_step" in e.recovery["action"] for e in rep.events)
-    from conftest import load_report
+    from ngtest import load_report
     d = load_report(report)
     assert d["status"] == "recovered" and d["events"][0]["recovery"]["ok"] is True
     err = capsys.readouterr().err

@@ -21,7 +21,7 @@ from nanguard.cli.run import run_script
 from nanguard.core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
 from nanguard.core.events import SCHEMA, Report, write_json_atomic
 
-from conftest import (EXPECTED_PHASE, INJECT, assert_same_state, load_report, loop_script, run_ng,
+from ngtest import (EXPECTED_PHASE, INJECT, assert_same_state, load_report, loop_script, run_ng,
                       run_plain, write)
 
 

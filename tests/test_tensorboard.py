@@ -14,7 +14,7 @@ from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 import nanguard  # noqa: E402
 from nanguard.integrations.tensorboard import TensorBoardLogger  # noqa: E402
 
-from conftest import INJECT, loop_script, run_ng, write  # noqa: E402
+from ngtest import INJECT, loop_script, run_ng, write  # noqa: E402
 
 
 def read(logdir):

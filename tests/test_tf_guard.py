@@ -28,7 +28,7 @@ def test_callback_healthy_fit_is_bit_for_bit_the_same(tmp_path):
     run_plain(s, ["fit", -1, "none", plain])
     run_plain(s, ["fit_cb", -1, "none", guarded, rep_path])
     assert_same_weights(plain, guarded)
-    from conftest import load_report
+    from ngtest import load_report
     rep = load_report(rep_path)
     assert rep["status"] == "clean" and rep["steps_watched"] == 6
 
@@ -42,7 +42,7 @@ def test_failing_update_never_reaches_the_variables(tmp_path, mode, case):
     if mode == "fit_cb":
         rep_path = str(tmp_path / "cb.json")
         run_plain(s, [mode, 3, case, stopped, rep_path])  # the callback stops fit; the script goes on
-        from conftest import load_report
+        from ngtest import load_report
         rep = load_report(rep_path)
     else:
         code, rep = run_tf(tmp_path, s, [mode, 3, case, stopped], localize=False)

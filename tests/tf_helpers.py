@@ -18,7 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 tf = pytest.importorskip("tensorflow")  # the importing test module is skipped without it
 keras = pytest.importorskip("keras")
 
-from conftest import load_report  # noqa: E402  (tests/conftest.py)
+from ngtest import load_report  # noqa: E402  (tests/ngtest.py)
 
 # A small regression trained four ways (MODE): an eager GradientTape loop, a @tf.function step,
 # model.fit under `nanguard run` ("fit"), model.fit with the NanGuard callback ("fit_cb").

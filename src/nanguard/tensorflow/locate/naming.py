@@ -39,7 +39,6 @@ _CTOR: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 _CTOR_BY_ID: dict[int, tuple] = {}      # for unhashable objects (kept with a weakref check)
 _hook_lock = threading.Lock()
 _hook_count = 0
-_hook_orig: dict[str, Any] = {}
 
 
 # ---------------------------------------------------------------------------- user files
@@ -143,10 +142,17 @@ def _ctor_frame(start: Any) -> Optional[tuple]:
     return None
 
 
-def _wrap_new(cls: Any, key: str) -> None:
+def _wrap_new(cls: Any) -> None:
     """Wrap ``cls.__new__`` (``__init__`` cannot be wrapped: Keras reads its signature for configs).
-    ``__new__`` runs in the frame that constructs the object, before any ``__init__``."""
-    had = "__new__" in cls.__dict__
+    ``__new__`` runs in the frame that constructs the object, before any ``__init__``.
+
+    The wrapper stays on the class for the life of the process and records only while a hook is
+    installed: CPython cannot take an assigned ``__new__`` back (after ``del cls.__new__`` the class's
+    constructor slot keeps routing through ``object.__new__`` with the call's arguments, and every
+    later ``Layer(...)`` with arguments raises "object.__new__() takes exactly one argument")."""
+    cur = cls.__dict__.get("__new__")
+    if getattr(cur.__func__ if isinstance(cur, staticmethod) else cur, "_nanguard_ctor_hook", False):
+        return  # wrapped earlier in this process
     orig = cls.__dict__.get("__new__")
     base_new = orig.__func__ if isinstance(orig, staticmethod) else orig
 
@@ -155,6 +161,8 @@ def _wrap_new(cls: Any, key: str) -> None:
             obj = base_new(klass, *args, **kwargs)
         else:
             obj = object.__new__(klass)
+        if _hook_count <= 0:
+            return obj
         try:
             if construction_site(obj) is None:
                 site = _ctor_frame(sys._getframe(1))
@@ -165,7 +173,6 @@ def _wrap_new(cls: Any, key: str) -> None:
         return obj
 
     __new__._nanguard_ctor_hook = True  # type: ignore[attr-defined]
-    _hook_orig[key] = (cls, orig if had else None)
     cls.__new__ = staticmethod(__new__)
 
 
@@ -180,10 +187,9 @@ def install_construction_hook() -> Callable[[], None]:
             try:
                 from keras.src.layers.layer import Layer
                 from keras.src.losses.loss import Loss
-                _wrap_new(Layer, "layer")
-                _wrap_new(Loss, "loss")
+                _wrap_new(Layer)
+                _wrap_new(Loss)
             except Exception:
-                _restore_hook()
                 _hook_count = 0
                 raise
     done = [False]
@@ -194,22 +200,8 @@ def install_construction_hook() -> Callable[[], None]:
             if done[0]:
                 return
             done[0] = True
-            _hook_count -= 1
-            if _hook_count == 0:
-                _restore_hook()
+            _hook_count -= 1  # the wrappers stay (see _wrap_new) and stop recording at 0
     return uninstall
-
-
-def _restore_hook() -> None:
-    for key, (cls, orig) in list(_hook_orig.items()):
-        cur = cls.__dict__.get("__new__")
-        cur_f = cur.__func__ if isinstance(cur, staticmethod) else cur
-        if getattr(cur_f, "_nanguard_ctor_hook", False):
-            if orig is None:
-                delattr(cls, "__new__")
-            else:
-                cls.__new__ = orig
-        _hook_orig.pop(key, None)
 
 
 def construction_hook_installed() -> bool:
