@@ -14,8 +14,10 @@ This is a tool for scenario authors, not a test (pytest does not collect it):
 
 `--perturb N` runs the reference detector N more times (native capability, one
 thread) with every parameter scaled by (1 + 1e-7 * noise) when the optimizer is
-built: a stand-in for the rounding of a CPU not at hand. A truth decided by
-construction does not move; one decided by the last bits does.
+built (`--scale` to change 1e-7): a stand-in for the rounding of a CPU not at
+hand. A truth decided by construction does not move; one decided by the last
+bits does. It cannot see rounding that touches only the data (a reduction over
+the batch): reason about those (README).
 """
 from __future__ import annotations
 
@@ -93,7 +95,8 @@ if os.environ.get("SCENARIO_PERTURB"):
                 for g in self.param_groups:
                     for p in g["params"]:
                         if p.is_floating_point():
-                            p.mul_(1 + 1e-7 * torch.randn(p.shape, generator=_gen).to(p.dtype))
+                            p.mul_(1 + float(os.environ.get("SCENARIO_PERTURB_SCALE", "1e-7"))
+                                   * torch.randn(p.shape, generator=_gen).to(p.dtype))
     torch.optim.Optimizer.__init__ = _init
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
@@ -150,14 +153,14 @@ def guarded(script: pathlib.Path, env: dict, recover: bool):
     return out
 
 
-def perturbed(cases, n: int) -> int:
+def perturbed(cases, n: int, scale: float) -> int:
     bad = 0
     for js in cases:
         truth = json.loads(js.read_text())
         lo, hi = truth.get("first_bad_step_range") or [truth.get("first_bad_step")] * 2
         seen = {}
         for seed in range(1, n + 1):
-            env = {**_env("native", 1), "SCENARIO_PERTURB": str(seed)}
+            env = {**_env("native", 1), "SCENARIO_PERTURB": str(seed), "SCENARIO_PERTURB_SCALE": str(scale)}
             (first, what), _ = probe(js.with_suffix(".py"), env)
             seen[(first, what)] = seen.get((first, what), 0) + 1
         if truth["kind"] == "clean":
@@ -180,13 +183,15 @@ def main() -> int:
     ap.add_argument("--recover", action="store_true", help="also run --recover auto")
     ap.add_argument("--perturb", type=int, default=0, metavar="N",
                     help="only N unguarded runs with the initial parameters perturbed by 1e-7 (relative)")
+    ap.add_argument("--scale", type=float, default=1e-7,
+                    help="relative size of the --perturb noise (1e-7: about one rounding; larger probes the margin)")
     ap.add_argument("names", nargs="*")
     a = ap.parse_args()
     cases = sorted(HERE.glob("*.json"))
     if a.names:
         cases = [c for c in cases if c.stem in a.names]
     if a.perturb:
-        return perturbed(cases, a.perturb)
+        return perturbed(cases, a.perturb, a.scale)
     bad = 0
     for js in cases:
         truth = json.loads(js.read_text())
