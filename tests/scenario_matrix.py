@@ -36,7 +36,7 @@ HERE = pathlib.Path(__file__).parent / "scenarios"
 # optimizers (a step GradScaler skips counts too); checks the loss at backward, the
 # gradients and parameters before each step and the parameters after it.
 PROBE = r'''
-import runpy, sys, torch
+import os, runpy, sys, torch
 state = {"it": 0, "first": None, "what": None, "steps": 0, "optimizers": 0}
 _opt_init = torch.optim.Optimizer.__init__
 def _counting_init(self, *a, **k):
@@ -81,22 +81,19 @@ def scaler_step(self, optimizer, *a, **k):
         _count()
     return out
 GradScaler.step = scaler_step
-import os
 if os.environ.get("SCENARIO_PERTURB"):
-    # stand-in for another CPU's rounding: scale every parameter by (1 + 1e-7 * N(0, 1)) when the
-    # first optimizer is built (a separate generator: the script's own random draws are unchanged)
+    # stand-in for another CPU's rounding: scale the parameters of every optimizer by
+    # (1 + SCALE * N(0, 1)) when it is built (a separate generator: the script's own draws are unchanged)
     _gen = torch.Generator().manual_seed(int(os.environ["SCENARIO_PERTURB"]))
+    _scale = float(os.environ.get("SCENARIO_PERTURB_SCALE", "1e-7"))
     _orig_init = torch.optim.Optimizer.__init__
     def _init(self, params, *a, **k):
-        params = list(params)
-        _orig_init(self, params, *a, **k)
-        if _gen is not None:
-            with torch.no_grad():
-                for g in self.param_groups:
-                    for p in g["params"]:
-                        if p.is_floating_point():
-                            p.mul_(1 + float(os.environ.get("SCENARIO_PERTURB_SCALE", "1e-7"))
-                                   * torch.randn(p.shape, generator=_gen).to(p.dtype))
+        _orig_init(self, list(params), *a, **k)
+        with torch.no_grad():
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.is_floating_point():
+                        p.mul_(1 + _scale * torch.randn(p.shape, generator=_gen).to(p.dtype))
     torch.optim.Optimizer.__init__ = _init
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
