@@ -6,6 +6,15 @@ a NAME.json with the truth: the first bad step, the phase, the cause category
 `nanguard run` in a subprocess, as a user would run it, and the JSON report is
 graded against the truth. Recoverable ones are also run with `--recover auto`
 and must finish with status `recovered` and a final loss under the bound.
+
+Truths must hold on any CPU: the first bad step and the phase are decided by
+construction, never by the last bit of a reduction (PyTorch picks different
+vector kernels per CPU). Read tests/scenarios/README.md before adding or
+changing a scenario; `tests/scenario_matrix.py` checks one under every CPU
+capability and thread count.
+
+Environment: the scripts run with OMP_NUM_THREADS=2, or NANGUARD_TEST_THREADS
+when set; ATEN_CPU_CAPABILITY (default|avx2|avx512) is passed through.
 """
 from __future__ import annotations
 
@@ -20,6 +29,7 @@ import pytest
 
 HERE = pathlib.Path(__file__).parent / "scenarios"
 CASES = sorted(HERE.glob("*.json"))
+THREADS = os.environ.get("NANGUARD_TEST_THREADS", "2")
 
 
 def _run(script: pathlib.Path, tmp_path: pathlib.Path, recover: bool):
@@ -29,7 +39,7 @@ def _run(script: pathlib.Path, tmp_path: pathlib.Path, recover: bool):
         cmd += ["--recover", "auto"]
     cmd.append(str(script))
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
-                       env={**os.environ, "OMP_NUM_THREADS": "2"})
+                       env={**os.environ, "OMP_NUM_THREADS": THREADS})
     data = json.loads(report.read_text()) if report.exists() else None
     return p, data
 
@@ -48,7 +58,12 @@ def test_detects_locates_and_diagnoses(truth_file: pathlib.Path, tmp_path: pathl
     assert p.returncode == 3, p.stderr[-2000:]
     ev = data["events"][0]
     got = (ev["step"], ev["phase"], ev["cause"]["category"], (ev.get("origin") or {}).get("line"))
-    assert ev["step"] == truth["first_bad_step"], got
+    if "first_bad_step_range" in truth:  # a divergence whose exact overflow step is marginal (README)
+        lo, hi = truth["first_bad_step_range"]
+        assert truth.get("why") and lo <= truth["first_bad_step"] <= hi, "range needs a why and the step"
+        assert lo <= ev["step"] <= hi, got
+    else:
+        assert ev["step"] == truth["first_bad_step"], got
     if truth["phase"] != "any":
         assert ev["phase"] == truth["phase"], got
     assert ev["cause"]["category"] in truth["accept"], got
