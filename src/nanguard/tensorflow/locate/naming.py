@@ -145,7 +145,15 @@ def _ctor_frame(start: Any) -> Optional[tuple]:
 
 def _wrap_new(cls: Any, key: str) -> None:
     """Wrap ``cls.__new__`` (``__init__`` cannot be wrapped: Keras reads its signature for configs).
-    ``__new__`` runs in the frame that constructs the object, before any ``__init__``."""
+    ``__new__`` runs in the frame that constructs the object, before any ``__init__``.
+
+    A class without its own ``__new__`` (Keras' ``Loss``) keeps the wrapper after uninstall, inert
+    (it records nothing while no hook is installed): deleting an assigned ``__new__`` leaves CPython's
+    constructor slot on ``object.__new__``'s strict form, which then rejects the constructor's
+    arguments ("object.__new__() takes exactly one argument")."""
+    cur = cls.__dict__.get("__new__")
+    if getattr(cur.__func__ if isinstance(cur, staticmethod) else cur, "_nanguard_ctor_hook", False):
+        return   # the inert wrapper of an earlier install: active again
     had = "__new__" in cls.__dict__
     orig = cls.__dict__.get("__new__")
     base_new = orig.__func__ if isinstance(orig, staticmethod) else orig
@@ -155,6 +163,8 @@ def _wrap_new(cls: Any, key: str) -> None:
             obj = base_new(klass, *args, **kwargs)
         else:
             obj = object.__new__(klass)
+        if _hook_count <= 0:
+            return obj
         try:
             if construction_site(obj) is None:
                 site = _ctor_frame(sys._getframe(1))
@@ -204,11 +214,10 @@ def _restore_hook() -> None:
     for key, (cls, orig) in list(_hook_orig.items()):
         cur = cls.__dict__.get("__new__")
         cur_f = cur.__func__ if isinstance(cur, staticmethod) else cur
+        if orig is None:
+            continue   # no __new__ of its own: the wrapper stays, inert (see _wrap_new)
         if getattr(cur_f, "_nanguard_ctor_hook", False):
-            if orig is None:
-                delattr(cls, "__new__")
-            else:
-                cls.__new__ = orig
+            cls.__new__ = orig
         _hook_orig.pop(key, None)
 
 
