@@ -70,7 +70,8 @@ def _pre(w: Any, st: OptState, opt: Any, grads: List[Any], tvars: List[Any], lso
             st.gbad.assign([0.0 if g is None else float(not bool(D.all_finite(D.float_tensors([g])).numpy()))
                             for g in grads])
     pre_ok = True
-    if not (loss_ok >= 0.5 and d_ok >= 0.5 and grads_ok):
+    outside_write, w.outside_write = w.outside_write, False
+    if outside_write or not (loss_ok >= 0.5 and d_ok >= 0.5 and grads_ok):
         pre_ok = bool(D.all_finite(D.float_tensors(tvars)).numpy())
     ok = loss_ok >= 0.5 and d_ok >= 0.5 and pre_ok and (grads_ok or lso)
     step = st.attempts

@@ -3,7 +3,10 @@ the optimizer's update. What a healthy step runs, in-graph (no host read; the ho
 once after the outermost ``tf.function`` call returns, see :mod:`.host`):
 
 * before the update: the loss's finiteness, one ``is_finite`` pass over the batch, the gradients'
-  sum of squares (one ``L2Loss`` op per gradient, the history's gradient norm);
+  sum of squares (one ``L2Loss`` op per gradient, the history's gradient norm); the variables are
+  checked exactly only on the slow path, which also runs on the first step after the program wrote
+  a trainable variable from outside a step (``variable.assign`` between steps, ``set_weights``: the
+  watcher sets the state's ``force`` flag, no read), so such a write is caught as ``params``;
 * the update, under ``tf.cond(do, update, skip)`` (a failing step never reaches the variables);
 * after it: the variables' sum of squares (one op per variable: the parameter norm) and the
   optimizer state's sum (one op per variable): both finite means every element is;
@@ -104,11 +107,13 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
         gsq = D.sumsq32(gts)
         lr, scale = lr_scale(opt, lso)
         quick = tf.logical_and(tf.logical_and(loss_ok, d_ok), tf.math.is_finite(gsq))
+        quick = tf.logical_and(quick, tf.logical_not(st.force.read_value()))   # set after an outside write
 
         def fast():
             return tf.constant(True), tf.constant(True), D.f64(tf.sqrt(gsq))
 
-        def slow():   # a failing step only: exact checks, flags, capture
+        def slow():   # a failing step (or the first after an outside write): exact checks, flags, capture
+            st.force.assign(False)
             grads_ok = D.all_finite(gts)
             pre_ok = D.all_finite(D.float_tensors(tvars))
             if len(grads) == st.n_vars:

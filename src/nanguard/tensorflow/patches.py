@@ -10,7 +10,9 @@ hands the call to the watcher:
 * ``LossScaleOptimizer.scale_loss``: the history and the loss check see the unscaled loss;
 * ``tf.function`` calls (``Function.__call__``): after the outermost call returns, the stash is read;
 * ``keras.random.SeedGenerator.next``: the seed state before its first draw in a step (replay);
-* ``Model.fit``: the batch of each ``train_step`` is kept, in-graph, for the failing-step capture.
+* ``Model.fit``: the batch of each ``train_step`` is kept, in-graph, for the failing-step capture;
+* ``tf.Variable.assign`` / ``assign_add`` / ``assign_sub`` (Keras variables write through them): an
+  eager write of a trainable variable outside an update makes the next step check the variables.
 """
 from __future__ import annotations
 
@@ -32,9 +34,24 @@ def install(w: Any) -> List[Callable[[], None]]:
     from keras.src.random.seed_generator import SeedGenerator
     from tensorflow.python.eager.polymorphic_function.polymorphic_function import Function
 
+    from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
+
     orig: Dict[str, Any] = {"gradient": tf.GradientTape.gradient, "layer_call": Layer.__call__,
                             "fn_call": Function.__call__, "scale_loss": LossScaleOptimizer.scale_loss,
                             "seed_next": SeedGenerator.next, "fit": TensorFlowTrainer.fit}
+    # ResourceVariable holds copies of its base's methods: patch every class that defines them
+    var_writes = {(cls, name): cls.__dict__[name] for cls in _subclasses(BaseResourceVariable)
+                  for name in ("assign", "assign_add", "assign_sub") if name in cls.__dict__}
+
+    def var_write(key: tuple) -> Callable:
+        fn = var_writes[key]
+
+        def write(var, *a, **k):
+            out = fn(var, *a, **k)
+            if tf.executing_eagerly() and not w.disabled:
+                w._guarded(lambda: w._on_outside_write(var))
+            return out
+        return write
 
     def gradient(tape, target, sources, *a, **k):
         w._guarded(lambda: w._on_target(target))
@@ -91,6 +108,8 @@ def install(w: Any) -> List[Callable[[], None]]:
     LossScaleOptimizer.scale_loss = scale_loss
     SeedGenerator.next = seed_next
     TensorFlowTrainer.fit = fit
+    for key in var_writes:
+        setattr(key[0], key[1], var_write(key))
     class_apply = patch_apply(w, BaseOptimizer)
 
     def undo() -> None:
@@ -100,9 +119,21 @@ def install(w: Any) -> List[Callable[[], None]]:
         LossScaleOptimizer.scale_loss = orig["scale_loss"]
         SeedGenerator.next = orig["seed_next"]
         TensorFlowTrainer.fit = orig["fit"]
+        for (cls, name), fn in var_writes.items():
+            setattr(cls, name, fn)
         for cls, fn in class_apply.items():
             cls.apply = fn
     return [undo]
+
+
+def _subclasses(cls: type) -> List[type]:
+    out, stack = [], [cls]
+    while stack:
+        c = stack.pop()
+        if c not in out:
+            out.append(c)
+            stack += c.__subclasses__()
+    return out
 
 
 def patch_apply(w: Any, base: type) -> Dict[type, Callable]:

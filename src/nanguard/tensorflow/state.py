@@ -119,8 +119,10 @@ class OptState:
                     tf.Variable(stop_mode, trainable=False, name="nanguard_stop_mode"),
                     tf.Variable(np.zeros(max(n_vars, 1)), dtype=tf.float64, trainable=False,
                                 name="nanguard_bad_grads"),
-                    tf.Variable(float("inf"), dtype=tf.float32, trainable=False, name="nanguard_clip"))
-        self.stash, self.counter, self.halt, self.active, self.stop_mode, self.gbad, self.clip = create_lifted(make)
+                    tf.Variable(float("inf"), dtype=tf.float32, trainable=False, name="nanguard_clip"),
+                    tf.Variable(False, trainable=False, name="nanguard_force_check"))
+        (self.stash, self.counter, self.halt, self.active, self.stop_mode, self.gbad, self.clip,
+         self.force) = create_lifted(make)
         self.next_step = 0          # host: the first step not yet decided
         self.attempts = 0           # host: update attempts known so far
         self.tvars: List[Any] = []  # the variables of the last traced update (names, slow paths)
@@ -135,6 +137,7 @@ class OptState:
         self.active.assign(active)
         self.stop_mode.assign(stop_mode)
         self.halt.assign(False)
+        self.force.assign(False)
         self.clip.assign(float("inf"))
         self.clip_host = float("inf")
 

@@ -59,6 +59,7 @@ class TFWatcher:
         self._orphans: set = set()
         self._fit_models: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._snap_due = True  # recovery: the state at the start of the next step is to be snapshot
+        self.outside_write = False  # the program wrote a trainable variable between steps (eager steps)
         self._installed = False
         self._class_apply: Dict[type, Callable] = {}
         self._uninstallers: List[Callable[[], None]] = []
@@ -235,6 +236,15 @@ class TFWatcher:
             self._guarded(lambda: self._state(opt, len(model.trainable_variables)))
         model.make_train_function(force=True)  # traced with the check in it (at its first call)
         self._fit_models.add(model)
+
+    def _on_outside_write(self, var: Any) -> None:
+        """An eager write of a trainable variable outside any update (a warm start, ``set_weights``, a
+        hand-made re-initialisation): the next step checks the variables exactly."""
+        if not getattr(var, "trainable", False) or not tf.executing_eagerly() or tl_get("apply_depth") > 0:
+            return
+        self.outside_write = True
+        for st in self.states.values():
+            st.force.assign(True)
 
     def _take_due_snapshot(self) -> None:
         """Recovery: the snapshot of the state at the start of the coming step (taken when it starts,

@@ -147,8 +147,7 @@ def assert_finite_params() -> str:
 def reinit(name: str) -> str:
     """How to re-initialise one parameter/variable."""
     if is_tf():
-        return (f"re-initialise '{name}' (e.g. v.assign(keras.initializers.GlorotUniform()(v.shape)), the "
-                "layer's own kernel_initializer)")
+        return f"re-initialise '{name}' with an initializer, e.g. v.assign(keras.initializers.GlorotUniform()(v.shape))"
     return f"re-initialise '{name}'"
 
 

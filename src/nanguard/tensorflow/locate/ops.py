@@ -37,8 +37,9 @@ DATA_OPS = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValu
 # ops whose outputs are not computed from their inputs' values (random draws, shapes, zeros)
 NO_VALUE_FLOW = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike", "BroadcastArgs",
                            "BroadcastGradientArgs"})
-# variable writes: op type -> how the new value is made
-VAR_WRITES = {"AssignVariableOp": "set", "AssignAddVariableOp": "add", "AssignSubVariableOp": "sub"}
+# variable writes: op type -> the API that runs it
+VAR_WRITES = {"AssignVariableOp": "Variable.assign", "AssignAddVariableOp": "Variable.assign_add",
+              "AssignSubVariableOp": "Variable.assign_sub"}
 VAR_WRITE_PREFIXES = ("ResourceApply", "ResourceSparseApply", "ResourceScatter")
 VAR_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VarHandleOp"})
 # gathers whose index input (position 1) names the source rows of a bad batch row

@@ -85,7 +85,6 @@ class TFRecorder:
         self.n_ops = 0
         self.notes: list[str] = []
         self._errors = 0
-        self._opt_seen = False
         self._result: Optional[dict] = None
         self._undo: list[Callable[[], None]] = []
         self.comps = naming.ComponentStack()
@@ -125,15 +124,16 @@ class TFRecorder:
         self.armed = True
 
     def stop(self) -> None:
-        """Disarm (idempotent), evaluate the optimizer sink, remove every hook."""
+        """Disarm (idempotent), evaluate the variable sink, remove every hook. The variable sink is
+        read whether or not the update ran: a parameter already non-finite that the step's batch did
+        not touch (an unread embedding row) shows there only."""
         if not self._started or self._stopped:
             return
         self._stopped = True
         self.armed = False
         try:
             with self.paused():
-                if self._opt_seen or self.vars.opt_written:
-                    self.sinks.opt = self.vars.nonfinite_after_update(self.n_ops)
+                self.sinks.opt = self.vars.nonfinite_after_update(self.n_ops)
         except Exception as e:
             self.fail(e)
         finally:
@@ -168,7 +168,6 @@ class TFRecorder:
         if stage == "backward" and self._stage != "backward":
             self.log.start_backward()
         if stage == "optimizer":
-            self._opt_seen = True
             if self.optimizer is not None:
                 self.vars.index_optimizer(self.optimizer)
         self._stage = stage

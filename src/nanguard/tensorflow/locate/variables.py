@@ -232,8 +232,9 @@ class Variables:
         st["bad_rows"] = N.bad_rows(new)
         loc = self.log.loc(idx)
         vt = [i[4] for i in ins if i[4] is not None]
-        wb: dict[str, Any] = {"op": O.canonical(t_op), "tf_op": t_op, "api": t_op, "stage": stage,
-                              "kind": vt[0].kind if vt else "op", "value_kind": vt[0].pre_kind if vt else None,
+        wb: dict[str, Any] = {"op": O.canonical(t_op), "tf_op": t_op, "api": O.VAR_WRITES.get(t_op, t_op),
+                              "stage": stage, "kind": vt[0].kind if vt else "op",
+                              "value_kind": vt[0].pre_kind if vt else None,
                               "input_numel": [numel(i[1]) for i in ins[:4]]}
         if loc is not None:
             wb.update(file=loc.file, line=loc.line, function=loc.function, module=loc.module)
