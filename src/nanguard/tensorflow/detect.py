@@ -38,8 +38,10 @@ from ..core.events import Detection
 from ..core.history import StepHistory, StepRecord
 
 # The stash row (float64). Flags are 1.0 / 0.0.
-COLS = ("step", "loss", "loss_known", "loss_ok", "data_ok", "grad_norm", "grads_ok", "pre_ok",
-        "guard_skipped", "lso", "param_norm", "post_ok", "lr", "loss_scale", "lso_finite", "halted")
+# Values first, then the flags (the in-graph row casts the flags to float64 in one op).
+VALUES = ("step", "loss", "loss_known", "grad_norm", "lso", "param_norm", "lr", "loss_scale")
+FLAGS = ("loss_ok", "data_ok", "grads_ok", "pre_ok", "guard_skipped", "post_ok", "lso_finite", "halted")
+COLS = VALUES + FLAGS
 C = {name: i for i, name in enumerate(COLS)}
 NCOL = len(COLS)
 RING = 64  # rows kept per optimizer between two host reads (steps of one tf.function call)

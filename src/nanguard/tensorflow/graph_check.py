@@ -8,14 +8,17 @@ once after the outermost ``tf.function`` call returns, see :mod:`.host`):
   a trainable variable from outside a step (``variable.assign`` between steps, ``set_weights``: the
   watcher sets the state's ``force`` flag, no read), so such a write is caught as ``params``;
 * the update, under ``tf.cond(do, update, skip)`` (a failing step never reaches the variables);
-* after it: the variables' sum of squares (one op per variable: the parameter norm) and the
-  optimizer state's sum (one op per variable): both finite means every element is;
+* after it: the variables' sum of squares (one ``L2Loss`` op per variable: the parameter norm;
+  finite means every element is); the optimizer state is checked exactly when the step was not
+  clean (with finite gradients a standard optimizer's moments stay finite, and a state that still
+  went non-finite makes the next update's parameters non-finite);
 * one row of the stash (``scatter_nd_update``) and the step counter.
 
 Two ``tf.cond`` slow paths hold everything else and run only on a failing step: before the update
 (exact per-element checks of the variables and gradients, the per-gradient flags, the float64 norm
-of an overflowed sum, and for ``model.fit`` the capture of the batch for the replay) and after it
-(exact checks of what the update wrote).
+of an overflowed sum, the halt flag, and for ``model.fit`` the capture of the batch for the replay)
+and after it (exact checks of what the update wrote, optimizer state included). A healthy step adds
+about ``2 x (variables) + 30`` small ops and three ``tf.cond`` (lowered to switch/merge).
 """
 from __future__ import annotations
 
@@ -108,9 +111,10 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
         lr, scale = lr_scale(opt, lso)
         quick = tf.logical_and(tf.logical_and(loss_ok, d_ok), tf.math.is_finite(gsq))
         quick = tf.logical_and(quick, tf.logical_not(st.force.read_value()))   # set after an outside write
+        halted = st.halt.read_value()
 
-        def fast():
-            return tf.constant(True), tf.constant(True), D.f64(tf.sqrt(gsq))
+        def fast():   # a healthy step: nothing more to compute
+            return tf.constant(True), tf.constant(True), D.f64(tf.sqrt(gsq)), tf.logical_not(halted)
 
         def slow():   # a failing step (or the first after an outside write): exact checks, flags, capture
             st.force.assign(False)
@@ -122,12 +126,13 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
             ok = _ok(loss_ok, d_ok, pre_ok, grads_ok, lso)
             if w.capture_enabled and p.batch is not None:
                 _build_capture(st, ok, step, p)
-            return pre_ok, grads_ok, D.norm64(gts)
+            active = st.active.read_value()
+            st.halt.assign(tf.logical_or(halted, tf.logical_and(tf.logical_not(ok),
+                                                                tf.logical_and(active, st.stop_mode.read_value()))))
+            do = tf.logical_and(tf.logical_or(ok, tf.logical_not(active)), tf.logical_not(halted))
+            return pre_ok, grads_ok, D.norm64(gts), do
 
-        pre_ok, grads_ok, gn = tf.cond(quick, fast, slow)
-        ok = _ok(loss_ok, d_ok, pre_ok, grads_ok, lso)
-        halted = st.halt.read_value()
-        do = tf.logical_and(tf.logical_or(ok, tf.logical_not(st.active)), tf.logical_not(halted))
+        pre_ok, grads_ok, gn, do = tf.cond(quick, fast, slow)
 
     def update():
         run_update(w, opt, grads, trainable_variables, st)
@@ -135,19 +140,24 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
 
     applied = tf.cond(do, update, lambda: tf.constant(False))
     with tf.name_scope("nanguard_check"):
-        st.halt.assign(tf.logical_or(halted, tf.logical_and(tf.logical_not(ok),
-                                                            tf.logical_and(st.active, st.stop_mode))))
+        # after the update: the parameters' sum of squares (their norm); the optimizer state only when
+        # the step was not clean (finite gradients keep a standard optimizer's moments finite; a state
+        # that still goes non-finite makes the next update's parameters non-finite)
         tv = D.float_tensors(tvars)
-        ov = D.float_tensors(st.opt_variables())
         psq = D.sumsq32(tv)
-        post_fast = tf.math.is_finite(psq + D.sum32(ov))
-        post_ok, pn = tf.cond(post_fast, lambda: (tf.constant(True), D.f64(tf.sqrt(psq))),
-                              lambda: (tf.logical_and(D.all_finite(tv), D.all_finite(ov)), D.norm64(tv)))
-        row = tf.stack([D.f64(step), loss, loss_known, D.f64(loss_ok), D.f64(d_ok), gn, D.f64(grads_ok),
-                        D.f64(pre_ok), D.f64(tf.logical_not(applied)), tf.constant(1.0 if lso else 0.0, tf.float64),
-                        pn, D.f64(post_ok), lr, scale, D.f64(grads_ok), D.f64(halted)])
+
+        def post_slow():
+            ov = D.float_tensors(st.opt_variables())
+            return tf.logical_and(D.all_finite(tv), D.all_finite(ov)), D.norm64(tv)
+
+        post_ok, pn = tf.cond(tf.logical_and(quick, tf.math.is_finite(psq)),
+                              lambda: (tf.constant(True), D.f64(tf.sqrt(psq))), post_slow)
+        values = tf.stack([D.f64(step), loss, loss_known, gn, tf.constant(1.0 if lso else 0.0, tf.float64), pn, lr,
+                           scale])
+        flags = tf.cast(tf.stack([loss_ok, d_ok, grads_ok, pre_ok, tf.logical_not(applied), post_ok, grads_ok,
+                                  halted]), tf.float64)
         idx = tf.math.floormod(step, D.RING)
-        st.stash.scatter_nd_update(tf.reshape(idx, [1, 1]), tf.reshape(row, [1, D.NCOL]))
+        st.stash.scatter_nd_update(tf.reshape(idx, [1, 1]), tf.reshape(tf.concat([values, flags], 0), [1, D.NCOL]))
         st.counter.assign_add(1)
     fn = tl_get("current_fn", None)
     if fn is not None:

@@ -52,9 +52,8 @@ class HostReader:
 
     def read_stash(self, st: OptState) -> None:
         data = st.stash.numpy()  # the one host read of the step(s) this call ran
-        nxt = st.next_step
-        rows = sorted((r for r in data.tolist() if r[0] >= nxt), key=lambda r: r[0])
-        for r in rows:
+        new = data[data[:, 0] >= st.next_step]
+        for r in new[np.argsort(new[:, 0], kind="stable")].tolist():
             if r[0] > st.next_step:
                 st.lost_rows += int(r[0] - st.next_step)
                 st.next_step = int(r[0])
