@@ -115,6 +115,11 @@ class HostReader:
         if len(w.detections) >= w.config.max_events:
             w.dropped_events += 1
             return
+        if det.phase == "eval":   # an evaluation output: reported, never recovered from nor stopped at
+            w.detections.append(det)
+            if w.on_detection is not None:
+                w.on_detection(det, st)
+            return
         if w.policy is not None:
             if w._guarded(lambda: w.policy.handle(w, det, st)):
                 return  # recovered: the event is the policy's (the failing update was dropped in-graph)

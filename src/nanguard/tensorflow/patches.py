@@ -6,7 +6,8 @@ hands the call to the watcher:
 * ``keras.optimizers.Optimizer.apply`` (``apply_gradients`` calls it) and the subclasses that
   override it (``LossScaleOptimizer``): the outermost call of each update is one step attempt;
 * ``keras.Layer.__call__``: the inputs of the outermost layer call under a recording tape are the
-  batch (``data`` phase);
+  batch (``data`` phase); an eager outermost call with no tape recording is an evaluation, whose
+  outputs are checked (``eval`` phase: one host read per such call, never a stop);
 * ``LossScaleOptimizer.scale_loss``: the history and the loss check see the unscaled loss;
 * ``tf.function`` calls (``Function.__call__``): after the outermost call returns, the stash is read;
 * ``keras.random.SeedGenerator.next``: the seed state before its first draw in a step (replay);
@@ -70,9 +71,12 @@ def install(w: Any) -> List[Callable[[], None]]:
         tl_set("layer_depth", 1)
         try:
             w._guarded(lambda: w._on_outer_call(layer, args, kwargs))
-            return orig["layer_call"](layer, *args, **kwargs)
+            out = orig["layer_call"](layer, *args, **kwargs)
         finally:
             tl_set("layer_depth", 0)
+        if tf.executing_eagerly() and w.replay_hooks is None and w.observer is None:
+            w._guarded(lambda: w._on_eval_output(layer, out))
+        return out
 
     def fn_call(fn, *args, **kwargs):
         if tl_get("fn_depth") > 0:

@@ -207,6 +207,23 @@ class TFWatcher:
             elif isinstance(x, tf.Tensor) and x.dtype.is_floating:
                 p.data_flags.append(tf.reduce_all(tf.math.is_finite(x)))
 
+    def _on_eval_output(self, layer: Any, out: Any) -> None:
+        """An eager outermost call outside any recording tape (validation, inference): its outputs
+        are checked (one host read); a non-finite one is an ``eval`` detection (reported, no stop)."""
+        from tensorflow.python.eager import record
+        if record.could_possibly_record():
+            return   # inside a training step: the loss check covers it
+        ts = [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor) and t.dtype.is_floating]
+        if not ts or bool(D.all_finite(ts).numpy()):
+            return
+        nan = sum(int(tf.reduce_sum(tf.cast(tf.math.is_nan(t), tf.int64))) for t in ts)
+        inf = sum(int(tf.reduce_sum(tf.cast(tf.math.is_inf(t), tf.int64))) for t in ts)
+        bad = [v.path for v in getattr(layer, "trainable_variables", []) if not bool(D.all_finite([v.value]).numpy())]
+        det = Detection(self.steps_watched, "eval", {"module": type(layer).__name__, "output_nan": nan,
+                                                     "output_inf": inf, "nonfinite_params": bad[:20],
+                                                     "training": False})
+        self.host.handle(det, None)
+
     def _on_seed(self, gen: Any) -> None:
         """The state of a Keras SeedGenerator before its first draw of this step (no read: a tensor)."""
         if not self.capture_enabled or self.replay_hooks is not None or tf.executing_eagerly():
