@@ -183,9 +183,7 @@ class TFRecorder:
         with self.paused():
             try:
                 for t in tf.nest.flatten(loss):
-                    if not is_eager(t) or not N.is_float_dtype(t.dtype):
-                        continue
-                    a = np_value(t)
+                    a = _float_value(t)
                     if a is None:
                         continue
                     nan, inf = N.nonfinite_flags(a)
@@ -209,13 +207,8 @@ class TFRecorder:
                     if g is None:
                         continue
                     vals = getattr(g, "values", g)   # IndexedSlices
-                    if not is_eager(vals) or not N.is_float_dtype(vals.dtype):
-                        continue
-                    a = np_value(vals)
-                    if a is None:
-                        continue
-                    nan, inf = N.nonfinite_flags(a)
-                    if nan or inf:
+                    a = _float_value(vals)
+                    if a is not None and any(N.nonfinite_flags(a)):
                         src = s_flat[i] if i < len(s_flat) else None
                         self.sinks.grad.append((self.vars.source_name(src, i), self.prov.taint_of(vals, self.n_ops)))
             except Exception as e:
@@ -352,3 +345,10 @@ class TFRecorder:
         if t_op in O.VAR_WRITES or t_op.startswith(O.VAR_WRITE_PREFIXES):
             self.vars.on_write(t_op, idx, stage, handles, ins,
                                lambda o, var, new: self.describer.var_write(o, t_op, idx, ins, new, stage, var))
+
+
+def _float_value(t: Any) -> Any:
+    """The host copy of an eager float tensor (None for anything else)."""
+    if not is_eager(t) or not N.is_float_dtype(t.dtype):
+        return None
+    return np_value(t)

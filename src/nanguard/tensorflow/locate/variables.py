@@ -44,6 +44,14 @@ def handle_of(v: Any) -> Any:
     return None
 
 
+def _read_float(handle: Any, dtype: Any) -> Optional[tuple]:
+    """(value, has NaN, has Inf) of a float variable by handle; None for another dtype or no value."""
+    if dtype is None or not N.is_float_dtype(tf.as_dtype(dtype)):
+        return None
+    a = read_var(handle, tf.as_dtype(dtype))
+    return None if a is None else (a,) + tuple(N.nonfinite_flags(a))
+
+
 def read_var(handle: Any, dtype: Any) -> Optional[np.ndarray]:
     try:
         from tensorflow.python.ops import gen_resource_variable_ops as R
@@ -187,12 +195,10 @@ class Variables:
             if dt is None:
                 val = next((i[1] for i in ins if N.is_float_dtype(i[1].dtype)), None)
                 dt = val.dtype if val is not None else None
-            if dt is None or not N.is_float_dtype(tf.as_dtype(dt)):
+            got = _read_float(hh, dt)
+            if got is None:
                 continue
-            new = read_var(hh, tf.as_dtype(dt))
-            if new is None:
-                continue
-            nan, inf = N.nonfinite_flags(new)
+            new, nan, inf = got
             taint = None
             vt = [i[4] for i in ins if i[4] is not None and i[4].real]
             external = all(t.op == idx for t in vt)   # the value's taint was born here: made outside the step
@@ -256,15 +262,10 @@ class Variables:
                     handles.setdefault(id(h), h)
         for hid, h in handles.items():
             var = self.vars.get(hid)
-            dt = var.dtype if var is not None else None
-            if dt is None or not N.is_float_dtype(tf.as_dtype(dt)):
+            got = _read_float(h, var.dtype if var is not None else None)
+            if got is None or not (got[1] or got[2]):
                 continue
-            a = read_var(h, tf.as_dtype(dt))
-            if a is None:
-                continue
-            nan, inf = N.nonfinite_flags(a)
-            if not (nan or inf):
-                continue
+            nan, dt = got[1], var.dtype
             taint = self.taint.get(hid)
             if taint is None:
                 taint = self.taint_or_pre(h, tf.as_dtype(dt), nan, idx)
