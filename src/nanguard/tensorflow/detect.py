@@ -38,8 +38,10 @@ from ..core.events import Detection
 from ..core.history import StepHistory, StepRecord
 
 # The stash row (float64). Flags are 1.0 / 0.0.
-COLS = ("step", "loss", "loss_known", "loss_ok", "data_ok", "grad_norm", "grads_ok", "pre_ok",
-        "guard_skipped", "lso", "param_norm", "post_ok", "lr", "loss_scale", "lso_finite", "halted")
+# Values first, then the flags (the in-graph row casts the flags to float64 in one op).
+VALUES = ("step", "loss", "loss_known", "grad_norm", "lso", "param_norm", "lr", "loss_scale")
+FLAGS = ("loss_ok", "data_ok", "grads_ok", "pre_ok", "guard_skipped", "post_ok", "lso_finite", "halted")
+COLS = VALUES + FLAGS
 C = {name: i for i, name in enumerate(COLS)}
 NCOL = len(COLS)
 RING = 64  # rows kept per optimizer between two host reads (steps of one tf.function call)
@@ -74,12 +76,26 @@ def all_finite(ts: Sequence[tf.Tensor]) -> tf.Tensor:
     return tf.reduce_all(tf.stack(flags))
 
 
-def norm32(ts: Sequence[tf.Tensor]) -> tf.Tensor:
-    """Global L2 norm in float32 (one pass; may overflow to inf with finite elements)."""
+def sumsq32(ts: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Sum of squares of every element, in float32: one ``L2Loss`` op per tensor (it may overflow to
+    inf with finite elements ~1e19; a non-finite sum is confirmed exactly on the slow path)."""
     if not ts:
         return tf.constant(0.0, tf.float32)
-    sq = [tf.reduce_sum(tf.square(tf.cast(t, tf.float32))) for t in ts]
-    return tf.sqrt(tf.add_n(sq) if len(sq) > 1 else sq[0])
+    sq = [tf.nn.l2_loss(t if t.dtype == tf.float32 else tf.cast(t, tf.float32)) for t in ts]
+    return 2.0 * (tf.add_n(sq) if len(sq) > 1 else sq[0])
+
+
+def sum32(ts: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Sum of every element in float32 (one op per tensor): finite means every element is finite."""
+    if not ts:
+        return tf.constant(0.0, tf.float32)
+    s = [tf.reduce_sum(t if t.dtype == tf.float32 else tf.cast(t, tf.float32)) for t in ts]
+    return tf.add_n(s) if len(s) > 1 else s[0]
+
+
+def norm32(ts: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Global L2 norm in float32 (one pass; may overflow to inf with finite elements)."""
+    return tf.sqrt(sumsq32(ts))
 
 
 def norm64(ts: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -87,25 +103,6 @@ def norm64(ts: Sequence[tf.Tensor]) -> tf.Tensor:
         return tf.constant(0.0, tf.float64)
     sq = [tf.reduce_sum(tf.square(tf.cast(t, tf.float64))) for t in ts]
     return tf.sqrt(tf.add_n(sq) if len(sq) > 1 else sq[0])
-
-
-def checked_norm(ts: Sequence[tf.Tensor]):
-    """(finite flag, float64 norm): one float32 pass; an overflowed norm is confirmed exactly and
-    recomputed in float64 (slow path, in a ``tf.cond``)."""
-    n = norm32(ts)
-    fast = tf.math.is_finite(n)
-    return tf.cond(fast, lambda: (tf.constant(True), tf.cast(n, tf.float64)),
-                   lambda: (all_finite(ts), norm64(ts)))
-
-
-def finite_cheap(ts: Sequence[tf.Tensor]) -> tf.Tensor:
-    """Exact finiteness with one summing pass in the healthy case (a finite sum of finite sums
-    means every element is finite; a non-finite one is confirmed element-wise)."""
-    if not ts:
-        return tf.constant(True)
-    s = [tf.reduce_sum(tf.cast(t, tf.float32)) for t in ts]
-    tot = tf.add_n(s) if len(s) > 1 else s[0]
-    return tf.cond(tf.math.is_finite(tot), lambda: tf.constant(True), lambda: all_finite(ts))
 
 
 def f64(x: Any) -> tf.Tensor:

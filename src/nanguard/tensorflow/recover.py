@@ -301,8 +301,9 @@ def find_layer(models: List[Any], path: Optional[str]):
         stack = [(m, None)]
         while stack:
             layer, owner = stack.pop()
-            if path in (getattr(layer, "path", None), getattr(layer, "name", None)) and layer is not m:
-                return layer, owner
+            lp = str(getattr(layer, "path", None) or "")
+            if layer is not m and (path in (lp, getattr(layer, "name", None)) or lp.endswith("/" + path)):
+                return layer, owner   # its Keras path, its name, or its path inside the model (origin.module)
             for sub in getattr(layer, "layers", []) or []:
                 stack.append((sub, layer))
     return None

@@ -206,6 +206,8 @@ def _child_main(argv: List[str]) -> int:
             dump({"reproduced": False, "reason": f"step {N} ran again without a non-finite value"})
 
     def on_detection(det, st) -> None:
+        if det.phase == "eval":
+            return   # an evaluation output: not a training step
         if det.step == N:
             dump({"reproduced": True, "detection": {"step": det.step, "phase": det.phase,
                                                     "detected": det.detected}})

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from . import families as F
+from . import fixes as X
 from . import rules as _rules  # noqa: F401  (registers every family and rule)
 from . import text as T
 from .case import Case
@@ -32,15 +33,16 @@ def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: 
     context = dict(context or {})
     history = list(history or [])
     sig = history_signals(history)
-    try:
-        if loc and loc.get("reproduced"):
-            out = from_localisation(loc, sig, phase, context)
-        else:
-            out = from_history(loc, sig, phase, context)
-    except Exception as e:  # a diagnosis must always come back
-        out = T.result("other", f"diagnosis failed ({type(e).__name__}: {e}); phase {phase}", 0.1,
-                       {"error": str(e)[:200]}, ["inspect the step manually with torch.autograd.detect_anomaly()"],
-                       "error while diagnosing")
+    with X.speaking(X.framework_of(context, loc)):
+        try:
+            if loc and loc.get("reproduced"):
+                out = from_localisation(loc, sig, phase, context)
+            else:
+                out = from_history(loc, sig, phase, context)
+        except Exception as e:  # a diagnosis must always come back
+            out = T.result("other", f"diagnosis failed ({type(e).__name__}: {e}); phase {phase}", 0.1,
+                           {"error": str(e)[:200]}, [f"inspect the step manually with {X.detect_anomaly()}"],
+                           "error while diagnosing")
     out["evidence"].setdefault("history", {k: v for k, v in sig.items() if v not in (None, False, 0, [])})
     out["confidence"] = float(max(0.0, min(1.0, out["confidence"])))
     return T.jsonable(out)
@@ -61,15 +63,21 @@ def from_history(loc: dict | None, sig: dict, phase: str, ctx: dict) -> dict:
         ev["params_nonfinite"] = bad_params[:10]
         return T.result("param_corruption", f"parameters {names} are non-finite before the step"
                         + (f" ({when})" if when else ""), 0.6, ev,
-                        [f"find what wrote non-finite values into {names}: check initialisation and any "
-                        "in-place writes under torch.no_grad()",
-                        "restore the last finite checkpoint (or roll back the update) and re-initialise the "
-                        "affected parameters"], method)
+                        [X.say(pytorch=f"find what wrote non-finite values into {names}: check initialisation "
+                               "and any in-place writes under torch.no_grad()",
+                               tensorflow=f"find what wrote non-finite values into {names}: check the "
+                               "initializers and any variable.assign(...) / set_weights(...) between steps"),
+                        X.say(pytorch="restore the last finite checkpoint (or roll back the update) and "
+                              "re-initialise the affected parameters",
+                              tensorflow="restore the last finite checkpoint (model.load_weights) or roll back "
+                              "the update, and re-initialise the affected variables")], method)
     if phase == "data":
         return T.result("bad_input_data", "the batch already holds non-finite values before the forward", 0.55,
-                        ev, ["filter non-finite samples in the data pipeline, e.g. keep rows with "
-                            "torch.isfinite(x).all(dim=1)", "fix the source rows (blank CSV fields, "
-                            "division by zero in preprocessing)"], method)
+                        ev, [X.say(pytorch="filter non-finite samples in the data pipeline, e.g. keep rows with "
+                                   "torch.isfinite(x).all(dim=1)",
+                                   tensorflow="filter non-finite samples in the input pipeline, e.g. "
+                                   + X.finite_filter()),
+                             "fix the source rows (blank CSV fields, division by zero in preprocessing)"], method)
     dv = divergence(sig, None, ev, method, 0.55)
     if dv is not None:
         return dv
@@ -77,8 +85,13 @@ def from_history(loc: dict | None, sig: dict, phase: str, ctx: dict) -> dict:
         return optimizer_result(None, {}, ev, method, 0.4, ctx)
     return T.result("other", f"a non-finite value appeared in the {phase} phase; the history shows no "
                     "divergence and the op could not be identified", 0.2, ev,
-                    ["re-run the failing step under torch.autograd.detect_anomaly(check_nan=True) to find the "
-                    "op", "check inputs with torch.isfinite before the forward"], method)
+                    [X.say(pytorch="re-run the failing step under torch.autograd.detect_anomaly(check_nan=True) "
+                           "to find the op",
+                           tensorflow="re-run the failing step with tf.debugging.enable_check_numerics() to find "
+                           "the op"),
+                     X.say(pytorch="check inputs with torch.isfinite before the forward",
+                           tensorflow="check inputs with tf.debugging.assert_all_finite before the forward")],
+                    method)
 
 
 def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
@@ -107,8 +120,12 @@ def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
     if origin.get("kind") == "constant":
         return T.result("other", f"a non-finite constant written by the program at {T.where(origin)} "
                         f"({T.api_or_op(origin)}) reached the {phase} result", 0.5, ev,
-                        ["mask with a large finite value (torch.finfo(dtype).min) instead of -inf, or make sure "
-                        "the masked entries never reach the loss (torch.where / nan_to_num after the op)"], method)
+                        [X.say(pytorch="mask with a large finite value (torch.finfo(dtype).min) instead of -inf, "
+                               "or make sure the masked entries never reach the loss (torch.where / nan_to_num "
+                               "after the op)",
+                               tensorflow="mask with a large finite value (x.dtype.min, or -1e9) instead of -inf, "
+                               "or make sure the masked entries never reach the loss (tf.where after the op)")],
+                        method)
     return mechanism(Case(origin, facts, sig, phase, ev, method, ctx))
 
 

@@ -7,6 +7,7 @@ Add an op rule
 
        ERFINV = register(Family(
            "erfinv", ops={"erfinv"}, tf_ops={"Erfinv"},   # aten names (no overload, no "_"); TF op types
+                                                            # ({"RealDiv": "div"} where the snake case differs)
            domain=Domain("ge", 1.0, abs=True),              # plain data: not finite where |x| >= 1
            evidence=("domain",), nodes=("erfinv",),         # facts to gather; 'ErfinvBackward0' -> 'erfinv'
            keep_forward=True, categories=("other",)))       # keep inputs for backward origins
@@ -28,11 +29,15 @@ The recorder and the dispatcher (``engine.py``) need no change.
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from . import roles as R
+
 __all__ = ["Domain", "Family", "Rule", "register", "generic_rule", "family_of", "rules", "families",
-           "keep_forward_ops", "ops_of", "evidence_names", "TRAP", "BACKWARD", "DOMAIN", "LATE"]
+           "keep_forward_ops", "ops_of", "evidence_names", "tf_canonical", "tf_ops_of", "keep_forward_tf_ops",
+           "snake_case", "TRAP", "BACKWARD", "DOMAIN", "LATE"]
 
 # Rule order slots (lower runs first; the first rule that returns a cause wins). The existing rules
 # are numbered inside these slots, see rules/*.py.
@@ -100,7 +105,9 @@ class Rule:
 @dataclass(eq=False)
 class Family:
     """Ops that fail the same way. ``ops``: aten names (overload and in-place ``_`` dropped);
-    ``tf_ops``: TensorFlow op type names; ``name_contains``: substrings for open-ended op names
+    ``tf_ops``: TensorFlow op types, each with the aten name of the op with the same semantics (a
+    mapping ``{"RealDiv": "div"}``, or a set where that name is the snake case: ``{"Log1p"}`` ->
+    ``log1p``): a TensorFlow origin is diagnosed under that name; ``name_contains``: substrings for open-ended op names
     (fused attention kernels); ``domain`` / ``op_domains``: where the value is non-finite;
     ``evidence``: gatherer names the backend runs for an origin of these ops; ``nodes`` /
     ``node_prefixes``: autograd node families ('SqrtBackward0' -> 'sqrt') of its backward;
@@ -123,7 +130,7 @@ class Family:
 
     def __post_init__(self) -> None:
         self.ops = frozenset(self.ops)
-        self.tf_ops = frozenset(self.tf_ops)
+        self.tf_ops = tf_names(self.tf_ops)
 
     def domain_for(self, op: str | None) -> Domain | None:
         """The op's own domain (log1p: x <= -1) or the family's."""
@@ -180,6 +187,44 @@ def generic_rule(order: int, *, stage: str = "any", categories: Iterable[str] = 
         _add_rule(Rule(order, fn, None, stage, "any", tuple(categories)))
         return fn
     return deco
+
+
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+
+
+def snake_case(op_type: str) -> str:
+    """'BiasAddGrad' -> 'bias_add_grad', 'Log1p' -> 'log1p' (leading underscores dropped)."""
+    return _CAMEL.sub("_", op_type.lstrip("_")).lower()
+
+
+def tf_names(tf_ops: Iterable[str] | Mapping[str, str]) -> dict[str, str]:
+    """``{TF op type: aten name}`` from a mapping or a set of names (aten name = snake case)."""
+    if isinstance(tf_ops, Mapping):
+        return dict(tf_ops)
+    return {n: snake_case(n) for n in tf_ops}
+
+
+def tf_canonical(op_type: str) -> str:
+    """The aten name a TensorFlow op is diagnosed under: its family's or role's (``RealDiv`` -> ``div``,
+    ``SelectV2`` -> ``where``), else the snake case of the type (``Tanh`` -> ``tanh``)."""
+    fam = _BY_TF_OP.get(op_type)
+    if fam is not None:
+        return fam.tf_ops[op_type]
+    for role in R.ROLES:
+        name = role.tf_ops.get(op_type)
+        if name is not None:
+            return name
+    return snake_case(op_type)
+
+
+def tf_ops_of(*names: str) -> frozenset[str]:
+    """The TensorFlow op types of the named families."""
+    return frozenset(n for name in names for n in _FAMILIES[name].tf_ops)
+
+
+def keep_forward_tf_ops() -> frozenset[str]:
+    """TensorFlow forward ops whose inputs the recorder keeps (families with ``keep_forward``)."""
+    return frozenset(n for f in _FAMILIES.values() if f.keep_forward for n in f.tf_ops)
 
 
 def family_of(op: str | None) -> Family | None:

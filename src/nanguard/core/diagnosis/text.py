@@ -9,6 +9,8 @@ import math
 import os
 from typing import Any
 
+from .fixes import layer_word
+
 # dtype names (as ``str(dtype)`` without the framework prefix) with a range or resolution below float32
 LOW_DTYPES = frozenset({"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                         "float8_e5m2fnuz"})
@@ -66,10 +68,10 @@ def loc(origin: dict | None) -> str:
 
 
 def where(origin: dict | None) -> str:
-    """'train.py:42 (module '2', Linear)' for sentences."""
+    """'train.py:42 (module '2', Linear)' for sentences ("layer 'dense_1'" for Keras)."""
     s = loc(origin)
     if origin and origin.get("module"):
-        s += f" (module '{origin['module']}'"
+        s += f" ({layer_word()} '{origin['module']}'"
         s += f", {origin['module_type']})" if origin.get("module_type") else ")"
     return s
 

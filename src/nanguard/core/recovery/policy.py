@@ -153,7 +153,8 @@ class RecoveryPolicy:
                 done["lr_backoff"] = actions.lr_backoff(backoff_factor(self.lr_factor, cause,
                                                                        actions.learning_rates()))
             elif a == "upcast":
-                path = (event.origin or {}).get("module")
+                o = event.origin or {}
+                path = o.get("module") or o.get("layer") or o.get("module")  # Keras: the layer, by path or name
                 rec = actions.upcast(path, self.upcast_modules.append)
                 if rec is None:
                     notes.append("no origin module to upcast" if path is None else f"module {path!r} not found")

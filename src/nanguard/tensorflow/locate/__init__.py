@@ -69,7 +69,7 @@ the recorder's own hooks and restores every variable afterwards.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 from .naming import construction_hook_installed, construction_site, install_construction_hook
 from .recorder import TFRecorder

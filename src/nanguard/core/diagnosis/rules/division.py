@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .. import families as F
+from .. import fixes as X
 from .. import text as T
 from .precision import lp_underflow, underflow_evidence
 from .stdvar import variance
@@ -9,7 +10,9 @@ from .stdvar import variance
 DIV = F.register(F.Family(
     "div", ops={"div", "true_divide", "reciprocal", "addcdiv", "_foreach_div", "_foreach_addcdiv",
                 "_foreach_reciprocal", "remainder", "fmod", "floor_divide", "divide"},
-    tf_ops={"RealDiv", "Div", "Reciprocal", "FloorDiv", "FloorMod"}, evidence=("zero_denominator",),
+    tf_ops={"RealDiv": "div", "Div": "div", "DivNoNan": "div", "TruncateDiv": "div", "Xdivy": "div",
+            "Reciprocal": "reciprocal", "Inv": "reciprocal", "FloorDiv": "floor_divide", "FloorMod": "remainder",
+            "Mod": "fmod", "TruncateMod": "fmod"}, evidence=("zero_denominator",),
     node_prefixes=("div",), keep_forward=True, note="denominator == 0",
     categories=("div_by_zero", "variance_zero", "low_precision_underflow")))
 
@@ -80,7 +83,7 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
         else:
             summ = (f"{api} at {where} raised {sd.get('zeros')} zero(s) to the negative power "
                     f"{T.g(sd.get('exponent'))} (1/0)")
-        fixes = [f"keep the base away from 0 at {where}: x.clamp(min=eps) ** p, or (x + eps) ** p"]
+        fixes = [f"keep the base away from 0 at {where}: {X.clamp_min('x', 'eps')} ** p, or (x + eps) ** p"]
         return T.result("div_by_zero", summ, 0.85, ev, fixes, method)
     if all_ignored:
         ign = (origin.get("scalars") or [None, None])[1]
@@ -93,7 +96,10 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
         return T.result("div_by_zero", summ, 0.9, ev, fixes, method)
     if empty_mean:
         summ = f"{api} at {where} averaged an empty tensor: sum/count = 0/0 = NaN"
-        fixes = [f"guard the empty case at {where}: x.sum(0) / max(len(x), 1), or skip groups with no members"]
+        fixes = [X.say(pytorch=f"guard the empty case at {where}: x.sum(0) / max(len(x), 1), or skip groups with no "
+                       "members",
+                       tensorflow=f"guard the empty case at {where}: tf.reduce_sum(x, 0) / "
+                       "tf.maximum(tf.cast(tf.shape(x)[0], x.dtype), 1.0), or skip groups with no members")]
         return T.result("div_by_zero", summ, 0.85, ev, fixes, method)
     zz, xz = zd.get("zero_over_zero"), zd.get("nonzero_over_zero")
     kind = []
@@ -109,7 +115,10 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
     summ = (f"{api} at {where} divided by zero: {zd.get('zeros', '?')} zero(s) in the denominator of "
             f"{zd.get('numel', '?')}" + (f" ({', '.join(kind)})" if kind else "") + src
             + (" (in its backward)" if bwd else ""))
-    fixes = [f"guard the denominator at {where}: divide by count.clamp(min=1) (or x.clamp(min=eps) for "
-             "continuous values)",
-             "or mask the empty entries: torch.where(count > 0, total / count.clamp(min=1), 0.0)"]
+    fixes = [f"guard the denominator at {where}: divide by {X.clamp_min('count', '1')} (or "
+             f"{X.clamp_min('x', 'eps')} for continuous values)",
+             f"or mask the empty entries: {X.where_fn()}(count > 0, total / {X.clamp_min('count', '1')}, 0.0)"]
+    if X.is_tf():
+        fixes.append("or tf.math.divide_no_nan(total, count), which gives 0 where count is 0 (its gradient "
+                     "too)")
     return T.result("div_by_zero", summ, 0.9, ev, fixes, method)

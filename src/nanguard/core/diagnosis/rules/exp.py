@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .. import families as F
+from .. import fixes as X
 from .. import text as T
 from .divergence import divergence
 from .precision import lp_overflow
@@ -32,9 +33,13 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     mx, thr = facts.get("exp_input_max"), facts.get("overflow_threshold")
     summ = (f"{api} overflowed at {where}: input max {T.g(mx)} > {T.g(thr)} = log({origin.get('dtype')} max), so "
             f"exp = inf (then inf/inf = NaN)")
-    fixes = [f"replace the hand-written exp(z)/sum(exp(z)) at {where} by torch.softmax(z, dim) or, for a loss, "
-             "F.log_softmax / F.cross_entropy on the logits",
-             "if you need exp itself, subtract the row max first: z - z.amax(dim, keepdim=True), or use "
-             "torch.logsumexp",
+    fixes = [X.say(pytorch=f"replace the hand-written exp(z)/sum(exp(z)) at {where} by torch.softmax(z, dim) or, "
+                   "for a loss, F.log_softmax / F.cross_entropy on the logits",
+                   tensorflow=f"replace the hand-written exp(z)/sum(exp(z)) at {where} by tf.nn.softmax(z, axis) "
+                   "or, for a loss, tf.nn.log_softmax / " + X.logits_loss() + " on the logits"),
+             X.say(pytorch="if you need exp itself, subtract the row max first: z - z.amax(dim, keepdim=True), or "
+                   "use torch.logsumexp",
+                   tensorflow="if you need exp itself, subtract the row max first: z - tf.reduce_max(z, axis, "
+                   "keepdims=True), or use tf.math.reduce_logsumexp"),
              "keep the logits bounded (normalisation, weight decay) if they keep growing"]
     return T.result("exp_overflow", summ, 0.9, ev, fixes, method)

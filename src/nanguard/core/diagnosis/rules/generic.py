@@ -3,6 +3,7 @@ plus the final "other" when nothing matched."""
 from __future__ import annotations
 
 from .. import families as F
+from .. import fixes as X
 from .. import text as T
 from .divergence import divergence
 from .precision import lp_overflow
@@ -59,9 +60,10 @@ def where_trap(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     summ = (f"{api} at {where} produced non-finite values"
             + (f" ({fo.get('nonfinite')} of {fo.get('numel')})" if fo.get("nonfinite") else "")
             + (f" from {n} zero input(s)" if n else "")
-            + " that torch.where/masked_fill discarded in the forward, but its backward still computes 0/0 or "
-              "0*inf = NaN for them")
-    fixes = [f"use the double-where pattern at {where}: torch.where(m, torch.{api.split('.')[-1]}(torch.where(m, x, "
-             "1.0)), 0.0) so the unselected branch never sees the bad input",
-             "or clamp the input before the op (e.g. x.clamp(min=1e-12)) so both branches are finite"]
+            + X.say(pytorch=" that torch.where/masked_fill discarded", tensorflow=" that tf.where discarded")
+            + " in the forward, but its backward still computes 0/0 or 0*inf = NaN for them")
+    op = T.opshort(origin.get("forward_op") or origin.get("op")) if X.is_tf() else api
+    fixes = [f"use the double-where pattern at {where}: {X.safe_where(op)} so the unselected branch never sees "
+             "the bad input",
+             f"or clamp the input before the op (e.g. {X.clamp_min('x', '1e-12')}) so both branches are finite"]
     return T.result("where_gradient_trap", summ, 0.9, ev, fixes, method)

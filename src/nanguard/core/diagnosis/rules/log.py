@@ -2,19 +2,21 @@
 from __future__ import annotations
 
 from .. import families as F
+from .. import fixes as X
 from .. import text as T
 from .precision import lp_underflow, underflow_evidence
 
 LOG = F.register(F.Family(
     "log", ops={"log", "log2", "log10", "xlogy", "special_entr", "_foreach_log", "_foreach_log2", "_foreach_log10",
                 "logit", "special_logit", "lgamma", "digamma"},
-    tf_ops={"Log", "Xlogy"},
+    tf_ops={"Log", "Xlogy", "Lgamma", "Digamma"},
     domain=F.Domain("le", 0.0), op_domains={"xlogy": F.Domain("le", 0.0, arg=1, kwarg="other")},
     evidence=("log_domain",), nodes=("log", "log2", "log10", "xlogy"), keep_forward=True,
     categories=("log_domain", "low_precision_underflow")))
 
 LOG1P = F.register(F.Family(
-    "log1p", ops={"log1p", "_foreach_log1p", "special_xlog1py"}, tf_ops={"Log1p", "Xlog1py"},
+    "log1p", ops={"log1p", "_foreach_log1p", "special_xlog1py"},
+    tf_ops={"Log1p": "log1p", "Xlog1py": "special_xlog1py"},
     domain=F.Domain("le", -1.0), op_domains={"special_xlog1py": F.Domain("le", -1.0, arg=1, kwarg="other")},
     evidence=("log_domain",), nodes=("log1p",), keep_forward=True,
     categories=("log_domain", "low_precision_underflow")))
@@ -49,13 +51,14 @@ def log1p_result(c) -> dict:
     summ, where, prods = log_summary(c.origin, c.facts)
     fixes = []
     if "sigmoid" in prods:
-        fixes.append(f"log1p(-sigmoid(z)) is F.logsigmoid(-z) (and log1p(-sigmoid(-z)) is F.logsigmoid(z)): compute it "
+        ls = "tf.math.log_sigmoid" if X.is_tf() else "F.logsigmoid"
+        fixes.append(f"log1p(-sigmoid(z)) is {ls}(-z) (and log1p(-sigmoid(-z)) is {ls}(z)): compute it "
                      f"from the logits at {where}; sigmoid rounds to exactly 1 for z > ~17 in float32, and "
                      "log1p(-1) = -inf")
-    fixes.append(f"keep the argument above -1 at {where}: torch.log1p(x.clamp(min=-1 + 1e-6)) (the margin must "
-                 "exceed the dtype's eps next to 1: 1.2e-07 in float32, 9.8e-04 in float16)")
+    fixes.append(f"keep the argument above -1 at {where}: {X.call('log1p', X.clamp_min('x', '-1 + 1e-6'))} (the "
+                 "margin must exceed the dtype's eps next to 1: 1.2e-07 in float32, 9.8e-04 in float16)")
     fixes.append("if those entries are legitimately masked, use the safe double-where pattern: "
-                 "torch.where(m, torch.log1p(torch.where(m, x, 0.0)), 0.0)")
+                 + X.safe_where("log1p", "0.0"))
     return T.result("log_domain", summ, 0.92, c.ev, fixes, c.method)
 
 
@@ -82,13 +85,19 @@ def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> d
     summ, where, prods = log_summary(origin, facts)
     fixes = []
     if "sigmoid" in prods:
-        fixes.append(f"compute the loss from the logits: F.binary_cross_entropy_with_logits(logits, y) (or "
-                     f"F.logsigmoid(x) / F.logsigmoid(-x)) instead of log(sigmoid) / log(1 - sigmoid) at {where}; "
-                     "sigmoid rounds to exactly 0 or 1 for |logit| > ~17 in float32")
+        fixes.append(X.say(
+            pytorch=f"compute the loss from the logits: F.binary_cross_entropy_with_logits(logits, y) (or "
+            f"F.logsigmoid(x) / F.logsigmoid(-x)) instead of log(sigmoid) / log(1 - sigmoid) at {where}; "
+            "sigmoid rounds to exactly 0 or 1 for |logit| > ~17 in float32",
+            tensorflow=f"compute the loss from the logits: {X.logits_loss('binary')} on the logits (drop the "
+            "sigmoid activation), or tf.math.log_sigmoid(x) / tf.math.log_sigmoid(-x), instead of log(sigmoid) / "
+            f"log(1 - sigmoid) at {where}; sigmoid rounds to exactly 0 or 1 for |logit| > ~17 in float32"))
     if any(p in prods for p in ("_softmax", "softmax")):
-        fixes.append(f"use torch.log_softmax (or F.cross_entropy on the logits) instead of log(softmax) at {where}")
-    fixes.append(f"clamp the argument away from 0 at {where}: torch.log(x.clamp(min=1e-12)) in float32 "
+        fixes.append(X.say(
+            pytorch=f"use torch.log_softmax (or F.cross_entropy on the logits) instead of log(softmax) at {where}",
+            tensorflow=f"compute the loss from the logits: {X.logits_loss()} on the logits (drop the softmax "
+            f"activation), or tf.nn.log_softmax, instead of log(softmax) at {where}"))
+    fixes.append(f"clamp the argument away from 0 at {where}: {X.call('log', X.clamp_min('x', '1e-12'))} in float32 "
                  "(use a floor the dtype can hold: float32 tiny is 1.2e-38, float16 tiny is 6.1e-05)")
-    fixes.append("if the zeros are legitimately masked, use the safe double-where pattern: "
-                 "torch.where(m, torch.log(torch.where(m, x, 1.0)), 0.0)")
+    fixes.append("if the zeros are legitimately masked, use the safe double-where pattern: " + X.safe_where("log"))
     return T.result("log_domain", summ, 0.92, ev, fixes, method)

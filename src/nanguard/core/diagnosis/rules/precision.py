@@ -4,6 +4,7 @@ float32 holds (overflow), or an eps / small value that rounds to 0 before a log 
 from __future__ import annotations
 
 from .. import families as F
+from .. import fixes as X
 from .. import text as T
 
 
@@ -44,12 +45,18 @@ def lp_underflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     if f32.get("chain_finite"):
         parts.append("re-running the producer chain in float32 gives finite values")
     safe_eps = max(float(fi.get("tiny") or 6.1e-05) * 2, 1e-4) if dt == "float16" else 1e-6
-    fixes = [f"compute {api} and the loss in float32 at {where}: e.g. torch.log(probs.float() + 1e-8), or better "
-             "F.log_softmax(logits.float(), -1) / F.cross_entropy(logits.float(), y)",
+    fixes = [X.say(pytorch=f"compute {api} and the loss in float32 at {where}: e.g. torch.log(probs.float() + 1e-8), "
+                   "or better F.log_softmax(logits.float(), -1) / F.cross_entropy(logits.float(), y)",
+                   tensorflow=f"compute {api} and the loss in float32 at {where}: e.g. "
+                   "tf.math.log(tf.cast(probs, tf.float32) + 1e-8), or better from float32 logits: give the last "
+                   f"layer dtype=\"float32\" and use {X.logits_loss()}"),
              f"use an eps the dtype can hold ({dt} tiny {T.g(fi.get('tiny'))}, eps {T.g(fi.get('eps'))}): e.g. "
              f"{T.g(safe_eps)} instead of {T.g(eps[0].get('value')) if eps else 'the current value'}",
-             "train with torch.autocast (float16/bfloat16 matmuls, float32 losses and reductions) and "
-             "torch.amp.GradScaler instead of a model cast to half, or use bfloat16"]
+             X.say(pytorch="train with torch.autocast (float16/bfloat16 matmuls, float32 losses and reductions) and "
+                   "torch.amp.GradScaler instead of a model cast to half, or use bfloat16",
+                   tensorflow="under mixed_float16 keep the numerically sensitive layers (softmax, log, norms, "
+                   "the loss) in float32 with dtype=\"float32\", or use the \"mixed_bfloat16\" policy "
+                   "(float32's range)")]
     return T.result("low_precision_underflow", "; ".join(parts), 0.9, ev, fixes, method)
 
 
@@ -61,16 +68,13 @@ def lp_overflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     f32 = facts.get("float32_rerun") or {}
     out = origin.get("output") or {}
     n = (out.get("posinf") or 0) + (out.get("neginf") or 0)
-    mod = origin.get("module")
     summ = (f"{api} at {where} overflowed {dt}: float32 gives max |x| {T.g(f32.get('max_abs'))} > {dt} max "
             f"{T.g(fi.get('max'))}; {n} element(s) became ±inf")
-    target = f"module '{mod}'" + (f" ({origin['module_type']})" if origin.get("module_type") else "") if mod \
-        else f"the op at {where}"
-    fixes = [f"run {target} in float32: e.g. model.get_submodule('{mod}').float() and feed it x.float(), or wrap "
-             "it in torch.autocast(device_type, enabled=False)" if mod else
-             f"compute the op at {where} in float32 (cast its inputs with .float())",
-             f"use bfloat16 (max 3.4e38, same range as float32) instead of {dt}, or torch.autocast + "
-             "torch.amp.GradScaler instead of casting the whole model",
+    fixes = [X.float32_layer(origin, where),
+             X.say(pytorch=f"use bfloat16 (max 3.4e38, same range as float32) instead of {dt}, or torch.autocast + "
+                   "torch.amp.GradScaler instead of casting the whole model",
+                   tensorflow=f"use the \"mixed_bfloat16\" policy (bfloat16 has float32's range, max 3.4e38) "
+                   f"instead of {dt}"),
              "rescale the quantities (e.g. normalise targets/inputs so activations stay far below "
              f"{T.g(fi.get('max'))})"]
     return T.result("low_precision_overflow", summ, 0.92, ev, fixes, method)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from .. import fixes as X
 from .. import text as T
 from .division import MEAN
 
@@ -22,9 +23,12 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
         summ = (f"bad input data: {rows_s} of the input tensor hold {n_bad} {what} value(s) of {numel}; batch "
                 f"position(s) {rows} carry them into the loss{where}")
         fixes = [f"clean or drop {rows_s} at the source (a blank field parsed as NaN?), e.g. "
-                 "x = x[torch.isfinite(x).all(dim=1)] before building batches",
-                 "validate batches in the data loader (assert torch.isfinite(batch).all()) or replace missing "
-                 "values (torch.nan_to_num / imputation with the column mean)"]
+                 + X.finite_filter(),
+                 X.say(pytorch="validate batches in the data loader (assert torch.isfinite(batch).all()) or replace "
+                       "missing values (torch.nan_to_num / imputation with the column mean)",
+                       tensorflow="validate batches in the input pipeline (" + X.finite_check("x") + ") or replace "
+                       "missing values (tf.where(tf.math.is_finite(x), x, 0.0), imputation with the column mean, "
+                       "or record_defaults for blank CSV fields)")]
         return T.result("bad_input_data", summ, 0.95, ev, fixes, method)
     if kind == "optimizer_state":
         return T.result("optimizer_numerics", f"optimizer state {name} was already non-finite before the step "
@@ -49,11 +53,13 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
             summ = (f"{kind} '{name or '?'}' holds {n_bad} Inf value(s) of {numel} before the step uses it: "
                     f"{wb.get('api') or wop} at {at} cast values up to |x| = {T.g(f32w.get('max_abs'))} into "
                     f"{st.get('dtype')}, whose max is {T.g(dti.get('max'))}; in float32 they are finite")
-            fixes = [f"keep '{name or 'the parameter'}' in float32: train with torch.autocast (+ GradScaler for "
-                     f"float16) instead of casting the model at {at}",
+            fixes = [X.say(pytorch=f"keep '{name or 'the parameter'}' in float32: train with torch.autocast (+ "
+                           f"GradScaler for float16) instead of casting the model at {at}",
+                           tensorflow=f"keep '{name or 'the variable'}' in float32: use "
+                           + X.mixed_precision(f"instead of casting the variables at {at}")),
                      f"or rescale it before the cast so |x| < {T.g(dti.get('max'))} (e.g. fold a large input "
                      "scale into a normalisation of the inputs instead of the weights), or use bfloat16",
-                     "assert torch.isfinite(p).all() for every parameter after a cast or a load"]
+                     f"assert {X.assert_finite_params()} after a cast or a load"]
             return T.result("low_precision_overflow", summ, 0.9, ev, fixes, method)
         if wop in MEAN.ops and 0 in (wb.get("input_numel") or []):
             wb_s += " (the mean of an empty tensor: 0/0 = NaN)"
@@ -66,7 +72,7 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
             + (f" (rows {rows})" if rows else "") + " before the step uses it"
             + (f"; non-finite since step {since}" if since is not None else "") + wb_s)
     fixes = [wb_fix,
-             f"re-initialise '{name or 'the parameter'}' (or restore it from the last finite checkpoint); a "
+             f"{X.reinit(name or 'the parameter')} (or restore it from the last finite checkpoint); a "
              "skip/rollback cannot fix a parameter that is already non-finite"]
-    fixes.append("assert torch.isfinite(p).all() for every parameter after initialisation / loading")
+    fixes.append(f"assert {X.assert_finite_params()} after initialisation / loading")
     return T.result("param_corruption", summ, 0.95, ev, fixes, method)

@@ -3,6 +3,7 @@ a negative base under a non-integer exponent, 0 ** negative = 1/0, and pow overf
 from __future__ import annotations
 
 from .. import families as F
+from .. import fixes as X
 from .. import text as T
 from .division import div_result
 from .exp import exp_rule
@@ -15,7 +16,7 @@ SQRT = F.register(F.Family(
 NORM = F.register(F.Family(
     "norm", ops={"linalg_vector_norm", "norm", "_foreach_norm", "linalg_norm", "frobenius_norm", "cdist",
                  "_cdist_forward", "_cdist_backward", "pdist", "_pdist_forward", "_euclidean_dist"},
-    tf_ops={"EuclideanNorm"}, evidence=("sqrt_domain",), node_prefixes=("norm", "linalgvectornorm", "cdist", "pdist"),
+    tf_ops={"EuclideanNorm": "linalg_vector_norm"}, evidence=("sqrt_domain",), node_prefixes=("norm", "linalgvectornorm", "cdist", "pdist"),
     keep_forward=True, note="gradient at a zero norm", categories=("sqrt_domain",)))
 
 POW = F.register(F.Family(
@@ -74,26 +75,30 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
     else:
         summ = (f"{api} at {where} received {sd.get('negatives', '?')} negative and {sd.get('zeros', '?')} zero "
                 f"input(s) of {sd.get('numel', '?')} ({origin.get('dtype')})")
-    fixes = [f"use torch.linalg.vector_norm(a - b, dim=-1) at {where} (its gradient at 0 is defined as 0) "
-             "instead of sqrt(sum of squares)",
-             f"or add a small eps inside the root: torch.sqrt(x + 1e-12) (float32) / x.clamp(min=1e-12).sqrt()",
+    fixes = [X.say(pytorch=f"use torch.linalg.vector_norm(a - b, dim=-1) at {where} (its gradient at 0 is defined "
+                   "as 0) instead of sqrt(sum of squares)",
+                   tensorflow=f"add a small eps inside the root at {where}: {X.norm_hint()}"),
+             X.say(pytorch="or add a small eps inside the root: torch.sqrt(x + 1e-12) (float32) / "
+                   "x.clamp(min=1e-12).sqrt()",
+                   tensorflow="or clamp inside the root: tf.sqrt(tf.maximum(x, 1e-12)) (float32)"),
              "if the zero distance comes from pairing a sample with itself, exclude those pairs"]
     is_pow = T.opshort(origin.get("forward_op") or origin.get("op")) in POW.ops or T.node_family(node).startswith("pow")
     if is_pow and backward:
         summ = (f"the backward of {api} at {where} ({node}): the gradient of x ** p with p < 1 is "
                 f"p * x ** (p - 1), infinite at x = 0 ({sd.get('zeros', '?')} zero base(s) of "
                 f"{sd.get('numel', '?')}), then inf * 0 = NaN")
-        fixes = [f"keep the base away from 0 at {where}: x.clamp(min=1e-6) ** p (or (x + 1e-6) ** p)",
+        fixes = [f"keep the base away from 0 at {where}: {X.clamp_min('x', '1e-6')} ** p (or (x + 1e-6) ** p)",
                  "or use an integer exponent / a formulation whose gradient is finite at 0"]
     elif is_pow:
         n = sd.get("neg_base_fractional_exp", sd.get("negatives", "?"))
         summ = (f"{api} at {where} raised {n} negative base(s) of {sd.get('numel', '?')} to a non-integer power: "
                 f"x ** p is NaN for x < 0 ({origin.get('dtype')})")
-        fixes = [f"clamp the base at {where}: x.clamp(min=0) ** p (or x.clamp(min=eps) if p < 0)",
-                 "if the sign should carry through: torch.sign(x) * x.abs() ** p",
+        fixes = [f"clamp the base at {where}: {X.clamp_min('x', '0')} ** p (or {X.clamp_min('x', 'eps')} if p < 0)",
+                 "if the sign should carry through: " + X.say(pytorch="torch.sign(x) * x.abs() ** p",
+                                                              tensorflow="tf.sign(x) * tf.abs(x) ** p"),
                  "find why the base goes negative (a threshold or offset larger than the data)"]
         return T.result("sqrt_domain", summ, 0.9, ev, fixes, method)
     if not backward and sd.get("negatives"):
-        fixes.insert(0, f"clamp the argument at {where}: torch.sqrt(x.clamp(min=0)); negative values usually come "
-                        "from cancellation (e.g. E[x^2] - E[x]^2)")
+        fixes.insert(0, f"clamp the argument at {where}: {X.call('sqrt', X.clamp_min('x', '0'))}; negative values "
+                        "usually come from cancellation (e.g. E[x^2] - E[x]^2)")
     return T.result("sqrt_domain", summ, 0.9, ev, fixes, method)

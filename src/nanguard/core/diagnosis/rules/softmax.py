@@ -4,12 +4,15 @@ from __future__ import annotations
 import os
 
 from .. import families as F
+from .. import fixes as X
 from .. import text as T
 
 SOFTMAX = F.register(F.Family(
     "softmax", ops={"_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax", "_masked_softmax",
                     "special_softmax", "special_log_softmax"},
-    tf_ops={"Softmax", "LogSoftmax"}, evidence=("softmax_all_masked_rows",), keep_forward=True,
+    tf_ops={"Softmax": "_softmax", "LogSoftmax": "_log_softmax",   # the fused cross-entropies' log-softmax:
+            "SoftmaxCrossEntropyWithLogits": "_log_softmax", "SparseSoftmaxCrossEntropyWithLogits": "_log_softmax"},
+    evidence=("softmax_all_masked_rows",), keep_forward=True,
     note="a row whose inputs are all -inf (0/0)", categories=("masked_softmax",)))
 
 # fused attention kernels (scaled_dot_product_attention and its backends): open-ended op names
@@ -42,9 +45,11 @@ def masked_softmax(origin: dict, facts: dict, ev: dict, method: str) -> dict:
             f"(every key masked; batch rows {sm.get('batch_rows')}): 0/0 = NaN")
     fixes = ["make sure every query keeps at least one visible key (drop or skip empty/all-padding sequences, or "
              "always unmask one position such as a CLS/BOS token)",
-             "fill masked scores with a large finite value (torch.finfo(scores.dtype).min) instead of -inf, or "
-             "zero the fully masked rows after the softmax: torch.nan_to_num(att, nan=0.0)",
-             "or use F.scaled_dot_product_attention, which handles fully masked rows"]
+             f"fill masked scores with a large finite value ({X.mask_fill_min()}) instead of -inf, or "
+             f"zero the fully masked rows after the softmax: {X.nan_to_zero('att')}",
+             X.say(pytorch="or use F.scaled_dot_product_attention, which handles fully masked rows",
+                   tensorflow="or use keras.layers.MultiHeadAttention / keras.layers.Attention with attention_mask "
+                   "(Keras masks add a large negative number, so fully masked rows stay finite)")]
     return T.result("masked_softmax", summ, 0.93, ev, fixes, method)
 
 
@@ -57,11 +62,17 @@ def mask_escape(origin: dict, me: dict, ev: dict, method: str) -> dict:
             f"filled with {T.g(me.get('constant'))}: the masked entries were summed into the result instead of "
             "being left out (softmax/logsumexp absorb a -inf mask, a sum or mean over it does not; e.g. "
             "label smoothing or a mean log-probability over masked classes)")
-    fixes = [f"leave masked entries out of the reduction at {where}: (x.masked_fill(mask, 0)).sum(-1) / "
-             "(~mask).sum(-1) instead of x.sum(-1) / x.mean(-1)",
-             "with F.cross_entropy(label_smoothing=...) and masked classes, write the smoothing term over the "
-             "allowed classes yourself: label smoothing spreads probability over every class, masked ones "
-             "included",
+    fixes = [X.say(pytorch=f"leave masked entries out of the reduction at {where}: (x.masked_fill(mask, 0)).sum(-1) "
+                   "/ (~mask).sum(-1) instead of x.sum(-1) / x.mean(-1)",
+                   tensorflow=f"leave masked entries out of the reduction at {where}: tf.reduce_sum(tf.where(mask, "
+                   "0.0, x), -1) / tf.reduce_sum(tf.cast(~mask, x.dtype), -1) instead of tf.reduce_sum(x, -1) / "
+                   "tf.reduce_mean(x, -1)"),
+             X.say(pytorch="with F.cross_entropy(label_smoothing=...) and masked classes, write the smoothing term "
+                   "over the allowed classes yourself: label smoothing spreads probability over every class, "
+                   "masked ones included",
+                   tensorflow="with a Keras cross-entropy's label_smoothing and masked classes, write the smoothing "
+                   "term over the allowed classes yourself: label smoothing spreads probability over every class, "
+                   "masked ones included"),
              f"keep the -inf mask at {at} for softmax/argmax only; do not replace it by a large finite "
              "negative, which turns the infinite loss into a huge finite one"]
     return T.result("masked_softmax", summ, 0.85, ev, fixes, method)

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from .. import families as F
+from .. import fixes as X
 from .. import text as T
 
 STDVAR = F.register(F.Family(
-    "stdvar", ops={"std", "var", "std_mean", "var_mean"}, tf_ops=(), evidence=("std_var",),
+    "stdvar", ops={"std", "var", "std_mean", "var_mean"}, evidence=("std_var",),
     nodes=("std", "var", "stdmean", "varmean"), keep_forward=True,
     note="n - correction <= 0 elements; gradient at std = 0", categories=("variance_zero",)))
+# TensorFlow has no std/var op (tf.math.reduce_std, tf.nn.moments and Keras' normalisation layers are
+# Mean over SquaredDifference, then Sqrt): its evidence recognises that chain behind a zero denominator
+# (``zero_denominator.from_std_var``), which the division rule hands to ``variance`` below.
 
 
 @STDVAR.rule(F.BACKWARD + 30, stage="backward", match="op_or_node")
@@ -34,8 +38,12 @@ def variance(origin: dict, facts: dict, ev: dict, method: str, backward: bool = 
         summ = f"{api} at {where} divided by a zero standard deviation/variance ({zd.get('zeros')} zero(s))"
     else:
         summ = f"{api} at {where}: the backward of std/var divides by a zero standard deviation"
-    fixes = ["use the biased estimate where a group can have one element: x.std(dim, unbiased=False) / "
-             "correction=0, plus an eps: (x - mean) / (std + 1e-5)",
-             "avoid batches of size 1: DataLoader(..., drop_last=True) or skip batches with fewer than 2 samples",
-             "or normalise with statistics computed once over the whole training set"]
+    fixes = [X.say(pytorch="use the biased estimate where a group can have one element: x.std(dim, unbiased=False) "
+                   "/ correction=0, plus an eps: (x - mean) / (std + 1e-5)",
+                   tensorflow="add an eps to the standard deviation: (x - mean) / (tf.math.reduce_std(x, axis, "
+                   "keepdims=True) + 1e-5) (a constant group has std 0), or use keras.layers.LayerNormalization "
+                   "(epsilon inside the root)"),
+             f"avoid batches of size 1: {X.drop_last()} or skip batches with fewer than 2 samples",
+             "or normalise with statistics computed once over the whole training set"
+             + X.say(pytorch="", tensorflow=" (keras.layers.Normalization().adapt(x))")]
     return T.result("variance_zero", summ, 0.9, ev, fixes, method)

@@ -3,6 +3,7 @@ atanh at or beyond +-1, acosh below 1 (and their gradients at the boundary)."""
 from __future__ import annotations
 
 from .. import families as F
+from .. import fixes as X
 from .. import text as T
 from .domain import domain_result
 
@@ -30,9 +31,9 @@ def _acosh_rule(c) -> dict:
     return domain_result(
         c, "trig_domain", why="acosh(x) is NaN below 1",
         why_grad="the gradient 1/sqrt(x^2 - 1) is infinite at x = 1 (then inf * 0 = NaN)",
-        fixes=[f"clamp the argument at {c.where}: torch.acosh(x.clamp(min=1 + 1e-6)) (the margin must exceed "
-               "the dtype's eps, 1.2e-07 in float32, 9.8e-04 in float16; at exactly 1 the value is finite but "
-               "the gradient is not)",
+        fixes=[f"clamp the argument at {c.where}: {X.call('acosh', X.clamp_min('x', '1 + 1e-6'))} (the margin "
+               "must exceed the dtype's eps, 1.2e-07 in float32, 9.8e-04 in float16; at exactly 1 the value is "
+               "finite but the gradient is not)",
                "an argument that is 1 in exact arithmetic (a point paired with itself in a hyperbolic/Lorentz "
                "distance acosh(-<x, y>)) rounds to just below 1: exclude those pairs, or clamp as above",
                "if the argument comes from an offset or margin, keep it >= 1: 1 + softplus(z) instead of 1 + z"])
@@ -44,7 +45,9 @@ def trig_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     api = T.api_or_op(origin)
     summ = (f"{api} at {where} received {td.get('abs_ge_1', '?')} value(s) with |x| >= 1 of {td.get('numel', '?')} "
             f"(max |x| {T.g(td.get('max_abs'))})")
-    fixes = [f"clamp the argument at {where}: x.clamp(-1 + 1e-6, 1 - 1e-6) (the eps must exceed the dtype's eps, "
-             "1.2e-07 in float32, 9.8e-04 in float16)",
-             "cosine similarities can exceed 1 by rounding: normalise with F.normalize and clamp"]
+    fixes = [f"clamp the argument at {where}: {X.clamp('x', '-1 + 1e-6', '1 - 1e-6')} (the eps must exceed the "
+             "dtype's eps, 1.2e-07 in float32, 9.8e-04 in float16)",
+             X.say(pytorch="cosine similarities can exceed 1 by rounding: normalise with F.normalize and clamp",
+                   tensorflow="cosine similarities can exceed 1 by rounding: normalise with tf.math.l2_normalize "
+                   "and clip")]
     return T.result("trig_domain", summ, 0.9, ev, fixes, method)

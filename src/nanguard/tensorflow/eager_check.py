@@ -1,0 +1,96 @@
+"""The check of an eager step (a hand-written ``GradientTape`` loop without ``tf.function``): the same
+numbers as the in-graph check (:mod:`.graph_check`), computed eagerly around the update. Its one host
+read per step is the pre-update vector (loss, batch, gradient norm, learning rate, loss scale), which
+also carries the previous update's post-update norms (read late, as the PyTorch backend does); a
+failing step is decided before its update runs, so a stop leaves the variables untouched."""
+from __future__ import annotations
+
+import math
+from typing import Any, List
+
+import tensorflow as tf
+
+from . import detect as D
+from .graph_check import data_ok, loss_parts, lr_scale, run_update
+from .state import OptState
+
+__all__ = ["apply_eager"]
+
+
+def apply_eager(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_variables: Any, tvars: List[Any],
+                lso: bool) -> Any:
+    if w.policy is not None and w._snap_due:
+        w._guarded(w._take_due_snapshot)
+    row = w._guarded(lambda: _pre(w, st, opt, grads, tvars, lso))
+    if row is None:
+        return w._dispatch_apply(opt, grads, trainable_variables)
+    ok = row[D.C["guard_skipped"]] < 0.5 and row[D.C["loss_ok"]] >= 0.5 and row[D.C["data_ok"]] >= 0.5 \
+        and row[D.C["pre_ok"]] >= 0.5 and (lso or row[D.C["grads_ok"]] >= 0.5)
+    if not ok:  # decided now, before the update: a stop raises here, the variables untouched
+        w._guarded(lambda: w.host.finish_row(st, D.Row(row), raw=False))
+    if ok or not w.skip_bad:
+        obs = w.observer
+        if obs is not None:
+            obs.set_stage("optimizer")
+        try:
+            run_update(w, opt, grads, trainable_variables, st)
+        finally:
+            if obs is not None:
+                obs.set_stage("forward")
+    if ok:
+        w._guarded(lambda: _post(st, opt, row, tvars))
+    w._snap_due = True
+    if w.on_update_done is not None:
+        w.on_update_done(st.attempts - st.offset)
+    return None
+
+
+def _pre(w: Any, st: OptState, opt: Any, grads: List[Any], tvars: List[Any], lso: bool) -> List[float]:
+    p = w._take_pending()
+    loss, loss_known, loss_ok = loss_parts(p)
+    d_ok = data_ok(p)
+    gts = D.float_tensors(grads)
+    gn = D.norm32(gts)
+    lr, scale = lr_scale(opt, lso)
+    head = tf.stack([loss, loss_known, D.f64(loss_ok), D.f64(d_ok), D.f64(gn), lr, scale])
+    prev = st.eager_post
+    vec = tf.concat([head, prev[1]], 0) if prev is not None else head
+    vals = vec.numpy().tolist()  # the one host read of this step (+ the previous update's norms)
+    if prev is not None:
+        st.eager_post = None
+        row_prev = prev[0]
+        row_prev[D.C["param_norm"]], row_prev[D.C["post_ok"]] = vals[7], vals[8]
+        w.host.finish_row(st, D.Row(row_prev), raw=False)
+    loss, loss_known, loss_ok, d_ok, gn, lr, scale = vals[:7]
+    grads_ok = math.isfinite(gn)
+    if not grads_ok:  # slow path: exact (a norm overflows with finite elements ~1e19 in float32)
+        grads_ok = bool(D.all_finite(gts).numpy())
+        gn = float(D.norm64(gts).numpy())
+        if not grads_ok and len(grads) == st.n_vars:
+            st.gbad.assign([0.0 if g is None else float(not bool(D.all_finite(D.float_tensors([g])).numpy()))
+                            for g in grads])
+    pre_ok = True
+    outside_write, w.outside_write = w.outside_write, False
+    if outside_write or not (loss_ok >= 0.5 and d_ok >= 0.5 and grads_ok):
+        pre_ok = bool(D.all_finite(D.float_tensors(tvars)).numpy())
+    ok = loss_ok >= 0.5 and d_ok >= 0.5 and pre_ok and (grads_ok or lso)
+    step = st.attempts
+    st.attempts += 1
+    st.counter.assign(st.attempts)  # keeps a graph step that follows in the same count (no read)
+    step -= st.offset
+    row = [0.0] * D.NCOL
+    for k, v in (("step", step), ("loss", loss), ("loss_known", loss_known), ("loss_ok", loss_ok),
+                 ("data_ok", d_ok), ("grad_norm", gn), ("grads_ok", grads_ok), ("pre_ok", pre_ok),
+                 ("lso", lso), ("lr", lr), ("loss_scale", scale), ("lso_finite", grads_ok),
+                 ("param_norm", float("nan")), ("post_ok", 1.0),
+                 ("guard_skipped", not ok and w.skip_bad)):
+        row[D.C[k]] = float(v)
+    return row
+
+
+def _post(st: OptState, opt: Any, row: List[float], tvars: List[Any]) -> None:
+    """The post-update norms, as tensors: read with the next step's vector (or at the end)."""
+    pn = D.norm32(D.float_tensors(tvars))
+    ov = D.float_tensors(list(getattr(opt, "variables", [])))
+    fin = tf.math.is_finite(D.sum32(ov)) if ov else tf.constant(True)
+    st.eager_post = (row, tf.stack([D.f64(pn), D.f64(fin)]))

@@ -1,0 +1,207 @@
+"""The check built into a traced step (``model.fit``'s train function, a ``@tf.function`` step), around
+the optimizer's update. What a healthy step runs, in-graph (no host read; the host reads the stash
+once after the outermost ``tf.function`` call returns, see :mod:`.host`):
+
+* before the update: the loss's finiteness, one ``is_finite`` pass over the batch, the gradients'
+  sum of squares (one ``L2Loss`` op per gradient, the history's gradient norm); the variables are
+  checked exactly only on the slow path, which also runs on the first step after the program wrote
+  a trainable variable from outside a step (``variable.assign`` between steps, ``set_weights``: the
+  watcher sets the state's ``force`` flag, no read), so such a write is caught as ``params``;
+* the update, under ``tf.cond(do, update, skip)`` (a failing step never reaches the variables);
+* after it: the variables' sum of squares (one ``L2Loss`` op per variable: the parameter norm;
+  finite means every element is); the optimizer state is checked exactly when the step was not
+  clean (with finite gradients a standard optimizer's moments stay finite, and a state that still
+  went non-finite makes the next update's parameters non-finite);
+* one row of the stash (``scatter_nd_update``) and the step counter.
+
+Two ``tf.cond`` slow paths hold everything else and run only on a failing step: before the update
+(exact per-element checks of the variables and gradients, the per-gradient flags, the float64 norm
+of an overflowed sum, the halt flag, and for ``model.fit`` the capture of the batch for the replay)
+and after it (exact checks of what the update wrote, optimizer state included). A healthy step adds
+about ``2 x (variables) + 30`` small ops and three ``tf.cond`` (lowered to switch/merge).
+"""
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from . import detect as D
+from .state import FN_STATES, OptState, Pending, active, tl_get, tl_set
+
+__all__ = ["apply_graph", "run_update", "loss_parts", "data_ok", "lr_scale"]
+
+_TRUE = lambda: tf.constant(True)  # noqa: E731
+
+
+def loss_parts(p: Pending) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(loss: float64 mean of the scalar losses or NaN, loss known, every loss element finite)."""
+    scal = [tf.cast(tf.reshape(t, []), tf.float64) for t in p.losses if t.shape.num_elements() == 1]
+    if scal:
+        loss = tf.add_n(scal) / len(scal) if len(scal) > 1 else scal[0]
+    else:
+        loss = tf.constant(float("nan"), tf.float64)
+    if len(scal) == len(p.losses) and scal:
+        ok = tf.math.is_finite(loss)   # scalar losses: their mean is finite iff each is
+    else:
+        ok = D.all_finite(p.losses) if p.losses else tf.constant(True)
+    return loss, tf.constant(1.0 if scal else 0.0, tf.float64), ok
+
+
+def data_ok(p: Pending) -> tf.Tensor:
+    ok = tf.constant(p.data_host_ok)
+    if p.data_flags:
+        ok = tf.logical_and(ok, tf.reduce_all(tf.stack(p.data_flags)) if len(p.data_flags) > 1 else p.data_flags[0])
+    return ok
+
+
+def lr_scale(opt: Any, lso: bool) -> Tuple[tf.Tensor, tf.Tensor]:
+    try:
+        lr = D.f64(opt.learning_rate)
+    except Exception:
+        lr = tf.constant(float("nan"), tf.float64)
+    scale = D.f64(opt.dynamic_scale) if lso and getattr(opt, "built", False) else \
+        tf.constant(float("nan"), tf.float64)
+    return lr, scale
+
+
+def run_update(w: Any, opt: Any, grads: List[Any], trainable_variables: Any, st: OptState) -> None:
+    """The optimizer's own update (with recovery's clipping when it is on)."""
+    grads = _clip(w, grads, st)
+    tl_set("apply_depth", tl_get("apply_depth") + 1)
+    try:
+        w._dispatch_apply(opt, grads, trainable_variables)
+    finally:
+        tl_set("apply_depth", tl_get("apply_depth") - 1)
+
+
+def _clip(w: Any, grads: List[Any], st: OptState) -> List[Any]:
+    """Recovery's global-norm clipping, in-graph and off unless the clip variable is finite
+    (the unclipped branch returns the gradients unchanged: bit-for-bit)."""
+    if w.policy is None or (tf.executing_eagerly() and np.isinf(st.clip_host)):
+        return grads  # eager: decided on the host copy of the clip (no read)
+    idx = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)
+           and g.dtype.is_floating]
+    if not idx:
+        return grads
+    sel = [grads[i] for i in idx]
+
+    def clipped():
+        out, _ = tf.clip_by_global_norm(sel, tf.cast(st.clip, tf.float32))
+        return [tf.cast(o, g.dtype) for o, g in zip(out, sel)]
+
+    new = tf.cond(tf.math.is_finite(st.clip), clipped, lambda: [tf.identity(g) for g in sel])
+    grads = list(grads)
+    for i, g in zip(idx, new):
+        grads[i] = g
+    return grads
+
+
+def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_variables: Any,
+                tvars: List[Any], lso: bool) -> bool:
+    """Build the check and the guarded update into the graph being traced."""
+    p = w._take_pending()
+    with tf.name_scope("nanguard_check"):
+        step = st.counter.read_value()
+        loss, loss_known, loss_ok = loss_parts(p)
+        d_ok = data_ok(p)
+        gts = D.float_tensors(grads)
+        gsq = D.sumsq32(gts)
+        lr, scale = lr_scale(opt, lso)
+        quick = tf.logical_and(tf.logical_and(loss_ok, d_ok), tf.math.is_finite(gsq))
+        quick = tf.logical_and(quick, tf.logical_not(st.force.read_value()))   # set after an outside write
+        halted = st.halt.read_value()
+
+        def fast():   # a healthy step: nothing more to compute
+            return tf.constant(True), tf.constant(True), D.f64(tf.sqrt(gsq)), tf.logical_not(halted)
+
+        def slow():   # a failing step (or the first after an outside write): exact checks, flags, capture
+            st.force.assign(False)
+            grads_ok = D.all_finite(gts)
+            pre_ok = D.all_finite(D.float_tensors(tvars))
+            if len(grads) == st.n_vars:
+                st.gbad.assign(tf.stack([tf.constant(0.0, tf.float64) if g is None else
+                                         D.f64(tf.logical_not(D.all_finite(D.float_tensors([g])))) for g in grads]))
+            ok = _ok(loss_ok, d_ok, pre_ok, grads_ok, lso)
+            if w.capture_enabled and p.batch is not None:
+                _build_capture(st, ok, step, p)
+            active = st.active.read_value()
+            st.halt.assign(tf.logical_or(halted, tf.logical_and(tf.logical_not(ok),
+                                                                tf.logical_and(active, st.stop_mode.read_value()))))
+            do = tf.logical_and(tf.logical_or(ok, tf.logical_not(active)), tf.logical_not(halted))
+            return pre_ok, grads_ok, D.norm64(gts), do
+
+        pre_ok, grads_ok, gn, do = tf.cond(quick, fast, slow)
+
+    def update():
+        run_update(w, opt, grads, trainable_variables, st)
+        return tf.constant(True)
+
+    applied = tf.cond(do, update, lambda: tf.constant(False))
+    with tf.name_scope("nanguard_check"):
+        # after the update: the parameters' sum of squares (their norm); the optimizer state only when
+        # the step was not clean (finite gradients keep a standard optimizer's moments finite; a state
+        # that still goes non-finite makes the next update's parameters non-finite)
+        tv = D.float_tensors(tvars)
+        psq = D.sumsq32(tv)
+
+        def post_slow():
+            ov = D.float_tensors(st.opt_variables())
+            return tf.logical_and(D.all_finite(tv), D.all_finite(ov)), D.norm64(tv)
+
+        post_ok, pn = tf.cond(tf.logical_and(quick, tf.math.is_finite(psq)),
+                              lambda: (tf.constant(True), D.f64(tf.sqrt(psq))), post_slow)
+        values = tf.stack([D.f64(step), loss, loss_known, gn, tf.constant(1.0 if lso else 0.0, tf.float64), pn, lr,
+                           scale])
+        flags = tf.cast(tf.stack([loss_ok, d_ok, grads_ok, pre_ok, tf.logical_not(applied), post_ok, grads_ok,
+                                  halted]), tf.float64)
+        idx = tf.math.floormod(step, D.RING)
+        st.stash.scatter_nd_update(tf.reshape(idx, [1, 1]), tf.reshape(tf.concat([values, flags], 0), [1, D.NCOL]))
+        st.counter.assign_add(1)
+    fn = tl_get("current_fn", None)
+    if fn is not None:
+        FN_STATES.setdefault(fn, set()).add(st)
+    else:
+        w._orphans.add(st)
+    return True
+
+
+def _ok(loss_ok: tf.Tensor, d_ok: tf.Tensor, pre_ok: tf.Tensor, grads_ok: tf.Tensor, lso: bool) -> tf.Tensor:
+    """The step may update: loss, batch and variables finite, and the gradients (a LossScaleOptimizer
+    skips non-finite scaled gradients itself)."""
+    ok = tf.logical_and(tf.logical_and(loss_ok, d_ok), pre_ok)
+    return ok if lso else tf.logical_and(ok, grads_ok)
+
+
+def _build_capture(st: OptState, ok: tf.Tensor, step: tf.Tensor, p: Pending) -> None:
+    """model.fit: in a failing step only, hand the batch and the seed states before the step to
+    the host (one ``tf.py_function`` inside ``tf.cond``)."""
+    from tensorflow.python.ops import control_flow_util
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        return  # XLA-compiled steps cannot call back into Python: the re-run fallback is used
+    flat = [t for t in tf.nest.flatten(p.batch) if isinstance(t, tf.Tensor)]
+    struct = tf.nest.map_structure(lambda t: None, p.batch)
+    gens = [g for g, _ in p.seeds.values()]
+    seeds = [s for _, s in p.seeds.values()]
+
+    def capture(step_t, *vals):
+        w = active()  # the watcher installed when the step runs (not necessarily the tracing one)
+        if w is None or w.on_failure_capture is None or w.states.get(id(st.opt_ref())) is not st:
+            return tf.constant(0)
+        try:  # never raise inside the graph: the step would fail
+            n = len(flat)
+            batch = [np.array(v.numpy()) for v in vals[:n]]
+            seed_vals = [np.array(v.numpy()) for v in vals[n:]]
+            w.on_failure_capture({"step": int(step_t.numpy()) - st.offset, "optimizer": st.opt_ref(),
+                                  "batch_flat": batch, "batch_structure": struct,
+                                  "seeds": list(zip(gens, seed_vals))})
+        except Exception as e:
+            w.capture_error = f"{type(e).__name__}: {e}"
+        return tf.constant(0)
+
+    def bad():
+        tf.py_function(capture, [step] + flat + seeds, [tf.int32])
+        return tf.constant(True)
+
+    tf.cond(ok, _TRUE, bad)

@@ -1,0 +1,168 @@
+"""The host side of the check: read the stash once after the outermost ``tf.function`` call that ran a
+guarded update (or the eager vector), decide each step (:class:`.detect.StepDecider`), name what is
+non-finite on a failure (slow path), and act: record, hand to recovery, or stop."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from ..core.events import Detection
+from . import detect as D
+from .state import FN_STATES, OptState, StopRun
+
+__all__ = ["HostReader", "var_name", "finite_var"]
+
+
+def var_name(v: Any) -> str:
+    return str(getattr(v, "path", None) or getattr(v, "name", None) or f"variable{tuple(v.shape)}")
+
+
+def finite_var(v: Any) -> bool:
+    try:
+        a = np.asarray(v.numpy() if hasattr(v, "numpy") else v)
+    except Exception:
+        return True
+    if a.dtype.kind != "f":
+        return True
+    return bool(np.isfinite(a).all())
+
+
+class HostReader:
+    """Reads and decides the steps of one watcher ``w`` (its config, decider, states, observers)."""
+
+    def __init__(self, w: Any) -> None:
+        self.w = w
+
+    def after_function(self, fn: Any) -> None:
+        """The outermost ``tf.function`` call ``fn`` returned: read the stashes of the updates it ran."""
+        w = self.w
+        sts = FN_STATES.get(fn)
+        if sts and not w.disabled:
+            for st in list(sts):
+                if w.states.get(id(st.opt_ref())) is not st:
+                    continue  # adopted at install (see TFWatcher.install): not this watcher's if absent
+                w._guarded(lambda st=st: self.read_stash(st))
+            w._snap_due = True
+            if w.on_update_done is not None:
+                w.on_update_done(w.steps_watched)
+        self.raise_if_stopped()
+
+    def read_stash(self, st: OptState) -> None:
+        data = st.stash.numpy()  # the one host read of the step(s) this call ran
+        new = data[data[:, 0] >= st.next_step]
+        for r in new[np.argsort(new[:, 0], kind="stable")].tolist():
+            if r[0] > st.next_step:
+                st.lost_rows += int(r[0] - st.next_step)
+                st.next_step = int(r[0])
+            self.finish_row(st, D.Row(r))
+
+    def finish_row(self, st: OptState, row: D.Row, raw: bool = True) -> None:
+        """Record one step in the history and decide it; a stop is raised later (raise_if_stopped).
+        ``raw``: the row's step is the raw in-graph count (else already this watcher's step)."""
+        w = self.w
+        if raw:
+            r = int(row.step)
+            st.next_step = r + 1
+            st.attempts = max(st.attempts, r + 1)
+            row.vals[D.C["step"]] = float(r - st.offset)
+        else:
+            st.next_step = max(st.next_step, int(row.step) + st.offset + 1)
+        step = int(row.step)
+        if row.flag("halted"):
+            return  # after a stop inside the same graph call: nothing was applied
+        if not row.flag("post_ok") and math.isinf(row.param_norm):
+            # the post-update norm overflowed: confirm element-wise (slow path, a failure only)
+            row.vals[D.C["post_ok"]] = float(all(finite_var(v) for v in st.tvars) and
+                                             all(finite_var(v) for v in st.opt_variables()))
+        w.decider.record(row)
+        det = w.decider.decide(row)
+        if det is not None:
+            self.detail(det, st, row)
+            self.handle(det, st)
+        if w.on_step_end is not None:
+            w.on_step_end(step)
+
+    def detail(self, det: Detection, st: OptState, row: D.Row) -> None:
+        """Slow path (a failure only): which variables / gradients are non-finite, by ``.path``."""
+        d = det.detected
+        if det.phase in ("params", "optimizer"):
+            bad = [var_name(v) for v in st.tvars if not finite_var(v)]
+            d["nonfinite_params" if det.phase == "params" else "nonfinite_params_after_update"] = bad[:20]
+            d["n_bad_params"] = len(bad)
+            if det.phase == "optimizer":
+                bad_state = [var_name(v) for v in st.opt_variables() if not finite_var(v)]
+                if bad_state:
+                    d["nonfinite_optimizer_state"] = bad_state[:20]
+        elif det.phase == "backward":
+            flags = st.gbad.numpy().tolist()
+            if len(flags) == len(st.tvars):
+                bad = [var_name(v) for v, f in zip(st.tvars, flags) if f >= 0.5]
+                d["nonfinite_grads"] = bad[:20]
+                d["n_bad_grads"] = len(bad)
+        elif det.phase == "data":
+            d["nonfinite_in"] = [f"{type(m).__name__} input" for m in list(self.w.models)[:3]]
+        if row.flag("lso"):
+            d.setdefault("loss_scale", row.loss_scale)
+
+    def handle(self, det: Detection, st: OptState) -> None:
+        w = self.w
+        if det.info_only:
+            w.info.append(det)
+            return
+        if len(w.detections) >= w.config.max_events:
+            w.dropped_events += 1
+            return
+        if det.phase == "eval":   # an evaluation output: reported, never recovered from nor stopped at
+            w.detections.append(det)
+            if w.on_detection is not None:
+                w.on_detection(det, st)
+            return
+        if w.policy is not None:
+            if w._guarded(lambda: w.policy.handle(w, det, st)):
+                return  # recovered: the event is the policy's (the failing update was dropped in-graph)
+            w.detections.append(det)
+            self.request_stop(det)
+            return
+        w.detections.append(det)
+        if w.on_detection is not None:
+            w.on_detection(det, st)
+        if w.config.on_nonfinite == "stop":
+            self.request_stop(det)
+
+    def request_stop(self, det: Detection) -> None:
+        w = self.w
+        if w.stop_requested is None:
+            w.stop_requested = det
+        for s in w.states.values():  # nothing more is applied, in this graph call or later ones
+            try:
+                s.halt.assign(True)
+            except Exception:
+                pass
+        if tf.executing_eagerly():
+            self.raise_if_stopped()
+
+    def raise_if_stopped(self) -> None:
+        w = self.w
+        if w.stop_requested is not None and w.raise_on_stop:
+            raise StopRun(w.stop_requested)
+
+    def finish(self) -> None:
+        """Read what is still unread: the last eager update's norms, stashes of uncalled graphs."""
+        w = self.w
+        for st in list(w.states.values()):
+            if w.disabled:
+                break
+            if st.eager_post is not None:
+                row, post = st.eager_post
+                st.eager_post = None
+
+                def fin(row=row, post=post, st=st):
+                    v = post.numpy().tolist()
+                    row[D.C["param_norm"]], row[D.C["post_ok"]] = v[0], v[1]
+                    self.finish_row(st, D.Row(row), raw=False)
+                w._guarded(fin)
+            elif w.stop_requested is None:
+                w._guarded(lambda st=st: self.read_stash(st))

@@ -1,0 +1,201 @@
+"""Provenance: which origin each non-finite value of the step descends from.
+
+Each eager tensor the recorder sees gets an :class:`Info` (finiteness, taint, producer op), keyed by
+object id with a weak reference to tell a reused id apart (``EagerTensor`` values are immutable).
+A taint is an :class:`Origin`: an op that made non-finite values out of finite inputs (``op``, a real
+origin), a non-finite constant the program wrote (``constant``: ``tf.where(mask, s, -inf)``'s
+``-inf``, soft), or a tensor already non-finite before the step (``preexisting``: the batch, a
+variable; one holding only ``-inf`` is most likely an intentional mask, soft). A real taint always
+wins over a soft one, so a masked value that a softmax absorbs never becomes the origin.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from . import numerics as N
+from . import ops as O
+from .numerics import jnum
+from .oplog import numel
+
+__all__ = ["Info", "Origin", "Provenance", "np_value", "dtype_name"]
+
+
+def np_value(t: Any) -> Optional[np.ndarray]:
+    try:
+        return t.numpy()
+    except Exception:
+        return None
+
+
+def dtype_name(dt: Any) -> Optional[str]:
+    try:
+        import tensorflow as tf
+        return tf.as_dtype(dt).name
+    except Exception:
+        return None
+
+
+class Info:
+    """What we know about one tensor: finiteness, taint, producer (op index, output position)."""
+    __slots__ = ("ref", "nan", "inf", "taint", "prod")
+
+    def __init__(self, ref, nan, inf, taint, prod):
+        self.ref, self.nan, self.inf, self.taint, self.prod = ref, nan, inf, taint, prod
+
+
+class Origin:
+    """A taint source. kind: 'op' (real origin), 'constant', 'preexisting'."""
+    __slots__ = ("seq", "kind", "soft", "op", "stage", "detail", "pre_kind", "name", "first_use", "tref", "hid")
+
+    def __init__(self, seq, kind, soft, op=None, stage=None):
+        self.seq, self.kind, self.soft, self.op, self.stage = seq, kind, soft, op, stage
+        self.hid: Optional[int] = None     # the variable's handle id, for a variable
+        self.detail: Optional[dict] = None
+        self.pre_kind: Optional[str] = None
+        self.name: Optional[str] = None
+        self.first_use: Optional[dict] = None
+        self.tref: Any = None
+
+    @property
+    def real(self) -> bool:
+        return not self.soft
+
+
+class Provenance:
+    """The taint table of one step. ``stage()`` and ``where()`` (the current op's
+    :class:`.naming.Location`) come from the recorder."""
+
+    def __init__(self, stage: Callable[[], str], where: Callable[[], Any]) -> None:
+        self.stage, self.where = stage, where
+        self.infos: dict[int, Info] = {}
+        self.origins: list[Origin] = []
+        self.escaped_mask: Optional[Origin] = None   # set by decide(), read by the origin's description
+
+    # ------------------------------------------------------------------ tensors
+    def info(self, t: Any) -> Optional[Info]:
+        info = self.infos.get(id(t))
+        return info if info is not None and info.ref() is t else None
+
+    def producer(self, t: Any) -> Optional[tuple]:
+        info = self.info(t)
+        return info.prod if info is not None else None
+
+    def set_info(self, t: Any, nan: bool, inf: bool, taint: Optional[Origin], prod: Optional[tuple]) -> None:
+        try:
+            ref = weakref.ref(t)
+        except TypeError:
+            return
+        self.infos[id(t)] = Info(ref, nan, inf, taint, prod)
+
+    def lookup(self, t: Any, first_op: str, idx: int) -> tuple[bool, bool, Optional[Origin], Optional[Info]]:
+        """Finiteness + taint of an input tensor, checking it when unseen."""
+        info = self.info(t)
+        if info is not None:
+            return info.nan, info.inf, info.taint, info
+        nan = inf = False
+        taint = None
+        if N.is_float_dtype(t.dtype):
+            a = np_value(t)
+            if a is not None:
+                nan, inf = N.nonfinite_flags(a)
+                if nan or inf:
+                    taint = self.unknown_nonfinite(t, a, nan, first_op, idx)
+        self.set_info(t, nan, inf, taint, None)
+        return nan, inf, taint, self.info(t)
+
+    def taint_of(self, t: Any, idx: int) -> Optional[Origin]:
+        """The taint of a sink tensor (the loss, a gradient)."""
+        info = self.info(t)
+        if info is not None:
+            return info.taint
+        a = np_value(t)
+        if a is None:
+            return None
+        nan, inf = N.nonfinite_flags(a)
+        return self.unknown_nonfinite(t, a, nan, "sink", idx) if (nan or inf) else None
+
+    # ------------------------------------------------------------------ origins
+    def new_origin(self, kind: str, soft: bool, idx: int, stage: Optional[str] = None) -> Origin:
+        o = Origin(len(self.origins), kind, soft, op=idx, stage=stage or self.stage())
+        self.origins.append(o)
+        return o
+
+    def unknown_nonfinite(self, t: Any, a: np.ndarray, nan: bool, first_op: str, idx: int) -> Origin:
+        """A non-finite tensor made before the step (or by code outside the recorder)."""
+        if a.size <= 1:   # a scalar constant (x * nan, tf.where(m, s, -inf)'s -inf)
+            o = self.new_origin("constant", True, idx)
+            fr = self.where()
+            o.detail = {"op": first_op, "name": first_op, "api": first_op, "module": fr.module if fr else None,
+                        "stage": o.stage, "file": fr.file if fr else None, "line": fr.line if fr else None,
+                        "function": fr.function if fr else None, "constant": True,
+                        "scalars": [jnum(a.reshape(-1)[0])] if a.size else []}
+            return o
+        return self.preexisting(t, a, nan, "data", None, idx)
+
+    def preexisting(self, t: Any, a: np.ndarray, nan: bool, kind: str, name: Optional[str], idx: int) -> Origin:
+        """A value non-finite before the step (``nan``: it holds NaN); ``kind``: data | param | buffer |
+        optimizer_state."""
+        soft = False
+        if not nan and kind in ("data", "buffer") and a.dtype.kind in "fV":
+            soft = not bool(np.isposinf(N.as_float(a)).any())   # only -inf: most likely an intentional mask
+        o = self.new_origin("preexisting", soft, idx)
+        o.pre_kind, o.name = kind, name
+        try:
+            o.tref = weakref.ref(t)
+        except TypeError:
+            o.tref = None
+        st = N.tensor_stats(a, dtype_name(getattr(t, "dtype", None)) or str(a.dtype))
+        st["bad_rows"] = N.bad_rows(a)
+        o.detail = {"stats": st}
+        return o
+
+    def decide(self, out_nan: bool, out_inf: bool, ins: list, t_op: str, out: Any) -> Any:
+        """Taint of a non-finite output: inherit a real origin, start a new one ("new"), or inherit a
+        soft one. ``ins``: (pos, tensor, nan, inf, taint, producer) of the op's inputs."""
+        real = [i[4] for i in ins if i[4] is not None and i[4].real]
+        if real:
+            return min(real, key=lambda o: o.seq)
+        in_nan = any(i[2] for i in ins)
+        in_inf = any(i[3] for i in ins)
+        if out_nan and not in_nan:
+            return "new"       # NaN out of NaN-free inputs (incl. softmax of an all -inf row)
+        if out_inf and not out_nan and not in_inf:
+            return "new"       # overflow, x/0, log(0) from finite inputs
+        soft = [i[4] for i in ins if i[4] is not None]
+        if soft:
+            mask = self.mask_escape(t_op, out, ins, soft)
+            if mask is not None:
+                self.escaped_mask = mask
+                return "new"   # masked entries summed into a result: the bug is this reduction
+            return min(soft, key=lambda o: o.seq)
+        return "new"
+
+    def mask_escape(self, t_op: str, out: Any, ins: list, soft: list) -> Optional[Origin]:
+        """A sum/mean over positions a mask filled with +-inf, giving a non-finite result."""
+        if t_op not in O.MASK_SINKS or self.stage() != "forward":
+            return None
+        big = max((numel(i[1]) for i in ins), default=0)
+        if numel(out) >= big:
+            return None
+        consts = [o for o in soft if o.kind == "constant" or (o.kind == "preexisting" and o.soft)]
+        if len(consts) != len(soft):
+            return None
+        masks = [o for o in consts if o.kind == "constant" and (o.detail or {}).get("name") in O.MASK_WRITERS]
+        return min(masks, key=lambda o: o.seq) if masks and len(masks) == len(consts) else None
+
+    @staticmethod
+    def earliest(taints: list) -> Optional[Origin]:
+        """The first real taint among ``taints`` (else the first soft one)."""
+        ts = [t for t in taints if t is not None]
+        real = [t for t in ts if t.real]
+        pool = real or ts
+        return min(pool, key=lambda o: o.seq) if pool else None
+
+    def fallback(self, stage: str) -> Optional[Origin]:
+        """The earliest real origin (of ``stage`` first) when a sink's taint was lost."""
+        real = [o for o in self.origins if o.real and o.kind in ("op", "preexisting")]
+        same = [o for o in real if o.stage == stage]
+        return (same or real or [None])[0]

@@ -1,0 +1,146 @@
+"""The watcher's state: what one graph (or eager code) saw since its last update (:class:`Pending`),
+and per optimizer the in-graph variables of the check and the host's reading position
+(:class:`OptState`).
+
+The per-optimizer states and the ``tf.function``\\ s that hold a check are global, not per watcher:
+a step traced under one watcher keeps its check in its graph, and a later watcher (another ``fit``
+with the callback, another ``watch()`` block) reads it. With no watcher installed the check still
+runs but never skips an update (its ``active`` variable is off).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from . import detect as D
+
+__all__ = ["StopRun", "Pending", "OptState", "STATES", "FN_STATES", "active", "set_active", "tl_get", "tl_set",
+           "graph_key", "create_lifted"]
+
+_local = threading.local()
+STATES: Dict[int, "OptState"] = {}
+FN_STATES: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
+_ACTIVE: List[Any] = [None]   # the installed watcher (one at a time)
+
+
+class StopRun(BaseException):
+    """Raised through the user's script to stop it (BaseException: ``except Exception`` won't eat it)."""
+
+    def __init__(self, detection: Any) -> None:
+        super().__init__(f"nanguard stopped the run at step {detection.step} ({detection.phase})")
+        self.detection = detection
+
+
+def active() -> Any:
+    """The installed :class:`~.watch.TFWatcher`, or None."""
+    return _ACTIVE[0]
+
+
+def set_active(w: Any) -> None:
+    _ACTIVE[0] = w
+
+
+def tl_get(name: str, default: Any = 0) -> Any:
+    """Thread-local hook state (nesting depths, the outermost tf.function being called)."""
+    return getattr(_local, name, default)
+
+
+def tl_set(name: str, value: Any) -> None:
+    setattr(_local, name, value)
+
+
+class _Eager:
+    """Key of the eager 'graph' in the pending table."""
+
+
+_EAGER = _Eager()
+
+
+def graph_key() -> Any:
+    if tf.executing_eagerly():
+        return _EAGER
+    return tf.compat.v1.get_default_graph()
+
+
+def create_lifted(make: Callable[[], Any]) -> Any:
+    """``make()`` lifted out of the graph being traced (``init_scope``). On a later trace of a
+    ``tf.function`` (a step traced before the watcher was installed and traced again under it)
+    TensorFlow refuses new variables; then ``make()`` runs again with the function's "no variable
+    creation" scope set aside. Only for variables made once per optimizer and kept (no leak per
+    trace); the first try keeps TensorFlow's own creators (Keras and strategies rely on them)."""
+    with tf.init_scope():
+        try:
+            return make()
+        except ValueError as e:
+            if "singleton tf.Variables" not in str(e):
+                raise
+        g = tf.compat.v1.get_default_graph()
+        old = g._variable_creator_stack
+        g._variable_creator_stack = []
+        try:
+            return make()
+        finally:
+            g._variable_creator_stack = old
+
+
+class Pending:
+    """What one graph (or eager code) saw since its last update: losses, batch flags, seeds, batch."""
+
+    __slots__ = ("losses", "data_flags", "data_host_ok", "scaled", "seeds", "batch")
+
+    def __init__(self) -> None:
+        self.losses: List[tf.Tensor] = []
+        self.data_flags: List[tf.Tensor] = []
+        self.data_host_ok = True
+        self.scaled: List[Tuple[tf.Tensor, tf.Tensor]] = []  # (scaled loss, loss)
+        self.seeds: Dict[int, Tuple[Any, tf.Tensor]] = {}     # id(generator) -> (generator, state before)
+        self.batch: Any = None                                  # model.fit: train_step's data
+
+
+class OptState:
+    """Per optimizer: the stash variables and the host-side reading position."""
+
+    def __init__(self, opt: Any, n_vars: int, *, active: bool, stop_mode: bool) -> None:
+        self.opt_ref = weakref.ref(opt)
+        self.name = type(opt).__name__
+        self.n_vars = n_vars
+        self.offset = 0  # the raw step count when the current watcher adopted this state
+        self.clip_host = float("inf")  # the clip variable's value, as last set from the host
+        def make() -> tuple:
+            return (tf.Variable(np.full((D.RING, D.NCOL), -1.0), dtype=tf.float64, trainable=False,
+                                name="nanguard_stash"),
+                    tf.Variable(0, dtype=tf.int64, trainable=False, name="nanguard_step"),
+                    tf.Variable(False, trainable=False, name="nanguard_halt"),
+                    tf.Variable(active, trainable=False, name="nanguard_active"),
+                    tf.Variable(stop_mode, trainable=False, name="nanguard_stop_mode"),
+                    tf.Variable(np.zeros(max(n_vars, 1)), dtype=tf.float64, trainable=False,
+                                name="nanguard_bad_grads"),
+                    tf.Variable(float("inf"), dtype=tf.float32, trainable=False, name="nanguard_clip"),
+                    tf.Variable(False, trainable=False, name="nanguard_force_check"))
+        (self.stash, self.counter, self.halt, self.active, self.stop_mode, self.gbad, self.clip,
+         self.force) = create_lifted(make)
+        self.next_step = 0          # host: the first step not yet decided
+        self.attempts = 0           # host: update attempts known so far
+        self.tvars: List[Any] = []  # the variables of the last traced update (names, slow paths)
+        self.eager_post: Optional[Tuple[List[float], tf.Tensor]] = None  # eager: row waiting for its post norms
+        self.lost_rows = 0
+
+    def adopt(self, *, active: bool, stop_mode: bool) -> None:
+        """Made under an earlier watcher: the new one counts steps from the current count."""
+        raw = int(self.counter.numpy())
+        self.offset = self.next_step = self.attempts = raw
+        self.eager_post = None
+        self.active.assign(active)
+        self.stop_mode.assign(stop_mode)
+        self.halt.assign(False)
+        self.force.assign(False)
+        self.clip.assign(float("inf"))
+        self.clip_host = float("inf")
+
+    def opt_variables(self) -> list:
+        opt = self.opt_ref()
+        return list(getattr(opt, "variables", [])) if opt is not None else []
