@@ -111,8 +111,7 @@ class Guard:
         self.ring = StepRing(sync_free_every + 2)
         self.sync_free = resolve_sync_free(sync_free, model, opts, scaler)
         self._lazy = LazyDriver(self) if self.sync_free else None
-        self._suppress_step: Optional[int] = None  # sync-free warn mode: a failure already reported
-        self._rewound_from: Optional[int] = None
+        self._rewound: Optional[dict] = None  # sync-free: the step being run again after a late read
         self.policy = None
         if recover:
             self.policy = RecoveryPolicy.from_spec(recover)
@@ -189,8 +188,6 @@ class Guard:
                 self.report.info.append({"step": det.step, "phase": det.phase, **det.detected})
                 skipped[id(o)] = bool(det.detected.get("scaler_skip"))
                 continue
-            if self._suppress_step is not None and det.step == self._suppress_step:
-                continue  # sync-free, warn: this failure was read late and reported already
             if self._handle_failure(det, batches, loss_fn, rng) == "skip":
                 return loss.detach()
         if self.policy is not None and not self.policy.before_update(self.optimizers):
@@ -218,6 +215,8 @@ class Guard:
 
     def _handle_failure(self, det: Detection, batches, loss_fn, rng) -> str:
         """A failure at this step: "skip" (recovered: the update is dropped) or "continue"; raises on stop."""
+        if self._rewound is not None:  # sync-free: read late, the step run again after a rewind
+            det.detected = dict(det.detected, sync_free={k: v for k, v in self._rewound.items() if k != "step"})
         action = self._on_failure(det, batches, loss_fn, rng)
         if action == "skip":
             for oo in self.optimizers:

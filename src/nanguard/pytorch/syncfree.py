@@ -34,8 +34,9 @@ from typing import Any, List, Optional
 import torch
 
 from .detect.gate import BufferLatch, UpdateGate, gate_kind, restore_host_state
+from .detect.verdict import REWIND
 from .distributed import is_distributed
-from .ring import StepEntry, hyperparameters, restore_scaler_state, set_hyperparameters
+from .ring import hyperparameters, restore_scaler_state, set_hyperparameters
 from .rng import capture_rng, restore_rng
 
 
@@ -138,38 +139,37 @@ class LazyDriver:
 
     # ------------------------------------------------------------------ reading and rewinding
     def drain(self, force: bool) -> bool:
-        """Read the pending checks (``force``: all of them). True when a failure or a false alarm
-        made the guard rewind and run steps again (the current step was one of them)."""
+        """Read the pending checks (``force``: all of them). True when one was non-finite and the guard
+        rewound and ran the steps from it again (the current step was one of them)."""
         g = self.g
-        for p, det, flagged in g.monitor.read_lazy(force):
+        for p, det in g.monitor.read_lazy(force):
+            if det == REWIND:
+                self._rewind(p)
+                return True
             if det is not None and det.info_only:
                 g.report.info.append({"step": det.step, "phase": det.phase, **det.detected})
-                if not flagged:
-                    continue
-                det = None
-            if det is not None or flagged:
-                self._rewind(p, det)
-                return True
         return False
 
-    def _rewind(self, p: Any, det: Any) -> None:
-        """Back to the start of ``p``'s step; handle ``det`` there; run the masked steps again."""
+    def _rewind(self, p: Any) -> None:
+        """Back to the start of ``p``'s step, then run it and the masked steps after it again,
+        synchronously: a failure at ``p``'s step is then detected, replayed, diagnosed and recovered
+        (or stops the run) exactly as with a synchronous check."""
         g = self.g
         mon = g.monitor
-        self.rewinds += 1
         entries = g.ring.since(p.step)
-        first: Optional[StepEntry] = entries[0] if entries and entries[0].step == p.step else None
+        if not entries or entries[0].step != p.step:
+            raise RuntimeError(f"sync-free rewind: step {p.step} is no longer in the step ring")
+        self.rewinds += 1
+        first = entries[0]
         read_at = mon.steps_watched - 1
         rng_now = capture_rng(plain=False)
         hyper_now = hyperparameters(g.optimizers)
-        ratio = None
-        # The state of p's step start: weights and optimizer state were kept (sticky gate); the rest
-        # comes back from the latch and the ring.
+        # The state at the start of p's step: weights and optimizer state were kept (sticky gate); the
+        # rest comes back from the latch and the ring.
         self.latch.restore()
-        if first is not None:
-            restore_host_state(first.host)
-            if g.scaler is not None:
-                restore_scaler_state(g.scaler, first.scaler)
+        restore_host_state(first.host)
+        if g.scaler is not None:
+            restore_scaler_state(g.scaler, first.scaler)
         self.gate.reset()
         mon.rewind(p)
         if g.policy is not None:
@@ -177,33 +177,27 @@ class LazyDriver:
         g.ring.truncate(p.step)
         for o in g.optimizers:
             o.zero_grad(set_to_none=True)
-        redo = entries
-        if det is not None:
-            det.detected = dict(det.detected, sync_free={"read_at_step": read_at, "steps_masked": read_at - p.step})
-            batches = first.batches if first is not None else []
-            rng = first.rng if first is not None else rng_now
-            if first is not None:
-                set_hyperparameters(g.optimizers, first.hyper)
-            g._rewound_from = read_at
-            try:
-                action = g._handle_failure(det, batches, first.loss_fn if first else None, rng)
-            finally:
-                g._rewound_from = None
-            if first is not None:
-                ratio = _lr_ratio(first.hyper, hyperparameters(g.optimizers))  # lr_backoff, if any
-            if action == "skip":
-                redo = entries[1:]
-            else:  # "continue" (warn): the step is applied as it was, its failure already reported
-                g._suppress_step = p.step
+        ratio = [[1.0] * len(o.param_groups) for o in g.optimizers]
+        n_events = len(g.report.events) + (len(g.policy.events) if g.policy is not None else 0)
+        g._rewound = {"read_at_step": read_at, "steps_masked": read_at - p.step, "step": p.step}
         try:
-            for e in redo:
+            for e in entries:
                 set_hyperparameters(g.optimizers, e.hyper, ratio)
+                before = hyperparameters(g.optimizers)
                 restore_rng(e.rng)
                 g._sync_step(e.batches, e.loss_fn, e.rng)
+                ratio = [[r * x for r, x in zip(rr, xx)] for rr, xx in zip(ratio, _lr_ratio(before, hyperparameters(g.optimizers)))]
+                g._rewound = None
         finally:
-            g._suppress_step = None
+            g._rewound = None
             set_hyperparameters(g.optimizers, hyper_now, ratio)
             restore_rng(rng_now)
+        if len(g.report.events) + (len(g.policy.events) if g.policy is not None else 0) == n_events:
+            g.report.info.append({"step": p.step, "phase": "sync_free", "flagged_on_device": True,
+                                  "note": "the step was flagged on the device, but its synchronous re-run "
+                                          "found nothing non-finite (a norm that overflowed with finite "
+                                          "elements, or a step that does not reproduce)",
+                                  "read_at_step": read_at})
 
     def close(self) -> None:
         if len(self.g.monitor.lazy):

@@ -154,34 +154,30 @@ def restore_host_state(saved: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> No
 
 
 class BufferLatch:
-    """The floating buffers (BatchNorm statistics...) as they were at the start of the first flagged
+    """The buffers (BatchNorm statistics and counters...) as they were at the start of the first flagged
     step since the last read: a forward updates them whatever the gate does, so the rewind puts them
-    back from here. Only buffers seen changing are re-latched (one ``where`` each per step)."""
+    back from here. One ``where`` per buffer per step (version counters cannot tell: the batch-norm
+    kernel writes its running statistics without bumping them)."""
 
     def __init__(self) -> None:
-        self._saved: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}  # id -> (buffer, copy, version)
+        self._saved: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (buffer, copy)
 
     def latch(self, modules: Sequence[torch.nn.Module], tripped: Optional[torch.Tensor]) -> None:
         with torch.no_grad():
             for m in modules:
-                for b in m.buffers():
-                    if not (b.is_floating_point() and b.numel()):
+                for b in m.buffers():  # integer ones too (BatchNorm's num_batches_tracked)
+                    if not b.numel():
                         continue
                     got = self._saved.get(id(b))
-                    if got is None or got[0] is not b:
-                        self._saved[id(b)] = (b, b.detach().clone(), b._version)
-                        continue
-                    if got[2] == b._version:
-                        continue  # not written since it was latched: the copy still holds it
-                    if tripped is None:
+                    if got is None or got[0] is not b or got[1].shape != b.shape:
+                        self._saved[id(b)] = (b, b.detach().clone())
+                    elif tripped is None:
                         got[1].copy_(b)
                     else:
                         torch.where(tripped.to(b.device).bool(), got[1], b, out=got[1])
-                    self._saved[id(b)] = (b, got[1], b._version)
 
     def restore(self) -> int:
         with torch.no_grad():
-            for k, (b, saved, _) in list(self._saved.items()):
+            for b, saved in self._saved.values():
                 b.copy_(saved)
-                self._saved[k] = (b, saved, b._version)
         return len(self._saved)

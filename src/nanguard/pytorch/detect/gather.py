@@ -54,6 +54,8 @@ class Pending:
     end: Optional[Tuple[List[float], bool]] = None  # set by end_step in sync-free mode: (lrs, skipped)
     counts: Optional[Dict[int, int]] = None  # the step counters at this check (a rewind goes back to them)
     backward_steps: int = 0
+    skips0: int = 0            # the GradScaler skip streak before this check was decoded
+    post_saved: Optional[tuple] = None  # the previous update's pending norms it consumed (a rewind puts them back)
 
     @property
     def G(self) -> int:
@@ -125,6 +127,8 @@ def gather(mon: Any, opt: Any, scaler: Any, params: Optional[List[List[torch.Ten
                 post_step=post_step, post_slice=post_slice, others=[(ok, t.numel()) for ok, t in others],
                 loss_n=mon._loss_n, data_where=list(mon._data_where), lazy=lazy, counts=dict(mon.counts),
                 backward_steps=mon.backward_steps)
+    if lazy and post is not None:
+        p.post_saved = (post, post_sq, post_step, post_slice)
     reducer = mon._dist_reducer()
     table = None
     if reducer is not None:  # distributed: this rank's flags, all-reduced, read in the same vector

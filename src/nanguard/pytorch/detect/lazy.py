@@ -4,9 +4,9 @@ Each sync-free check (:meth:`~nanguard.pytorch.detect.StepMonitor.check_lazy`) h
 vector to :class:`LazyReads`, which copies it into a host "mailbox" slot: on CUDA a
 pinned buffer filled by a ``non_blocking`` copy on the current stream, with a CUDA event
 recorded after it; on CPU a plain buffer (the copy is done when it returns). The values
-are read through a NumPy view of the slot, i.e. from host memory, never by a torch read
-of a device tensor (``item``/``tolist``/``.cpu()``), so reading a completed slot is not
-a host-device synchronization.
+are read through a ``ctypes`` view of the slot's memory, i.e. from host memory, never by
+a torch read of a device tensor (``item``/``tolist``/``.cpu()``), so reading a completed
+slot is not a host-device synchronization.
 
 When values are read (:meth:`LazyReads.ready`):
 
@@ -25,6 +25,7 @@ event record and a few event queries. Memory: ``every + 1`` slots.
 """
 from __future__ import annotations
 
+import ctypes
 from collections import deque
 from typing import Any, Deque, List, Optional, Tuple
 
@@ -32,11 +33,12 @@ import torch
 
 
 class _Slot:
-    __slots__ = ("buf", "np", "event", "n")
+    __slots__ = ("buf", "view", "event", "n")
 
     def __init__(self, n: int, pinned: bool) -> None:
         self.buf = torch.empty(max(n, 16), dtype=torch.float64, pin_memory=pinned)
-        self.np = self.buf.numpy()  # host memory: reading it is not a torch read
+        # host memory, read as plain C doubles: not a torch read of a tensor
+        self.view = (ctypes.c_double * self.buf.numel()).from_address(self.buf.data_ptr())
         self.event: Any = None
         self.n = 0
 
@@ -106,7 +108,7 @@ class LazyReads:
                 ev.synchronize()
                 self.forced += 1
             self.queue.popleft()
-            out.append((pending, slot.np[:slot.n].tolist()))
+            out.append((pending, slot.view[:slot.n]))
             slot.event = None
             self._free.append(slot)
         if out:

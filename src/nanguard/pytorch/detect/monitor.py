@@ -29,7 +29,7 @@ from .names import TensorNames
 from .norms import NormPlan, planned_norm, sharded_square
 from .slices import OptimizerView
 from .tensors import finite_markers, is_checkable, tensors_in
-from .verdict import decode, step_record
+from .verdict import REWIND, decode, step_record
 
 
 class StepMonitor:
@@ -162,18 +162,17 @@ class StepMonitor:
         self._lazy_last[key] = p
         return p.vec[-1]
 
-    def read_lazy(self, force: bool = False) -> List[Tuple[Any, Optional[Detection], bool]]:
-        """Read the sync-free checks whose values are available (``force``: all), in order:
-        ``(pending, detection, flagged)``, ``flagged`` when the gate was tripped by that step.
-        Stops at the first failure or flagged step: the later pending checks are those of masked
-        steps, which the driver runs again after its rewind (:meth:`rewind`). The history records
-        of clean steps are appended once every check of their step is read."""
+    def read_lazy(self, force: bool = False) -> List[Tuple[Any, Any]]:
+        """Read the sync-free checks whose values are available (``force``: all), in order, as
+        ``(pending, verdict)``: None (clean), an info Detection (a GradScaler skip) or
+        :data:`~.verdict.REWIND` (something was non-finite: the driver runs that step again
+        synchronously, :meth:`rewind`; the later checks are those of masked steps and are not read).
+        The history records of clean steps are appended once every check of their step is read."""
         out = []
         for p, vals in self.lazy.ready(force):
             det = decode(self, p, vals)
-            flagged = bool(vals and vals[-1] > 0)
-            out.append((p, det, flagged))
-            if flagged or (det is not None and not det.info_only):
+            out.append((p, det))
+            if det == REWIND:
                 return out
             self._flush_held(p.step)
             self._held.append((p, self._last))
@@ -195,19 +194,27 @@ class StepMonitor:
 
     def rewind(self, p: Any) -> None:
         """Back to the start of check ``p``'s step (read late, after masked steps): the step
-        counters as they were at that check, the pending checks after it and the post-update
-        norms of the masked updates dropped. The decoded values of the step's checks stay in
-        ``_lasts``, so ``end_step`` records its history as a synchronous check would."""
+        counters as they were at that check; the pending checks from it on and the post-update
+        norms of the masked updates dropped (the driver runs those steps again)."""
         self.lazy.drop()
         self._lazy_last.clear()
         for d in (self._pending_post, self._pending_post_sq, self._pending_step, self._pending_slice):
             d.clear()
         self._flush_held(p.step)
+        for q in [p] + [q for q, _ in self._held if q.step == p.step]:  # the step's checks read these again
+            if q.post_saved is not None:
+                post, post_sq, post_step, post_slice = q.post_saved
+                self._pending_post[q.key], self._pending_step[q.key] = post, post_step
+                self._pending_slice[q.key] = post_slice
+                if post_sq is not None:
+                    self._pending_post_sq[q.key] = post_sq
         self._held = []
         if p.counts is not None:
             self.counts.update(p.counts)
             self.backward_steps = p.backward_steps
         self._checked = {k: False for k in self._checked}
+        self._consecutive_skips = p.skips0
+        self._lasts.clear()
         self._loss_vals, self._loss_marks, self._loss_n = [], [], 0
         self._data_marks, self._data_where = [], []
 

@@ -1,10 +1,18 @@
 """Reading a check's values: :func:`decode` turns a :class:`~.gather.Pending` check and its values
-into a :class:`~nanguard.core.events.Detection` (or None), the same whether the values were read at
-once (one sync) or one or more steps later (sync-free mode)."""
+into a :class:`~nanguard.core.events.Detection` (or None).
+
+Read at once (one sync), the slow path (exact per-tensor scans naming the non-finite
+parameters and gradients) runs on the tensors of this very step. Read one or more
+steps later (sync-free mode), those tensors have moved on, so a late read never runs
+the slow path: it answers :data:`REWIND` for anything suspicious and the driver goes
+back to that step and runs it again synchronously (:mod:`nanguard.pytorch.syncfree`).
+The one exception is a GradScaler's ordinary overflow skip (finite loss and batch,
+non-finite gradients, the scaler's ``found_inf`` set), recorded from the values alone.
+"""
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from ...core.events import Detection
 from ...core.history import StepRecord
@@ -15,13 +23,17 @@ from .slices import update_suspect
 from .tensors import nonfinite_tensors
 
 finite = math.isfinite
+REWIND = "rewind"  # a late read found something: go back to that step and run it synchronously
 
 
-def decode(mon: Any, p: Pending, vals: List[float]) -> Optional[Detection]:
+def decode(mon: Any, p: Pending, vals: List[float]) -> Union[None, Detection, str]:
     """Decode ``vals`` (``p.vec`` read back) and decide; sets the monitor's ``_last`` for the history."""
     key, G, k = p.key, p.G, p.k
     if p.lazy:
-        vals = vals[:-1]  # the sync-free gate flag (the caller reads it)
+        p.skips0 = mon._consecutive_skips
+        if vals and vals[-1] > 0:  # the update gate tripped at this step
+            return REWIND
+        vals = vals[:-1]
     dist_flags = None
     if p.reducer is not None:
         dist_flags, vals = vals[len(vals) - p.n_table:], vals[:len(vals) - p.n_table]
@@ -77,6 +89,8 @@ def decode(mon: Any, p: Pending, vals: List[float]) -> Optional[Detection]:
                 ostep, "optimizer", {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)}))
 
     det = _decide(mon, p, loss, loss_ok, data_ok, scale, found_inf, gn, pre_pn, post_pn)
+    if isinstance(det, str):
+        return det
     if det is not None and det.phase == "params" and p.post_step is not None and k > 1:
         det = _attribute_params(mon, det, p.opt, p.post_step, p.post_slice, k)
     return dist_decide(mon, p, det)
@@ -106,6 +120,10 @@ def _decide(mon, p: Pending, loss, loss_ok, data_ok, scale, found_inf, gn, pre_p
             return scaler_skip(mon, step, scale, {})
         mon._consecutive_skips = 0
         return None
+    if p.lazy:  # read late: only a GradScaler overflow is decided from the values alone
+        if p.scaled and loss_ok == 1 and data_ok == 1 and (pre_pn is None or all(finite(x) for x in pre_pn)):
+            return scaler_skip(mon, step, scale, {"nonfinite_grads": "not named (read late, sync-free)"})
+        return REWIND
     # Slow path: exact checks, only when something already looks wrong.
     bad_params = mon.names.nonfinite_params(groups)
     if bad_params:
