@@ -216,7 +216,7 @@ class Guard:
     def _handle_failure(self, det: Detection, batches, loss_fn, rng) -> str:
         """A failure at this step: "skip" (recovered: the update is dropped) or "continue"; raises on stop."""
         if self._rewound is not None:  # sync-free: read late, the step run again after a rewind
-            det.detected = dict(det.detected, sync_free={k: v for k, v in self._rewound.items() if k != "step"})
+            det.detected = dict(det.detected, sync_free=dict(self._rewound))
         action = self._on_failure(det, batches, loss_fn, rng)
         if action == "skip":
             for oo in self.optimizers:

@@ -179,15 +179,15 @@ class LazyDriver:
             o.zero_grad(set_to_none=True)
         ratio = [[1.0] * len(o.param_groups) for o in g.optimizers]
         n_events = len(g.report.events) + (len(g.policy.events) if g.policy is not None else 0)
-        g._rewound = {"read_at_step": read_at, "steps_masked": read_at - p.step, "step": p.step}
         try:
-            for e in entries:
+            for e in entries:  # a failure found in these runs was read late: the report says so
+                g._rewound = {"read_at_step": read_at, "steps_masked": read_at - e.step}
                 set_hyperparameters(g.optimizers, e.hyper, ratio)
                 before = hyperparameters(g.optimizers)
                 restore_rng(e.rng)
                 g._sync_step(e.batches, e.loss_fn, e.rng)
-                ratio = [[r * x for r, x in zip(rr, xx)] for rr, xx in zip(ratio, _lr_ratio(before, hyperparameters(g.optimizers)))]
-                g._rewound = None
+                ratio = [[r * x for r, x in zip(rr, xx)]
+                         for rr, xx in zip(ratio, _lr_ratio(before, hyperparameters(g.optimizers)))]
         finally:
             g._rewound = None
             set_hyperparameters(g.optimizers, hyper_now, ratio)
