@@ -11,13 +11,14 @@ The failing step is replayed **eagerly** under the op recorder
 function and module as plain Python, compiled loss functions included), so the recorder
 sees each aten op with its module and source line. When the eager replay does not
 reproduce the non-finite value, the compiled code made it (a fused kernel's numerics,
-a backend bug): the report says so (:func:`explain_not_reproduced`) and offers
+a backend bug): the report says so (:func:`annotate_compiled`) and offers
 Inductor's own NaN checks for that replay (``torch._inductor.config.nan_asserts``).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, Optional
+import warnings
+from typing import Any, Dict, Iterator
 
 import torch
 
@@ -46,12 +47,14 @@ def compiling() -> bool:
 def eager() -> Iterator[None]:
     """Run compiled functions and modules eagerly inside the block (the replay of a failing step)."""
     stance = getattr(torch.compiler, "set_stance", None)
-    if stance is None:  # older torch: disable dynamo for the block
-        with torch._dynamo.config.patch(disable=True):
+    with warnings.catch_warnings():  # the recorder's global module hooks make dynamo warn about them
+        warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
+        if stance is None:  # older torch: disable dynamo for the block
+            with torch._dynamo.config.patch(disable=True):
+                yield
+            return
+        with stance("force_eager"):
             yield
-        return
-    with stance("force_eager"):
-        yield
 
 
 def uses_compile(model: Any, loss_fn: Any = None) -> bool:
@@ -67,21 +70,33 @@ def uses_compile(model: Any, loss_fn: Any = None) -> bool:
 
 
 def _compiled_fn(fn: Any) -> bool:
-    return fn is not None and (hasattr(fn, "_torchdynamo_orig_callable") or
-                               getattr(fn, "__wrapped__", None) is not None and
-                               hasattr(fn, "_torchdynamo_inline"))
+    return fn is not None and hasattr(fn, "_torchdynamo_orig_callable")
 
 
-def explain_not_reproduced(loc_run: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-    """What to add to the localization when the eager replay of a compiled step stayed finite."""
-    if not loc_run or loc_run.get("reproduced"):
-        return None
-    return {"compiled_code_made_it": True,
-            "note": ("the step runs compiled code (torch.compile) and its eager replay stayed finite: "
-                     "the non-finite value was made by the compiled code (e.g. a fused kernel), not by "
-                     "the model's eager ops"),
-            "next": ("replay it with Inductor's NaN checks: TORCHINDUCTOR_NAN_ASSERTS=1 (or "
-                     "torch._inductor.config.nan_asserts = True; on CUDA also "
-                     "runtime_triton_nan_asserts = True) makes the compiled code assert on the first "
-                     "non-finite kernel input/output; or compile with backend='aot_eager' to tell "
-                     "Inductor apart from the graph capture")}
+INDUCTOR_FIX = ("replay this step with Inductor's NaN checks: set TORCHINDUCTOR_NAN_ASSERTS=1 (or "
+                "torch._inductor.config.nan_asserts = True; on CUDA also runtime_triton_nan_asserts = True) "
+                "before compiling, so the compiled code asserts on the first non-finite graph input/output or "
+                "kernel; compile with backend='aot_eager' to tell Inductor's kernels apart from the graph capture")
+
+
+def annotate_compiled(ev: Any, loc_run: Dict[str, Any]) -> None:
+    """The event of a step replayed eagerly: say so, and when the eager ops stayed finite, that the
+    compiled code made the value (with Inductor's own NaN checks as the next step)."""
+    loc = dict(ev.localization or {})
+    loc["eager_replay"] = True
+    step = ev.step
+    if loc_run.get("reproduced"):
+        loc["method"] = (f"replayed step {step} eagerly (the step runs torch.compile'd code; the replay runs it "
+                         f"as plain PyTorch ops) under op-level instrumentation (forward, backward and optimizer "
+                         f"ops), reproduced")
+    else:
+        loc["method"] = (f"replayed step {step} eagerly (the step runs torch.compile'd code) under op-level "
+                         f"instrumentation: the eager ops stayed finite, so the non-finite value was made by the "
+                         f"compiled code (a fused kernel's numerics or a compiler/backend bug), not by an op of "
+                         f"the model; no eager origin is claimed")
+        loc["compiled_code_made_it"] = True
+        loc["next"] = INDUCTOR_FIX
+        fixes = list(ev.fixes or [])
+        if INDUCTOR_FIX not in fixes:
+            ev.fixes = [INDUCTOR_FIX] + fixes
+    ev.localization = loc

@@ -20,7 +20,7 @@ from ..core.pipeline import build_event
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
 from .bundle import default_bundle_path, save_bundle
-from .compiled import unwrap_compiled
+from .compiled import annotate_compiled, eager, unwrap_compiled, uses_compile
 from .detect import StepMonitor
 from .distributed import accumulation, barrier, is_main, is_origin, replays_here, report_extra, share_event
 from .recover import RecoveryPolicy
@@ -292,13 +292,20 @@ class Guard:
                "eps": self.optimizers[0].param_groups[0].get("eps"),
                "dtype": _model_dtype(self.model)}
         ev = build_event(det, loc_run, hist, ctx)
+        if loc_run is not None and loc_run.get("eager"):
+            annotate_compiled(ev, loc_run)  # torch.compile: replayed eagerly; not reproduced: the compiled code
         if self.bundle_saved:
             ev.localization = dict(ev.localization or {}, bundle=self.bundle_saved)
         return ev
 
     def _replay(self, batches, loss_fn, rng, det: Detection) -> dict:
-        """Re-run the failing step's forward and backward under the op recorder (params unchanged)."""
-        return replay_step(self.model, self.optimizers, self.scaler, batches, loss_fn, rng)
+        """Re-run the failing step's forward and backward under the op recorder (params unchanged).
+        Compiled code (torch.compile) is replayed eagerly (:mod:`nanguard.pytorch.compiled`)."""
+        if not uses_compile(self.model, loss_fn):
+            return replay_step(self.model, self.optimizers, self.scaler, batches, loss_fn, rng)
+        with eager():
+            res = replay_step(unwrap_compiled(self.model), self.optimizers, self.scaler, batches, loss_fn, rng)
+        return dict(res, eager=True)
 
     # ------------------------------------------------------------------ housekeeping
     def _safe(self, fn: Callable[[], Any]) -> Any:
