@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import nanguard
-import nanguard.pytorch.detect.monitor
+import nanguard.pytorch.detect.gather
 from nanguard import Guard, GuardConfig, NonFiniteError
 from nanguard.core.events import SCHEMA
 

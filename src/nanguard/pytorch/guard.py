@@ -150,11 +150,18 @@ class Guard:
         if rng is None:
             rng = self._safe(_capture_rng) if (self.localize or self.bundle_path or self.policy) else None
         if rng is not None and self.policy is not None:
+            self._size_ring()
             self.ring.record(self.monitor.steps_watched, batches, loss_fn, rng, self.optimizers, self.scaler)
         loss = self._forward_backward(batches, loss_fn)
         if self.ring.entries and self.ring.entries[-1].step == self.monitor.steps_watched:
             self.ring.entries[-1].loss = loss.detach()
         return self._check_and_update(batches, loss_fn, rng, loss)
+
+    def _size_ring(self) -> None:
+        """Sync-free rewinds need the last ``sync_free_every`` steps; virtual snapshots all since the
+        last real one."""
+        if self.policy is not None:
+            self.ring.resize(max(self.config.sync_free_every + 2, self.policy.ring_size()))
 
     def _forward_backward(self, batches: List[Any], loss_fn: LossFn) -> torch.Tensor:
         """Snapshots due, zero_grad, then forward + loss + backward of each micro-batch."""
@@ -197,6 +204,28 @@ class Guard:
         self._plain_update(skipped)
         return loss.detach()
 
+    def _replay_update(self, batches: List[Any], loss_fn: LossFn) -> torch.Tensor:
+        """A recorded step run again without checks (a rollback to a virtual snapshot,
+        :mod:`nanguard.pytorch.recover.forward`): the same forward, backward, clipping and update."""
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+        loss = None
+        n = len(batches)
+        for i, b in enumerate(batches):
+            with accumulation(self.model, last=i == n - 1, mode=self.no_sync):
+                loss = loss_fn(b)
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if self.scaler is not None:
+            for o in self.optimizers:
+                self.scaler.unscale_(o)
+        if self.policy is not None:
+            self.policy.before_update(self.optimizers)
+        for o in self.optimizers:
+            (self.scaler.step(o) if self.scaler is not None else o.step())
+        if self.scaler is not None:
+            self.scaler.update()
+        return loss
+
     def _plain_update(self, skipped: Optional[dict] = None) -> None:
         skipped = skipped or {}
         for o in self.optimizers:
@@ -219,6 +248,7 @@ class Guard:
             det.detected = dict(det.detected, sync_free=dict(self._rewound))
         action = self._on_failure(det, batches, loss_fn, rng)
         if action == "skip":
+            self.ring.clear()  # recovered: the steps before are not replayed from here on
             for oo in self.optimizers:
                 oo.zero_grad(set_to_none=True)
                 self.monitor.end_step(oo, skipped=True)

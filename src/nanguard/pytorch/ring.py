@@ -38,7 +38,7 @@ class StepEntry:
     host: List[Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # see gate.host_state
     versions: List[Tuple[torch.Tensor, int]] = field(default_factory=list)
     loss: Optional[torch.Tensor] = None            # the loss this step returned (detached)
-    applied: bool = True
+    nbytes: int = 0                                # bytes of the batch tensors it keeps alive
 
     def intact(self) -> bool:
         """No batch tensor was written in place since the step ran."""
@@ -79,10 +79,13 @@ def restore_scaler_state(scaler, st: Optional[Tuple[torch.Tensor, torch.Tensor]]
 
 
 class StepRing:
-    """The entries of the last ``maxlen`` steps, oldest first."""
+    """The entries of the last ``maxlen`` steps, oldest first; beyond ``keep`` entries, older ones go
+    when the batches held exceed ``max_bytes``."""
 
-    def __init__(self, maxlen: int) -> None:
+    def __init__(self, maxlen: int, keep: Optional[int] = None, max_bytes: int = 256 << 20) -> None:
         self.entries: Deque[StepEntry] = deque(maxlen=max(1, maxlen))
+        self.keep = keep if keep is not None else maxlen
+        self.max_bytes = max_bytes
 
     @property
     def maxlen(self) -> int:
@@ -98,10 +101,15 @@ class StepRing:
         e = StepEntry(step=step, batches=list(batches), loss_fn=loss_fn, rng=rng,
                       hyper=hyperparameters(optimizers),
                       scaler=scaler_state(scaler) if scaler is not None else None,
-                      host=list(host or []), versions=[(t, t._version) for t in ts])
+                      host=list(host or []), versions=[(t, t._version) for t in ts],
+                      nbytes=sum(t.numel() * t.element_size() for t in ts))
         while self.entries and self.entries[-1].step >= step:  # a step run again replaces its entry
             self.entries.pop()
         self.entries.append(e)
+        if len(self.entries) > self.keep:
+            held = sum(x.nbytes for x in self.entries)
+            while len(self.entries) > self.keep and held > self.max_bytes:
+                held -= self.entries.popleft().nbytes
         return e
 
     def get(self, step: int) -> Optional[StepEntry]:

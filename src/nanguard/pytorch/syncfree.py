@@ -70,6 +70,7 @@ class LazyDriver:
         mon = g.monitor
         rng = capture_rng(plain=False)
         dev = self._device()
+        g._size_ring()
         entry = g.ring.record(mon.steps_watched, batches, loss_fn, rng, g.optimizers, g.scaler,
                               UpdateGate.host_state(g.optimizers, dev))
         g._safe(lambda: self.latch.latch([g.model], self.gate.tripped))
