@@ -220,7 +220,7 @@ class FakeReducer:
         self.calls += 1
         t = t.clone()
         other = 1 - self.rank
-        row = self.other_flags if t.shape[1] == C.ROW else self.other_verdict
+        row = self.other_flags if self.calls == 1 else self.other_verdict  # the flag table comes first
         if row is not None:
             t[other] = torch.tensor(row, dtype=t.dtype)
         return t
@@ -251,7 +251,7 @@ def test_decision_names_the_other_rank_when_this_rank_is_clean():
     # other rank (1): a NaN batch and loss; its verdict is "data" at step 0
     verdict = [0.0] * (len(C.VERDICTS) + 1)
     verdict[C.VERDICTS.index("data")] = 1.0
-    fake = FakeReducer(0, other_flags=[1, 1, 0, 0, 1, 0], other_verdict=verdict)
+    fake = FakeReducer(0, other_flags=[1, 1, 0, 0, 1, 0, 1], other_verdict=verdict)
     det = _step(mon, m, opt, torch.randn(4, 3), fake)
     assert det is not None and not det.info_only
     assert (det.step, det.phase, det.rank) == (0, "data", 1)
@@ -266,7 +266,7 @@ def test_decision_is_one_collective_when_every_rank_is_clean():
     x = torch.randn(4, 3)
     with torch.no_grad():
         local = float(m(x).pow(2).mean())
-    fake = FakeReducer(1, other_flags=[0, 0, 0, 0, 1, 3.0])  # rank 0: clean, loss 3.0
+    fake = FakeReducer(1, other_flags=[0, 0, 0, 0, 1, 3.0, 0])  # rank 0: clean, loss 3.0
     det = _step(mon, m, opt, x, fake)
     assert det is None
     assert fake.calls == 1
@@ -281,7 +281,7 @@ def test_decision_prefers_the_earliest_phase_and_lowest_rank():
     # this rank (1) has a NaN batch; rank 0 reports "params": params come first
     verdict = [0.0] * (len(C.VERDICTS) + 1)
     verdict[C.VERDICTS.index("params")] = 1.0
-    fake = FakeReducer(1, other_flags=[0, 0, 1, 0, 1, 0], other_verdict=verdict)
+    fake = FakeReducer(1, other_flags=[0, 0, 1, 0, 1, 0, 1], other_verdict=verdict)
     x = torch.randn(4, 3)
     x[0, 0] = float("nan")
     det = _step(mon, m, opt, x, fake)

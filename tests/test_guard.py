@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import nanguard
-import nanguard.pytorch.detect.monitor
+import nanguard.pytorch.detect.gather
 from nanguard import Guard, GuardConfig, NonFiniteError
 from nanguard.core.events import SCHEMA
 
@@ -426,7 +426,7 @@ def test_guard_internal_error_warns_and_training_continues(monkeypatch, target):
     if target == "check":
         monkeypatch.setattr(g.monitor, "check", _boom)
     else:
-        monkeypatch.setattr(nanguard.pytorch.detect.monitor, "_norm", _boom)
+        monkeypatch.setattr(nanguard.pytorch.detect.gather, "_norm", _boom)
     d = data(5)
     with pytest.warns(RuntimeWarning, match="internal error"):
         for b in d:

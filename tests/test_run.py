@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import nanguard.pytorch.detect.monitor
+import nanguard.pytorch.detect.gather
 from nanguard.cli.main import main
 from nanguard.cli.run import run_script
 from nanguard.core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
@@ -781,7 +781,7 @@ def test_internal_error_warns_and_training_continues(tmp_path, monkeypatch):
     script = write(tmp_path, loop_script())
     plain = str(tmp_path / "plain.pt")
     run_plain(script, [-1, plain])
-    monkeypatch.setattr(nanguard.pytorch.detect.monitor, "_norm", _boom)
+    monkeypatch.setattr(nanguard.pytorch.detect.gather, "_norm", _boom)
     out = str(tmp_path / "g.pt")
     with pytest.warns(RuntimeWarning, match="internal error.*boom inside the monitor"):
         code, rep = run_ng(tmp_path, script, [-1, out])

@@ -24,12 +24,19 @@ class GuardConfig:
     # parameter at least every K updates). None = auto: K = 1 (all of them, every update) up to
     # 2 MiB of parameters, else ceil(bytes / 2 MiB), at most 8. Recovery mode uses 1.
     param_check_every: Optional[int] = None
+    # Sync-free mode (PyTorch): no host read in a healthy step; a flagged step's update is kept out on
+    # the device and the flags are read later, at the latest this many checks later (on CPU and under
+    # torch.distributed exactly then; on CUDA as soon as the GPU has produced them).
+    sync_free_every: int = 8
 
     def __post_init__(self) -> None:
         if self.on_nonfinite not in ("stop", "warn"):
             raise ValueError(f"on_nonfinite must be 'stop' or 'warn', got {self.on_nonfinite!r}")
         if self.history_size < 1:
             raise ValueError("history_size must be >= 1")
+        if isinstance(self.sync_free_every, bool) or not isinstance(self.sync_free_every, int) \
+                or self.sync_free_every < 1:
+            raise ValueError(f"sync_free_every must be an int >= 1, got {self.sync_free_every!r}")
         k = self.param_check_every
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"param_check_every must be None or an int >= 1, got {k!r}")

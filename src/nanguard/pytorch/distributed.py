@@ -158,3 +158,17 @@ def barrier() -> None:
         dist.barrier()
     except Exception:
         pass
+
+
+def accumulation(model: Any, last: bool, mode: Any = "auto"):
+    """The context of one micro-batch's forward+backward in gradient accumulation: all but the last
+    skip the data-parallel gradient reduction, as data-parallel accumulation loops do: DDP's
+    ``no_sync()`` (``mode`` "auto" or True), FSDP2's ``set_requires_gradient_sync(False)`` (``mode``
+    True only). ``mode=False``: every micro-batch reduces."""
+    if mode is False:
+        return contextlib.nullcontext()
+    if _is_ddp(model):
+        return model.no_sync() if not last else contextlib.nullcontext()
+    if mode is True and hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()

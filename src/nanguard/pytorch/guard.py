@@ -20,11 +20,14 @@ from ..core.pipeline import build_event
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
 from .bundle import default_bundle_path, save_bundle
+from .compiled import annotate_compiled, eager, unwrap_compiled, uses_compile
 from .detect import StepMonitor
-from .distributed import barrier, is_main, is_origin, replays_here, report_extra, share_event
+from .distributed import accumulation, barrier, is_main, is_origin, replays_here, report_extra, share_event
 from .recover import RecoveryPolicy
 from .replay import replay_step
+from .ring import StepRing
 from .rng import capture_rng, plain_rng
+from .syncfree import LazyDriver, resolve_sync_free
 from .tensorboard import TensorBoardLogger
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -56,8 +59,17 @@ class Guard:
             written as TensorBoard scalars/text (:mod:`nanguard.pytorch.tensorboard`).
         param_check_every: after each update, re-read about 1/K of the parameter bytes, every
             parameter at least every K updates (``None``: 1 up to 2 MiB of parameters, else up
-            to 8). Parameters the next forward uses are caught at the next step whatever K is;
-            with ``recover`` it is always 1.
+            to 8). Parameters the next forward uses are caught at the next step whatever K is.
+        sync_free: no host read in a healthy step (:mod:`nanguard.pytorch.syncfree`): a flagged
+            step's update is kept out of the weights on the device and the flags are read
+            later, then the guard rewinds to the failing step. ``"auto"``: on when the model is
+            on CUDA and every optimizer is fused (or a GradScaler is used); ``True`` also on CPU
+            and for non-fused optimizers (a masked update: one copy of the parameters and their
+            state per step).
+        sync_free_every: in sync-free mode, read the flags at the latest this many steps later.
+        no_sync: with ``micro_batches``, accumulate the gradients of all but the last micro-batch
+            without the data-parallel all-reduce (``DistributedDataParallel.no_sync()``; with
+            ``True`` also FSDP2's ``set_requires_gradient_sync(False)``). ``"auto"``: for DDP.
 
     Under ``torch.distributed`` (DDP, ``world_size > 1``) every rank reaches the same decision
     at every step (one small all-reduce in the check), the failing step is replayed on the
@@ -71,7 +83,8 @@ class Guard:
                  report: Optional[str] = None, history_size: int = 200, strict: bool = False,
                  localize: bool = True, check_data: bool = True, quiet: bool = False,
                  bundle: Optional[str] = "auto", tensorboard: Any = None,
-                 param_check_every: Optional[int] = None, html: Optional[str] = "auto") -> None:
+                 param_check_every: Optional[int] = None, html: Optional[str] = "auto",
+                 sync_free: Any = "auto", sync_free_every: int = 8, no_sync: Any = "auto") -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -80,12 +93,11 @@ class Guard:
         self.model = model
         self.optimizers: List[torch.optim.Optimizer] = opts
         self.scaler = scaler
-        # Recovery decides on exact per-update parameter checks (no rotating slices).
         self.config = GuardConfig(on_nonfinite=on_nonfinite, history_size=history_size, strict=strict,
-                                  check_data=check_data,
-                                  param_check_every=1 if recover else param_check_every)
+                                  check_data=check_data, param_check_every=param_check_every,
+                                  sync_free_every=sync_free_every)
         self.monitor = StepMonitor(self.config)
-        self.monitor.add_root(model)
+        self.monitor.add_root(unwrap_compiled(model))  # a torch.compile'd model: its own module's names
         for o in opts:
             self.monitor.add_optimizer(o)
         self.report_path = report
@@ -93,6 +105,13 @@ class Guard:
         self.localize = localize
         self.quiet = quiet or not is_main()  # distributed: only rank 0 prints
         self.report = Report(counting="optimizer")
+        self.no_sync = no_sync
+        # The last steps' batches, RNG and hyperparameters: sync-free rewinds, rollbacks between
+        # snapshots (nanguard.pytorch.ring).
+        self.ring = StepRing(sync_free_every + 2)
+        self.sync_free = resolve_sync_free(sync_free, model, opts, scaler)
+        self._lazy = LazyDriver(self) if self.sync_free else None
+        self._rewound: Optional[dict] = None  # sync-free: the step being run again after a late read
         self.policy = None
         if recover:
             self.policy = RecoveryPolicy.from_spec(recover)
@@ -119,24 +138,53 @@ class Guard:
         if not self._announced and not self.quiet:
             self._announced = True
             print_line(f"guarding {type(self.model).__name__} (on non-finite: "
-                       f"{'recover' if self.policy else self.config.on_nonfinite})")
+                       f"{'recover' if self.policy else self.config.on_nonfinite}"
+                       f"{'; sync-free' if self.sync_free else ''})")
         batches = list(batch) if micro_batches else [batch]
-        rng = self._safe(_capture_rng) if (self.localize or self.bundle_path) else None
+        if self._lazy is not None and not self.disabled:
+            return self._lazy.step(batches, loss_fn)
+        return self._sync_step(batches, loss_fn)
+
+    def _sync_step(self, batches: List[Any], loss_fn: LossFn, rng: Any = None) -> torch.Tensor:
+        """One step with a synchronous check (the default, and the steps a sync-free rewind runs again)."""
+        if rng is None:
+            rng = self._safe(_capture_rng) if (self.localize or self.bundle_path or self.policy) else None
+        if rng is not None and self.policy is not None:
+            self._size_ring()
+            self.ring.record(self.monitor.steps_watched, batches, loss_fn, rng, self.optimizers, self.scaler)
+        loss = self._forward_backward(batches, loss_fn)
+        if self.ring.entries and self.ring.entries[-1].step == self.monitor.steps_watched:
+            self.ring.entries[-1].loss = loss.detach()
+        return self._check_and_update(batches, loss_fn, rng, loss)
+
+    def _size_ring(self) -> None:
+        """Sync-free rewinds need the last ``sync_free_every`` steps; virtual snapshots all since the
+        last real one."""
+        if self.policy is not None:
+            self.ring.resize(max(self.config.sync_free_every + 2, self.policy.ring_size()))
+
+    def _forward_backward(self, batches: List[Any], loss_fn: LossFn) -> torch.Tensor:
+        """Snapshots due, zero_grad, then forward + loss + backward of each micro-batch."""
         if self.policy is not None:
             self.policy.before_step(self)
         for o in self.optimizers:
             o.zero_grad(set_to_none=True)
         loss = None
-        for b in batches:
-            self._safe(lambda: self.monitor.on_batch(b))
-            loss = loss_fn(b)
-            self._safe(lambda: self.monitor.on_backward([loss]))
-            if self.scaler is not None:
-                self.scaler.scale(loss).backward()
-            else:  # recovery's own loss scale, once the loss_scale action turned it on
-                (self.policy.scale_loss(loss) if self.policy is not None else loss).backward()
+        n = len(batches)
+        for i, b in enumerate(batches):
+            with accumulation(self.model, last=i == n - 1, mode=self.no_sync):
+                self._safe(lambda: self.monitor.on_batch(b))
+                loss = loss_fn(b)
+                self._safe(lambda: self.monitor.on_backward([loss]))
+                if self.scaler is not None:
+                    self.scaler.scale(loss).backward()
+                else:  # recovery's own loss scale, once the loss_scale action turned it on
+                    (self.policy.scale_loss(loss) if self.policy is not None else loss).backward()
         if self.policy is not None:
             self._safe(lambda: self.policy.before_check(self.optimizers))
+        return loss
+
+    def _check_and_update(self, batches: List[Any], loss_fn: LossFn, rng: Any, loss: torch.Tensor) -> torch.Tensor:
         skipped = {}
         for o in self.optimizers:
             det = self._safe(lambda: self._check(o))
@@ -147,18 +195,39 @@ class Guard:
                 self.report.info.append({"step": det.step, "phase": det.phase, **det.detected})
                 skipped[id(o)] = bool(det.detected.get("scaler_skip"))
                 continue
-            action = self._on_failure(det, batches, loss_fn, rng)
-            if action == "skip":
-                for oo in self.optimizers:
-                    oo.zero_grad(set_to_none=True)
-                    self.monitor.end_step(oo, skipped=True)
-                if self.scaler is not None:
-                    self._reset_scaler_stage()
+            if self._handle_failure(det, batches, loss_fn, rng) == "skip":
                 return loss.detach()
         if self.policy is not None and not self.policy.before_update(self.optimizers):
             for o in self.optimizers:
                 self.monitor.end_step(o, skipped=True)
             return loss.detach()
+        self._plain_update(skipped)
+        return loss.detach()
+
+    def _replay_update(self, batches: List[Any], loss_fn: LossFn) -> torch.Tensor:
+        """A recorded step run again without checks (a rollback to a virtual snapshot,
+        :mod:`nanguard.pytorch.recover.forward`): the same forward, backward, clipping and update."""
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+        loss = None
+        n = len(batches)
+        for i, b in enumerate(batches):
+            with accumulation(self.model, last=i == n - 1, mode=self.no_sync):
+                loss = loss_fn(b)
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if self.scaler is not None:
+            for o in self.optimizers:
+                self.scaler.unscale_(o)
+        if self.policy is not None:
+            self.policy.before_update(self.optimizers)
+        for o in self.optimizers:
+            (self.scaler.step(o) if self.scaler is not None else o.step())
+        if self.scaler is not None:
+            self.scaler.update()
+        return loss
+
+    def _plain_update(self, skipped: Optional[dict] = None) -> None:
+        skipped = skipped or {}
         for o in self.optimizers:
             if self.scaler is not None:
                 self.scaler.step(o)
@@ -166,11 +235,26 @@ class Guard:
                 o.step()
         if self.scaler is not None:
             self.scaler.update()
+        if self._lazy is not None:
+            self._lazy.mark_seen()
         for o in self.optimizers:
             self._safe(lambda: self.monitor.end_step(o, skipped=skipped.get(id(o), False)))
         if self.policy is not None:
             self.policy.after_step(self)
-        return loss.detach()
+
+    def _handle_failure(self, det: Detection, batches, loss_fn, rng) -> str:
+        """A failure at this step: "skip" (recovered: the update is dropped) or "continue"; raises on stop."""
+        if self._rewound is not None:  # sync-free: read late, the step run again after a rewind
+            det.detected = dict(det.detected, sync_free=dict(self._rewound))
+        action = self._on_failure(det, batches, loss_fn, rng)
+        if action == "skip":
+            self.ring.clear()  # recovered: the steps before are not replayed from here on
+            for oo in self.optimizers:
+                oo.zero_grad(set_to_none=True)
+                self.monitor.end_step(oo, skipped=True)
+            if self.scaler is not None:
+                self._reset_scaler_stage()
+        return action
 
     def _check(self, opt: torch.optim.Optimizer) -> Optional[Detection]:
         if self.scaler is not None and self.scaler.is_enabled():
@@ -238,13 +322,20 @@ class Guard:
                "eps": self.optimizers[0].param_groups[0].get("eps"),
                "dtype": _model_dtype(self.model)}
         ev = build_event(det, loc_run, hist, ctx)
+        if loc_run is not None and loc_run.get("eager"):
+            annotate_compiled(ev, loc_run)  # torch.compile: replayed eagerly; not reproduced: the compiled code
         if self.bundle_saved:
             ev.localization = dict(ev.localization or {}, bundle=self.bundle_saved)
         return ev
 
     def _replay(self, batches, loss_fn, rng, det: Detection) -> dict:
-        """Re-run the failing step's forward and backward under the op recorder (params unchanged)."""
-        return replay_step(self.model, self.optimizers, self.scaler, batches, loss_fn, rng)
+        """Re-run the failing step's forward and backward under the op recorder (params unchanged).
+        Compiled code (torch.compile) is replayed eagerly (:mod:`nanguard.pytorch.compiled`)."""
+        if not uses_compile(self.model, loss_fn):
+            return replay_step(self.model, self.optimizers, self.scaler, batches, loss_fn, rng)
+        with eager():
+            res = replay_step(unwrap_compiled(self.model), self.optimizers, self.scaler, batches, loss_fn, rng)
+        return dict(res, eager=True)
 
     # ------------------------------------------------------------------ housekeeping
     def _safe(self, fn: Callable[[], Any]) -> Any:
@@ -294,6 +385,8 @@ class Guard:
 
     def close(self) -> Report:
         """Finish: read the last pending check, write the report, print the one-line summary."""
+        if self._lazy is not None and not self.disabled:
+            self._lazy.close()  # sync-free: the checks not read yet (a failure there is handled as usual)
         det = self._safe(self.monitor.flush)
         if det is not None and not det.info_only:
             self.report.events.append(self._safe(lambda: self._event(det, None)) or

@@ -7,11 +7,24 @@ the per-step tier is dropped for models whose snapshot is over
 place (the backend's ``refill_snapshot``), so after the first steps it allocates
 nothing. Only finite snapshots are kept; after a rollback the snapshots of the
 abandoned trajectory go.
+
+**Cost-based mode** (:meth:`SnapshotStore.adapt`, which the drivers turn on): a real
+snapshot (a copy of the whole state) is taken every ``P`` steps, with ``P`` chosen from
+the measured copy time and step time so that copying costs at most ``budget`` of the
+training time (``P = max(snapshot_every, ceil(copy / (budget * step)))``, at most
+``max_every``); those are the first and periodic tiers. The per-step tier then holds
+*virtual* snapshots when the backend can replay steps forward (the explicit Guard: a
+virtual snapshot of step ``s`` is the last real one before it plus the steps in between,
+run again from their batches and RNG: exact, and free until it is used), else real
+per-step copies only when a copy costs at most ``budget`` of a step, else none (a
+rollback then goes back to the last periodic snapshot, and the record says how far).
 """
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
-from typing import List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from .actions import RecoveryActions, Snapshot
 from .estimates import rollback_target
@@ -31,6 +44,42 @@ class SnapshotStore:
         self.recent: deque = deque(maxlen=max(recent_snapshots, 1))
         self.recent_on = recent_snapshots > 0
         self.last_step: Optional[int] = None
+        # cost-based mode (adapt()): off by default
+        self.budget: Optional[float] = None
+        self.cheap_seconds = 2e-4
+        self.virtual: Optional[Callable[[int, Any], Any]] = None
+        self.max_every = 200
+        self.copy_seconds: Optional[float] = None   # the last real snapshot's copy time
+        self.step_seconds: Optional[float] = None   # median time between step starts
+        self._intervals: deque = deque(maxlen=16)
+        self._t_last: Optional[float] = None
+        self._base: Optional[Snapshot] = None       # the last real snapshot
+        self._force_real = False
+        self.clock: Callable[[], float] = time.perf_counter
+
+    def adapt(self, budget: float = 0.005, virtual: Optional[Callable[[int, Any], Any]] = None,
+              max_every: int = 200, cheap_seconds: float = 2e-4) -> None:
+        """Cost-based mode: real snapshots every ``interval()`` steps (copying costs at most ``budget``
+        of the training time); ``virtual(step, base)`` makes the per-step tier's snapshots from the last
+        real one (None when it cannot: that step falls back as described in the module docstring).
+        Without it, per-step real copies are kept when one costs at most ``budget`` of a step or at most
+        ``cheap_seconds`` (small models: exact rollbacks for next to nothing)."""
+        if not 0 < budget < 1:
+            raise ValueError(f"budget must be in (0, 1), got {budget}")
+        self.budget, self.virtual, self.max_every = budget, virtual, max(1, max_every)
+        self.cheap_seconds = cheap_seconds
+
+    def new_trajectory(self) -> None:
+        """A recovery changed the run (a skipped update, a rollback): the next step takes a real snapshot,
+        the base later virtual snapshots replay from."""
+        self._force_real = True
+
+    def interval(self) -> int:
+        """Steps between real snapshots in cost-based mode."""
+        every = max(self.snapshot_every, 1)
+        if self.copy_seconds and self.step_seconds:
+            every = max(every, math.ceil(self.copy_seconds / (self.budget * self.step_seconds) - 1e-9))
+        return min(every, self.max_every)
 
     def all(self) -> List[Snapshot]:
         """Every kept snapshot once, by step."""
@@ -52,6 +101,8 @@ class SnapshotStore:
         """Take the snapshot of the state at the start of ``step`` if a tier wants it."""
         if self.last_step == step:
             return
+        if self.budget is not None:
+            return self._adaptive(step, actions, loss)
         periodic = self.snapshot_every > 0 and step % self.snapshot_every == 0
         first = self.initial is None
         if not (periodic or first or self.recent_on):
@@ -104,3 +155,63 @@ class SnapshotStore:
             dq.clear()
             dq.extend(keep)
         self.last_step = None
+        self._t_last = None
+        self._force_real = True  # the next step starts a new trajectory: a real snapshot, a new base
+
+    # ---------------------------------------------------------------- cost-based mode
+    def _adaptive(self, step: int, actions: RecoveryActions, loss: Optional[float]) -> None:
+        now = self.clock()
+        if self._t_last is not None and self.last_step is not None and step == self.last_step + 1:
+            self._intervals.append(now - self._t_last)
+            self.step_seconds = sorted(self._intervals)[len(self._intervals) // 2]
+        self._t_last = now
+        self.last_step = step
+        base = self._base
+        first = self.initial is None
+        if first or self._force_real or base is None or step - base.step >= self.interval():
+            snap = self._take_real(step, actions, loss)
+            self._force_real = False
+            if first:
+                self.initial = snap
+            else:
+                self.snapshots.append(snap)
+            self._base = snap
+            if self.recent_on:
+                self.recent.append(snap)
+            return
+        if not self.recent_on:
+            return
+        v = self.virtual(step, base) if self.virtual is not None else None
+        if v is None and self.copy_seconds is not None and self.step_seconds is not None \
+                and self.copy_seconds <= max(self.budget * self.step_seconds, self.cheap_seconds):
+            reuse = self.recent[0] if len(self.recent) == self.recent.maxlen else None
+            if reuse is not None and (reuse is self.initial or reuse is self._base or
+                                      any(reuse is s for s in self.snapshots)):
+                reuse = None
+            if reuse is not None and actions.refill_snapshot(reuse, step, loss):
+                v = reuse
+            else:
+                if reuse is not None:
+                    self.recent.remove(reuse)
+                v = actions.take_snapshot(step, loss)
+        if v is not None:
+            self.recent.append(v)
+
+    def _take_real(self, step: int, actions: RecoveryActions, loss: Optional[float]) -> Snapshot:
+        """A real snapshot, refilling the periodic tier's oldest one when it is about to go (timed)."""
+        t0 = self.clock()
+        old = self.snapshots[0] if len(self.snapshots) == self.snapshots.maxlen and self.initial is not None \
+            else None
+        if old is not None and (old is self.initial or any(old is r for r in self.recent)):
+            old = None
+        snap = None
+        if old is not None:
+            self.snapshots.popleft()
+            if actions.refill_snapshot(old, step, loss):
+                snap = old
+        if snap is None:
+            snap = actions.take_snapshot(step, loss)
+        dt = getattr(snap, "copy_seconds", None)
+        dt = dt() if callable(dt) else None
+        self.copy_seconds = dt if dt is not None else self.clock() - t0
+        return snap

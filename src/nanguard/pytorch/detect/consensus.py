@@ -9,13 +9,18 @@ ranks' weights drift apart, or the next collective hangs.
 nanguard avoids that with one small collective per step, added to the step's
 single host sync (:meth:`nanguard.pytorch.detect.StepMonitor.check`):
 
-1. each rank fills its own row of a ``world_size x 6`` table (``data_bad``,
-   ``loss_bad``, ``norm_bad``, ``found_inf``, ``has_loss``, ``loss``), measured on
+1. each rank fills its own row of a ``world_size x 7`` table (``data_bad``,
+   ``loss_bad``, ``norm_bad``, ``found_inf``, ``has_loss``, ``loss``, ``gate``), measured on
    the rank's own batch and loss, i.e. *before* the gradient all-reduce spreads
    anything; the table is all-reduced with ``MAX`` (not ``SUM``: the other rows
    are ``-inf`` on each rank) and read with the step's one ``tolist()``. Every
    rank now knows which rank(s) had a non-finite batch or loss, and the global
-   mean loss (the history records it, so snapshot choices agree across ranks);
+   mean loss (the history records it, so snapshot choices agree across ranks).
+   ``gate`` is the rank's own "this update must not be applied" flag: its MAX over the
+   ranks is the sync-free update gate (:mod:`.gate`), the same on every rank with no
+   host read. With FSDP2 (sharded DTensor parameters) each row also carries the
+   rank's share of every squared norm the check read (``|local shard|^2 /
+   replication``), so every rank computes the same global norms from the table;
 2. only when some rank's row is suspicious (the slow path), each rank runs its
    exact local check and a second small ``MAX`` all-reduce of the verdicts picks
    the global one: the earliest phase (``optimizer`` > ``params`` > ``data`` >
@@ -44,7 +49,8 @@ from ..distributed import is_distributed
 
 # Verdicts, in priority order: the earliest phase of the step wins.
 VERDICTS = ("optimizer", "params", "data", "forward", "backward", "info")
-ROW = 6  # data_bad, loss_bad, norm_bad, found_inf, has_loss, loss
+ROW = 7  # data_bad, loss_bad, norm_bad, found_inf, has_loss, loss, gate (+ sharded norm shares)
+GATE = 6
 
 
 class DistReducer:
@@ -96,37 +102,59 @@ def rank_inputs(loss_vals: Sequence[torch.Tensor], loss_marks: Sequence[torch.Te
     return loss, loss_ok, data_ok, found_inf
 
 
+def _bad(norms: Sequence[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    if not norms:
+        return torch.zeros((), device=dev)
+    flat = torch.cat([n.reshape(-1).to(dev) for n in norms])
+    return (~torch.isfinite(flat)).any().float()
+
+
 def flag_table(reducer: Any, dev: torch.device, loss: torch.Tensor, loss_ok: torch.Tensor,
                data_ok: torch.Tensor, found_inf: torch.Tensor, norms: Sequence[torch.Tensor],
-               has_loss: bool) -> torch.Tensor:
-    """This rank's row of the flag table, all-reduced with MAX (no host sync)."""
+               has_loss: bool, fail_norms: Optional[Sequence[torch.Tensor]] = None,
+               contrib: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """This rank's row of the flag table, all-reduced with MAX (no host sync).
+
+    ``fail_norms``: the norms whose non-finiteness means the update must not be applied
+    (default ``norms``); ``contrib``: sharded norm shares appended to the row."""
     W, r = reducer.world_size, reducer.rank
-    norm_bad = torch.zeros((), device=dev)
-    if norms:
-        flat = torch.cat([n.reshape(-1).float().to(dev) for n in norms])
-        norm_bad = (~torch.isfinite(flat)).any().float()
+    norm_bad = _bad(norms, dev)
+    data_bad, loss_bad = 1 - data_ok.float().reshape(()), 1 - loss_ok.float().reshape(())
+    fail = norm_bad if fail_norms is None else _bad(fail_norms, dev)
+    gate = torch.maximum(torch.maximum(data_bad, loss_bad), fail)
     row = torch.stack([
-        1 - data_ok.float().reshape(()), 1 - loss_ok.float().reshape(()), norm_bad,
+        data_bad, loss_bad, norm_bad,
         (found_inf.float().reshape(()) > 0).float(), torch.full((), 1.0 if has_loss else 0.0, device=dev),
-        torch.nan_to_num(loss.float().reshape(()), nan=0.0, posinf=0.0, neginf=0.0)])
-    table = torch.full((W, ROW), float("-inf"), device=dev)
+        torch.nan_to_num(loss.float().reshape(()), nan=0.0, posinf=0.0, neginf=0.0), gate]
+        + [c.float().reshape(()).to(dev) for c in contrib])
+    table = torch.full((W, ROW + len(contrib)), float("-inf"), device=dev)
     table[r] = row
     return reducer(table).reshape(-1)
 
 
-def suspicious(flags: Sequence[float], world_size: int) -> bool:
+def global_norms(flags: Sequence[float], world_size: int, width: int) -> List[float]:
+    """Sharded runs: the global value of every norm whose shares the rows carry (sqrt of the sum)."""
+    n = width - ROW
+    out = []
+    for i in range(n):
+        s = sum(flags[r * width + ROW + i] for r in range(world_size))
+        out.append(s ** 0.5 if s == s and s >= 0 else float("nan"))
+    return out
+
+
+def suspicious(flags: Sequence[float], world_size: int, width: int = ROW) -> bool:
     for r in range(world_size):
-        row = flags[r * ROW:(r + 1) * ROW]
+        row = flags[r * width:(r + 1) * width]
         if any(v > 0 for v in row[:4]):
             return True
     return False
 
 
-def global_loss(flags: Sequence[float], world_size: int) -> Optional[float]:
+def global_loss(flags: Sequence[float], world_size: int, width: int = ROW) -> Optional[float]:
     """Mean loss over the ranks that had one (NaN when any rank's loss was non-finite)."""
     vals, bad = [], False
     for r in range(world_size):
-        row = flags[r * ROW:(r + 1) * ROW]
+        row = flags[r * width:(r + 1) * width]
         if row[4] > 0:
             vals.append(row[5])
             bad = bad or row[1] > 0
@@ -135,17 +163,17 @@ def global_loss(flags: Sequence[float], world_size: int) -> Optional[float]:
     return float("nan") if bad else sum(vals) / len(vals)
 
 
-def flag_ranks(flags: Sequence[float], world_size: int) -> Dict[str, List[int]]:
+def flag_ranks(flags: Sequence[float], world_size: int, width: int = ROW) -> Dict[str, List[int]]:
     """Which ranks had a non-finite batch / loss / norm (before the gradient all-reduce)."""
     out: Dict[str, List[int]] = {}
     for i, name in enumerate(("data", "loss", "norms", "scaler_found_inf")):
-        rs = [r for r in range(world_size) if flags[r * ROW + i] > 0]
+        rs = [r for r in range(world_size) if flags[r * width + i] > 0]
         if rs:
             out[name] = rs
     return out
 
 
-def decide(reducer: Any, det: Any, dev: torch.device, flags: Sequence[float]) -> Any:
+def decide(reducer: Any, det: Any, dev: torch.device, flags: Sequence[float], width: int = ROW) -> Any:
     """Second stage (slow path only): agree on one Detection on every rank.
 
     ``det`` is this rank's own verdict (or None). Returns the global Detection
@@ -172,7 +200,7 @@ def decide(reducer: Any, det: Any, dev: torch.device, flags: Sequence[float]) ->
     if gkey is None:
         return None
     origin = ranks[gkey][0]
-    info = {"origin_rank": origin, "world_size": W, "verdicts": ranks, "flags": flag_ranks(flags, W)}
+    info = {"origin_rank": origin, "world_size": W, "verdicts": ranks, "flags": flag_ranks(flags, W, width)}
     if key == gkey:
         det.rank = origin
         det.detected = dict(det.detected, ranks=info)

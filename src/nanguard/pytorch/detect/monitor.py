@@ -1,29 +1,35 @@
-"""The per-step check: :class:`StepMonitor`, fed by a driver, one host sync per step.
+"""The per-step check: :class:`StepMonitor`, fed by a driver, one host sync per step (or none).
 
 The drivers (the explicit :class:`~nanguard.Guard`, ``nanguard run``'s Watcher,
 the framework callbacks) call, per step: :meth:`~StepMonitor.on_batch` and
 :meth:`~StepMonitor.on_backward` (no sync), :meth:`~StepMonitor.check` after
 backward and before the update (the one sync), :meth:`~StepMonitor.end_step`
 after the update (history; the post-update parameter norms, read at the next
-check). The cost model is in the package docstring (:mod:`nanguard.pytorch.detect`).
+check). In sync-free mode the driver calls :meth:`~StepMonitor.check_lazy` instead
+(no sync: the values are read later with :meth:`~StepMonitor.read_lazy`, the update
+is kept out on the device by :mod:`.gate`). What a check reads is built by
+:mod:`.gather` and decoded by :mod:`.verdict`. The cost model is in the package
+docstring (:mod:`nanguard.pytorch.detect`).
 """
 from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ...core.config import GuardConfig
 from ...core.events import Detection
-from ...core.history import StepHistory, StepRecord
-from .. import gradscaler
+from ...core.history import StepHistory
 from . import consensus
+from .gather import gather
+from .lazy import LazyReads
 from .names import TensorNames
-from .norms import NormPlan, _norm, planned_norm
-from .slices import OptimizerView, update_suspect
-from .tensors import finite_markers, is_checkable, nonfinite_tensors, tensors_in
+from .norms import NormPlan, planned_norm, sharded_square
+from .slices import OptimizerView
+from .tensors import finite_markers, is_checkable, tensors_in
+from .verdict import REWIND, decode, step_record
 
 
 class StepMonitor:
@@ -44,6 +50,7 @@ class StepMonitor:
         self._data_marks: List[torch.Tensor] = []  # finite_markers of the batch tensors
         self._data_where: List[str] = []
         self._pending_post: Dict[int, torch.Tensor] = {}  # optimizer -> post-update param norms per group
+        self._pending_post_sq: Dict[int, torch.Tensor] = {}  # sharded: this rank's shares of their squares
         self._pending_step: Dict[int, int] = {}
         self._pending_slice: Dict[int, int] = {}  # which slice that pending check covers
         self._rot: Dict[int, int] = {}            # the slice the next update's check covers
@@ -59,6 +66,12 @@ class StepMonitor:
         self.dist_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.dist_auto = True
         self._dist_flags: Optional[List[float]] = None
+        self._dist_width = consensus.ROW
+        # Sync-free mode (check_lazy): the pending checks, the last one per optimizer (end_step fills in
+        # its lrs and skip), and the decoded clean checks whose step's history is not written yet.
+        self.lazy = LazyReads(self.config.sync_free_every)
+        self._lazy_last: Dict[int, Any] = {}
+        self._held: List[Tuple[Any, Dict[str, Any]]] = []
 
     # ------------------------------------------------------------------ registration
     def add_optimizer(self, opt: torch.optim.Optimizer, late: bool = False) -> None:
@@ -69,8 +82,8 @@ class StepMonitor:
             if late and not self.views and self.backward_steps:
                 self.backward_steps = 0
                 self.history = StepHistory(self.config.history_size)
-                for d in (self._pending_post, self._pending_step, self._pending_slice, self._rot,
-                          self._psq, self._checked, self._lasts):
+                for d in (self._pending_post, self._pending_post_sq, self._pending_step, self._pending_slice,
+                          self._rot, self._psq, self._checked, self._lasts):
                     d.pop(0, None)
             self.views[id(opt)] = OptimizerView(opt, self.config.param_check_every)
             self.counts.setdefault(id(opt), 0)
@@ -133,113 +146,77 @@ class StepMonitor:
         if self._checked.get(key):
             return None
         self._checked[key] = True
-        if opt is not None:
-            view = self.views.get(id(opt))
-            if view is None:
-                self.add_optimizer(opt, late=True)
-                view = self.views[id(opt)]
-            view.refresh(opt)
-            groups, k, slices, plans = view.groups, view.k, view.slices, view.grad_plans
-        else:
-            groups = params or []
-            k, slices, plans = 1, [groups], [NormPlan(g) for g in groups]
-        step = self.step_of(opt)
+        p = gather(self, opt, scaler, params)
+        vals = p.vec.tolist() if p.vec is not None else []  # the one host sync of the step
+        return decode(self, p, vals)
 
-        dev = None
-        for g in groups:
-            if g:
-                dev = g[0].device
-                break
-        lv, lm, dm = self._loss_vals, self._loss_marks, self._data_marks
-        if dev is None:
-            dev = lv[0].device if lv else torch.device("cpu")
+    def check_lazy(self, opt: Optional[torch.optim.Optimizer], scaler: Any = None) -> Optional[torch.Tensor]:
+        """The sync-free check: the same vector, not read now (:mod:`.lazy`). Returns the step's 0-d
+        device failure flag (1.0: its update must not be applied), for the update gate (:mod:`.gate`)."""
+        key = id(opt) if opt is not None else 0
+        if self._checked.get(key):
+            return None
+        self._checked[key] = True
+        p = gather(self, opt, scaler, None, lazy=True)
+        self.lazy.push(p, p.vec)
+        self._lazy_last[key] = p
+        return p.vec[-1]
 
-        gnorms = [planned_norm([p.grad for p in g], plan, dev) for g, plan in zip(groups, plans)]
-        pre_pnorms = None
-        psq = self._psq.get(key)
-        fresh = psq is not None and len(psq) == len(groups) and all(len(r) == k for r in psq)
-        # First check (parameters never read yet), or new parameters/slices: read all of them once.
-        if key not in self._pending_post or not fresh:
-            pre_pnorms = [(_norm(g).to(dev) if g else torch.zeros((), device=dev))
-                          for part in slices for g in part]  # per slice, per group
-        post = self._pending_post.pop(key, None)
-        post_step = self._pending_step.pop(key, None)
-        post_slice = self._pending_slice.pop(key, 0)
-        # Other optimizers' last updates not read yet (e.g. a GAN's generator update made the
-        # discriminator's batch non-finite): read them in the same sync, so the failure is
-        # blamed on the update that made it, not on this step.
-        others = [(k, t) for k, t in self._pending_post.items() if k != key]
-        # One vector, one sync: [losses, loss markers, data markers, (scale, found_inf), group grad
-        # norms, (first check: group param norms)] as 0-d tensors, then the pending 1-d norms.
-        # Values keep their dtype until read (stack/cat promote), so the finiteness read is exact.
-        inputs = lv + lm + dm
-        if inputs and any(t.device != dev for t in inputs):
-            inputs = [t.to(dev) for t in inputs]
-        scaled = scaler is not None and gradscaler.scaler_enabled(scaler)
-        sc = [gradscaler.scale_tensor(scaler, dev), gradscaler.found_inf(scaler, opt, dev)] if scaled else []
-        flat = inputs + sc + gnorms + (pre_pnorms or [])
-        tail = ([post.to(dev)] if post is not None else []) + [t.to(dev) for _, t in others]
-        reducer = self._dist_reducer()
-        if reducer is not None:  # distributed: this rank's flags, all-reduced, read in the same sync
-            tail.append(consensus.flag_table(reducer, dev, *consensus.rank_inputs(
-                self._loss_vals, self._loss_marks, self._data_marks, dev, sc),
-                                   gnorms + (pre_pnorms or []) + ([post] if post is not None else [])
-                                   + [t for _, t in others], self._loss_n > 0))
-        head = [torch.stack(flat)] if flat else []
-        vec = torch.cat(head + tail) if tail else (head[0] if head else None)
-        vals = vec.tolist() if vec is not None else []  # the one host sync of the step
-        if reducer is not None:
-            n = tail[-1].numel()
-            self._dist_flags, vals = vals[-n:], vals[:-n]
-        finite = math.isfinite
-        nl, nlm, nd = len(lv), len(lm), len(dm)
-        loss = sum(vals[:nl]) / nl if nl else float("nan")
-        loss_ok = 1.0 if all(finite(x) for x in vals[:nl + nlm]) else 0.0
-        off = nl + nlm
-        data_ok = 1.0 if all(finite(x) for x in vals[off:off + nd]) else 0.0
-        off += nd
-        scale, found_inf = (vals[off], vals[off + 1]) if scaled else (float("nan"), 0.0)
-        off += len(sc)
-        G = len(groups)
-        gn = vals[off:off + G]
-        off += G
-        pre_pn = post_pn = None
-        if pre_pnorms is not None:
-            n = len(pre_pnorms)
-            pre_pn, off = vals[off:off + n], off + n
-            self._psq[key] = [[pre_pn[c * G + g] ** 2 for c in range(k)] for g in range(G)]
-        if post is not None:
-            post_pn, off = vals[off:off + G], off + G
-            psq = self._psq.get(key)
-            if pre_pnorms is None and psq is not None and len(psq) == G and post_slice < k:
-                for g in range(G):
-                    psq[g][post_slice] = post_pn[g] ** 2
-        self._last = dict(loss=loss, gn=gn, pn=self._group_param_norms(key, G), scale=scale,
-                          found_inf=found_inf, groups=groups, opt=opt)
-        self._lasts[key] = self._last
-        if reducer is not None:
-            gl = consensus.global_loss(self._dist_flags, reducer.world_size)
-            if gl is not None:  # the history keeps the mean loss over ranks: the same on every rank
-                self._last["loss"] = gl
+    def read_lazy(self, force: bool = False) -> List[Tuple[Any, Any]]:
+        """Read the sync-free checks whose values are available (``force``: all), in order, as
+        ``(pending, verdict)``: None (clean), an info Detection (a GradScaler skip) or
+        :data:`~.verdict.REWIND` (something was non-finite: the driver runs that step again
+        synchronously, :meth:`rewind`; the later checks are those of masked steps and are not read).
+        The history records of clean steps are appended once every check of their step is read."""
+        out = []
+        for p, vals in self.lazy.ready(force):
+            det = decode(self, p, vals)
+            out.append((p, det))
+            if det == REWIND:
+                return out
+            self._flush_held(p.step)
+            self._held.append((p, self._last))
+        if not self.lazy.queue:
+            self._flush_held(None)
+        return out
 
-        for k, t in others:
-            ovals, off = vals[off:off + t.numel()], off + t.numel()
-            if all(math.isfinite(x) for x in ovals):
-                continue
-            ogroups = self.views[k].groups if k in self.views else []
-            bad = self.names.nonfinite_params(ogroups, roots=False)
-            if bad:
-                ostep = self._pending_step.pop(k, 0)
-                self._pending_post.pop(k, None)
-                self._pending_slice.pop(k, None)
-                return self._dist_decide(reducer, dev, Detection(
-                    ostep, "optimizer", {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)}))
+    def _flush_held(self, before: Optional[int]) -> None:
+        keep = []
+        for p, last in self._held:
+            if p.end is not None and (before is None or p.step < before):
+                lrs, skipped = p.end
+                self.history.append(step_record(last, p.step, lrs, skipped or last["found_inf"] > 0, p.loss_n))
+                if self._lasts.get(p.key) is last:
+                    del self._lasts[p.key]
+            else:
+                keep.append((p, last))
+        self._held = keep
 
-        det = self._decide(step, opt, groups, loss, loss_ok, data_ok, scale, found_inf, gn, pre_pn,
-                           post_pn, post_step, scaler)
-        if det is not None and det.phase == "params" and post_step is not None and k > 1:
-            det = self._attribute_params(det, opt, post_step, post_slice, k)
-        return self._dist_decide(reducer, dev, det)
+    def rewind(self, p: Any) -> None:
+        """Back to the start of check ``p``'s step (read late, after masked steps): the step
+        counters as they were at that check; the pending checks from it on and the post-update
+        norms of the masked updates dropped (the driver runs those steps again)."""
+        self.lazy.drop()
+        self._lazy_last.clear()
+        for d in (self._pending_post, self._pending_post_sq, self._pending_step, self._pending_slice):
+            d.clear()
+        self._flush_held(p.step)
+        for q in [p] + [q for q, _ in self._held if q.step == p.step]:  # the step's checks read these again
+            if q.post_saved is not None:
+                post, post_sq, post_step, post_slice = q.post_saved
+                self._pending_post[q.key], self._pending_step[q.key] = post, post_step
+                self._pending_slice[q.key] = post_slice
+                if post_sq is not None:
+                    self._pending_post_sq[q.key] = post_sq
+        self._held = []
+        if p.counts is not None:
+            self.counts.update(p.counts)
+            self.backward_steps = p.backward_steps
+        self._checked = {k: False for k in self._checked}
+        self._consecutive_skips = p.skips0
+        self._lasts.clear()
+        self._loss_vals, self._loss_marks, self._loss_n = [], [], 0
+        self._data_marks, self._data_where = [], []
 
     def _group_param_norms(self, key: int, n_groups: int) -> Optional[List[float]]:
         """Per group parameter L2 norm from the slices' last reads (each at most K updates old)."""
@@ -247,28 +224,6 @@ class StepMonitor:
         if psq is None or len(psq) != n_groups:
             return None
         return [math.sqrt(sum(row)) for row in psq]
-
-    def _attribute_params(self, det: Detection, opt: Any, post_step: int, post_slice: int,
-                          k: int) -> Detection:
-        """Parameters found non-finite before this step while the last update's check read only one
-        slice of them: did that update make them (optimizer, previous step) or were they written
-        between steps (params, this step)? Decided from the optimizer's own numerics, with the reason."""
-        view = self.views.get(id(opt)) if opt is not None else None
-        if view is None:
-            return det
-        bad = nonfinite_tensors(view.groups)
-        unread = [p for p in bad if view.slice_of.get(id(p), post_slice) != post_slice]
-        if not unread:  # the last update's check read them finite: written after it, between steps
-            return det
-        why = update_suspect(opt, unread)
-        d = dict(det.detected, param_check_every=k, last_update_step=post_step)
-        if why is None:
-            d["last_update_unverified"] = [self.names.name_of(p) for p in unread[:20]]
-            return Detection(det.step, det.phase, d, det.info_only)
-        names = [self.names.name_of(p) for p in bad]
-        return Detection(post_step, "optimizer", {"nonfinite_params_after_update": names[:20],
-                                                  "n_bad_params": len(names), "update_suspect": why,
-                                                  "param_check_every": k, "loss": det.detected.get("loss")})
 
     def _dist_reducer(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
         """The distributed flag reducer, if any (cheap when not distributed: two calls)."""
@@ -283,65 +238,11 @@ class StepMonitor:
                 self.dist_auto = False  # one rank, or NANGUARD_DIST=0
         return self.dist_reduce
 
-    def _dist_decide(self, reducer, dev, det: Optional[Detection]) -> Optional[Detection]:
-        """Distributed: every rank returns the same Detection (slow path only: a second collective)."""
-        if reducer is None:
-            return det
-        if not consensus.suspicious(self._dist_flags, reducer.world_size):
-            return det  # no rank saw anything: det is None on every rank
-        return consensus.decide(reducer, det, dev, self._dist_flags)
-
-    def _decide(self, step, opt, groups, loss, loss_ok, data_ok, scale, found_inf, gn, pre_pn,
-                post_pn, post_step, scaler) -> Optional[Detection]:
-        finite = math.isfinite
-        # 1. the previous update made parameters non-finite (read one check late, no extra sync)
-        if post_pn is not None and not all(finite(x) for x in post_pn):
-            bad = self.names.nonfinite_params(groups, roots=False)
-            if bad:
-                return Detection(post_step if post_step is not None else max(step - 1, 0), "optimizer",
-                                 {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)})
-        suspicious = (loss_ok < 1 or data_ok < 1 or not all(finite(x) for x in gn)
-                      or (pre_pn is not None and not all(finite(x) for x in pre_pn)))
-        if not suspicious:
-            if found_inf > 0:  # a GradScaler skip with finite unscaled... cannot happen; be safe
-                return self._scaler_skip(step, scale, {})
-            self._consecutive_skips = 0
-            return None
-        # Slow path: exact checks, only when something already looks wrong.
-        bad_params = self.names.nonfinite_params(groups)
-        if bad_params:
-            return Detection(step, "params", {"nonfinite_params": bad_params[:20],
-                                              "n_bad_params": len(bad_params), "loss": loss})
-        if data_ok < 1:
-            return Detection(step, "data", {"nonfinite_in": list(self._data_where), "loss": loss})
-        if loss_ok < 1:
-            return Detection(step, "forward", {"loss": loss})
-        bad_grads = self.names.nonfinite_grads(groups)
-        if bad_grads:
-            d = {"nonfinite_grads": bad_grads[:20], "n_bad_grads": len(bad_grads), "loss": loss}
-            if scaler is not None and gradscaler.scaler_enabled(scaler):
-                return self._scaler_skip(step, scale, d)
-            return Detection(step, "backward", d)
-        self._consecutive_skips = 0
-        return None  # a norm overflowed, but every element is finite: large, not broken
-
-    def _scaler_skip(self, step: int, scale: float, d: Dict[str, Any]) -> Detection:
-        """GradScaler will skip this step. Warm-up is information; a collapse is a failure."""
-        if not (math.isfinite(scale) and scale > self.config.warmup_loss_scale):
-            self._consecutive_skips += 1
-        d = dict(d, loss_scale=scale, consecutive_skips=self._consecutive_skips)
-        collapsed = (math.isfinite(scale) and scale < self.config.min_loss_scale) or \
-            self._consecutive_skips >= self.config.max_consecutive_skips
-        if collapsed:
-            return Detection(step, "backward", dict(d, loss_scale_collapse=True))
-        return Detection(step, "backward", dict(d, scaler_skip=True), info_only=True)
-
     # ------------------------------------------------------------------ end of step
     def end_step(self, opt: Optional[torch.optim.Optimizer], skipped: bool = False,
                  params: Optional[List[List[torch.Tensor]]] = None) -> None:
         """After the update (or the skip): history, step count, post-update norms (no sync)."""
         key = id(opt) if opt is not None else 0
-        last = self._lasts.pop(key, None)  # per optimizer: several may check before any steps
         if opt is not None:
             step = self.counts.get(key, 0)
             groups = self.views[key].groups if key in self.views else []
@@ -351,32 +252,15 @@ class StepMonitor:
             step = self.backward_steps
             groups = params or []
             lrs = []
-        if last is not None and last.get("opt") is opt:
-            gn = last["gn"]
-            total = math.sqrt(sum(x * x for x in gn)) if all(math.isfinite(x) for x in gn) else float("inf")
-            pn = last["pn"]
-            ptotal = math.sqrt(sum(x * x for x in pn)) if pn and all(math.isfinite(x) for x in pn) else None
-            ratio = None
-            if ptotal and lrs and math.isfinite(lrs[0]) and math.isfinite(total):
-                ratio = lrs[0] * total / ptotal
-            scale = last["scale"]
-            self.history.append(StepRecord(
-                step=step, loss=None if math.isnan(last["loss"]) and self._loss_n == 0 else last["loss"],
-                grad_norm=total, group_grad_norms=list(gn), param_norm=ptotal, update_ratio=ratio,
-                lr=lrs, loss_scale=None if math.isnan(scale) else scale, skipped=skipped))
+        pending = self._lazy_last.pop(key, None)
+        if pending is not None and pending.step == step:  # sync-free: recorded when its values are read
+            pending.end = (lrs, skipped)
+        else:
+            last = self._lasts.pop(key, None)  # per optimizer: several may check before any steps
+            if last is not None and last.get("opt") is opt:
+                self.history.append(step_record(last, step, lrs, skipped, self._loss_n))
         if groups and not skipped:
-            dev = next((g[0].device for g in groups if g), torch.device("cpu"))
-            view = self.views.get(key) if opt is not None else None
-            if view is not None:
-                k, slices, plans = view.k, view.slices, view.slice_plans
-            else:
-                k, slices, plans = 1, [groups], [[NormPlan(g) for g in groups]]
-            c = self._rot.get(key, 0) % k
-            self._rot[key] = c + 1
-            self._pending_post[key] = torch.stack(
-                [planned_norm(g, plan, dev) for g, plan in zip(slices[c], plans[c])])
-            self._pending_step[key] = step
-            self._pending_slice[key] = c
+            self._post_norms(key, opt, groups, step)
         if opt is not None:
             self.counts[key] = step + 1
         else:
@@ -385,6 +269,24 @@ class StepMonitor:
         self._loss_vals, self._loss_marks, self._loss_n = [], [], 0
         self._data_marks, self._data_where = [], []
         self._last = None
+
+    def _post_norms(self, key: int, opt: Any, groups: List[List[torch.Tensor]], step: int) -> None:
+        """The post-update parameter norms of one slice, read at the next check (no sync)."""
+        dev = next((g[0].device for g in groups if g), torch.device("cpu"))
+        view = self.views.get(key) if opt is not None else None
+        if view is not None:
+            k, slices, plans = view.k, view.slices, view.slice_plans
+        else:
+            k, slices, plans = 1, [groups], [[NormPlan(g) for g in groups]]
+        c = self._rot.get(key, 0) % k
+        self._rot[key] = c + 1
+        norms = [planned_norm(g, plan, dev) for g, plan in zip(slices[c], plans[c])]
+        self._pending_post[key] = torch.stack(norms)
+        if any(plan.sharded for plan in plans[c]):
+            self._pending_post_sq[key] = torch.stack(
+                [sharded_square(g, plan, n, dev) for g, plan, n in zip(slices[c], plans[c], norms)])
+        self._pending_step[key] = step
+        self._pending_slice[key] = c
 
     def flush(self) -> Optional[Detection]:
         """At the end of the run: read the last update's pending parameter check."""
@@ -406,5 +308,6 @@ class StepMonitor:
         key = id(opt) if opt is not None else 0
         self._checked[key] = False
         self._lasts.pop(key, None)
+        self._lazy_last.pop(key, None)
         self._loss_vals, self._loss_marks, self._loss_n = [], [], 0
         self._data_marks, self._data_where = [], []

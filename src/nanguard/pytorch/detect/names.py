@@ -8,7 +8,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from .slices import OptimizerView
-from .tensors import is_checkable, nonfinite_tensors
+from .tensors import is_checkable, local, local_finite, nonfinite_tensors
 
 
 class TensorNames:
@@ -56,10 +56,10 @@ class TensorNames:
                 if id(t) in seen:
                     continue
                 seen.add(id(t))
-                if is_checkable(t) and not bool(torch.isfinite(t).all()):
+                if is_checkable(t) and not local_finite(t):
                     out.append(self.name_of(t) if isinstance(t, torch.nn.Parameter) else n)
         return out
 
     def nonfinite_grads(self, groups: Iterable[List[torch.Tensor]]) -> List[str]:
         return [self.name_of(p) for g in groups for p in g
-                if p.grad is not None and is_checkable(p.grad) and not bool(torch.isfinite(p.grad).all())]
+                if p.grad is not None and is_checkable(p.grad) and not local_finite(p.grad)]

@@ -5,6 +5,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .tensors import is_dtensor, local, replication
+
 
 # CPU: float32 tensors at least this large are reduced as rows of _ROW elements (see _norm).
 _ROWS_MIN_NUMEL = 1 << 15
@@ -32,13 +34,28 @@ class NormPlan:
 
     Built once per parameter list, so the per-step norm does no per-tensor shape/dtype tests
     in Python (76 tensors of a small GPT: ~0.2 ms per step saved).
+
+    DTensors (FSDP2) are reduced as this rank's shards (``sharded``); ``rep`` is how many
+    ranks hold each shard (one number for the whole list, or None when it is mixed), so
+    ``norm ** 2 / rep`` summed over the ranks is the global squared norm.
     """
 
-    __slots__ = ("rows", "rest")
+    __slots__ = ("rows", "rest", "sharded", "rep", "parts")
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.rows = [i for i, t in enumerate(tensors) if _rows_ok(t)]
-        self.rest = [i for i, t in enumerate(tensors) if not _rows_ok(t)]
+        self.sharded = any(is_dtensor(t) for t in tensors)
+        loc = [local(t) for t in tensors] if self.sharded else tensors
+        self.rows = [i for i, t in enumerate(loc) if _rows_ok(t)]
+        self.rest = [i for i, t in enumerate(loc) if not _rows_ok(t)]
+        self.rep: Optional[int] = 1
+        self.parts: List[tuple] = []  # mixed replication: (rep, indices) per factor
+        if self.sharded:
+            reps = [replication(t) for t in tensors]
+            if len(set(reps)) == 1:
+                self.rep = reps[0] if reps else 1
+            else:
+                self.rep = None
+                self.parts = [(r, [i for i, x in enumerate(reps) if x == r]) for r in sorted(set(reps))]
 
 
 _STRIDED = torch.strided
@@ -51,7 +68,22 @@ def planned_norm(tensors: Sequence[Optional[torch.Tensor]], plan: NormPlan, dev:
         return _reduce(tensors, plan, dev)
 
 
+def sharded_square(tensors: Sequence[Optional[torch.Tensor]], plan: NormPlan, norm: torch.Tensor,
+                   dev: torch.device) -> torch.Tensor:
+    """This rank's share of the global squared norm of a sharded list (``norm``: its local norm)."""
+    if plan.rep is not None:
+        return norm.float() ** 2 / plan.rep
+    with torch.no_grad():
+        out = torch.zeros((), device=dev)
+        for rep, idx in plan.parts:
+            sub = [tensors[i] for i in idx]
+            out = out + planned_norm(sub, NormPlan(sub), dev).float() ** 2 / rep
+        return out
+
+
 def _reduce(tensors: Sequence[Optional[torch.Tensor]], plan: NormPlan, dev: torch.device) -> torch.Tensor:
+    if plan.sharded:
+        tensors = [None if t is None else local(t) for t in tensors]
     parts: List[torch.Tensor] = []
     rest = [t for t in (tensors[i] for i in plan.rest) if t is not None and t.layout is _STRIDED]
     for i in plan.rows:

@@ -17,7 +17,7 @@ import torch
 
 from ..numerics import rounds_to_zero
 from .norms import NormPlan
-from .tensors import is_checkable
+from .tensors import is_checkable, local_finite
 
 
 # Auto param_check_every: parameters up to this many bytes are all re-read after every update;
@@ -100,7 +100,7 @@ def update_suspect(opt: Any, params: Sequence[torch.Tensor]) -> Optional[str]:
                     return f"hyperparameter {h}={xf} is not finite"
         for p in ps:
             for name, v in (opt.state.get(p) or {}).items():
-                if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and not local_finite(v):
                     return f"optimizer state '{name}' is non-finite"
             eps = g.get("eps")
             if isinstance(eps, (int, float)) and p.is_floating_point() and (eps == 0 or rounds_to_zero(eps, p.dtype)):

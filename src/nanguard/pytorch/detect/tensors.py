@@ -6,6 +6,44 @@ from typing import Any, Iterable, List, Optional, Sequence
 import torch
 
 
+try:  # torch.distributed tensors (FSDP2 parameters and gradients); absent from some builds
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover - torch without distributed
+    _DTensor = None
+
+
+def is_dtensor(t: Any) -> bool:
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def local(t: Any) -> Any:
+    """This rank's shard of a DTensor (FSDP2 parameters and gradients), else ``t`` itself.
+
+    Detection works on local shards only: an op on a DTensor may be a collective, and the
+    checks run on one rank at a time (a slow path that only some ranks take must not
+    start a collective the others never join).
+    """
+    if _DTensor is not None and isinstance(t, _DTensor):
+        return t._local_tensor
+    return t
+
+
+def replication(t: Any) -> int:
+    """How many ranks hold the same shard of DTensor ``t`` (1 for a plain tensor): the product of
+    the mesh sizes along which it is replicated. Summing ``|local|^2 / replication`` over the
+    ranks gives the global squared norm exactly."""
+    if _DTensor is None or not isinstance(t, _DTensor):
+        return 1
+    n = 1
+    try:
+        for size, pl in zip(t.device_mesh.shape, t.placements):
+            if not pl.is_shard():
+                n *= int(size)
+    except Exception:
+        return 1
+    return n
+
+
 def is_checkable(t: Any) -> bool:
     """Float tensors with real storage: what a finiteness check can read."""
     return (isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided
@@ -43,6 +81,7 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
     and a finite min and max bound every element. ``isfinite(t).all()`` materialises
     full-size temporaries instead (on CPU ~10x slower on a 2 MB batch).
     """
+    t = local(t)
     if t.numel() >= _MINMAX_NUMEL and t.device.type in ("cpu", "cuda"):
         try:
             mn, mx = torch.aminmax(t)
@@ -59,6 +98,9 @@ def finite_markers(t: torch.Tensor) -> List[torch.Tensor]:
     element), read with the step's one sync; dtypes/devices without aminmax fall back to
     ``isfinite(t).all()`` turned into 0 (finite) or NaN.
     """
+    t = local(t)
+    if t.numel() == 0:
+        return []
     if t.device.type in ("cpu", "cuda"):
         try:
             return list(torch.aminmax(t))
@@ -79,5 +121,12 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def nonfinite_tensors(groups: Iterable[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
-    """The tensors of ``groups`` holding a NaN or Inf (exact; the slow path only)."""
-    return [p for g in groups for p in g if is_checkable(p) and not bool(torch.isfinite(p).all())]
+    """The tensors of ``groups`` holding a NaN or Inf (exact; the slow path only; a DTensor's
+    own shard, so no rank starts a collective)."""
+    return [p for g in groups for p in g if is_checkable(p) and not local_finite(p)]
+
+
+def local_finite(t: torch.Tensor) -> bool:
+    """Every element of ``t`` (this rank's shard of a DTensor) is finite (exact; one host read)."""
+    t = local(t)
+    return t.numel() == 0 or bool(torch.isfinite(t).all())

@@ -273,6 +273,8 @@ class ModuleTracker:
 
     def register_tree(self, root: torch.nn.Module, overwrite: bool = False) -> None:
         """Module paths (and, when the caller named no parameters, parameter names) under ``root``."""
+        while hasattr(root, "_orig_mod") and type(root).__name__ == "OptimizedModule":
+            root = root._orig_mod  # torch.compile's wrapper: the model's own paths, not "_orig_mod.*"
         try:
             for name, m in root.named_modules(remove_duplicate=False):
                 if overwrite:

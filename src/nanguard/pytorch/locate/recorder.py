@@ -24,6 +24,11 @@ from .result import build_result
 
 __all__ = ["OpRecorder"]
 
+# torch.distributed collectives (FSDP2's all-gather/reduce-scatter, functional collectives): a
+# non-finite output from finite local inputs came from another rank; they are never re-run (a re-run
+# on one rank is a collective the other ranks never join).
+_COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+
 
 class OpRecorder:
     """Record every ATen op of one training step and find where a non-finite value is born.
@@ -290,6 +295,7 @@ class OpRecorder:
         if idx == log.max_records:
             self._notes.append(f"more than {log.max_records} ops: later ops are tracked but not recorded")
         outs, mut_ids = self._outputs(func, args, kwargs, out, foreach)
+        remote = getattr(func, "namespace", None) in _COLLECTIVES
         module = self._modules.current
         api = self._modes.api_stack[-1][0] if self._modes.api_stack else None
         low = False
@@ -308,9 +314,9 @@ class OpRecorder:
         if record:
             log.append(func, name, stage, module, api, scal, any_nf, ins,
                        self._frames.user_frame() if stage == "forward" else None)
-            if low:
+            if low and not remote:
                 log.hold_low_precision(idx, func, args, kwargs, ins)
-            if stage == "forward":
+            if stage == "forward" and not remote:
                 log.hold_forward(idx, name, func, args, kwargs, ins)
             if stage == "optimizer":
                 if not log.opt_ops:
@@ -330,7 +336,9 @@ class OpRecorder:
                 rel = [i for i in ins if not foreach or i[1] is None or i[1] == pos]
                 rel_s = [s for s in scal if not foreach or s[1] is None or s[1] == pos]
                 taint = prov.decide(nan, inf, rel, rel_s, name, t)
-                if taint == "new":
+                if taint == "new" and remote:  # received from another rank
+                    taint = new_const = new_const or prov.new_origin("remote", idx, stage)
+                elif taint == "new":
                     if new_origin is None:
                         new_origin = prov.new_origin("op", idx, stage)
                     taint = new_origin
@@ -346,7 +354,10 @@ class OpRecorder:
         if new_origin is not None:
             self._evidence.describe(new_origin, func, name, args, kwargs, ins, scal, results, stage, module, api,
                                     self._modules.current_type)
-        if new_const is not None:
+        if new_const is not None and new_const.kind == "remote":
+            new_const.detail = {"op": str(func), "name": name, "module": module, "stage": stage,
+                                "collective": True, "note": "received non-finite from another rank"}
+        elif new_const is not None:
             fr = self._frames.user_frame()
             new_const.detail = {"op": str(func), "name": name, "api": api, "module": module, "stage": stage,
                                 "file": fr[0] if fr else None, "line": fr[1] if fr else None,

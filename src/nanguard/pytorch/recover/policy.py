@@ -18,8 +18,14 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from ...core.recovery import RecoveryPolicy as _NeutralPolicy
+from ..detect.tensors import local
 from .actions import TorchActions
+from .forward import ForwardReplayer
 from .loss_scale import scale_loss
+
+# Snapshots (cost-based, nanguard.core.recovery.snapshots): real copies cost at most this share of the
+# training time; the Guard's per-step tier is virtual (replayed forward from the last real one).
+SNAPSHOT_BUDGET = 0.005
 
 
 class RecoveryPolicy(_NeutralPolicy):
@@ -30,6 +36,7 @@ class RecoveryPolicy(_NeutralPolicy):
         super().__init__(*args, **kwargs)
         self._hooks: List[Any] = []  # handles of the hooks an upcast installed downstream
         self._watcher: Any = None
+        self._versions: Optional[List[int]] = None  # the parameters' version counters after the last update
 
     def actions(self, modules: Sequence[torch.nn.Module] = (), optimizers: Sequence[Any] = (), scaler: Any = None,
                 roots: Sequence[torch.nn.Module] = ()) -> TorchActions:
@@ -69,22 +76,43 @@ class RecoveryPolicy(_NeutralPolicy):
     # ---------------------------------------------------------------- Guard adapter
     def bind_guard(self, guard) -> None:
         self.quiet = self.quiet or guard.quiet
+        self.store.adapt(SNAPSHOT_BUDGET, virtual=ForwardReplayer(guard).virtual)
+
+    def ring_size(self) -> int:
+        """Steps the Guard's ring must hold for the virtual snapshots (back to the last real one)."""
+        return self.store.interval() + 2
 
     def before_step(self, guard) -> None:
         step = guard.monitor.steps_watched
         last = guard.monitor.history.last()
+        if self._versions is not None and self._versions != _versions(guard.optimizers):
+            # the parameters were written between steps (the script's own code): the steps in the ring
+            # cannot reproduce that, so this step's snapshot is a real copy
+            self.store.new_trajectory()
         self.maybe_snapshot(step, [guard.model], guard.optimizers, guard.scaler, last.loss if last else None)
 
     def after_step(self, guard) -> None:
-        pass
+        self._versions = _versions(guard.optimizers)
 
     def decide(self, guard, event) -> Optional[str]:
         hist = [h for h in guard.monitor.history.raw_dicts() if h["step"] < event.step]
         rec = self.apply(event, step=event.step, modules=[guard.model], optimizers=guard.optimizers,
                          scaler=guard.scaler, roots=[guard.model], history=hist)
+        if rec:
+            rb = (rec.get("actions") or {}).get("rollback")
+            snap = self.store.at(rb["to_step"]) if rb and "to_step" in rb else None
+            if getattr(snap, "replayed", None) is not None:  # a virtual snapshot: base + steps run again
+                rb.update(virtual=True, base_step=snap.base.step, snapshot_bytes=snap.base.nbytes, **snap.replayed)
+            self.store.new_trajectory()
+            self._versions = None
         return "skip" if rec else None
 
     # ---------------------------------------------------------------- Watcher adapter (nanguard run)
     def attach(self, watcher) -> None:
         watcher.policy = self
         self._watcher = weakref.ref(watcher)
+        self.store.adapt(SNAPSHOT_BUDGET)  # no replay under nanguard run: real copies only
+
+
+def _versions(optimizers) -> List[int]:
+    return [local(p)._version for o in optimizers for g in o.param_groups for p in g["params"]]

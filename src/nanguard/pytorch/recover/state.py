@@ -5,14 +5,15 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..detect.tensors import finite_flag
+from ..detect.tensors import finite_flag, local, local_finite
 
 
 def tensors_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """Every floating/complex tensor with storage is finite (one aminmax pass per large tensor, no
     full-size temporaries)."""
-    return all(bool(finite_flag(v)) for v in tensors
-               if (v.is_floating_point() or v.is_complex()) and v.device.type != "meta")
+    ts = (local(v) for v in tensors)  # DTensors (FSDP2): this rank's shard, no collective
+    return all(bool(finite_flag(v)) for v in ts
+               if (v.is_floating_point() or v.is_complex()) and v.device.type != "meta" and v.numel())
 
 
 def state_finite(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any] = ()) -> bool:
@@ -29,6 +30,6 @@ def optimizer_state_finite(optimizers: Sequence[Any]) -> bool:
     for o in optimizers:
         for st in getattr(o, "state", {}).values():
             for v in (st.values() if isinstance(st, dict) else ()):
-                if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and not local_finite(v):
                     return False
     return True

@@ -1,0 +1,192 @@
+"""Reading a check's values: :func:`decode` turns a :class:`~.gather.Pending` check and its values
+into a :class:`~nanguard.core.events.Detection` (or None).
+
+Read at once (one sync), the slow path (exact per-tensor scans naming the non-finite
+parameters and gradients) runs on the tensors of this very step. Read one or more
+steps later (sync-free mode), those tensors have moved on, so a late read never runs
+the slow path: it answers :data:`REWIND` for anything suspicious and the driver goes
+back to that step and runs it again synchronously (:mod:`nanguard.pytorch.syncfree`).
+The one exception is a GradScaler's ordinary overflow skip (finite loss and batch,
+non-finite gradients, the scaler's ``found_inf`` set), recorded from the values alone.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Union
+
+from ...core.events import Detection
+from ...core.history import StepRecord
+from .. import gradscaler
+from . import consensus
+from .gather import Pending, split_others
+from .slices import update_suspect
+from .tensors import nonfinite_tensors
+
+finite = math.isfinite
+REWIND = "rewind"  # a late read found something: go back to that step and run it synchronously
+
+
+def decode(mon: Any, p: Pending, vals: List[float]) -> Union[None, Detection, str]:
+    """Decode ``vals`` (``p.vec`` read back) and decide; sets the monitor's ``_last`` for the history."""
+    key, G, k = p.key, p.G, p.k
+    if p.lazy:
+        p.skips0 = mon._consecutive_skips
+        if vals and vals[-1] > 0:  # the update gate tripped at this step
+            return REWIND
+        vals = vals[:-1]
+    dist_flags = None
+    if p.reducer is not None:
+        dist_flags, vals = vals[len(vals) - p.n_table:], vals[:len(vals) - p.n_table]
+        mon._dist_flags, mon._dist_width = dist_flags, p.width
+    nl, nlm, nd = p.nl, p.nlm, p.nd
+    loss = sum(vals[:nl]) / nl if nl else float("nan")
+    loss_ok = 1.0 if all(finite(x) for x in vals[:nl + nlm]) else 0.0
+    off = nl + nlm
+    data_ok = 1.0 if all(finite(x) for x in vals[off:off + nd]) else 0.0
+    off += nd
+    scale, found_inf = (vals[off], vals[off + 1]) if p.scaled else (float("nan"), 0.0)
+    off += 2 if p.scaled else 0
+    gn = vals[off:off + G]
+    off += G
+    pre_pn = post_pn = None
+    if p.n_pre:
+        pre_pn, off = vals[off:off + p.n_pre], off + p.n_pre
+    if p.has_post:
+        post_pn, off = vals[off:off + G], off + G
+    others, off = split_others(p, vals, off)
+    if p.n_contrib and dist_flags is not None:  # sharded: the global norms, the same on every rank
+        glob = consensus.global_norms(dist_flags, p.reducer.world_size, p.width)
+        gn, i = glob[:G], G
+        if pre_pn is not None:
+            pre_pn, i = glob[i:i + p.n_pre], i + p.n_pre
+        if post_pn is not None:
+            post_pn = glob[i:i + G]
+    if pre_pn is not None:
+        mon._psq[key] = [[pre_pn[c * G + g] ** 2 for c in range(k)] for g in range(G)]
+    elif post_pn is not None:
+        psq = mon._psq.get(key)
+        if psq is not None and len(psq) == G and p.post_slice < k:
+            for g in range(G):
+                psq[g][p.post_slice] = post_pn[g] ** 2
+    mon._last = dict(loss=loss, gn=gn, pn=mon._group_param_norms(key, G), scale=scale, found_inf=found_inf,
+                     groups=p.groups, opt=p.opt)
+    mon._lasts[key] = mon._last
+    if dist_flags is not None:
+        gl = consensus.global_loss(dist_flags, p.reducer.world_size, p.width)
+        if gl is not None:  # the history keeps the mean loss over ranks: the same on every rank
+            mon._last["loss"] = gl
+
+    for ok, ovals in others.items():
+        if all(finite(x) for x in ovals):
+            continue
+        ogroups = mon.views[ok].groups if ok in mon.views else []
+        bad = mon.names.nonfinite_params(ogroups, roots=False)
+        if bad:
+            ostep = mon._pending_step.pop(ok, 0)
+            mon._pending_post.pop(ok, None)
+            mon._pending_slice.pop(ok, None)
+            return dist_decide(mon, p, Detection(
+                ostep, "optimizer", {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)}))
+
+    det = _decide(mon, p, loss, loss_ok, data_ok, scale, found_inf, gn, pre_pn, post_pn)
+    if isinstance(det, str):
+        return det
+    if det is not None and det.phase == "params" and p.post_step is not None and k > 1:
+        det = _attribute_params(mon, det, p.opt, p.post_step, p.post_slice, k)
+    return dist_decide(mon, p, det)
+
+
+def dist_decide(mon: Any, p: Pending, det: Optional[Detection]) -> Optional[Detection]:
+    """Distributed: every rank returns the same Detection (slow path only: a second collective)."""
+    if p.reducer is None:
+        return det
+    if not consensus.suspicious(mon._dist_flags, p.reducer.world_size, p.width):
+        return det  # no rank saw anything: det is None on every rank
+    return consensus.decide(p.reducer, det, p.dev, mon._dist_flags, p.width)
+
+
+def _decide(mon, p: Pending, loss, loss_ok, data_ok, scale, found_inf, gn, pre_pn, post_pn) -> Optional[Detection]:
+    step, groups, scaler = p.step, p.groups, p.scaler
+    # 1. the previous update made parameters non-finite (read one check late, no extra sync)
+    if post_pn is not None and not all(finite(x) for x in post_pn):
+        bad = mon.names.nonfinite_params(groups, roots=False)
+        if bad:
+            return Detection(p.post_step if p.post_step is not None else max(step - 1, 0), "optimizer",
+                             {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)})
+    suspicious = (loss_ok < 1 or data_ok < 1 or not all(finite(x) for x in gn)
+                  or (pre_pn is not None and not all(finite(x) for x in pre_pn)))
+    if not suspicious:
+        if found_inf > 0:  # a GradScaler skip with finite unscaled... cannot happen; be safe
+            return scaler_skip(mon, step, scale, {})
+        mon._consecutive_skips = 0
+        return None
+    if p.lazy:  # read late: only a GradScaler overflow is decided from the values alone
+        if p.scaled and loss_ok == 1 and data_ok == 1 and (pre_pn is None or all(finite(x) for x in pre_pn)):
+            return scaler_skip(mon, step, scale, {"nonfinite_grads": "not named (read late, sync-free)"})
+        return REWIND
+    # Slow path: exact checks, only when something already looks wrong.
+    bad_params = mon.names.nonfinite_params(groups)
+    if bad_params:
+        return Detection(step, "params", {"nonfinite_params": bad_params[:20],
+                                          "n_bad_params": len(bad_params), "loss": loss})
+    if data_ok < 1:
+        return Detection(step, "data", {"nonfinite_in": list(p.data_where), "loss": loss})
+    if loss_ok < 1:
+        return Detection(step, "forward", {"loss": loss})
+    bad_grads = mon.names.nonfinite_grads(groups)
+    if bad_grads:
+        d = {"nonfinite_grads": bad_grads[:20], "n_bad_grads": len(bad_grads), "loss": loss}
+        if scaler is not None and gradscaler.scaler_enabled(scaler):
+            return scaler_skip(mon, step, scale, d)
+        return Detection(step, "backward", d)
+    mon._consecutive_skips = 0
+    return None  # a norm overflowed, but every element is finite: large, not broken
+
+
+def scaler_skip(mon, step: int, scale: float, d: Dict[str, Any]) -> Detection:
+    """GradScaler will skip this step. Warm-up is information; a collapse is a failure."""
+    cfg = mon.config
+    if not (finite(scale) and scale > cfg.warmup_loss_scale):
+        mon._consecutive_skips += 1
+    d = dict(d, loss_scale=scale, consecutive_skips=mon._consecutive_skips)
+    collapsed = (finite(scale) and scale < cfg.min_loss_scale) or mon._consecutive_skips >= cfg.max_consecutive_skips
+    if collapsed:
+        return Detection(step, "backward", dict(d, loss_scale_collapse=True))
+    return Detection(step, "backward", dict(d, scaler_skip=True), info_only=True)
+
+
+def _attribute_params(mon, det: Detection, opt: Any, post_step: int, post_slice: int, k: int) -> Detection:
+    """Parameters found non-finite before this step while the last update's check read only one
+    slice of them: did that update make them (optimizer, previous step) or were they written
+    between steps (params, this step)? Decided from the optimizer's own numerics, with the reason."""
+    view = mon.views.get(id(opt)) if opt is not None else None
+    if view is None:
+        return det
+    bad = nonfinite_tensors(view.groups)
+    unread = [p for p in bad if view.slice_of.get(id(p), post_slice) != post_slice]
+    if not unread:  # the last update's check read them finite: written after it, between steps
+        return det
+    why = update_suspect(opt, unread)
+    d = dict(det.detected, param_check_every=k, last_update_step=post_step)
+    if why is None:
+        d["last_update_unverified"] = [mon.names.name_of(p) for p in unread[:20]]
+        return Detection(det.step, det.phase, d, det.info_only)
+    names = [mon.names.name_of(p) for p in bad]
+    return Detection(post_step, "optimizer", {"nonfinite_params_after_update": names[:20],
+                                              "n_bad_params": len(names), "update_suspect": why,
+                                              "param_check_every": k, "loss": det.detected.get("loss")})
+
+
+def step_record(last: Dict[str, Any], step: int, lrs: List[float], skipped: bool, loss_n: int) -> StepRecord:
+    """The history record of a decoded step."""
+    gn = last["gn"]
+    total = math.sqrt(sum(x * x for x in gn)) if all(finite(x) for x in gn) else float("inf")
+    pn = last["pn"]
+    ptotal = math.sqrt(sum(x * x for x in pn)) if pn and all(finite(x) for x in pn) else None
+    ratio = None
+    if ptotal and lrs and finite(lrs[0]) and finite(total):
+        ratio = lrs[0] * total / ptotal
+    scale = last["scale"]
+    return StepRecord(step=step, loss=None if math.isnan(last["loss"]) and loss_n == 0 else last["loss"],
+                      grad_norm=total, group_grad_norms=list(gn), param_norm=ptotal, update_ratio=ratio,
+                      lr=lrs, loss_scale=None if math.isnan(scale) else scale, skipped=skipped)
