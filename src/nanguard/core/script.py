@@ -28,7 +28,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from .diagnosis.errors import diagnose_error
+from .diagnosis import diagnose_error
 
 __all__ = ["ScriptOutcome", "Terminated", "run_as_main", "exit_code", "apply_outcome", "print_user_traceback",
            "interruptible", "pending_signal", "restore_signals", "block_outcome"]

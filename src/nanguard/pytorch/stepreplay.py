@@ -78,9 +78,11 @@ class StepReplay:
         # Tensors the step wrote in place before using them (read as written), and whether the calls
         # that built the batch were all recorded: a batch found non-finite is then made by an op.
         self.written: Dict[int, int] = dict(tape.ext_written)
+        self.param_writes: Dict[int, dict] = dict(tape.param_writes)
         self.pre_truncated = tape.pre_truncated
         self.roots, self.optimizers = list(roots), list(optimizers)
         self._backward, self._quiet = backward, quiet
+        self._env: Dict[tuple, torch.Tensor] = {}
         self.needed = self._slice(tape.writers)
         self.problem = self._check(tape.ext_ver)   # None, or why this step cannot be replayed faithfully
 
@@ -120,11 +122,12 @@ class StepReplay:
         return any(not bool(torch.isfinite(t).all()) for t in cand)
 
     def batch(self) -> List[Any]:
-        """The positional arguments of the step's first module call (the model's inputs)."""
-        first = next((e for e in self.entries if e.kind == "module"), None)
+        """The positional arguments of the step's first module call (the model's inputs), as the last
+        :meth:`run` rebuilt them (call it after a run)."""
+        first = next((i for i in self.needed if self.entries[i].kind == "module"), None)
         if first is None:
             return []
-        return list(self._build(first.args, {}, self._externals(None)))
+        return list(self._build(self.entries[first].args, self._env, self._externals(None)))
 
     def rng(self) -> Any:
         """torch's RNG state at the step's first module call (CPU tensor, and (device, CUDA state))."""
@@ -185,6 +188,7 @@ class StepReplay:
 
     def _run_entries(self, rec: Any, ext: List[torch.Tensor]) -> List[torch.Tensor]:
         env: Dict[tuple, torch.Tensor] = {}
+        self._env = env
         losses: List[torch.Tensor] = []
         for i in self.needed:
             e = self.entries[i]

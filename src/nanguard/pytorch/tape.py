@@ -216,6 +216,7 @@ class StepTape:
         self.ext_ver: List[int] = []
         self.ext_written: Dict[int, int] = {}         # external -> the position of its last in-place write
         self.writers: Dict[tuple, List[int]] = {}    # (entry, slot) -> calls that wrote that output in place
+        self.param_writes: Dict[int, dict] = {}      # id(parameter) -> the last recorded in-place write to it
         self._ext_ids: Dict[int, int] = {}
         self._prod: Dict[int, Tuple[Ref, Any]] = {}  # id(tensor) -> (its Ref, weakref)
         self._calls = 0
@@ -427,9 +428,10 @@ class StepTape:
         the loss needs that read the tensor before the write makes the step not replayable, which
         :class:`~nanguard.pytorch.stepreplay.StepReplay` checks)."""
         t = self.ext[i]
-        if t.requires_grad:
-            self._mark(f"an in-place call ({api_name(func)}) wrote a parameter")
-            return
+        if t.requires_grad:  # a parameter written between steps: where, for a params-phase failure
+            fr = self.frames.site_of(sys._getframe(2))[0]
+            self.param_writes[id(t)] = {"api": api_name(func), "file": fr[0] if fr else None,
+                                        "line": fr[1] if fr else None, "function": fr[2] if fr else None}
         self.ext_ver[i] = t._version
         self.ext_written[i] = len(self.entries)
 

@@ -50,7 +50,12 @@ class Localizer:
     def __call__(self, det: Detection) -> Optional[Dict[str, Any]]:
         if det.phase == "eval":
             return self.w.evals.replay(self.recorder)
-        res = self.in_process(det)
+        if det.phase == "params" and det.step == 0 and self.rerun is not None:
+            res = {"method": "replay-tape", "reproduced": False,
+                   "reason": "the parameters were non-finite before the first step: re-running the setup that "
+                             "wrote them is cheap and shows the write"}
+        else:
+            res = self.in_process(det)
         if self.at_once and not res.get("reproduced"):
             return self.fallback(det, res)
         return res
@@ -77,8 +82,10 @@ class Localizer:
                 "the replay did not give back the step's loss bit for bit" if out.get("same_loss") is False
                 else "the non-finite value appeared after backward (e.g. in gradient clipping or code between "
                      "backward and the optimizer step), outside the recorded calls")
-        elif self.bundle and not self.bundle_written:
-            res["bundle"] = self._bundle(det, rep)
+        else:
+            _param_write(loc, rep, self.w)
+            if self.bundle and not self.bundle_written:
+                res["bundle"] = self._bundle(det, rep)
         return res
 
     def fallback(self, det: Detection, first: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -101,6 +108,19 @@ class Localizer:
                                **st)
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}"[:200]}
+
+
+def _param_write(loc: Dict[str, Any], rep: Any, watcher: Any) -> None:
+    """A parameter non-finite before the step that the tape saw written in place (between steps):
+    name the write (its API call and line; the recorder did not see its op)."""
+    pre = loc.get("preexisting") or {}
+    if pre.get("kind") != "param" or pre.get("written_by"):
+        return
+    names = {n: p for r in watcher.monitor.roots for n, p in r.named_parameters()}
+    p = names.get(str(pre.get("name")).split(":", 1)[-1])
+    wb = rep.param_writes.get(id(p)) if p is not None else None
+    if wb is not None:
+        pre["written_by"] = dict(wb, op=wb.get("api"), stage="forward", kind="recorded call")
 
 
 def pre_step_state(watcher: Any) -> Dict[str, Any]:

@@ -11,7 +11,7 @@ the user-facing reason and the fix. Rules live in ``rules/errors.py``::
         return {"category": "batch_of_one", "summary": "...", "fixes": ["..."]}
 
 The first rule (in registration order) whose types and pattern match and whose function returns
-a dict wins; ``diagnose_error`` adds the rule's name.
+a dict wins; ``diagnose_error`` (``engine.py``) runs them and adds the rule's name.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Pattern
 
-__all__ = ["ErrorRule", "error_rule", "diagnose_error", "error_rules"]
+__all__ = ["ErrorRule", "error_rule", "error_rules"]
 
 
 @dataclass
@@ -45,24 +45,5 @@ def error_rule(name: str, pattern: str, types: tuple = ()) -> Callable:
 
 
 def error_rules() -> list:
-    from .rules import errors as _errors  # noqa: F401  (registers the rules; kept out of import time)
+    """The registered rules, in registration order (importing ``rules`` registers them)."""
     return list(_ERROR_RULES)
-
-
-def diagnose_error(err: dict) -> Optional[dict]:
-    """The user-facing reason and fixes for a script error (``{"type", "message", ...}``), or None."""
-    msg = str(err.get("message") or "")
-    for r in error_rules():
-        if r.types and err.get("type") not in r.types:
-            continue
-        m = r.pattern.search(msg)
-        if m is None:
-            continue
-        try:
-            out = r.fn(m, err)
-        except Exception:
-            out = None
-        if out:
-            out["rule"] = r.name
-            return out
-    return None
