@@ -483,7 +483,10 @@ class Watcher:
                         self.monitor.on_batch(batch, where=type(module).__name__ + " input")
             self._guarded(pre)
 
-    def _fwd_post(self, module, args, kwargs, output) -> None:
+    def _fwd_post(self, module, args, *rest) -> None:
+        # (module, args, kwargs, output); torch calls an always_call hook as (module, args, output)
+        # when the forward raised, even when it was registered with kwargs
+        kwargs, output = rest if len(rest) == 2 else ({}, rest[0] if rest else None)
         if self._replaying:
             return
         self._local.depth = max(self._depth() - 1, 0)

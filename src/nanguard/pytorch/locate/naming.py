@@ -7,6 +7,7 @@ import re
 import sys
 import sysconfig
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -304,6 +305,7 @@ class ModuleTracker:
         self._hooks: list[Any] = []
         self._thread: int | None = None
         self.batch_size: int | None = None   # leading dimension of the first top-level call's first tensor
+        self.batch_inputs: list = []          # weak references to that call's batch-shaped tensor arguments
 
     @property
     def current(self) -> str | None:
@@ -368,8 +370,12 @@ class ModuleTracker:
             t = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
             if t is not None:
                 self.batch_size = int(t.shape[0])
+                self.batch_inputs = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor)
+                                     and a.dim() >= 1 and a.shape[0] == self.batch_size]
 
-    def _post(self, mod, args, kwargs, out) -> None:
+    def _post(self, mod, args, *rest) -> None:
+        # (mod, args, kwargs, out); (mod, args, out) when the forward raised (torch's always_call path)
+        kwargs = rest[0] if len(rest) == 2 else None
         if self.switch.armed and self.stack and threading.get_ident() == self._thread:
             if len(self.stack) == 1 and kwargs:   # model(**batch): the batch is in the keyword arguments
                 self._note_batch(tuple(kwargs.values()))

@@ -193,7 +193,8 @@ class OpRecorder:
             with torch._C.DisableTorchFunction(), torch.no_grad():
                 self._names.sync_given()
                 res = build_result(self._notes, self._n_ops, self._sinks, self._prov, self._names, self._log,
-                                   self._evidence, self.data_rows, self._modules.batch_size)
+                                   self._evidence, self.data_rows, self._modules.batch_size,
+                                   [r() for r in self._modules.batch_inputs])
         except Exception as e:
             res = {"reproduced": False, "phase": None, "origin": None, "preexisting": None, "optimizer": None,
                    "facts": {}, "n_ops": self._n_ops, "notes": self._notes + [f"result failed: {e!r}"[:200]]}

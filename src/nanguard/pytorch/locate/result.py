@@ -24,7 +24,8 @@ _OUT_KEYS = ("op", "api", "module", "file", "line", "function", "dtype", "shape"
 
 
 def build_result(notes: list[str], n_ops: int, sinks: Sinks, prov: Provenance, names: Names, log: OpLog,
-                 evidence: Evidence, data_rows: Any = None, batch_size: int | None = None) -> dict:
+                 evidence: Evidence, data_rows: Any = None, batch_size: int | None = None,
+                 batch_inputs: list | None = None) -> dict:
     """Pick the sink that failed (loss, else gradients, else parameters/state after the update), follow
     its earliest real taint to the origin and describe it."""
     notes = list(notes)
@@ -64,7 +65,7 @@ def build_result(notes: list[str], n_ops: int, sinks: Sinks, prov: Provenance, n
         res["phase"] = {"loss": "forward", "grad": "backward", "optimizer": "optimizer"}[sink_kind]
         return res
     if taint.kind == "preexisting":
-        return _preexisting(res, taint, names, data_rows, batch_size)
+        return _preexisting(res, taint, names, data_rows, batch_size, batch_inputs)
     res["phase"] = {"loss": "forward", "grad": "backward", "optimizer": "optimizer"}[sink_kind]
     d = dict(taint.detail or {})
     facts = dict(d.pop("facts", {}) or {})
@@ -106,7 +107,7 @@ def build_result(notes: list[str], n_ops: int, sinks: Sinks, prov: Provenance, n
 
 
 def _preexisting(res: dict, taint: Origin, names: Names, data_rows: Any = None,
-                 batch_size: int | None = None) -> dict:
+                 batch_size: int | None = None, batch_inputs: list | None = None) -> dict:
     t = taint.tref() if taint.tref is not None else None
     if t is not None and taint.pre_kind in ("param", "buffer", "data"):
         pn = names.param_name(t)    # names may have been learnt (or improved) after the first read
@@ -116,6 +117,11 @@ def _preexisting(res: dict, taint: Origin, names: Names, data_rows: Any = None,
     fu = taint.first_use or {}
     is_data = taint.pre_kind == "data"   # batch rows only mean something for data
     samples, source = (_data_rows(t, fu, data_rows, batch_size) if is_data else ([], []))
+    if is_data and not samples:  # e.g. x[3, 5] = nan written into the batch: the batch's own bad rows
+        samples, source, batch_t = _batch_input_rows(batch_inputs or [], data_rows, source)
+        if batch_t is not None and (t is None or t.dim() == 0):  # describe the batch, not the scalar
+            st = N.tensor_stats(batch_t)
+            st["bad_rows"] = samples
     res["preexisting"] = {"kind": taint.pre_kind, "name": taint.name, "samples": samples,
                           "source_rows": source, "stats": st,
                           "rows_in_tensor": st.get("bad_rows", []), "first_use": fu or None,
@@ -223,6 +229,17 @@ def _data_rows(t: Any, fu: dict, data_rows: Any, batch_size: int | None) -> tupl
     if batch_size and first_dim == batch_size:
         return list(fu.get("samples") or []), list(fu.get("source_rows") or [])
     return [], list(fu.get("source_rows") or [])
+
+
+def _batch_input_rows(inputs: list, data_rows: Any, source: list) -> tuple[list, list, Any]:
+    """Bad rows of the model's first batch input that holds non-finite values (and their dataset rows)."""
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and N.is_checkable(t):
+            rows = N.bad_rows(t, limit=20)
+            if rows:
+                idx = data_rows(t) if data_rows is not None else None
+                return rows, ([int(idx[r]) for r in rows if r < len(idx)] if idx else source), t
+    return [], source, None
 
 
 def batch_rows(rows: list, dim0: int | None, batch: int | None) -> tuple[list, str] | None:
