@@ -6,8 +6,8 @@ both the single-process and the worker-process kinds) while a zero-code run is i
 * ``_next_index``: the sampler's indices of each batch, recorded in the main process (the index
   sampler feeds the workers: a worker only ever sees the indices it was sent). With workers, they
   are kept by task number (the batch's ``send_idx``) and matched with the task the iterator returns;
-* ``__next__``: runs with the step tape's function mode and the op recorder paused (``on_begin`` /
-  ``on_end`` callbacks): a batch is data. Tensors that arrive from a worker process are rebuilt from
+* ``__next__``: runs with the step tape's function mode paused (and the op recorder of a re-run,
+  through the ``on_begin`` / ``on_end`` callbacks): a batch is data. Tensors that arrive from a worker process are rebuilt from
   shared memory by ``Tensor.set_``; that is not an op that made their values;
 * ``_reset``: a new epoch (persistent workers included) forgets the previous epoch's indices.
 
@@ -35,8 +35,9 @@ _KEEP = 16  # batches whose tensors stay registered (weakly)
 
 
 class DataHooks:
-    def __init__(self) -> None:
-        self.on_begin: Optional[Callable[[], None]] = None   # before a batch is fetched
+    def __init__(self, tape: Any = None) -> None:
+        self.tape = tape                                       # paused while a batch is fetched
+        self.on_begin: Optional[Callable[[], None]] = None   # observers (the re-run child pauses its recorder)
         self.on_end: Optional[Callable[[], None]] = None     # after (even on StopIteration)
         self._rows: Dict[int, tuple] = {}        # id(tensor) -> (weakref, indices)
         self._order: List[int] = []
@@ -96,6 +97,7 @@ class DataHooks:
             return orig_reset(it, *a, **k)
 
         def __next__(it):
+            paused = hooks.tape.pause() if hooks.tape is not None else False
             if hooks.on_begin is not None:
                 hooks.on_begin()
             try:
@@ -103,6 +105,8 @@ class DataHooks:
             finally:
                 if hooks.on_end is not None:
                     hooks.on_end()
+                if hooks.tape is not None:
+                    hooks.tape.resume(paused)
             if _indexed(it):
                 try:
                     table = it.__dict__.get("_nanguard_idx") or {}

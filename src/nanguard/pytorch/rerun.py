@@ -49,8 +49,8 @@ class RerunChild:
         w.on_optimizer_begin = self.on_optimizer_begin
         w.on_optimizer_end = self.on_optimizer_end
         w.on_detection = self.on_detection
-        w.on_data_begin = self.on_data_begin   # a batch is data: the DataLoader runs unrecorded
-        w.on_data_end = self.on_data_end
+        w.data.on_begin = self.on_data_begin   # a batch is data: the DataLoader runs unrecorded
+        w.data.on_end = self.on_data_end
         self._data_pause: Any = None
 
     def run(self, script: str, args: List[str], rng_file: Optional[str]) -> int:

@@ -37,9 +37,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .distributed import is_distributed
 from .tape import Entry, Ext, Ref, StepTape, rng_now, set_rng, tensor_leaves
 
-__all__ = ["StepReplay", "Changes", "ReplayError"]
+__all__ = ["StepReplay", "Changes", "ReplayError", "replay_of"]
 
 
 class ReplayError(RuntimeError):
@@ -290,3 +291,26 @@ def _unique(ts: List[torch.Tensor]) -> List[torch.Tensor]:
             seen.add(id(t))
             out.append(t)
     return out
+
+
+def replay_of(watcher: Any, step: Optional[int] = None, target: Optional[torch.Tensor] = None) -> tuple:
+    """(StepReplay or None, why not) for a watcher's tape: the step ``step`` (its losses), or the
+    recorded calls that made ``target`` (a value an evaluation read)."""
+    tape = watcher.tape
+    if tape is None:
+        return None, "no step tape (not recorded in this mode)"
+    targets = None
+    if target is not None:
+        ref = tape.ref_of(target)
+        if ref is None:
+            return None, "the value was not made by calls the evaluation tape recorded"
+        targets = [ref]
+    else:
+        why = tape.why_not(step)
+        if why is None and is_distributed():
+            why = "torch.distributed: the ranks re-run the script together"
+        if why is not None:
+            return None, why
+    rep = StepReplay(tape, list(watcher.monitor.roots), watcher.optimizers(), watcher._orig["backward"],
+                     watcher.quiet, targets=targets)
+    return (rep, None) if rep.problem is None else (None, rep.problem)

@@ -44,10 +44,10 @@ from ..core.render.terminal import print_line, render, summary_line
 from ..core.script import apply_outcome, block_outcome
 from .data import DataHooks
 from .detect import StepMonitor, is_checkable, tensors_in
-from .distributed import is_distributed, share_event
+from .distributed import share_event
 from .evalcheck import EvalCheck
 from .gradscaler import scaler_enabled
-from .stepreplay import StepReplay
+from .stepreplay import StepReplay, replay_of
 from .tape import StepTape
 from .zerocode import Localizer, announce, make_report
 
@@ -94,10 +94,7 @@ class Watcher:
         self._first_event: Any = None
         # The step tape (in-process replay), the DataLoader hooks, the evaluation checks.
         self.tape: Optional[StepTape] = StepTape() if tape else None
-        self.data = DataHooks()
-        self.data.on_begin, self.data.on_end = self._data_begin, self._data_end
-        self.on_data_begin: Optional[Callable[[], None]] = None   # observers (the re-run child)
-        self.on_data_end: Optional[Callable[[], None]] = None
+        self.data = DataHooks(self.tape)
         self.evals = EvalCheck(self)
         self.loc_runs: dict = {}        # id(detection) -> how it was localized (at the failing step)
         self.on_event: Optional[Callable[[Detection], None]] = None  # after a failure was handled
@@ -216,7 +213,8 @@ class Watcher:
                 return
             self.detections.append(det)
             raise StopRun(det)
-        if self.localizer is not None and self._should_localize(det):
+        if self.localizer is not None and getattr(self.localizer, "wants", None) is not None \
+                and self.localizer.wants(det):
             loc = self._guarded(lambda: self.localizer(det))
             if loc is not None:
                 self.loc_runs[id(det)] = loc
@@ -228,47 +226,17 @@ class Watcher:
         if self.config.on_nonfinite == "stop" and det.phase != "eval":
             raise StopRun(det)
 
-    def _should_localize(self, det: Detection) -> bool:
-        """The first failure, and later ones that are not consequences of a value let through
-        (parameters made non-finite by an update that warn mode allowed): at most 8 in a run."""
-        if len(self.loc_runs) >= 8:
-            return False
-        first = next((d for d in self.detections if d.phase != "eval"), None)
-        if det.phase == "eval":
-            return not any(d.phase == "eval" for d in self.detections)
-        return first is None or det.phase not in ("params", "optimizer")
-
     # ------------------------------------------------------------------ in-process replay
     def step_replay(self, step: int) -> Optional[StepReplay]:
         """The recorded step ``step`` as a :class:`~nanguard.pytorch.stepreplay.StepReplay`, or None
         (``replay_unavailable`` then says why)."""
-        self.replay_unavailable = "no step tape (not recorded in this mode)"
-        tape = self.tape
-        if tape is None:
-            return None
-        why = tape.why_not(step)
-        if why is None and is_distributed():
-            why = "torch.distributed: the ranks re-run the script together"
-        rep = None
-        if why is None:
-            rep = StepReplay(tape, list(self.monitor.roots), self.optimizers(), self._orig["backward"], self.quiet)
-            why = rep.problem
-        self.replay_unavailable = why
-        return rep if why is None else None
+        rep, self.replay_unavailable = replay_of(self, step=step)
+        return rep
 
     def read_replay(self, t: torch.Tensor) -> Optional[StepReplay]:
-        """The recorded calls that made ``t`` (a value the script read), replayable; or None (see
-        ``replay_unavailable``)."""
-        tape = self.tape
-        ref = tape.ref_of(t) if tape is not None else None
-        if ref is None:
-            self.replay_unavailable = ("the value was not made by calls the evaluation tape recorded" if tape
-                                       is not None else "no step tape (not recorded in this mode)")
-            return None
-        rep = StepReplay(tape, list(self.monitor.roots), self.optimizers(), self._orig["backward"], self.quiet,
-                         targets=[ref])
-        self.replay_unavailable = rep.problem
-        return rep if rep.problem is None else None
+        """The recorded calls that made ``t`` (a value the script read), replayable; or None."""
+        rep, self.replay_unavailable = replay_of(self, target=t)
+        return rep
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
@@ -278,18 +246,6 @@ class Watcher:
             yield
         finally:
             self._replaying = prev
-
-    # ------------------------------------------------------------------ DataLoader
-    def _data_begin(self) -> None:
-        self._data_paused = self.tape.pause() if self.tape is not None else False
-        if self.on_data_begin is not None:
-            self.on_data_begin()
-
-    def _data_end(self) -> None:
-        if self.on_data_end is not None:
-            self.on_data_end()
-        if self.tape is not None:
-            self.tape.resume(getattr(self, "_data_paused", False))
 
     def _recover(self, det: Detection, opt: Any) -> bool:
         """Diagnose ``det`` and let the policy act. True when the run may go on."""

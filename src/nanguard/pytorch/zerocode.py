@@ -47,6 +47,18 @@ class Localizer:
         self.w, self.rerun, self.bundle, self.config, self.at_once = watcher, rerun, bundle, config or {}, at_once
         self.bundle_written = False
 
+    def wants(self, det: Detection) -> bool:
+        """Localize at the failing step: the first failure (and the first evaluation failure), and later
+        ones that are not consequences of a value let through (parameters or optimizer state made
+        non-finite by an update warn mode allowed); at most 8 in a run (each costs about one step)."""
+        done = self.w.loc_runs
+        if len(done) >= 8:
+            return False
+        if det.phase == "eval":
+            return not any(d.phase == "eval" for d in self.w.detections)
+        first = next((d for d in self.w.detections if d.phase != "eval"), None)
+        return first is None or det.phase not in ("params", "optimizer")
+
     def __call__(self, det: Detection) -> Optional[Dict[str, Any]]:
         if det.phase == "eval":
             return self.w.evals.replay(self.recorder)
