@@ -48,6 +48,7 @@ _MAX_DEPTH = 4
 # Calls that end the loss region (the Tensor.backward wrapper closes it; these must not be recorded).
 _NOT_RECORDED = {"backward", "grad", "register_hook", "retain_grad", "__del__"}
 _OFF_AFTER = 3  # consecutive over-budget steps after which the tape turns itself off
+_PLAIN = frozenset({int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device})
 
 
 class Ref:
@@ -77,14 +78,12 @@ class Entry:
         self.kind, self.fn, self.args, self.kwargs, self.site = kind, fn, args, kwargs, site
         self.grad = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
-        self.autocast = _autocast_state()
+        self.autocast = _autocast_state() if torch._C._is_any_autocast_enabled() else None
         self.rng: Any = None
         self.loss: Optional[List[torch.Tensor]] = None
 
 
 def _autocast_state() -> Optional[Tuple]:
-    if not torch._C._is_any_autocast_enabled():
-        return None
     out = []
     for dev in ("cpu", "cuda"):
         try:
@@ -120,6 +119,8 @@ def set_rng(st: Tuple[torch.Tensor, Any]) -> None:
 def tensor_leaves(obj: Any, out: Optional[list] = None, depth: int = 0) -> list:
     """The tensors inside an output (tensors, lists, tuples, dicts incl. model-output dicts), in order."""
     if out is None:
+        if isinstance(obj, torch.Tensor):
+            return [obj]
         out = []
     if isinstance(obj, torch.Tensor):
         out.append(obj)
@@ -141,24 +142,45 @@ def _inplace(fn: Any, kwargs: dict) -> bool:
             or kwargs.get("out") is not None)
 
 
-def _run_here(func: Any, args: tuple, kwargs: dict, frames: Frames) -> Any:
-    """Run a recorded call; a warning it raises (``std(): degrees of freedom is <= 0``) is shown at
-    the user's line that made the call, as without nanguard, not at this frame."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = func(*args, **kwargs)
-    if caught:
-        user = frames.site_of(sys._getframe(2))[0]
-        for w in caught:
-            if user is not None:
-                g = sys._getframe(2)
-                while g is not None and g.f_code.co_filename != user[0]:
-                    g = g.f_back
-                registry = g.f_globals.setdefault("__warningregistry__", {}) if g is not None else None
-                warnings.warn_explicit(w.message, w.category, user[0], user[1], registry=registry)
-            else:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return out
+class _UserWarnings:
+    """While a recorded call runs, a warning it raises (``std(): degrees of freedom is <= 0``) is shown
+    at the user's line that made the call, as without nanguard, not at the mode handler's frame: the
+    warning machinery's ``showwarning`` is swapped for the call (one attribute write each way)."""
+
+    def __init__(self, frames: Frames) -> None:
+        self.frames = frames
+        self.orig: Any = None
+
+    def show(self, message, category, filename, lineno, file=None, line=None) -> None:
+        warnings.showwarning = self.orig   # re-emitted once, with the user's location and registry
+        try:
+            user = self.frames.site_of(sys._getframe(1))[0]
+            if user is None or file is not None:
+                self.orig(message, category, filename, lineno, file, line)
+                return
+            g = sys._getframe(1)
+            while g is not None and g.f_code.co_filename != user[0]:
+                g = g.f_back
+            registry = g.f_globals.setdefault("__warningregistry__", {}) if g is not None else None
+            warnings.warn_explicit(message, category, user[0], user[1], registry=registry)
+        finally:
+            warnings.showwarning = self.show
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        self.orig, warnings.showwarning = warnings.showwarning, self.show
+        try:
+            return func(*args, **kwargs)
+        finally:
+            warnings.showwarning = self.orig
+
+
+_RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "exponential", "gumbel",
+           "random", "poisson", "cauchy", "geometric", "shuffle", "perm", "sample")
+
+
+def _random(name: str) -> bool:
+    """A call that may draw from torch's RNG (its state is kept, so a replay draws the same numbers)."""
+    return any(r in name for r in _RANDOM)
 
 
 class _TapeMode(TorchFunctionMode):
@@ -178,6 +200,7 @@ class StepTape:
     def __init__(self, max_entries: int = 256, max_calls: int = 256, max_pre_calls: int = 64) -> None:
         self.max_entries, self.max_calls, self.max_pre_calls = max_entries, max_calls, max_pre_calls
         self.frames = Frames()
+        self._warn = _UserWarnings(self.frames)
         self.mode = _TapeMode(self)
         self.enabled = True
         self.off_reason: Optional[str] = None   # why the tape turned itself off for the run
@@ -220,6 +243,7 @@ class StepTape:
         self._ext_ids: Dict[int, int] = {}
         self._prod: Dict[int, Tuple[Ref, Any]] = {}  # id(tensor) -> (its Ref, weakref)
         self._calls = 0
+        self._rng_dirty = True
         self.incomplete = None
 
     def eval_reset(self) -> None:
@@ -303,6 +327,7 @@ class StepTape:
 
     def resume(self, was: bool) -> None:
         if was:
+            self._rng_dirty = True  # what ran unrecorded (a sampler) may have drawn random numbers
             self.open()
 
     # ------------------------------------------------------------------ templates
@@ -319,13 +344,15 @@ class StepTape:
         return n[0]
 
     def _template(self, obj: Any, new: Dict[int, tuple], depth: int = 0) -> Any:
+        t = type(obj)
+        if t in _PLAIN:
+            return obj
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, new)
         if depth >= _MAX_DEPTH:
             return obj
-        t = type(obj)
         if t is tuple or t is list:
-            return t(self._template(o, new, depth + 1) for o in obj)
+            return t([self._template(o, new, depth + 1) for o in obj])
         if t is dict:
             return {k: self._template(v, new, depth + 1) for k, v in obj.items()}
         return obj
@@ -379,11 +406,13 @@ class StepTape:
         if idx is not None:
             self.trained = self.trained or e.grad
             self._register(idx, tensor_leaves(output))
+            self._rng_dirty = False   # the replayed module call draws what the call drew
             self.open()
 
     def call(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """The mode handler: run the call, record it when it makes or writes a tensor."""
-        if not self._pushed or not self.recording or getattr(func, "__name__", "") in _NOT_RECORDED:
+        name = getattr(func, "__name__", "")
+        if not self._pushed or not self.recording or name in _NOT_RECORDED or name.startswith("_record_function"):
             return func(*args, **kwargs)
         self._calls += 1  # every call the handler sees counts against the budget (its cost is ours)
         if self.trained:
@@ -403,8 +432,9 @@ class StepTape:
         inplace = _inplace(func, kwargs)
         new: Dict[int, tuple] = {}
         targs, tkw = self._template(args, new), (self._template(kwargs, new) if kwargs else {})
-        rng = rng_now()  # each call replays from its own RNG state: calls left out do not shift it
-        out = _run_here(func, args, kwargs, self.frames)
+        # the RNG state before the first call of a region, and before any call that may draw from it
+        rng = rng_now() if (self._rng_dirty or _random(name)) else None
+        out = self._warn.run(func, args, kwargs)
         leaves = tensor_leaves(out)
         if not leaves and not inplace:
             return out
@@ -415,6 +445,7 @@ class StepTape:
             return out
         e = Entry("call", func, targs, tkw, self.frames.site_of(sys._getframe(1)))
         e.rng = rng
+        self._rng_dirty = False
         idx = self._add(e)
         if idx is not None:
             if isinstance(target, Ref):  # x[mask] = 0: readers of x need this call too
