@@ -7,8 +7,9 @@ both the single-process and the worker-process kinds) while a zero-code run is i
   sampler feeds the workers: a worker only ever sees the indices it was sent). With workers, they
   are kept by task number (the batch's ``send_idx``) and matched with the task the iterator returns;
 * ``__next__``: runs with the step tape's function mode paused (and the op recorder of a re-run,
-  through the ``on_begin`` / ``on_end`` callbacks): a batch is data. Tensors that arrive from a worker process are rebuilt from
-  shared memory by ``Tensor.set_``; that is not an op that made their values;
+  through the ``on_begin`` / ``on_end`` callbacks): a batch is data. Tensors that arrive from a
+  worker process are rebuilt from shared memory by ``Tensor.set_``; that is not an op that made
+  their values;
 * ``_reset``: a new epoch (persistent workers included) forgets the previous epoch's indices.
 
 After each batch, the batch's tensors whose first dimension is the number of indices are

@@ -149,6 +149,5 @@ def diagnose_error(err: dict) -> dict | None:
         except Exception:
             out = None
         if out:
-            out["rule"] = r.name
-            return out
+            return {"category": r.category, **out, "rule": r.name}
     return None

@@ -6,9 +6,11 @@ known (BatchNorm given a batch of one sample in training, a matrix product whose
 match because the data changed width, a backward through a freed graph...), a rule turns it into
 the user-facing reason and the fix. Rules live in ``rules/errors.py``::
 
-    @error_rule("batch_of_one", r"Expected more than 1 value per channel when training", types=("ValueError",))
+    @error_rule("batch_of_one", r"Expected more than 1 value per channel when training", types=("ValueError",),
+                category="batch_of_one")
     def _bn_batch_of_one(m, err) -> dict | None:     # m: the regex match on the message; err: the error dict
-        return {"category": "batch_of_one", "summary": "...", "fixes": ["..."]}
+        # (its docstring is the rule's line in docs/CATEGORIES.md)
+        return {"summary": "...", "fixes": ["..."]}
 
 The first rule (in registration order) whose types and pattern match and whose function returns
 a dict wins; ``diagnose_error`` (``engine.py``) runs them and adds the rule's name.
@@ -27,19 +29,20 @@ class ErrorRule:
     name: str
     pattern: Pattern[str]
     types: tuple
+    category: str
     fn: Callable[[Any, dict], Optional[dict]]
 
 
 _ERROR_RULES: list = []
 
 
-def error_rule(name: str, pattern: str, types: tuple = ()) -> Callable:
-    """Register ``fn(match, err) -> {category, summary, fixes} | None`` for errors whose type name is
-    in ``types`` (any type when empty) and whose message matches ``pattern``."""
+def error_rule(name: str, pattern: str, types: tuple = (), category: str = "script_error") -> Callable:
+    """Register ``fn(match, err) -> {summary, fixes} | None`` for errors whose type name is in ``types``
+    (any type when empty) and whose message matches ``pattern``; its cause is ``category``."""
     def deco(fn: Callable) -> Callable:
         if any(r.name == name for r in _ERROR_RULES):
             raise ValueError(f"error rule {name!r} is already registered")
-        _ERROR_RULES.append(ErrorRule(name, re.compile(pattern), tuple(types), fn))
+        _ERROR_RULES.append(ErrorRule(name, re.compile(pattern), tuple(types), category, fn))
         return fn
     return deco
 

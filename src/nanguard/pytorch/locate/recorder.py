@@ -341,6 +341,8 @@ class OpRecorder:
                 rel = [i for i in ins if not foreach or i[1] is None or i[1] == pos]
                 rel_s = [s for s in scal if not foreach or s[1] is None or s[1] == pos]
                 taint = prov.decide(nan, inf, rel, rel_s, name, t)
+                if taint == "new" and name == "set" and not any(isinstance(a, torch.Tensor) for a in args[1:2]):
+                    taint = prov.arrived(t, nan, inf)  # rebuilt from a storage (another process): data
                 if taint == "new":
                     if new_origin is None:
                         new_origin = prov.new_origin("op", idx, stage)
