@@ -510,14 +510,16 @@ def test_watch_context_healthy_and_failing(tmp_path):
     assert load_report(tmp_path / "ok.json")["status"] == "clean"
 
     model, opt = make("sgd")
+    bad = (d[3][0].clone(), d[3][1])  # a bad sample in the data (a NaN feature), made before training
+    bad[0][5, 1] = float("nan")
     with nanguard.watch(report=str(tmp_path / "bad.json"), quiet=True) as w:  # default: warn
         for i, b in enumerate(d):
-            if i == 3:
-                b = (b[0].clone().fill_(float("-inf")), b[1])
-            plain_step(model, opt, b, mse(model))
+            plain_step(model, opt, bad if i == 3 else b, mse(model))
     rep = load_report(tmp_path / "bad.json")
     assert rep["status"] == "nonfinite"
-    assert (rep["events"][0]["step"], rep["events"][0]["phase"]) == (3, "data")
+    ev = rep["events"][0]
+    assert (ev["step"], ev["phase"], ev["cause"]["category"]) == (3, "data", "bad_input_data")
+    assert ev["localization"]["method_kind"] == "replay-tape" and ev["localization"]["reproduced"]
     assert rep["steps_watched"] == 6
 
 

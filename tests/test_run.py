@@ -705,7 +705,11 @@ def test_script_exception_shows_its_traceback_and_exits_1(tmp_path, capsys):
     assert "Traceback" in err and "ValueError: boom at step 2" in err
     assert f'File "{script}"' in err  # the user's frame is shown...
     assert "runpy" not in err and "cli.py" not in err  # ...not nanguard's
-    assert rep["status"] == "clean" and rep["steps_watched"] == 2
+    # an honest status (issue 17): the script crashed, with what and where
+    assert rep["status"] == "script_error" and rep["steps_watched"] == 2
+    se = rep["script_error"]
+    assert se["type"] == "ValueError" and se["message"] == "boom at step 2" and se["step"] == 2
+    assert se["file"] == script and isinstance(se["line"], int)
 
 
 @pytest.mark.parametrize("stmt,expected", [("sys.exit(5)", 5), ("sys.exit(0)", 0), ("sys.exit()", 0),
@@ -723,7 +727,8 @@ def test_keyboard_interrupt_exits_130_with_report(tmp_path, capsys):
     script = write(tmp_path, loop_script(before_forward="raise KeyboardInterrupt"))
     code, rep = run_ng(tmp_path, script, [4])
     assert code == 130
-    assert rep["steps_watched"] == 4 and rep["status"] == "clean"
+    assert rep["steps_watched"] == 4 and rep["status"] == "interrupted"
+    assert rep["interrupted"]["signal"] == "SIGINT" and rep["interrupted"]["exit_status"] == 130
     assert "interrupted" in capsys.readouterr().err
 
 

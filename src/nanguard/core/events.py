@@ -44,13 +44,19 @@ class Event:
     detected: Dict[str, Any] = field(default_factory=dict)  # what the per-step check saw
     localization: Optional[Dict[str, Any]] = None  # how the origin was found
     rank: Optional[int] = None
+    # A recurrence of an earlier event (the same cause again, or a consequence of a value let through
+    # in warn mode): the step of that event, how many failing steps this record stands for, the last.
+    recurrence_of: Optional[int] = None
+    count: Optional[int] = None
+    last_step: Optional[int] = None
 
     def as_dict(self) -> Dict[str, Any]:
         d = {"step": self.step, "phase": self.phase, "origin": self.origin, "cause": self.cause,
              "fixes": list(self.fixes), "recovery": self.recovery, "detected": self.detected,
              "localization": self.localization}
-        if self.rank is not None:
-            d["rank"] = self.rank
+        for k in ("rank", "recurrence_of", "count", "last_step"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
         return json_safe(d)
 
     @classmethod
@@ -74,15 +80,25 @@ class Report:
     scaler_skips: int = 0
     history: List[Dict[str, Any]] = field(default_factory=list)
     extra: Dict[str, Any] = field(default_factory=dict)
+    # How the script ended when it did not finish: an uncaught exception (type, message, file, line,
+    # step, and a diagnosis when a rule knows the error), or a signal (SIGTERM/SIGINT).
+    script_error: Optional[Dict[str, Any]] = None
+    interrupted: Optional[Dict[str, Any]] = None
 
     @property
     def status(self) -> str:
-        if not self.events:
-            return "clean"
+        """``nonfinite`` (a failure that was not recovered), ``script_error`` (the script raised),
+        ``interrupted`` (SIGTERM/SIGINT), ``recovered``, or ``clean``."""
         failures = [e for e in self.events if e.recovery is None]
-        if not failures and all((e.recovery or {}).get("ok") for e in self.events):
+        if failures:
+            return "nonfinite"
+        if self.script_error:
+            return "script_error"
+        if self.interrupted:
+            return "interrupted"
+        if self.events and all((e.recovery or {}).get("ok") for e in self.events):
             return "recovered"
-        return "nonfinite"
+        return "nonfinite" if self.events else "clean"
 
     @property
     def first(self) -> Optional[Event]:
@@ -93,10 +109,15 @@ class Report:
              "nanguard_version": __version__, "counting": self.counting,
              "steps_watched": self.steps_watched, "max_grad_norm": self.max_grad_norm,
              "scaler_skips": self.scaler_skips, "info": self.info, "history": self.history}
+        if self.script_error:
+            d["script_error"] = self.script_error
+        if self.interrupted:
+            d["interrupted"] = self.interrupted
         d.update(self.extra)
         return json_safe(d)
 
-    _FIELDS = ("counting", "steps_watched", "max_grad_norm", "scaler_skips", "info", "history")
+    _FIELDS = ("counting", "steps_watched", "max_grad_norm", "scaler_skips", "info", "history", "script_error",
+               "interrupted")
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Report":

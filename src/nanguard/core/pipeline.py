@@ -72,16 +72,24 @@ def _origin(loc: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return out
 
 
+_VERBS = {"rerun": "re-ran the script to step {step}",
+          "replay-tape": "replayed step {step} in-process from the step tape (no re-run of the script)",
+          "replay-eval": "replayed the failing evaluation call in-process"}
+
+
 def _describe_localization(det: Detection, loc_run: Optional[Dict[str, Any]], reproduced: bool) -> Dict[str, Any]:
     if loc_run is None:
         return {"method": None, "reproduced": None, "note": "no replay was run"}
     how = loc_run.get("method", "replay")
     d: Dict[str, Any] = {"method_kind": how, "reproduced": reproduced,
                          "seconds": loc_run.get("seconds")}
+    if loc_run.get("fallback_from"):  # the in-process replay could not be used: why
+        d["fallback_from"] = loc_run["fallback_from"]
     if reproduced:
-        verb = "re-ran the script to" if how == "rerun" else "replayed"
-        d["method"] = (f"{verb} step {det.step} under op-level instrumentation (forward, backward and "
-                       f"optimizer ops), reproduced")
+        verb = _VERBS.get(how, "replayed step {step}").format(step=det.step)
+        d["method"] = f"{verb} under op-level instrumentation (forward, backward and optimizer ops), reproduced"
+        if (loc_run.get("fallback_from") or {}).get("reason"):
+            d["method"] += f"; the in-process replay was not used: {loc_run['fallback_from']['reason']}"
     else:
         why = loc_run.get("reason") or loc_run.get("error") or "no non-finite value appeared"
         d["method"] = (f"tried to replay step {det.step} under op-level instrumentation: could not reproduce "
@@ -103,10 +111,54 @@ def recurrence_event(det: Detection, first: Event, history: Sequence[dict],
         cause["confidence"] = round(float(cause.get("confidence") or 0) * 0.8, 3)
         cause["evidence"] = {"same_as_step": first.step, "detected": det.detected}
         return Event(step=det.step, phase=det.phase, origin=first.origin, cause=cause, fixes=list(first.fixes),
-                     detected=det.detected, rank=getattr(det, "rank", None),
+                     detected=det.detected, rank=getattr(det, "rank", None), recurrence_of=first.step, count=1,
                      localization={"method": f"not replayed: same phase as the failure at step {first.step}, "
                                              f"assumed to be its recurrence", "reproduced": None})
     return build_event(det, None, history, context)
+
+
+def consequence_event(det: Detection, first: Event) -> Event:
+    """A later failure that follows from the first one (warn mode let its non-finite values through):
+    a recurrence of the first event, not a new cause."""
+    cause = {"category": (first.cause or {}).get("category", "other"),
+             "summary": (f"a consequence of the failure at step {first.step}: its non-finite values were let "
+                         f"through (on non-finite: warn) and reached the {det.phase} of this step"),
+             "confidence": round(float((first.cause or {}).get("confidence") or 0) * 0.9, 3),
+             "evidence": {"same_as_step": first.step, "detected": det.detected}}
+    return Event(step=det.step, phase=det.phase, origin=first.origin, cause=cause, fixes=list(first.fixes),
+                 detected=det.detected, rank=getattr(det, "rank", None), recurrence_of=first.step, count=1,
+                 localization={"method": f"not replayed: a consequence of the failure at step {first.step}",
+                               "reproduced": None})
+
+
+def same_cause(a: Event, b: Event) -> bool:
+    """The same diagnosis: category, origin op and line (or the same pre-existing tensor)."""
+    oa, ob = a.origin or {}, b.origin or {}
+    keys = ("op", "file", "line", "tensor")
+    return ((a.cause or {}).get("category") == (b.cause or {}).get("category")
+            and all(oa.get(k) == ob.get(k) for k in keys))
+
+
+def as_recurrence(ev: Event, first: Event) -> Event:
+    """``ev`` (diagnosed on its own) has the same cause as ``first``: mark it as its recurrence."""
+    ev.recurrence_of, ev.count = first.step, 1
+    ev.cause = dict(ev.cause or {})
+    ev.cause.setdefault("evidence", {})["same_as_step"] = first.step
+    return ev
+
+
+def fold_recurrences(events: Sequence[Event]) -> list:
+    """Merge runs of recurrences of the same event with the same phase into one (counted) record."""
+    out: list = []
+    for ev in events:
+        prev = out[-1] if out else None
+        if (prev is not None and ev.recurrence_of is not None and ev.recovery is None and prev.recovery is None
+                and prev.recurrence_of == ev.recurrence_of and prev.phase == ev.phase):
+            prev.count = (prev.count or 1) + (ev.count or 1)
+            prev.last_step = ev.last_step if ev.last_step is not None else ev.step
+            continue
+        out.append(ev)
+    return out
 
 
 def _same_params(det: Detection, first: Event) -> bool:

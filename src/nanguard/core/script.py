@@ -1,33 +1,66 @@
-"""Running a user's training script as ``__main__`` and mapping how it ended to an exit status.
+"""Running a user's training script as ``__main__`` and mapping how it ended to a status.
 
 Shared by the backends' ``nanguard run`` runners (:mod:`nanguard.pytorch.run`,
-:mod:`nanguard.tensorflow.run`), so both treat ``sys.exit``, Ctrl-C, crashes and nanguard's own
-stop the same way.
+:mod:`nanguard.tensorflow.run`), so both treat ``sys.exit``, Ctrl-C, SIGTERM, crashes and
+nanguard's own stop the same way, and every run ends with an honest status in its report:
+
+* ``sys.exit(c)``: the script's own exit status;
+* an uncaught exception (``SyntaxError`` included): exit status 1, ``"status": "script_error"`` with
+  the exception's type, message, the user's file and line, the step, and a diagnosis when a rule
+  knows the error (:mod:`nanguard.core.diagnosis.errors`);
+* SIGTERM (what Slurm and Kubernetes send on preemption) and SIGINT (Ctrl-C): raised through the
+  script as :class:`Terminated` / ``KeyboardInterrupt``, so the report (and the repro bundle, if
+  one is due) is written, then exit status 143 / 130 (128 + the signal number), ``"status":
+  "interrupted"`` unless a failure was found. A signal that comes while the report is written is
+  remembered (it cuts a localization re-run short) and gives the exit status; the runner calls
+  :func:`restore_signals` at its end.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
+import signal
 import sys
+import sysconfig
+import threading
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+from .diagnosis import diagnose_error
+
+__all__ = ["ScriptOutcome", "Terminated", "run_as_main", "exit_code", "apply_outcome", "print_user_traceback",
+           "interruptible", "pending_signal", "restore_signals", "block_outcome"]
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised through the user's script (a BaseException, like KeyboardInterrupt)."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(f"terminated by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 @dataclass
 class ScriptOutcome:
     """How the script ended: ``code`` is its own exit status (0, its ``sys.exit`` code, 1 for an
-    uncaught exception, 130 for Ctrl-C); ``stopped`` is True when nanguard stopped it."""
+    uncaught exception, 130 / 143 for SIGINT / SIGTERM); ``stopped`` is True when nanguard stopped it;
+    ``error``: the uncaught exception (not SystemExit / stop / signal), ``error_info`` its description;
+    ``signal``: "SIGTERM" or "SIGINT" when a signal ended it."""
 
     code: int = 0
     stopped: bool = False
-    error: Optional[BaseException] = None  # the uncaught exception, if any (not SystemExit / stop)
+    error: Optional[BaseException] = None
+    error_info: Optional[Dict[str, Any]] = None
+    signal: Optional[str] = None
 
 
 def run_as_main(script: str, args: List[str], is_stop: Callable[[BaseException], bool]) -> ScriptOutcome:
     """Run ``script`` as ``python SCRIPT ARGS`` would (its folder first on ``sys.path``, ``sys.argv``
     set as given), restoring both afterwards. ``is_stop(exc)`` says whether an exception is nanguard's
-    own stop."""
+    own stop. SIGTERM and SIGINT are turned into exceptions while it runs (main thread only), and
+    ignored after it ended until the caller exits (see the module docstring)."""
     script_abs = os.path.abspath(script)
     old_argv = sys.argv
     folder = os.path.dirname(script_abs)
@@ -35,18 +68,22 @@ def run_as_main(script: str, args: List[str], is_stop: Callable[[BaseException],
     sys.path.insert(0, folder)
     out = ScriptOutcome()
     try:
-        runpy.run_path(script_abs, run_name="__main__")
+        with _signals_raise():
+            runpy.run_path(script_abs, run_name="__main__")
     except BaseException as e:  # noqa: B902 - sorted below
         if is_stop(e):
             out.stopped = True
         elif isinstance(e, SystemExit):
             out.code = exit_code(e.code)
-        elif isinstance(e, KeyboardInterrupt):
-            print("nanguard: interrupted (Ctrl-C); writing the report", file=sys.stderr)
-            out.code = 130
+        elif isinstance(e, (KeyboardInterrupt, Terminated)):
+            signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+            out.signal = signal.Signals(signum).name
+            print(f"nanguard: interrupted ({out.signal}); writing the report", file=sys.stderr)
+            out.code = 128 + int(signum)
         else:
             print_user_traceback(script_abs)
             out.code, out.error = 1, e
+            out.error_info = describe_error(e, script_abs)
     finally:
         sys.argv = old_argv
         if sys.path and sys.path[0] == folder:
@@ -57,6 +94,89 @@ def run_as_main(script: str, args: List[str], is_stop: Callable[[BaseException],
             except ValueError:
                 pass
     return out
+
+
+class _Signals:
+    """SIGTERM/SIGINT handling around a script run (main thread only).
+
+    While the script runs, a signal raises (:class:`Terminated` / ``KeyboardInterrupt``) through it.
+    After it ended, while nanguard writes the report, a signal is remembered (``pending``) and raised
+    only inside :func:`interruptible` (waiting for the localization re-run, which it then cuts short).
+    :func:`restore_signals` puts the previous handlers back. SIGINT is handled also when it was
+    ignored (a background job of a shell script), so that ``kill -INT`` ends the run with a report."""
+
+    def __init__(self) -> None:
+        self.old: Dict[int, Any] = {}
+        self.raising = False
+        self.pending: Optional[int] = None
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread() or self.old:
+            return
+        for s in (signal.SIGTERM, signal.SIGINT):
+            self.old[s] = signal.getsignal(s)
+            signal.signal(s, self.handler)
+
+    def handler(self, signum, frame) -> None:
+        if not self.raising:
+            if self.pending is None:
+                self.pending = signum
+            return
+        self.raising = False  # one signal asks to stop: later ones wait for the report
+        if self.pending is None:
+            self.pending = signum
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated(signum)
+
+    def restore(self) -> None:
+        for s, h in self.old.items():
+            try:
+                signal.signal(s, h if h is not None else signal.SIG_DFL)
+            except (ValueError, TypeError):
+                pass
+        self.old = {}
+        self.raising = False
+        self.pending = None
+
+
+_SIGNALS = _Signals()
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    _SIGNALS.install()
+    _SIGNALS.pending = None
+    _SIGNALS.raising = True
+    try:
+        yield
+    finally:
+        _SIGNALS.raising = False
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """A signal received after the script ended (or during this block) raises inside this block."""
+    if _SIGNALS.pending is not None:
+        sig = _SIGNALS.pending
+        if sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated(sig)
+    prev, _SIGNALS.raising = _SIGNALS.raising, bool(_SIGNALS.old)
+    try:
+        yield
+    finally:
+        _SIGNALS.raising = prev
+
+
+def pending_signal() -> Optional[int]:
+    """The signal received since the script started, if any (it ended the script, or came after)."""
+    return _SIGNALS.pending
+
+
+def restore_signals() -> None:
+    """Put back the signal handlers the process had before :func:`run_as_main`."""
+    _SIGNALS.restore()
 
 
 def exit_code(c: Any) -> int:
@@ -75,3 +195,68 @@ def print_user_traceback(script_abs: str) -> None:
     while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != script_abs:
         tb = tb.tb_next
     traceback.print_exception(etype, value, tb)
+
+
+def _library_dirs() -> tuple:
+    dirs = {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # nanguard itself
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        try:
+            dirs.add(sysconfig.get_paths()[key])
+        except Exception:
+            pass
+    return tuple(os.path.realpath(d) for d in dirs if d)
+
+
+def describe_error(e: BaseException, script_abs: str) -> Dict[str, Any]:
+    """Type, message, the user's file/line/function (the innermost frame outside installed packages
+    and the standard library; for a SyntaxError its own location) and where it was raised."""
+    d: Dict[str, Any] = {"type": type(e).__name__, "message": str(e)[:2000]}
+    if isinstance(e, SyntaxError):
+        d.update(file=e.filename, line=e.lineno, function=None, offset=e.offset,
+                 text=(e.text or "").rstrip("\n")[:300] or None)
+        d["message"] = e.msg
+        return d
+    lib = _library_dirs()
+    frames = traceback.extract_tb(e.__traceback__)
+    user = None
+    for fr in frames:
+        real = os.path.realpath(fr.filename)
+        if not fr.filename.startswith("<") and "site-packages" not in real and "dist-packages" not in real \
+                and not any(real == p or real.startswith(p + os.sep) for p in lib):
+            user = fr
+    if user is not None:
+        d.update(file=user.filename, line=user.lineno, function=user.name, text=(user.line or None))
+    if frames:
+        last = frames[-1]
+        if user is None or (last.filename, last.lineno) != (user.filename, user.lineno):
+            d["raised_in"] = {"file": last.filename, "line": last.lineno, "function": last.name}
+    return d
+
+
+def block_outcome(e: BaseException) -> ScriptOutcome:
+    """How a watched block (``with nanguard.watch():``) ended when it raised ``e``."""
+    out = ScriptOutcome(code=1)
+    if isinstance(e, (KeyboardInterrupt, Terminated)):
+        signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+        out.signal, out.code = signal.Signals(signum).name, 128 + int(signum)
+    elif isinstance(e, SystemExit):
+        out.code = exit_code(e.code)
+    else:
+        frames = traceback.extract_tb(e.__traceback__)
+        out.error = e
+        out.error_info = describe_error(e, frames[0].filename if frames else "")
+    return out
+
+
+def apply_outcome(report: Any, outcome: ScriptOutcome, step: Optional[int] = None) -> None:
+    """Record on ``report`` (a :class:`~nanguard.core.events.Report`) how the script ended."""
+    if outcome.error_info is not None:
+        err = dict(outcome.error_info)
+        if step is not None:
+            err["step"] = step
+        dx = diagnose_error(err)
+        if dx is not None:
+            err["diagnosis"] = dx
+        report.script_error = err
+    if outcome.signal is not None:
+        report.interrupted = {"signal": outcome.signal, "exit_status": outcome.code, "step": step}

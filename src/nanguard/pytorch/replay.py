@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..core.script import interruptible
 from .distributed import is_origin, local_replay, rerun_env
 from .locate import OpRecorder
 from .rng import capture_rng, restore_rng
@@ -36,13 +37,13 @@ from .rng import capture_rng, restore_rng
 # --------------------------------------------------------------------------- the recorder
 
 
-def make_recorder(roots, optimizers, named_params=None, named_buffers=None):
-    """Build an OpRecorder for the given modules/optimizers."""
+def make_recorder(roots, optimizers, named_params=None, named_buffers=None, data_rows=None):
+    """Build an OpRecorder for the given modules/optimizers (``data_rows``: see OpRecorder)."""
     params: Dict[str, torch.Tensor] = {} if named_params is None else named_params
     buffers: Dict[str, torch.Tensor] = {} if named_buffers is None else named_buffers
     fill_names(params, buffers, roots, optimizers)
     return OpRecorder(named_params=params, named_buffers=buffers, roots=list(roots),
-                      optimizers=list(optimizers))
+                      optimizers=list(optimizers), data_rows=data_rows)
 
 
 def fill_names(params: Dict[str, torch.Tensor], buffers: Dict[str, torch.Tensor], roots, optimizers) -> None:
@@ -135,7 +136,7 @@ def rerun_localize(script: str, argv: List[str], step: int, rng_file: Optional[s
         env.update(extra_env or {})  # torch.distributed: the children's own rendezvous (pytorch.distributed)
         src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        with open(errf, "w") as ef:
+        with open(errf, "w") as ef, interruptible():  # SIGTERM/Ctrl-C now stops the child, not the report
             p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=ef, stdin=subprocess.DEVNULL,
                                timeout=timeout, cwd=os.getcwd(), env=env)
         res["returncode"] = p.returncode

@@ -26,8 +26,9 @@ from ..core.config import GuardConfig
 from ..core.events import Detection
 from .bundle import save_bundle
 from .replay import CHILD_CONFIG_KEYS, fill_names, make_recorder
-from .rng import capture_rng, restore_rng
+from .rng import restore_rng
 from .watch import Watcher
+from .zerocode import pre_step_state
 
 class RerunChild:
     """Re-runs the script up to the failing step ``step`` and records that step's ops."""
@@ -48,6 +49,9 @@ class RerunChild:
         w.on_optimizer_begin = self.on_optimizer_begin
         w.on_optimizer_end = self.on_optimizer_end
         w.on_detection = self.on_detection
+        w.data.on_begin = self.on_data_begin   # a batch is data: the DataLoader runs unrecorded
+        w.data.on_end = self.on_data_end
+        self._data_pause: Any = None
 
     def run(self, script: str, args: List[str], rng_file: Optional[str]) -> int:
         if rng_file:
@@ -71,10 +75,10 @@ class RerunChild:
         N = self.step
         if step == N and self.rec is None:
             if self.bundle:
-                self.pre = _pre_step_state(self.watcher)
+                self.pre = pre_step_state(self.watcher)
             try:
                 rec = make_recorder(list(self.watcher.monitor.roots), self.watcher.optimizers(), self.params,
-                                    self.buffers)
+                                    self.buffers, data_rows=self.watcher.data.rows_of)
                 rec.start()
                 rec.set_stage("forward")
                 self.rec, self.t_arm = rec, time.time()
@@ -82,6 +86,16 @@ class RerunChild:
                 self.dump({"reproduced": None, "error": f"could not arm the recorder: {type(e).__name__}: {e}"})
         elif step > N + 1:
             self.dump({"reproduced": False, "reason": f"step {N} ran again without a non-finite value"})
+
+    def on_data_begin(self) -> None:
+        if self.rec is not None and self._data_pause is None:
+            self._data_pause = self.rec.paused()
+            self._data_pause.__enter__()
+
+    def on_data_end(self) -> None:
+        if self._data_pause is not None:
+            p, self._data_pause = self._data_pause, None
+            p.__exit__(None, None, None)
 
     def on_backward_begin(self, ts: List[torch.Tensor]) -> None:
         rec = self.rec
@@ -151,18 +165,6 @@ class RerunChild:
         os.replace(tmp, self.out)
         sys.stdout.flush()
         os._exit(0)
-
-
-def _pre_step_state(watcher: Watcher) -> Dict[str, Any]:
-    """Model/optimizer/scaler/RNG state at the start of the failing step (for the repro bundle)."""
-    roots = list(watcher.monitor.roots)
-    model_state: Dict[str, torch.Tensor] = {}
-    for r in roots:
-        prefix = (type(r).__name__ + ":") if len(roots) > 1 else ""
-        model_state.update({prefix + k: v.detach().clone() for k, v in r.state_dict().items()})
-    scaler = watcher.scalers[0] if watcher.scalers else None
-    return {"model_state": model_state, "optimizer_states": [o.state_dict() for o in watcher.optimizers()],
-            "scaler_state": scaler.state_dict() if scaler is not None else None, "rng": capture_rng()}
 
 
 def main(argv: List[str]) -> int:

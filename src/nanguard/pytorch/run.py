@@ -1,8 +1,13 @@
 """``nanguard run`` for PyTorch scripts: run the script as ``__main__`` under the global hooks and report.
 
 Exit status: the script's own when nanguard did not stop it (0, the ``sys.exit``
-code, 1 for an uncaught exception, 130 for Ctrl-C); ``3`` when nanguard stopped
-the run at a non-finite value; ``2`` for a usage error (no such script).
+code, 1 for an uncaught exception, 130 / 143 for SIGINT / SIGTERM); ``3`` when nanguard
+stopped the run at a non-finite value; ``2`` for a usage error (no such script).
+
+A failure is localized at the failing step, in-process, from the step tape (about one
+instrumented step whatever the step number); when the tape cannot replay that step, by
+re-running the script up to it (at the end of the run; at once under ``--recover``). See
+:mod:`nanguard.pytorch.zerocode`.
 """
 from __future__ import annotations
 
@@ -14,19 +19,18 @@ from typing import Any, List, Optional
 import torch
 
 from ..core.config import GuardConfig
-from ..core.events import Report
 from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
-from ..core.pipeline import build_event
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
-from ..core.script import run_as_main
+from ..core.script import apply_outcome, pending_signal, restore_signals, run_as_main
 from .bundle import default_bundle_path
-from .distributed import barrier, is_main, report_extra, share_event
+from .distributed import barrier, is_main
 from .recover import RecoveryPolicy
 from .replay import CHILD_CONFIG_KEYS, rerun_localize_all
 from .rng import capture_rng
 from .tensorboard import TensorBoardLogger
 from .watch import StopRun, Watcher
+from .zerocode import Localizer, announce, make_report
 
 
 def run_torch_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
@@ -58,13 +62,21 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
     if recover:
         policy = RecoveryPolicy.from_spec(recover)
         policy.quiet = policy.quiet or not is_main()
-    watcher = Watcher(config)
+    # NANGUARD_TAPE=0: no step tape (every failure is localized by re-running the script; for comparisons)
+    watcher = Watcher(config, tape=localize and os.environ.get("NANGUARD_TAPE", "1") != "0")
+    cfg = child_config(config)
+
+    def rerun(det):
+        return rerun_localize_all(det, script_abs, list(args), rng_file, cfg,
+                                  bundle=None if localizer.bundle_written else bundle)
+
+    localizer = Localizer(watcher, rerun=rerun, bundle=bundle, config=cfg, at_once=policy is not None)
+    if localize:
+        watcher.localizer = localizer
     if policy is not None:
         policy.attach(watcher)
-        cfg = child_config(config)
-        if localize:
-            watcher.localizer = lambda det: rerun_localize_all(det, script_abs, list(args), rng_file, cfg,
-                                                               bundle=bundle)
+    if not quiet and on_nonfinite == "warn" and policy is None:
+        watcher.on_event = lambda det: announce(watcher, det)
     tb = None
     if tensorboard:
         tb = TensorBoardLogger.attach_to(watcher.monitor, tensorboard)
@@ -80,7 +92,8 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
     code, stopped = outcome.code, outcome.stopped
     try:
         watcher.finish()
-        report = _make_report(watcher, script_abs, args, rng_file, localize, config, policy, bundle)
+        report = make_report(watcher, localizer, policy, localize=localize and outcome.signal is None)
+        apply_outcome(report, outcome, step=watcher.monitor.steps_watched)
         if tb is not None:
             tb.log_report(report)
             tb.close()
@@ -101,12 +114,16 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
             raise
         print(f"nanguard: could not build the report: {type(e).__name__}: {e}", file=sys.stderr)
     finally:
+        late = pending_signal()
+        restore_signals()
         try:
             os.unlink(rng_file)
         except OSError:
             pass
     if stopped:
         return EXIT_NONFINITE
+    if outcome.signal is None and late is not None:  # a signal while the report was written
+        return 128 + int(late)
     return code
 
 
@@ -115,59 +132,7 @@ def child_config(config: Any) -> dict:
     return {k: getattr(config, k) for k in CHILD_CONFIG_KEYS}
 
 
-def _make_report(watcher, script_abs, args, rng_file, localize, config, policy, bundle=None):
-    mon = watcher.monitor
-    report = Report(counting=mon.counting, steps_watched=mon.steps_watched,
-                    max_grad_norm=mon.history.max_grad_norm if len(mon.history) else None,
-                    scaler_skips=sum(1 for d in watcher.info if d.detected.get("scaler_skip")),
-                    history=mon.history.as_dicts())
-    report.info = [{"step": d.step, "phase": d.phase, **d.detected} for d in watcher.info][:200]
-    history = mon.history.raw_dicts()
-    events = list(policy.events) if policy is not None else []
-    failures = [d for d in watcher.detections]
-    # torch.distributed: eval events are per rank; the first training failure is the same on every rank
-    first_train = next((d for d in failures if d.phase != "eval"), None)
-    for i, det in enumerate(failures):
-        if det.event is not None:  # already diagnosed during the run (recovery mode)
-            events.append(det.event)
-            continue
-        loc_run = None
-        if (i == 0 or (det is first_train and det.rank is not None)) and localize and det.phase != "eval":
-            cfg = child_config(config)
-            loc_run = rerun_localize_all(det, script_abs, list(args), rng_file, cfg, bundle=bundle)
-        hist = [h for h in history if h["step"] < det.step]
-        events.append(share_event(build_event(det, loc_run, hist, _context(watcher)), det.rank))
-    events.sort(key=lambda e: (e.step, e.recovery is not None))
-    report.events = events
-    if watcher.dropped_events:
-        report.extra["dropped_events"] = watcher.dropped_events
-    report_extra(report)
-    if watcher.disabled:  # a clean status would otherwise hide that nothing was checked after this
-        report.extra["guard_disabled"] = watcher.error or True
-    return report
-
-
-def _context(watcher) -> dict:
-    mon = watcher.monitor
-    ctx: dict = {"scaler": bool(watcher.scalers), "counting": mon.counting}
-    for v in mon.views.values():
-        opt = v.opt_ref()
-        if opt is None:
-            continue
-        ctx.setdefault("optimizer", type(opt).__name__)
-        g = opt.param_groups[0]
-        ctx.setdefault("lr", [gg.get("lr") for gg in opt.param_groups if not hasattr(gg.get("lr"), "shape")])
-        if "eps" in g:
-            ctx.setdefault("eps", g["eps"])
-        ps = v.all_params()
-        if ps:
-            ctx.setdefault("dtype", str(ps[0].dtype).replace("torch.", ""))
-    return ctx
-
-
 def _print_outcome(report, report_path) -> None:
-    if report.status == "clean":
-        print_line(summary_line(report))
-        return
-    render(report, report_path)
+    if report.events or report.script_error:
+        render(report, report_path)
     print_line(summary_line(report))

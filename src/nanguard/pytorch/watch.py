@@ -37,13 +37,19 @@ from torch.amp.grad_scaler import OptState
 from torch.nn.modules import module as torch_module
 
 from ..core.config import GuardConfig
-from ..core.events import Detection, Report
+from ..core.events import Detection
 from ..core.pipeline import build_event, recurrence_event
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
-from .detect import StepMonitor, all_finite, is_checkable, tensors_in
+from ..core.script import apply_outcome, block_outcome
+from .data import DataHooks
+from .detect import StepMonitor, is_checkable, tensors_in
 from .distributed import share_event
+from .evalcheck import EvalCheck
 from .gradscaler import scaler_enabled
+from .stepreplay import StepReplay, replay_of
+from .tape import StepTape
+from .zerocode import Localizer, announce, make_report
 
 
 class StopRun(BaseException):
@@ -58,7 +64,9 @@ class Watcher:
     """Global hooks driving a :class:`StepMonitor` for code nanguard cannot see into."""
 
     def __init__(self, config: Optional[GuardConfig] = None,
-                 on_detection: Optional[Callable[[Detection, Any], None]] = None) -> None:
+                 on_detection: Optional[Callable[[Detection, Any], None]] = None, tape: bool = False) -> None:
+        """``tape``: keep a :class:`~nanguard.pytorch.tape.StepTape` of each step, so that a failing
+        step can be replayed in-process (:meth:`step_replay`)."""
         self.config = config or GuardConfig()
         self.monitor = StepMonitor(self.config)
         self.on_detection = on_detection
@@ -84,6 +92,14 @@ class Watcher:
         self.localizer: Optional[Callable[[Detection], Any]] = None
         self._skip_current: set = set()
         self._first_event: Any = None
+        # The step tape (in-process replay), the DataLoader hooks, the evaluation checks.
+        self.tape: Optional[StepTape] = StepTape() if tape else None
+        self.data = DataHooks(self.tape)
+        self.evals = EvalCheck(self)
+        self.loc_runs: dict = {}        # id(detection) -> how it was localized (at the failing step)
+        self.on_event: Optional[Callable[[Detection], None]] = None  # after a failure was handled
+        self._replaying = False
+        self._busy = 0
 
     # ------------------------------------------------------------------ install / uninstall
     def __enter__(self) -> "Watcher":
@@ -131,8 +147,13 @@ class Watcher:
             torch_optimizer.register_optimizer_step_pre_hook(self._opt_pre),
             torch_optimizer.register_optimizer_step_post_hook(self._opt_post),
             torch_module.register_module_forward_pre_hook(self._fwd_pre),
-            torch_module.register_module_forward_hook(self._fwd_post, always_call=True),
+            torch_module.register_module_forward_hook(self._fwd_post, always_call=True, with_kwargs=True),
         ]
+        self.data.install()
+        if self.tape is not None:
+            self.tape.install()
+            self.tape.reset(0)  # the script's start is step 0's "before the first module call"
+        self.evals.install()
         if self.on_step_start is not None:
             self.on_step_start(0)
 
@@ -146,13 +167,23 @@ class Watcher:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.data.uninstall()
+        if self.tape is not None:
+            self.tape.uninstall()
+        self.evals.uninstall()
         self._installed = False
 
     # ------------------------------------------------------------------ safety
+    @property
+    def busy(self) -> bool:
+        """nanguard's own code is running (a check, a replay): values it reads are not the script's."""
+        return self._busy > 0 or self._replaying
+
     def _guarded(self, fn: Callable[[], Any]) -> Any:
         """Run guard code; on an internal error warn once and disable (unless strict)."""
         if self.disabled:
             return None
+        self._busy += 1
         try:
             return fn()
         except StopRun:
@@ -165,6 +196,8 @@ class Watcher:
             warnings.warn(f"nanguard: internal error, guard disabled for the rest of the run: "
                           f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
             return None
+        finally:
+            self._busy -= 1
 
     def _handle(self, det: Optional[Detection], opt: Any) -> None:
         if det is None:
@@ -180,11 +213,39 @@ class Watcher:
                 return
             self.detections.append(det)
             raise StopRun(det)
+        if self.localizer is not None and getattr(self.localizer, "wants", None) is not None \
+                and self.localizer.wants(det):
+            loc = self._guarded(lambda: self.localizer(det))
+            if loc is not None:
+                self.loc_runs[id(det)] = loc
         self.detections.append(det)
         if self.on_detection is not None:
             self.on_detection(det, opt)
+        if self.on_event is not None:
+            self._guarded(lambda: self.on_event(det))
         if self.config.on_nonfinite == "stop" and det.phase != "eval":
             raise StopRun(det)
+
+    # ------------------------------------------------------------------ in-process replay
+    def step_replay(self, step: int) -> Optional[StepReplay]:
+        """The recorded step ``step`` as a :class:`~nanguard.pytorch.stepreplay.StepReplay`, or None
+        (``replay_unavailable`` then says why)."""
+        rep, self.replay_unavailable = replay_of(self, step=step)
+        return rep
+
+    def read_replay(self, t: torch.Tensor) -> Optional[StepReplay]:
+        """The recorded calls that made ``t`` (a value the script read), replayable; or None."""
+        rep, self.replay_unavailable = replay_of(self, target=t)
+        return rep
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """The watcher's hooks do nothing inside (an in-process replay runs the step's calls again)."""
+        prev, self._replaying = self._replaying, True
+        try:
+            yield
+        finally:
+            self._replaying = prev
 
     def _recover(self, det: Detection, opt: Any) -> bool:
         """Diagnose ``det`` and let the policy act. True when the run may go on."""
@@ -232,8 +293,10 @@ class Watcher:
         return getattr(self._local, "scaler_depth", 0) > 0
 
     def _opt_pre(self, opt, args, kwargs) -> None:
-        if self._in_scaler():
+        if self._in_scaler() or self._replaying:
             return
+        if self.tape is not None:
+            self.tape.close()
         if self._snap_due is not None:  # a step with no module forward and no backward
             self._guarded(self._take_due_snapshot)
         if self.on_optimizer_begin is not None:
@@ -247,7 +310,7 @@ class Watcher:
                 self._skip_current.add(id(opt))
 
     def _opt_post(self, opt, args, kwargs) -> None:
-        if self._in_scaler():
+        if self._in_scaler() or self._replaying:
             return
         skipped = id(opt) in self._skip_current
         self._skip_current.discard(id(opt))
@@ -256,14 +319,18 @@ class Watcher:
         self._step_started(opt)
 
     def _step_started(self, opt: Any) -> None:
+        if self.tape is not None:
+            self.tape.reset(self.monitor.step_of(opt))
         if self.on_optimizer_end is not None:  # e.g. a GAN: the other model's forward comes next
             self.on_optimizer_end()
         if self.on_step_start is not None:
             self.on_step_start(self.monitor.step_of(opt))
 
     def _scaler_step(self, orig, scaler, optimizer, a, k):
-        if self.disabled or not scaler_enabled(scaler):
+        if self.disabled or self._replaying or not scaler_enabled(scaler):
             return orig(scaler, optimizer, *a, **k)
+        if self.tape is not None:
+            self.tape.close()
         if scaler not in self.scalers:
             self.scalers.append(scaler)
         self._guarded(lambda: self.monitor.add_optimizer(optimizer, late=True))
@@ -299,10 +366,13 @@ class Watcher:
 
     # ------------------------------------------------------------------ backward
     def _backward(self, orig, tensors, a, k):
-        if self.disabled:
+        if self.disabled or self._replaying:
             return orig(tensors, *a, **k)
         ts = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in (tensors or [])
                                                                     if isinstance(t, torch.Tensor)]
+        if self.tape is not None:
+            tape = self.tape
+            self._guarded(lambda: tape.before_backward(ts, a, k))
         if self._snap_due is not None:
             self._guarded(self._take_due_snapshot)
         self._guarded(lambda: self.monitor.on_backward(self._unscaled(ts)))
@@ -349,11 +419,16 @@ class Watcher:
         return getattr(self._local, "depth", 0)
 
     def _fwd_pre(self, module, args) -> None:
+        if self._replaying:
+            return
         d = self._depth()
         self._local.depth = d + 1
         if d == 0 and not self.disabled and not _in_backward():
             # (activation checkpointing re-runs blocks inside backward: not a new root, not a batch)
             def pre():
+                if self.tape is not None:
+                    self.tape.root_pre(module, args)
+                self.evals.root_pre(module, args)
                 self.monitor.add_root(module)
                 if self._snap_due is not None and torch.is_grad_enabled() and module.training:
                     self._take_due_snapshot()  # the state the next training step starts from
@@ -364,25 +439,21 @@ class Watcher:
                         self.monitor.on_batch(batch, where=type(module).__name__ + " input")
             self._guarded(pre)
 
-    def _fwd_post(self, module, args, output) -> None:
+    def _fwd_post(self, module, args, *rest) -> None:
+        # (module, args, kwargs, output); torch calls an always_call hook as (module, args, output)
+        # when the forward raised, even when it was registered with kwargs
+        kwargs, output = rest if len(rest) == 2 else ({}, rest[0] if rest else None)
+        if self._replaying:
+            return
         self._local.depth = max(self._depth() - 1, 0)
-        if self._depth() == 0 and not self.disabled and (
-                not torch.is_grad_enabled() or not module.training):
-            det = self._guarded(lambda: self._eval_check(module, output))
+        if self._depth() != 0 or self.disabled or _in_backward():
+            return
+        if not torch.is_grad_enabled() or not module.training:
+            det = self._guarded(lambda: self.evals.output(module, args, kwargs, output))
             self._handle(det, None)
-
-    def _eval_check(self, module, output) -> Optional[Detection]:
-        ts = tensors_in(output)
-        flag = all_finite(ts)
-        if flag is None or bool(flag):
-            return None
-        nan = sum(int(torch.isnan(t).sum()) for t in ts if is_checkable(t))
-        inf = sum(int(torch.isinf(t).sum()) for t in ts if is_checkable(t))
-        bad_params = self.monitor.names.nonfinite_params([[p for p in module.parameters() if is_checkable(p)]])
-        return Detection(self.monitor.steps_watched, "eval",
-                         {"module": type(module).__name__, "output_nan": nan, "output_inf": inf,
-                          "nonfinite_params": bad_params[:20], "grad_enabled": torch.is_grad_enabled(),
-                          "training": module.training})
+        if self.tape is not None:
+            tape = self.tape
+            self._guarded(lambda: tape.root_post(module, kwargs, output))
 
     # ------------------------------------------------------------------ end of run
     def finish(self) -> None:
@@ -428,30 +499,36 @@ def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "w
           strict: bool = False, quiet: bool = False, html: Optional[str] = "auto") -> Iterator[Watcher]:
     """Watch every optimizer, module and GradScaler used inside the block (the hooks of ``nanguard run``).
 
-    No replay is possible here (nanguard cannot call your inline step again):
-    events carry the step, phase and what the check saw; use :class:`~nanguard.Guard` or
-    ``nanguard run`` for the origin op. Yields the :class:`~nanguard.Watcher`.
+    A failing step is replayed in-process from the step tape (:mod:`nanguard.pytorch.stepreplay`),
+    at the failing step: one line on stderr then says what failed, where and why; the full report
+    (JSON, panel, HTML) is written when the block ends. A step the tape cannot replay has no origin
+    op (the event's ``localization.reason`` says why): outside ``nanguard run`` nanguard cannot re-run
+    your script. Yields the :class:`~nanguard.Watcher`.
     """
-    w = Watcher(GuardConfig(on_nonfinite=on_nonfinite, strict=strict))
+    w = Watcher(GuardConfig(on_nonfinite=on_nonfinite, strict=strict), tape=True)
+    loc = Localizer(w)
+    w.localizer = loc
+    if not quiet:
+        w.on_event = lambda det: announce(w, det)
     w.install()
+    error: Optional[BaseException] = None
     try:
         yield w
+    except BaseException as e:  # recorded in the report, then raised on
+        error = e
+        raise
     finally:
         w.uninstall()
         w.finish()
-        mon = w.monitor
-        rep = Report(counting=mon.counting, steps_watched=mon.steps_watched,
-                     max_grad_norm=mon.history.max_grad_norm if len(mon.history) else None,
-                     scaler_skips=sum(1 for d in w.info if d.detected.get("scaler_skip")),
-                     history=mon.history.as_dicts())
-        rep.events = [build_event(d, None, [h for h in mon.history.raw_dicts() if h["step"] < d.step], {})
-                      for d in w.detections]
+        rep = make_report(w, loc)
+        if error is not None and not isinstance(error, (StopRun, GeneratorExit)):
+            apply_outcome(rep, block_outcome(error), step=w.monitor.steps_watched)
         w.report = rep
         if report:
             rep.write(report)
         page = write_run_html(rep, report, html)
         if not quiet:
-            if rep.status != "clean":
+            if rep.events or rep.script_error:
                 render(rep, report)
             print_line(summary_line(rep))
             if page:

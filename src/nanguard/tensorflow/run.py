@@ -21,7 +21,7 @@ from ..core.config import GuardConfig
 from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line
-from ..core.script import run_as_main
+from ..core.script import apply_outcome, pending_signal, restore_signals, run_as_main
 
 _TF_MODULES = ("tensorflow", "keras")
 
@@ -122,6 +122,7 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
             report = empty_report()
         else:
             report = drv.make_report(run_seconds=time.time() - t0)
+        apply_outcome(report, outcome, step=report.steps_watched)  # script_error / interrupted (core.script)
         if report_path:
             report.write(report_path)
         page = write_run_html(report, report_path, html)
@@ -134,8 +135,13 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
         if strict:
             raise
         print(f"nanguard: could not build the report: {type(e).__name__}: {e}", file=sys.stderr)
+    finally:
+        late = pending_signal()
+        restore_signals()
     if stopped or (drv is not None and drv.stopped):
         return EXIT_NONFINITE
+    if outcome.signal is None and late is not None:  # a signal while the report was written
+        return 128 + int(late)
     return code
 
 

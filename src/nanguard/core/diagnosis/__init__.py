@@ -16,7 +16,7 @@ locations in sentences), ``categories`` (the category table), ``docs`` (docs/CAT
 from __future__ import annotations
 
 from .categories import CATEGORIES
-from .engine import diagnose
+from .engine import diagnose, diagnose_error
 from .signals import history_signals
 
-__all__ = ["diagnose", "CATEGORIES", "history_signals"]
+__all__ = ["diagnose", "diagnose_error", "CATEGORIES", "history_signals"]

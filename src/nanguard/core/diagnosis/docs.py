@@ -8,6 +8,7 @@ from __future__ import annotations
 from . import families as F
 from .categories import CATEGORIES
 from .engine import mechanism  # noqa: F401  (imports every rule module: the registry is complete)
+from .errors import error_rules
 
 __all__ = ["categories_markdown"]
 
@@ -84,6 +85,15 @@ def categories_markdown() -> str:
         aten_ops = _ops(f.ops) if f.ops else "names containing " + " or ".join(f"'{s}'" for s in f.name_contains)
         lines.append(f"| `{f.name}` | {aten_ops} | {_ops(f.tf_ops)} | {_cell(_where(f))} | {_ops(f.evidence)} | "
                      f"{_ops({c for r in f.rules for c in r.categories})} |")
+    lines += ["", "## Script errors", "",
+              "A script that raises is reported `\"status\": \"script_error\"` with the exception's type, message, "
+              "file, line and step (`script_error` in the JSON report). When the error is a well-known one, a rule "
+              "of `nanguard/core/diagnosis/rules/errors.py` adds the reason and the fixes "
+              "(`script_error.diagnosis`, with its own category):", "",
+              "| rule | exceptions | category | reason |", "|---|---|---|---|"]
+    for r in error_rules():
+        lines.append(f"| `{r.name}` | {', '.join(f'`{t}`' for t in r.types) or 'any'} | `{r.category}` | "
+                     f"{_cell((r.fn.__doc__ or '').strip())} |")
     return "\n".join(lines) + "\n"
 
 

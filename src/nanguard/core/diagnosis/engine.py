@@ -14,13 +14,14 @@ from . import fixes as X
 from . import rules as _rules  # noqa: F401  (registers every family and rule)
 from . import text as T
 from .case import Case
+from .errors import error_rules
 from .rules.divergence import divergence, loss_scale
 from .rules.generic import other
 from .rules.optimizer import optimizer_result
 from .rules.preexisting import preexisting
 from .signals import history_signals
 
-__all__ = ["diagnose", "mechanism"]
+__all__ = ["diagnose", "mechanism", "diagnose_error"]
 
 # facts copied into ``cause.evidence.facts`` (then any evidence a registered family adds)
 _SHOWN_FACTS = ("float64_rerun", "float32_rerun", "eps_constants", "zero_denominator", "softmax_all_masked_rows",
@@ -148,3 +149,22 @@ def mechanism(c: Case) -> dict:
             if out is not None:
                 return out
     return other(c)
+
+
+def diagnose_error(err: dict) -> dict | None:
+    """The user-facing reason and fixes for a script error (``{"type", "message", ...}``), or None:
+    the first rule of ``rules/errors.py`` whose exception types and message pattern match."""
+    msg = str(err.get("message") or "")
+    for r in error_rules():
+        if r.types and err.get("type") not in r.types:
+            continue
+        m = r.pattern.search(msg)
+        if m is None:
+            continue
+        try:
+            out = r.fn(m, err)
+        except Exception:
+            out = None
+        if out:
+            return {"category": r.category, **out, "rule": r.name}
+    return None

@@ -67,6 +67,16 @@ def loc(origin: dict | None) -> str:
     return f"{os.path.basename(str(origin['file']))}:{origin.get('line')}"
 
 
+def lib_loc(lib: dict) -> str:
+    """'transformers/loss/loss_utils.py:47 (fixed_cross_entropy)': a library frame, from its package on."""
+    f = str(lib.get("file") or "?").replace(os.sep, "/")
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in f:
+            f = f.split(marker, 1)[1]
+            break
+    return f"{f}:{lib.get('line')}" + (f" ({lib['function']})" if lib.get("function") else "")
+
+
 def where(origin: dict | None) -> str:
     """'train.py:42 (module '2', Linear)' for sentences ("layer 'dense_1'" for Keras)."""
     s = loc(origin)

@@ -51,7 +51,10 @@ def _render(report: Report, json_path: Optional[str], console=None) -> None:
     con = console or _console()
     ev = next((e for e in report.events if e.recovery is None), report.first)
     if ev is None:
-        con.print(f"[bold cyan]nanguard[/]: {_escape(summary_line(report))}")
+        if report.script_error:
+            con.print(_error_panel(report.script_error))
+        else:
+            con.print(f"[bold cyan]nanguard[/]: {_escape(summary_line(report))}")
         return
     cause = ev.cause or {}
     parts: list = []
@@ -73,6 +76,14 @@ def _render(report: Report, json_path: Optional[str], console=None) -> None:
         head.add_row("where", _escape(", ".join(bits) or "-"))
         if o.get("file"):
             head.add_row("line", _escape(f"{o['file']}:{o.get('line')} in {o.get('function')}"))
+        lib = o.get("library") or {}
+        if lib.get("file"):
+            head.add_row("library", _escape(f"{lib['file']}:{lib.get('line')} in {lib.get('function')} "
+                                            "(the op ran here, called from the line above)"))
+        if o.get("samples"):
+            head.add_row("batch rows", _escape(str(o["samples"][:20])))
+        if o.get("source_rows"):
+            head.add_row("dataset rows", _escape(str(o["source_rows"][:20])))
     head.add_row("cause", _escape(f"{cause.get('category', 'other')} "
                                   f"(confidence {float(cause.get('confidence') or 0):.2f})"))
     if cause.get("summary"):
@@ -102,6 +113,27 @@ def _render(report: Report, json_path: Optional[str], console=None) -> None:
     if tail:
         parts.append("[dim]" + _escape("; ".join(tail)) + "[/]")
     con.print(Panel(Group(*parts), title="[bold red]nanguard: non-finite value[/]", expand=False))
+
+
+def _error_panel(err: dict):
+    """The script raised: what, where, and the known reason and fixes."""
+    from rich.panel import Panel
+    from rich.table import Table
+    t = Table.grid(padding=(0, 1))
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("error", _escape(f"{err.get('type')}: {err.get('message')}"))
+    if err.get("file"):
+        t.add_row("line", _escape(f"{err['file']}:{err.get('line')}"
+                                  + (f" in {err['function']}" if err.get("function") else "")))
+    if err.get("step") is not None:
+        t.add_row("step", str(err["step"]))
+    dx = err.get("diagnosis") or {}
+    if dx.get("summary"):
+        t.add_row("why", _escape(str(dx["summary"])))
+    for i, f in enumerate(dx.get("fixes") or [], 1):
+        t.add_row(f"fix {i}", _escape(str(f)))
+    return Panel(t, title="[bold red]nanguard: the script raised[/]", expand=False)
 
 
 _PHASE_HINT = {
@@ -139,4 +171,10 @@ def summary_line(report: Report) -> str:
     fails = [e for e in report.events if e.recovery is None]
     if fails:
         s += f", first failure at step {fails[0].step} ({fails[0].phase})"
+    err = report.script_error
+    if err:
+        at = f" at {err['file'].rsplit('/', 1)[-1]}:{err.get('line')}" if err.get("file") else ""
+        s += f"; the script raised {err.get('type')}{at}"
+    if report.interrupted:
+        s = s.replace("interrupted: ", f"interrupted by {report.interrupted.get('signal')}: ", 1)
     return s

@@ -26,10 +26,12 @@ Parts, one job each:
 * ``provenance``: taints, origins and the sinks they must reach;
 * ``evidence``: the facts about an origin, one registered gatherer per fact (keyed like the op
   families of ``nanguard.core.diagnosis.families``); ``rerun``: an op re-run in float64/float32;
+* ``library``: evidence about library calls (all targets ignored, fully padded attention rows);
 * ``recorder``: ``OpRecorder``, which ties them; ``result``: the localisation dict it returns.
 """
 from __future__ import annotations
 
+from . import library as _library  # noqa: F401  (registers the library-call evidence gatherers)
 from .recorder import OpRecorder
 
 __all__ = ["OpRecorder"]

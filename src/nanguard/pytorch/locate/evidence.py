@@ -101,7 +101,8 @@ class Evidence:
         fr = self.frames.user_frame()
         d: dict[str, Any] = {"op": str(func), "stage": stage, "file": fr[0] if fr else None,
                              "line": fr[1] if fr else None, "function": fr[2] if fr else None,
-                             "module": module, "samples": N.bad_rows(out), "source_rows": []}
+                             "module": module, "samples": N.bad_rows(out), "source_rows": [],
+                             "out_dim0": int(out.shape[0]) if out.dim() else None}
         try:
             if name in INDEX.ops and d["samples"]:
                 index = None
@@ -128,7 +129,7 @@ class Evidence:
         log = self.log
         bad = [(pos, t, nan, inf) for pos, t, nan, inf in results if nan or inf]
         pos0, t0 = bad[0][0], bad[0][1]
-        fr = self.frames.user_frame()
+        fr, lib = self.frames.site_now()
         d: dict[str, Any] = {"op": str(func), "name": name, "api": api, "module": module, "stage": stage,
                              "file": fr[0] if fr else None, "line": fr[1] if fr else None,
                              "function": fr[2] if fr else None, "dtype": N.dtype_name(t0.dtype),
@@ -157,8 +158,13 @@ class Evidence:
                 d["forward_api"] = log.api[fwd_idx]
                 if ffr is None:
                     ffr = log.frame[fwd_idx]
+                lib = log.lib.get(fwd_idx)
+            else:
+                lib = None
             if ffr is not None:
                 d["forward_file"], d["forward_line"], d["forward_function"] = ffr
+        if lib is not None:  # the op ran inside an installed library called from the user's line
+            d["library"] = {"file": lib[0], "line": lib[1], "function": lib[2]}
         d["output"] = N.nonfinite_counts(t0)
         d["samples"] = N.bad_rows(t0)
         mask, self.prov.escaped_mask = self.prov.escaped_mask, None
@@ -414,7 +420,8 @@ def _softmax_rows(p: Probe) -> dict | None:
         return None
     allm = aten.all.dim(aten.eq.Scalar(x, float("-inf")), dim)
     return {"softmax_all_masked_rows": {
-        "count": count(allm), "batch_rows": N.mask_rows(allm), "rows_total": int(allm.numel()),
+        "count": count(allm), "batch_rows": N.mask_rows(allm, limit=64), "rows_total": int(allm.numel()),
+        "dim0": int(allm.shape[0]) if allm.dim() else None,
         "rows_with_neginf": count(aten.any.dim(aten.eq.Scalar(x, float("-inf")), dim))}}
 
 
@@ -430,8 +437,9 @@ def _attention_rows(p: Probe) -> dict | None:
         return None
     blocked = aten.logical_not.default(mask) if mask.dtype == torch.bool else aten.eq.Scalar(mask, float("-inf"))
     allm = aten.all.dim(blocked, -1)
-    return {"softmax_all_masked_rows": {"count": count(allm), "batch_rows": N.mask_rows(allm),
-                                        "rows_total": int(allm.numel()), "from": "attn_mask"}}
+    return {"softmax_all_masked_rows": {"count": count(allm), "batch_rows": N.mask_rows(allm, limit=64),
+                                        "rows_total": int(allm.numel()), "from": "attn_mask",
+                                        "dim0": int(allm.shape[0]) if allm.dim() else None}}
 
 
 @gatherer("std_var")

@@ -7,6 +7,7 @@ import re
 import sys
 import sysconfig
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -62,6 +63,9 @@ def default_user_file(fn: str, excluded: tuple[str, ...]) -> bool:
     return not any(real == p or real.startswith(p + os.sep) for p in excluded)
 
 
+_OWN_DIRS = tuple(os.path.realpath(d) for d in (os.path.dirname(torch.__file__), _PACKAGE_DIR))
+
+
 def excluded_dirs() -> tuple[str, ...]:
     dirs = {os.path.dirname(torch.__file__), _PACKAGE_DIR}
     for key in ("stdlib", "platstdlib"):
@@ -73,12 +77,22 @@ def excluded_dirs() -> tuple[str, ...]:
 
 
 class Frames:
-    """The innermost frame of the user's code (not torch, not nanguard, not the standard library)."""
+    """The innermost frame of the user's code (not torch, not nanguard, not the standard library), and
+    the innermost *library* frame below it (an installed package other than torch: transformers,
+    accelerate...), where the op really ran when the user's line called into a library.
+
+    During an in-process replay (:mod:`nanguard.pytorch.stepreplay`) the stack above the replayed
+    call is nanguard's, not the user's: the replay sets ``boundary`` (the code object of its call
+    trampoline) and ``site`` (the (user, library) frames recorded when the call first ran); a walk
+    that reaches the boundary before any user frame answers with ``site``."""
 
     def __init__(self, user_file_filter: Callable[[str], bool] | None = None) -> None:
         self.user_file_filter = user_file_filter
         self._excluded = excluded_dirs()
         self._cache: dict[str, bool] = {}
+        self._lib: dict[str, bool] = {}
+        self.boundary: Any = None
+        self.site: tuple | None = None
 
     def is_user(self, fn: str) -> bool:
         u = self._cache.get(fn)
@@ -90,15 +104,43 @@ class Frames:
             self._cache[fn] = u
         return u
 
+    def is_library(self, fn: str) -> bool:
+        """An installed package's file (site-packages) that is not torch or nanguard."""
+        u = self._lib.get(fn)
+        if u is None:
+            u = False
+            if fn and ("site-packages" in fn or "dist-packages" in fn) and not self.is_user(fn):
+                try:
+                    real = os.path.realpath(fn)
+                except Exception:
+                    real = fn
+                u = not any(real == p or real.startswith(p + os.sep) for p in _OWN_DIRS)
+            self._lib[fn] = u
+        return u
+
     def user_frame(self) -> tuple[str, int, str] | None:
         """(file, line, function) of the innermost user frame on the current stack."""
-        f = sys._getframe(1)
+        return self.site_of(sys._getframe(1))[0]
+
+    def site_now(self) -> tuple:
+        """(user frame, library frame) of the current stack (each (file, line, function) or None)."""
+        return self.site_of(sys._getframe(1))
+
+    def site_of(self, f: Any) -> tuple:
+        """(user frame, innermost library frame below it) walking out from frame ``f``."""
+        lib = None
+        b = self.boundary
         while f is not None:
+            if b is not None and f.f_code is b:
+                site = self.site or (None, None)
+                return site[0], lib or site[1]
             fn = f.f_code.co_filename
             if self.is_user(fn):
-                return fn, f.f_lineno, f.f_code.co_name
+                return (fn, f.f_lineno, f.f_code.co_name), lib
+            if lib is None and self.is_library(fn):
+                lib = (fn, f.f_lineno, f.f_code.co_name)
             f = f.f_back
-        return None
+        return None, lib
 
     def from_traceback(self, tb: Any) -> tuple[str, int, str] | None:
         """Innermost user frame of anomaly metadata (list of formatted stack strings)."""
@@ -262,6 +304,8 @@ class ModuleTracker:
         self.type_stack: list[str] = []
         self._hooks: list[Any] = []
         self._thread: int | None = None
+        self.batch_size: int | None = None   # leading dimension of the first top-level call's first tensor
+        self.batch_inputs: list = []          # weak references to that call's batch-shaped tensor arguments
 
     @property
     def current(self) -> str | None:
@@ -293,10 +337,7 @@ class ModuleTracker:
         from torch.nn.modules import module as _m
         self._thread = thread
         self._hooks.append(_m.register_module_forward_pre_hook(self._pre))
-        try:
-            self._hooks.append(_m.register_module_forward_hook(self._post, always_call=True))
-        except TypeError:
-            self._hooks.append(_m.register_module_forward_hook(self._post))
+        self._hooks.append(_m.register_module_forward_hook(self._post, always_call=True, with_kwargs=True))
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -314,17 +355,32 @@ class ModuleTracker:
         name = self.mod_names.get(id(mod))
         if name is None:
             if not self.stack:               # a module called at top level: a root
+                self._note_batch(args)
                 self.register_tree(mod, overwrite=True)
                 name = self.mod_names.get(id(mod), "")
             else:                            # unregistered child: attribute to its caller
                 name = self.stack[-1]
                 self.mod_names[id(mod)] = name
                 self.mod_types[id(mod)] = type(mod).__name__
+        elif not self.stack:
+            self._note_batch(args)
         self.stack.append(name)
         self.type_stack.append(type(mod).__name__)
 
-    def _post(self, mod, args, out) -> None:
+    def _note_batch(self, args: Any) -> None:
+        if self.batch_size is None:
+            t = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
+            if t is not None:
+                self.batch_size = int(t.shape[0])
+                self.batch_inputs = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor)
+                                     and a.dim() >= 1 and a.shape[0] == self.batch_size]
+
+    def _post(self, mod, args, *rest) -> None:
+        # (mod, args, kwargs, out); (mod, args, out) when the forward raised (torch's always_call path)
+        kwargs = rest[0] if len(rest) == 2 else None
         if self.switch.armed and self.stack and threading.get_ident() == self._thread:
+            if len(self.stack) == 1 and kwargs:   # model(**batch): the batch is in the keyword arguments
+                self._note_batch(tuple(kwargs.values()))
             self.stack.pop()
             if self.type_stack:
                 self.type_stack.pop()

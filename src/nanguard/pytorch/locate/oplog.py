@@ -33,6 +33,7 @@ class OpLog:
         self.api: list[str | None] = []
         self.scalars: list[tuple] = []
         self.frame: list[tuple | None] = []
+        self.lib: dict[int, tuple] = {}   # op -> innermost library frame (only ops run inside a library)
         self.outnf: list[bool] = []
         self.inprod: list[tuple[int, ...]] = []
         self.consumers: dict[int, list[tuple[int, str, bool, bool]]] = {}
@@ -46,7 +47,9 @@ class OpLog:
         return len(self.name)
 
     def append(self, func: Any, name: str, stage: str, module: str | None, api: str | None, scal: list,
-               any_nf: bool, ins: list, frame: tuple | None) -> None:
+               any_nf: bool, ins: list, frame: tuple | None, lib: tuple | None = None) -> None:
+        if lib is not None:
+            self.lib[len(self.name)] = lib
         self.func.append(func)
         self.name.append(name)
         self.stage.append(stage)

@@ -115,6 +115,11 @@ class Provenance:
         self.notes.append("a tensor became non-finite through a mutation the recorder did not see")
         return o
 
+    def arrived(self, t: torch.Tensor, nan: bool, inf: bool) -> Origin:
+        """A tensor whose values arrived from elsewhere (``set_`` from a shared-memory storage, as a
+        DataLoader worker's batch is rebuilt): data that was non-finite before the step, not an op's output."""
+        return self._preexisting(t, nan, inf)
+
     def _preexisting(self, t: torch.Tensor, nan: bool, inf: bool) -> Origin:
         kind, name = self.names.kind_of(t)
         # A tensor that only holds -inf and is not a parameter is most likely an intentional mask.

@@ -50,10 +50,14 @@ class OpRecorder:
     def __init__(self, *, named_params: dict[str, torch.Tensor], named_buffers: dict[str, torch.Tensor],
                  roots: Sequence[torch.nn.Module] = (), optimizers: Sequence[torch.optim.Optimizer] = (),
                  user_file_filter: Callable[[str], bool] | None = None, max_records: int = 200_000,
-                 anomaly_tracebacks: bool = False):
+                 anomaly_tracebacks: bool = False, data_rows: Callable[[torch.Tensor], Any] | None = None):
         """``anomaly_tracebacks``: also turn on autograd anomaly mode (check_nan=False) so every node keeps
         ``metadata["traceback_"]``. Off by default: every node is already tagged with the forward op that
-        created it (op, module, user frame), and the traceback capture costs ~0.1-0.3 ms per node."""
+        created it (op, module, user frame), and the traceback capture costs ~0.1-0.3 ms per node.
+        ``data_rows(t)``: the dataset indices of the rows of a batch tensor ``t`` (or None), from the
+        DataLoader hooks (:mod:`nanguard.pytorch.data`): a batch holding non-finite values is then
+        reported by its batch rows and dataset rows."""
+        self.data_rows = data_rows
         self.anomaly_tracebacks = bool(anomaly_tracebacks)
         # the caller's dicts are kept by reference (they may be filled after start()) and never mutated
         self.named_params = named_params if isinstance(named_params, dict) else dict(named_params or {})
@@ -146,6 +150,12 @@ class OpRecorder:
         self._modes.api_stack.clear()
         self._log.clear_ring()
 
+    def set_call_site(self, boundary: Any, site: tuple | None) -> None:
+        """In-process replay: ``boundary`` is the code object of the replay's call trampoline, ``site``
+        the (user frame, library frame) recorded when the call first ran; frame walks that reach the
+        boundary before a user frame answer with ``site`` (the stack above it is nanguard's)."""
+        self._frames.boundary, self._frames.site = boundary, site
+
     def paused(self):
         """Context manager: run your own torch code while armed without it being recorded."""
         return self._modes.paused()
@@ -188,7 +198,8 @@ class OpRecorder:
             with torch._C.DisableTorchFunction(), torch.no_grad():
                 self._names.sync_given()
                 res = build_result(self._notes, self._n_ops, self._sinks, self._prov, self._names, self._log,
-                                   self._evidence)
+                                   self._evidence, self.data_rows, self._modules.batch_size,
+                                   [r() for r in self._modules.batch_inputs])
         except Exception as e:
             res = {"reproduced": False, "phase": None, "origin": None, "preexisting": None, "optimizer": None,
                    "facts": {}, "n_ops": self._n_ops, "notes": self._notes + [f"result failed: {e!r}"[:200]]}
@@ -312,8 +323,8 @@ class OpRecorder:
             any_nf = any_nf or nan or inf
 
         if record:
-            log.append(func, name, stage, module, api, scal, any_nf, ins,
-                       self._frames.user_frame() if stage == "forward" else None)
+            site = self._frames.site_now() if stage == "forward" else (None, None)
+            log.append(func, name, stage, module, api, scal, any_nf, ins, site[0], site[1])
             if low and not remote:
                 log.hold_low_precision(idx, func, args, kwargs, ins)
             if stage == "forward" and not remote:
@@ -338,7 +349,9 @@ class OpRecorder:
                 taint = prov.decide(nan, inf, rel, rel_s, name, t)
                 if taint == "new" and remote:  # received from another rank
                     taint = new_const = new_const or prov.new_origin("remote", idx, stage)
-                elif taint == "new":
+                elif taint == "new" and name == "set" and not any(isinstance(a, torch.Tensor) for a in args[1:2]):
+                    taint = prov.arrived(t, nan, inf)  # rebuilt from a storage (another process): data
+                if taint == "new":
                     if new_origin is None:
                         new_origin = prov.new_origin("op", idx, stage)
                     taint = new_origin

@@ -20,11 +20,12 @@ __all__ = ["build_result"]
 
 _OUT_KEYS = ("op", "api", "module", "file", "line", "function", "dtype", "shape", "stage", "autograd_node",
              "forward_op", "forward_file", "forward_line", "forward_function", "forward_module", "inputs", "output",
-             "samples")
+             "samples", "library")
 
 
 def build_result(notes: list[str], n_ops: int, sinks: Sinks, prov: Provenance, names: Names, log: OpLog,
-                 evidence: Evidence) -> dict:
+                 evidence: Evidence, data_rows: Any = None, batch_size: int | None = None,
+                 batch_inputs: list | None = None) -> dict:
     """Pick the sink that failed (loss, else gradients, else parameters/state after the update), follow
     its earliest real taint to the origin and describe it."""
     notes = list(notes)
@@ -64,7 +65,7 @@ def build_result(notes: list[str], n_ops: int, sinks: Sinks, prov: Provenance, n
         res["phase"] = {"loss": "forward", "grad": "backward", "optimizer": "optimizer"}[sink_kind]
         return res
     if taint.kind == "preexisting":
-        return _preexisting(res, taint, names)
+        return _preexisting(res, taint, names, data_rows, batch_size, batch_inputs)
     res["phase"] = {"loss": "forward", "grad": "backward", "optimizer": "optimizer"}[sink_kind]
     d = dict(taint.detail or {})
     facts = dict(d.pop("facts", {}) or {})
@@ -97,6 +98,7 @@ def build_result(notes: list[str], n_ops: int, sinks: Sinks, prov: Provenance, n
         origin["output"] = {"nan": 0, "posinf": 0, "neginf": 0}
     if origin["samples"] is None:
         origin["samples"] = []
+    _user_rows(origin, facts, batch_size)
     res["origin"] = origin
     res["facts"] = facts
     if stage == "optimizer" or sink_kind == "optimizer":
@@ -104,7 +106,8 @@ def build_result(notes: list[str], n_ops: int, sinks: Sinks, prov: Provenance, n
     return res
 
 
-def _preexisting(res: dict, taint: Origin, names: Names) -> dict:
+def _preexisting(res: dict, taint: Origin, names: Names, data_rows: Any = None,
+                 batch_size: int | None = None, batch_inputs: list | None = None) -> dict:
     t = taint.tref() if taint.tref is not None else None
     if t is not None and taint.pre_kind in ("param", "buffer", "data"):
         pn = names.param_name(t)    # names may have been learnt (or improved) after the first read
@@ -113,11 +116,18 @@ def _preexisting(res: dict, taint: Origin, names: Names) -> dict:
     st = (taint.detail or {}).get("stats", {})
     fu = taint.first_use or {}
     is_data = taint.pre_kind == "data"   # batch rows only mean something for data
-    res["preexisting"] = {"kind": taint.pre_kind, "name": taint.name,
-                          "samples": fu.get("samples", []) if is_data else [],
-                          "source_rows": fu.get("source_rows", []) if is_data else [], "stats": st,
+    samples, source = (_data_rows(t, fu, data_rows, batch_size) if is_data else ([], []))
+    if is_data and not samples:  # e.g. x[3, 5] = nan written into the batch: the batch's own bad rows
+        samples, source, batch_t = _batch_input_rows(batch_inputs or [], data_rows, source)
+        if batch_t is not None and (t is None or t.dim() == 0):  # describe the batch, not the scalar
+            st = N.tensor_stats(batch_t)
+            st["bad_rows"] = samples
+    res["preexisting"] = {"kind": taint.pre_kind, "name": taint.name, "samples": samples,
+                          "source_rows": source, "stats": st,
                           "rows_in_tensor": st.get("bad_rows", []), "first_use": fu or None,
                           "written_by": (taint.detail or {}).get("written_by")}
+    if is_data and data_rows is not None and t is not None and source and fu.get("source_rows") != source:
+        res["preexisting"]["source_rows_from"] = "the DataLoader's sampler (dataset indices of the batch)"
     res["phase"] = {"data": "data", "param": "params", "buffer": "params",
                     "optimizer_state": "optimizer"}.get(taint.pre_kind, "data")
     res["facts"] = {"preexisting": {"kind": taint.pre_kind, "name": taint.name,
@@ -195,3 +205,82 @@ def optimizer_info(taint: Origin, sinks: Sinks, names: Names, log: OpLog) -> dic
                 info["eps_fact"] = N.eps_fact(float(g["eps"]), pdt)
         break
     return info
+
+
+def _data_rows(t: Any, fu: dict, data_rows: Any, batch_size: int | None) -> tuple[list, list]:
+    """(batch rows, dataset rows) of a batch tensor that held non-finite values before the step.
+
+    The batch rows are rows of the user's batch: the tensor's own bad rows when it is a batch (its
+    first dimension is the batch size, or the DataLoader delivered it), else the rows of the first op
+    that read it when that op's output is batch-shaped (a dataset tensor indexed by the batch
+    indices), else none. Dataset rows: from the DataLoader's sampler when the batch came from one,
+    else from the index op that looked the rows up (``first_use.source_rows``)."""
+    idx = None
+    if data_rows is not None and isinstance(t, torch.Tensor):
+        try:
+            idx = data_rows(t)
+        except Exception:
+            idx = None
+    if isinstance(t, torch.Tensor) and t.dim() >= 1 and (idx is not None or t.shape[0] == batch_size):
+        rows = N.bad_rows(t, limit=20)
+        src = [int(idx[r]) for r in rows if idx is not None and r < len(idx)]
+        return rows, src or list(fu.get("source_rows") or [])
+    first_dim = fu.get("out_dim0")
+    if batch_size and first_dim == batch_size:
+        return list(fu.get("samples") or []), list(fu.get("source_rows") or [])
+    return [], list(fu.get("source_rows") or [])
+
+
+def _batch_input_rows(inputs: list, data_rows: Any, source: list) -> tuple[list, list, Any]:
+    """Bad rows of the model's first batch input that holds non-finite values (and their dataset rows)."""
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and N.is_checkable(t):
+            rows = N.bad_rows(t, limit=20)
+            if rows:
+                idx = data_rows(t) if data_rows is not None else None
+                return rows, ([int(idx[r]) for r in rows if r < len(idx)] if idx else source), t
+    return [], source, None
+
+
+def batch_rows(rows: list, dim0: int | None, batch: int | None) -> tuple[list, str] | None:
+    """Rows of a (possibly flattened) tensor as rows of the user's batch.
+
+    ``dim0`` is the tensor's first dimension, ``batch`` the batch size. dim0 == batch: the rows are
+    batch rows. dim0 == k * batch (batch x heads, batch x time flattened): a batch row b owns the
+    rows b*k .. b*k+k-1 (batch-major, PyTorch's layout for attention heads and ``view(-1, ...)``)
+    or b, b+batch, ... (head-major); the layout that explains the rows with fewer batch rows is
+    taken, batch-major on ties. Anything else: None (the rows are not batch rows)."""
+    if not rows or not batch or not dim0:
+        return None
+    if dim0 == batch:
+        return sorted(set(rows)), "batch"
+    if dim0 % batch:
+        return None
+    k = dim0 // batch
+    bm = sorted({r // k for r in rows})
+    hm = sorted({r % batch for r in rows})
+    if len(hm) < len(bm):
+        return hm, f"rows of a {dim0}-row tensor ({k} x batch {batch}, head-major) mapped to batch rows"
+    return bm, f"rows of a {dim0}-row tensor (batch {batch} x {k}, batch-major) mapped to batch rows"
+
+
+def _user_rows(origin: dict, facts: dict, batch: int | None) -> None:
+    """Replace flattened row indices (batch x heads, batch x time) by rows of the user's batch."""
+    if not batch:
+        return
+    shape = origin.get("shape") or []
+    raw = list(origin.get("samples") or [])
+    m = batch_rows(raw, shape[0] if shape else None, batch)
+    if m is not None:
+        origin["samples"] = m[0]
+        if m[1] != "batch":
+            origin["tensor_rows"], origin["samples_note"] = raw, m[1]
+    elif raw:
+        origin["samples"], origin["tensor_rows"] = [], raw
+    sm = facts.get("softmax_all_masked_rows")
+    if isinstance(sm, dict) and sm.get("batch_rows") and sm.get("dim0"):
+        m = batch_rows(sm["batch_rows"], sm["dim0"], batch)
+        if m is not None and m[1] != "batch":
+            sm["tensor_rows"], sm["batch_rows"], sm["rows_note"] = sm["batch_rows"], m[0], m[1]
+        elif m is None:
+            sm["tensor_rows"], sm["batch_rows"] = sm["batch_rows"], []

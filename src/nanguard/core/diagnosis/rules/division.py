@@ -21,6 +21,7 @@ MEAN = F.register(F.Family("mean", ops={"mean", "nanmean"}, tf_ops={"Mean"}, not
 
 NLL = F.register(F.Family(
     "nll", ops={"nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss_nd", "nll_loss2d"},
+    keep_forward=True,  # its targets: a later division by the number of labelled tokens (rules/library.py)
     note="every target == ignore_index (0/0 in the mean)", categories=("div_by_zero",)))
 
 

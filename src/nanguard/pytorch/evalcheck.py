@@ -1,0 +1,194 @@
+"""Evaluation and inference outside a training step: checked, and localized in-process.
+
+:class:`EvalCheck` works for the :class:`~nanguard.pytorch.watch.Watcher`:
+
+* **module outputs**: the outputs of an outermost module call under ``no_grad``/``inference_mode``/
+  ``eval()`` are checked (one sync per such call); a non-finite output is an ``eval`` event, and
+  that one module call is replayed at once under the op recorder (same arguments, same RNG state,
+  same grad mode) to find the op and the line that made it;
+* **values read by the script**: ``Tensor.item``, ``Tensor.tolist`` and ``float(tensor)`` are
+  wrapped; a non-finite number read from a tensor with no autograd history (evaluation metrics,
+  inference scores, an NLL computed under ``no_grad``; never the training loss, whose check is the
+  step's) is an ``eval`` event at the user's line that read it. The number is already on the host:
+  this adds no sync, only one Python wrapper per call;
+* **the evaluation tape**: after an outermost module call under ``no_grad`` (and from the start of
+  a script until it first trains or calls a module), the torch calls the script makes are recorded
+  on a small ring (:class:`~nanguard.pytorch.tape.StepTape` in inference mode, at most
+  ``_RING_CALLS`` calls per module call), so the event of a value read is replayed from the
+  calls that made it: the op and line where NaN/Inf appeared outside any module.
+
+Events are counted by evaluation call (``detected.eval_call``) and keep the training step count.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+import warnings
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..core.events import Detection
+from .detect import all_finite, is_checkable, tensors_in
+from .tape import rng_now, set_rng
+
+__all__ = ["EvalCheck"]
+
+
+class EvalCheck:
+    def __init__(self, watcher: Any) -> None:
+        self.w = watcher
+        self.calls = 0                     # outermost evaluation module calls so far
+        self._rng: Any = None
+        self._last: Optional[Dict[str, Any]] = None   # the failing call (or value read), kept for its replay
+        self._orig: Dict[str, Any] = {}
+        self._had: Dict[str, bool] = {}
+
+    def install(self) -> None:
+        """Wrap ``Tensor.item``, ``Tensor.tolist`` and ``Tensor.__float__`` (values read by the script)."""
+        if self._orig:
+            return
+        check = self
+
+        def wrap(name: str) -> Any:
+            orig = getattr(torch.Tensor, name)
+
+            def read(t, *a, **k):
+                v = orig(t, *a, **k)
+                if not check.busy and t.grad_fn is None and not t.requires_grad and t.is_floating_point() \
+                        and not torch.compiler.is_compiling() and not _all_finite(v):
+                    check.on_read(t, name, v)
+                return v
+            read.__name__, read.__qualname__, read.__doc__ = orig.__name__, orig.__qualname__, orig.__doc__
+            return orig, read
+
+        for name in _READS:
+            self._had[name] = name in torch.Tensor.__dict__
+            orig, read = wrap(name)
+            self._orig[name] = orig
+            setattr(torch.Tensor, name, read)
+
+    def uninstall(self) -> None:
+        for name, orig in self._orig.items():
+            if self._had.get(name):
+                setattr(torch.Tensor, name, orig)
+            else:
+                try:
+                    delattr(torch.Tensor, name)
+                except AttributeError:
+                    pass
+        self._orig = {}
+
+    @property
+    def busy(self) -> bool:
+        return self.w.busy
+
+    # ------------------------------------------------------------------ values read by the script
+    def on_read(self, t: torch.Tensor, how: str, value: Any) -> None:
+        w = self.w
+        if w.disabled or w._replaying:
+            return
+        tape = w.tape
+        user = tape.frames.site_of(sys._getframe(2))[0] if tape is not None else None
+        det = Detection(w.monitor.steps_watched, "eval",
+                        {"read": f"Tensor.{how}", "value": _first_bad(value), "shape": list(t.shape),
+                         "file": user[0] if user else None, "line": user[1] if user else None,
+                         "eval_call": max(self.calls - 1, 0)})
+        self._last = {"read": t}
+        w._handle(det, None)
+
+    # ------------------------------------------------------------------ module outputs
+    def root_pre(self, module: torch.nn.Module, args: tuple) -> None:
+        if not torch.is_grad_enabled() or not module.training:
+            self._rng = rng_now()
+
+    def output(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Optional[Detection]:
+        self.calls += 1
+        ts = tensors_in(output)
+        flag = all_finite(ts)
+        if flag is None or bool(flag):
+            return None
+        nan = sum(int(torch.isnan(t).sum()) for t in ts if is_checkable(t))
+        inf = sum(int(torch.isinf(t).sum()) for t in ts if is_checkable(t))
+        mon = self.w.monitor
+        bad_params = mon.names.nonfinite_params([[p for p in module.parameters() if is_checkable(p)]])
+        self._last = {"module": module, "args": args, "kwargs": dict(kwargs or {}), "rng": self._rng,
+                      "grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled()}
+        return Detection(mon.steps_watched, "eval",
+                         {"module": type(module).__name__, "output_nan": nan, "output_inf": inf,
+                          "nonfinite_params": bad_params[:20], "grad_enabled": torch.is_grad_enabled(),
+                          "training": module.training, "eval_call": self.calls - 1})
+
+    def replay(self, make_recorder: Any) -> Optional[Dict[str, Any]]:
+        """Replay the failing evaluation call under a recorder (from ``make_recorder(roots)``), or the
+        calls the evaluation tape recorded for a non-finite value the script read."""
+        last, self._last = self._last, None
+        if last is None:
+            return None
+        if "read" in last:
+            return self._replay_read(last["read"], make_recorder)
+        t0 = time.perf_counter()
+        module = last["module"]
+        after = rng_now()
+        buffers = list(module.buffers())
+        saved = [b.detach().clone() for b in buffers]
+        rec = make_recorder([module])
+        try:
+            if last["rng"] is not None:
+                set_rng(last["rng"])
+            with self.w.quiet(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                rec.start()
+                try:
+                    ctx = torch.inference_mode() if last["inference"] else torch.set_grad_enabled(last["grad"])
+                    with ctx:
+                        out = module(*last["args"], **last["kwargs"])
+                    for t in tensors_in(out):
+                        rec.mark_loss(t)
+                finally:
+                    rec.stop()
+            res = rec.result()
+        except Exception as e:
+            return {"method": "replay-eval", "reproduced": False, "error": f"{type(e).__name__}: {e}"[:300],
+                    "seconds": round(time.perf_counter() - t0, 4)}
+        finally:
+            with torch.no_grad():
+                for b, s in zip(buffers, saved):
+                    b.copy_(s)
+            set_rng(after)
+        return {"method": "replay-eval", "reproduced": bool(res.get("reproduced")), "localization": res,
+                "seconds": round(time.perf_counter() - t0, 4)}
+
+    def _replay_read(self, t: torch.Tensor, make_recorder: Any) -> Dict[str, Any]:
+        rep = self.w.read_replay(t)
+        if rep is None:
+            return {"method": "replay-eval", "reproduced": False, "reason": self.w.replay_unavailable}
+        out = rep.run(recorder=make_recorder(list(rep.roots)))
+        res = {"method": "replay-eval", "reproduced": bool(out.get("reproduced")),
+               "localization": out.get("localization"), "seconds": out.get("seconds")}
+        if not res["reproduced"]:
+            res["reason"] = out.get("error") or "the replayed calls gave a finite value"
+        return res
+
+
+_READS = ("item", "tolist", "__float__")
+
+
+def _all_finite(v: Any) -> bool:
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, list):
+        return all(_all_finite(x) for x in v)
+    return True
+
+
+def _first_bad(v: Any) -> Any:
+    if isinstance(v, float):
+        return v if math.isfinite(v) else str(v)
+    if isinstance(v, list):
+        for x in v:
+            b = _first_bad(x)
+            if isinstance(b, str):
+                return b
+    return None

@@ -1,0 +1,540 @@
+"""The step tape: what zero-code runs keep of the current training step to replay it in-process.
+
+``nanguard run`` and ``nanguard.watch()`` cannot call the user's inline training step again. The tape
+records, while the step runs, the calls that make its loss, so that a failing step can be replayed
+in the same process under the op recorder (:mod:`nanguard.pytorch.stepreplay`) instead of re-running
+the whole script up to it. Three kinds of entries, in program order:
+
+* ``module``: each outermost module call made with grad enabled (the watcher's global module hooks
+  see it anyway): the module, its arguments, the torch RNG state, grad/autocast mode and the user's
+  call site (the innermost user frame, and the innermost library frame below it);
+* ``call``: each torch API call made *between* the end of a module call and the next module call or
+  backward (the loss code: ``F.cross_entropy(out.view(-1, V), y)``, ``loss + 0.01 * reg``...), seen by
+  a ``TorchFunctionMode`` that is pushed only in that region, so the model's own ops pay nothing;
+  it is popped in ``Optimizer.zero_grad``/``Module.zero_grad`` and ``DataLoader.__next__``;
+* ``backward``: each backward call (the tensors and gradient tensors, and the loss values).
+
+Arguments are templates: a tensor made by an earlier entry is a reference (entry, output slot), known
+by identity at record time only (weak references, so activations are not kept alive); any other
+tensor (the batch, targets, masks, parameters) is *external*, held by reference with its version
+counter. What the tape adds per healthy step is O(1) Python work outside the model's own ops: two
+hook bodies per outermost module call (one ``torch.get_rng_state()``, a frame walk, the argument
+templates), one mode handler per loss-code call, a wrapper around backward and zero_grad, and a
+reset per optimizer step. No tensor is copied and no host sync is made.
+
+The tape is *incomplete* (and localization falls back to re-running the script) when the loss was
+not made from recorded calls, when an external tensor already carries autograd history or was
+modified in place after it was recorded, when a call budget is exceeded (a loss written as hundreds
+of torch calls: after three such steps in a row the tape turns itself off), or when a replay does
+not give back the recorded loss bit for bit.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .locate.naming import Frames, api_name
+
+__all__ = ["StepTape", "Entry", "Ref", "Ext", "tensor_leaves", "rng_now", "set_rng"]
+
+_MAX_LEAVES = 64
+_MAX_DEPTH = 4
+# Calls that end the loss region (the Tensor.backward wrapper closes it; these must not be recorded).
+_NOT_RECORDED = {"backward", "grad", "register_hook", "retain_grad", "__del__"}
+_OFF_AFTER = 3  # consecutive over-budget steps after which the tape turns itself off
+_PLAIN = frozenset({int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device})
+
+
+class Ref:
+    """Output ``slot`` of entry ``entry``."""
+    __slots__ = ("entry", "slot")
+
+    def __init__(self, entry: int, slot: int) -> None:
+        self.entry, self.slot = entry, slot
+
+
+class Ext:
+    """External tensor number ``i`` of the tape."""
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+class Entry:
+    """One recorded call. ``kind``: 'module' | 'call' | 'backward'; ``fn``: the module, the torch
+    callable, or None for backward; ``args``/``kwargs``: templates; ``site``: (user frame, library
+    frame) of the call; ``rng``: torch RNG state before a module call; ``loss``: detached tensors
+    given to backward (the recorded values a replay must give back)."""
+    __slots__ = ("kind", "fn", "args", "kwargs", "grad", "inference", "autocast", "site", "rng", "loss")
+
+    def __init__(self, kind: str, fn: Any, args: Any, kwargs: Any, site: tuple) -> None:
+        self.kind, self.fn, self.args, self.kwargs, self.site = kind, fn, args, kwargs, site
+        self.grad = torch.is_grad_enabled()
+        self.inference = torch.is_inference_mode_enabled()
+        self.autocast = _autocast_state() if torch._C._is_any_autocast_enabled() else None
+        self.rng: Any = None
+        self.loss: Optional[List[torch.Tensor]] = None
+
+
+def _autocast_state() -> Optional[Tuple]:
+    out = []
+    for dev in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(dev):
+                out.append((dev, torch.get_autocast_dtype(dev)))
+        except Exception:
+            pass
+    return tuple(out)
+
+
+def rng_now() -> Tuple[torch.Tensor, Any]:
+    """torch's CPU RNG state, and the current CUDA device's when CUDA is initialised (no sync)."""
+    cuda = None
+    if torch.cuda.is_initialized():
+        try:
+            cuda = (torch.cuda.current_device(), torch.cuda.get_rng_state())
+        except Exception:
+            cuda = None
+    return torch.get_rng_state(), cuda
+
+
+def set_rng(st: Tuple[torch.Tensor, Any]) -> None:
+    """Inverse of :func:`rng_now`."""
+    cpu, cuda = st
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        try:
+            torch.cuda.set_rng_state(cuda[1], cuda[0])
+        except Exception:
+            pass
+
+
+def tensor_leaves(obj: Any, out: Optional[list] = None, depth: int = 0) -> list:
+    """The tensors inside an output (tensors, lists, tuples, dicts incl. model-output dicts), in order."""
+    if out is None:
+        if isinstance(obj, torch.Tensor):
+            return [obj]
+        out = []
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif depth < _MAX_DEPTH and len(out) < _MAX_LEAVES:
+        if isinstance(obj, (tuple, list)):
+            for o in obj:
+                tensor_leaves(o, out, depth + 1)
+        elif isinstance(obj, dict):
+            for o in obj.values():
+                tensor_leaves(o, out, depth + 1)
+    return out
+
+
+def _inplace(fn: Any, kwargs: dict) -> bool:
+    name = getattr(fn, "__name__", "")
+    return (name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
+            or (name.startswith("__i") and name.endswith("__") and name not in ("__init__", "__iter__",
+                                                                                   "__index__", "__int__"))
+            or kwargs.get("out") is not None)
+
+
+class _UserWarnings:
+    """While a recorded call runs, a warning it raises (``std(): degrees of freedom is <= 0``) is shown
+    at the user's line that made the call, as without nanguard, not at the mode handler's frame: the
+    warning machinery's ``showwarning`` is swapped for the call (one attribute write each way)."""
+
+    def __init__(self, frames: Frames) -> None:
+        self.frames = frames
+        self.orig: Any = None
+
+    def show(self, message, category, filename, lineno, file=None, line=None) -> None:
+        warnings.showwarning = self.orig   # re-emitted once, with the user's location and registry
+        try:
+            user = self.frames.site_of(sys._getframe(1))[0]
+            if user is None or file is not None:
+                self.orig(message, category, filename, lineno, file, line)
+                return
+            g = sys._getframe(1)
+            while g is not None and g.f_code.co_filename != user[0]:
+                g = g.f_back
+            registry = g.f_globals.setdefault("__warningregistry__", {}) if g is not None else None
+            warnings.warn_explicit(message, category, user[0], user[1], registry=registry)
+        finally:
+            warnings.showwarning = self.show
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        self.orig, warnings.showwarning = warnings.showwarning, self.show
+        try:
+            return func(*args, **kwargs)
+        finally:
+            warnings.showwarning = self.orig
+
+
+_RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "exponential", "gumbel",
+           "random", "poisson", "cauchy", "geometric", "shuffle", "perm", "sample")
+
+
+def _random(name: str) -> bool:
+    """A call that may draw from torch's RNG (its state is kept, so a replay draws the same numbers)."""
+    return any(r in name for r in _RANDOM)
+
+
+class _TapeMode(TorchFunctionMode):
+    """Records the loss code's torch calls (pushed only between a module call and backward)."""
+
+    def __init__(self, tape: "StepTape") -> None:
+        super().__init__()
+        self.tape = tape
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.tape.call(func, args, kwargs or {})
+
+
+class StepTape:
+    """The replayable record of the current step (see the module docstring)."""
+
+    def __init__(self, max_entries: int = 256, max_calls: int = 256, max_pre_calls: int = 64) -> None:
+        self.max_entries, self.max_calls, self.max_pre_calls = max_entries, max_calls, max_pre_calls
+        self.frames = Frames()
+        self._warn = _UserWarnings(self.frames)
+        self.mode = _TapeMode(self)
+        self.enabled = True
+        self.off_reason: Optional[str] = None   # why the tape turned itself off for the run
+        self.pre_off = False                    # the region before the first module call is no longer recorded
+        self._over_budget = 0
+        self._pre_over = 0
+        self._pushed = False
+        self._stale = False     # our mode may sit in the stack although closed (closed inside a handler)
+        self._installed = False
+        self._orig: Dict[str, Any] = {}
+        self._pending: Optional[Entry] = None
+        self._pending_new: Dict[int, tuple] = {}
+        self.incomplete: Optional[str] = None
+        self.entries: List[Entry] = []
+        self.pre_truncated = False
+        self.trained = False        # this step recorded a grad-enabled module call or a backward
+        self.ever_trained = False   # a backward was recorded in this run
+        self.window_left = 20_000   # calls an inference script may still have recorded (a sliding window)
+        self.reset(0, open_region=False)
+
+    # ------------------------------------------------------------------ state
+    def reset(self, step: int, open_region: bool = True) -> None:
+        """A new step starts (after an optimizer step, or a backward pass in backward counting)."""
+        self.close()
+        self._adapt()
+        self.step = step
+        self.trained = False
+        self._clear()
+        self.pre_truncated = self.pre_off
+        if open_region and not self.pre_off:
+            self.open()  # the calls that build the batch, before the model's first call
+
+    def _clear(self) -> None:
+        self.entries = []
+        self.ext: List[torch.Tensor] = []
+        self.ext_ver: List[int] = []
+        self.ext_written: Dict[int, int] = {}         # external -> the position of its last in-place write
+        self.writers: Dict[tuple, List[int]] = {}    # (entry, slot) -> calls that wrote that output in place
+        self.param_writes: Dict[int, dict] = {}      # id(parameter) -> the last recorded in-place write to it
+        self._ext_ids: Dict[int, int] = {}
+        self._prod: Dict[int, Tuple[Ref, Any]] = {}  # id(tensor) -> (its Ref, weakref)
+        self._calls = 0
+        self._rng_dirty = True
+        self.incomplete = None
+
+    def eval_reset(self) -> None:
+        """Evaluation or inference (no training in this step): keep only what follows (a window)."""
+        self._clear()
+        self.pre_truncated = False
+
+    def _adapt(self) -> None:
+        """Budgets: a step over them is not replayable; three in a row turn the part off for the run."""
+        if self.incomplete == "over budget":
+            self._over_budget += 1
+            if self._over_budget >= _OFF_AFTER and self.enabled:
+                self.enabled = False
+                self.off_reason = (f"the loss code made more than {self.max_calls} torch calls per step in "
+                                   f"{_OFF_AFTER} steps in a row: the step tape is off for this run")
+        elif self.entries:
+            self._over_budget = 0
+        if self.pre_truncated and not self.pre_off and self.entries:
+            self._pre_over += 1
+            if self._pre_over >= _OFF_AFTER:
+                self.pre_off = True  # e.g. an EMA update of every parameter between steps
+        elif self.entries:
+            self._pre_over = 0
+
+    def _mark(self, why: str) -> None:
+        if self.incomplete is None:
+            self.incomplete = why
+    @property
+    def recording(self) -> bool:
+        return self.enabled and self.incomplete is None
+
+    # ------------------------------------------------------------------ the function mode region
+    def open(self) -> None:
+        if self._stale:
+            self._remove()
+        if not self._pushed and self.recording:
+            torch._C._push_on_torch_function_stack(self.mode)
+            self._pushed = True
+
+    def close(self) -> None:
+        if self._pushed or self._stale:
+            self._pushed = False
+            self._remove()
+
+    def _remove(self) -> None:
+        """Pop our mode from wherever it sits, keeping modes pushed after it (the user's) in order.
+        Inside our own handler torch has popped it and will push it back on return: then it is
+        only marked stale, and removed at the next boundary (the handler ignores calls meanwhile)."""
+        n = torch._C._len_torch_function_stack()
+        if n and torch._C._get_function_stack_at(n - 1) is self.mode:
+            torch._C._pop_torch_function_stack()
+            self._stale = False
+            return
+        if not any(torch._C._get_function_stack_at(i) is self.mode for i in range(n)):
+            self._stale = True
+            return
+        above = []
+        while torch._C._len_torch_function_stack():
+            m = torch._C._pop_torch_function_stack()
+            if m is self.mode:
+                break
+            above.append(m)
+        for m in reversed(above):
+            torch._C._push_on_torch_function_stack(m)
+        self._stale = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Run code unrecorded (zero_grad, the DataLoader) inside the region."""
+        was = self.pause()
+        try:
+            yield
+        finally:
+            self.resume(was)
+
+    def pause(self) -> bool:
+        was = self._pushed
+        if was:
+            self.close()
+        return was
+
+    def resume(self, was: bool) -> None:
+        if was:
+            self._rng_dirty = True  # what ran unrecorded (a sampler) may have drawn random numbers
+            self.open()
+
+    # ------------------------------------------------------------------ templates
+    def _tensor(self, t: torch.Tensor, new: Dict[int, tuple]) -> Any:
+        p = self._prod.get(id(t))
+        if p is not None and p[1]() is t:
+            return p[0]
+        i = self._ext_ids.get(id(t))
+        if i is not None:
+            return Ext(i)
+        n = new.get(id(t))
+        if n is None:  # provisional: registered only if the call is recorded
+            n = new[id(t)] = (Ext(len(self.ext) + len(new)), t, t._version)
+        return n[0]
+
+    def _template(self, obj: Any, new: Dict[int, tuple], depth: int = 0) -> Any:
+        t = type(obj)
+        if t in _PLAIN:
+            return obj
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj, new)
+        if depth >= _MAX_DEPTH:
+            return obj
+        if t is tuple or t is list:
+            return t([self._template(o, new, depth + 1) for o in obj])
+        if t is dict:
+            return {k: self._template(v, new, depth + 1) for k, v in obj.items()}
+        return obj
+
+    def _commit(self, new: Dict[int, tuple]) -> None:
+        """The external tensors a recorded call read for the first time (with their version before it)."""
+        for ref, t, ver in new.values():
+            self._ext_ids[id(t)] = ref.i
+            self.ext.append(t)
+            self.ext_ver.append(ver)
+
+    def _register(self, idx: int, leaves: list) -> None:
+        for j, t in enumerate(leaves):
+            self._prod[id(t)] = (Ref(idx, j), weakref.ref(t))
+
+    def _add(self, e: Entry) -> Optional[int]:
+        if len(self.entries) >= self.max_entries:
+            self._mark("over budget")
+            self.close()
+            return None
+        self.entries.append(e)
+        return len(self.entries) - 1
+
+    # ------------------------------------------------------------------ hooks (called by the watcher)
+    def root_pre(self, module: torch.nn.Module, args: tuple) -> None:
+        """An outermost module call starts. Always ends the region; records with grad enabled."""
+        self.close()
+        self._pending = None
+        if not self.recording:
+            return
+        if not torch.is_grad_enabled():
+            if self.trained:  # e.g. a frozen teacher inside a training step: its output is data
+                return
+            self.eval_reset()  # evaluation: the tape keeps this call and what follows it
+        new: Dict[int, tuple] = {}
+        e = Entry("module", module, self._template(args, new), None, self.frames.site_of(sys._getframe(2)))
+        e.rng = rng_now()
+        self._pending = e
+        self._pending_new = new
+
+    def root_post(self, module: torch.nn.Module, kwargs: dict, output: Any) -> None:
+        """The outermost module call returned: record it and open the loss region."""
+        e, self._pending = self._pending, None
+        if e is None or e.fn is not module or not self.recording:
+            return
+        new = self._pending_new
+        e.kwargs = self._template(kwargs, new) if kwargs else {}
+        if len(self.entries) < self.max_entries:
+            self._commit(new)
+        idx = self._add(e)
+        if idx is not None:
+            self.trained = self.trained or e.grad
+            self._register(idx, tensor_leaves(output))
+            self._rng_dirty = False   # the replayed module call draws what the call drew
+            self.open()
+
+    def call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """The mode handler: run the call, record it when it makes or writes a tensor."""
+        name = getattr(func, "__name__", "")
+        if not self._pushed or not self.recording or name in _NOT_RECORDED or name.startswith("_record_function"):
+            return func(*args, **kwargs)
+        self._calls += 1  # every call the handler sees counts against the budget (its cost is ours)
+        if self.trained:
+            if self._calls > self.max_calls:  # the loss code of a training step
+                self._mark("over budget")
+                self.close()
+                return func(*args, **kwargs)
+        elif self._calls > self.max_pre_calls:  # before the model's first call, or evaluation code
+            if not self.ever_trained and self.window_left > 0:
+                self.window_left -= self._calls   # an inference script: keep the latest calls only
+                self.eval_reset()
+                self._calls = 1
+            else:
+                self.pre_truncated = True  # the batch's own making is not all recorded: it is data from here
+                self.close()
+                return func(*args, **kwargs)
+        inplace = _inplace(func, kwargs)
+        new: Dict[int, tuple] = {}
+        targs, tkw = self._template(args, new), (self._template(kwargs, new) if kwargs else {})
+        # the RNG state before the first call of a region, and before any call that may draw from it
+        rng = rng_now() if (self._rng_dirty or _random(name)) else None
+        out = self._warn.run(func, args, kwargs)
+        leaves = tensor_leaves(out)
+        if not leaves and not inplace:
+            return out
+        target = (tkw.get("out") if tkw.get("out") is not None else targs[0] if targs else None) if inplace else None
+        self._commit(new)
+        if isinstance(target, Ext):
+            self._written(target.i, func)   # not re-executed: the replay reads the written values
+            return out
+        e = Entry("call", func, targs, tkw, self.frames.site_of(sys._getframe(1)))
+        e.rng = rng
+        self._rng_dirty = False
+        idx = self._add(e)
+        if idx is not None:
+            if isinstance(target, Ref):  # x[mask] = 0: readers of x need this call too
+                self.writers.setdefault((target.entry, target.slot), []).append(idx)
+            self._register(idx, leaves)
+        return out
+
+    def _written(self, i: int, func: Any) -> None:
+        """An in-place call wrote external tensor ``i``. A replay cannot undo the write: it is not
+        re-executed, and later calls read the written values (exact for the calls after it; a call
+        the loss needs that read the tensor before the write makes the step not replayable, which
+        :class:`~nanguard.pytorch.stepreplay.StepReplay` checks)."""
+        t = self.ext[i]
+        if t.requires_grad:  # a parameter written between steps: where, for a params-phase failure
+            fr = self.frames.site_of(sys._getframe(2))[0]
+            self.param_writes[id(t)] = {"api": api_name(func), "file": fr[0] if fr else None,
+                                        "line": fr[1] if fr else None, "function": fr[2] if fr else None}
+        self.ext_ver[i] = t._version
+        self.ext_written[i] = len(self.entries)
+
+    def before_backward(self, tensors: List[torch.Tensor], a: tuple, k: dict) -> None:
+        """``torch.autograd.backward(tensors, *a, **k)`` is about to run: end the region, record it."""
+        self.close()
+        self.trained = self.ever_trained = True
+        if not self.recording:
+            return
+        if not tensors or any(self._prod.get(id(t)) is None or self._prod[id(t)][1]() is not t for t in tensors):
+            self._mark("the loss was not made by recorded calls (a model without module calls, or a loss "
+                       "computed before the model's first call)")
+            return
+        new: Dict[int, tuple] = {}
+        e = Entry("backward", None, self._template(list(tensors), new),
+                  (self._template(a, new), self._template(k, new)), (None, None))
+        e.loss = [t.detach() for t in tensors]
+        self._commit(new)
+        self._add(e)
+
+    # ------------------------------------------------------------------ patches
+    def install(self) -> None:
+        """Wrap ``Tensor.backward`` (ends the region before torch's dispatch can see it) and the
+        zero_grad methods (O(parameters) attribute writes, never recorded)."""
+        if self._installed:
+            return
+        self._installed = True
+        tape = self
+        orig_bw = torch.Tensor.backward
+        orig_opt_zero = torch.optim.Optimizer.zero_grad
+        orig_mod_zero = torch.nn.Module.zero_grad
+        self._orig = {"backward": orig_bw, "opt_zero": orig_opt_zero, "mod_zero": orig_mod_zero}
+
+        def backward(self, *a, **k):
+            tape.close()
+            return orig_bw(self, *a, **k)
+
+        def opt_zero(self, *a, **k):
+            with tape.paused():
+                return orig_opt_zero(self, *a, **k)
+
+        def mod_zero(self, *a, **k):
+            with tape.paused():
+                return orig_mod_zero(self, *a, **k)
+
+        torch.Tensor.backward = backward
+        torch.optim.Optimizer.zero_grad = opt_zero
+        torch.nn.Module.zero_grad = mod_zero
+
+    def uninstall(self) -> None:
+        self.close()
+        if not self._installed:
+            return
+        self._installed = False
+        torch.Tensor.backward = self._orig["backward"]
+        torch.optim.Optimizer.zero_grad = self._orig["opt_zero"]
+        torch.nn.Module.zero_grad = self._orig["mod_zero"]
+
+    # ------------------------------------------------------------------ replay
+    def ref_of(self, t: torch.Tensor) -> Optional[Ref]:
+        """The recorded call output ``t`` is, if any."""
+        p = self._prod.get(id(t))
+        return p[0] if p is not None and p[1]() is t else None
+
+    def why_not(self, step: int) -> Optional[str]:
+        """None when the tape can replay step ``step``; else the reason in words."""
+        if not self.enabled:
+            return self.off_reason or "the step tape is off"
+        if step != self.step:
+            return f"the tape holds step {self.step}, not step {step} (the failure was seen one step late)"
+        if self.incomplete is not None:
+            return "over its call budget" if self.incomplete == "over budget" else self.incomplete
+        if not any(e.kind == "backward" for e in self.entries):
+            return "no backward pass was recorded in this step"
+        return None

@@ -1,0 +1,239 @@
+"""What ``nanguard run`` and ``nanguard.watch()`` share: localizing a failure, and the run's report.
+
+**Localization** (:class:`Localizer`), in the hook that saw the failure, before the update:
+
+1. in-process, from the step tape (:meth:`~nanguard.pytorch.watch.Watcher.step_replay`, see
+   :mod:`nanguard.pytorch.stepreplay`): about one instrumented step, whatever the step number; the
+   repro bundle is then written from the process's own (pre-update) state;
+2. else the full re-run of the script up to the failing step (``nanguard run`` only: ``rerun``;
+   at report time in stop/warn mode, at once under ``--recover``), with the reason the in-process
+   replay was not possible in ``localization.fallback_from``.
+
+``localization.method_kind`` says which ran: ``replay-tape``, ``rerun`` or ``replay-eval`` (the
+failing evaluation call, replayed in-process).
+
+**The report** (:func:`make_report`): the first failure is a full event. Later failures are
+*recurrences* of it (``recurrence_of``: its step, ``count``: how many failing steps the record
+stands for, ``last_step``) when they follow from the value warn mode let through (parameters or
+optimizer state non-finite after it) or have the same cause (localized again in-process, same
+category, op and line); a failure with a different cause is an event of its own.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from ..core.events import Detection, Report, one_line
+from ..core.pipeline import (as_recurrence, build_event, consequence_event, fold_recurrences,
+                             recurrence_event, same_cause)
+from ..core.render.terminal import print_line
+from ..core.script import Terminated
+from .bundle import save_bundle
+from .distributed import report_extra, share_event
+from .replay import make_recorder
+from .rng import capture_rng
+
+__all__ = ["Localizer", "make_report", "run_context", "pre_step_state", "announce"]
+
+
+class Localizer:
+    """Localizes the failures of a zero-code run (see the module docstring)."""
+
+    def __init__(self, watcher: Any, rerun: Optional[Callable[[Detection], Dict[str, Any]]] = None,
+                 bundle: Optional[str] = None, config: Optional[Dict[str, Any]] = None,
+                 at_once: bool = False) -> None:
+        self.w, self.rerun, self.bundle, self.config, self.at_once = watcher, rerun, bundle, config or {}, at_once
+        self.bundle_written = False
+
+    def wants(self, det: Detection) -> bool:
+        """Localize at the failing step: the first failure (and the first evaluation failure), and later
+        ones that are not consequences of a value let through (parameters or optimizer state made
+        non-finite by an update warn mode allowed); at most 8 in a run (each costs about one step)."""
+        done = self.w.loc_runs
+        if len(done) >= 8:
+            return False
+        if det.phase == "eval":
+            return not any(d.phase == "eval" for d in self.w.detections)
+        first = next((d for d in self.w.detections if d.phase != "eval"), None)
+        return first is None or det.phase not in ("params", "optimizer")
+
+    def __call__(self, det: Detection) -> Optional[Dict[str, Any]]:
+        if det.phase == "eval":
+            return self.w.evals.replay(self.recorder)
+        if det.phase == "params" and det.step == 0 and self.rerun is not None:
+            res = {"method": "replay-tape", "reproduced": False,
+                   "reason": "the parameters were non-finite before the first step: re-running the setup that "
+                             "wrote them is cheap and shows the write"}
+        else:
+            res = self.in_process(det)
+        if self.at_once and not res.get("reproduced"):
+            return self.fallback(det, res)
+        return res
+
+    def recorder(self, roots: Any = None) -> Any:
+        w = self.w
+        return make_recorder(list(w.monitor.roots) if roots is None else roots, w.optimizers(),
+                             data_rows=w.data.rows_of)
+
+    def in_process(self, det: Detection) -> Dict[str, Any]:
+        rep = self.w.step_replay(det.step)
+        if rep is None:
+            return {"method": "replay-tape", "reproduced": False, "reason": self.w.replay_unavailable}
+        out = rep.run(recorder=self.recorder())
+        res = {"method": "replay-tape", "reproduced": bool(out.get("reproduced")),
+               "localization": out.get("localization"), "seconds": out.get("seconds")}
+        loc = out.get("localization") or {}
+        if res["reproduced"] and (loc.get("preexisting") or {}).get("kind") == "data" and rep.data_unexplained():
+            res["reproduced"] = False
+            out["error"] = ("the batch was non-finite when the recorded calls began (the calls that built it "
+                            "were not all recorded)")
+        if not res["reproduced"]:
+            res["reason"] = out.get("error") or (
+                "the replay did not give back the step's loss bit for bit" if out.get("same_loss") is False
+                else "the non-finite value appeared after backward (e.g. in gradient clipping or code between "
+                     "backward and the optimizer step), outside the recorded calls")
+        else:
+            _param_write(loc, rep, self.w)
+            if self.bundle and not self.bundle_written:
+                res["bundle"] = self._bundle(det, rep)
+        return res
+
+    def fallback(self, det: Detection, first: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        """The full re-run when the in-process replay did not reproduce (``first``)."""
+        if self.rerun is None:
+            return first
+        res = self.rerun(det)
+        if res is not None and first is not None:
+            res["fallback_from"] = {"method": first.get("method"), "reason": first.get("reason")}
+        return res
+
+    def _bundle(self, det: Detection, rep: Any) -> Any:
+        try:
+            st = pre_step_state(self.w)
+            rng = rep.rng()
+            if rng is not None:
+                st["rng"] = {"torch": rng[0]}
+            self.bundle_written = True
+            return save_bundle(self.bundle, step=det.step, phase=det.phase, batch=rep.batch(), config=self.config,
+                               **st)
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"[:200]}
+
+
+def _param_write(loc: Dict[str, Any], rep: Any, watcher: Any) -> None:
+    """A parameter non-finite before the step that the tape saw written in place (between steps):
+    name the write (its API call and line; the recorder did not see its op)."""
+    pre = loc.get("preexisting") or {}
+    if pre.get("kind") != "param" or pre.get("written_by"):
+        return
+    names = {n: p for r in watcher.monitor.roots for n, p in r.named_parameters()}
+    p = names.get(str(pre.get("name")).split(":", 1)[-1])
+    wb = rep.param_writes.get(id(p)) if p is not None else None
+    if wb is not None:
+        pre["written_by"] = dict(wb, op=wb.get("api"), stage="forward", kind="recorded call")
+
+
+def pre_step_state(watcher: Any) -> Dict[str, Any]:
+    """Model/optimizer/scaler/RNG state now (before the failing step's update), for a repro bundle."""
+    roots = list(watcher.monitor.roots)
+    model_state: Dict[str, torch.Tensor] = {}
+    for r in roots:
+        prefix = (type(r).__name__ + ":") if len(roots) > 1 else ""
+        model_state.update({prefix + k: v.detach().clone() for k, v in r.state_dict().items()})
+    scaler = watcher.scalers[0] if watcher.scalers else None
+    return {"model_state": model_state, "optimizer_states": [o.state_dict() for o in watcher.optimizers()],
+            "scaler_state": scaler.state_dict() if scaler is not None else None, "rng": capture_rng()}
+
+
+def run_context(watcher: Any) -> dict:
+    """What the diagnosis knows about the run: optimizer, learning rates, eps, dtype, scaler, counting."""
+    mon = watcher.monitor
+    ctx: dict = {"scaler": bool(watcher.scalers), "counting": mon.counting}
+    for v in mon.views.values():
+        opt = v.opt_ref()
+        if opt is None:
+            continue
+        ctx.setdefault("optimizer", type(opt).__name__)
+        g = opt.param_groups[0]
+        ctx.setdefault("lr", [gg.get("lr") for gg in opt.param_groups if not hasattr(gg.get("lr"), "shape")])
+        if "eps" in g:
+            ctx.setdefault("eps", g["eps"])
+        ps = v.all_params()
+        if ps:
+            ctx.setdefault("dtype", str(ps[0].dtype).replace("torch.", ""))
+    return ctx
+
+
+def make_report(watcher: Any, localizer: Optional[Localizer] = None, policy: Any = None,
+                localize: bool = True) -> Report:
+    """The report of a watched run (see the module docstring for events and recurrences)."""
+    mon = watcher.monitor
+    report = Report(counting=mon.counting, steps_watched=mon.steps_watched,
+                    max_grad_norm=mon.history.max_grad_norm if len(mon.history) else None,
+                    scaler_skips=sum(1 for d in watcher.info if d.detected.get("scaler_skip")),
+                    history=mon.history.as_dicts())
+    report.info = [{"step": d.step, "phase": d.phase, **d.detected} for d in watcher.info][:200]
+    history = mon.history.raw_dicts()
+    events = list(policy.events) if policy is not None else []
+    ctx = run_context(watcher)
+    firsts: Dict[str, Any] = {}
+    for det in watcher.detections:
+        if det.event is not None:  # already diagnosed during the run (recovery mode)
+            events.append(det.event)
+            continue
+        events.append(_event(det, watcher, localizer, firsts, [h for h in history if h["step"] < det.step],
+                             ctx, localize))
+    events.sort(key=lambda e: (e.step, e.recovery is not None))
+    report.events = fold_recurrences(events)
+    if watcher.dropped_events:
+        report.extra["dropped_events"] = watcher.dropped_events
+    report_extra(report)
+    if watcher.disabled:  # a clean status would otherwise hide that nothing was checked after this
+        report.extra["guard_disabled"] = watcher.error or True
+    tape = getattr(watcher, "tape", None)
+    if tape is not None and tape.off_reason:
+        report.extra["step_tape"] = tape.off_reason
+    return report
+
+
+def _event(det: Detection, watcher: Any, localizer: Optional[Localizer], firsts: Dict[str, Any], hist: list,
+           ctx: dict, localize: bool) -> Any:
+    kind = "eval" if det.phase == "eval" else "train"
+    first = firsts.get(kind)
+    loc_run = watcher.loc_runs.get(id(det))
+    if first is None:
+        if kind == "train" and localize and localizer is not None and not (loc_run or {}).get("reproduced"):
+            loc_run = _safe_fallback(localizer, det, loc_run)
+        ev = share_event(build_event(det, loc_run, hist, ctx), det.rank)
+        firsts[kind] = ev
+        return ev
+    if kind == "train" and det.phase in ("params", "optimizer"):
+        return consequence_event(det, first)
+    if not (loc_run or {}).get("reproduced"):
+        return recurrence_event(det, first, hist, ctx)
+    ev = build_event(det, loc_run, hist, ctx)
+    return as_recurrence(ev, first) if same_cause(ev, first) else ev
+
+
+def _safe_fallback(localizer: Localizer, det: Detection, loc_run: Any) -> Any:
+    try:
+        return localizer.fallback(det, loc_run)
+    except (Exception, KeyboardInterrupt, Terminated) as e:  # SIGTERM/Ctrl-C during the re-run: report without
+        out = dict(loc_run or {"method": "rerun", "reproduced": False})
+        out["reason"] = f"the re-run was stopped: {type(e).__name__}"
+        return out
+
+
+def announce(watcher: Any, det: Detection) -> None:
+    """One line on stderr at the failing step (watch(), warn mode): what failed, where and why."""
+    kind = det.phase == "eval"
+    if any((d.phase == "eval") == kind for d in watcher.detections if d is not det):
+        return  # later failures are summed up at the end
+    hist = [h for h in watcher.monitor.history.raw_dicts() if h["step"] < det.step]
+    ev = build_event(det, watcher.loc_runs.get(id(det)), hist, run_context(watcher))
+    try:
+        print_line(one_line(ev) + " (full report at the end)")
+    except Exception:
+        print(f"nanguard: {one_line(ev)}", file=sys.stderr)
