@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import nanguard
-from conftest import load_report, run_ng, write
+from ngtest import load_report, run_ng, write
 
 # --------------------------------------------------------------------------- DataLoader workers
 

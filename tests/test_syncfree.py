@@ -17,7 +17,7 @@ from nanguard import NonFiniteError
 from nanguard.pytorch.detect.gate import gate_kind
 from nanguard.pytorch.syncs import HostSyncCounter
 
-from conftest import assert_same_params
+from ngtest import assert_same_params
 
 
 class Net(nn.Module):
