@@ -8,18 +8,22 @@ runs before the update), the same batch and the same random numbers.
 """
 from __future__ import annotations
 
+import time
 import warnings
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from ..core.config import GuardConfig
 from ..core.events import Detection, Event, NonFiniteError, Report
+from ..core.experiments import ExperimentConfig
 from ..core.pipeline import build_event
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
 from .bundle import default_bundle_path, save_bundle
+from .counterfactual import GuardStep, drop_rows_and_regrad, investigate_failure
+from .counterfactual.samples import batch_indices, name_samples
 from .detect import StepMonitor
 from .distributed import barrier, is_main, is_origin, replays_here, report_extra, share_event
 from .recover import RecoveryPolicy
@@ -58,6 +62,13 @@ class Guard:
             parameter at least every K updates (``None``: 1 up to 2 MiB of parameters, else up
             to 8). Parameters the next forward uses are caught at the next step whatever K is;
             with ``recover`` it is always 1.
+        experiments: counterfactual replays of a failing step that test the diagnosed cause
+            ("the step without batch row 3 is finite", "module 'enc.1' in float32 is finite"):
+            ``"auto"`` (default: within a budget of 3 training steps), ``None``/``"off"``, a budget
+            in training steps, a list of kinds, or a dict of
+            :class:`nanguard.core.experiments.ExperimentConfig` fields. With ``recover``, the last
+            ``keep_steps`` (3) steps' batches are kept (references) for replays from a snapshot,
+            and an action that changes training is applied only if its replay verified it.
 
     Under ``torch.distributed`` (DDP, ``world_size > 1``) every rank reaches the same decision
     at every step (one small all-reduce in the check), the failing step is replayed on the
@@ -71,7 +82,8 @@ class Guard:
                  report: Optional[str] = None, history_size: int = 200, strict: bool = False,
                  localize: bool = True, check_data: bool = True, quiet: bool = False,
                  bundle: Optional[str] = "auto", tensorboard: Any = None,
-                 param_check_every: Optional[int] = None, html: Optional[str] = "auto") -> None:
+                 param_check_every: Optional[int] = None, html: Optional[str] = "auto",
+                 experiments: Any = "auto") -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -106,16 +118,25 @@ class Guard:
         self.tensorboard = None
         if tensorboard is not None:
             self.tensorboard = TensorBoardLogger.attach_to(self.monitor, tensorboard)
+        self.experiments = ExperimentConfig.from_spec(experiments)
+        self._kept: Dict[int, GuardStep] = {}   # the last steps, for history replays (recovery only)
+        self._failing: Optional[GuardStep] = None
+        self._step_seconds: Optional[float] = None  # a running estimate: the experiments' time unit
 
     # ------------------------------------------------------------------ the step
-    def step(self, batch: Any, loss_fn: LossFn, *, micro_batches: bool = False) -> torch.Tensor:
+    def step(self, batch: Any, loss_fn: LossFn, *, micro_batches: bool = False,
+             indices: Optional[Sequence[Any]] = None) -> torch.Tensor:
         """Run one training step on ``batch`` and return the (detached) loss.
 
         ``loss_fn(batch)`` does the forward pass and returns the scalar loss; the
         guard does backward and the update. With ``micro_batches=True``,
         ``batch`` is a sequence of micro-batches whose gradients accumulate
         (``loss_fn`` should scale each loss as you want it averaged).
+        ``indices``: the dataset index of every row of ``batch`` (a dict batch's ``"indices"`` or
+        ``"index"`` entry is used when not given), so a report can name the dataset rows of bad
+        samples.
         """
+        t_start = time.perf_counter()
         if not self._announced and not self.quiet:
             self._announced = True
             print_line(f"guarding {type(self.model).__name__} (on non-finite: "
@@ -124,6 +145,8 @@ class Guard:
         rng = self._safe(_capture_rng) if (self.localize or self.bundle_path) else None
         if self.policy is not None:
             self.policy.before_step(self)
+            if rng is not None and self.experiments.enabled:
+                self._keep(batches, loss_fn, rng, indices)
         for o in self.optimizers:
             o.zero_grad(set_to_none=True)
         loss = None
@@ -147,7 +170,10 @@ class Guard:
                 self.report.info.append({"step": det.step, "phase": det.phase, **det.detected})
                 skipped[id(o)] = bool(det.detected.get("scaler_skip"))
                 continue
-            action = self._on_failure(det, batches, loss_fn, rng)
+            action = self._on_failure(det, batches, loss_fn, rng, indices)
+            self._failing = None
+            if action == "apply":  # recovery re-ran the step without its bad samples: update with that
+                continue
             if action == "skip":
                 for oo in self.optimizers:
                     oo.zero_grad(set_to_none=True)
@@ -170,7 +196,21 @@ class Guard:
             self._safe(lambda: self.monitor.end_step(o, skipped=skipped.get(id(o), False)))
         if self.policy is not None:
             self.policy.after_step(self)
+        self._timed(time.perf_counter() - t_start)
         return loss.detach()
+
+    def _timed(self, seconds: float) -> None:
+        """A running estimate of one ordinary step's wall time (the experiments' budget unit)."""
+        s = self._step_seconds
+        self._step_seconds = seconds if s is None else (0.8 * s + 0.2 * seconds if seconds < 10 * s else s)
+
+    def _keep(self, batches, loss_fn, rng, indices) -> None:
+        """Keep this step (references to its batches, its RNG state) for replays from a snapshot."""
+        n = self.monitor.steps_watched
+        self._kept[n] = GuardStep(self.model, self.optimizers, self.scaler, batches, loss_fn, rng, n,
+                                  batch_indices(batches[0], indices) if len(batches) == 1 else None)
+        for k in [k for k in self._kept if k <= n - self.experiments.keep_steps]:
+            del self._kept[k]
 
     def _check(self, opt: torch.optim.Optimizer) -> Optional[Detection]:
         if self.scaler is not None and self.scaler.is_enabled():
@@ -186,7 +226,7 @@ class Guard:
             pass
 
     # ------------------------------------------------------------------ failures
-    def _on_failure(self, det: Detection, batches, loss_fn, rng) -> str:
+    def _on_failure(self, det: Detection, batches, loss_fn, rng, indices=None) -> str:
         # distributed: the bundle is saved where it was seen first; a DDP model is replayed there only
         if self.bundle_path and self.bundle_saved is None and rng is not None and is_origin(det):
             self.bundle_saved = self._safe(lambda: self._save_bundle(det, batches, rng))
@@ -197,6 +237,8 @@ class Guard:
         event = self._safe(lambda: self._event(det, loc_run))
         if event is None:
             event = Event(step=det.step, phase=det.phase, detected=det.detected, rank=det.rank)
+        elif rng is not None and replays_here(det, self.model):
+            self._safe(lambda: self._experiment(event, det, loc_run, batches, loss_fn, rng, indices))
         if det.rank is not None:  # every rank acts on the origin rank's diagnosis
             event = share_event(event, det.rank)
         if self.policy is not None:
@@ -231,16 +273,42 @@ class Guard:
                            rng=plain_rng(rng), config={"on_nonfinite": self.config.on_nonfinite,
                                             "history_size": self.config.history_size})
 
-    def _event(self, det: Detection, loc_run) -> Event:
+    def _event(self, det: Detection, loc_run, exclude: Sequence[str] = ()) -> Event:
         hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
         ctx = {"scaler": self.scaler is not None, "optimizer": type(self.optimizers[0]).__name__,
                "lr": [g.get("lr") for g in self.optimizers[0].param_groups],
                "eps": self.optimizers[0].param_groups[0].get("eps"),
-               "dtype": _model_dtype(self.model)}
+               "dtype": _model_dtype(self.model), "exclude_categories": list(exclude)}
         ev = build_event(det, loc_run, hist, ctx)
         if self.bundle_saved:
             ev.localization = dict(ev.localization or {}, bundle=self.bundle_saved)
         return ev
+
+    def _experiment(self, event: Event, det: Detection, loc_run, batches, loss_fn, rng, indices) -> None:
+        """Test the diagnosed cause by counterfactual replays of the step (nanguard.core.experiments);
+        name the batch rows (and dataset rows) of a per-sample failure."""
+        ind = batch_indices(batches[0], indices) if len(batches) == 1 else None
+        step = GuardStep(self.model, self.optimizers, self.scaler, batches, loss_fn, rng, det.step, ind)
+        self._failing = step
+        if self.experiments.enabled and det.phase != "params":
+            hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
+
+            def rediagnose(excluded):
+                ev = self._event(det, loc_run, exclude=excluded)
+                return ev.cause, ev.fixes
+
+            investigate_failure(event, step, roots=[self.model], config=self.experiments,
+                                step_seconds=self._step_seconds, rediagnose=rediagnose, history=hist,
+                                kept=self._kept, snapshots=self.policy.all_snapshots() if self.policy else (),
+                                recovering=self.policy is not None)
+        name_samples(event, ind)
+
+    def drop_samples_fn(self) -> Optional[Callable[[List[int]], Optional[dict]]]:
+        """The ``drop_samples`` recovery on the failing step (re-run without the rows, gradients kept)."""
+        step = self._failing
+        if step is None or self.scaler is not None:  # a GradScaler has already unscaled this step's gradients
+            return None
+        return lambda rows: drop_rows_and_regrad(step, rows)
 
     def _replay(self, batches, loss_fn, rng, det: Detection) -> dict:
         """Re-run the failing step's forward and backward under the op recorder (params unchanged)."""

@@ -28,15 +28,21 @@ _SHOWN_FACTS = ("float64_rerun", "float32_rerun", "eps_constants", "zero_denomin
 
 
 def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: dict | None = None) -> dict:
-    """Name the cause of the first non-finite value (category, summary, confidence, evidence, fixes)."""
+    """Name the cause of the first non-finite value (category, summary, confidence, evidence, fixes).
+
+    ``context["exclude_categories"]``: categories an experiment ruled out; the rules that would return
+    one of them are passed over (the next candidate is named, or ``other``)."""
     context = dict(context or {})
     history = list(history or [])
     sig = history_signals(history)
+    excluded = set(context.get("exclude_categories") or ())
     try:
         if loc and loc.get("reproduced"):
             out = from_localisation(loc, sig, phase, context)
         else:
             out = from_history(loc, sig, phase, context)
+        if out["category"] in excluded:
+            out = _ruled_out(out, excluded)
     except Exception as e:  # a diagnosis must always come back
         out = T.result("other", f"diagnosis failed ({type(e).__name__}: {e}); phase {phase}", 0.1,
                        {"error": str(e)[:200]}, ["inspect the step manually with torch.autograd.detect_anomaly()"],
@@ -124,10 +130,19 @@ def origin_evidence(origin: dict, facts: dict) -> dict:
 
 
 def mechanism(c: Case) -> dict:
-    """Category from the origin op and the evidence facts: the first registered rule with a cause."""
+    """Category from the origin op and the evidence facts: the first registered rule with a cause
+    (not one of ``context["exclude_categories"]``)."""
+    excluded = set(c.ctx.get("exclude_categories") or ())
     for rule in F.rules():
         if rule.applies(c):
             out = rule.fn(c)
-            if out is not None:
+            if out is not None and out["category"] not in excluded:
                 return out
     return other(c)
+
+
+def _ruled_out(out: dict, excluded: set) -> dict:
+    """Every candidate this path has was ruled out: say so, keep the evidence."""
+    return T.result("other", f"{out['summary']}; but experiments ruled out "
+                    f"{', '.join(sorted(excluded))}, and no other mechanism fits the evidence", 0.3,
+                    out["evidence"], out.get("fixes") or [], out.get("method") or "")
