@@ -89,7 +89,7 @@ class HookedGuard:
             return
         g = self.guard
         if not self._batches:  # the first micro-batch of an optimizer step
-            if g.localize or g.bundle_path:
+            if g.localize or g.bundle_path or g.experiments.enabled:
                 self._rng = g._safe(lambda: capture_rng(plain=False))
             if g.policy is not None:
                 g._safe(lambda: g.policy.before_step(g))

@@ -142,7 +142,7 @@ class Guard:
             print_line(f"guarding {type(self.model).__name__} (on non-finite: "
                        f"{'recover' if self.policy else self.config.on_nonfinite})")
         batches = list(batch) if micro_batches else [batch]
-        rng = self._safe(_capture_rng) if (self.localize or self.bundle_path) else None
+        rng = self._safe(_capture_rng) if (self.localize or self.bundle_path or self.experiments.enabled) else None
         if self.policy is not None:
             self.policy.before_step(self)
             if rng is not None and self.experiments.enabled:

@@ -88,9 +88,10 @@ class _Investigation:
             if v == CONFIRMS:
                 self.confirmed = e
                 break
-            self.ruled_out.append(ruled_out_record(cat, e, _why(cat, e)))
+            if cat != "other":  # "other" is no cause to rule out: only replaced by what e proves
+                self.ruled_out.append(ruled_out_record(cat, e, _why(cat, e)))
             nxt = self._next_candidate(cat, e)
-            if nxt is None:
+            if nxt is None or self.confirmed is not None:
                 break
             cat = nxt
         self._verify_for_recovery()
@@ -148,15 +149,17 @@ class _Investigation:
         method = (self.event.localization or {}).get("method") or ""
         new = implied_cause(refuted, e, self.origin, ev, method)
         fixes = None
-        if new is not None:
+        if new is not None:  # the refuting experiment also proves this cause
             fixes = new.pop("fixes", [])
             new.pop("method", None)
+            self.confirmed = e
+            judge(new["category"], e, self._ctx())
         elif self.rediagnose is not None:
             out = self.rediagnose([r["category"] for r in self.ruled_out])
             if out is None:
                 return None
             new, fixes = out
-        if new is None or new.get("category") in {r["category"] for r in self.ruled_out}:
+        if new is None or (self.confirmed is None and new.get("category") in {r["category"] for r in self.ruled_out}):
             return None
         new.setdefault("evidence", {})
         new["evidence"].setdefault("detected", ev.get("detected"))
@@ -177,6 +180,9 @@ class _Investigation:
         action = NEEDS_PROOF.get(cat)
         if action is None or any(e.finite and KINDS[e.kind].verifies == action for e in self.experiments):
             return
+        # The action is applied only if verified: its replay may use a second budget (the alternative
+        # is to skip the step and, if it recurs, stop the run).
+        self.budget += self.config.budget_seconds(self.step_s)
         for spec in plan(cat, self._situation(cat)):
             if KINDS[spec.kind].verifies != action:
                 continue

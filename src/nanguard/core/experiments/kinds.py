@@ -116,9 +116,8 @@ def _determinism(cat: str, e: Experiment, ctx: dict) -> Optional[str]:
 
 
 def _eager(cat: str, e: Experiment, ctx: dict) -> Optional[str]:
-    if e.finite and e.details.get("compiled_finite") is False:
-        return REFUTES if cat != "other" else None
-    return None
+    # eager finite where the compiled step is not: whatever the op-level cause, it is not the program's
+    return REFUTES if (e.finite and e.details.get("compiled_finite") is False) else None
 
 
 def _rows(p: dict) -> str:

@@ -23,6 +23,11 @@ GUARDED_OPS = frozenset({"log", "log2", "log10", "log1p", "sqrt", "rsqrt", "acos
                          "_softmax", "_log_softmax", "softmax", "log_softmax", "pow"})
 
 
+# one-input ops whose input the backend can replace by its float64 value (``origin_input_f64``)
+UNARY_OPS = frozenset({"log", "log2", "log10", "log1p", "sqrt", "rsqrt", "acos", "arccos", "asin", "arcsin", "atanh",
+                       "arctanh", "acosh", "arccosh", "reciprocal"})
+
+
 @dataclass
 class Situation:
     """What the planner knows. ``caps`` (from the backend's step):
@@ -97,7 +102,8 @@ def plan(category: str, s: Situation) -> List[Spec]:
             specs.append(Spec("drop_samples", {"bisect": True}, category,
                               1.0 + 0.5 * math.log2(max(caps["batch_size"], 2))))
     if category in EXACT and caps.get("op_patch") and s.examined_op in GUARDED_OPS:
-        specs.append(Spec("domain_guard", {"op": s.examined_op}, category, 1.2))
+        # float16/bfloat16: the precision experiments go first (a guard would also "fix" an underflow)
+        specs.append(Spec("domain_guard", {"op": s.examined_op}, category, 1.5 if s.low else 1.2))
     if category in DIVERGENCE:
         specs += _history_specs(category, s)
     return _order(specs)
@@ -111,9 +117,10 @@ def _precision_specs(category: str, s: Situation) -> List[Spec]:
         for i, m in enumerate(chain):
             out.append(Spec("upcast_module", {"module": m, "whole_model": i == len(chain) - 1}, category,
                             1.0 + 0.01 * i))
-        if not chain and caps.get("op_patch") and category == "low_precision_underflow":
+        if not chain and caps.get("op_patch") and category == "low_precision_underflow" and \
+                s.examined_op in UNARY_OPS:
             out.append(Spec("origin_input_f64", {"op": s.examined_op}, category, 2.5))
-    if caps.get("float64") and (category not in PRECISION or not chain):
+    if caps.get("float64"):
         out.append(Spec("float64_step", {}, category, 1.3))
     return out
 
@@ -124,11 +131,11 @@ def _history_specs(category: str, s: Situation) -> List[Spec]:
     start = nearest_snapshot(caps.get("snapshots") or [], s.step, s.max_replay_steps)
     if start is None:
         return []
-    n = s.step - start + 1
+    n = s.step - start + 1.5  # + saving, restoring and checking the state
     out: List[Spec] = []
-    lr = Spec("lr_replay", {"factor": lr_factor(s), "from_step": start, "to_step": s.step}, category, float(n))
+    lr = Spec("lr_replay", {"factor": lr_factor(s), "from_step": start, "to_step": s.step}, category, n)
     clip = Spec("clip_replay", {"max_norm": clip_norm(s), "from_step": start, "to_step": s.step}, category,
-                float(n) + 0.01)
+                n + 0.01)
     out += [lr, clip] if category == "lr_too_high" else [clip, lr]
     return out
 
@@ -136,7 +143,7 @@ def _history_specs(category: str, s: Situation) -> List[Spec]:
 def nearest_snapshot(snapshots: Sequence[int], step: int, max_steps: float) -> Optional[int]:
     """The latest snapshot strictly before ``step`` from which replaying up to ``step`` takes at most
     ``max_steps`` steps (the replay must include at least one update with the change)."""
-    ok = [t for t in snapshots if t < step and step - t + 1 <= max(max_steps, 2)]
+    ok = [t for t in snapshots if t < step and step - t + 1.5 <= max(max_steps, 2.5)]
     return max(ok) if ok else None
 
 

@@ -45,7 +45,7 @@ def finalize(event: Any, experiments: List[Experiment], confirmed: Optional[Expe
                            f"is finite"
         rows = confirmed.details.get("rows") if confirmed.kind == "drop_samples" else None
         if rows:
-            ev["samples"] = {"batch_rows": rows, **({"dataset_indices": confirmed.details["dataset_indices"]}
+            ev["bad_samples"] = {"batch_rows": rows, **({"dataset_indices": confirmed.details["dataset_indices"]}
                                                   if confirmed.details.get("dataset_indices") else {})}
     elif ruled_out:
         cause["confidence"] = round(min(conf, AFTER_REFUTED), 3)

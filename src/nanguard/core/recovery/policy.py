@@ -282,7 +282,7 @@ class RecoveryPolicy:
             done["quarantine"] = {"same_as_step": ev["same_as_step"],
                                   "note": "not re-localized: assumed to be the same bad sample(s)"}
             return
-        rows = [int(r) for r in (origin.get("source_rows") or (ev.get("samples") or {}).get("dataset_indices") or [])
+        rows = [int(r) for r in (origin.get("source_rows") or (ev.get("bad_samples") or {}).get("dataset_indices") or [])
                 if isinstance(r, int)]
         batch_rows = [int(r) for r in (origin.get("samples") or []) if isinstance(r, int)]
         q: Dict[str, Any] = {}

@@ -10,7 +10,7 @@ from ...core.experiments import Bench, Experiment, Spec
 from ...core.experiments.kinds import describe
 from ..recover.upcast import find_module
 from .history import consecutive, replay_history
-from .modes import CaptureInputs, DomainGuard, PromoteMode, SubstituteInputs
+from .modes import UNARY, CaptureInput, DomainGuard, ExactInput, PromoteMode
 from .samples import bisect_rows, complement, indices_at
 from .step import Outcome, ReplayableStep, StepChanges
 from .trial import LOW_PRECISION, Trial
@@ -121,8 +121,23 @@ class TorchBench(Bench):
             o = self._upcast_run(e, mod, promote=True)  # a float32 output met a float16 op outside modules
         self._settle(e, o)
 
+    def _grads_aside(self) -> Trial:
+        """A trial whose first change sets every gradient aside (restored last, once the dtypes are back)."""
+        t = Trial()
+        ps = {id(p): p for r in self.roots for p in r.parameters()}
+        ps.update({id(p): p for o in self.step.optimizers for g in o.param_groups for p in g["params"]})
+        saved = [(p, p.grad) for p in ps.values()]
+        for p, _ in saved:
+            p.grad = None
+
+        def back() -> None:
+            for p, g in saved:
+                p.grad = g
+        t.on_close(back)
+        return t
+
     def _upcast_run(self, e: Experiment, mod: torch.nn.Module, promote: bool) -> Outcome:
-        with Trial() as t:
+        with self._grads_aside() as t:
             t.cast_module(mod, torch.float32, only=LOW_PRECISION)
             t.wrap_forward(mod, torch.float32)
             down = t.upcast_downstream(self.roots, {id(m) for m in mod.modules()}, torch.float32)
@@ -136,24 +151,27 @@ class TorchBench(Bench):
         return o
 
     def _float64_step(self, e: Experiment, seconds_left: float) -> None:
-        with Trial() as t:
+        with self._grads_aside() as t:
             for r in self.roots:
                 t.cast_module(r, torch.float64)
             with PromoteMode(torch.float64):
                 self._settle(e, self._replay(e, StepChanges(cast=torch.float64)))
 
     def _origin_input_f64(self, e: Experiment, seconds_left: float) -> None:
-        op = e.params.get("op") or ""
-        cap = CaptureInputs(op)
-        with Trial() as t:
+        op, file, line = e.params.get("op") or "", self.origin.get("file"), self.origin.get("line")
+        if op not in UNARY:
+            e.error = f"{op} is not a one-input op"
+            return
+        cap = CaptureInput(op, file, line)
+        with self._grads_aside() as t:
             for r in self.roots:
                 t.cast_module(r, torch.float64)
             with PromoteMode(torch.float64), cap:
                 self._replay(e, StepChanges(cast=torch.float64))
-        if not cap.calls:
-            e.error = f"{op} was not called in the float64 replay"
+        if not any(x is not None for x in cap.inputs):
+            e.error = f"{op} was not called at the origin in the float64 replay"
             return
-        sub = SubstituteInputs(op, cap.calls)
+        sub = ExactInput(op, file, line, cap.inputs)
         with sub:
             o = self._replay(e)
         e.details["calls_substituted"] = sub.used

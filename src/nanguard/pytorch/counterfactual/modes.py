@@ -4,11 +4,11 @@
   float16/bfloat16/float32 to the widest of them (a float32 module's output meeting a float16 one);
   ``to=torch.float64`` runs every op in float64 (casts to narrower floating dtypes, autocast's
   included, become float64; factory ops make float64).
-* :class:`CaptureInputs` / :class:`SubstituteInputs` - record the floating inputs of every call of
-  one op in a float64 replay, then replay the step in its own dtypes with that op computed from the
-  recorded float64 inputs (``origin_input_f64``).
-* :class:`DomainGuard` - above autograd: the calls of one op made from the origin's source line get
-  inputs kept inside the op's domain (``domain_guard``), so its backward sees them too.
+* :class:`AtOrigin` and its kinds, above autograd (so the backward sees the change too), acting on
+  the calls of the origin op made from the origin's source line: :class:`CaptureInput` /
+  :class:`ExactInput` record its input in a float64 replay, then compute it from that float64 input
+  in a replay in the step's own dtypes (``origin_input_f64``); :class:`DomainGuard` keeps its inputs
+  inside its domain (``domain_guard``).
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from ...core.experiments.planner import UNARY_OPS as UNARY
 
 aten = torch.ops.aten
 _NARROW = (torch.float16, torch.bfloat16, torch.float32)
@@ -64,55 +66,6 @@ class PromoteMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _op_name(func: Any) -> str:
-    n = func._schema.name.split("::")[-1]
-    return n[:-1] if n.endswith("_") and not n.endswith("__") else n
-
-
-class CaptureInputs(TorchDispatchMode):
-    """Record the floating tensor inputs of every call of op ``name`` (at most ``limit`` calls)."""
-
-    def __init__(self, name: str, limit: int = 64) -> None:
-        super().__init__()
-        self.name, self.limit = name, limit
-        self.calls: List[Tuple[Tuple[Any, ...], Dict[str, Any]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _op_name(func) == self.name and len(self.calls) < self.limit:
-            self.calls.append((tuple(tree_map(lambda t: t.detach().clone() if _is_float(t) else t, list(args))),
-                               dict(kwargs)))
-        return func(*args, **kwargs)
-
-
-class SubstituteInputs(TorchDispatchMode):
-    """The i-th call of op ``name`` is computed from the i-th recorded float64 inputs (same shapes
-    only) and its output cast back to the dtype it would have had."""
-
-    def __init__(self, name: str, calls: List[Tuple[Tuple[Any, ...], Dict[str, Any]]]) -> None:
-        super().__init__()
-        self.name, self.calls, self.i, self.used = name, calls, 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if _op_name(func) != self.name or self.i >= len(self.calls):
-            return out
-        rec_args, rec_kwargs = self.calls[self.i]
-        self.i += 1
-        if not isinstance(out, torch.Tensor) or len(rec_args) != len(args) or any(
-                isinstance(a, torch.Tensor) and isinstance(r, torch.Tensor) and a.shape != r.shape
-                for a, r in zip(args, rec_args)):
-            return out
-        exact = func(*rec_args, **rec_kwargs)
-        if not isinstance(exact, torch.Tensor) or exact.shape != out.shape:
-            return out
-        self.used += 1
-        with torch.no_grad():
-            out.copy_(exact.to(out.dtype))
-        return out
-
-
 # torch-function names of the ops the domain guard knows, by examined aten op name
 _FUNCS = {
     "log": ("log", "log_"), "log2": ("log2",), "log10": ("log10",), "log1p": ("log1p",),
@@ -127,25 +80,27 @@ _FUNCS = {
 }
 
 
-class DomainGuard(TorchFunctionMode):
-    """Calls of op ``op`` made from ``file:line`` (anywhere up the stack) get inputs inside the op's
-    domain: log/sqrt at least the dtype's eps, log1p above -1, acos/asin/atanh strictly inside
-    (-1, 1), acosh above 1, zero denominators 1, softmax rows that are all -inf 0."""
+class AtOrigin(TorchFunctionMode):
+    """Above autograd: the calls of op ``op`` (an aten short name) made from ``file:line`` (anywhere up the
+    stack; every call when the line is unknown) go to :meth:`at_origin`."""
 
     def __init__(self, op: str, file: Optional[str], line: Optional[int]) -> None:
         super().__init__()
         self.op, self.file, self.line = op, file, line
         self.names = set(_FUNCS.get(op, ()))
-        self.guarded = 0
+        self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in self.names and self._at_origin():
-            args = self._guard(name, list(args), kwargs)
+        if getattr(func, "__name__", "") in self.names and self._from_origin():
+            self.calls += 1
+            return self.at_origin(func, list(args), kwargs)
         return func(*args, **kwargs)
 
-    def _at_origin(self) -> bool:
+    def at_origin(self, func: Any, args: List[Any], kwargs: Dict[str, Any]) -> Any:
+        return func(*args, **kwargs)
+
+    def _from_origin(self) -> bool:
         if self.file is None:
             return True
         f = sys._getframe(2)
@@ -154,6 +109,70 @@ class DomainGuard(TorchFunctionMode):
                 return True
             f = f.f_back
         return False
+
+
+class CaptureInput(AtOrigin):
+    """Record the first input of every call at the origin (in a float64 replay)."""
+
+    def __init__(self, op: str, file: Optional[str], line: Optional[int], limit: int = 64) -> None:
+        super().__init__(op, file, line)
+        self.inputs: List[Optional[torch.Tensor]] = []
+        self.limit = limit
+
+    def at_origin(self, func, args, kwargs):
+        x = args[0] if args else None
+        if len(self.inputs) < self.limit:
+            self.inputs.append(x.detach().clone() if _is_float(x) else None)
+        return func(*args, **kwargs)
+
+
+class _FromExact(torch.autograd.Function):
+    """``fn`` evaluated at the float64 input ``exact`` in place of ``x`` (same shape), forward and backward;
+    the output and the gradient are cast back to ``x``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, x, exact, fn, rest, kwargs):
+        xe = exact.detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = fn(xe, *rest, **kwargs)
+        ctx.xe, ctx.y, ctx.dtype = xe, y, x.dtype
+        return y.detach().to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (gx,) = torch.autograd.grad(ctx.y, ctx.xe, g.to(ctx.y.dtype), allow_unused=True)
+        return (None if gx is None else gx.to(ctx.dtype)), None, None, None, None
+
+
+class ExactInput(AtOrigin):
+    """The i-th call at the origin is computed, forward and backward, from the i-th recorded float64
+    input (a unary op; shapes must match), its output cast back to the op's dtype."""
+
+    def __init__(self, op: str, file: Optional[str], line: Optional[int], inputs: List[Optional[torch.Tensor]]) -> None:
+        super().__init__(op, file, line)
+        self.inputs, self.used = inputs, 0
+
+    def at_origin(self, func, args, kwargs):
+        i = self.calls - 1
+        x = args[0] if args else None
+        ex = self.inputs[i] if i < len(self.inputs) else None
+        if not _is_float(x) or ex is None or ex.shape != x.shape:
+            return func(*args, **kwargs)
+        self.used += 1
+        return _FromExact.apply(x, ex, lambda t, *r, **k: func(t, *r, **k), tuple(args[1:]), dict(kwargs))
+
+
+class DomainGuard(AtOrigin):
+    """The calls at the origin get inputs inside the op's domain: log/sqrt at least the dtype's eps,
+    log1p above -1, acos/asin/atanh strictly inside (-1, 1), acosh above 1, zero denominators 1,
+    softmax rows that are all -inf 0."""
+
+    def __init__(self, op: str, file: Optional[str], line: Optional[int]) -> None:
+        super().__init__(op, file, line)
+        self.guarded = 0
+
+    def at_origin(self, func, args, kwargs):
+        return func(*self._guard(getattr(func, "__name__", ""), args, kwargs), **kwargs)
 
     def _guard(self, name: str, args: List[Any], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
         op = self.op

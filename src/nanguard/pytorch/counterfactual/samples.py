@@ -136,13 +136,13 @@ def batch_indices(batch: Any, indices: Optional[Sequence[Any]] = None) -> Option
 
 
 def name_samples(event: Any, indices: Optional[Sequence[Any]]) -> None:
-    """``cause.evidence.samples`` for bad input data and per-sample failures: the batch rows the
+    """``cause.evidence.bad_samples`` for bad input data and per-sample failures: the batch rows the
     localization (or a ``drop_samples`` experiment) named and, with ``indices``, their dataset rows."""
     cause = event.cause if isinstance(event.cause, dict) else None
     if cause is None:
         return
     ev = cause.setdefault("evidence", {})
-    s = ev.get("samples")
+    s = ev.get("bad_samples")
     if s is None:
         o = event.origin or {}
         rows = [r for r in (o.get("samples") or []) if isinstance(r, int)]
@@ -152,7 +152,7 @@ def name_samples(event: Any, indices: Optional[Sequence[Any]]) -> None:
             return
         if indices is not None and shape and shape[0] != len(indices):
             indices = None  # the origin's first dimension is not the batch's
-        s = ev["samples"] = {"batch_rows": rows[:10]}
+        s = ev["bad_samples"] = {"batch_rows": rows[:10]}
     if indices is not None and "dataset_indices" not in s:
         idx = indices_at(indices, [r for r in s["batch_rows"] if r < len(indices)], len(indices))
         if idx:
