@@ -17,15 +17,15 @@ from torch.amp.grad_scaler import OptState
 
 from ..core.config import GuardConfig
 from ..core.events import Detection, Event, NonFiniteError, Report
-from ..core.experiments import ExperimentConfig
+from ..core.experiments import ExperimentConfig, Spec
 from ..core.pipeline import build_event
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
 from .bundle import default_bundle_path, save_bundle
-from .counterfactual import GuardStep, drop_rows_and_regrad, investigate_failure
+from .counterfactual import GuardStep, TorchBench, drop_rows_and_regrad, investigate_failure
 from .counterfactual.samples import batch_indices, name_samples
 from .detect import StepMonitor
-from .distributed import barrier, is_main, is_origin, replays_here, report_extra, share_event
+from .distributed import barrier, is_distributed, is_main, is_origin, replays_here, report_extra, share_event
 from .recover import RecoveryPolicy
 from .replay import replay_step
 from .rng import capture_rng, plain_rng
@@ -64,8 +64,8 @@ class Guard:
             with ``recover`` it is always 1.
         experiments: counterfactual replays of a failing step that test the diagnosed cause
             ("the step without batch row 3 is finite", "module 'enc.1' in float32 is finite"):
-            ``"auto"`` (default: within a budget of 3 training steps), ``None``/``"off"``, a budget
-            in training steps, a list of kinds, or a dict of
+            ``"auto"`` (default: within a budget of 3 training steps, when ``localize``), ``True``,
+            ``None``/``"off"``, a budget in training steps, a list of kinds, or a dict of
             :class:`nanguard.core.experiments.ExperimentConfig` fields. With ``recover``, the last
             ``keep_steps`` (3) steps' batches are kept (references) for replays from a snapshot,
             and an action that changes training is applied only if its replay verified it.
@@ -118,7 +118,9 @@ class Guard:
         self.tensorboard = None
         if tensorboard is not None:
             self.tensorboard = TensorBoardLogger.attach_to(self.monitor, tensorboard)
-        self.experiments = ExperimentConfig.from_spec(experiments)
+        # "auto": with the op-level replay (localize=False means: do not re-run my step)
+        self.experiments = ExperimentConfig.from_spec(False if (experiments == "auto" and not localize)
+                                                      else experiments)
         self._kept: Dict[int, GuardStep] = {}   # the last steps, for history replays (recovery only)
         self._failing: Optional[GuardStep] = None
         self._step_seconds: Optional[float] = None  # a running estimate: the experiments' time unit
@@ -145,7 +147,7 @@ class Guard:
         rng = self._safe(_capture_rng) if (self.localize or self.bundle_path or self.experiments.enabled) else None
         if self.policy is not None:
             self.policy.before_step(self)
-            if rng is not None and self.experiments.enabled:
+            if rng is not None:
                 self._keep(batches, loss_fn, rng, indices)
         for o in self.optimizers:
             o.zero_grad(set_to_none=True)
@@ -207,6 +209,8 @@ class Guard:
     def _keep(self, batches, loss_fn, rng, indices) -> None:
         """Keep this step (references to its batches, its RNG state) for replays from a snapshot."""
         n = self.monitor.steps_watched
+        if not self.experiments.enabled or n in self._kept:
+            return
         self._kept[n] = GuardStep(self.model, self.optimizers, self.scaler, batches, loss_fn, rng, n,
                                   batch_indices(batches[0], indices) if len(batches) == 1 else None)
         for k in [k for k in self._kept if k <= n - self.experiments.keep_steps]:
@@ -230,15 +234,20 @@ class Guard:
         # distributed: the bundle is saved where it was seen first; a DDP model is replayed there only
         if self.bundle_path and self.bundle_saved is None and rng is not None and is_origin(det):
             self.bundle_saved = self._safe(lambda: self._save_bundle(det, batches, rng))
+        here = rng is not None and replays_here(det, self.model)
+        step = GuardStep(self.model, self.optimizers, self.scaler, batches, loss_fn, rng, det.step,
+                         batch_indices(batches[0], indices) if len(batches) == 1 else None) if here else None
+        # a compiled step is replayed compiled before the op-level replay (after which torch.compile runs
+        # that code eagerly): the eager/compiled experiment needs the compiled graph
+        prior = self._safe(lambda: self._compiled_first(step)) if step is not None else None
         loc_run = None
-        if self.localize and det.phase in ("data", "params", "forward", "backward") and rng is not None \
-                and replays_here(det, self.model):
+        if self.localize and det.phase in ("data", "params", "forward", "backward") and here:
             loc_run = self._safe(lambda: self._replay(batches, loss_fn, rng, det))
         event = self._safe(lambda: self._event(det, loc_run))
         if event is None:
             event = Event(step=det.step, phase=det.phase, detected=det.detected, rank=det.rank)
-        elif rng is not None and replays_here(det, self.model):
-            self._safe(lambda: self._experiment(event, det, loc_run, batches, loss_fn, rng, indices))
+        elif step is not None:
+            self._safe(lambda: self._experiment(event, det, loc_run, step, prior or []))
         if det.rank is not None:  # every rank acts on the origin rank's diagnosis
             event = share_event(event, det.rank)
         if self.policy is not None:
@@ -284,11 +293,14 @@ class Guard:
             ev.localization = dict(ev.localization or {}, bundle=self.bundle_saved)
         return ev
 
-    def _experiment(self, event: Event, det: Detection, loc_run, batches, loss_fn, rng, indices) -> None:
+    def _compiled_first(self, step: GuardStep) -> list:
+        if not (self.experiments.allows("eager") and TorchBench(step, [self.model], step_seconds=None).compiled()):
+            return []
+        return [TorchBench(step, [self.model], step_seconds=None).run(Spec("eager"), seconds_left=0.0)]
+
+    def _experiment(self, event: Event, det: Detection, loc_run, step: GuardStep, prior: list) -> None:
         """Test the diagnosed cause by counterfactual replays of the step (nanguard.core.experiments);
         name the batch rows (and dataset rows) of a per-sample failure."""
-        ind = batch_indices(batches[0], indices) if len(batches) == 1 else None
-        step = GuardStep(self.model, self.optimizers, self.scaler, batches, loss_fn, rng, det.step, ind)
         self._failing = step
         if self.experiments.enabled and det.phase != "params":
             hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
@@ -300,13 +312,15 @@ class Guard:
             investigate_failure(event, step, roots=[self.model], config=self.experiments,
                                 step_seconds=self._step_seconds, rediagnose=rediagnose, history=hist,
                                 kept=self._kept, snapshots=self.policy.all_snapshots() if self.policy else (),
-                                recovering=self.policy is not None)
-        name_samples(event, ind)
+                                recovering=self.policy is not None, prior=prior)
+        name_samples(event, step.dataset_indices())
 
     def drop_samples_fn(self) -> Optional[Callable[[List[int]], Optional[dict]]]:
         """The ``drop_samples`` recovery on the failing step (re-run without the rows, gradients kept)."""
         step = self._failing
-        if step is None or self.scaler is not None:  # a GradScaler has already unscaled this step's gradients
+        # not with a GradScaler (it has unscaled this step's gradients already), nor across ranks (every
+        # rank must take the same action, and only the origin rank replayed)
+        if step is None or self.scaler is not None or is_distributed():
             return None
         return lambda rows: drop_rows_and_regrad(step, rows)
 

@@ -50,11 +50,15 @@ Rediagnose = Callable[[Sequence[str]], Optional[tuple]]
 
 
 def investigate(event: Any, bench: Bench, config: ExperimentConfig, *, rediagnose: Optional[Rediagnose] = None,
-                history: Sequence[dict] = (), recovering: bool = False) -> Dict[str, Any]:
+                history: Sequence[dict] = (), recovering: bool = False, prior: Sequence[Experiment] = ()) -> Dict[str, Any]:
     """Run the experiments for ``event`` (a :class:`nanguard.core.events.Event` with its diagnosis) and
-    record them in its cause. Returns a summary ``{"experiments": n, "confirmed_by": kind or None,
+    record them in its cause. ``prior``: experiments the backend already ran on this step (judged
+    first, counted in the cost). Returns a summary ``{"experiments": n, "confirmed_by": kind or None,
     "ruled_out": [...], "seconds": s}``."""
     inv = _Investigation(event, bench, config, rediagnose, list(history), recovering)
+    for e in prior:
+        inv.experiments.append(e)
+        inv.spent += e.seconds
     inv.run()
     return inv.summary()
 

@@ -32,12 +32,15 @@ def investigate_failure(event: Any, step: ReplayableStep, *, roots: Sequence[tor
                         config: ExperimentConfig, step_seconds: Optional[float],
                         rediagnose: Optional[Callable[[Sequence[str]], Optional[tuple]]] = None,
                         history: Sequence[dict] = (), kept: Optional[Dict[int, ReplayableStep]] = None,
-                        snapshots: Sequence[Any] = (), recovering: bool = False) -> Dict[str, Any]:
+                        snapshots: Sequence[Any] = (), recovering: bool = False,
+                        prior: Sequence[Any] = ()) -> Dict[str, Any]:
     """Test ``event``'s cause by counterfactual replays of ``step`` (see :mod:`nanguard.core.experiments`);
-    the event's cause is updated in place. Returns the investigation's summary."""
+    the event's cause is updated in place. ``prior``: experiments already run on this step (the compiled
+    one, before the op-level replay). Returns the investigation's summary."""
     bench = TorchBench(step, roots, step_seconds=step_seconds, kept=kept, snapshots=snapshots,
                        origin=event.origin)
-    return investigate(event, bench, config, rediagnose=rediagnose, history=history, recovering=recovering)
+    return investigate(event, bench, config, rediagnose=rediagnose, history=history, recovering=recovering,
+                       prior=prior)
 
 
 def drop_rows_and_regrad(step: ReplayableStep, rows: List[int]) -> Optional[Dict[str, Any]]:

@@ -73,6 +73,7 @@ def replay_history(snapshot: Any, steps: Sequence[ReplayableStep], modules: Sequ
 
 
 def consecutive(steps: Dict[int, ReplayableStep], start: int, end: int) -> Optional[List[ReplayableStep]]:
-    """The kept steps ``start..end`` (inclusive), or None when one is missing."""
+    """The kept steps ``start..end`` (inclusive), or None when one is missing or its batch was written in
+    place since (a reused input buffer)."""
     out = [steps.get(s) for s in range(start, end + 1)]
-    return None if any(s is None for s in out) else out  # type: ignore[return-value]
+    return None if any(s is None or not s.intact() for s in out) else out  # type: ignore[return-value]

@@ -13,22 +13,23 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 
-def _tensors(x: Any, out: List[torch.Tensor]) -> None:
+def tensors_of(x: Any, out: List[torch.Tensor]) -> None:
+    """Append every tensor of a nested batch to ``out``."""
     if isinstance(x, torch.Tensor):
         out.append(x)
     elif isinstance(x, dict):
         for v in x.values():
-            _tensors(v, out)
+            tensors_of(v, out)
     elif isinstance(x, (list, tuple)):
         for v in x:
-            _tensors(v, out)
+            tensors_of(v, out)
 
 
 def batch_size_of(batch: Any) -> Optional[int]:
     """The first dimension most tensors of ``batch`` share (the first tensor's on a tie); None without
     a tensor of at least one dimension."""
     ts: List[torch.Tensor] = []
-    _tensors(batch, ts)
+    tensors_of(batch, ts)
     dims = [t.shape[0] for t in ts if t.dim() >= 1]
     if not dims:
         return None

@@ -22,7 +22,7 @@ import torch
 
 from ..distributed import local_replay
 from ..rng import capture_rng, restore_rng
-from .samples import batch_size_of, select_rows
+from .samples import batch_size_of, select_rows, tensors_of
 from .trial import cast_floats
 
 
@@ -67,6 +67,10 @@ class ReplayableStep(abc.ABC):
         """The dataset index of every batch row, when the data loader (or the user) gave them."""
         return None
 
+    def intact(self) -> bool:
+        """Its inputs are as they were when it ran (a kept earlier step can still be replayed)."""
+        return True
+
     @abc.abstractmethod
     def run(self, recorder: Any = None, changes: Optional[StepChanges] = None) -> Outcome:
         """Re-run forward and backward (under ``recorder`` if given) with ``changes``; never raises."""
@@ -105,6 +109,13 @@ class GuardStep(ReplayableStep):
         self.model, self.optimizers, self.scaler = model, list(optimizers), scaler
         self.batches, self.loss_fn, self.rng, self.step = list(batches), loss_fn, rng, step
         self.indices = list(indices) if indices is not None else None
+        ts: List[torch.Tensor] = []
+        tensors_of(self.batches, ts)
+        self._versions = [(t, t._version) for t in ts]
+
+    def intact(self) -> bool:
+        """The batch tensors were not written in place since the step (kept steps hold references)."""
+        return all(t._version == v for t, v in self._versions)
 
     def batch_size(self) -> Optional[int]:
         return batch_size_of(self.batches[0]) if len(self.batches) == 1 else None
