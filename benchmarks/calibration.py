@@ -5,7 +5,8 @@ Runs every non-clean scenario of the given directories (``NAME.py`` + ``NAME.jso
 and compares the first event's ``cause.category`` with the scenario's ``accept`` list::
 
     python -m benchmarks.calibration tests/scenarios /work/shared/scenarios/public --out /tmp/cal.json
-    python -m benchmarks.calibration --from /tmp/cal.json          # re-print a saved run
+    python -m benchmarks.calibration --guard benchmarks/cf_scenarios    # Guard-driven scripts (NAME.py REPORT)
+    python -m benchmarks.calibration --from /tmp/cal.json /tmp/cal2.json # re-print saved runs, merged
 
 It prints the calibration table (confidence bucket -> share of right categories), the share of
 causes at confidence >= 0.9 that are right (target >= 0.95), the share of diagnoses confirmed by an
@@ -25,14 +26,16 @@ import tempfile
 import time
 from typing import Any, Dict, List
 
-BUCKETS = ((0.0, 0.5), (0.5, 0.7), (0.7, 0.8), (0.8, 0.9), (0.9, 0.95), (0.95, 1.01))
+from nanguard.core.experiments.calibration import calibration_table, share_right_at
 
 
-def run_one(script: pathlib.Path, timeout: float, extra: List[str]) -> Dict[str, Any]:
+
+def run_one(script: pathlib.Path, timeout: float, extra: List[str], guard: bool = False) -> Dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         report = pathlib.Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "nanguard", "run", "--report", str(report), "--no-bundle", "--no-html",
-               *extra, str(script)]
+        cmd = [sys.executable, str(script), str(report), *extra] if guard else \
+            [sys.executable, "-m", "nanguard", "run", "--report", str(report), "--no-bundle", "--no-html",
+             *extra, str(script)]
         t0 = time.time()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(script.parent),
@@ -59,15 +62,12 @@ def row_of(truth: Dict[str, Any], res: Dict[str, Any], suite: str) -> Dict[str, 
 
 def table(rows: List[Dict[str, Any]]) -> str:
     lines = ["confidence bucket   n   right  share"]
-    for lo, hi in BUCKETS:
-        b = [r for r in rows if isinstance(r["confidence"], (int, float)) and lo <= r["confidence"] < hi]
-        if b:
-            k = sum(r["right"] for r in b)
-            lines.append(f"[{lo:.2f}, {min(hi, 1.0):.2f}{']' if hi > 1 else ')'}  {len(b):3d}  {k:5d}  {k / len(b):.2f}")
-    hi = [r for r in rows if (r["confidence"] or 0) >= 0.9]
-    if hi:
-        k = sum(r["right"] for r in hi)
-        lines.append(f"confidence >= 0.9: {k}/{len(hi)} right ({k / len(hi):.3f}; target >= 0.95)")
+    for b in calibration_table(rows):
+        lo, hi = b["bucket"]
+        lines.append(f"[{lo:.2f}, {hi:.2f}{']' if hi == 1.0 else ')'}  {b['n']:3d}  {b['right']:5d}  {b['share']:.2f}")
+    hi = share_right_at(rows, 0.9)
+    if hi["n"]:
+        lines.append(f"confidence >= 0.9: {hi['right']}/{hi['n']} right ({hi['share']:.3f}; target >= 0.95)")
     conf = [r for r in rows if r["confirmed_by"]]
     lines.append(f"confirmed by an experiment: {len(conf)}/{len(rows)} ({len(conf) / max(len(rows), 1):.2f}); "
                  f"of them right: {sum(r['right'] for r in conf)}")
@@ -75,34 +75,36 @@ def table(rows: List[Dict[str, Any]]) -> str:
     if mult:
         lines.append(f"experiments' added time: median {statistics.median(mult):.2f} training steps "
                      f"(n={len(mult)}, max {max(mult):.2f})")
-    wrong = [r for r in rows if not r["right"]]
-    for r in wrong:
-        lines.append(f"  wrong: {r['suite']}/{r['id']}: got {r['category']} ({r['confidence']}), "
-                     f"truth {r['truth']}")
+    for r in rows:
+        if not r["right"]:
+            lines.append(f"  wrong: {r['suite']}/{r['id']}: got {r['category']} ({r['confidence']}), "
+                         f"truth {r['truth']}")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*")
+    ap.add_argument("--guard", nargs="*", default=[], help="directories of Guard-driven scripts (NAME.py REPORT)")
     ap.add_argument("--out", help="write the rows (and reports' causes) here")
-    ap.add_argument("--from", dest="from_", help="print the table of a saved run")
+    ap.add_argument("--from", dest="from_", nargs="*", help="print the table of saved runs (merged)")
     ap.add_argument("--timeout", type=float, default=180)
     ap.add_argument("--only", default=None, help="comma list of scenario ids")
     ap.add_argument("--extra", default="", help="extra `nanguard run` arguments, space separated")
     a = ap.parse_args()
     if a.from_:
-        rows = json.loads(pathlib.Path(a.from_).read_text())["rows"]
+        rows = [r for f in a.from_ for r in json.loads(pathlib.Path(f).read_text())["rows"]]
         print(table(rows))
         return
     rows = []
     only = set(a.only.split(",")) if a.only else None
-    for d in map(pathlib.Path, a.paths):
+    dirs = [(pathlib.Path(d), False) for d in a.paths] + [(pathlib.Path(d), True) for d in a.guard]
+    for d, guard in dirs:
         for js in sorted(d.glob("*.json")):
             truth = json.loads(js.read_text())
             if truth.get("kind") != "nonfinite" or (only and truth["id"] not in only):
                 continue
-            res = run_one(js.with_suffix(".py").resolve(), a.timeout, a.extra.split())
+            res = run_one(js.with_suffix(".py").resolve(), a.timeout, a.extra.split(), guard)
             r = row_of(truth, res, d.name)
             rows.append(r)
             print(f"{'ok ' if r['right'] else 'BAD'} {r['id']:<38} {r['category']} {r['confidence']} "

@@ -124,6 +124,7 @@ class Guard:
         self._kept: Dict[int, GuardStep] = {}   # the last steps, for history replays (recovery only)
         self._failing: Optional[GuardStep] = None
         self._step_seconds: Optional[float] = None  # a running estimate: the experiments' time unit
+        self._fail_seconds: Optional[float] = None  # the failing step's own time (no estimate at step 0)
 
     # ------------------------------------------------------------------ the step
     def step(self, batch: Any, loss_fn: LossFn, *, micro_batches: bool = False,
@@ -172,6 +173,7 @@ class Guard:
                 self.report.info.append({"step": det.step, "phase": det.phase, **det.detected})
                 skipped[id(o)] = bool(det.detected.get("scaler_skip"))
                 continue
+            self._fail_seconds = time.perf_counter() - t_start  # this step's forward + backward + check
             action = self._on_failure(det, batches, loss_fn, rng, indices)
             self._failing = None
             if action == "apply":  # recovery re-ran the step without its bad samples: update with that
@@ -310,7 +312,8 @@ class Guard:
                 return ev.cause, ev.fixes
 
             investigate_failure(event, step, roots=[self.model], config=self.experiments,
-                                step_seconds=self._step_seconds, rediagnose=rediagnose, history=hist,
+                                step_seconds=self._step_seconds or self._fail_seconds, rediagnose=rediagnose,
+                                history=hist,
                                 kept=self._kept, snapshots=self.policy.all_snapshots() if self.policy else (),
                                 recovering=self.policy is not None, prior=prior)
         name_samples(event, step.dataset_indices())

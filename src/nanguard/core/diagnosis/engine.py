@@ -13,6 +13,7 @@ from . import families as F
 from . import rules as _rules  # noqa: F401  (registers every family and rule)
 from . import text as T
 from .case import Case
+from .confidence import calibrate
 from .rules.divergence import divergence, loss_scale
 from .rules.generic import other
 from .rules.optimizer import optimizer_result
@@ -43,6 +44,7 @@ def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: 
             out = from_history(loc, sig, phase, context)
         if out["category"] in excluded:
             out = _ruled_out(out, excluded)
+        out = calibrate(out, loc if loc and loc.get("reproduced") else None)
     except Exception as e:  # a diagnosis must always come back
         out = T.result("other", f"diagnosis failed ({type(e).__name__}: {e}); phase {phase}", 0.1,
                        {"error": str(e)[:200]}, ["inspect the step manually with torch.autograd.detect_anomaly()"],

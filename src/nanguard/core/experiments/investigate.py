@@ -78,6 +78,7 @@ class _Investigation:
         self.confirmed: Optional[Experiment] = None
         self.skipped: List[str] = []
         self.original = dict(event.cause or {}).get("category")
+        self.implied = False  # the cause was written from the experiment that proves it
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -99,7 +100,8 @@ class _Investigation:
                 break
             cat = nxt
         self._verify_for_recovery()
-        finalize(self.event, self.experiments, self.confirmed, self.ruled_out, self._cost(), self.original)
+        finalize(self.event, self.experiments, self.confirmed, self.ruled_out, self._cost(), self.original,
+                 self.implied)
 
     def _situation(self, cat: str) -> Situation:
         ev = (self.event.cause or {}).get("evidence") or {}
@@ -156,7 +158,7 @@ class _Investigation:
         if new is not None:  # the refuting experiment also proves this cause
             fixes = new.pop("fixes", [])
             new.pop("method", None)
-            self.confirmed = e
+            self.confirmed, self.implied = e, True
             judge(new["category"], e, self._ctx())
         elif self.rediagnose is not None:
             out = self.rediagnose([r["category"] for r in self.ruled_out])

@@ -37,12 +37,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
+from ..diagnosis.confidence import EXACT
 from .records import CONFIRMS, REFUTES, Experiment
 
 PRECISION = frozenset({"low_precision_overflow", "low_precision_underflow"})
-# exact-value failures: non-finite whatever the precision (log(0), x/0, sqrt(<0), an all-masked row...)
-EXACT = frozenset({"log_domain", "sqrt_domain", "div_by_zero", "trig_domain", "masked_softmax", "variance_zero",
-                   "where_gradient_trap", "kl_misuse"})
+# EXACT: failures that are non-finite whatever the precision (log(0), x/0, sqrt(<0), an all-masked row...)
 DIVERGENCE = frozenset({"lr_too_high", "gradient_explosion"})
 DATA = "bad_input_data"
 # causes a few samples of the batch can trigger on their own

@@ -28,8 +28,10 @@ assert not (set(NEEDS_PROOF) - PRECISION - DIVERGENCE - PER_SAMPLE)
 
 
 def finalize(event: Any, experiments: List[Experiment], confirmed: Optional[Experiment],
-             ruled_out: List[Dict[str, Any]], cost: Dict[str, Any], original: Optional[str]) -> None:
-    """Write the experiments' outcome into ``event.cause`` (in place)."""
+             ruled_out: List[Dict[str, Any]], cost: Dict[str, Any], original: Optional[str],
+             implied: bool = False) -> None:
+    """Write the experiments' outcome into ``event.cause`` (in place). ``implied``: the cause was written
+    from the confirming experiment (its summary already says what the replay showed)."""
     cause = event.cause if isinstance(event.cause, dict) else {}
     event.cause = cause
     ev = cause.setdefault("evidence", {})
@@ -41,8 +43,9 @@ def finalize(event: Any, experiments: List[Experiment], confirmed: Optional[Expe
     if confirmed is not None:
         cause["confirmed_by"] = confirmed_record(confirmed)
         cause["confidence"] = round(max(conf, CONFIRMED), 3)
-        cause["summary"] = f"{cause.get('summary', '')}. Confirmed by replay: with {confirmed.change} the step " \
-                           f"is finite"
+        if not implied:
+            cause["summary"] = f"{cause.get('summary', '')}. Confirmed by replay: with {confirmed.change} the " \
+                               f"step is finite"
         rows = confirmed.details.get("rows") if confirmed.kind == "drop_samples" else None
         if rows:
             ev["bad_samples"] = {"batch_rows": rows, **({"dataset_indices": confirmed.details["dataset_indices"]}
@@ -50,8 +53,10 @@ def finalize(event: Any, experiments: List[Experiment], confirmed: Optional[Expe
     elif ruled_out:
         cause["confidence"] = round(min(conf, AFTER_REFUTED), 3)
     if ruled_out and cause.get("category") != original:
-        cause["summary"] = f"{cause.get('summary', '')} (first candidate {original} ruled out: " \
-                           f"{ruled_out[0]['why']})"
+        how = "by the same replay" if (implied and confirmed is not None and ruled_out[0]["by"] == confirmed.kind) \
+            else f"{ruled_out[0]['why']}"
+        cause["summary"] = f"{cause.get('summary', '')} (first candidate {original} ruled out {how})" \
+            if how.startswith("by") else f"{cause.get('summary', '')} (first candidate {original} ruled out: {how})"
     if experiments:
         n_ok = sum(1 for e in experiments if e.finite)
         ev["experiments_note"] = (f"{len(experiments)} counterfactual replay(s), {n_ok} finite, "

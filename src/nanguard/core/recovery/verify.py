@@ -23,12 +23,13 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..diagnosis.confidence import EXACT
+
 # action -> the experiment kind whose finite outcome verifies it
 PROOF_KIND = {"upcast": "upcast_module", "lr_backoff": "lr_replay", "clip": "clip_replay",
               "drop_samples": "drop_samples"}
-# categories a few samples can trigger on their own (see nanguard.core.experiments.kinds.PER_SAMPLE)
-PER_SAMPLE = frozenset({"bad_input_data", "log_domain", "sqrt_domain", "div_by_zero", "trig_domain",
-                        "masked_softmax", "variance_zero", "where_gradient_trap", "kl_misuse", "exp_overflow"})
+# categories a few samples can trigger on their own (as nanguard.core.experiments.kinds.PER_SAMPLE)
+PER_SAMPLE = EXACT | {"bad_input_data", "exp_overflow"}
 VERIFIED = "verified by replay before applying"
 
 

@@ -12,6 +12,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ...core.experiments.kinds import PER_SAMPLE
+
 
 def tensors_of(x: Any, out: List[torch.Tensor]) -> None:
     """Append every tensor of a nested batch to ``out``."""
@@ -148,8 +150,9 @@ def name_samples(event: Any, indices: Optional[Sequence[Any]]) -> None:
         o = event.origin or {}
         rows = [r for r in (o.get("samples") or []) if isinstance(r, int)]
         shape = o.get("shape") or []
-        confined = bool(shape) and isinstance(shape[0], int) and len(rows) < shape[0]
-        if not rows or not (cause.get("category") == "bad_input_data" or confined):
+        confined = bool(shape) and isinstance(shape[0], int) and len(rows) < min(shape[0], 10)
+        if not rows or not (cause.get("category") == "bad_input_data" or
+                            (confined and cause.get("category") in PER_SAMPLE)):
             return
         if indices is not None and shape and shape[0] != len(indices):
             indices = None  # the origin's first dimension is not the batch's
