@@ -15,6 +15,7 @@ import torch
 
 from ..core.config import GuardConfig
 from ..core.events import Report
+from ..core.experiments import ExperimentConfig
 from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
 from ..core.pipeline import build_event
 from ..core.render.html import write_run_html
@@ -32,7 +33,7 @@ from .watch import StopRun, Watcher
 def run_torch_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
                on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
                strict: bool = False, quiet: bool = False, bundle: Optional[str] = None,
-               tensorboard: Optional[str] = None, html: Optional[str] = "auto") -> int:
+               tensorboard: Optional[str] = None, html: Optional[str] = "auto", experiments: Any = "auto") -> int:
     """Run a PyTorch ``script`` as ``__main__`` under the global hooks; write the report however it ends.
 
     ``html``: the HTML page of a run that had an event, ``"auto"`` beside the JSON report, a path,
@@ -59,6 +60,8 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
         policy = RecoveryPolicy.from_spec(recover)
         policy.quiet = policy.quiet or not is_main()
     watcher = Watcher(config)
+    # counterfactual replays of a failing step, once the step can be replayed in-process (step tape)
+    watcher.experiments = ExperimentConfig.from_spec(False if (experiments == "auto" and not localize) else experiments)
     if policy is not None:
         policy.attach(watcher)
         cfg = child_config(config)

@@ -10,8 +10,10 @@
 * :mod:`.history` - replays from an earlier snapshot with a lower learning rate or clipping;
 * :mod:`.bench` - :class:`TorchBench`, the core's ``Bench`` over all of the above.
 
-:func:`investigate_failure` is what a driver calls with a diagnosed event; :func:`drop_rows_and_regrad`
-is the ``drop_samples`` recovery (the step re-run without the offending rows, its gradients kept).
+:func:`investigate_failure` is what a driver calls with a diagnosed event (the Guard, the framework
+callbacks through it), :func:`investigate_zero_code` the same for ``nanguard run``'s step replay
+(:mod:`.tapestep`); :func:`drop_rows_and_regrad` is the ``drop_samples`` recovery (the step re-run
+without the offending rows, its gradients kept).
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ from ...core.experiments import ExperimentConfig, investigate
 from .bench import TorchBench
 from .samples import batch_size_of, complement, indices_at, select_rows
 from .step import GuardStep, Outcome, ReplayableStep, StepChanges
+from .tapestep import TapeStep
 
-__all__ = ["GuardStep", "Outcome", "ReplayableStep", "StepChanges", "TorchBench", "batch_size_of",
-           "drop_rows_and_regrad", "investigate_failure", "select_rows"]
+__all__ = ["GuardStep", "Outcome", "ReplayableStep", "StepChanges", "TapeStep", "TorchBench", "batch_size_of",
+           "drop_rows_and_regrad", "investigate_failure", "investigate_zero_code", "select_rows"]
 
 
 def investigate_failure(event: Any, step: ReplayableStep, *, roots: Sequence[torch.nn.Module],
@@ -41,6 +44,20 @@ def investigate_failure(event: Any, step: ReplayableStep, *, roots: Sequence[tor
                        origin=event.origin)
     return investigate(event, bench, config, rediagnose=rediagnose, history=history, recovering=recovering,
                        prior=prior)
+
+
+def investigate_zero_code(event: Any, replay: Any, *, roots: Sequence[torch.nn.Module], optimizers: Sequence[Any],
+                          scaler: Any, config: ExperimentConfig, step_seconds: Optional[float],
+                          rediagnose: Optional[Callable[[Sequence[str]], Optional[tuple]]] = None,
+                          history: Sequence[dict] = (), indices: Optional[Sequence[Any]] = None) -> Optional[Dict[str, Any]]:
+    """``nanguard run``'s hook: test ``event``'s cause on the in-process step replay ``replay`` (the
+    watcher's ``step_replay(step)``). ``step_seconds``: one ordinary step's wall time; ``indices``: the
+    dataset row of every batch row (the DataLoader hooks'). None when experiments are off."""
+    if not config.enabled or replay is None:
+        return None
+    step = TapeStep(replay, roots, optimizers, scaler, event.step, indices)
+    return investigate_failure(event, step, roots=roots, config=config, step_seconds=step_seconds,
+                               rediagnose=rediagnose, history=history)
 
 
 def drop_rows_and_regrad(step: ReplayableStep, rows: List[int]) -> Optional[Dict[str, Any]]:
