@@ -4,7 +4,8 @@ import sys
 import nanguard
 
 
-def train(model, opt, batches, loss_fn, steps, **guard_kw):
+def train(model, opt, loss_fn, batches, steps, **guard_kw):
+    """``batches(step)`` gives the step's batch; ``REPORT`` is argv[1]."""
     report = sys.argv[1] if len(sys.argv) > 1 else "nanguard_report.json"
     g = nanguard.Guard(model, opt, report=report, bundle=None, html=None, quiet=True, **guard_kw)
     losses = []

@@ -35,4 +35,4 @@ def batch(i):
     return {"x": x[idx], "m": mask[idx], "y": y[idx], "indices": idx}
 
 
-train(model, opt, batch, lambda b: F.cross_entropy(model(b["x"], b["m"]), b["y"]), 16)
+train(model, opt, lambda b: F.cross_entropy(model(b["x"], b["m"]), b["y"]), batch, 16)

@@ -16,5 +16,5 @@ def loss_fn(b):
     return -(b[1] * torch.log(p) + (1 - b[1]) * torch.log(1 - p)).mean()
 
 
-train(model, opt, lambda i: (X[(i * 64) % 2048:(i * 64) % 2048 + 64], Y[(i * 64) % 2048:(i * 64) % 2048 + 64]),
-      loss_fn, 80)
+train(model, opt, loss_fn, lambda i: (X[(i * 64) % 2048:(i * 64) % 2048 + 64], Y[(i * 64) % 2048:(i * 64) % 2048 + 64]),
+      80)

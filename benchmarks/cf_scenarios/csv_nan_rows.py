@@ -19,4 +19,4 @@ def batch(i):
     return {"x": X[idx], "y": Y[idx], "indices": idx}
 
 
-train(model, opt, batch, lambda b: F.mse_loss(model(b["x"]), b["y"]), 31)
+train(model, opt, lambda b: F.mse_loss(model(b["x"]), b["y"]), batch, 31)

@@ -26,4 +26,4 @@ def loss_fn(b):
     return F.binary_cross_entropy_with_logits(5 * cos, b[1])
 
 
-train(model, opt, lambda i: (pairs[i * 64:(i + 1) * 64], labels[i * 64:(i + 1) * 64]), loss_fn, 20)
+train(model, opt, loss_fn, lambda i: (pairs[i * 64:(i + 1) * 64], labels[i * 64:(i + 1) * 64]), 20)

@@ -23,4 +23,4 @@ def batch(i):
     return {"x": X[idx], "y": Y[idx], "indices": idx}
 
 
-train(model, opt, batch, loss_fn, 30)
+train(model, opt, loss_fn, batch, 30)
