@@ -429,3 +429,28 @@ def test_per_sample_failures_recover_by_dropping_rows_within_the_bad_data_budget
         assert rec["actions"]["drop_samples"]["rows"] == empty[ev["step"]]
         assert rec["actions"]["drop_samples"]["kept_rows"] == 8 - len(empty[ev["step"]])
     assert g.policy.budget.data_steps == bad_steps and g.policy.budget.recovery_steps == []
+
+
+def test_a_failure_the_replays_do_not_reproduce_is_reported_as_transient(tmp_path):
+    """The loss is NaN once (as from a flipped bit): the op-level replay does not reproduce it, and two
+    unchanged replays are finite and identical, which the report says."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = {"n": 0}
+
+    def loss_fn(b):
+        calls["n"] += 1
+        loss = F.mse_loss(model(b[0]), b[1])
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    g = nanguard.Guard(model, opt, report=str(tmp_path / "r.json"), bundle=None, html=None, quiet=True)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with pytest.raises(nanguard.NonFiniteError) as ei:
+        for _ in range(5):
+            g.step((x, y), loss_fn)
+    ev = ei.value.event
+    assert ev.step == 2 and ev.localization["reproduced"] is False
+    det = [e for e in ev.cause["evidence"]["experiments"] if e["kind"] == "determinism"][0]
+    assert det["details"] == {"first_finite": True, "second_finite": True, "identical": True}
+    assert "transient" in ev.cause["summary"] and "confirmed_by" not in ev.cause

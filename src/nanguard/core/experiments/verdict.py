@@ -57,7 +57,26 @@ def finalize(event: Any, experiments: List[Experiment], confirmed: Optional[Expe
             else f"{ruled_out[0]['why']}"
         cause["summary"] = f"{cause.get('summary', '')} (first candidate {original} ruled out {how})" \
             if how.startswith("by") else f"{cause.get('summary', '')} (first candidate {original} ruled out: {how})"
+    det = next((e for e in experiments if e.kind == "determinism" and e.ran), None)
+    if det is not None:
+        finding = determinism_finding(det)
+        ev["determinism"] = finding
+        cause["summary"] = f"{cause.get('summary', '')}. {finding}"
     if experiments:
         n_ok = sum(1 for e in experiments if e.finite)
         ev["experiments_note"] = (f"{len(experiments)} counterfactual replay(s), {n_ok} finite, "
                                   f"{cost.get('seconds')} s")
+
+
+def determinism_finding(e: Experiment) -> str:
+    """What two unchanged replays of the failing step say (the failure itself was seen once)."""
+    d = e.details
+    if not d.get("identical"):
+        return ("The same step replayed twice from the same state, data and RNG gave different results: "
+                "something outside them varies (nondeterministic kernels, another thread or process writing "
+                "the inputs, or a hardware fault)")
+    if d.get("first_finite"):
+        return ("The same step replayed twice from the same state, data and RNG is finite both times: the "
+                "failure did not come from them (a transient: another process, a hardware fault, or state the "
+                "replay does not restore)")
+    return "The same step replayed twice is non-finite both times, identically: the failure is deterministic"
