@@ -55,7 +55,8 @@ def investigate_zero_code(event: Any, replay: Any, *, roots: Sequence[torch.nn.M
     dataset row of every batch row (the DataLoader hooks'). None when experiments are off."""
     if not config.enabled or replay is None:
         return None
-    step = TapeStep(replay, roots, optimizers, scaler, event.step, indices)
+    shape = (event.origin or {}).get("shape") or [None]
+    step = TapeStep(replay, roots, optimizers, scaler, event.step, indices, rows_hint=shape[0])
     return investigate_failure(event, step, roots=roots, config=config, step_seconds=step_seconds,
                                rediagnose=rediagnose, history=history)
 

@@ -38,20 +38,37 @@ class TapeStep(ReplayableStep):
     dataset row of every batch row, when the data loader hooks recorded them."""
 
     def __init__(self, replay: Any, roots: Sequence[torch.nn.Module], optimizers: Sequence[Any], scaler: Any = None,
-                 step: Optional[int] = None, indices: Optional[Sequence[Any]] = None) -> None:
+                 step: Optional[int] = None, indices: Optional[Sequence[Any]] = None,
+                 rows_hint: Optional[int] = None) -> None:
         self.replay, self.roots = replay, list(roots)
         self.model = self.roots[0] if self.roots else torch.nn.Module()
         self.optimizers, self.scaler = list(optimizers), scaler
         self.step = step if step is not None else getattr(replay, "step", None)
         self.indices = list(indices) if indices is not None else None
+        self.rows_hint = rows_hint  # the first dimension of the origin's output (the event's origin.shape[0])
 
     def _externals(self) -> List[torch.Tensor]:
         return [t for t in (getattr(self.replay, "ext", None) or []) if isinstance(t, torch.Tensor)]
 
     def batch_size(self) -> Optional[int]:
+        """The DataLoader batch's length when the data hooks recorded it; else the first dimension of
+        the step's first module input; else the origin's first dimension when an input of the step has it;
+        else the one most external tensors share. (A script that indexes
+        a whole data set inside the step has external tensors of the data set's size: their rows are not
+        the batch's.)"""
+        if self.indices:
+            return len(self.indices)
+        try:
+            first = [t for t in (self.replay.batch() or []) if isinstance(t, torch.Tensor) and t.dim() >= 1]
+        except Exception:  # the first module input is made inside the step
+            first = []
+        if first:
+            return first[0].shape[0]
         dims = [t.shape[0] for t in self._externals() if t.dim() >= 1 and not t.requires_grad]
         if not dims:
             return None
+        if self.rows_hint in dims:  # the origin's rows are those of an input of the step (e.g. its indices)
+            return self.rows_hint
         counts = Counter(dims)
         best = max(counts.values())
         return next(d for d in dims if counts[d] == best)
