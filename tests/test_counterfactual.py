@@ -454,3 +454,41 @@ def test_a_failure_the_replays_do_not_reproduce_is_reported_as_transient(tmp_pat
     det = [e for e in ev.cause["evidence"]["experiments"] if e["kind"] == "determinism"][0]
     assert det["details"] == {"first_finite": True, "second_finite": True, "identical": True}
     assert "transient" in ev.cause["summary"] and "confirmed_by" not in ev.cause
+
+
+# --------------------------------------------------------------------------- nanguard run (step tape)
+
+ZERO_CODE_NAN_ROW = """
+import torch
+torch.manual_seed(0)
+X = torch.randn(256, 6)
+Y = X.sum(1, keepdim=True)
+X[70, 2] = float("nan")
+ds = torch.utils.data.TensorDataset(X, Y)
+dl = torch.utils.data.DataLoader(ds, batch_size=32, shuffle=False)
+model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for x, y in dl:
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_zero_code_run_confirms_a_bad_row_on_the_step_replay(tmp_path):
+    """``nanguard run``: the failing step is replayed in-process from the step tape (issue 17) and the
+    experiments run on it (``TapeStep``); the bad sample is named by batch row and dataset row."""
+    pytest.importorskip("nanguard.pytorch.stepreplay")
+    import subprocess
+    import sys
+    script = tmp_path / "train.py"
+    script.write_text(ZERO_CODE_NAN_ROW)
+    rep = tmp_path / "r.json"
+    subprocess.run([sys.executable, "-m", "nanguard", "run", "--report", str(rep), "--no-bundle", "--no-html",
+                    str(script)], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    ev = json.loads(rep.read_text())["events"][0]
+    assert ev["step"] == 2 and ev["cause"]["category"] == "bad_input_data"
+    assert ev["cause"]["confirmed_by"]["kind"] == "drop_samples"
+    assert ev["cause"]["confirmed_by"]["params"]["rows"] == [6]
+    assert ev["cause"]["evidence"]["bad_samples"] == {"batch_rows": [6], "dataset_indices": [70]}
