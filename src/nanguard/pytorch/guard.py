@@ -296,9 +296,10 @@ class Guard:
         return ev
 
     def _compiled_first(self, step: GuardStep) -> list:
-        if not (self.experiments.allows("eager") and TorchBench(step, [self.model], step_seconds=None).compiled()):
+        bench = TorchBench(step, [self.model], step_seconds=None)
+        if not (self.experiments.allows("eager") and bench.compiled()):
             return []
-        return [TorchBench(step, [self.model], step_seconds=None).run(Spec("eager"), seconds_left=0.0)]
+        return [bench.run(Spec("eager"), seconds_left=0.0)]
 
     def _experiment(self, event: Event, det: Detection, loc_run, step: GuardStep, prior: list) -> None:
         """Test the diagnosed cause by counterfactual replays of the step (nanguard.core.experiments);

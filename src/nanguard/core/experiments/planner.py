@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..diagnosis.text import LOW_DTYPES
+from ..diagnosis.text import LOW_DTYPES, opshort
 from ..recovery.estimates import backoff_factor, clip_max_norm
 from .kinds import DATA, DIVERGENCE, EXACT, PER_SAMPLE, PRECISION
 from .records import Spec
@@ -59,15 +59,7 @@ class Situation:
     def examined_op(self) -> str:
         o = self.origin
         op = o.get("forward_op") if (o.get("stage") == "backward" and o.get("forward_op")) else o.get("op")
-        return _short(op)
-
-
-def _short(op: Optional[str]) -> str:
-    if not op:
-        return ""
-    parts = str(op).split(".")
-    n = parts[1] if parts[0] in ("aten", "prims") and len(parts) > 1 else parts[0]
-    return n[:-1] if n.endswith("_") and not n.endswith("__") else n
+        return opshort(op)
 
 
 def origin_rows(s: Situation) -> Optional[List[int]]:
