@@ -59,7 +59,7 @@ def _lrs(trainer):
     return [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
 
 
-def test_recover_skips_the_bad_batch_keeps_the_schedule_and_finishes(tmp_path):
+def test_recover_drops_the_bad_sample_keeps_the_schedule_and_finishes(tmp_path):
     cb = NanGuardCallback(recover="auto", report=str(tmp_path / "r.json"), quiet=True)
     tr = make_trainer(tmp_path, Embeds(nan_at=(K, 1)), [cb])
     tr.train()
@@ -70,17 +70,17 @@ def test_recover_skips_the_bad_batch_keeps_the_schedule_and_finishes(tmp_path):
     ev = rep["events"][0]
     assert (ev["step"], ev["phase"]) == (K, "data")
     assert ev["cause"]["category"] == "bad_input_data"
-    assert ev["recovery"]["action"] == "skip_step"
+    # the replay without row 1 was finite: step K trains on the other rows (verified before applying)
+    assert ev["recovery"]["action"] == "drop_samples" and ev["recovery"]["actions"]["drop_samples"]["rows"] == [1]
     assert ev["localization"]["reproduced"] is True  # the model forward + loss was replayed
     assert ev["origin"]["samples"] == [1]
     assert all(torch.isfinite(p).all() for p in tr.model.parameters())
-    # the skipped step changed no weight and no AdamW counter
     steps = {int(st["step"]) for st in tr.optimizer.optimizer.state.values()}
-    assert steps == {STEPS - 1}
+    assert steps == {STEPS}
     # not hidden: the report keeps the real NaN loss of step K, while the Trainer's
     # logging_nan_inf_filter (on by default) replaced it in its own logs
     assert tr.args.logging_nan_inf_filter
-    assert rep["history"][K]["loss"] == "nan" and rep["history"][K]["skipped"] is True
+    assert rep["history"][K]["loss"] == "nan" and rep["history"][K]["skipped"] is False
     logged = [h["loss"] for h in tr.state.log_history if "loss" in h]
     assert len(logged) == STEPS and all(math.isfinite(v) for v in logged)
     # the LR scheduler still stepped at the skipped step: the same schedule as a clean run

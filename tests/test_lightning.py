@@ -60,7 +60,7 @@ def fit(model, dl, cb, **kw):
     return tr
 
 
-def test_recover_skips_a_nan_sample_and_fit_finishes(tmp_path):
+def test_recover_drops_a_nan_sample_and_fit_finishes(tmp_path):
     torch.manual_seed(0)
     model = Net()
     cb = NanGuardCallback(recover="auto", report=str(tmp_path / "r.json"), quiet=True)
@@ -72,10 +72,12 @@ def test_recover_skips_a_nan_sample_and_fit_finishes(tmp_path):
     ev = rep["events"][0]
     assert (ev["step"], ev["phase"]) == (3, "data")
     assert ev["cause"]["category"] == "bad_input_data"
-    assert ev["recovery"]["action"] == "skip_step"
+    # the replay without row 5 was finite: the step trains on the other rows (verified before applying)
+    assert ev["recovery"]["action"] == "drop_samples" and ev["recovery"]["actions"]["drop_samples"]["rows"] == [5]
+    assert ev["recovery"]["verified"] == "verified by replay before applying"
     assert ev["localization"]["reproduced"] is True  # training_step was replayed under the recorder
     assert ev["origin"]["samples"] == [5]
-    assert [h["skipped"] for h in rep["history"]] == [i == 3 for i in range(N // BS)]
+    assert [h["skipped"] for h in rep["history"]] == [False] * (N // BS)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

@@ -9,6 +9,7 @@ from typing import List, Optional
 
 from .._version import __version__
 from ..core.exitcodes import EXIT_USAGE
+from ..core.experiments.config import ExperimentConfig
 from .report_html import add_parser as add_report_parser
 from .show import add_parser as add_show_parser
 
@@ -36,6 +37,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "comma list of allowed actions (skip_step,rollback,lr_backoff,clip,upcast,loss_scale)")
     r.add_argument("--no-localize", action="store_true",
                    help="do not re-run the script to find the origin op (detection only)")
+    r.add_argument("--experiments", default="auto", metavar="auto|off|STEPS|KINDS",
+                   help="counterfactual replays that test the diagnosed cause (PyTorch, from the in-process step "
+                        "replay): 'auto' (a budget of 3 training steps), 'off', a budget in training steps, or a "
+                        "comma list of kinds (drop_samples,upcast_module,float64_step,...)")
     r.add_argument("--strict", action="store_true", help="internal guard errors raise instead of warning")
     r.add_argument("--bundle", default=None, help="where to save the repro bundle of the first failure "
                    "(default: nanguard_bundle.pt next to the report)")
@@ -56,10 +61,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"nanguard {__version__}")
         return 0
     if a.cmd == "run":
+        try:
+            ExperimentConfig.from_spec(a.experiments)
+        except (ValueError, TypeError) as e:
+            print(f"nanguard: --experiments: {e}", file=sys.stderr)
+            return EXIT_USAGE
         return run_script(a.script, a.args, report_path=a.report, on_nonfinite=a.on_nonfinite,
                           recover=a.recover, localize=not a.no_localize, strict=a.strict,
                           bundle=None if a.no_bundle else (a.bundle or "auto"), tensorboard=a.tensorboard,
-                          html=None if a.no_html else a.html)
+                          html=None if a.no_html else a.html, experiments=a.experiments)
     if a.cmd == "demo":
         from .demo import run_demo  # lazy: imports torch, like `run`
         return run_demo(a.report)

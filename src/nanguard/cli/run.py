@@ -10,7 +10,7 @@ import ast
 import importlib.util
 import os
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from ..core.exitcodes import EXIT_USAGE
 
@@ -20,11 +20,12 @@ _TF_NAMES = {"tensorflow", "keras", "tf_keras"}
 def run_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
                on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
                strict: bool = False, quiet: bool = False, bundle: Optional[str] = None,
-               tensorboard: Optional[str] = None, html: Optional[str] = "auto") -> int:
+               tensorboard: Optional[str] = None, html: Optional[str] = "auto", experiments: Any = "auto") -> int:
     """Run ``script`` as ``__main__`` under the guard of its framework; write the report however it ends.
 
     ``html``: the HTML page of a run that had an event, ``"auto"`` beside the JSON report, a path,
-    or None for none. A TensorFlow/Keras script goes to :mod:`nanguard.tensorflow.run`, anything
+    or None for none. ``experiments``: the counterfactual replays (PyTorch; see
+    :class:`nanguard.core.experiments.ExperimentConfig`). A TensorFlow/Keras script goes to :mod:`nanguard.tensorflow.run`, anything
     else to :mod:`nanguard.pytorch.run` (see :func:`script_backend`); each imports its framework only
     then, so a TensorFlow user needs no torch and the reverse.
     """
@@ -37,7 +38,7 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
         from ..tensorflow.run import run_tf_script
         return run_tf_script(script, args, **kw)
     from ..pytorch.run import run_torch_script
-    return run_torch_script(script, args, **kw)
+    return run_torch_script(script, args, experiments=experiments, **kw)
 
 
 def script_backend(script: str) -> str:

@@ -89,7 +89,7 @@ class HookedGuard:
             return
         g = self.guard
         if not self._batches:  # the first micro-batch of an optimizer step
-            if g.localize or g.bundle_path:
+            if g.localize or g.bundle_path or g.experiments.enabled:
                 self._rng = g._safe(lambda: capture_rng(plain=False))
             if g.policy is not None:
                 g._safe(lambda: g.policy.before_step(g))
@@ -111,6 +111,8 @@ class HookedGuard:
             g.optimizers.append(opt)
             g.monitor.add_optimizer(opt)
         self._pending[id(opt)] = opt
+        if g.policy is not None and loss_fn is not None and self._rng is not None and replay:
+            g._safe(lambda: g._keep(list(self._batches), self._wrap(loss_fn), self._rng, None))  # history replays
         det = g._safe(lambda: g._check(opt))
         if det is None:
             if g.policy is not None and g._safe(lambda: g.policy.before_update([opt])) is False:

@@ -8,21 +8,26 @@ runs before the update), the same batch and the same random numbers.
 """
 from __future__ import annotations
 
+import time
 import warnings
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from ..core.config import GuardConfig
 from ..core.events import Detection, Event, NonFiniteError, Report
+from ..core.experiments import ExperimentConfig, Spec
 from ..core.pipeline import build_event
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
 from .bundle import default_bundle_path, save_bundle
 from .compiled import annotate_compiled, eager, unwrap_compiled, uses_compile
+from .counterfactual import GuardStep, TorchBench, drop_rows_and_regrad, investigate_failure
+from .counterfactual.samples import batch_indices, name_samples
 from .detect import StepMonitor
-from .distributed import accumulation, barrier, is_main, is_origin, replays_here, report_extra, share_event
+from .distributed import accumulation, barrier, is_distributed, is_main, is_origin, replays_here, report_extra, \
+    share_event
 from .recover import RecoveryPolicy
 from .replay import replay_step
 from .ring import StepRing
@@ -70,6 +75,13 @@ class Guard:
         no_sync: with ``micro_batches``, accumulate the gradients of all but the last micro-batch
             without the data-parallel all-reduce (``DistributedDataParallel.no_sync()``; with
             ``True`` also FSDP2's ``set_requires_gradient_sync(False)``). ``"auto"``: for DDP.
+        experiments: counterfactual replays of a failing step that test the diagnosed cause
+            ("the step without batch row 3 is finite", "module 'enc.1' in float32 is finite"):
+            ``"auto"`` (default: within a budget of 3 training steps, when ``localize``), ``True``,
+            ``None``/``"off"``, a budget in training steps, a list of kinds, or a dict of
+            :class:`nanguard.core.experiments.ExperimentConfig` fields. With ``recover``, the last
+            ``keep_steps`` (3) steps' batches are kept (references) for replays from a snapshot,
+            and an action that changes training is applied only if its replay verified it.
 
     Under ``torch.distributed`` (DDP, ``world_size > 1``) every rank reaches the same decision
     at every step (one small all-reduce in the check), the failing step is replayed on the
@@ -84,7 +96,8 @@ class Guard:
                  localize: bool = True, check_data: bool = True, quiet: bool = False,
                  bundle: Optional[str] = "auto", tensorboard: Any = None,
                  param_check_every: Optional[int] = None, html: Optional[str] = "auto",
-                 sync_free: Any = "auto", sync_free_every: int = 8, no_sync: Any = "auto") -> None:
+                 sync_free: Any = "auto", sync_free_every: int = 8, no_sync: Any = "auto",
+                 experiments: Any = "auto") -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -125,22 +138,36 @@ class Guard:
         self.tensorboard = None
         if tensorboard is not None:
             self.tensorboard = TensorBoardLogger.attach_to(self.monitor, tensorboard)
+        # "auto": with the op-level replay (localize=False means: do not re-run my step)
+        self.experiments = ExperimentConfig.from_spec(False if (experiments == "auto" and not localize)
+                                                      else experiments)
+        self._step_start, self._step_indices = time.perf_counter(), None  # the current step's
+        self._kept: Dict[int, GuardStep] = {}   # the last steps, for history replays (recovery only)
+        self._failing: Optional[GuardStep] = None
+        self._step_seconds: Optional[float] = None  # a running estimate: the experiments' time unit
+        self._fail_seconds: Optional[float] = None  # the failing step's own time (no estimate at step 0)
 
     # ------------------------------------------------------------------ the step
-    def step(self, batch: Any, loss_fn: LossFn, *, micro_batches: bool = False) -> torch.Tensor:
+    def step(self, batch: Any, loss_fn: LossFn, *, micro_batches: bool = False,
+             indices: Optional[Sequence[Any]] = None) -> torch.Tensor:
         """Run one training step on ``batch`` and return the (detached) loss.
 
         ``loss_fn(batch)`` does the forward pass and returns the scalar loss; the
         guard does backward and the update. With ``micro_batches=True``,
         ``batch`` is a sequence of micro-batches whose gradients accumulate
         (``loss_fn`` should scale each loss as you want it averaged).
+        ``indices``: the dataset index of every row of ``batch`` (a dict batch's ``"indices"`` or
+        ``"index"`` entry is used when not given), so a report can name the dataset rows of bad
+        samples.
         """
+        t_start = time.perf_counter()
         if not self._announced and not self.quiet:
             self._announced = True
             print_line(f"guarding {type(self.model).__name__} (on non-finite: "
                        f"{'recover' if self.policy else self.config.on_nonfinite}"
                        f"{'; sync-free' if self.sync_free else ''})")
         batches = list(batch) if micro_batches else [batch]
+        self._step_start, self._step_indices = t_start, indices
         if self._lazy is not None and not self.disabled:
             return self._lazy.step(batches, loss_fn)
         return self._sync_step(batches, loss_fn)
@@ -148,10 +175,12 @@ class Guard:
     def _sync_step(self, batches: List[Any], loss_fn: LossFn, rng: Any = None) -> torch.Tensor:
         """One step with a synchronous check (the default, and the steps a sync-free rewind runs again)."""
         if rng is None:
-            rng = self._safe(_capture_rng) if (self.localize or self.bundle_path or self.policy) else None
+            rng = self._safe(_capture_rng) \
+                if (self.localize or self.bundle_path or self.policy or self.experiments.enabled) else None
         if rng is not None and self.policy is not None:
             self._size_ring()
             self.ring.record(self.monitor.steps_watched, batches, loss_fn, rng, self.optimizers, self.scaler)
+            self._keep(batches, loss_fn, rng, self._step_indices)
         loss = self._forward_backward(batches, loss_fn)
         if self.ring.entries and self.ring.entries[-1].step == self.monitor.steps_watched:
             self.ring.entries[-1].loss = loss.detach()
@@ -195,7 +224,12 @@ class Guard:
                 self.report.info.append({"step": det.step, "phase": det.phase, **det.detected})
                 skipped[id(o)] = bool(det.detected.get("scaler_skip"))
                 continue
-            if self._handle_failure(det, batches, loss_fn, rng) == "skip":
+            self._fail_seconds = time.perf_counter() - self._step_start  # forward + backward + check
+            action = self._handle_failure(det, batches, loss_fn, rng, self._step_indices)
+            self._failing = None
+            if action == "apply":  # recovery re-ran the step without its bad samples: update with that
+                continue
+            if action == "skip":
                 return loss.detach()
         if self.policy is not None and not self.policy.before_update(self.optimizers):
             for o in self.optimizers:
@@ -241,12 +275,14 @@ class Guard:
             self._safe(lambda: self.monitor.end_step(o, skipped=skipped.get(id(o), False)))
         if self.policy is not None:
             self.policy.after_step(self)
+        self._timed(time.perf_counter() - self._step_start)
 
-    def _handle_failure(self, det: Detection, batches, loss_fn, rng) -> str:
-        """A failure at this step: "skip" (recovered: the update is dropped) or "continue"; raises on stop."""
+    def _handle_failure(self, det: Detection, batches, loss_fn, rng, indices=None) -> str:
+        """A failure at this step: "skip" (recovered: the update is dropped), "apply" (recovered: the
+        step was re-run without its bad samples) or "continue"; raises on stop."""
         if self._rewound is not None:  # sync-free: read late, the step run again after a rewind
             det.detected = dict(det.detected, sync_free=dict(self._rewound))
-        action = self._on_failure(det, batches, loss_fn, rng)
+        action = self._on_failure(det, batches, loss_fn, rng, indices)
         if action == "skip":
             self.ring.clear()  # recovered: the steps before are not replayed from here on
             for oo in self.optimizers:
@@ -255,6 +291,21 @@ class Guard:
             if self.scaler is not None:
                 self._reset_scaler_stage()
         return action
+
+    def _timed(self, seconds: float) -> None:
+        """A running estimate of one ordinary step's wall time (the experiments' budget unit)."""
+        s = self._step_seconds
+        self._step_seconds = seconds if s is None else (0.8 * s + 0.2 * seconds if seconds < 10 * s else s)
+
+    def _keep(self, batches, loss_fn, rng, indices) -> None:
+        """Keep this step (references to its batches, its RNG state) for replays from a snapshot."""
+        n = self.monitor.steps_watched
+        if not self.experiments.enabled or n in self._kept:
+            return
+        self._kept[n] = GuardStep(self.model, self.optimizers, self.scaler, batches, loss_fn, rng, n,
+                                  batch_indices(batches[0], indices) if len(batches) == 1 else None)
+        for k in [k for k in self._kept if k <= n - self.experiments.keep_steps]:
+            del self._kept[k]
 
     def _check(self, opt: torch.optim.Optimizer) -> Optional[Detection]:
         if self.scaler is not None and self.scaler.is_enabled():
@@ -270,17 +321,24 @@ class Guard:
             pass
 
     # ------------------------------------------------------------------ failures
-    def _on_failure(self, det: Detection, batches, loss_fn, rng) -> str:
+    def _on_failure(self, det: Detection, batches, loss_fn, rng, indices=None) -> str:
         # distributed: the bundle is saved where it was seen first; a DDP model is replayed there only
         if self.bundle_path and self.bundle_saved is None and rng is not None and is_origin(det):
             self.bundle_saved = self._safe(lambda: self._save_bundle(det, batches, rng))
+        here = rng is not None and replays_here(det, self.model)
+        step = GuardStep(self.model, self.optimizers, self.scaler, batches, loss_fn, rng, det.step,
+                         batch_indices(batches[0], indices) if len(batches) == 1 else None) if here else None
+        # a compiled step is replayed compiled before the op-level replay (after which torch.compile runs
+        # that code eagerly): the eager/compiled experiment needs the compiled graph
+        prior = self._safe(lambda: self._compiled_first(step)) if step is not None else None
         loc_run = None
-        if self.localize and det.phase in ("data", "params", "forward", "backward") and rng is not None \
-                and replays_here(det, self.model):
+        if self.localize and det.phase in ("data", "params", "forward", "backward") and here:
             loc_run = self._safe(lambda: self._replay(batches, loss_fn, rng, det))
         event = self._safe(lambda: self._event(det, loc_run))
         if event is None:
             event = Event(step=det.step, phase=det.phase, detected=det.detected, rank=det.rank)
+        elif step is not None:
+            self._safe(lambda: self._experiment(event, det, loc_run, step, prior or []))
         if det.rank is not None:  # every rank acts on the origin rank's diagnosis
             event = share_event(event, det.rank)
         if self.policy is not None:
@@ -315,18 +373,51 @@ class Guard:
                            rng=plain_rng(rng), config={"on_nonfinite": self.config.on_nonfinite,
                                             "history_size": self.config.history_size})
 
-    def _event(self, det: Detection, loc_run) -> Event:
+    def _event(self, det: Detection, loc_run, exclude: Sequence[str] = ()) -> Event:
         hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
         ctx = {"scaler": self.scaler is not None, "optimizer": type(self.optimizers[0]).__name__,
                "lr": [g.get("lr") for g in self.optimizers[0].param_groups],
                "eps": self.optimizers[0].param_groups[0].get("eps"),
-               "dtype": _model_dtype(self.model)}
+               "dtype": _model_dtype(self.model), "exclude_categories": list(exclude)}
         ev = build_event(det, loc_run, hist, ctx)
         if loc_run is not None and loc_run.get("eager"):
             annotate_compiled(ev, loc_run)  # torch.compile: replayed eagerly; not reproduced: the compiled code
         if self.bundle_saved:
             ev.localization = dict(ev.localization or {}, bundle=self.bundle_saved)
         return ev
+
+    def _compiled_first(self, step: GuardStep) -> list:
+        bench = TorchBench(step, [self.model], step_seconds=None)
+        if not (self.experiments.allows("eager") and bench.compiled()):
+            return []
+        return [bench.run(Spec("eager"), seconds_left=0.0)]
+
+    def _experiment(self, event: Event, det: Detection, loc_run, step: GuardStep, prior: list) -> None:
+        """Test the diagnosed cause by counterfactual replays of the step (nanguard.core.experiments);
+        name the batch rows (and dataset rows) of a per-sample failure."""
+        self._failing = step
+        if self.experiments.enabled and det.phase != "params":
+            hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
+
+            def rediagnose(excluded):
+                ev = self._event(det, loc_run, exclude=excluded)
+                return ev.cause, ev.fixes
+
+            investigate_failure(event, step, roots=[self.model], config=self.experiments,
+                                step_seconds=self._step_seconds or self._fail_seconds, rediagnose=rediagnose,
+                                history=hist,
+                                kept=self._kept, snapshots=self.policy.all_snapshots() if self.policy else (),
+                                recovering=self.policy is not None, prior=prior)
+        name_samples(event, step.dataset_indices())
+
+    def drop_samples_fn(self) -> Optional[Callable[[List[int]], Optional[dict]]]:
+        """The ``drop_samples`` recovery on the failing step (re-run without the rows, gradients kept)."""
+        step = self._failing
+        # not with a GradScaler (it has unscaled this step's gradients already), nor across ranks (every
+        # rank must take the same action, and only the origin rank replayed)
+        if step is None or self.scaler is not None or is_distributed():
+            return None
+        return lambda rows: drop_rows_and_regrad(step, rows)
 
     def _replay(self, batches, loss_fn, rng, det: Detection) -> dict:
         """Re-run the failing step's forward and backward under the op recorder (params unchanged).

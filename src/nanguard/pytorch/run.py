@@ -19,6 +19,7 @@ from typing import Any, List, Optional
 import torch
 
 from ..core.config import GuardConfig
+from ..core.experiments import ExperimentConfig
 from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
@@ -36,7 +37,7 @@ from .zerocode import Localizer, announce, make_report
 def run_torch_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
                on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
                strict: bool = False, quiet: bool = False, bundle: Optional[str] = None,
-               tensorboard: Optional[str] = None, html: Optional[str] = "auto") -> int:
+               tensorboard: Optional[str] = None, html: Optional[str] = "auto", experiments: Any = "auto") -> int:
     """Run a PyTorch ``script`` as ``__main__`` under the global hooks; write the report however it ends.
 
     ``html``: the HTML page of a run that had an event, ``"auto"`` beside the JSON report, a path,
@@ -64,6 +65,8 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
         policy.quiet = policy.quiet or not is_main()
     # NANGUARD_TAPE=0: no step tape (every failure is localized by re-running the script; for comparisons)
     watcher = Watcher(config, tape=localize and os.environ.get("NANGUARD_TAPE", "1") != "0")
+    # counterfactual replays of a failing step, once the step can be replayed in-process (step tape)
+    watcher.experiments = ExperimentConfig.from_spec(False if (experiments == "auto" and not localize) else experiments)
     cfg = child_config(config)
 
     def rerun(det):

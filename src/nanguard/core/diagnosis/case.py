@@ -34,6 +34,11 @@ class Case:
         self.family = F.family_of(self.examined)
         self.node_family = node_family(self.node)
 
+    def excludes(self, category: str) -> bool:
+        """An experiment ruled ``category`` out (``ctx["exclude_categories"]``): a rule that could name it
+        or another cause names the other one."""
+        return category in (self.ctx.get("exclude_categories") or ())
+
     def domain(self) -> F.Domain | None:
         """The declared domain of the examined op."""
         return self.family.domain_for(self.examined) if self.family is not None else None

@@ -15,6 +15,7 @@ from . import rules as _rules  # noqa: F401  (registers every family and rule)
 from . import text as T
 from .case import Case
 from .errors import error_rules
+from .confidence import calibrate
 from .rules.divergence import divergence, loss_scale
 from .rules.generic import other
 from .rules.optimizer import optimizer_result
@@ -30,16 +31,23 @@ _SHOWN_FACTS = ("float64_rerun", "float32_rerun", "eps_constants", "zero_denomin
 
 
 def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: dict | None = None) -> dict:
-    """Name the cause of the first non-finite value (category, summary, confidence, evidence, fixes)."""
+    """Name the cause of the first non-finite value (category, summary, confidence, evidence, fixes).
+
+    ``context["exclude_categories"]``: categories an experiment ruled out; the rules that would return
+    one of them are passed over (the next candidate is named, or ``other``)."""
     context = dict(context or {})
     history = list(history or [])
     sig = history_signals(history)
+    excluded = set(context.get("exclude_categories") or ())
     with X.speaking(X.framework_of(context, loc)):
         try:
             if loc and loc.get("reproduced"):
                 out = from_localisation(loc, sig, phase, context)
             else:
                 out = from_history(loc, sig, phase, context)
+            if out["category"] in excluded:
+                out = _ruled_out(out, excluded)
+            out = calibrate(out, loc if loc and loc.get("reproduced") else None)
         except Exception as e:  # a diagnosis must always come back
             out = T.result("other", f"diagnosis failed ({type(e).__name__}: {e}); phase {phase}", 0.1,
                            {"error": str(e)[:200]}, [f"inspect the step manually with {X.detect_anomaly()}"],
@@ -142,11 +150,13 @@ def origin_evidence(origin: dict, facts: dict) -> dict:
 
 
 def mechanism(c: Case) -> dict:
-    """Category from the origin op and the evidence facts: the first registered rule with a cause."""
+    """Category from the origin op and the evidence facts: the first registered rule with a cause
+    (not one of ``context["exclude_categories"]``)."""
+    excluded = set(c.ctx.get("exclude_categories") or ())
     for rule in F.rules():
         if rule.applies(c):
             out = rule.fn(c)
-            if out is not None:
+            if out is not None and out["category"] not in excluded:
                 return out
     return other(c)
 
@@ -168,3 +178,10 @@ def diagnose_error(err: dict) -> dict | None:
         if out:
             return {"category": r.category, **out, "rule": r.name}
     return None
+
+
+def _ruled_out(out: dict, excluded: set) -> dict:
+    """Every candidate this path has was ruled out: say so, keep the evidence."""
+    return T.result("other", f"{out['summary']}; but experiments ruled out "
+                    f"{', '.join(sorted(excluded))}, and no other mechanism fits the evidence", 0.3,
+                    out["evidence"], out.get("fixes") or [], out.get("method") or "")

@@ -86,6 +86,12 @@ class RecoveryActions(abc.ABC):
         further down that then receive float32 are upcast when that happens, calling
         ``on_downstream(path)``. Record: ``{"dtype_before", "dtype_after", "module", "downstream"}``."""
 
+    def drop_samples(self, rows: List[int]) -> Optional[Dict[str, Any]]:
+        """Re-run the failing step without batch ``rows`` and keep its gradients for the update (instead of
+        skipping the batch). None when the backend cannot (the batch is then skipped). Record:
+        ``{"rows": [...], "kept_rows": n, "loss": x}``."""
+        return None
+
     @abc.abstractmethod
     def can_loss_scale(self) -> bool:
         """The run has optimizers and no framework loss scaler of its own (GradScaler)."""

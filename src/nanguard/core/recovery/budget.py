@@ -27,9 +27,10 @@ class RecoveryBudget:
         self.version = 0  # bumped by every action that changes how training runs (lr, clip, dtype, scale)
         self.last_rollback: Optional[Dict[str, Any]] = None
 
-    def exhausted(self, step: int, category: str) -> Optional[str]:
-        """Why a recovery at ``step`` is over budget, or None."""
-        data = category == DATA_CATEGORY
+    def exhausted(self, step: int, category: str, data: Optional[bool] = None) -> Optional[str]:
+        """Why a recovery at ``step`` is over budget, or None. ``data``: count it against the bad-data
+        allowance (default: for bad input data; the policy also says so for per-sample failures)."""
+        data = category == DATA_CATEGORY or bool(data)
         steps = self.data_steps if data else self.recovery_steps
         limit = self.max_data_skips if data else self.max_recoveries
         recent = [s for s in steps if s > step - self.window]

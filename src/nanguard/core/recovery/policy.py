@@ -29,6 +29,7 @@ from .estimates import DynamicLossScale, backoff_factor, clip_max_norm, healthy_
 from .records import actions_tally, fmt_bytes, notice
 from .snapshots import SnapshotStore
 from .table import ACTIONS, AUTO, CHANGES_TRAINING, DIVERGENCE, actions_for, check_allowed, record_order
+from .verify import VERIFIED, per_sample, proof_record, verified_plan
 
 
 def _store_attr(name: str) -> property:
@@ -132,7 +133,8 @@ class RecoveryPolicy:
             # A second optimizer of the step that already recovered: drop its update too.
             actions.skip_step()
             return self._last_rec[1]
-        why = self.budget.exhausted(step, cat) or self.budget.replay_failed(step, cat)
+        few_rows = per_sample(event)  # a per-sample failure counts against the bad-data budget
+        why = self.budget.exhausted(step, cat, data=few_rows or None) or self.budget.replay_failed(step, cat)
         if why:
             return self._stop(event, step, why)
         params_ok = actions.state_finite()
@@ -141,9 +143,9 @@ class RecoveryPolicy:
             acts = ["rollback"] + acts  # never train on non-finite weights
         if self.loss_scaler is not None and event.phase == "backward" and params_ok:
             acts = ["loss_scale"]  # our own loss scale overflowed: back off (and skip), like GradScaler
+        acts, proofs, notes = verified_plan(cause, acts, self.allowed, event.phase)
         done: Dict[str, Any] = {}
         names: List[str] = []
-        notes: List[str] = []
         for a in acts:
             if a == "rollback":
                 params_ok = self._rollback(event, step, cat, actions, history, params_ok, done, notes)
@@ -154,7 +156,8 @@ class RecoveryPolicy:
                                                                        actions.learning_rates()))
             elif a == "upcast":
                 o = event.origin or {}
-                path = o.get("module") or o.get("layer") or o.get("module")  # Keras: the layer, by path or name
+                path = (proofs.get("upcast") or {}).get("params", {}).get("module") \
+                    or o.get("module") or o.get("layer")  # Keras: the layer, by path or name
                 rec = actions.upcast(path, self.upcast_modules.append)
                 if rec is None:
                     notes.append("no origin module to upcast" if path is None else f"module {path!r} not found")
@@ -171,6 +174,12 @@ class RecoveryPolicy:
                 else:
                     self.loss_scaler.backoff()
                 done["loss_scale"] = {"scale": self.loss_scaler.scale}
+            elif a == "drop_samples":
+                rec = actions.drop_samples(list((proofs["drop_samples"].get("details") or {}).get("rows") or []))
+                if rec is None:
+                    notes.append("the offending samples could not be dropped here: the batch is skipped")
+                    continue
+                done["drop_samples"] = rec
             if a in done:
                 names.append(a)
         if not params_ok and "rollback" not in names:
@@ -181,7 +190,9 @@ class RecoveryPolicy:
         if not names and ("skip_step" not in self.allowed or AUTO.get(cat) == []):
             why = (f"no allowed recovery action for {cat}" + (f" ({'; '.join(notes)})" if notes else ""))
             return self._stop(event, step, why)
-        return self._record(event, step, cat, actions, done, names, notes)
+        if proofs:
+            done["verified"] = {a: proof_record(e) for a, e in proofs.items() if a in names}
+        return self._record(event, step, cat, actions, done, names, notes, few_rows)
 
     def _rollback(self, event, step: int, cat: str, actions: RecoveryActions, history: Sequence[dict],
                   params_ok: bool, done: Dict[str, Any], notes: List[str]) -> bool:
@@ -218,15 +229,17 @@ class RecoveryPolicy:
                             f"{len(healthy_grad_norms(history))} healthy gradient norms"}
 
     def _record(self, event, step: int, cat: str, actions: RecoveryActions, done: Dict[str, Any],
-                names: List[str], notes: List[str]) -> Dict[str, Any]:
-        """Drop the failing update, count the recovery, record it and say so."""
-        done["skip_step"] = actions.skip_step()
-        if "rollback" not in names:  # the failing forward's buffer updates (BatchNorm statistics) go too
-            this = self.store.at(step)
-            if this is not None and this.finite():
-                done["skip_step"]["buffers_restored"] = actions.restore_buffers(this)
-        names.append("skip_step")
-        if cat == DATA_CATEGORY:
+                names: List[str], notes: List[str], few_rows: bool = False) -> Dict[str, Any]:
+        """Drop the failing update (unless its samples were dropped and its gradients recomputed without
+        them), count the recovery, record it and say so."""
+        if "drop_samples" not in done:
+            done["skip_step"] = actions.skip_step()
+            if "rollback" not in names:  # the failing forward's buffer updates (BatchNorm statistics) go too
+                this = self.store.at(step)
+                if this is not None and this.finite():
+                    done["skip_step"]["buffers_restored"] = actions.restore_buffers(this)
+            names.append("skip_step")
+        if cat == DATA_CATEGORY or few_rows:
             self._quarantine(event, done)
         if notes:
             done["notes"] = notes
@@ -234,9 +247,12 @@ class RecoveryPolicy:
             self.budget.training_changed()
         if set(names) == {"rollback", "skip_step"} and not done["rollback"].get("elements_only"):
             self.budget.plain_rollback(step, done["rollback"]["to_step"], cat)  # its replay will be identical
-        n = self.budget.spend(step, cat, data_skip=cat == DATA_CATEGORY and names == ["skip_step"])
+        n = self.budget.spend(step, cat, data_skip=(cat == DATA_CATEGORY or few_rows)
+                              and names in (["skip_step"], ["drop_samples"]))
         rec = {"action": "+".join(record_order(names)), "ok": True, "actions": done, "category": cat,
                "recovery_number": n}
+        if done.get("verified"):
+            rec["verified"] = VERIFIED
         event.recovery = rec
         self.events.append(event)
         self._last_rec = (step, rec)
@@ -268,7 +284,8 @@ class RecoveryPolicy:
             done["quarantine"] = {"same_as_step": ev["same_as_step"],
                                   "note": "not re-localized: assumed to be the same bad sample(s)"}
             return
-        rows = [int(r) for r in (origin.get("source_rows") or []) if isinstance(r, int)]
+        rows = [int(r) for r in (origin.get("source_rows") or (ev.get("bad_samples") or {}).get("dataset_indices") or [])
+                if isinstance(r, int)]
         batch_rows = [int(r) for r in (origin.get("samples") or []) if isinstance(r, int)]
         q: Dict[str, Any] = {}
         if rows:

@@ -19,8 +19,12 @@ def notice(step: int, category: str, record: Dict[str, Any]) -> str:
         extra += f", clip grad norm at {done['clip']['max_norm']:.3g}"
     if "upcast" in done:
         extra += f", module {done['upcast']['module']!r} now float32"
+    if "drop_samples" in done:
+        extra += f", trained on the batch without rows {done['drop_samples'].get('rows')}"
     if "quarantine" in done and done["quarantine"].get("rows"):
         extra += f", quarantined rows {done['quarantine']['rows']}"
+    if record.get("verified"):
+        extra += f", {record['verified']}"
     return (f"recovered at step {step}: {category} -> {record['action']}{extra} "
             f"(recovery {record['recovery_number']})")
 

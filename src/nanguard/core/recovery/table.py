@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-ACTIONS = ("skip_step", "rollback", "lr_backoff", "clip", "upcast", "loss_scale")
+ACTIONS = ("skip_step", "rollback", "lr_backoff", "clip", "upcast", "loss_scale", "drop_samples")
 
 # category -> actions, in order. Unlisted categories get skip_step (a rare domain
 # error on some batch), bounded by the budget. The failing update is always dropped.
@@ -24,7 +24,8 @@ DIVERGENCE = ("gradient_explosion", "lr_too_high")
 # Actions that change how training runs from now on (a rollback that follows one is not a plain replay).
 CHANGES_TRAINING = ("lr_backoff", "clip", "upcast", "loss_scale")
 
-_RECORD_ORDER = ("rollback", "upcast", "lr_backoff", "clip", "loss_scale", "skip_step")
+# drop_samples is never in AUTO: it is taken when a replay verified it (recovery/verify.py)
+_RECORD_ORDER = ("rollback", "upcast", "lr_backoff", "clip", "loss_scale", "drop_samples", "skip_step")
 
 
 def check_allowed(allowed: Sequence[str]) -> None:

@@ -22,14 +22,18 @@ class TorchActions(RecoveryActions):
 
     ``modules``: the models whose state is checked, snapshotted and rolled back;
     ``roots``: where the origin module (a path as in ``named_modules()``) is looked up;
-    ``hooks``: where the handles of the hooks an upcast installs are kept.
+    ``hooks``: where the handles of the hooks an upcast installs are kept;
+    ``drop``: re-runs the failing step without some batch rows, keeping its gradients (the driver's,
+    when it can replay the step: :meth:`nanguard.Guard.drop_samples_fn`).
     """
 
     def __init__(self, modules: Sequence[torch.nn.Module], optimizers: Sequence[Any], scaler: Any = None,
-                 roots: Sequence[torch.nn.Module] = (), hooks: Optional[List[Any]] = None) -> None:
+                 roots: Sequence[torch.nn.Module] = (), hooks: Optional[List[Any]] = None,
+                 drop: Optional[Callable[[List[int]], Optional[Dict[str, Any]]]] = None) -> None:
         self.modules, self.optimizers, self.roots = list(modules), list(optimizers), list(roots)
         self.scaler = scaler
         self.hooks = hooks if hooks is not None else []
+        self.drop = drop
 
     # -------------------------------------------------------------- the state
     def state_finite(self, with_optimizers: bool = True) -> bool:
@@ -72,6 +76,9 @@ class TorchActions(RecoveryActions):
         rec["downstream"] = []
         self.hooks.extend(upcast_downstream(self.roots, mod, self.optimizers, rec, on_downstream))
         return rec
+
+    def drop_samples(self, rows: List[int]) -> Optional[Dict[str, Any]]:
+        return self.drop(rows) if self.drop is not None else None
 
     def can_loss_scale(self) -> bool:
         return bool(self.optimizers) and not (self.scaler is not None and scaler_enabled(self.scaler))

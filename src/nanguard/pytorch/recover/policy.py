@@ -39,9 +39,9 @@ class RecoveryPolicy(_NeutralPolicy):
         self._versions: Optional[List[int]] = None  # the parameters' version counters after the last update
 
     def actions(self, modules: Sequence[torch.nn.Module] = (), optimizers: Sequence[Any] = (), scaler: Any = None,
-                roots: Sequence[torch.nn.Module] = ()) -> TorchActions:
-        """The actions on these training objects."""
-        return TorchActions(modules, optimizers, scaler, roots, self._hooks)
+                roots: Sequence[torch.nn.Module] = (), drop: Any = None) -> TorchActions:
+        """The actions on these training objects (``drop``: the failing step's drop_samples, if any)."""
+        return TorchActions(modules, optimizers, scaler, roots, self._hooks, drop)
 
     def maybe_snapshot(self, step: int, modules, optimizers, scaler, loss: Optional[float] = None) -> None:
         """Take the snapshot of the state at the start of ``step`` if a tier wants it."""
@@ -49,9 +49,10 @@ class RecoveryPolicy(_NeutralPolicy):
             return
         self.on_step_start(step, self.actions(modules, optimizers, scaler), loss)
 
-    def apply(self, event, *, step: int, modules, optimizers, scaler, roots, history) -> Optional[Dict[str, Any]]:
+    def apply(self, event, *, step: int, modules, optimizers, scaler, roots, history,
+              drop: Any = None) -> Optional[Dict[str, Any]]:
         """Apply the actions for ``event``. Returns the recovery record, or None to stop (budget/no action)."""
-        return self.on_failure(event, step=step, actions=self.actions(modules, optimizers, scaler, roots),
+        return self.on_failure(event, step=step, actions=self.actions(modules, optimizers, scaler, roots, drop),
                                history=history)
 
     # ---------------------------------------------------------------- per-step hooks
@@ -95,17 +96,20 @@ class RecoveryPolicy(_NeutralPolicy):
         self._versions = _versions(guard.optimizers)
 
     def decide(self, guard, event) -> Optional[str]:
+        """``"skip"`` (the update is dropped), ``"apply"`` (the step was re-run without its bad samples:
+        update with those gradients) or None (stop)."""
         hist = [h for h in guard.monitor.history.raw_dicts() if h["step"] < event.step]
         rec = self.apply(event, step=event.step, modules=[guard.model], optimizers=guard.optimizers,
-                         scaler=guard.scaler, roots=[guard.model], history=hist)
-        if rec:
-            rb = (rec.get("actions") or {}).get("rollback")
-            snap = self.store.at(rb["to_step"]) if rb and "to_step" in rb else None
-            if getattr(snap, "replayed", None) is not None:  # a virtual snapshot: base + steps run again
-                rb.update(virtual=True, base_step=snap.base.step, snapshot_bytes=snap.base.nbytes, **snap.replayed)
-            self.store.new_trajectory()
-            self._versions = None
-        return "skip" if rec else None
+                         scaler=guard.scaler, roots=[guard.model], history=hist, drop=guard.drop_samples_fn())
+        if not rec:
+            return None
+        rb = (rec.get("actions") or {}).get("rollback")
+        snap = self.store.at(rb["to_step"]) if rb and "to_step" in rb else None
+        if getattr(snap, "replayed", None) is not None:  # a virtual snapshot: base + steps run again
+            rb.update(virtual=True, base_step=snap.base.step, snapshot_bytes=snap.base.nbytes, **snap.replayed)
+        self.store.new_trajectory()
+        self._versions = None
+        return "apply" if "drop_samples" in rec["actions"] else "skip"
 
     # ---------------------------------------------------------------- Watcher adapter (nanguard run)
     def attach(self, watcher) -> None:

@@ -22,7 +22,7 @@ def exp_rule(c) -> dict:
         return lp_overflow(c.origin, c.facts, c.ev, c.method)
     if not c.low:
         dv = divergence(c.sig, c.origin, c.ev, c.method, 0.8)
-        if dv is not None:
+        if dv is not None and not c.excludes(dv["category"]):
             return dv
     return exp_result(c.origin, c.facts, c.ev, c.method)
 

@@ -26,7 +26,7 @@ def _overflow_from_finite_inputs_rule(c) -> dict | None:
     if c.low and c.f32.get("direct_finite"):
         return lp_overflow(origin, facts, ev, method)
     dv = divergence(c.sig, origin, ev, method, 0.85)
-    if dv is not None:
+    if dv is not None and not c.excludes(dv["category"]):
         return dv
     dtype_max = (facts.get("overflow") or {}).get("dtype_max")
     if f64 and not f64.get("finite"):  # float64 is infinite too: a pole of the function, not its range

@@ -1,0 +1,227 @@
+"""The investigation of one diagnosed failure: experiments cheapest first, within a time budget,
+stopping at the first that confirms or refutes the leading cause; a refuted cause is dropped and
+the next candidate (the cause the experiment proves, or the diagnosis re-run without the refuted
+categories) is tested in turn.
+
+The backend supplies a :class:`Bench` (its replayable step, able to run a :class:`Spec`); the event
+is updated in place:
+
+* ``cause.evidence.experiments``: every experiment (what was changed, finite or not, seconds);
+* ``cause.evidence.experiments_cost``: total seconds, one training step's seconds, their ratio, the budget;
+* ``cause.confirmed_by``: the experiment whose change made the step finite, when one confirmed it;
+* ``cause.ruled_out``: the categories experiments refuted, and how;
+* ``cause.confidence``: calibrated from the outcome (:mod:`.verdict`).
+"""
+from __future__ import annotations
+
+import abc
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .config import ExperimentConfig
+from .implied import implied_cause
+from .kinds import KINDS, judge
+from .planner import Situation, plan
+from .records import CONFIRMS, Experiment, Spec, confirmed_record, ruled_out_record
+from .verdict import NEEDS_PROOF, finalize
+
+MAX_HYPOTHESES = 4
+
+
+class Bench(abc.ABC):
+    """A backend's replayable failing step, able to run experiments on it."""
+
+    @abc.abstractmethod
+    def capabilities(self, origin: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        """What it can do (see :class:`~nanguard.core.experiments.planner.Situation`'s ``caps``)."""
+
+    @abc.abstractmethod
+    def run(self, spec: Spec, seconds_left: float) -> Experiment:
+        """Run one experiment (never raises: a failure to run is ``Experiment.error``); the training
+        state, gradients, buffers and RNG are as before afterwards."""
+
+    @abc.abstractmethod
+    def step_seconds(self) -> Optional[float]:
+        """The wall time of one ordinary training step (the budget's unit), if known."""
+
+
+# A re-diagnosis with categories excluded: returns (cause, fixes), or None.
+Rediagnose = Callable[[Sequence[str]], Optional[tuple]]
+
+
+def investigate(event: Any, bench: Bench, config: ExperimentConfig, *, rediagnose: Optional[Rediagnose] = None,
+                history: Sequence[dict] = (), recovering: bool = False, prior: Sequence[Experiment] = ()) -> Dict[str, Any]:
+    """Run the experiments for ``event`` (a :class:`nanguard.core.events.Event` with its diagnosis) and
+    record them in its cause. ``prior``: experiments the backend already ran on this step (judged
+    first, counted in the cost). Returns a summary ``{"experiments": n, "confirmed_by": kind or None,
+    "ruled_out": [...], "seconds": s}``."""
+    inv = _Investigation(event, bench, config, rediagnose, list(history), recovering)
+    for e in prior:
+        inv.experiments.append(e)
+        inv.spent += e.seconds
+    inv.run()
+    return inv.summary()
+
+
+class _Investigation:
+    def __init__(self, event, bench: Bench, config: ExperimentConfig, rediagnose, history, recovering) -> None:
+        self.event, self.bench, self.config = event, bench, config
+        self.rediagnose, self.history, self.recovering = rediagnose, history, recovering
+        self.origin = event.origin or {}
+        self.caps = bench.capabilities(event.origin)
+        self.step_s = bench.step_seconds()
+        self.budget = config.budget_seconds(self.step_s)
+        self.replay_s = self.step_s or None
+        self.spent = 0.0
+        self.experiments: List[Experiment] = []
+        self.ruled_out: List[Dict[str, Any]] = []
+        self.confirmed: Optional[Experiment] = None
+        self.skipped: List[str] = []
+        self.original = dict(event.cause or {}).get("category")
+        self.implied = False  # the cause was written from the experiment that proves it
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        cat = (self.event.cause or {}).get("category") or "other"
+        tried: List[str] = []
+        while cat and cat not in tried and len(tried) < MAX_HYPOTHESES:
+            tried.append(cat)
+            verdict = self._test(cat)
+            if verdict is None:
+                break
+            v, e = verdict
+            if v == CONFIRMS:
+                self.confirmed = e
+                break
+            if cat != "other":  # "other" is no cause to rule out: only replaced by what e proves
+                self.ruled_out.append(ruled_out_record(cat, e, _why(cat, e)))
+            nxt = self._next_candidate(cat, e)
+            if nxt is None or self.confirmed is not None:
+                break
+            cat = nxt
+        self._verify_for_recovery()
+        finalize(self.event, self.experiments, self.confirmed, self.ruled_out, self._cost(), self.original,
+                 self.implied)
+
+    def _situation(self, cat: str) -> Situation:
+        ev = (self.event.cause or {}).get("evidence") or {}
+        steps = max(self.config.budget_steps, 1.0)
+        return Situation(category=cat, origin=self.origin, phase=self.event.phase,
+                         reproduced=bool((self.event.localization or {}).get("reproduced")), step=self.event.step,
+                         caps=self.caps, history=self.history, evidence=ev, max_replay_steps=steps)
+
+    def _ctx(self) -> Dict[str, Any]:
+        return {"low": self._situation("other").low}
+
+    def _test(self, cat: str) -> Optional[tuple]:
+        """The first experiment (already run, or planned cheapest first) that confirms or refutes ``cat``."""
+        for e in self.experiments:
+            v = judge(cat, e, self._ctx())
+            if v is not None:
+                return v, e
+        for spec in plan(cat, self._situation(cat)):
+            e = self._run(spec)
+            if e is None:
+                break  # out of budget
+            v = judge(cat, e, self._ctx())
+            if v is not None:
+                return v, e
+        return None
+
+    def _run(self, spec: Spec) -> Optional[Experiment]:
+        if not self.config.allows(spec.kind):
+            return _NOT_ALLOWED
+        for e in self.experiments:
+            if (e.kind, e.params) == (spec.kind, spec.params):
+                return e
+        est = spec.cost * (self.replay_s or 0.0)
+        if self.spent + est > self.budget:
+            self.skipped.append(spec.kind)
+            return None
+        t0 = time.perf_counter()
+        e = self.bench.run(spec, max(self.budget - self.spent, 0.0))
+        e.seconds = e.seconds or (time.perf_counter() - t0)
+        self.spent += e.seconds
+        if e.replays:
+            per = e.seconds / max(e.replays, 1)
+            self.replay_s = per if self.replay_s is None else max(per, 0.5 * self.replay_s)
+        self.experiments.append(e)
+        return e
+
+    def _next_candidate(self, refuted: str, e: Experiment) -> Optional[str]:
+        """Replace the refuted cause by what ``e`` proves, or by the diagnosis without the refuted ones."""
+        cause = self.event.cause or {}
+        ev = dict(cause.get("evidence") or {})
+        method = (self.event.localization or {}).get("method") or ""
+        new = implied_cause(refuted, e, self.origin, ev, method)
+        fixes = None
+        if new is not None:  # the refuting experiment also proves this cause
+            fixes = new.pop("fixes", [])
+            new.pop("method", None)
+            self.confirmed, self.implied = e, True
+            judge(new["category"], e, self._ctx())
+        elif self.rediagnose is not None:
+            out = self.rediagnose([r["category"] for r in self.ruled_out])
+            if out is None:
+                return None
+            new, fixes = out
+        if new is None or (self.confirmed is None and new.get("category") in {r["category"] for r in self.ruled_out}):
+            return None
+        new.setdefault("evidence", {})
+        new["evidence"].setdefault("detected", ev.get("detected"))
+        new["evidence"]["first_candidate"] = {"category": cause.get("category"), "summary": cause.get("summary")}
+        self.event.cause = new
+        if fixes is not None:
+            self.event.fixes = list(fixes)
+        return new.get("category")
+
+    def _verify_for_recovery(self) -> None:
+        """With recovery on: run the experiment that proves the recovery action of the final cause (the
+        module to upcast, the rows to drop, the lower learning rate), if not already run."""
+        if not self.recovering:
+            return
+        cat = (self.event.cause or {}).get("category") or "other"
+        if cat in {r["category"] for r in self.ruled_out}:
+            return
+        action = NEEDS_PROOF.get(cat)
+        if action is None or any(e.finite and KINDS[e.kind].verifies == action for e in self.experiments):
+            return
+        # The action is applied only if verified: its replay may use a second budget (the alternative
+        # is to skip the step and, if it recurs, stop the run).
+        self.budget += self.config.budget_seconds(self.step_s)
+        for spec in plan(cat, self._situation(cat)):
+            if KINDS[spec.kind].verifies != action:
+                continue
+            e = self._run(spec)
+            if e is None:
+                return
+            if e is not _NOT_ALLOWED:
+                judge(cat, e, self._ctx())
+            if e is not _NOT_ALLOWED and e.finite:
+                if self.confirmed is None and e.verdicts.get(cat) == CONFIRMS:
+                    self.confirmed = e
+                return
+
+    def _cost(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"seconds": round(self.spent, 4), "budget_seconds": round(self.budget, 4),
+                             "budget_steps": self.config.budget_steps}
+        if self.step_s:
+            d["step_seconds"] = round(self.step_s, 5)
+            d["step_multiple"] = round(self.spent / self.step_s, 2)
+        if self.skipped:
+            d["not_run_for_budget"] = sorted(set(self.skipped))
+        return d
+
+    def summary(self) -> Dict[str, Any]:
+        return {"experiments": len(self.experiments), "confirmed_by": self.confirmed.kind if self.confirmed else None,
+                "ruled_out": [r["category"] for r in self.ruled_out], "seconds": round(self.spent, 4)}
+
+
+def _why(cat: str, e: Experiment) -> str:
+    if e.finite:
+        return f"with {e.change} the step is finite, which {cat} does not allow"
+    return f"with {e.change} the step is still non-finite, so {cat} is not what makes it fail"
+
+
+# An experiment the configuration does not allow: planned, not run, judged as nothing.
+_NOT_ALLOWED = Experiment(kind="not_allowed", change="not allowed by the configuration")

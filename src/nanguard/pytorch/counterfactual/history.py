@@ -1,0 +1,79 @@
+"""History replays: from an earlier snapshot, replay the steps up to the failing one with the learning
+rate lowered (``lr_replay``) or the gradient norm clipped (``clip_replay``), updates included.
+
+The driver keeps the last few steps (:class:`~.step.ReplayableStep` objects holding references to
+their batches, RNG states and loss function) while recovery is on, and the recovery policy keeps
+the snapshots. The replay saves the current state, restores the snapshot, replays every kept step
+from it (forward, backward, the change, the optimizer update) checking each for non-finite values,
+and puts the current state, learning rates and gradients back, whatever happened.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from ..recover.clip import clip_grads
+from ..recover.snapshot import Snapshot
+from ..recover.state import state_finite
+from .step import ReplayableStep, StepChanges, params_of
+
+
+def replay_history(snapshot: Any, steps: Sequence[ReplayableStep], modules: Sequence[torch.nn.Module],
+                   optimizers: Sequence[Any], *, lr_factor: Optional[float] = None,
+                   max_norm: Optional[float] = None) -> Dict[str, Any]:
+    """Replay ``steps`` (consecutive, the first one starting at ``snapshot.step``) from ``snapshot``.
+    Returns ``{"finite": bool | None, "failed_at": step | None, "replays": n, "error": ...}``."""
+    t0 = time.perf_counter()
+    params = params_of(optimizers)
+    saved_grads = [p.grad for p in params]
+    current = Snapshot(-1, modules, optimizers, None)  # the state now (pre-update of the failing step)
+    lrs = [[g["lr"] for g in o.param_groups] for o in optimizers]
+    out: Dict[str, Any] = {"finite": None, "failed_at": None, "replays": 0}
+    try:
+        snapshot.restore(modules, optimizers, None)
+        if lr_factor is not None:
+            for o in optimizers:
+                for g in o.param_groups:
+                    g["lr"] = g["lr"] * lr_factor
+        finite = True
+        for st in steps:
+            o = st.run(changes=StepChanges(keep_grads=True))
+            out["replays"] += 1
+            if o.finite is None:
+                out["error"] = o.error
+                finite = None
+                break
+            if not o.finite:
+                finite, out["failed_at"] = False, getattr(st, "step", None)
+                break
+            if max_norm is not None:
+                clip_grads(optimizers, max_norm)
+            for opt in optimizers:
+                opt.step()
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            if not state_finite(modules, optimizers):
+                finite, out["failed_at"] = False, getattr(st, "step", None)
+                out["failed_in"] = "optimizer"
+                break
+        out["finite"] = finite
+    except Exception as e:  # an experiment never breaks the run
+        out["finite"], out["error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
+    finally:
+        current.restore(modules, optimizers, None)
+        for o, lr in zip(optimizers, lrs):
+            for g, v in zip(o.param_groups, lr):
+                g["lr"] = v
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def consecutive(steps: Dict[int, ReplayableStep], start: int, end: int) -> Optional[List[ReplayableStep]]:
+    """The kept steps ``start..end`` (inclusive), or None when one is missing or its batch was written in
+    place since (a reused input buffer)."""
+    out = [steps.get(s) for s in range(start, end + 1)]
+    return None if any(s is None or not s.intact() for s in out) else out  # type: ignore[return-value]
