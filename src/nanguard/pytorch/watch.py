@@ -218,6 +218,8 @@ class Watcher:
             loc = self._guarded(lambda: self.localizer(det))
             if loc is not None:
                 self.loc_runs[id(det)] = loc
+                if not self.detections:  # the first failure: test its cause on the step replay
+                    self._guarded(lambda: self._experiment(det, loc))
         self.detections.append(det)
         if self.on_detection is not None:
             self.on_detection(det, opt)
@@ -225,6 +227,32 @@ class Watcher:
             self._guarded(lambda: self.on_event(det))
         if self.config.on_nonfinite == "stop" and det.phase != "eval":
             raise StopRun(det)
+
+    def _experiment(self, det: Detection, loc: Any, event: Any = None) -> None:
+        """Counterfactual replays of the failing step (nanguard.core.experiments) from the step tape; the
+        diagnosed event is kept on ``det`` for the report."""
+        cfg = getattr(self, "experiments", None)
+        if cfg is None or not cfg.enabled or det.phase in ("eval", "params"):
+            return
+        replay = self.step_replay(det.step)
+        if replay is None:
+            return
+        from .counterfactual import investigate_zero_code
+        from .zerocode import run_context
+        hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
+        ctx = run_context(self)
+        if event is None:
+            event = build_event(det, loc, hist, ctx)
+
+        def rediagnose(excluded):
+            ev = build_event(det, loc, hist, dict(ctx, exclude_categories=list(excluded)))
+            return ev.cause, ev.fixes
+
+        investigate_zero_code(event, replay, roots=list(self.monitor.roots), optimizers=self.optimizers(),
+                              scaler=self.scalers[0] if self.scalers else None, config=cfg,
+                              step_seconds=getattr(self, "step_seconds", None), rediagnose=rediagnose,
+                              history=hist, indices=self.data.last if getattr(self, "data", None) else None)
+        det.event = event
 
     # ------------------------------------------------------------------ in-process replay
     def step_replay(self, step: int) -> Optional[StepReplay]:
@@ -254,6 +282,7 @@ class Watcher:
         if self._first_event is None:
             loc_run = self.localizer(det) if self.localizer is not None else None
             event = _shared(build_event(det, loc_run, hist, {"scaler": bool(self.scalers)}), det)
+            self._guarded(lambda: self._experiment(det, loc_run, event))
             self._first_event = event
         else:
             event = _shared(recurrence_event(det, self._first_event, hist, {"scaler": bool(self.scalers)}), det)
@@ -277,6 +306,13 @@ class Watcher:
         here: code the script runs between steps (a projection, a re-normalisation, an EMA swap)
         belongs to the state a rollback must restore.
         """
+        import time as _t
+        now = _t.perf_counter()
+        prev = getattr(self, "_t_update", None)
+        self._t_update = now
+        if prev is not None:
+            d, s0 = now - prev, getattr(self, "step_seconds", None)
+            self.step_seconds = d if s0 is None else (0.8 * s0 + 0.2 * d if d < 10 * s0 else s0)
         if self.policy is None:
             return
         last = self.monitor.history.last()
