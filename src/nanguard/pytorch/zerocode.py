@@ -180,8 +180,9 @@ def make_report(watcher: Any, localizer: Optional[Localizer] = None, policy: Any
     ctx = run_context(watcher)
     firsts: Dict[str, Any] = {}
     for det in watcher.detections:
-        if det.event is not None:  # already diagnosed during the run (recovery mode)
+        if det.event is not None:  # already diagnosed during the run (recovery, or tested by experiments)
             events.append(det.event)
+            firsts.setdefault("eval" if det.phase == "eval" else "train", det.event)
             continue
         events.append(_event(det, watcher, localizer, firsts, [h for h in history if h["step"] < det.step],
                              ctx, localize))

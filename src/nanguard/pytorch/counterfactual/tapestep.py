@@ -73,6 +73,12 @@ class TapeStep(ReplayableStep):
         best = max(counts.values())
         return next(d for d in dims if counts[d] == best)
 
+    def _first_input(self) -> List[Any]:
+        try:
+            return [t for t in (self.replay.batch() or []) if isinstance(t, torch.Tensor)]
+        except Exception:
+            return []
+
     def dataset_indices(self) -> Optional[List[Any]]:
         return self.indices
 
@@ -83,10 +89,14 @@ class TapeStep(ReplayableStep):
             return Outcome(finite=None, seconds=0.0, error="a step replay always puts the gradients back")
         size = self.batch_size()
         keep = None if ch.keep_rows is None else torch.as_tensor(list(ch.keep_rows), dtype=torch.long)
+        dropped = []
 
         def inputs(t: torch.Tensor, i: int) -> torch.Tensor:
             if keep is not None and t.dim() >= 1 and t.shape[0] == size:
-                t = t.index_select(0, keep.to(t.device))
+                kept = t.index_select(0, keep.to(t.device))
+                dropped.append(t.is_floating_point() and not bool(torch.isfinite(t).all())
+                               and bool(torch.isfinite(kept).all()))  # this drop removed the non-finite rows
+                t = kept
             if ch.cast is not None and t.is_floating_point():
                 t = t.to(ch.cast)
             return t
@@ -95,6 +105,14 @@ class TapeStep(ReplayableStep):
         res = self.replay.run(recorder=recorder, changes=tc if tc.inputs is not None else None)
         if res.get("error"):
             return Outcome(finite=None, seconds=time.perf_counter() - t0, error=str(res["error"]))
+        if keep is not None and not dropped:  # the batch is cut from a larger tensor inside the step: not tested
+            return Outcome(finite=None, seconds=time.perf_counter() - t0,
+                           error=f"no tensor from outside the step has the batch's {size} rows: rows not dropped")
+        if keep is not None and not any(dropped) and _nonfinite(self._first_input()):
+            # the model's input is non-finite, but not through the dropped rows of the step's inputs:
+            # the values were written inside the step (e.g. x[3] = nan), so dropping rows does not test them
+            return Outcome(finite=None, seconds=time.perf_counter() - t0,
+                           error="the non-finite inputs are made inside the step, not by the dropped rows")
         losses = list(res.get("losses") or [])
         finite, _bad, fp = check(losses, [])
         grads_ok = res.get("grads_finite")
@@ -102,3 +120,7 @@ class TapeStep(ReplayableStep):
                       losses=[float(l.double().sum()) for l in losses], fingerprint=fp,
                       bad_grads=0 if grads_ok is not False else 1)
         return out
+
+
+def _nonfinite(ts: Sequence[torch.Tensor]) -> bool:
+    return any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in ts)
