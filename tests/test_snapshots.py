@@ -164,4 +164,5 @@ def test_the_interval_follows_the_measured_costs():
     assert st.copy_seconds is not None and st.step_seconds is not None
     expect = max(st.snapshot_every, math.ceil(st.copy_seconds / (st.budget * st.step_seconds)))
     assert st.interval() == min(expect, st.max_every)
+    g._size_ring()  # sized before each step; the last step's timing may have moved the interval since
     assert g.ring.maxlen >= st.interval() + 2
