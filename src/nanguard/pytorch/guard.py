@@ -326,8 +326,10 @@ class Guard:
         if self.bundle_path and self.bundle_saved is None and rng is not None and is_origin(det):
             self.bundle_saved = self._safe(lambda: self._save_bundle(det, batches, rng))
         here = rng is not None and replays_here(det, self.model)
+        # counterfactual replays run the step on this rank alone: never across ranks (its collectives would hang)
         step = GuardStep(self.model, self.optimizers, self.scaler, batches, loss_fn, rng, det.step,
-                         batch_indices(batches[0], indices) if len(batches) == 1 else None) if here else None
+                         batch_indices(batches[0], indices) if len(batches) == 1 else None) \
+            if here and not is_distributed() else None
         # a compiled step is replayed compiled before the op-level replay (after which torch.compile runs
         # that code eagerly): the eager/compiled experiment needs the compiled graph
         prior = self._safe(lambda: self._compiled_first(step)) if step is not None else None
