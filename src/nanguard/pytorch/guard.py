@@ -25,6 +25,7 @@ from .distributed import barrier, is_main, is_origin, replays_here, report_extra
 from .recover import RecoveryPolicy
 from .replay import replay_step
 from .rng import capture_rng, plain_rng
+from .spikes import SpikeResponder, optimizer_context
 from .tensorboard import TensorBoardLogger
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -58,6 +59,9 @@ class Guard:
             parameter at least every K updates (``None``: 1 up to 2 MiB of parameters, else up
             to 8). Parameters the next forward uses are caught at the next step whatever K is;
             with ``recover`` it is always 1.
+        on_spike: what an early warning (the loss or gradient norm spiking or growing before anything
+            is non-finite; :mod:`nanguard.core.spike`) does: ``"warn"`` (default), ``"skip"`` the step,
+            or ``"rollback"`` to before the excursion with a lower learning rate (keeps snapshots).
 
     Under ``torch.distributed`` (DDP, ``world_size > 1``) every rank reaches the same decision
     at every step (one small all-reduce in the check), the failing step is replayed on the
@@ -71,7 +75,8 @@ class Guard:
                  report: Optional[str] = None, history_size: int = 200, strict: bool = False,
                  localize: bool = True, check_data: bool = True, quiet: bool = False,
                  bundle: Optional[str] = "auto", tensorboard: Any = None,
-                 param_check_every: Optional[int] = None, html: Optional[str] = "auto") -> None:
+                 param_check_every: Optional[int] = None, html: Optional[str] = "auto",
+                 on_spike: str = "warn") -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -96,7 +101,11 @@ class Guard:
         self.policy = None
         if recover:
             self.policy = RecoveryPolicy.from_spec(recover)
+        elif on_spike == "rollback":  # snapshots for the early-warning rollbacks; failures as on_nonfinite says
+            self.policy = RecoveryPolicy(failures=False)
+        if self.policy is not None:
             self.policy.bind_guard(self)
+        self.spikes = SpikeResponder(self.monitor, on_spike, quiet=self.quiet)
         self.disabled = False
         self._announced = False
         if bundle == "auto":
@@ -138,10 +147,12 @@ class Guard:
         if self.policy is not None:
             self._safe(lambda: self.policy.before_check(self.optimizers))
         skipped = {}
+        spiked = False
         for o in self.optimizers:
             det = self._safe(lambda: self._check(o))
             skipped[id(o)] = False
             if det is None:
+                spiked = bool(self._safe(lambda: self._spike(o))) or spiked
                 continue
             if det.info_only:
                 self.report.info.append({"step": det.step, "phase": det.phase, **det.detected})
@@ -155,6 +166,12 @@ class Guard:
                 if self.scaler is not None:
                     self._reset_scaler_stage()
                 return loss.detach()
+        if spiked:  # on_spike skip/rollback: the update is dropped (the gradients are gone)
+            for o in self.optimizers:
+                self.monitor.end_step(o, skipped=True)
+            if self.scaler is not None:
+                self._reset_scaler_stage()
+            return loss.detach()
         if self.policy is not None and not self.policy.before_update(self.optimizers):
             for o in self.optimizers:
                 self.monitor.end_step(o, skipped=True)
@@ -177,6 +194,17 @@ class Guard:
             if self.scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY:
                 self.scaler.unscale_(opt)
         return self.monitor.check(opt, self.scaler)
+
+    def _spike(self, opt: torch.optim.Optimizer) -> bool:
+        """After a clean check: the early warning, if the check raised one. True: skip the update."""
+        if self.monitor.spike is None:
+            return False
+        return self.spikes.after_check(opt, modules=[self.model], optimizers=self.optimizers, scaler=self.scaler,
+                                       policy=self.policy, context=self._context())
+
+    def _context(self) -> dict:
+        return {"scaler": self.scaler is not None, **optimizer_context(self.optimizers),
+                "dtype": _model_dtype(self.model)}
 
     def _reset_scaler_stage(self) -> None:
         # A step we skip ourselves must leave the scaler ready for the next one.
@@ -233,11 +261,7 @@ class Guard:
 
     def _event(self, det: Detection, loc_run) -> Event:
         hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
-        ctx = {"scaler": self.scaler is not None, "optimizer": type(self.optimizers[0]).__name__,
-               "lr": [g.get("lr") for g in self.optimizers[0].param_groups],
-               "eps": self.optimizers[0].param_groups[0].get("eps"),
-               "dtype": _model_dtype(self.model)}
-        ev = build_event(det, loc_run, hist, ctx)
+        ev = build_event(det, loc_run, hist, self._context())
         if self.bundle_saved:
             ev.localization = dict(ev.localization or {}, bundle=self.bundle_saved)
         return ev
@@ -270,10 +294,11 @@ class Guard:
         r.max_grad_norm = mon.history.max_grad_norm if len(mon.history) else None
         r.scaler_skips = sum(1 for i in r.info if i.get("scaler_skip"))
         r.history = mon.history.as_dicts()
+        known = {id(e) for e in r.events}
         if self.policy is not None:
-            known = {id(e) for e in r.events}
             r.events.extend(e for e in self.policy.events if id(e) not in known)
             r.events.sort(key=lambda e: (e.step, e.recovery is None))
+        r.events.extend(e for e in self.spikes.events if id(e) not in known)
         return r
 
     def _tb_event(self, event: Event) -> None:

@@ -93,9 +93,9 @@ class SnapshotStore:
         return old
 
     def best(self, history: Sequence[dict] = (), step: Optional[int] = None,
-             divergence: bool = True) -> Optional[Snapshot]:
+             divergence: bool = True, before: Optional[int] = None) -> Optional[Snapshot]:
         """The snapshot to roll back to (:func:`~nanguard.core.recovery.estimates.rollback_target`)."""
-        return rollback_target(self.all(), history, step, divergence)
+        return rollback_target(self.all(), history, step, divergence, before)
 
     def forget_after(self, step: int) -> None:
         """After a rollback: the snapshots of the abandoned trajectory go."""

@@ -23,7 +23,12 @@ from . import consensus
 from .names import TensorNames
 from .norms import NormPlan, _norm, planned_norm
 from .slices import OptimizerView, update_suspect
+from .stepsize import StepSizeProbe, step_size
 from .tensors import finite_markers, is_checkable, nonfinite_tensors, tensors_in
+
+# Backward counting (hand-written updates): the update comes after the check's step ends, so the
+# post-update parameter norms are computed at the next check instead (still read in its one sync).
+_DEFERRED = "deferred"
 
 
 class StepMonitor:
@@ -59,6 +64,12 @@ class StepMonitor:
         self.dist_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.dist_auto = True
         self._dist_flags: Optional[List[float]] = None
+        self.step_size = StepSizeProbe()  # backward counting: the step size of hand-written updates
+        # Early warning (nanguard.core.spike.SpikeDetector, set by the driver): judged on the numbers
+        # of each check that found nothing; ``spike`` is the last check's warning (or None).
+        self.spikes: Any = None
+        self.spike: Optional[Dict[str, Any]] = None
+        self._records: Dict[int, StepRecord] = {}  # per optimizer: its last history record
 
     # ------------------------------------------------------------------ registration
     def add_optimizer(self, opt: torch.optim.Optimizer, late: bool = False) -> None:
@@ -70,7 +81,7 @@ class StepMonitor:
                 self.backward_steps = 0
                 self.history = StepHistory(self.config.history_size)
                 for d in (self._pending_post, self._pending_step, self._pending_slice, self._rot,
-                          self._psq, self._checked, self._lasts):
+                          self._psq, self._checked, self._lasts, self._records):
                     d.pop(0, None)
             self.views[id(opt)] = OptimizerView(opt, self.config.param_check_every)
             self.counts.setdefault(id(opt), 0)
@@ -155,6 +166,10 @@ class StepMonitor:
             dev = lv[0].device if lv else torch.device("cpu")
 
         gnorms = [planned_norm([p.grad for p in g], plan, dev) for g, plan in zip(groups, plans)]
+        self.spike = None
+        if self._pending_post.get(key) is _DEFERRED:  # backward counting: the update is done by now
+            self._pending_post[key] = torch.stack([planned_norm(g, plan, dev) for g, plan in zip(groups, plans)])
+        sz = self.step_size.measure(dev) if opt is None else None
         pre_pnorms = None
         psq = self._psq.get(key)
         fresh = psq is not None and len(psq) == len(groups) and all(len(r) == k for r in psq)
@@ -168,7 +183,7 @@ class StepMonitor:
         # Other optimizers' last updates not read yet (e.g. a GAN's generator update made the
         # discriminator's batch non-finite): read them in the same sync, so the failure is
         # blamed on the update that made it, not on this step.
-        others = [(k, t) for k, t in self._pending_post.items() if k != key]
+        others = [(k, t) for k, t in self._pending_post.items() if k != key and t is not _DEFERRED]
         # One vector, one sync: [losses, loss markers, data markers, (scale, found_inf), group grad
         # norms, (first check: group param norms)] as 0-d tensors, then the pending 1-d norms.
         # Values keep their dtype until read (stack/cat promote), so the finiteness read is exact.
@@ -178,7 +193,8 @@ class StepMonitor:
         scaled = scaler is not None and gradscaler.scaler_enabled(scaler)
         sc = [gradscaler.scale_tensor(scaler, dev), gradscaler.found_inf(scaler, opt, dev)] if scaled else []
         flat = inputs + sc + gnorms + (pre_pnorms or [])
-        tail = ([post.to(dev)] if post is not None else []) + [t.to(dev) for _, t in others]
+        tail = ([post.to(dev)] if post is not None else []) + [t.to(dev) for _, t in others] + \
+            ([sz] if sz is not None else [])
         reducer = self._dist_reducer()
         if reducer is not None:  # distributed: this rank's flags, all-reduced, read in the same sync
             tail.append(consensus.flag_table(reducer, dev, *consensus.rank_inputs(
@@ -197,6 +213,7 @@ class StepMonitor:
         loss_ok = 1.0 if all(finite(x) for x in vals[:nl + nlm]) else 0.0
         off = nl + nlm
         data_ok = 1.0 if all(finite(x) for x in vals[off:off + nd]) else 0.0
+        batch_max = max((abs(x) for x in vals[off:off + nd]), default=None) if data_ok and nd else None
         off += nd
         scale, found_inf = (vals[off], vals[off + 1]) if scaled else (float("nan"), 0.0)
         off += len(sc)
@@ -215,7 +232,9 @@ class StepMonitor:
                 for g in range(G):
                     psq[g][post_slice] = post_pn[g] ** 2
         self._last = dict(loss=loss, gn=gn, pn=self._group_param_norms(key, G), scale=scale,
-                          found_inf=found_inf, groups=groups, opt=opt)
+                          found_inf=found_inf, groups=groups, opt=opt, batch_max=batch_max)
+        if post is not None:
+            self._after_update(key, post_step, self._last["pn"], vals[-3:] if sz is not None else None)
         self._lasts[key] = self._last
         if reducer is not None:
             gl = consensus.global_loss(self._dist_flags, reducer.world_size)
@@ -239,7 +258,25 @@ class StepMonitor:
                            post_pn, post_step, scaler)
         if det is not None and det.phase == "params" and post_step is not None and k > 1:
             det = self._attribute_params(det, opt, post_step, post_slice, k)
-        return self._dist_decide(reducer, dev, det)
+        det = self._dist_decide(reducer, dev, det)
+        if det is None and self.spikes is not None:
+            self.spike = self.spikes.observe(step, self._last["loss"], _total(gn), stream=key)
+        return det
+
+    def _after_update(self, key: int, step: Optional[int], pn: Optional[List[float]],
+                      sz: Optional[List[float]]) -> None:
+        """The record of the step whose update was just read: its parameter norm after the update,
+        and (hand-written updates) the step size measured from it. No sync: the numbers were read."""
+        rec = self._records.get(key)
+        if rec is None or rec.step != step:
+            return
+        rec.param_norm_after = _total(pn) if pn else None
+        if sz is not None:
+            lr, cos = step_size(sz)
+            if lr is not None and (cos is None or cos > 0.5):  # the update follows -g: an SGD-like step
+                rec.effective_lr = lr
+                if rec.param_norm and rec.grad_norm is not None and math.isfinite(rec.grad_norm):
+                    rec.update_ratio = abs(lr) * rec.grad_norm / rec.param_norm
 
     def _group_param_norms(self, key: int, n_groups: int) -> Optional[List[float]]:
         """Per group parameter L2 norm from the slices' last reads (each at most K updates old)."""
@@ -353,17 +390,19 @@ class StepMonitor:
             lrs = []
         if last is not None and last.get("opt") is opt:
             gn = last["gn"]
-            total = math.sqrt(sum(x * x for x in gn)) if all(math.isfinite(x) for x in gn) else float("inf")
+            total = _total(gn) if gn else 0.0
             pn = last["pn"]
             ptotal = math.sqrt(sum(x * x for x in pn)) if pn and all(math.isfinite(x) for x in pn) else None
             ratio = None
             if ptotal and lrs and math.isfinite(lrs[0]) and math.isfinite(total):
                 ratio = lrs[0] * total / ptotal
             scale = last["scale"]
-            self.history.append(StepRecord(
+            self._records[key] = rec = StepRecord(
                 step=step, loss=None if math.isnan(last["loss"]) and self._loss_n == 0 else last["loss"],
                 grad_norm=total, group_grad_norms=list(gn), param_norm=ptotal, update_ratio=ratio,
-                lr=lrs, loss_scale=None if math.isnan(scale) else scale, skipped=skipped))
+                lr=lrs, loss_scale=None if math.isnan(scale) else scale, skipped=skipped,
+                batch_max=last.get("batch_max"))
+            self.history.append(rec)
         if groups and not skipped:
             dev = next((g[0].device for g in groups if g), torch.device("cpu"))
             view = self.views.get(key) if opt is not None else None
@@ -373,8 +412,12 @@ class StepMonitor:
                 k, slices, plans = 1, [groups], [[NormPlan(g) for g in groups]]
             c = self._rot.get(key, 0) % k
             self._rot[key] = c + 1
-            self._pending_post[key] = torch.stack(
-                [planned_norm(g, plan, dev) for g, plan in zip(slices[c], plans[c])])
+            if opt is None:  # hand-written updates come after this: norms and step size at the next check
+                self._pending_post[key] = _DEFERRED
+                self.step_size.save([p for g in groups for p in g])
+            else:
+                self._pending_post[key] = torch.stack(
+                    [planned_norm(g, plan, dev) for g, plan in zip(slices[c], plans[c])])
             self._pending_step[key] = step
             self._pending_slice[key] = c
         if opt is not None:
@@ -389,6 +432,10 @@ class StepMonitor:
     def flush(self) -> Optional[Detection]:
         """At the end of the run: read the last update's pending parameter check."""
         for key, post in list(self._pending_post.items()):
+            if post is _DEFERRED:  # backward counting: the parameters after the last hand-written update
+                groups = [self.extra_params] if not self.roots else \
+                    [[p for r in list(self.roots) for p in r.parameters() if p.requires_grad and is_checkable(p)]]
+                post = torch.stack([_norm(g) for g in groups if g]) if any(groups) else torch.zeros(1)
             vals = post.tolist()
             step = self._pending_step.get(key, 0)
             del self._pending_post[key]
@@ -408,3 +455,10 @@ class StepMonitor:
         self._lasts.pop(key, None)
         self._loss_vals, self._loss_marks, self._loss_n = [], [], 0
         self._data_marks, self._data_where = [], []
+
+
+def _total(norms: Optional[Sequence[float]]) -> Optional[float]:
+    """The global L2 norm of per-group norms (inf when one is not finite)."""
+    if not norms:
+        return None
+    return math.sqrt(sum(x * x for x in norms)) if all(math.isfinite(x) for x in norms) else float("inf")

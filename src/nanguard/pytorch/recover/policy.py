@@ -57,14 +57,20 @@ class RecoveryPolicy(_NeutralPolicy):
         if self.loss_scaler is not None:
             self.on_check(self.actions(optimizers=optimizers))
 
-    def before_update(self, optimizers) -> bool:
-        """Right before each optimizer update of a step that passed the check: clipping."""
+    def before_update(self, optimizers, modules: Sequence[torch.nn.Module] = ()) -> bool:
+        """Right before each optimizer update of a step that passed the check: clipping, gradient scaling.
+        ``modules``: with no optimizer (hand-written updates), whose gradients those act on."""
         if self._watcher is not None and self.initial is None and optimizers:
             w = self._watcher()
             if w is not None:  # nanguard run: the state before the very first update
                 self.maybe_snapshot(w.monitor.step_of(optimizers[0]), list(w.monitor.roots), w.optimizers(),
                                     w.scalers[0] if w.scalers else None)
-        return self.on_update(self.actions(optimizers=optimizers))
+        return self.on_update(self.actions(modules, optimizers=optimizers))
+
+    def spike(self, event, *, step: int, modules, optimizers, scaler, roots, history, rollback: bool):
+        """An early warning under on_spike="skip"/"rollback" (the core policy's ``on_spike``)."""
+        return self.on_spike(event, step=step, actions=self.actions(modules, optimizers, scaler, roots),
+                             history=history, rollback=rollback)
 
     # ---------------------------------------------------------------- Guard adapter
     def bind_guard(self, guard) -> None:
