@@ -88,9 +88,13 @@ class Report:
     @property
     def status(self) -> str:
         """``clean`` (no event), ``warning`` (early warnings only: every value stayed finite),
-        ``recovered`` (every non-finite event was recovered) or ``nonfinite``."""
+        ``recovered`` (every non-finite event was recovered, or, with none, an early warning was acted
+        on: the run was rolled back or a step skipped before anything went non-finite) or ``nonfinite``."""
         nonfinite = self.failures
         if not nonfinite:
+            acted = [e for e in self.warnings if e.recovery is not None]
+            if acted and all((e.recovery or {}).get("ok") for e in acted):
+                return "recovered"
             return "warning" if self.warnings else "clean"
         if all(e.recovery is not None and (e.recovery or {}).get("ok") for e in nonfinite):
             return "recovered"

@@ -181,35 +181,16 @@ class SpikeDetector:
                 best = (s, v, k)
         return best
 
-    def onset(self, stream: Hashable = 0) -> Optional[int]:
-        """The first step of the current excursion of ``stream`` (the step before which a rollback
-        should go), from the losses kept: the earliest step of the trailing run whose loss is above
-        the baseline's 90% quantile of the steps before it."""
-        st = self.streams.get(stream)
-        if st is None or not st.loss.vals:
-            return None
-        vals = list(st.loss.vals)
-        return onset_step(vals)
-
-
-def onset_step(vals: List[Tuple[int, float]], min_before: int = 4) -> Optional[int]:
-    """The first step of the trailing excursion of a series ``[(step, value)]`` (oldest first): walk
-    back while values stay above the 75% quantile of everything before them (at least
-    ``min_before`` values there); None when the last value is not part of an excursion."""
-    if len(vals) < 2:
-        return None
-    start = None
-    for i in range(len(vals) - 1, 0, -1):
-        before = sorted(v for _, v in vals[:i])
-        if len(before) < min_before:
-            start = vals[i][0] if start is not None else None
-            break
-        q = _quantile(before, 0.75)
-        if vals[i][1] > q:
-            start = vals[i][0]
-        else:
-            break
-    return start
+    def rewind(self, to_step: int) -> None:
+        """After a rollback to the state of ``to_step``: forget what every stream saw from that step on
+        (the excursion is not the baseline of the replayed run) and watch again at once."""
+        for st in self.streams.values():
+            for ser in (st.loss, st.grad):
+                keep = [(s, v) for s, v in ser.vals if s < to_step]
+                ser.vals.clear()
+                ser.vals.extend(keep)
+            st.recent.clear()
+            st.armed, st.calm = True, 0
 
 
 def _quantile(s: List[float], q: float) -> float:

@@ -60,8 +60,9 @@ class Guard:
             to 8). Parameters the next forward uses are caught at the next step whatever K is;
             with ``recover`` it is always 1.
         on_spike: what an early warning (the loss or gradient norm spiking or growing before anything
-            is non-finite; :mod:`nanguard.core.spike`) does: ``"warn"`` (default), ``"skip"`` the step,
-            or ``"rollback"`` to before the excursion with a lower learning rate (keeps snapshots).
+            is non-finite; :mod:`nanguard.core.spike`) does: ``"warn"``, ``"skip"`` the step, or
+            ``"rollback"`` to before the excursion with a lower learning rate (keeps snapshots).
+            Default: ``"rollback"`` with ``recover``, else ``"warn"``.
 
     Under ``torch.distributed`` (DDP, ``world_size > 1``) every rank reaches the same decision
     at every step (one small all-reduce in the check), the failing step is replayed on the
@@ -76,7 +77,7 @@ class Guard:
                  localize: bool = True, check_data: bool = True, quiet: bool = False,
                  bundle: Optional[str] = "auto", tensorboard: Any = None,
                  param_check_every: Optional[int] = None, html: Optional[str] = "auto",
-                 on_spike: str = "warn") -> None:
+                 on_spike: Optional[str] = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -93,6 +94,7 @@ class Guard:
         self.monitor.add_root(model)
         for o in opts:
             self.monitor.add_optimizer(o)
+        on_spike = on_spike or ("rollback" if recover else "warn")
         self.report_path = report
         self.html = html
         self.localize = localize

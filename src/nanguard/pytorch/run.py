@@ -33,12 +33,14 @@ from .watch import StopRun, Watcher
 def run_torch_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
                on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
                strict: bool = False, quiet: bool = False, bundle: Optional[str] = None,
-               tensorboard: Optional[str] = None, html: Optional[str] = "auto", on_spike: str = "warn") -> int:
+               tensorboard: Optional[str] = None, html: Optional[str] = "auto",
+               on_spike: Optional[str] = None) -> int:
     """Run a PyTorch ``script`` as ``__main__`` under the global hooks; write the report however it ends.
 
     ``html``: the HTML page of a run that had an event, ``"auto"`` beside the JSON report, a path,
     or None for none. ``on_spike``: what an early warning does (:mod:`nanguard.pytorch.spikes`):
-    ``"warn"``, ``"skip"`` the step, or ``"rollback"`` (keeps rollback snapshots even without ``recover``).
+    ``"warn"``, ``"skip"`` the step, or ``"rollback"`` (keeps rollback snapshots even without ``recover``);
+    None: ``"rollback"`` with ``recover``, else ``"warn"``.
 
     Under ``torchrun`` every rank runs this; the ranks decide together at every step
     (:mod:`nanguard.pytorch.distributed`) and only rank 0 prints and writes the report.
@@ -56,6 +58,7 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
 
     # Recovery decides on exact per-update parameter checks (no rotating slices).
     config = GuardConfig(on_nonfinite=on_nonfinite, strict=strict, param_check_every=1 if recover else None)
+    on_spike = on_spike or ("rollback" if recover else "warn")
     policy = None
     if recover:
         policy = RecoveryPolicy.from_spec(recover)

@@ -58,7 +58,13 @@ class SpikeResponder:
         if self.on_spike == "rollback" and policy is not None:
             rec = policy.spike(ev, step=step, modules=list(modules), optimizers=list(optimizers), scaler=scaler,
                                roots=list(modules), history=hist[:-1], rollback=True)
-            act = rec.get("action")
+            if rec is None:  # no sound action (e.g. Adam's beta2): the warning stands, the step is applied
+                skip, act = False, "no action: " + str((ev.cause.get("evidence") or {}).get("recovery_unsound"))
+            else:
+                act = rec.get("action")
+                back = (rec.get("actions") or {}).get("rollback")
+                if back:  # the replayed run is judged against the state before the excursion
+                    self.monitor.spikes.rewind(back["to_step"])
         elif skip:
             ev.recovery = {"action": "skip_step", "ok": True, "category": (ev.cause or {}).get("category"),
                            "actions": {"skip_step": skip_step(list(optimizers), list(modules))}}

@@ -3,7 +3,9 @@
 Where did the size come from? :func:`dynamics` measures, over the trailing excursion of the run:
 
 * ``onset_step``: the first step of the excursion (loss above the range of the steps before it, or
-  the parameter norm growing): a rollback must go to a snapshot from before it;
+  the parameter norm growing): a rollback must go to a snapshot from before it; and
+  ``regime_onset_step``: since when the loss has not been back near its best level (a slow creep or
+  a noisy plateau before the excursion: the weights there are not healthy either);
 * the parameter norm before and after (``param_norm_after`` of the last record: the weights the
   failing step used), how many updates the growth took and the update-to-weight ratio of its first
   update (measured from the norms, and ``lr * |g| / |w|``);
@@ -72,6 +74,22 @@ def excursion_onset(series: Series, min_before: int = 4) -> Optional[int]:
     return start
 
 
+def regime_onset(series: Series, window: int = 5, factor: float = 2.0) -> Optional[int]:
+    """The first step since which the loss's rolling median (over ``window`` steps) has stayed above
+    ``factor`` times its best rolling median (positive losses only; None when it is back there at the
+    end, or the run is too short)."""
+    vals = [v for _, v in series]
+    if len(vals) < 2 * window or min(vals) <= 0:
+        return None
+    med = [statistics.median(vals[i - window + 1:i + 1]) for i in range(window - 1, len(vals))]
+    best = min(med)
+    last_ok = max((i for i, m in enumerate(med) if m <= factor * best), default=None)
+    if last_ok is None or last_ok == len(med) - 1:
+        return None
+    i = last_ok + 1 + window - 1 - window // 2  # the window's middle: the rolling median lags
+    return series[min(max(i, 0), len(series) - 1)][0]
+
+
 def _param_run(pser: Series, calm_before: Optional[int]) -> Optional[Tuple[int, int, float, float]]:
     """The trailing run of updates that grew the parameter norm: (first step, updates, norm before,
     norm after). An update counts when it grew the norm by more than max(3%, 5x the median relative
@@ -129,12 +147,19 @@ def dynamics(history: Sequence[dict]) -> Dict[str, Any]:
                    loss_last=loss[-1][1], loss_at_onset=dict(loss).get(lon))
         if before and out["loss_before"] and out["loss_before"] > 0 and loss[-1][1] > 0:
             out["loss_growth_total"] = loss[-1][1] / out["loss_before"]
+        exc = [v for s, v in loss if s >= lon - 1]
+        ratios = [b / a for a, b in zip(exc, exc[1:]) if a > 0 and b > 0]
+        if ratios:  # the typical per-step factor (a median: one last overflowing step does not dominate)
+            out["loss_ratio_per_step"] = statistics.median(ratios)
     if gon is not None:
         before = [v for s, v in grad if s < gon]
         out.update(grad_onset_step=gon, grad_norm_before=statistics.median(before) if before else None,
                    grad_norm_last=grad[-1][1])
     if onsets:
         out["onset_step"] = min(onsets)
+        reg = regime_onset(loss)
+        if reg is not None and reg < out["onset_step"]:
+            out["regime_onset_step"] = reg
     onset = out.get("onset_step")
     # the first update of the excursion: how large it was relative to the weights
     if onset is not None:

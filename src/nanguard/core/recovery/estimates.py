@@ -49,15 +49,15 @@ def backoff_factor(lr_factor: float, cause: Dict[str, Any], lrs: Sequence[float]
 def rollback_bound(cause: Dict[str, Any]) -> Optional[int]:
     """The latest snapshot step a rollback may use, from the diagnosis: the state before an outlier
     batch (``evidence.rollback_to_step``), or before the update that started the growth
-    (``evidence.onset_step`` - 1). None when the diagnosis names no such step."""
+    (``evidence.onset_step`` - 1, or ``regime_onset_step`` - 1 when the loss had left its best level
+    earlier). None when the diagnosis names no such step."""
     ev = (cause or {}).get("evidence") or {}
     r = ev.get("rollback_to_step")
     if isinstance(r, int) and not isinstance(r, bool):
         return r
-    on = ev.get("onset_step")
-    if isinstance(on, int) and not isinstance(on, bool):
-        return max(on - 1, 0)
-    return None
+    ons = [ev.get(k) for k in ("onset_step", "regime_onset_step")]  # regime: the loss left its best level
+    ons = [o for o in ons if isinstance(o, int) and not isinstance(o, bool)]
+    return max(min(ons) - 1, 0) if ons else None
 
 
 def rollback_target(snapshots: Sequence[Any], history: Sequence[dict] = (), step: Optional[int] = None,

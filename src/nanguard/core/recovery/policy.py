@@ -200,13 +200,17 @@ class RecoveryPolicy:
         return self._record(event, step, cat, actions, done, names, notes)
 
     def on_spike(self, event, *, step: int, actions: RecoveryActions, history: Sequence[dict],
-                 rollback: bool = True) -> Dict[str, Any]:
+                 rollback: bool = True) -> Optional[Dict[str, Any]]:
         """Act on an early warning (``kind`` "warning", every value still finite): drop this step's update
         and, with ``rollback``, go back to a snapshot from before the excursion began and apply what the
         warning's diagnosis calls for (lower the learning rate, or scale the gradients of hand-written
-        updates; clip). Returns the record (also set as ``event.recovery``); it never stops the run."""
+        updates; clip). Returns the record (also set as ``event.recovery``), or None when the diagnosis
+        says no recovery can be sound (the warning then stands alone); it never stops the run."""
         cause = event.cause if isinstance(event.cause, dict) else {}
         cat = cause.get("category") or "other"
+        unsound = (cause.get("evidence") or {}).get("recovery_unsound")
+        if unsound:  # nothing to do that would help: the warning stands, the step is applied
+            return None
         done: Dict[str, Any] = {}
         notes: List[str] = []
         names: List[str] = []

@@ -60,11 +60,11 @@ class RecoveryPolicy(_NeutralPolicy):
     def before_update(self, optimizers, modules: Sequence[torch.nn.Module] = ()) -> bool:
         """Right before each optimizer update of a step that passed the check: clipping, gradient scaling.
         ``modules``: with no optimizer (hand-written updates), whose gradients those act on."""
-        if self._watcher is not None and self.initial is None and optimizers:
+        if self._watcher is not None and self.initial is None and (optimizers or modules):
             w = self._watcher()
             if w is not None:  # nanguard run: the state before the very first update
-                self.maybe_snapshot(w.monitor.step_of(optimizers[0]), list(w.monitor.roots), w.optimizers(),
-                                    w.scalers[0] if w.scalers else None)
+                self.maybe_snapshot(w.monitor.step_of(optimizers[0] if optimizers else None), list(w.monitor.roots),
+                                    w.optimizers(), w.scalers[0] if w.scalers else None)
         return self.on_update(self.actions(modules, optimizers=optimizers))
 
     def spike(self, event, *, step: int, modules, optimizers, scaler, roots, history, rollback: bool):

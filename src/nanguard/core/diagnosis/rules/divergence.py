@@ -13,7 +13,8 @@ Where did the size come from, in this order:
 3. steady geometric growth of the loss or gradient norm -> ``lr_too_high``;
 4. a sudden gradient-norm jump after a calm run -> ``gradient_explosion``;
 5. a loss excursion whose updates were >= 0.1 of the weights (the weights oscillate along the sharpest
-   direction before their norm grows: the edge of stability) -> ``lr_too_high``.
+   direction before their norm grows: the edge of stability) -> ``lr_too_high``; checked before 4.
+   when the updates were >= 3% of the weights already before the excursion.
 
 Each result carries the numbers, the step where the growth began (``evidence.onset_step``: recovery
 rolls back to a snapshot from before it) and, for ``lr_too_high``, the learning-rate factor that
@@ -25,9 +26,14 @@ import math
 
 from .. import text as T
 
-# The update-to-weight ratio that the suggested learning rate aims at for the first update of the
-# excursion: healthy training updates the weights by ~1e-3 of their norm per step; a run whose
-# first diverging update was R times its weights gets lr * 0.03 / R (clamped to [1e-4, 0.1]).
+# The learning-rate factor (clamped to [1e-4, 0.1]):
+# * plain gradient steps (SGD, hand-written updates): half the stability limit. On a quadratic, a step
+#   size past 2/lambda amplifies the deviation along the sharpest direction by amp = |1 - lr lambda|
+#   per step, and the loss (its square) by amp^2: amp = sqrt(the loss's typical per-step factor),
+#   limit = 2 lr / (amp + 1), factor = 1 / (amp + 1);
+# * adaptive optimizers (Adam...: the step is ~lr per element whatever the gradient): aim the first
+#   update of the excursion at 3% of the weights (healthy training moves them ~1e-3 per step): a run
+#   whose first diverging update was R times its weights gets 0.03 / R.
 TARGET_UPDATE_RATIO = 0.03
 HEALTHY_RATIO = "healthy < 1e-2"
 
@@ -39,8 +45,9 @@ def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: floa
     ctx = ctx or {}
     dy = sig.get("dynamics") or {}
     where = outcome + (f" (the overflow surfaced at {T.where(origin)})" if origin else "")
-    if dy.get("onset_step") is not None:
-        ev["onset_step"] = dy["onset_step"]
+    for k in ("onset_step", "regime_onset_step"):
+        if dy.get(k) is not None:
+            ev[k] = dy[k]
     if _outlier(dy):
         return outlier_batch(dy, ev, method, conf, where)
     if dy.get("param_growth_significant"):
@@ -49,6 +56,9 @@ def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: floa
             return params_grew(sig, dy, ev, method, conf, where, ctx)
     if sig.get("geometric_growth"):
         return steady_growth(sig, dy, ev, method, conf, where, ctx)
+    calm_large = T.fin(dy.get("update_ratio_calm")) and dy["update_ratio_calm"] >= CALM_TOO_LARGE
+    if calm_large and _updates_too_large(dy):  # the updates were too large before any jump
+        return params_grew(sig, dy, ev, method, conf, where, ctx)
     if sig.get("grad_jump") or _grad_jump_at_onset(dy) >= 50:
         return grad_jump(sig, dy, ev, method, conf, where)
     if _updates_too_large(dy):
@@ -98,6 +108,9 @@ def outlier_batch(dy: dict, ev: dict, method: str, conf: float, where: str) -> d
 # An excursion of the loss (>= 10x) whose updates were >= 0.1 of the weights (10x the healthy ~1e-2):
 # the weights oscillate along the sharpest direction (edge of stability) before their norm grows.
 UPDATES_TOO_LARGE = 0.1
+# Updates of >= 3% of the weights per step already in the calm phase: the step size (or an
+# initialisation that makes every gradient huge) is the cause, not the gradient jump it leads to.
+CALM_TOO_LARGE = 0.03
 
 
 def _updates_too_large(dy: dict) -> bool:
@@ -123,11 +136,18 @@ def _lr_ref(dy: dict, ctx: dict) -> tuple[float | None, bool]:
     return (float(lrs[0]), False) if lrs else (None, False)
 
 
-def backoff(ratio: float | None) -> float:
-    """The learning-rate factor for an excursion whose first update was ``ratio`` times the weights."""
-    if not T.fin(ratio) or ratio <= 0:
-        return 0.1
-    return max(1e-4, min(0.1, TARGET_UPDATE_RATIO / ratio))
+def backoff(dy: dict, ctx: dict, measured: bool) -> float:
+    """The learning-rate factor for the excursion (see ``TARGET_UPDATE_RATIO``)."""
+    opt = str(ctx.get("optimizer") or "")
+    adaptive = bool(opt) and not measured and opt.lower() != "sgd"
+    ratio, per = dy.get("update_ratio_at_onset"), dy.get("loss_ratio_per_step")
+    if adaptive and T.fin(ratio) and ratio > 0:
+        f = TARGET_UPDATE_RATIO / ratio
+    elif not adaptive and T.fin(per) and per > 1:
+        f = 1.0 / (math.sqrt(per) + 1.0)
+    else:
+        f = 0.1
+    return max(1e-4, min(0.1, f))
 
 
 def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[str, list[str], str | None]:
@@ -135,7 +155,7 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
     opt = str(ctx.get("optimizer") or "")
     betas = ctx.get("betas")
     mom = ctx.get("momentum")
-    factor = backoff(dy.get("update_ratio_at_onset"))
+    factor = backoff(dy, ctx, measured)
     new = T.g(T.nice(lr * factor), 2) if lr else None
     if "adam" in opt.lower() and isinstance(betas, (list, tuple)) and len(betas) == 2 and T.fin(betas[1]) \
             and betas[1] < 0.9:
@@ -185,7 +205,7 @@ def params_grew(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: 
     ev.update({kk: dy.get(kk) for kk in ("param_norm_before", "param_norm_last", "param_growth_updates",
                                          "param_growth_from_step", "update_ratio_at_onset", "update_ratio_calm",
                                          "lr_at_onset", "lr_rose_from", "effective_lr") if dy.get(kk) is not None})
-    ev["lr_backoff_factor"] = backoff(ratio)
+    ev["lr_backoff_factor"] = backoff(dy, ctx, measured)
     if lr:
         ev["lr"] = lr
     why, fixes, unsound = _why_step(dy, ctx, lr, measured)
@@ -202,6 +222,13 @@ def params_grew(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: 
                      f"ratio; {HEALTHY_RATIO})")
     if T.fin(dy.get("loss_before")) and T.fin(dy.get("loss_last")):
         parts.append(f"the loss went {T.g(dy['loss_before'])} -> {T.g(dy['loss_last'])}")
+    calm = dy.get("update_ratio_calm")
+    if T.fin(calm) and calm >= CALM_TOO_LARGE:
+        parts.append(f"the updates were already {T.g(calm, 2)}× the weights before it: the gradients are large "
+                     "from the first steps (an initialisation that grows through the layers, unnormalised inputs) "
+                     "or the learning rate is too high for them")
+        fixes.append("check the initialisation: the activations should not grow through the layers (zero-init or "
+                     "scale by 1/sqrt(depth) the last layer of each residual branch, or add normalisation layers)")
     summ = f"step size too large: {'; '.join(parts)}, {where}; {why}"
     fixes += ["clip the gradient norm (torch.nn.utils.clip_grad_norm_) as a safety net, and add a warm-up"]
     return T.result("lr_too_high", summ, conf, ev, fixes, method)
