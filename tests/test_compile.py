@@ -24,7 +24,7 @@ import nanguard
 from nanguard import NonFiniteError
 from nanguard.pytorch.syncs import HostSyncCounter
 
-from conftest import assert_same_params
+from ngtest import assert_same_params
 
 
 class Net(nn.Module):

@@ -17,7 +17,7 @@ import nanguard
 from nanguard.core.recovery.snapshots import SnapshotStore
 from nanguard.pytorch.recover.forward import VirtualSnapshot
 
-from conftest import assert_same_params
+from ngtest import assert_same_params
 
 
 class Net(nn.Module):

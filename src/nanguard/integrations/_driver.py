@@ -113,6 +113,9 @@ class HookedGuard:
         self._pending[id(opt)] = opt
         det = g._safe(lambda: g._check(opt))
         if det is None:
+            if g._safe(lambda: g._spike(opt)):  # an early warning with on_spike skip/rollback
+                self._skipped.add(id(opt))
+                return "skip"
             if g.policy is not None and g._safe(lambda: g.policy.before_update([opt])) is False:
                 self._skipped.add(id(opt))  # dynamic loss scaling found non-finite grads: dropped
                 return "skip"

@@ -25,6 +25,7 @@ from .distributed import barrier, is_main, report_extra, share_event
 from .recover import RecoveryPolicy
 from .replay import CHILD_CONFIG_KEYS, rerun_localize_all
 from .rng import capture_rng
+from .spikes import SpikeResponder, optimizer_context
 from .tensorboard import TensorBoardLogger
 from .watch import StopRun, Watcher
 
@@ -32,11 +33,14 @@ from .watch import StopRun, Watcher
 def run_torch_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
                on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
                strict: bool = False, quiet: bool = False, bundle: Optional[str] = None,
-               tensorboard: Optional[str] = None, html: Optional[str] = "auto") -> int:
+               tensorboard: Optional[str] = None, html: Optional[str] = "auto",
+               on_spike: Optional[str] = None) -> int:
     """Run a PyTorch ``script`` as ``__main__`` under the global hooks; write the report however it ends.
 
     ``html``: the HTML page of a run that had an event, ``"auto"`` beside the JSON report, a path,
-    or None for none.
+    or None for none. ``on_spike``: what an early warning does (:mod:`nanguard.pytorch.spikes`):
+    ``"warn"``, ``"skip"`` the step, or ``"rollback"`` (keeps rollback snapshots even without ``recover``);
+    None: ``"rollback"`` with ``recover``, else ``"warn"``.
 
     Under ``torchrun`` every rank runs this; the ranks decide together at every step
     (:mod:`nanguard.pytorch.distributed`) and only rank 0 prints and writes the report.
@@ -54,23 +58,28 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
 
     # Recovery decides on exact per-update parameter checks (no rotating slices).
     config = GuardConfig(on_nonfinite=on_nonfinite, strict=strict, param_check_every=1 if recover else None)
+    on_spike = on_spike or ("rollback" if recover else "warn")
     policy = None
     if recover:
         policy = RecoveryPolicy.from_spec(recover)
         policy.quiet = policy.quiet or not is_main()
+    elif on_spike == "rollback":  # snapshots for the early-warning rollbacks only; failures as on_nonfinite says
+        policy = RecoveryPolicy(failures=False)
     watcher = Watcher(config)
+    watcher.spikes = SpikeResponder(watcher.monitor, on_spike, quiet=quiet)
     if policy is not None:
         policy.attach(watcher)
         cfg = child_config(config)
-        if localize:
+        if localize and policy.failures:
             watcher.localizer = lambda det: rerun_localize_all(det, script_abs, list(args), rng_file, cfg,
                                                                bundle=bundle)
     tb = None
     if tensorboard:
         tb = TensorBoardLogger.attach_to(watcher.monitor, tensorboard)
     if not quiet:
-        mode = "recover" if policy else on_nonfinite
-        print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}; report: {report_path})")
+        mode = "recover" if policy is not None and policy.failures else on_nonfinite
+        spike = f"; on spike: {on_spike}" if on_spike != "warn" else ""
+        print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}{spike}; report: {report_path})")
 
     watcher.install()
     try:
@@ -138,7 +147,7 @@ def _make_report(watcher, script_abs, args, rng_file, localize, config, policy, 
         hist = [h for h in history if h["step"] < det.step]
         events.append(share_event(build_event(det, loc_run, hist, _context(watcher)), det.rank))
     events.sort(key=lambda e: (e.step, e.recovery is not None))
-    report.events = events
+    report.events = events + list(watcher.spikes.events if watcher.spikes is not None else [])
     if watcher.dropped_events:
         report.extra["dropped_events"] = watcher.dropped_events
     report_extra(report)
@@ -150,15 +159,8 @@ def _make_report(watcher, script_abs, args, rng_file, localize, config, policy, 
 def _context(watcher) -> dict:
     mon = watcher.monitor
     ctx: dict = {"scaler": bool(watcher.scalers), "counting": mon.counting}
+    ctx.update(optimizer_context(watcher.optimizers()))  # name, lr, eps, betas, momentum
     for v in mon.views.values():
-        opt = v.opt_ref()
-        if opt is None:
-            continue
-        ctx.setdefault("optimizer", type(opt).__name__)
-        g = opt.param_groups[0]
-        ctx.setdefault("lr", [gg.get("lr") for gg in opt.param_groups if not hasattr(gg.get("lr"), "shape")])
-        if "eps" in g:
-            ctx.setdefault("eps", g["eps"])
         ps = v.all_params()
         if ps:
             ctx.setdefault("dtype", str(ps[0].dtype).replace("torch.", ""))

@@ -44,6 +44,7 @@ from ..core.render.terminal import print_line, render, summary_line
 from .detect import StepMonitor, all_finite, is_checkable, tensors_in
 from .distributed import share_event
 from .gradscaler import scaler_enabled
+from .spikes import SpikeResponder, optimizer_context
 
 
 class StopRun(BaseException):
@@ -84,6 +85,7 @@ class Watcher:
         self.localizer: Optional[Callable[[Detection], Any]] = None
         self._skip_current: set = set()
         self._first_event: Any = None
+        self.spikes: Any = None  # early warning (nanguard.pytorch.spikes.SpikeResponder), set by the driver
 
     # ------------------------------------------------------------------ install / uninstall
     def __enter__(self) -> "Watcher":
@@ -175,7 +177,7 @@ class Watcher:
         if len(self.detections) >= self.config.max_events:
             self.dropped_events += 1
             return
-        if self.policy is not None and det.phase != "eval":
+        if self.policy is not None and self.policy.failures and det.phase != "eval":
             if self._recover(det, opt):
                 return
             self.detections.append(det)
@@ -190,12 +192,13 @@ class Watcher:
         """Diagnose ``det`` and let the policy act. True when the run may go on."""
         mon = self.monitor
         hist = [h for h in mon.history.raw_dicts() if h["step"] < det.step]
+        ctx = {"scaler": bool(self.scalers), **optimizer_context(self.optimizers())}
         if self._first_event is None:
             loc_run = self.localizer(det) if self.localizer is not None else None
-            event = _shared(build_event(det, loc_run, hist, {"scaler": bool(self.scalers)}), det)
+            event = _shared(build_event(det, loc_run, hist, ctx), det)
             self._first_event = event
         else:
-            event = _shared(recurrence_event(det, self._first_event, hist, {"scaler": bool(self.scalers)}), det)
+            event = _shared(recurrence_event(det, self._first_event, hist, ctx), det)
         det.event = event
         opts = self.optimizers()
         rec = self.policy.apply(event, step=det.step, modules=list(mon.roots), optimizers=opts,
@@ -208,6 +211,14 @@ class Watcher:
 
     def optimizers(self) -> list:
         return [v.opt_ref() for v in self.monitor.views.values() if v.opt_ref() is not None]
+
+    def _spike(self, opt: Any) -> bool:
+        """After a clean check: the early warning, if the check raised one. True: the step is to be skipped."""
+        if self.spikes is None or self.monitor.spike is None:
+            return False
+        return bool(self._guarded(lambda: self.spikes.after_check(
+            opt, modules=list(self.monitor.roots), optimizers=self.optimizers(),
+            scaler=self.scalers[0] if self.scalers else None, policy=self.policy)))
 
     def _after_update(self, opt: Any) -> None:
         """End of a step: a recovery snapshot of the next step is due (only with a policy).
@@ -242,6 +253,8 @@ class Watcher:
             self._guarded(lambda: self.policy.before_check([opt]))
         det = self._guarded(lambda: self.monitor.check(opt))
         self._handle(det, opt)
+        if self._spike(opt):
+            self._skip_current.add(id(opt))
         if self.policy is not None and id(opt) not in self._skip_current:
             if not self._guarded(lambda: self.policy.before_update([opt])):
                 self._skip_current.add(id(opt))
@@ -278,6 +291,8 @@ class Watcher:
             self.on_optimizer_begin()
         det = self._guarded(prepare)
         self._handle(det, optimizer)
+        if self._spike(optimizer):
+            self._skip_current.add(id(optimizer))
         skipped = bool(det is not None and det.detected.get("scaler_skip")) or \
             bool((getattr(self.monitor, "_last", None) or {}).get("found_inf", 0) > 0)
         ret = None
@@ -324,7 +339,11 @@ class Watcher:
             # No optimizer: each backward pass is a step (hand-written updates follow it).
             det = self._guarded(lambda: self.monitor.check(None, params=groups))
             self._handle(det, None)
-            self._guarded(lambda: self.monitor.end_step(None, params=groups))
+            skip = self._spike(None)
+            if self.policy is not None and not skip:  # clipping / gradient scaling of hand-written updates
+                self._guarded(lambda: self.policy.before_update([], modules=list(self.monitor.roots)))
+            self._guarded(lambda: self.monitor.end_step(None, skipped=skip, params=groups))
+            self._guarded(lambda: self._after_update(None))  # the next step's snapshot (recovery only)
             self._step_started(None)
         return out
 
@@ -433,6 +452,7 @@ def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "w
     ``nanguard run`` for the origin op. Yields the :class:`~nanguard.Watcher`.
     """
     w = Watcher(GuardConfig(on_nonfinite=on_nonfinite, strict=strict))
+    w.spikes = SpikeResponder(w.monitor, "warn", quiet=quiet)
     w.install()
     try:
         yield w
@@ -445,7 +465,7 @@ def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "w
                      scaler_skips=sum(1 for d in w.info if d.detected.get("scaler_skip")),
                      history=mon.history.as_dicts())
         rep.events = [build_event(d, None, [h for h in mon.history.raw_dicts() if h["step"] < d.step], {})
-                      for d in w.detections]
+                      for d in w.detections] + list(w.spikes.events)
         w.report = rep
         if report:
             rep.write(report)
