@@ -83,8 +83,11 @@ def test_three_failures_detected_named_and_recovered(recover_run):
             evs = events(res)
             assert evs[0] == (2, "data", 1, "bad_input_data", "skip_step"), (wrap, sf, evs)
             assert evs[1] == (5, "forward", 0, "log_domain", "skip_step"), (wrap, sf, evs)
+            # the divergence: recover= turns on on_spike="rollback", so the early warning (judged on the
+            # global loss and gradient norm: the same on every rank) acts before the first NaN step
             step, _, rank, cat, action = evs[2]
-            assert (step, rank) == (ref, 0) and cat in ("lr_too_high", "gradient_explosion"), (wrap, sf, evs)
+            assert (step < ref and rank is None) or (step, rank) == (ref, 0), (wrap, sf, evs)
+            assert cat in ("lr_too_high", "gradient_explosion"), (wrap, sf, evs)
             assert "rollback" in action and "lr_backoff" in action
         origin = ranks[0][sf]["events"][1]
         assert origin["origin_op"] == "aten.log.default" and origin["reproduced"] is True
@@ -119,9 +122,9 @@ def test_fsdp_under_nanguard_run(tmp_path, tmp_path_factory):
     assert same(*[torch.load(out / f"state{r}_plain.pt", weights_only=True) for r in (0, 1)])
     rep = load_report(out / "report.json")
     assert rep["status"] == "recovered"
-    evs = [(e["step"], e["phase"], e["rank"]) for e in rep["events"]]
+    evs = [(e["step"], e["phase"], e.get("rank")) for e in rep["events"]]
     ref = ranks_ref[0]["reference_divergence_step"]
-    assert evs[:2] == [(2, "data", 1), (5, "forward", 0)] and evs[2][0] == ref, evs
+    assert evs[:2] == [(2, "data", 1), (5, "forward", 0)] and evs[2][0] <= ref, evs  # a warning: before
     first = rep["events"][0]
     assert first["cause"]["category"] == "bad_input_data" and first["localization"]["reproduced"] is True
     assert "rollback" in rep["events"][2]["recovery"]["action"]

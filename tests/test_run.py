@@ -865,3 +865,30 @@ def test_weights_cast_to_float16_beyond_its_range_are_low_precision_overflow(tmp
     assert (ev["step"], ev["phase"]) == (0, "params")
     assert ev["cause"]["category"] == "low_precision_overflow", ev["cause"]["summary"]
     assert "Tensor.half" in ev["cause"]["summary"] or "half" in ev["cause"]["summary"]
+
+
+HAND_SGD = '''
+import torch
+torch.manual_seed(0)
+x = torch.randn(128, 6)
+y = x @ torch.randn(6, 1)
+model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+for step in range(12):
+    loss = ((model(x) - y) ** 2).mean()
+    model.zero_grad()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-0.05)
+'''
+
+
+def test_hand_written_updates_get_their_measured_step_size(tmp_path):
+    # No optimizer object: the step size of the hand-written update is measured from the parameters
+    # before and after it (read with the next check), and the history says it (plain SGD: exactly lr).
+    code, rep = run_ng(tmp_path, write(tmp_path, HAND_SGD))
+    assert code == 0 and rep["counting"] == "backward"
+    hist = rep["history"]
+    lrs = [h.get("effective_lr") for h in hist[:-1]]  # the last update is not followed by a check
+    assert len(lrs) == 11 and all(lr == pytest.approx(0.05, rel=1e-3) for lr in lrs), lrs
+    assert all(h.get("param_norm_after") is not None for h in hist[:-1])

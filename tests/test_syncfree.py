@@ -327,3 +327,35 @@ def test_close_reads_what_is_pending(tmp_path):
         g.close()
     assert (ei.value.event.step, ei.value.event.phase) == (5, "data")
     assert (tmp_path / "r.json").exists()
+
+
+def _diverging(sync_free: bool):
+    """SGD on a regression whose learning rate jumps 60x at step 40: the loss grows until it is non-finite."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    o = torch.optim.SGD(m.parameters(), lr=0.01)
+    g = nanguard.Guard(m, o, quiet=True, bundle=None, html=None, recover="auto", sync_free=sync_free,
+                       sync_free_every=4)
+    x = torch.randn(256, 8)
+    y = x.sum(1, keepdim=True)
+    for i in range(70):
+        if i == 40:
+            o.param_groups[0]["lr"] = 0.6
+        idx = torch.arange(i * 32 % 256, i * 32 % 256 + 32)
+        g.step((x[idx], y[idx]), lambda b: ((m(b[0]) - b[1]) ** 2).mean())
+    return m, g.close(), g
+
+
+def test_early_warning_read_late_rolls_back_like_a_synchronous_check():
+    # on_spike="rollback" (the default with recover): in sync-free mode the warning is judged when its
+    # step's values are read, steps later; the rollback then runs the steps since again, so the run
+    # ends exactly where the synchronous one does.
+    m0, r0, _ = _diverging(False)
+    m1, r1, g1 = _diverging(True)
+    w0 = [e for e in r0.events if e.kind == "warning"]
+    w1 = [e for e in r1.events if e.kind == "warning"]
+    assert w0 and [e.step for e in w0] == [e.step for e in w1] and 40 <= w0[0].step < 50
+    assert "rollback" in w1[0].recovery["action"] and "rollback" in w0[0].recovery["action"]
+    assert w1[0].detected["sync_free"]["read_at_step"] >= w1[0].step
+    assert r0.status == r1.status == "recovered" and g1._lazy.rewinds == 0
+    assert_same_params(m0, m1)

@@ -35,6 +35,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--recover", default=None, metavar="auto|ACTIONS",
                    help="recover instead of stopping: 'auto' picks the action from the diagnosis; or a "
                         "comma list of allowed actions (skip_step,rollback,lr_backoff,clip,upcast,loss_scale)")
+    r.add_argument("--on-spike", choices=["warn", "skip", "rollback"], default=None,
+                   help="what an early warning (the loss or gradient norm spiking or growing before anything "
+                        "is non-finite) does: warn (the default), skip the step, or roll back to before the "
+                        "excursion and lower the learning rate (the default with --recover)")
     r.add_argument("--no-localize", action="store_true",
                    help="do not re-run the script to find the origin op (detection only)")
     r.add_argument("--experiments", default="auto", metavar="auto|off|STEPS|KINDS",
@@ -69,7 +73,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run_script(a.script, a.args, report_path=a.report, on_nonfinite=a.on_nonfinite,
                           recover=a.recover, localize=not a.no_localize, strict=a.strict,
                           bundle=None if a.no_bundle else (a.bundle or "auto"), tensorboard=a.tensorboard,
-                          html=None if a.no_html else a.html, experiments=a.experiments)
+                          html=None if a.no_html else a.html, experiments=a.experiments, on_spike=a.on_spike)
     if a.cmd == "demo":
         from .demo import run_demo  # lazy: imports torch, like `run`
         return run_demo(a.report)

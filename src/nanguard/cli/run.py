@@ -20,7 +20,8 @@ _TF_NAMES = {"tensorflow", "keras", "tf_keras"}
 def run_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
                on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
                strict: bool = False, quiet: bool = False, bundle: Optional[str] = None,
-               tensorboard: Optional[str] = None, html: Optional[str] = "auto", experiments: Any = "auto") -> int:
+               tensorboard: Optional[str] = None, html: Optional[str] = "auto", experiments: Any = "auto",
+               on_spike: Optional[str] = None) -> int:
     """Run ``script`` as ``__main__`` under the guard of its framework; write the report however it ends.
 
     ``html``: the HTML page of a run that had an event, ``"auto"`` beside the JSON report, a path,
@@ -36,9 +37,11 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
               strict=strict, quiet=quiet, bundle=bundle, tensorboard=tensorboard, html=html)
     if script_backend(script) == "tensorflow":
         from ..tensorflow.run import run_tf_script
+        if on_spike not in (None, "warn"):
+            print("nanguard: --on-spike is not supported for TensorFlow scripts yet (warnings only)", file=sys.stderr)
         return run_tf_script(script, args, **kw)
     from ..pytorch.run import run_torch_script
-    return run_torch_script(script, args, experiments=experiments, **kw)
+    return run_torch_script(script, args, experiments=experiments, on_spike=on_spike, **kw)
 
 
 def script_backend(script: str) -> str:

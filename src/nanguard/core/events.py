@@ -32,7 +32,10 @@ class Detection:
 
 @dataclass
 class Event:
-    """One non-finite event (or one recovery) in the run."""
+    """One event of the run: a non-finite value (``kind`` "failure", recovered or not), or an early
+    warning (``kind`` "warning": the loss or gradient norm spiked or kept growing while every value
+    was still finite; :mod:`nanguard.core.spike`). ``kind`` is written to the JSON only for warnings,
+    so a failure's JSON is unchanged."""
 
     step: int
     phase: str
@@ -49,6 +52,11 @@ class Event:
     recurrence_of: Optional[int] = None
     count: Optional[int] = None
     last_step: Optional[int] = None
+    kind: str = "failure"
+
+    @property
+    def is_warning(self) -> bool:
+        return self.kind == "warning"
 
     def as_dict(self) -> Dict[str, Any]:
         d = {"step": self.step, "phase": self.phase, "origin": self.origin, "cause": self.cause,
@@ -57,6 +65,8 @@ class Event:
         for k in ("rank", "recurrence_of", "count", "last_step"):
             if getattr(self, k) is not None:
                 d[k] = getattr(self, k)
+        if self.kind != "failure":
+            d["kind"] = self.kind
         return json_safe(d)
 
     @classmethod
@@ -88,24 +98,45 @@ class Report:
     @property
     def status(self) -> str:
         """``nonfinite`` (a failure that was not recovered), ``script_error`` (the script raised),
-        ``interrupted`` (SIGTERM/SIGINT), ``recovered``, or ``clean``."""
-        failures = [e for e in self.events if e.recovery is None]
-        if failures:
+        ``interrupted`` (SIGTERM/SIGINT), ``recovered`` (every non-finite event was recovered, or, with
+        none, an early warning was acted on: the run was rolled back or a step skipped before anything
+        went non-finite), ``warning`` (early warnings only: every value stayed finite) or ``clean``."""
+        nonfinite = self.failures
+        if any(e.recovery is None for e in nonfinite):
             return "nonfinite"
         if self.script_error:
             return "script_error"
         if self.interrupted:
             return "interrupted"
-        if self.events and all((e.recovery or {}).get("ok") for e in self.events):
+        if not nonfinite:
+            acted = [e for e in self.warnings if e.recovery is not None]
+            if acted and all((e.recovery or {}).get("ok") for e in acted):
+                return "recovered"
+            return "warning" if self.warnings else "clean"
+        if all((e.recovery or {}).get("ok") for e in nonfinite):
             return "recovered"
         return "nonfinite" if self.events else "clean"
 
     @property
+    def failures(self) -> List[Event]:
+        """The non-finite events (recovered or not), in order; warnings left out."""
+        return [e for e in self.events if not e.is_warning]
+
+    @property
+    def warnings(self) -> List[Event]:
+        return [e for e in self.events if e.is_warning]
+
+    @property
     def first(self) -> Optional[Event]:
-        return self.events[0] if self.events else None
+        """The first non-finite event (the first event, when there are only warnings)."""
+        fails = self.failures
+        return fails[0] if fails else (self.events[0] if self.events else None)
 
     def as_dict(self) -> Dict[str, Any]:
-        d = {"schema": SCHEMA, "status": self.status, "events": [e.as_dict() for e in self.events],
+        # The first event is the first failure (tools read ``events[0]``): warnings come after the
+        # non-finite events, each list in its own order.
+        ordered = self.failures + self.warnings
+        d = {"schema": SCHEMA, "status": self.status, "events": [e.as_dict() for e in ordered],
              "nanguard_version": __version__, "counting": self.counting,
              "steps_watched": self.steps_watched, "max_grad_norm": self.max_grad_norm,
              "scaler_skips": self.scaler_skips, "info": self.info, "history": self.history}

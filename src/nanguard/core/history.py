@@ -20,11 +20,17 @@ class StepRecord:
     loss: Optional[float] = None
     grad_norm: Optional[float] = None
     group_grad_norms: List[float] = field(default_factory=list)
-    param_norm: Optional[float] = None
+    param_norm: Optional[float] = None        # the weights this step's forward used (before its update)
     update_ratio: Optional[float] = None  # estimated as lr * |g| / |w| (exact for plain SGD)
     lr: List[float] = field(default_factory=list)
     loss_scale: Optional[float] = None
     skipped: bool = False
+    # after this step's update: filled at the next step's check (the same one read); None until then
+    param_norm_after: Optional[float] = None
+    # hand-written updates (no optimizer object, no lr to read): the step size estimated from the
+    # parameter change and the gradient, -<dw, g> / |g|^2 on a sample of the elements
+    effective_lr: Optional[float] = None
+    batch_max: Optional[float] = None  # largest |value| of the batch's floating tensors (free: its check reads it)
 
     def as_dict(self) -> dict:
         return {k: _json_number(v) for k, v in asdict(self).items()}

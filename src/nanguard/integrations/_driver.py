@@ -115,6 +115,9 @@ class HookedGuard:
             g._safe(lambda: g._keep(list(self._batches), self._wrap(loss_fn), self._rng, None))  # history replays
         det = g._safe(lambda: g._check(opt))
         if det is None:
+            if g._safe(lambda: g._spike(opt)):  # an early warning with on_spike skip/rollback
+                self._skipped.add(id(opt))
+                return "skip"
             if g.policy is not None and g._safe(lambda: g.policy.before_update([opt])) is False:
                 self._skipped.add(id(opt))  # dynamic loss scaling found non-finite grads: dropped
                 return "skip"

@@ -32,6 +32,7 @@ from .recover import RecoveryPolicy
 from .replay import replay_step
 from .ring import StepRing
 from .rng import capture_rng, plain_rng
+from .spikes import SpikeResponder, optimizer_context
 from .syncfree import LazyDriver, resolve_sync_free
 from .tensorboard import TensorBoardLogger
 
@@ -82,6 +83,10 @@ class Guard:
             :class:`nanguard.core.experiments.ExperimentConfig` fields. With ``recover``, the last
             ``keep_steps`` (3) steps' batches are kept (references) for replays from a snapshot,
             and an action that changes training is applied only if its replay verified it.
+        on_spike: what an early warning (the loss or gradient norm spiking or growing before anything
+            is non-finite; :mod:`nanguard.core.spike`) does: ``"warn"``, ``"skip"`` the step, or
+            ``"rollback"`` to before the excursion with a lower learning rate (keeps snapshots).
+            Default: ``"rollback"`` with ``recover``, else ``"warn"``.
 
     Under ``torch.distributed`` (DDP, ``world_size > 1``) every rank reaches the same decision
     at every step (one small all-reduce in the check), the failing step is replayed on the
@@ -97,7 +102,7 @@ class Guard:
                  bundle: Optional[str] = "auto", tensorboard: Any = None,
                  param_check_every: Optional[int] = None, html: Optional[str] = "auto",
                  sync_free: Any = "auto", sync_free_every: int = 8, no_sync: Any = "auto",
-                 experiments: Any = "auto") -> None:
+                 experiments: Any = "auto", on_spike: Optional[str] = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -113,6 +118,7 @@ class Guard:
         self.monitor.add_root(unwrap_compiled(model))  # a torch.compile'd model: its own module's names
         for o in opts:
             self.monitor.add_optimizer(o)
+        on_spike = on_spike or ("rollback" if recover else "warn")
         self.report_path = report
         self.html = html
         self.localize = localize
@@ -128,7 +134,13 @@ class Guard:
         self.policy = None
         if recover:
             self.policy = RecoveryPolicy.from_spec(recover)
+        elif on_spike == "rollback":  # snapshots for the early-warning rollbacks; failures as on_nonfinite says
+            self.policy = RecoveryPolicy(failures=False)
+        if self.policy is not None:
             self.policy.bind_guard(self)
+            if self.sync_free:  # an early warning read late may roll back to a step that many steps back
+                self.policy.store.widen_recent(sync_free_every)
+        self.spikes = SpikeResponder(self.monitor, on_spike, quiet=self.quiet)
         self.disabled = False
         self._announced = False
         if bundle == "auto":
@@ -164,7 +176,7 @@ class Guard:
         if not self._announced and not self.quiet:
             self._announced = True
             print_line(f"guarding {type(self.model).__name__} (on non-finite: "
-                       f"{'recover' if self.policy else self.config.on_nonfinite}"
+                       f"{'recover' if self.policy is not None and self.policy.failures else self.config.on_nonfinite}"
                        f"{'; sync-free' if self.sync_free else ''})")
         batches = list(batch) if micro_batches else [batch]
         self._step_start, self._step_indices = t_start, indices
@@ -188,9 +200,11 @@ class Guard:
 
     def _size_ring(self) -> None:
         """Sync-free rewinds need the last ``sync_free_every`` steps; virtual snapshots all since the
-        last real one."""
+        last real one (sync-free: still when an early warning is read ``sync_free_every`` steps late
+        and rolls back to one)."""
         if self.policy is not None:
-            self.ring.resize(max(self.config.sync_free_every + 2, self.policy.ring_size()))
+            late = self.config.sync_free_every if self.sync_free else 0
+            self.ring.resize(max(self.config.sync_free_every + 2, self.policy.ring_size() + late))
 
     def _forward_backward(self, batches: List[Any], loss_fn: LossFn) -> torch.Tensor:
         """Snapshots due, zero_grad, then forward + loss + backward of each micro-batch."""
@@ -215,10 +229,12 @@ class Guard:
 
     def _check_and_update(self, batches: List[Any], loss_fn: LossFn, rng: Any, loss: torch.Tensor) -> torch.Tensor:
         skipped = {}
+        spiked = False
         for o in self.optimizers:
             det = self._safe(lambda: self._check(o))
             skipped[id(o)] = False
             if det is None:
+                spiked = bool(self._safe(lambda: self._spike(o))) or spiked
                 continue
             if det.info_only:
                 self.report.info.append({"step": det.step, "phase": det.phase, **det.detected})
@@ -231,6 +247,13 @@ class Guard:
                 continue
             if action == "skip":
                 return loss.detach()
+        if spiked:  # on_spike skip/rollback: the update is dropped (the gradients are gone)
+            self._spike_dropped()
+            for o in self.optimizers:
+                self.monitor.end_step(o, skipped=True)
+            if self.scaler is not None:
+                self._reset_scaler_stage()
+            return loss.detach()
         if self.policy is not None and not self.policy.before_update(self.optimizers):
             for o in self.optimizers:
                 self.monitor.end_step(o, skipped=True)
@@ -313,6 +336,38 @@ class Guard:
                 self.scaler.unscale_(opt)
         return self.monitor.check(opt, self.scaler)
 
+    def _spike(self, opt: torch.optim.Optimizer) -> bool:
+        """After a clean check: the early warning, if the check raised one. True: skip the update."""
+        if self.monitor.spike is None:
+            return False
+        return self.spikes.after_check(opt, modules=[self.model], optimizers=self.optimizers, scaler=self.scaler,
+                                       policy=self.policy, context=self._context())
+
+    def _late_spike(self, p: Any, read_at: int) -> bool:
+        """Sync-free: an early warning read at step ``read_at`` for check ``p``, after its update was
+        applied. True: the weights were rolled back to before the excursion (the updates since are gone)."""
+        if self.monitor.spike is None:
+            return False
+        n = len(self.spikes.events)
+        back = self.spikes.after_check(p.opt, modules=[self.model], optimizers=self.optimizers, scaler=self.scaler,
+                                       policy=self.policy, context=self._context(), late=True)
+        for ev in self.spikes.events[n:]:  # read late: the report says when
+            ev.detected = dict(ev.detected or {}, sync_free={"read_at_step": read_at, "steps_masked": 0})
+        if back:
+            self._spike_dropped()
+        return bool(back)
+
+    def _spike_dropped(self) -> None:
+        """An early warning dropped an update (skip) or rolled back: the steps in the ring would replay an
+        update that was not applied, so rollbacks from here on start from a real snapshot."""
+        self.ring.clear()
+        if self.policy is not None:
+            self.policy.store.new_trajectory()
+
+    def _context(self) -> dict:
+        return {"scaler": self.scaler is not None, **optimizer_context(self.optimizers),
+                "dtype": _model_dtype(self.model)}
+
     def _reset_scaler_stage(self) -> None:
         # A step we skip ourselves must leave the scaler ready for the next one.
         try:
@@ -377,11 +432,7 @@ class Guard:
 
     def _event(self, det: Detection, loc_run, exclude: Sequence[str] = ()) -> Event:
         hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
-        ctx = {"scaler": self.scaler is not None, "optimizer": type(self.optimizers[0]).__name__,
-               "lr": [g.get("lr") for g in self.optimizers[0].param_groups],
-               "eps": self.optimizers[0].param_groups[0].get("eps"),
-               "dtype": _model_dtype(self.model), "exclude_categories": list(exclude)}
-        ev = build_event(det, loc_run, hist, ctx)
+        ev = build_event(det, loc_run, hist, dict(self._context(), exclude_categories=list(exclude)))
         if loc_run is not None and loc_run.get("eager"):
             annotate_compiled(ev, loc_run)  # torch.compile: replayed eagerly; not reproduced: the compiled code
         if self.bundle_saved:
@@ -454,10 +505,11 @@ class Guard:
         r.max_grad_norm = mon.history.max_grad_norm if len(mon.history) else None
         r.scaler_skips = sum(1 for i in r.info if i.get("scaler_skip"))
         r.history = mon.history.as_dicts()
+        known = {id(e) for e in r.events}
         if self.policy is not None:
-            known = {id(e) for e in r.events}
             r.events.extend(e for e in self.policy.events if id(e) not in known)
             r.events.sort(key=lambda e: (e.step, e.recovery is None))
+        r.events.extend(e for e in self.spikes.events if id(e) not in known)
         return r
 
     def _tb_event(self, event: Event) -> None:

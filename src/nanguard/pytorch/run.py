@@ -29,6 +29,7 @@ from .distributed import barrier, is_main
 from .recover import RecoveryPolicy
 from .replay import CHILD_CONFIG_KEYS, rerun_localize_all
 from .rng import capture_rng
+from .spikes import SpikeResponder
 from .tensorboard import TensorBoardLogger
 from .watch import StopRun, Watcher
 from .zerocode import Localizer, announce, make_report
@@ -37,11 +38,14 @@ from .zerocode import Localizer, announce, make_report
 def run_torch_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
                on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
                strict: bool = False, quiet: bool = False, bundle: Optional[str] = None,
-               tensorboard: Optional[str] = None, html: Optional[str] = "auto", experiments: Any = "auto") -> int:
+               tensorboard: Optional[str] = None, html: Optional[str] = "auto", experiments: Any = "auto",
+               on_spike: Optional[str] = None) -> int:
     """Run a PyTorch ``script`` as ``__main__`` under the global hooks; write the report however it ends.
 
     ``html``: the HTML page of a run that had an event, ``"auto"`` beside the JSON report, a path,
-    or None for none.
+    or None for none. ``on_spike``: what an early warning does (:mod:`nanguard.pytorch.spikes`):
+    ``"warn"``, ``"skip"`` the step, or ``"rollback"`` (keeps rollback snapshots even without ``recover``);
+    None: ``"rollback"`` with ``recover``, else ``"warn"``.
 
     Under ``torchrun`` every rank runs this; the ranks decide together at every step
     (:mod:`nanguard.pytorch.distributed`) and only rank 0 prints and writes the report.
@@ -59,12 +63,16 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
 
     # Recovery decides on exact per-update parameter checks (no rotating slices).
     config = GuardConfig(on_nonfinite=on_nonfinite, strict=strict, param_check_every=1 if recover else None)
+    on_spike = on_spike or ("rollback" if recover else "warn")
     policy = None
     if recover:
         policy = RecoveryPolicy.from_spec(recover)
         policy.quiet = policy.quiet or not is_main()
+    elif on_spike == "rollback":  # snapshots for the early-warning rollbacks only; failures as on_nonfinite says
+        policy = RecoveryPolicy(failures=False)
     # NANGUARD_TAPE=0: no step tape (every failure is localized by re-running the script; for comparisons)
     watcher = Watcher(config, tape=localize and os.environ.get("NANGUARD_TAPE", "1") != "0")
+    watcher.spikes = SpikeResponder(watcher.monitor, on_spike, quiet=quiet)
     # counterfactual replays of a failing step, once the step can be replayed in-process (step tape)
     watcher.experiments = ExperimentConfig.from_spec(False if (experiments == "auto" and not localize) else experiments)
     cfg = child_config(config)
@@ -73,19 +81,21 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
         return rerun_localize_all(det, script_abs, list(args), rng_file, cfg,
                                   bundle=None if localizer.bundle_written else bundle)
 
-    localizer = Localizer(watcher, rerun=rerun, bundle=bundle, config=cfg, at_once=policy is not None)
+    recovering = policy is not None and policy.failures
+    localizer = Localizer(watcher, rerun=rerun, bundle=bundle, config=cfg, at_once=recovering)
     if localize:
         watcher.localizer = localizer
     if policy is not None:
         policy.attach(watcher)
-    if not quiet and on_nonfinite == "warn" and policy is None:
+    if not quiet and on_nonfinite == "warn" and not recovering:
         watcher.on_event = lambda det: announce(watcher, det)
     tb = None
     if tensorboard:
         tb = TensorBoardLogger.attach_to(watcher.monitor, tensorboard)
     if not quiet:
-        mode = "recover" if policy else on_nonfinite
-        print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}; report: {report_path})")
+        mode = "recover" if policy is not None and policy.failures else on_nonfinite
+        spike = f"; on spike: {on_spike}" if on_spike != "warn" else ""
+        print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}{spike}; report: {report_path})")
 
     watcher.install()
     try:

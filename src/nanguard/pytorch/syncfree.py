@@ -26,6 +26,12 @@ small vector on the device), but instead of reading the vector it:
 
 A step in which an optimizer meets a parameter for the first time (its first step)
 is checked synchronously (one read): see :mod:`~nanguard.pytorch.detect.gate`.
+
+The early warning (:mod:`nanguard.pytorch.spikes`) is judged when a clean check is read, on
+the values read (no extra sync): ``on_spike="warn"`` is unchanged; ``"rollback"`` goes back to a
+snapshot from before the excursion, drops the checks of the updates since (and the gate), and
+runs the steps after the warning's step again from their ring entries, so the run continues as a
+synchronous one would have; ``"skip"`` cannot drop an update that is applied already, so it warns.
 """
 from __future__ import annotations
 
@@ -63,6 +69,7 @@ class LazyDriver:
         self._seen: dict = {}  # optimizer -> ids of the parameters it has stepped (has state for)
         self.rewinds = 0
         self.sync_steps = 0
+        self._rerun: Optional[tuple] = None  # a late early warning rolled back: the steps to run again
 
     # ------------------------------------------------------------------ one step
     def step(self, batches: List[Any], loss_fn) -> torch.Tensor:
@@ -141,15 +148,76 @@ class LazyDriver:
     # ------------------------------------------------------------------ reading and rewinding
     def drain(self, force: bool) -> bool:
         """Read the pending checks (``force``: all of them). True when one was non-finite and the guard
-        rewound and ran the steps from it again (the current step was one of them)."""
+        rewound and ran the steps from it again (the current step was one of them), or an early warning
+        rolled the weights back and the steps after it were run again."""
         g = self.g
-        for p, det in g.monitor.read_lazy(force):
+        self._rerun = None
+        for p, det in g.monitor.read_lazy(force, on_spike=self._spike):
             if det == REWIND:
                 self._rewind(p)
                 return True
             if det is not None and det.info_only:
                 g.report.info.append({"step": det.step, "phase": det.phase, **det.detected})
+        if self._rerun is not None:
+            self._run_after_spike(*self._rerun)
+            return True
         return False
+
+    def _spike(self, p: Any) -> bool:
+        """A clean check read with an early warning (:meth:`Guard._late_spike`). True: rolled back; the
+        gate (possibly tripped by a later step's check, now dropped) starts clean and the steps after
+        ``p``'s are run again once the read is over."""
+        g = self.g
+        entries = [e for e in g.ring.entries if e.step > p.step]  # taken before the rollback clears the ring
+        read_at = g.monitor.steps_watched - 1
+        hyper_now = hyperparameters(g.optimizers)
+        if not g._safe(lambda: g._late_spike(p, read_at)):
+            return False
+        self.gate.reset()
+        self._rerun = (p, entries, read_at, hyper_now)
+        return True
+
+    def _run_after_spike(self, p: Any, entries: list, read_at: int, hyper_now) -> None:
+        """After a late early warning at ``p`` rolled back (the monitor's checks of the steps since are
+        dropped): the step counters as right after ``p``'s (skipped) step, then the steps ``p+1..read_at``
+        run again synchronously from their ring entries (the step in progress, if any, included), with the
+        warning's learning-rate factor."""
+        g = self.g
+        mon = g.monitor
+        last = entries[-1].step if entries else p.step
+        if [e.step for e in entries] != list(range(p.step + 1, last + 1)) or last < read_at:  # not all in the ring
+            g.report.info.append({"step": p.step, "phase": "sync_free", "note": "early-warning rollback read "
+                                  "late: the steps since were not all in the step ring and are not run again",
+                                  "read_at_step": read_at})
+            return
+        if p.counts is not None:
+            mon.counts.update({k: v + 1 for k, v in p.counts.items()})
+        ev = g.spikes.events[-1] if g.spikes.events else None
+        lb = (((ev.recovery or {}).get("actions") or {}).get("lr_backoff") or {}) if ev is not None else {}
+        f = lb.get("factor") if isinstance(lb.get("factor"), (int, float)) else 1.0
+        ratio = [[f] * len(o.param_groups) for o in g.optimizers]
+        self._run_entries(entries, hyper_now, ratio, None)
+
+    def _run_entries(self, entries: list, hyper_now, ratio: list, read_at: Optional[int]) -> None:
+        """Run ring ``entries`` again synchronously, each with its own hyperparameters times ``ratio``
+        (updated by what the failure handling in them does to the learning rate); then the current
+        hyperparameters times the final ratio. ``read_at``: a failure found in them was read late there."""
+        g = self.g
+        rng_now = capture_rng(plain=False)
+        try:
+            for e in entries:
+                if read_at is not None:
+                    g._rewound = {"read_at_step": read_at, "steps_masked": read_at - e.step}
+                set_hyperparameters(g.optimizers, e.hyper, ratio)
+                before = hyperparameters(g.optimizers)
+                restore_rng(e.rng)
+                g._sync_step(e.batches, e.loss_fn, e.rng)
+                ratio = [[r * x for r, x in zip(rr, xx)]
+                         for rr, xx in zip(ratio, _lr_ratio(before, hyperparameters(g.optimizers)))]
+        finally:
+            g._rewound = None
+            set_hyperparameters(g.optimizers, hyper_now, ratio)
+            restore_rng(rng_now)
 
     def _rewind(self, p: Any) -> None:
         """Back to the start of ``p``'s step, then run it and the masked steps after it again,
@@ -163,7 +231,6 @@ class LazyDriver:
         self.rewinds += 1
         first = entries[0]
         read_at = mon.steps_watched - 1
-        rng_now = capture_rng(plain=False)
         hyper_now = hyperparameters(g.optimizers)
         # The state at the start of p's step: weights and optimizer state were kept (sticky gate); the
         # rest comes back from the latch and the ring.
@@ -180,19 +247,7 @@ class LazyDriver:
             o.zero_grad(set_to_none=True)
         ratio = [[1.0] * len(o.param_groups) for o in g.optimizers]
         n_events = len(g.report.events) + (len(g.policy.events) if g.policy is not None else 0)
-        try:
-            for e in entries:  # a failure found in these runs was read late: the report says so
-                g._rewound = {"read_at_step": read_at, "steps_masked": read_at - e.step}
-                set_hyperparameters(g.optimizers, e.hyper, ratio)
-                before = hyperparameters(g.optimizers)
-                restore_rng(e.rng)
-                g._sync_step(e.batches, e.loss_fn, e.rng)
-                ratio = [[r * x for r, x in zip(rr, xx)]
-                         for rr, xx in zip(ratio, _lr_ratio(before, hyperparameters(g.optimizers)))]
-        finally:
-            g._rewound = None
-            set_hyperparameters(g.optimizers, hyper_now, ratio)
-            restore_rng(rng_now)
+        self._run_entries(entries, hyper_now, ratio, read_at)  # a failure found in them was read late
         if len(g.report.events) + (len(g.policy.events) if g.policy is not None else 0) == n_events:
             g.report.info.append({"step": p.step, "phase": "sync_free", "flagged_on_device": True,
                                   "note": "the step was flagged on the device, but its synchronous re-run "

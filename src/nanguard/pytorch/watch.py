@@ -50,6 +50,7 @@ from .gradscaler import scaler_enabled
 from .stepreplay import StepReplay, replay_of
 from .tape import StepTape
 from .zerocode import Localizer, announce, make_report
+from .spikes import SpikeResponder, optimizer_context
 
 
 class StopRun(BaseException):
@@ -100,6 +101,7 @@ class Watcher:
         self.on_event: Optional[Callable[[Detection], None]] = None  # after a failure was handled
         self._replaying = False
         self._busy = 0
+        self.spikes: Any = None  # early warning (nanguard.pytorch.spikes.SpikeResponder), set by the driver
 
     # ------------------------------------------------------------------ install / uninstall
     def __enter__(self) -> "Watcher":
@@ -208,7 +210,7 @@ class Watcher:
         if len(self.detections) >= self.config.max_events:
             self.dropped_events += 1
             return
-        if self.policy is not None and det.phase != "eval":
+        if self.policy is not None and self.policy.failures and det.phase != "eval":
             if self._recover(det, opt):
                 return
             self.detections.append(det)
@@ -279,13 +281,14 @@ class Watcher:
         """Diagnose ``det`` and let the policy act. True when the run may go on."""
         mon = self.monitor
         hist = [h for h in mon.history.raw_dicts() if h["step"] < det.step]
+        ctx = {"scaler": bool(self.scalers), **optimizer_context(self.optimizers())}
         if self._first_event is None:
             loc_run = self.localizer(det) if self.localizer is not None else None
-            event = _shared(build_event(det, loc_run, hist, {"scaler": bool(self.scalers)}), det)
+            event = _shared(build_event(det, loc_run, hist, ctx), det)
             self._guarded(lambda: self._experiment(det, loc_run, event))
             self._first_event = event
         else:
-            event = _shared(recurrence_event(det, self._first_event, hist, {"scaler": bool(self.scalers)}), det)
+            event = _shared(recurrence_event(det, self._first_event, hist, ctx), det)
         det.event = event
         opts = self.optimizers()
         rec = self.policy.apply(event, step=det.step, modules=list(mon.roots), optimizers=opts,
@@ -298,6 +301,14 @@ class Watcher:
 
     def optimizers(self) -> list:
         return [v.opt_ref() for v in self.monitor.views.values() if v.opt_ref() is not None]
+
+    def _spike(self, opt: Any) -> bool:
+        """After a clean check: the early warning, if the check raised one. True: the step is to be skipped."""
+        if self.spikes is None or self.monitor.spike is None:
+            return False
+        return bool(self._guarded(lambda: self.spikes.after_check(
+            opt, modules=list(self.monitor.roots), optimizers=self.optimizers(),
+            scaler=self.scalers[0] if self.scalers else None, policy=self.policy)))
 
     def _after_update(self, opt: Any) -> None:
         """End of a step: a recovery snapshot of the next step is due (only with a policy).
@@ -341,6 +352,8 @@ class Watcher:
             self._guarded(lambda: self.policy.before_check([opt]))
         det = self._guarded(lambda: self.monitor.check(opt))
         self._handle(det, opt)
+        if self._spike(opt):
+            self._skip_current.add(id(opt))
         if self.policy is not None and id(opt) not in self._skip_current:
             if not self._guarded(lambda: self.policy.before_update([opt])):
                 self._skip_current.add(id(opt))
@@ -381,6 +394,8 @@ class Watcher:
             self.on_optimizer_begin()
         det = self._guarded(prepare)
         self._handle(det, optimizer)
+        if self._spike(optimizer):
+            self._skip_current.add(id(optimizer))
         skipped = bool(det is not None and det.detected.get("scaler_skip")) or \
             bool((getattr(self.monitor, "_last", None) or {}).get("found_inf", 0) > 0)
         ret = None
@@ -430,7 +445,11 @@ class Watcher:
             # No optimizer: each backward pass is a step (hand-written updates follow it).
             det = self._guarded(lambda: self.monitor.check(None, params=groups))
             self._handle(det, None)
-            self._guarded(lambda: self.monitor.end_step(None, params=groups))
+            skip = self._spike(None)
+            if self.policy is not None and not skip:  # clipping / gradient scaling of hand-written updates
+                self._guarded(lambda: self.policy.before_update([], modules=list(self.monitor.roots)))
+            self._guarded(lambda: self.monitor.end_step(None, skipped=skip, params=groups))
+            self._guarded(lambda: self._after_update(None))  # the next step's snapshot (recovery only)
             self._step_started(None)
         return out
 
@@ -542,6 +561,7 @@ def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "w
     your script. Yields the :class:`~nanguard.Watcher`.
     """
     w = Watcher(GuardConfig(on_nonfinite=on_nonfinite, strict=strict), tape=True)
+    w.spikes = SpikeResponder(w.monitor, "warn", quiet=quiet)
     loc = Localizer(w)
     w.localizer = loc
     if not quiet:

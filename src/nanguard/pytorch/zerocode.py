@@ -34,6 +34,7 @@ from .bundle import save_bundle
 from .distributed import report_extra, share_event
 from .replay import make_recorder
 from .rng import capture_rng
+from .spikes import optimizer_context
 
 __all__ = ["Localizer", "make_report", "run_context", "pre_step_state", "announce"]
 
@@ -151,15 +152,8 @@ def run_context(watcher: Any) -> dict:
     """What the diagnosis knows about the run: optimizer, learning rates, eps, dtype, scaler, counting."""
     mon = watcher.monitor
     ctx: dict = {"scaler": bool(watcher.scalers), "counting": mon.counting}
+    ctx.update(optimizer_context(watcher.optimizers()))  # name, lr, eps, betas, momentum
     for v in mon.views.values():
-        opt = v.opt_ref()
-        if opt is None:
-            continue
-        ctx.setdefault("optimizer", type(opt).__name__)
-        g = opt.param_groups[0]
-        ctx.setdefault("lr", [gg.get("lr") for gg in opt.param_groups if not hasattr(gg.get("lr"), "shape")])
-        if "eps" in g:
-            ctx.setdefault("eps", g["eps"])
         ps = v.all_params()
         if ps:
             ctx.setdefault("dtype", str(ps[0].dtype).replace("torch.", ""))
@@ -187,7 +181,7 @@ def make_report(watcher: Any, localizer: Optional[Localizer] = None, policy: Any
         events.append(_event(det, watcher, localizer, firsts, [h for h in history if h["step"] < det.step],
                              ctx, localize))
     events.sort(key=lambda e: (e.step, e.recovery is not None))
-    report.events = fold_recurrences(events)
+    report.events = fold_recurrences(events) + list(watcher.spikes.events if watcher.spikes is not None else [])
     if watcher.dropped_events:
         report.extra["dropped_events"] = watcher.dropped_events
     report_extra(report)

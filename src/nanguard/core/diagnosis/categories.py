@@ -10,8 +10,11 @@ __all__ = ["CATEGORIES"]
 # category -> (definition, evidence that selects it).
 CATEGORIES: dict[str, str] = {
     "bad_input_data": "The batch already holds NaN/Inf before any op of the step runs (a bad sample in the "
-                      "dataset). Selected when the provenance of the failure ends in a tensor that existed "
-                      "before the step and is not a parameter or buffer; the sample rows are named.",
+                      "dataset), or a finite batch far outside the data seen so far (a unit mix-up) started the "
+                      "run's blow-up. Selected when the provenance of the failure ends in a tensor that existed "
+                      "before the step and is not a parameter or buffer (the sample rows are named), or when the "
+                      "history shows a batch whose largest |value| is >= 10x that of every earlier batch at the "
+                      "step where the loss jumped >= 10x.",
     "param_corruption": "A parameter or buffer is non-finite before the step uses it (bad initialisation, a "
                         "write under no_grad, a previous bad update). Selected when the provenance ends in a "
                         "parameter/buffer, or the detector saw non-finite parameters before the forward.",
@@ -52,12 +55,16 @@ CATEGORIES: dict[str, str] = {
                            "by a backward-phase failure whose forward op produced non-finite values that "
                            "only where/masked_fill consumed.",
     "gradient_explosion": "A calm run then a sudden jump of the gradient norm (>= ~50x the earlier median) "
-                          "throws the parameters to values where the forward overflows. Selected by an "
-                          "overflow origin that float64 would hold (or no origin) plus that jump in the "
-                          "history.",
-    "lr_too_high": "The learning rate is above the stability limit: the loss and gradient norm grow by a "
-                   "steady factor every step until they overflow. Selected by an overflow origin that float64 "
-                   "would hold (or no origin) plus geometric growth over several consecutive steps.",
+                          "throws the parameters to values where the forward overflows. Selected by an origin "
+                          "whose float64 re-run is finite (or no origin) plus that jump in the history, when the "
+                          "parameters did not grow over several updates.",
+    "lr_too_high": "The step size is above the stability limit: the parameters grow over the last updates "
+                   "(update-to-weight ratio far above ~1e-2) or the loss and gradient norm grow by a steady "
+                   "factor every step, until some op (any op: layer_norm, attention, a matmul, a loss) runs out "
+                   "of the dtype's range. Selected by an origin whose float64 re-run is finite (or no origin) "
+                   "plus that growth in the history; the summary names what made the step too large: the "
+                   "learning rate for the optimizer, a schedule that raised it (warm-up), a momentum close to "
+                   "1, Adam's beta2 far below 0.999, or the step size measured from hand-written updates.",
     "loss_scale_collapse": "A dynamic loss scaler keeps halving its scale and skipping steps because every "
                            "step has non-finite gradients. Selected from the history (falling loss_scale, "
                            "repeated skipped steps).",

@@ -14,9 +14,9 @@ from . import fixes as X
 from . import rules as _rules  # noqa: F401  (registers every family and rule)
 from . import text as T
 from .case import Case
-from .errors import error_rules
 from .confidence import calibrate
-from .rules.divergence import divergence, loss_scale
+from .errors import error_rules
+from .rules.divergence import divergence, history_words, loss_scale
 from .rules.generic import other
 from .rules.optimizer import optimizer_result
 from .rules.preexisting import preexisting
@@ -87,13 +87,13 @@ def from_history(loc: dict | None, sig: dict, phase: str, ctx: dict) -> dict:
                                    tensorflow="filter non-finite samples in the input pipeline, e.g. "
                                    + X.finite_filter()),
                              "fix the source rows (blank CSV fields, division by zero in preprocessing)"], method)
-    dv = divergence(sig, None, ev, method, 0.55)
+    dv = divergence(sig, None, ev, method, 0.55, ctx)
     if dv is not None:
         return dv
     if phase == "optimizer":
         return optimizer_result(None, {}, ev, method, 0.4, ctx)
-    return T.result("other", f"a non-finite value appeared in the {phase} phase; the history shows no "
-                    "divergence and the op could not be identified", 0.2, ev,
+    return T.result("other", f"a non-finite value appeared in the {phase} phase; {history_words(sig)}, and "
+                    "the op could not be identified", 0.2, ev,
                     [X.say(pytorch="re-run the failing step under torch.autograd.detect_anomaly(check_nan=True) "
                            "to find the op",
                            tensorflow="re-run the failing step with tf.debugging.enable_check_numerics() to find "
@@ -117,7 +117,7 @@ def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
         return preexisting(pre, phase, ev, method, ctx)
     origin = loc.get("origin")
     if not origin:
-        dv = divergence(sig, None, ev, method + "; no single origin op", 0.6)
+        dv = divergence(sig, None, ev, method + "; no single origin op", 0.6, ctx)
         return dv or from_history(loc, sig, det_phase, ctx)
     method += "; origin found by provenance (the op that created the non-finite values that reached the " \
               f"{ {'loss': 'loss', 'grad': 'gradients', 'optimizer': 'parameters'}.get((loc.get('sink') or {}).get('kind'), 'sink')})"

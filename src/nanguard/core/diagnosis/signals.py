@@ -1,6 +1,7 @@
 """Signals read from the step history: steady geometric growth, a sudden gradient-norm jump, the
-loss-scale trajectory. Plain numbers in, plain dict out (``history_signals``); the divergence rules
-(``rules/divergence.py``) turn them into causes.
+loss-scale trajectory, and the run's ``dynamics`` (``dynamics.py``: where the growth began, the
+parameter norm, the update size, the lr schedule, an outlier batch). Plain numbers in, plain dict
+out (``history_signals``); the divergence rules (``rules/divergence.py``) turn them into causes.
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import statistics
 from typing import Any, Sequence
 
+from .dynamics import dynamics
 from .text import fin
 
 __all__ = ["history_signals"]
@@ -115,6 +117,7 @@ def history_signals(history: Sequence[dict]) -> dict:
                                           (sig["skipped_recent"] >= 5 and scales[-1] < scales[0]))
     else:
         sig["loss_scale_collapse"] = False
+    sig["dynamics"] = dynamics(history)
     return sig
 
 

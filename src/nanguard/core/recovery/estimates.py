@@ -1,8 +1,10 @@
 """Numbers recovery takes from the step history (plain records: ``{"step", "loss", "grad_norm", "skipped"}``).
 
 * the healthy gradient norms (applied steps, finite, not a spike) and the ``clip`` threshold;
-* the ``lr_backoff`` factor (lower when the diagnosis estimated a stability limit);
-* the rollback target: the most recent snapshot from before a divergence began.
+* the ``lr_backoff`` factor (the diagnosis' own ``lr_backoff_factor``, or lower when it estimated a
+  stability limit);
+* the rollback target: the most recent snapshot from before a divergence began (``rollback_bound``:
+  the step the diagnosis says the growth, or the outlier batch, started).
 """
 from __future__ import annotations
 
@@ -35,22 +37,43 @@ def backoff_factor(lr_factor: float, cause: Dict[str, Any], lrs: Sequence[float]
     ``lrs``: the current learning rates of every param group."""
     factor = lr_factor
     ev = cause.get("evidence") or {}
+    est = ev.get("lr_backoff_factor")
+    if isinstance(est, (int, float)) and math.isfinite(est) and 0 < est < 1:
+        factor = min(factor, est)
     limit = ev.get("estimated_stable_lr_limit")
     if isinstance(limit, (int, float)) and math.isfinite(limit) and limit > 0 and lrs and max(lrs) > 0:
         factor = min(factor, 0.5 * limit / max(lrs))
     return max(factor, 1e-4)
 
 
+def rollback_bound(cause: Dict[str, Any]) -> Optional[int]:
+    """The latest snapshot step a rollback may use, from the diagnosis: the state before an outlier
+    batch (``evidence.rollback_to_step``), or before the update that started the growth
+    (``evidence.onset_step`` - 1, or ``regime_onset_step`` - 1 when the loss had left its best level
+    earlier). None when the diagnosis names no such step."""
+    ev = (cause or {}).get("evidence") or {}
+    r = ev.get("rollback_to_step")
+    if isinstance(r, int) and not isinstance(r, bool):
+        return r
+    ons = [ev.get(k) for k in ("onset_step", "regime_onset_step")]  # regime: the loss left its best level
+    ons = [o for o in ons if isinstance(o, int) and not isinstance(o, bool)]
+    return max(min(ons) - 1, 0) if ons else None
+
+
 def rollback_target(snapshots: Sequence[Any], history: Sequence[dict] = (), step: Optional[int] = None,
-                    divergence: bool = True) -> Optional[Any]:
+                    divergence: bool = True, before: Optional[int] = None) -> Optional[Any]:
     """The snapshot to roll back to, among ``snapshots`` (sorted by step; each has ``.step`` and
     ``.finite()``).
 
-    ``divergence``: the most recent snapshot whose own step's loss (from the
-    history) is within 50% of the lowest kept one and whose gradient norm was
-    not a spike (> 10x the healthy median); else the most recent finite one.
+    ``before``: the most recent finite snapshot at or before that step (None if there is none: a
+    rollback to the weights of a growing run is not sound). Else, ``divergence``: the most recent
+    snapshot whose own step's loss (from the history) is within 50% of the lowest kept one and
+    whose gradient norm was not a spike (> 10x the healthy median); else the most recent finite one.
     """
     snaps = [s for s in snapshots if s.finite() and (step is None or s.step <= step)]
+    if before is not None:
+        older = [s for s in snaps if s.step <= before]
+        return older[-1] if older else None
     if not snaps:
         return None
     if not divergence:

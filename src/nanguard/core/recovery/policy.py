@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..render.terminal import print_line
 from .actions import RecoveryActions, Snapshot
 from .budget import DATA_CATEGORY, RecoveryBudget
-from .estimates import DynamicLossScale, backoff_factor, clip_max_norm, healthy_grad_norms
+from .estimates import DynamicLossScale, backoff_factor, clip_max_norm, healthy_grad_norms, rollback_bound
 from .records import actions_tally, fmt_bytes, notice
 from .snapshots import SnapshotStore
 from .table import ACTIONS, AUTO, CHANGES_TRAINING, DIVERGENCE, actions_for, check_allowed, record_order
@@ -44,7 +44,7 @@ class RecoveryPolicy:
                  max_consecutive_data: int = 8,
                  snapshot_every: int = 10, keep_snapshots: int = 3, recent_snapshots: int = 2,
                  recent_max_bytes: int = 256 * 2 ** 20, lr_factor: float = 0.1, clip_quantile: float = 0.25,
-                 quiet: bool = False) -> None:
+                 quiet: bool = False, failures: bool = True) -> None:
         check_allowed(allowed or [])
         if not 0 < lr_factor < 1:
             raise ValueError(f"lr_factor must be in (0, 1), got {lr_factor}")
@@ -54,7 +54,11 @@ class RecoveryPolicy:
         self.store = SnapshotStore(snapshot_every, keep_snapshots, recent_snapshots, recent_max_bytes)
         self.lr_factor, self.clip_quantile = lr_factor, clip_quantile
         self.quiet = quiet
+        # False: this policy only serves early-warning rollbacks (on_spike="rollback" without recover=):
+        # it keeps snapshots, and non-finite failures are left to the driver's on_nonfinite.
+        self.failures = failures
         self.events: List[Any] = []           # the recovered events, in order
+        self.grad_scale: Optional[float] = None  # armed by lr_backoff without optimizers (hand-written updates)
         self.clip_norm: Optional[float] = None  # armed by ``clip``: every later update is clipped
         self.loss_scaler: Optional[DynamicLossScale] = None  # armed by ``loss_scale``
         self.quarantined: List[int] = []      # dataset rows of bad input data
@@ -117,6 +121,8 @@ class RecoveryPolicy:
         """Right before each update of a step that passed the check: the loss scale grows, clipping."""
         if self.loss_scaler is not None:
             self.loss_scaler.good_step()
+        if self.grad_scale is not None:
+            actions.unscale_gradients(self.grad_scale)
         if self.clip_norm is not None:
             actions.clip_gradients(self.clip_norm)
         return True
@@ -129,6 +135,8 @@ class RecoveryPolicy:
         cause = event.cause if isinstance(event.cause, dict) else {}
         event.cause = cause
         cat = cause.get("category") or "other"
+        if not self.failures:
+            return None
         if self._last_rec is not None and self._last_rec[0] == step:
             # A second optimizer of the step that already recovered: drop its update too.
             actions.skip_step()
@@ -138,7 +146,14 @@ class RecoveryPolicy:
         if why:
             return self._stop(event, step, why)
         params_ok = actions.state_finite()
+        unsound = (cause.get("evidence") or {}).get("recovery_unsound")
+        if unsound and params_ok:
+            return self._stop(event, step, f"recovery cannot be sound: {unsound}")
         acts = self.choose(cat) if self.auto else []
+        bound = rollback_bound(cause) if cat in DIVERGENCE + (DATA_CATEGORY,) else None
+        if cat == DATA_CATEGORY and bound is not None and bound < step and "rollback" in self.allowed \
+                and "rollback" not in acts:
+            acts = ["rollback"] + acts  # the outlier batch of an earlier step is already in the weights
         if not params_ok and "rollback" in self.allowed and "rollback" not in acts and cat != "loss_scale_collapse":
             acts = ["rollback"] + acts  # never train on non-finite weights
         if self.loss_scaler is not None and event.phase == "backward" and params_ok:
@@ -148,12 +163,15 @@ class RecoveryPolicy:
         names: List[str] = []
         for a in acts:
             if a == "rollback":
-                params_ok = self._rollback(event, step, cat, actions, history, params_ok, done, notes)
+                params_ok = self._rollback(event, step, cat, actions, history, params_ok, done, notes, bound)
+                if "rollback" not in done and bound is not None:
+                    return self._stop(event, step, f"no snapshot from before step {bound + 1}, where the growth "
+                                      "began: rolling back to weights that are already diverging is not sound"
+                                      + (f"; fix: {event.fixes[0]}" if getattr(event, "fixes", None) else ""))
             elif a == "clip":
                 self._clip(history, done)
             elif a == "lr_backoff":
-                done["lr_backoff"] = actions.lr_backoff(backoff_factor(self.lr_factor, cause,
-                                                                       actions.learning_rates()))
+                self._lr_backoff(cause, actions, done)
             elif a == "upcast":
                 o = event.origin or {}
                 path = (proofs.get("upcast") or {}).get("params", {}).get("module") \
@@ -180,8 +198,7 @@ class RecoveryPolicy:
                     notes.append("the offending samples could not be dropped here: the batch is skipped")
                     continue
                 done["drop_samples"] = rec
-            if a in done:
-                names.append(a)
+            names += [n for n in (a, "grad_scale" if a == "lr_backoff" else "") if n in done and n not in names]
         if not params_ok and "rollback" not in names:
             return self._stop(event, step, "the parameters or buffers are non-finite and "
                               + ("rollback is not allowed" if "rollback" not in self.allowed
@@ -194,12 +211,51 @@ class RecoveryPolicy:
             done["verified"] = {a: proof_record(e) for a, e in proofs.items() if a in names}
         return self._record(event, step, cat, actions, done, names, notes, few_rows)
 
+    def on_spike(self, event, *, step: int, actions: RecoveryActions, history: Sequence[dict],
+                 rollback: bool = True) -> Optional[Dict[str, Any]]:
+        """Act on an early warning (``kind`` "warning", every value still finite): drop this step's update
+        and, with ``rollback``, go back to a snapshot from before the excursion began and apply what the
+        warning's diagnosis calls for (lower the learning rate, or scale the gradients of hand-written
+        updates; clip). Returns the record (also set as ``event.recovery``), or None when the diagnosis
+        says no recovery can be sound (the warning then stands alone); it never stops the run."""
+        cause = event.cause if isinstance(event.cause, dict) else {}
+        cat = cause.get("category") or "other"
+        unsound = (cause.get("evidence") or {}).get("recovery_unsound")
+        if unsound:  # nothing to do that would help: the warning stands, the step is applied
+            return None
+        done: Dict[str, Any] = {}
+        notes: List[str] = []
+        names: List[str] = []
+        if rollback and "rollback" in self.allowed:
+            bound = rollback_bound(cause)
+            self._rollback(event, step, cat, actions, history, True, done, notes,
+                           max(step - 1, 0) if bound is None else min(bound, max(step - 1, 0)))
+            if "rollback" in done:
+                names.append("rollback")
+                for a in self.choose(cat):
+                    if a == "lr_backoff":
+                        self._lr_backoff(cause, actions, done)
+                    elif a == "clip":
+                        self._clip(history, done)
+                    names += [n for n in (a, "grad_scale") if n in done and n not in names]
+        done["skip_step"] = actions.skip_step()
+        names.append("skip_step")
+        if notes:
+            done["notes"] = notes
+        if any(a in names for a in CHANGES_TRAINING):
+            self.budget.training_changed()
+        rec = {"action": "+".join(record_order(names)), "ok": True, "actions": done, "category": cat}
+        event.recovery = rec
+        return rec
+
     def _rollback(self, event, step: int, cat: str, actions: RecoveryActions, history: Sequence[dict],
-                  params_ok: bool, done: Dict[str, Any], notes: List[str]) -> bool:
-        """Roll back (or repair the non-finite elements); returns whether the parameters are now finite."""
-        snap = self.best_snapshot(history, step, divergence=cat in DIVERGENCE)
+                  params_ok: bool, done: Dict[str, Any], notes: List[str], before: Optional[int] = None) -> bool:
+        """Roll back (or repair the non-finite elements); returns whether the parameters are now finite.
+        ``before``: the latest step a snapshot may come from (the growth began after it)."""
+        snap = self.store.best(history, step, cat in DIVERGENCE, before)
         if snap is None:
-            notes.append("no healthy snapshot to roll back to")
+            notes.append("no healthy snapshot to roll back to" if before is None else
+                         f"no snapshot from before step {before + 1}, where the growth began")
             return params_ok
         if cat == "param_corruption" and event.phase == "params" and not params_ok \
                 and self._written_outside_update(event.cause) and actions.optimizer_state_finite():
@@ -218,6 +274,21 @@ class RecoveryPolicy:
         done["rollback"] = {"to_step": snap.step, "steps_lost": step - snap.step,
                             "snapshot_bytes": snap.nbytes, "snapshots_kept_bytes": self.snapshot_bytes()}
         return params_ok
+
+    def _lr_backoff(self, cause: Dict[str, Any], actions: RecoveryActions, done: Dict[str, Any]) -> None:
+        """Lower every learning rate; with no optimizer (hand-written updates) scale the gradients instead."""
+        lrs = actions.learning_rates()
+        factor = backoff_factor(self.lr_factor, cause, lrs)
+        if lrs:
+            done["lr_backoff"] = actions.lr_backoff(factor)
+            return
+        self.grad_scale = (self.grad_scale or 1.0) * factor
+        eff = ((cause.get("evidence") or {}).get("effective_lr"))
+        rec: Dict[str, Any] = {"factor": self.grad_scale, "how": "no optimizer: the gradients are multiplied by "
+                               "this factor before each hand-written update, instead of lowering a learning rate"}
+        if isinstance(eff, (int, float)):
+            rec.update(effective_lr_before=eff, effective_lr_after=eff * factor)
+        done["grad_scale"] = rec
 
     def _clip(self, history: Sequence[dict], done: Dict[str, Any]) -> None:
         if self.clip_norm is not None:  # clipping did not prevent it: tighten

@@ -15,6 +15,8 @@ def notice(step: int, category: str, record: Dict[str, Any]) -> str:
         extra += f", back to step {done['rollback']['to_step']}"
     if "lr_backoff" in done:
         extra += f", lr {fmt_list(done['lr_backoff']['lr_before'])} -> {fmt_list(done['lr_backoff']['lr_after'])}"
+    if "grad_scale" in done:
+        extra += f", gradients x{done['grad_scale']['factor']:.3g} before each hand-written update (no optimizer lr)"
     if "clip" in done:
         extra += f", clip grad norm at {done['clip']['max_norm']:.3g}"
     if "upcast" in done:

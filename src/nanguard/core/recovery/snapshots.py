@@ -74,6 +74,12 @@ class SnapshotStore:
         the base later virtual snapshots replay from."""
         self._force_real = True
 
+    def widen_recent(self, extra: int) -> None:
+        """Keep ``extra`` more per-step snapshots (a driver that reads steps up to ``extra`` late and may
+        roll back to one of them: sync-free early warnings)."""
+        if self.recent_on and extra > 0:
+            self.recent = deque(self.recent, maxlen=self.recent.maxlen + extra)
+
     def interval(self) -> int:
         """Steps between real snapshots in cost-based mode."""
         every = max(self.snapshot_every, 1)
@@ -144,9 +150,9 @@ class SnapshotStore:
         return old
 
     def best(self, history: Sequence[dict] = (), step: Optional[int] = None,
-             divergence: bool = True) -> Optional[Snapshot]:
+             divergence: bool = True, before: Optional[int] = None) -> Optional[Snapshot]:
         """The snapshot to roll back to (:func:`~nanguard.core.recovery.estimates.rollback_target`)."""
-        return rollback_target(self.all(), history, step, divergence)
+        return rollback_target(self.all(), history, step, divergence, before)
 
     def forget_after(self, step: int) -> None:
         """After a rollback: the snapshots of the abandoned trajectory go."""

@@ -22,10 +22,12 @@ DEFAULT_ACTIONS = ["skip_step"]
 # begun steps before the failure); for the others, the most recent finite snapshot.
 DIVERGENCE = ("gradient_explosion", "lr_too_high")
 # Actions that change how training runs from now on (a rollback that follows one is not a plain replay).
-CHANGES_TRAINING = ("lr_backoff", "clip", "upcast", "loss_scale")
+# ``grad_scale`` is the form ``lr_backoff`` takes for hand-written updates (no optimizer, no lr): the
+# gradients are multiplied by the factor before every update.
+CHANGES_TRAINING = ("lr_backoff", "grad_scale", "clip", "upcast", "loss_scale")
 
 # drop_samples is never in AUTO: it is taken when a replay verified it (recovery/verify.py)
-_RECORD_ORDER = ("rollback", "upcast", "lr_backoff", "clip", "loss_scale", "drop_samples", "skip_step")
+_RECORD_ORDER = ("rollback", "upcast", "lr_backoff", "grad_scale", "clip", "loss_scale", "drop_samples", "skip_step")
 
 
 def check_allowed(allowed: Sequence[str]) -> None:

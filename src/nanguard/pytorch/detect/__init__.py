@@ -22,6 +22,13 @@ Cost model (why it is cheap):
   forward uses is caught by the next step's loss/gradient check anyway (the
   slow path then checks every parameter exactly); only parameters the loss
   does not touch can wait up to K updates. The gradient pass is never sliced;
+* hand-written updates (no optimizer, backward counting): the post-update norms
+  are computed at the next check, with a small sample of the parameters and
+  gradients (:mod:`.stepsize`) that gives the update's step size: three more
+  numbers in the same vector, no extra sync;
+* the early warning (:mod:`nanguard.core.spike`) and the history's
+  post-update fields are fed from the values already read (in sync-free mode,
+  when they are read): no extra sync;
 * an L2 norm can overflow to ``inf`` while every element is finite (values
   around 1e20 in float32), so any non-finite norm is confirmed with an exact
   per-tensor ``isfinite`` pass. That slow path runs only when something looks
@@ -34,8 +41,8 @@ of a watched model under ``no_grad``) sync once per evaluation forward.
 The package: :mod:`.tensors` (what can be checked, sync-free finiteness flags),
 :mod:`.norms` (fused L2 norms), :mod:`.slices` (the rotating post-update slices,
 :func:`update_suspect`), :mod:`.names` (tensor names, exact slow-path scans),
-:mod:`.consensus` (torch.distributed: one decision on every rank), :mod:`.monitor`
-(:class:`StepMonitor`).
+:mod:`.consensus` (torch.distributed: one decision on every rank), :mod:`.stepsize`
+(the step size of hand-written updates), :mod:`.monitor` (:class:`StepMonitor`).
 """
 from __future__ import annotations
 

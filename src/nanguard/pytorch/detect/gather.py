@@ -3,7 +3,8 @@
 :func:`gather` packs the loss(es), the batch markers, the GradScaler's scale and
 ``found_inf``, the per-group gradient norms, (first check) the parameter norms,
 the previous update's parameter norms and, under torch.distributed, the
-all-reduced flag table into one 1-d tensor, and returns it as a :class:`Pending`
+all-reduced flag table into one 1-d tensor (backward counting: also the step size of
+the hand-written update, :mod:`.stepsize`), and returns it as a :class:`Pending`
 check that knows its own layout. A synchronous check reads it at once
 (``tolist()``, the step's one sync); a sync-free check (:mod:`.lazy`) reads it
 one or more steps later. Either way :mod:`.verdict` decodes the values.
@@ -21,6 +22,10 @@ import torch
 from .. import gradscaler
 from . import consensus
 from .norms import NormPlan, _norm, planned_norm, sharded_square
+
+# Backward counting (hand-written updates): the update comes after the step's end, so the
+# post-update parameter norms are computed at the next check instead (still in its one vector).
+DEFERRED = "deferred"
 
 
 @dataclass
@@ -43,6 +48,7 @@ class Pending:
     post_step: Optional[int]
     post_slice: int
     others: List[Tuple[int, int]]   # (optimizer key, number of values): other optimizers' pending norms
+    has_sz: bool = False       # backward counting: the step size probe's 3 values (after the others)
     n_table: int = 0           # distributed: the flag table's length (world_size x width)
     width: int = consensus.ROW
     n_contrib: int = 0         # sharded (FSDP2): per-rank squared-norm shares in the table rows
@@ -89,6 +95,13 @@ def gather(mon: Any, opt: Any, scaler: Any, params: Optional[List[List[torch.Ten
     contrib: List[torch.Tensor] = []
     if sharded:
         contrib = [sharded_square(gs, plan, n, dev) for gs, plan, n in zip(grads, plans, gnorms)]
+    if mon._pending_post.get(key) is DEFERRED:  # backward counting: the hand-written update is done by now
+        post_norms = [planned_norm(g, plan, dev) for g, plan in zip(groups, plans)]
+        mon._pending_post[key] = torch.stack(post_norms)
+        if sharded:
+            mon._pending_post_sq[key] = torch.stack(
+                [sharded_square(g, plan, n, dev) for g, plan, n in zip(groups, plans, post_norms)])
+    sz = mon.step_size.measure(dev) if opt is None else None
     pre_pnorms = None
     psq = mon._psq.get(key)
     fresh = psq is not None and len(psq) == len(groups) and all(len(r) == k for r in psq)
@@ -111,7 +124,7 @@ def gather(mon: Any, opt: Any, scaler: Any, params: Optional[List[List[torch.Ten
     # Other optimizers' last updates not read yet (e.g. a GAN's generator update made the
     # discriminator's batch non-finite): read them in the same vector, so the failure is
     # blamed on the update that made it, not on this step.
-    others = [(ok, t) for ok, t in mon._pending_post.items() if ok != key]
+    others = [(ok, t) for ok, t in mon._pending_post.items() if ok != key and t is not DEFERRED]
     inputs = lv + lm + dm
     if inputs and any(t.device != dev for t in inputs):
         inputs = [t.to(dev) for t in inputs]
@@ -119,12 +132,17 @@ def gather(mon: Any, opt: Any, scaler: Any, params: Optional[List[List[torch.Ten
     sc = [gradscaler.scale_tensor(scaler, dev), gradscaler.found_inf(scaler, opt, dev)] if scaled else []
     # One vector: [losses, loss markers, data markers, (scale, found_inf), group grad norms,
     # (first check: group param norms)] as 0-d tensors, then the pending 1-d norms. Values keep
-    # their dtype until read (stack/cat promote), so the finiteness read is exact.
+    # their dtype until read (stack/cat promote), so the finiteness read is exact. Backward
+    # counting: the step size probe's 3 numbers after them (not part of the failure flag).
     flat = inputs + sc + gnorms + (pre_pnorms or [])
     tail = ([post.to(dev)] if post is not None else []) + [t.to(dev) for _, t in others]
+    checked_tail = list(tail)
+    if sz is not None:
+        tail.append(sz)
     p = Pending(key=key, opt=opt, step=step, groups=groups, k=k, scaler=scaler, scaled=scaled, dev=dev,
                 nl=len(lv), nlm=len(lm), nd=len(dm), n_pre=len(pre_pnorms or []), has_post=post is not None,
                 post_step=post_step, post_slice=post_slice, others=[(ok, t.numel()) for ok, t in others],
+                has_sz=sz is not None,
                 loss_n=mon._loss_n, data_where=list(mon._data_where), lazy=lazy, counts=dict(mon.counts),
                 backward_steps=mon.backward_steps)
     if lazy and post is not None:
@@ -138,12 +156,13 @@ def gather(mon: Any, opt: Any, scaler: Any, params: Optional[List[List[torch.Ten
         table = consensus.flag_table(reducer, dev, *consensus.rank_inputs(lv, lm, dm, dev, sc), norms,
                                      mon._loss_n > 0, fail_norms=fail, contrib=contrib)
         tail.append(table)
+        checked_tail.append(table)
         p.reducer, p.n_table, p.n_contrib = reducer, table.numel(), len(contrib)
         p.width = consensus.ROW + len(contrib)
     head = [torch.stack(flat)] if flat else []
     parts = head + tail
     if lazy:
-        parts.append(failure_flag(p, flat, tail, table).reshape(1))
+        parts.append(failure_flag(p, flat, checked_tail, table).reshape(1))
     if not parts:
         p.vec = None
     else:

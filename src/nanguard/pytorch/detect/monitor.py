@@ -21,13 +21,14 @@ import torch
 
 from ...core.config import GuardConfig
 from ...core.events import Detection
-from ...core.history import StepHistory
+from ...core.history import StepHistory, StepRecord
 from . import consensus
-from .gather import gather
+from .gather import DEFERRED, gather
 from .lazy import LazyReads
 from .names import TensorNames
-from .norms import NormPlan, planned_norm, sharded_square
+from .norms import NormPlan, _norm, planned_norm, sharded_square
 from .slices import OptimizerView
+from .stepsize import StepSizeProbe
 from .tensors import finite_markers, is_checkable, tensors_in
 from .verdict import REWIND, decode, step_record
 
@@ -49,7 +50,8 @@ class StepMonitor:
         self._loss_n = 0
         self._data_marks: List[torch.Tensor] = []  # finite_markers of the batch tensors
         self._data_where: List[str] = []
-        self._pending_post: Dict[int, torch.Tensor] = {}  # optimizer -> post-update param norms per group
+        # optimizer -> post-update param norms per group (backward counting: DEFERRED until the next check)
+        self._pending_post: Dict[int, Any] = {}
         self._pending_post_sq: Dict[int, torch.Tensor] = {}  # sharded: this rank's shares of their squares
         self._pending_step: Dict[int, int] = {}
         self._pending_slice: Dict[int, int] = {}  # which slice that pending check covers
@@ -72,6 +74,12 @@ class StepMonitor:
         self.lazy = LazyReads(self.config.sync_free_every)
         self._lazy_last: Dict[int, Any] = {}
         self._held: List[Tuple[Any, Dict[str, Any]]] = []
+        self.step_size = StepSizeProbe()  # backward counting: the step size of hand-written updates
+        # Early warning (nanguard.core.spike.SpikeDetector, set by the driver): judged on the numbers
+        # of each decoded check that found nothing; ``spike`` is the last decoded check's warning (or None).
+        self.spikes: Any = None
+        self.spike: Optional[Dict[str, Any]] = None
+        self._records: Dict[int, StepRecord] = {}  # per optimizer: its last history record
 
     # ------------------------------------------------------------------ registration
     def add_optimizer(self, opt: torch.optim.Optimizer, late: bool = False) -> None:
@@ -83,7 +91,7 @@ class StepMonitor:
                 self.backward_steps = 0
                 self.history = StepHistory(self.config.history_size)
                 for d in (self._pending_post, self._pending_post_sq, self._pending_step, self._pending_slice,
-                          self._rot, self._psq, self._checked, self._lasts):
+                          self._rot, self._psq, self._checked, self._lasts, self._records):
                     d.pop(0, None)
             self.views[id(opt)] = OptimizerView(opt, self.config.param_check_every)
             self.counts.setdefault(id(opt), 0)
@@ -162,30 +170,54 @@ class StepMonitor:
         self._lazy_last[key] = p
         return p.vec[-1]
 
-    def read_lazy(self, force: bool = False) -> List[Tuple[Any, Any]]:
+    def read_lazy(self, force: bool = False,
+                  on_spike: Optional[Callable[[Any], bool]] = None) -> List[Tuple[Any, Any]]:
         """Read the sync-free checks whose values are available (``force``: all), in order, as
         ``(pending, verdict)``: None (clean), an info Detection (a GradScaler skip) or
         :data:`~.verdict.REWIND` (something was non-finite: the driver runs that step again
         synchronously, :meth:`rewind`; the later checks are those of masked steps and are not read).
-        The history records of clean steps are appended once every check of their step is read."""
+        The history records of clean steps are appended once every check of their step is read.
+        A clean check that raised an early warning (``self.spike``) is handed to ``on_spike`` right
+        after it is decoded (the history then holds every step before it); when that returns True
+        (the driver rolled back) the later checks, of discarded updates, are dropped (:meth:`rolled_back`)."""
         out = []
         for p, vals in self.lazy.ready(force):
+            self._flush_held(p.step)  # the records its post-update norms complete exist before it is decoded
             det = decode(self, p, vals)
             out.append((p, det))
             if det == REWIND:
                 return out
-            self._flush_held(p.step)
             self._held.append((p, self._last))
+            if det is None and self.spike is not None and on_spike is not None and on_spike(p):
+                self.rolled_back(p)
+                return out
         if not self.lazy.queue:
             self._flush_held(None)
         return out
+
+    def rolled_back(self, p: Any) -> None:
+        """Sync-free: an early warning read late at check ``p`` was acted on by rolling the weights back to
+        a snapshot. ``p``'s step is recorded as skipped; the pending checks after it, the post-update
+        norms not read yet and a step in progress describe discarded updates and are dropped (the driver
+        runs those steps again)."""
+        if p.end is not None:
+            p.end = (p.end[0], True)
+        self.lazy.drop()
+        self._lazy_last.clear()
+        self._held = [(q, last) for q, last in self._held if q.step <= p.step]
+        self._flush_held(None)
+        for d in (self._pending_post, self._pending_post_sq, self._pending_step, self._pending_slice, self._lasts):
+            d.clear()
+        self._checked = {k: False for k in self._checked}
+        self._loss_vals, self._loss_marks, self._loss_n = [], [], 0
+        self._data_marks, self._data_where = [], []
 
     def _flush_held(self, before: Optional[int]) -> None:
         keep = []
         for p, last in self._held:
             if p.end is not None and (before is None or p.step < before):
                 lrs, skipped = p.end
-                self.history.append(step_record(last, p.step, lrs, skipped or last["found_inf"] > 0, p.loss_n))
+                self._record(p.key, step_record(last, p.step, lrs, skipped or last["found_inf"] > 0, p.loss_n))
                 if self._lasts.get(p.key) is last:
                     del self._lasts[p.key]
             else:
@@ -258,7 +290,7 @@ class StepMonitor:
         else:
             last = self._lasts.pop(key, None)  # per optimizer: several may check before any steps
             if last is not None and last.get("opt") is opt:
-                self.history.append(step_record(last, step, lrs, skipped, self._loss_n))
+                self._record(key, step_record(last, step, lrs, skipped, self._loss_n))
         if groups and not skipped:
             self._post_norms(key, opt, groups, step)
         if opt is not None:
@@ -270,8 +302,21 @@ class StepMonitor:
         self._data_marks, self._data_where = [], []
         self._last = None
 
+    def _record(self, key: int, rec: StepRecord) -> None:
+        """Append a step's history record; the next check's post-update norms complete it (verdict.after_update)."""
+        self._records[key] = rec
+        self.history.append(rec)
+
     def _post_norms(self, key: int, opt: Any, groups: List[List[torch.Tensor]], step: int) -> None:
-        """The post-update parameter norms of one slice, read at the next check (no sync)."""
+        """The post-update parameter norms of one slice, read at the next check (no sync). Backward
+        counting: the hand-written update comes after this, so the norms (and the step size,
+        :mod:`.stepsize`) are computed at the next check."""
+        if opt is None:
+            self._pending_post[key] = DEFERRED
+            self.step_size.save([p for g in groups for p in g])
+            self._pending_step[key] = step
+            self._pending_slice[key] = 0
+            return
         dev = next((g[0].device for g in groups if g), torch.device("cpu"))
         view = self.views.get(key) if opt is not None else None
         if view is not None:
@@ -291,6 +336,10 @@ class StepMonitor:
     def flush(self) -> Optional[Detection]:
         """At the end of the run: read the last update's pending parameter check."""
         for key, post in list(self._pending_post.items()):
+            if post is DEFERRED:  # backward counting: the parameters after the last hand-written update
+                groups = [self.extra_params] if not self.roots else \
+                    [[p for r in list(self.roots) for p in r.parameters() if p.requires_grad and is_checkable(p)]]
+                post = torch.stack([_norm(g) for g in groups if g]) if any(groups) else torch.zeros(1)
             vals = post.tolist()
             step = self._pending_step.get(key, 0)
             del self._pending_post[key]

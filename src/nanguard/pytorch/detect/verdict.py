@@ -8,11 +8,16 @@ the slow path: it answers :data:`REWIND` for anything suspicious and the driver 
 back to that step and runs it again synchronously (:mod:`nanguard.pytorch.syncfree`).
 The one exception is a GradScaler's ordinary overflow skip (finite loss and batch,
 non-finite gradients, the scaler's ``found_inf`` set), recorded from the values alone.
+
+Decoding a clean check also feeds the early warning (``mon.spikes``, a
+:class:`~nanguard.core.spike.SpikeDetector`: ``mon.spike`` is its answer) and completes the
+history record of the update the check's post-update norms describe (:func:`after_update`):
+both from the values already read, so in sync-free mode they happen when the values are read.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from ...core.events import Detection
 from ...core.history import StepRecord
@@ -20,6 +25,7 @@ from .. import gradscaler
 from . import consensus
 from .gather import Pending, split_others
 from .slices import update_suspect
+from .stepsize import step_size
 from .tensors import nonfinite_tensors
 
 finite = math.isfinite
@@ -29,6 +35,7 @@ REWIND = "rewind"  # a late read found something: go back to that step and run i
 def decode(mon: Any, p: Pending, vals: List[float]) -> Union[None, Detection, str]:
     """Decode ``vals`` (``p.vec`` read back) and decide; sets the monitor's ``_last`` for the history."""
     key, G, k = p.key, p.G, p.k
+    mon.spike = None
     if p.lazy:
         p.skips0 = mon._consecutive_skips
         if vals and vals[-1] > 0:  # the update gate tripped at this step
@@ -43,6 +50,7 @@ def decode(mon: Any, p: Pending, vals: List[float]) -> Union[None, Detection, st
     loss_ok = 1.0 if all(finite(x) for x in vals[:nl + nlm]) else 0.0
     off = nl + nlm
     data_ok = 1.0 if all(finite(x) for x in vals[off:off + nd]) else 0.0
+    batch_max = max((abs(x) for x in vals[off:off + nd]), default=None) if data_ok and nd else None
     off += nd
     scale, found_inf = (vals[off], vals[off + 1]) if p.scaled else (float("nan"), 0.0)
     off += 2 if p.scaled else 0
@@ -54,6 +62,7 @@ def decode(mon: Any, p: Pending, vals: List[float]) -> Union[None, Detection, st
     if p.has_post:
         post_pn, off = vals[off:off + G], off + G
     others, off = split_others(p, vals, off)
+    sz = vals[off:off + 3] if p.has_sz else None
     if p.n_contrib and dist_flags is not None:  # sharded: the global norms, the same on every rank
         glob = consensus.global_norms(dist_flags, p.reducer.world_size, p.width)
         gn, i = glob[:G], G
@@ -69,8 +78,10 @@ def decode(mon: Any, p: Pending, vals: List[float]) -> Union[None, Detection, st
             for g in range(G):
                 psq[g][p.post_slice] = post_pn[g] ** 2
     mon._last = dict(loss=loss, gn=gn, pn=mon._group_param_norms(key, G), scale=scale, found_inf=found_inf,
-                     groups=p.groups, opt=p.opt)
+                     groups=p.groups, opt=p.opt, batch_max=batch_max)
     mon._lasts[key] = mon._last
+    if p.has_post:
+        after_update(mon, key, p.post_step, mon._last["pn"], sz)
     if dist_flags is not None:
         gl = consensus.global_loss(dist_flags, p.reducer.world_size, p.width)
         if gl is not None:  # the history keeps the mean loss over ranks: the same on every rank
@@ -93,7 +104,33 @@ def decode(mon: Any, p: Pending, vals: List[float]) -> Union[None, Detection, st
         return det
     if det is not None and det.phase == "params" and p.post_step is not None and k > 1:
         det = _attribute_params(mon, det, p.opt, p.post_step, p.post_slice, k)
-    return dist_decide(mon, p, det)
+    det = dist_decide(mon, p, det)
+    if det is None and mon.spikes is not None:  # early warning, on the numbers just read
+        mon.spike = mon.spikes.observe(p.step, mon._last["loss"], total_norm(gn), stream=key)
+    return det
+
+
+def after_update(mon: Any, key: int, step: Optional[int], pn: Optional[List[float]],
+                 sz: Optional[List[float]]) -> None:
+    """The record of the step whose update was just read: its parameter norm after the update,
+    and (hand-written updates) the step size measured from it. No sync: the numbers were read."""
+    rec = mon._records.get(key)
+    if rec is None or rec.step != step:
+        return
+    rec.param_norm_after = total_norm(pn) if pn else None
+    if sz is not None:
+        lr, cos = step_size(sz)
+        if lr is not None and (cos is None or cos > 0.5):  # the update follows -g: an SGD-like step
+            rec.effective_lr = lr
+            if rec.param_norm and rec.grad_norm is not None and finite(rec.grad_norm):
+                rec.update_ratio = abs(lr) * rec.grad_norm / rec.param_norm
+
+
+def total_norm(norms: Optional[Sequence[float]]) -> Optional[float]:
+    """The global L2 norm of per-group norms (inf when one is not finite; None when there are none)."""
+    if not norms:
+        return None
+    return math.sqrt(sum(x * x for x in norms)) if all(finite(x) for x in norms) else float("inf")
 
 
 def dist_decide(mon: Any, p: Pending, det: Optional[Detection]) -> Optional[Detection]:
@@ -180,7 +217,7 @@ def _attribute_params(mon, det: Detection, opt: Any, post_step: int, post_slice:
 def step_record(last: Dict[str, Any], step: int, lrs: List[float], skipped: bool, loss_n: int) -> StepRecord:
     """The history record of a decoded step."""
     gn = last["gn"]
-    total = math.sqrt(sum(x * x for x in gn)) if all(finite(x) for x in gn) else float("inf")
+    total = total_norm(gn) if gn else 0.0
     pn = last["pn"]
     ptotal = math.sqrt(sum(x * x for x in pn)) if pn and all(finite(x) for x in pn) else None
     ratio = None
@@ -189,4 +226,5 @@ def step_record(last: Dict[str, Any], step: int, lrs: List[float], skipped: bool
     scale = last["scale"]
     return StepRecord(step=step, loss=None if math.isnan(last["loss"]) and loss_n == 0 else last["loss"],
                       grad_norm=total, group_grad_norms=list(gn), param_norm=ptotal, update_ratio=ratio,
-                      lr=lrs, loss_scale=None if math.isnan(scale) else scale, skipped=skipped)
+                      lr=lrs, loss_scale=None if math.isnan(scale) else scale, skipped=skipped,
+                      batch_max=last.get("batch_max"))

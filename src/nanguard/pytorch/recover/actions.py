@@ -10,7 +10,7 @@ from ...core.recovery import RecoveryActions
 from ..gradscaler import scaler_enabled
 from .clip import clip_grads
 from .loss_scale import unscale_grads
-from .lr_backoff import learning_rates, lr_backoff
+from .lr_backoff import hand_params, learning_rates, lr_backoff, scale_grads
 from .skip import skip_step
 from .snapshot import Snapshot
 from .state import optimizer_state_finite, state_finite
@@ -85,7 +85,15 @@ class TorchActions(RecoveryActions):
 
     # -------------------------------------------------------------- every update, once armed
     def clip_gradients(self, max_norm: float) -> None:
-        clip_grads(self.optimizers, max_norm)
+        if self.optimizers:
+            clip_grads(self.optimizers, max_norm)
+        else:  # hand-written updates: the watched modules' gradients
+            params = hand_params(self.modules)
+            if params:
+                torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def unscale_gradients(self, factor: float) -> None:
-        unscale_grads(self.optimizers, factor)
+        if self.optimizers:
+            unscale_grads(self.optimizers, factor)
+        else:
+            scale_grads(hand_params(self.modules), factor)

@@ -1,4 +1,9 @@
-"""``lr_backoff``: lower the learning rate, and keep it lower through the LR schedulers."""
+"""``lr_backoff``: lower the learning rate, and keep it lower through the LR schedulers.
+
+Hand-written updates (``p.data.add_(p.grad, alpha=-lr)``, no optimizer object) have no learning rate
+to lower: the policy scales their gradients instead (``grad_scale``), before every update,
+with :func:`scale_grads` on :func:`hand_params`.
+"""
 from __future__ import annotations
 
 import gc
@@ -47,6 +52,18 @@ def lr_backoff(optimizers: Sequence[Any], factor: float = 0.1) -> Dict[str, Any]
                 if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
                     setattr(sched, attr, [x * factor for x in v])
     return {"lr_before": before, "lr_after": after, "factor": factor}
+
+
+def hand_params(modules: Sequence[torch.nn.Module]) -> List[torch.Tensor]:
+    """The parameters a script trains by hand: those of the watched modules that have a gradient."""
+    return [p for m in modules for p in m.parameters() if p.grad is not None]
+
+
+def scale_grads(params: Sequence[torch.Tensor], factor: float) -> None:
+    """Multiply every gradient of ``params`` by ``factor`` (one fused kernel)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
 
 
 def schedulers_of(opt: Any) -> list:

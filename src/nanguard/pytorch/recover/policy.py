@@ -65,14 +65,23 @@ class RecoveryPolicy(_NeutralPolicy):
         if self.loss_scaler is not None:
             self.on_check(self.actions(optimizers=optimizers))
 
-    def before_update(self, optimizers) -> bool:
-        """Right before each optimizer update of a step that passed the check: clipping."""
-        if self._watcher is not None and self.initial is None and optimizers:
+    def before_update(self, optimizers, modules: Sequence[torch.nn.Module] = ()) -> bool:
+        """Right before each optimizer update of a step that passed the check: clipping, gradient scaling.
+        ``modules``: with no optimizer (hand-written updates), whose gradients those act on."""
+        if self._watcher is not None and self.initial is None and (optimizers or modules):
             w = self._watcher()
             if w is not None:  # nanguard run: the state before the very first update
-                self.maybe_snapshot(w.monitor.step_of(optimizers[0]), list(w.monitor.roots), w.optimizers(),
-                                    w.scalers[0] if w.scalers else None)
-        return self.on_update(self.actions(optimizers=optimizers))
+                self.maybe_snapshot(w.monitor.step_of(optimizers[0] if optimizers else None), list(w.monitor.roots),
+                                    w.optimizers(), w.scalers[0] if w.scalers else None)
+        return self.on_update(self.actions(modules, optimizers=optimizers))
+
+    def spike(self, event, *, step: int, modules, optimizers, scaler, roots, history, rollback: bool):
+        """An early warning under on_spike="skip"/"rollback" (the core policy's ``on_spike``)."""
+        rec = self.on_spike(event, step=step, actions=self.actions(modules, optimizers, scaler, roots),
+                            history=history, rollback=rollback)
+        if rec and (rec.get("actions") or {}).get("rollback"):
+            self._rolled_back(rec)
+        return rec
 
     # ---------------------------------------------------------------- Guard adapter
     def bind_guard(self, guard) -> None:
@@ -103,13 +112,18 @@ class RecoveryPolicy(_NeutralPolicy):
                          scaler=guard.scaler, roots=[guard.model], history=hist, drop=guard.drop_samples_fn())
         if not rec:
             return None
+        self._rolled_back(rec)
+        return "apply" if "drop_samples" in rec["actions"] else "skip"
+
+    def _rolled_back(self, rec: Dict[str, Any]) -> None:
+        """After a recovery (a failure's, or an early warning's rollback): say how a virtual snapshot was
+        rebuilt, and start a new trajectory (the next snapshot is a real copy)."""
         rb = (rec.get("actions") or {}).get("rollback")
         snap = self.store.at(rb["to_step"]) if rb and "to_step" in rb else None
         if getattr(snap, "replayed", None) is not None:  # a virtual snapshot: base + steps run again
             rb.update(virtual=True, base_step=snap.base.step, snapshot_bytes=snap.base.nbytes, **snap.replayed)
         self.store.new_trajectory()
         self._versions = None
-        return "apply" if "drop_samples" in rec["actions"] else "skip"
 
     # ---------------------------------------------------------------- Watcher adapter (nanguard run)
     def attach(self, watcher) -> None:

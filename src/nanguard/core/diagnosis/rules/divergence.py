@@ -1,55 +1,295 @@
-"""Rules over the step history (``signals.history_signals``): steady geometric growth (learning rate too
-high), a sudden gradient-norm jump (gradient explosion), a collapsing loss scale."""
+"""Rules over the step history: a run that blows up (``signals.history_signals`` and its
+``dynamics``), wherever the non-finite value surfaces, and a collapsing loss scale.
+
+Where did the size come from, in this order:
+
+1. a batch far outside the data seen so far at the start of the excursion -> ``bad_input_data``
+   (even though every value of it is finite);
+2. the parameters grew over the last updates (update-to-weight ratio far above ~1e-2) ->
+   ``lr_too_high``, naming what made the step too large: the learning rate for this optimizer, a
+   schedule that raised it (warm-up), a momentum close to 1, Adam's ``beta2`` far below 0.999, or
+   the measured step of hand-written updates; one single huge update right after a gradient jump is
+   ``gradient_explosion`` instead;
+3. steady geometric growth of the loss or gradient norm -> ``lr_too_high``;
+4. a sudden gradient-norm jump after a calm run -> ``gradient_explosion``;
+5. a loss excursion whose updates were >= 0.1 of the weights (the weights oscillate along the sharpest
+   direction before their norm grows: the edge of stability) -> ``lr_too_high``; checked before 4.
+   when the updates were >= 3% of the weights already before the excursion.
+
+Each result carries the numbers, the step where the growth began (``evidence.onset_step``: recovery
+rolls back to a snapshot from before it) and, for ``lr_too_high``, the learning-rate factor that
+recovery applies (``evidence.lr_backoff_factor``).
+"""
 from __future__ import annotations
 
 import math
 
 from .. import text as T
 
+# The learning-rate factor (clamped to [1e-4, 0.1]):
+# * plain gradient steps (SGD, hand-written updates): half the stability limit. On a quadratic, a step
+#   size past 2/lambda amplifies the deviation along the sharpest direction by amp = |1 - lr lambda|
+#   per step, and the loss (its square) by amp^2: amp = sqrt(the loss's typical per-step factor),
+#   limit = 2 lr / (amp + 1), factor = 1 / (amp + 1);
+# * adaptive optimizers (Adam...: the step is ~lr per element whatever the gradient): aim the first
+#   update of the excursion at 3% of the weights (healthy training moves them ~1e-3 per step): a run
+#   whose first diverging update was R times its weights gets 0.03 / R.
+TARGET_UPDATE_RATIO = 0.03
+HEALTHY_RATIO = "healthy < 1e-2"
 
-def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: float) -> dict | None:
-    lr = sig.get("lr") or []
-    lr0 = lr[0] if lr and T.fin(lr[0]) else None
-    where = f" (the overflow surfaced at {T.where(origin)})" if origin else ""
+
+def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: float,
+               ctx: dict | None = None, outcome: str = "until it overflowed") -> dict | None:
+    """The divergence cause the history supports, or None when it shows no growth. ``outcome``: how the
+    growth ended, in the summary ("until it overflowed"; an early warning: "so far")."""
+    ctx = ctx or {}
+    dy = sig.get("dynamics") or {}
+    where = outcome + (f" (the overflow surfaced at {T.where(origin)})" if origin else "")
+    for k in ("onset_step", "regime_onset_step"):
+        if dy.get(k) is not None:
+            ev[k] = dy[k]
+    if _outlier(dy):
+        return outlier_batch(dy, ev, method, conf, where)
+    if dy.get("param_growth_significant"):
+        single_jump = dy.get("param_growth_updates", 0) <= 1 and _grad_jump_at_onset(dy) >= 50
+        if not single_jump:
+            return params_grew(sig, dy, ev, method, conf, where, ctx)
     if sig.get("geometric_growth"):
-        lfac, lrun = sig.get("loss_growth_factor", 1.0), sig.get("loss_growth_run", 0)
-        gfac, grun = sig.get("grad_growth_factor", 1.0), sig.get("grad_growth_run", 0)
-        amp = gfac if grun >= 3 else math.sqrt(max(lfac, 1.0))
-        ev.update(loss_growth_factor_per_step=lfac, loss_growth_steps=lrun, grad_growth_factor_per_step=gfac,
-                  grad_growth_steps=grun, lr=lr)
-        fixes = []
-        if lr0:
-            limit = 2 * lr0 / (amp + 1)
-            ev["estimated_stable_lr_limit"] = limit
-            fixes.append(f"lower the learning rate from {T.g(lr0)} to at most {T.g(limit, 2)} (the stability "
-                         f"limit estimated from the ×{T.g(amp, 2)}/step amplification of the gradient); "
-                         f"e.g. {T.g(T.nice(limit / 2), 2)}")
-        else:
-            fixes.append("lower the learning rate by 10x or more")
-        fixes += ["normalise the input features (zero mean, unit variance): unscaled features give a large "
-                  "curvature that makes the learning rate unstable",
-                  "add a warm-up, or clip the gradient norm (torch.nn.utils.clip_grad_norm_) as a safety net"]
-        growth = f"the loss grew ×{T.g(lfac, 3)} per step for {lrun} consecutive steps" if lrun >= 3 else \
-            f"the gradient norm grew ×{T.g(gfac, 3)} per step for {grun} consecutive steps"
-        return T.result("lr_too_high", f"learning rate too high: {growth} until it overflowed{where}"
-                        + (f"; lr {T.g(lr0)}" if lr0 else ""), conf, ev, fixes, method)
-    if sig.get("grad_jump"):
-        p95 = sig.get("grad_norm_p95_healthy")
-        ev.update(grad_norm_last=sig.get("grad_norm_last"), grad_norm_median_before=sig.get(
-            "grad_norm_median_before"), grad_jump_factor=sig.get("grad_jump_factor"), grad_norm_p95_healthy=p95)
-        mx = T.g(T.nice(p95), 2) if T.fin(p95) else "1.0"
-        fixes = [f"clip the gradient norm before optimizer.step(): torch.nn.utils.clip_grad_norm_("
-                 f"model.parameters(), max_norm={mx}) (the 95th percentile of the healthy gradient norms)",
-                 "roll back to the last finite state and skip or clip the step with the jump"]
-        if lr0:
-            fixes.append(f"if it recurs, lower the learning rate (e.g. {T.g(lr0)} -> {T.g(lr0 / 10)})")
-        fixes.append("for recurrent models keep the recurrent matrix's spectral radius below 1 (orthogonal "
-                     "init with gain < 1, gating) and use truncated BPTT")
-        return T.result("gradient_explosion", f"gradient explosion: the gradient norm jumped from a median of "
-                        f"{T.g(sig.get('grad_norm_median_before'))} to {T.g(sig.get('grad_norm_last'))} "
-                        f"(×{T.g(sig.get('grad_jump_factor'), 3)}) in one step and the next forward overflowed"
-                        f"{where}", conf, ev, fixes, method)
+        return steady_growth(sig, dy, ev, method, conf, where, ctx)
+    calm_large = T.fin(dy.get("update_ratio_calm")) and dy["update_ratio_calm"] >= CALM_TOO_LARGE
+    if calm_large and _updates_too_large(dy):  # the updates were too large before any jump
+        return params_grew(sig, dy, ev, method, conf, where, ctx)
+    if sig.get("grad_jump") or _grad_jump_at_onset(dy) >= 50:
+        return grad_jump(sig, dy, ev, method, conf, where)
+    if _updates_too_large(dy):
+        return params_grew(sig, dy, ev, method, conf, where, ctx)
     return None
+
+
+def history_words(sig: dict) -> str:
+    """What the history says when no divergence rule matched: never "no divergence" when it grew."""
+    dy = sig.get("dynamics") or {}
+    tot = dy.get("loss_growth_total")
+    if T.fin(tot) and tot >= 10:
+        return (f"the loss grew ×{T.g(tot, 3)} from step {dy.get('loss_onset_step')}, but no parameter growth, "
+                "update size, outlier batch or gradient jump in the history explains it")
+    if dy.get("param_growth_significant"):
+        return (f"the parameter norm grew {T.g(dy.get('param_norm_before'))} -> {T.g(dy.get('param_norm_last'))} "
+                "over the last updates")
+    return "the history shows no divergence"
+
+
+# ---------------------------------------------------------------------------- 1. an outlier batch
+def _outlier(dy: dict) -> bool:
+    return bool(dy.get("outlier_step") is not None and (dy.get("outlier_loss_factor") or 0) >= 10)
+
+
+def outlier_batch(dy: dict, ev: dict, method: str, conf: float, where: str) -> dict:
+    s = dy["outlier_step"]
+    ev.update(outlier_step=s, outlier_batch_max=dy.get("outlier_batch_max"),
+              batch_max_before=dy.get("batch_max_before"), outlier_factor=dy.get("outlier_factor"),
+              rollback_to_step=s)
+    grew_s = ""
+    if dy.get("param_growth_significant"):
+        grew_s = (f"; its update threw the parameters (norm {T.g(dy.get('param_norm_before'))} -> "
+                  f"{T.g(dy.get('param_norm_last'))})")
+    summ = (f"a batch far outside the data seen so far: the batch of step {s} holds values up to "
+            f"{T.g(dy.get('outlier_batch_max'))}, ×{T.g(dy.get('outlier_factor'), 3)} the largest of the batches "
+            f"before it ({T.g(dy.get('batch_max_before'))}); every value is finite, but the loss jumped "
+            f"×{T.g(dy.get('outlier_loss_factor'), 3)} at that step{grew_s}, {where}")
+    fixes = [f"validate the inputs before training on them (units, scaling, export errors): e.g. reject a batch "
+             f"whose x.abs().max() is far above the data's usual range ({T.g(dy.get('batch_max_before'))})",
+             "normalise the features with statistics of the training data, and clip or winsorise extreme values",
+             f"skip or quarantine the batch of step {s} (nanguard --recover auto rolls back to before it)"]
+    return T.result("bad_input_data", summ, conf, ev, fixes, method)
+
+
+# ---------------------------------------------------------------------------- 2. parameters grew
+# An excursion of the loss (>= 10x) whose updates were >= 0.1 of the weights (10x the healthy ~1e-2):
+# the weights oscillate along the sharpest direction (edge of stability) before their norm grows.
+UPDATES_TOO_LARGE = 0.1
+# Updates of >= 3% of the weights per step already in the calm phase: the step size (or an
+# initialisation that makes every gradient huge) is the cause, not the gradient jump it leads to.
+CALM_TOO_LARGE = 0.03
+
+
+def _updates_too_large(dy: dict) -> bool:
+    return bool((dy.get("loss_growth_total") or 0) >= 10 and T.fin(dy.get("update_ratio_excursion_max"))
+                and dy["update_ratio_excursion_max"] >= UPDATES_TOO_LARGE)
+
+
+def _grad_jump_at_onset(dy: dict) -> float:
+    b, last = dy.get("grad_norm_before"), dy.get("grad_norm_last")
+    if T.fin(b) and T.fin(last) and b > 0:
+        return last / b
+    return 0.0
+
+
+def _lr_ref(dy: dict, ctx: dict) -> tuple[float | None, bool]:
+    """(the step size to lower, whether it was measured from hand-written updates)."""
+    lr = dy.get("lr_at_onset", dy.get("lr_last"))
+    if T.fin(lr) and lr > 0:
+        return float(lr), False
+    if T.fin(dy.get("effective_lr")):
+        return float(dy["effective_lr"]), True
+    lrs = [x for x in (ctx.get("lr") or []) if T.fin(x)]
+    return (float(lrs[0]), False) if lrs else (None, False)
+
+
+def backoff(dy: dict, ctx: dict, measured: bool) -> float:
+    """The learning-rate factor for the excursion (see ``TARGET_UPDATE_RATIO``)."""
+    opt = str(ctx.get("optimizer") or "")
+    adaptive = bool(opt) and not measured and opt.lower() != "sgd"
+    ratio, per = dy.get("update_ratio_at_onset"), dy.get("loss_ratio_per_step")
+    if adaptive and T.fin(ratio) and ratio > 0:
+        f = TARGET_UPDATE_RATIO / ratio
+    elif not adaptive and T.fin(per) and per > 1:
+        f = 1.0 / (math.sqrt(per) + 1.0)
+    else:
+        f = 0.1
+    return max(1e-4, min(0.1, f))
+
+
+def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[str, list[str], str | None]:
+    """What made the step too large, in words; the fixes for it; why lowering the lr alone is not sound."""
+    opt = str(ctx.get("optimizer") or "")
+    betas = ctx.get("betas")
+    mom = ctx.get("momentum")
+    factor = backoff(dy, ctx, measured)
+    new = T.g(T.nice(lr * factor), 2) if lr else None
+    if "adam" in opt.lower() and isinstance(betas, (list, tuple)) and len(betas) == 2 and T.fin(betas[1]) \
+            and betas[1] < 0.9:
+        b2 = float(betas[1])
+        why = (f"{opt}'s beta2 = {T.g(b2)} makes the second-moment estimate forget within "
+               f"{T.g(1 / max(1 - b2, 1e-9), 2)} steps, so the update m / sqrt(v) is not normalised by the gradient's "
+               "history: parameters whose gradient shrinks or is 0 in most batches (rarely used rows, "
+               "embeddings) get steps of up to ~lr / eps")
+        fixes = [f"use betas=({T.g(betas[0])}, 0.999) (beta2 close to 1; 0.95-0.999 are the usual values)",
+                 "if you meant a short memory, raise eps (e.g. 1e-6) so sqrt(v) + eps cannot vanish"]
+        unsound = (f"lowering the learning rate does not fix beta2 = {T.g(b2)} (the update stays unnormalised and "
+                   "grows again): change betas")
+        return why, fixes, unsound
+    if measured:
+        why = (f"there is no optimizer object: the hand-written update's step size, measured from the "
+               f"parameter change and the gradient, is {T.g(lr)}")
+        fixes = [f"lower the step size of the hand-written update (p -= lr * p.grad) from {T.g(lr)} to about {new}",
+                 "or clip the gradient norm before the update: torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                 "0.25)"]
+        return why, fixes, None
+    if T.fin(mom) and mom >= 0.95:
+        eff = lr / (1 - mom) if lr else None
+        why = (f"with momentum {T.g(mom)} the effective step is lr / (1 - momentum) = {T.g(eff)}: "
+               f"the learning rate {T.g(lr)} was tuned for a lower momentum")
+        fixes = [f"lower the momentum to 0.9 (effective step {T.g(lr / 0.1) if lr else '?'}) or the learning rate to "
+                 f"about {new}"]
+        return why, fixes, None
+    if dy.get("lr_rose_from") is not None and lr:
+        why = (f"the learning-rate schedule raised it from {T.g(dy['lr_rose_from'])} (step {dy['lr_rose_from_step']}) "
+               f"to {T.g(lr)} at step {dy.get('onset_step')}, where the growth began: the schedule's peak is past "
+               "the stability limit")
+        fixes = [f"lower the schedule's peak learning rate to about {new} (multiply the base lr by {T.g(factor, 2)}), "
+                 "or lengthen the warm-up", "check the schedule itself: a warm-up factor must stop at 1 "
+                 "(e.g. min(1, (step + 1) / warmup_steps))"]
+        return why, fixes, None
+    name = opt or "this optimizer"
+    why = f"the learning rate {T.g(lr)} is too high for {name} here" if lr else "the step size is too large"
+    fixes = [f"lower the learning rate from {T.g(lr)} to about {new}" if lr else "lower the learning rate by 10x "
+             "or more"]
+    return why, fixes, None
+
+
+def params_grew(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: str, ctx: dict) -> dict:
+    lr, measured = _lr_ref(dy, ctx)
+    ratio = dy.get("update_ratio_at_onset")
+    k = dy.get("param_growth_updates")
+    ev.update({kk: dy.get(kk) for kk in ("param_norm_before", "param_norm_last", "param_growth_updates",
+                                         "param_growth_from_step", "update_ratio_at_onset", "update_ratio_calm",
+                                         "lr_at_onset", "lr_rose_from", "effective_lr") if dy.get(kk) is not None})
+    ev["lr_backoff_factor"] = backoff(dy, ctx, measured)
+    if lr:
+        ev["lr"] = lr
+    why, fixes, unsound = _why_step(dy, ctx, lr, measured)
+    if unsound:
+        ev["recovery_unsound"] = unsound
+    if dy.get("param_growth_significant"):
+        parts = [f"the parameter norm grew {T.g(dy.get('param_norm_before'))} -> {T.g(dy.get('param_norm_last'))} "
+                 f"over {k} update{'s' if k != 1 else ''} from step {dy.get('param_growth_from_step')}"]
+    else:
+        parts = [f"the update/weight ratio rose to {T.g(dy.get('update_ratio_excursion_max'), 2)} from step "
+                 f"{dy.get('onset_step')} ({T.g(dy.get('update_ratio_calm'), 2)} before; {HEALTHY_RATIO})"]
+    if T.fin(ratio) and dy.get("param_growth_significant"):
+        parts.append(f"the first diverging update changed the weights by {T.g(ratio, 2)}× their norm (update/weight "
+                     f"ratio; {HEALTHY_RATIO})")
+    if T.fin(dy.get("loss_before")) and T.fin(dy.get("loss_last")):
+        parts.append(f"the loss went {T.g(dy['loss_before'])} -> {T.g(dy['loss_last'])}")
+    calm = dy.get("update_ratio_calm")
+    if T.fin(calm) and calm >= CALM_TOO_LARGE:
+        parts.append(f"the updates were already {T.g(calm, 2)}× the weights before it: the gradients are large "
+                     "from the first steps (an initialisation that grows through the layers, unnormalised inputs) "
+                     "or the learning rate is too high for them")
+        fixes.append("check the initialisation: the activations should not grow through the layers (zero-init or "
+                     "scale by 1/sqrt(depth) the last layer of each residual branch, or add normalisation layers)")
+    summ = f"step size too large: {'; '.join(parts)}, {where}; {why}"
+    fixes += ["clip the gradient norm (torch.nn.utils.clip_grad_norm_) as a safety net, and add a warm-up"]
+    return T.result("lr_too_high", summ, conf, ev, fixes, method)
+
+
+# ---------------------------------------------------------------------------- 3. steady growth
+def steady_growth(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: str, ctx: dict) -> dict:
+    lr, measured = _lr_ref(dy, ctx)
+    if lr is None:
+        lrs = sig.get("lr") or []
+        lr = lrs[0] if lrs and T.fin(lrs[0]) else None
+    lfac, lrun = sig.get("loss_growth_factor", 1.0), sig.get("loss_growth_run", 0)
+    gfac, grun = sig.get("grad_growth_factor", 1.0), sig.get("grad_growth_run", 0)
+    amp = gfac if grun >= 3 else math.sqrt(max(lfac, 1.0))
+    ev.update(loss_growth_factor_per_step=lfac, loss_growth_steps=lrun, grad_growth_factor_per_step=gfac,
+              grad_growth_steps=grun, lr=sig.get("lr") or ([lr] if lr else []))
+    fixes = []
+    if lr:
+        limit = 2 * lr / (amp + 1)
+        ev["estimated_stable_lr_limit"] = limit
+        what = "step size of the hand-written update" if measured else "learning rate"
+        fixes.append(f"lower the {what} from {T.g(lr)} to at most {T.g(limit, 2)} (the stability limit estimated "
+                     f"from the ×{T.g(amp, 2)}/step amplification of the gradient); e.g. {T.g(T.nice(limit / 2), 2)}")
+    else:
+        fixes.append("lower the learning rate by 10x or more")
+    fixes += ["normalise the input features (zero mean, unit variance): unscaled features give a large "
+              "curvature that makes the learning rate unstable",
+              "add a warm-up, or clip the gradient norm (torch.nn.utils.clip_grad_norm_) as a safety net"]
+    growth = f"the loss grew ×{T.g(lfac, 3)} per step for {lrun} consecutive steps" if lrun >= 3 else \
+        f"the gradient norm grew ×{T.g(gfac, 3)} per step for {grun} consecutive steps"
+    why = ""
+    if measured:
+        why = f"; the hand-written update's measured step size is {T.g(lr)}"
+    elif lr:
+        why = f"; lr {T.g(lr)}"
+    return T.result("lr_too_high", f"learning rate too high: {growth} {where}{why}", conf, ev,
+                    fixes, method)
+
+
+# ---------------------------------------------------------------------------- 4. a gradient jump
+def grad_jump(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: str) -> dict:
+    before = dy.get("grad_norm_before") if dy.get("grad_norm_before") else sig.get("grad_norm_median_before")
+    last = sig.get("grad_norm_last") or dy.get("grad_norm_last")
+    fac = last / before if T.fin(last) and T.fin(before) and before > 0 else sig.get("grad_jump_factor")
+    p95 = sig.get("grad_norm_p95_healthy")
+    ev.update(grad_norm_last=last, grad_norm_median_before=before, grad_jump_factor=fac, grad_norm_p95_healthy=p95)
+    lrs = sig.get("lr") or []
+    lr0 = lrs[0] if lrs and T.fin(lrs[0]) else None
+    mx = T.g(T.nice(p95), 2) if T.fin(p95) else "1.0"
+    fixes = [f"clip the gradient norm before optimizer.step(): torch.nn.utils.clip_grad_norm_("
+             f"model.parameters(), max_norm={mx}) (the 95th percentile of the healthy gradient norms)",
+             "roll back to the last finite state and skip or clip the step with the jump"]
+    if lr0:
+        fixes.append(f"if it recurs, lower the learning rate (e.g. {T.g(lr0)} -> {T.g(lr0 / 10)})")
+    fixes.append("for recurrent models keep the recurrent matrix's spectral radius below 1 (orthogonal "
+                 "init with gain < 1, gating, a parametrisation that bounds it) and use truncated BPTT")
+    onset = dy.get("grad_onset_step")
+    at = f" from step {onset}" if onset is not None else ""
+    return T.result("gradient_explosion", f"gradient explosion: the gradient norm jumped from a median of "
+                    f"{T.g(before)} to {T.g(last)} (×{T.g(fac, 3)}){at} after a calm run; it grew {where}",
+                    conf, ev, fixes, method)
 
 
 def loss_scale(sig: dict, ev: dict, method: str, conf: float) -> dict:

@@ -21,7 +21,7 @@ def exp_rule(c) -> dict:
     if c.low and c.f32.get("direct_finite"):
         return lp_overflow(c.origin, c.facts, c.ev, c.method)
     if not c.low:
-        dv = divergence(c.sig, c.origin, c.ev, c.method, 0.8)
+        dv = divergence(c.sig, c.origin, c.ev, c.method, 0.8, c.ctx)
         if dv is not None and not c.excludes(dv["category"]):
             return dv
     return exp_result(c.origin, c.facts, c.ev, c.method)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .. import families as F
 from .. import fixes as X
 from .. import text as T
-from .divergence import divergence
+from .divergence import divergence, history_words
 from .precision import lp_overflow
 
 
@@ -25,7 +25,7 @@ def _overflow_from_finite_inputs_rule(c) -> dict | None:
     api, where, dtype = c.api, c.where, c.dtype
     if c.low and c.f32.get("direct_finite"):
         return lp_overflow(origin, facts, ev, method)
-    dv = divergence(c.sig, origin, ev, method, 0.85)
+    dv = divergence(c.sig, origin, ev, method, 0.85, c.ctx)
     if dv is not None and not c.excludes(dv["category"]):
         return dv
     dtype_max = (facts.get("overflow") or {}).get("dtype_max")
@@ -37,10 +37,32 @@ def _overflow_from_finite_inputs_rule(c) -> dict | None:
                                    "find which upstream value saturated onto the pole (a sigmoid/tanh that "
                                    "rounds to exactly +-1 or 0/1)"], method)
     return T.result("other", f"{api} overflowed the {dtype} range (max {T.g(dtype_max)}) at {where}; float64 "
-                    f"would hold it (max |x| {T.g(f64.get('max_abs'))}) and the history shows no divergence",
+                    f"would hold it (max |x| {T.g(f64.get('max_abs'))}) and {history_words(c.sig)}",
                     0.45, ev, ["rescale the values feeding this op (normalise inputs/targets) or compute it in "
                                "float64", "check the parameter norms for slow growth (weight decay, lower lr)"],
                     method)
+
+
+@F.generic_rule(1750, categories=("bad_input_data", "lr_too_high", "gradient_explosion", "other"))
+def _range_ran_out_rule(c) -> dict | None:
+    """NaN or inf from finite inputs that float64 computes finitely: the dtype's range ran out inside the
+    op (inf - inf or inf * 0 in a layer_norm, an attention, a matmul): the inputs are huge. Where the
+    size came from is a question for the history (an outlier batch, parameters grown by the updates)."""
+    ins = c.origin.get("inputs") or []
+    if not c.f64.get("finite") or any(i.get("nonfinite") for i in ins if isinstance(i, dict)):
+        return None
+    dv = divergence(c.sig, c.origin, c.ev, c.method, 0.8, c.ctx)
+    if dv is not None:
+        return dv
+    big = max((i.get("max_abs") or 0 for i in ins if isinstance(i, dict) and T.fin(i.get("max_abs"))), default=None)
+    out = c.out
+    return T.result("other", f"{c.api} produced {out.get('nan', 0)} NaN / {out.get('posinf', 0) + out.get('neginf', 0)}"
+                    f" Inf at {c.where} from finite inputs (max |x| {T.g(big)}) that float64 computes finitely: the "
+                    f"{c.dtype} range ran out inside the op; {history_words(c.sig)}", 0.45, c.ev,
+                    [f"find where the inputs of {c.api} at {c.where} become this large (print their abs().max() per "
+                     "layer): an unnormalised input, an initialisation that grows through the layers, or weights "
+                     "that grew", "normalise the activations (LayerNorm/BatchNorm), scale the initialisation "
+                     "down with depth, or compute this op in float64"], c.method)
 
 
 def other(c) -> dict:

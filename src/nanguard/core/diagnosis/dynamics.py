@@ -1,0 +1,239 @@
+"""The dynamics of a run that blows up, read from the step history (plain records, oldest first).
+
+Where did the size come from? :func:`dynamics` measures, over the trailing excursion of the run:
+
+* ``onset_step``: the first step of the excursion (loss above the range of the steps before it, or
+  the parameter norm growing): a rollback must go to a snapshot from before it; and
+  ``regime_onset_step``: since when the loss has not been back near its best level (a slow creep or
+  a noisy plateau before the excursion: the weights there are not healthy either);
+* the parameter norm before and after (``param_norm_after`` of the last record: the weights the
+  failing step used), how many updates the growth took and the update-to-weight ratio of its first
+  update (measured from the norms, and ``lr * |g| / |w|``);
+* the learning rate at the onset and whether a schedule raised it just before (a warm-up);
+* the step size of hand-written updates (``effective_lr``: no optimizer, no lr to read);
+* a batch far outside the data seen so far (``batch_max``: the largest |value| of each batch).
+
+Numbers only: the rules (``rules/divergence.py``) turn them into a cause and its fixes.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .text import fin
+
+__all__ = ["dynamics", "excursion_onset"]
+
+Series = List[Tuple[int, float]]
+
+# A batch is an outlier when its largest |value| is this many times the largest of the batches
+# before it (at least OUTLIER_MIN_BEFORE of them): unit mix-ups (Pa for kPa) are x1000.
+OUTLIER_FACTOR = 10.0
+OUTLIER_MIN_BEFORE = 5
+# Parameter growth worth naming: x3 in all, or x1.5 with >= 1.2x per update over >= 2 updates.
+PARAM_GROWTH = 3.0
+
+
+def _series(recs: Sequence[dict], key: str, positive: bool = False) -> Series:
+    out = []
+    for h in recs:
+        v = h.get(key)
+        if isinstance(v, (list, tuple)):
+            v = v[0] if v else None
+        if fin(v) and (not positive or v > 0):
+            out.append((int(h.get("step", len(out))), float(v)))
+    return out
+
+
+def _quantile(vals: Sequence[float], q: float) -> float:
+    s = sorted(vals)
+    k = (len(s) - 1) * q
+    lo, hi = int(math.floor(k)), int(math.ceil(k))
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def excursion_onset(series: Series, min_before: int = 4) -> Optional[int]:
+    """The first step of the trailing excursion of ``series`` (oldest first): walking back from the
+    last value while each value is above the 75% quantile of the values before it (with fewer than
+    ``min_before`` values before it: above 1.5x their largest). None when the last value is not
+    above the values before it (no excursion)."""
+    start = None
+    for i in range(len(series) - 1, 0, -1):
+        before = [v for _, v in series[:i]]
+        cur = series[i][1]
+        if len(before) >= min_before:
+            q = _quantile(before, 0.75)
+            high = cur > q + 0.5 * abs(q) if q > 0 else cur > q + (_quantile(before, 0.9) - _quantile(before, 0.1))
+        else:
+            m = max(before)
+            high = cur > 1.5 * m if m > 0 else False
+        if not high:
+            break
+        start = series[i][0]
+    return start
+
+
+def regime_onset(series: Series, window: int = 5, factor: float = 2.0) -> Optional[int]:
+    """The first step since which the loss's rolling median (over ``window`` steps) has stayed above
+    ``factor`` times its best rolling median (positive losses only; None when it is back there at the
+    end, or the run is too short)."""
+    vals = [v for _, v in series]
+    if len(vals) < 2 * window or min(vals) <= 0:
+        return None
+    med = [statistics.median(vals[i - window + 1:i + 1]) for i in range(window - 1, len(vals))]
+    best = min(med)
+    last_ok = max((i for i, m in enumerate(med) if m <= factor * best), default=None)
+    if last_ok is None or last_ok == len(med) - 1:
+        return None
+    i = last_ok + 1 + window - 1 - window // 2  # the window's middle: the rolling median lags
+    return series[min(max(i, 0), len(series) - 1)][0]
+
+
+def _param_run(pser: Series, calm_before: Optional[int]) -> Optional[Tuple[int, int, float, float]]:
+    """The trailing run of updates that grew the parameter norm: (first step, updates, norm before,
+    norm after). An update counts when it grew the norm by more than max(3%, 5x the median relative
+    change of the updates before ``calm_before``, the loss excursion's first step, when known)."""
+    if len(pser) < 2:
+        return None
+    ch = [(s0, b / a - 1.0) for (s0, a), (_s1, b) in zip(pser, pser[1:])]
+    calm = [abs(d) for s, d in ch if calm_before is not None and s < calm_before - 1]
+    thr = max(0.03, 5 * statistics.median(calm)) if len(calm) >= 3 else 0.03
+    k = 0
+    for _s, d in reversed(ch):
+        if d <= thr:
+            break
+        k += 1
+    if k == 0:
+        return None
+    i0 = len(pser) - 1 - k
+    return pser[i0][0], k, pser[i0][1], pser[-1][1]
+
+
+def dynamics(history: Sequence[dict]) -> Dict[str, Any]:
+    """Plain numbers about how the run grew before it failed (see the module docstring)."""
+    recs = [h for h in history or () if isinstance(h, dict)]
+    out: Dict[str, Any] = {}
+    if not recs:
+        return out
+    applied = [h for h in recs if not h.get("skipped")]
+    loss = _series(applied, "loss")
+    grad = _series(applied, "grad_norm")
+    lon = excursion_onset(loss)
+    gon = excursion_onset(grad)
+    pser = _series(recs, "param_norm", positive=True)
+    last = recs[-1]
+    if fin(last.get("param_norm_after")) and last["param_norm_after"] > 0:
+        pser.append((int(last.get("step", 0)) + 1, float(last["param_norm_after"])))
+    elif last.get("param_norm_after") is not None and not fin(last.get("param_norm_after")):
+        out["param_norm_after_nonfinite"] = True
+    run = _param_run(pser, lon)
+    onsets = [s for s in (lon,) if s is not None]
+    if run is not None:
+        s0, k, a, b = run
+        per = (b / a) ** (1.0 / k) if a > 0 else float("inf")
+        out.update(param_growth_from_step=s0, param_growth_updates=k, param_norm_before=a, param_norm_last=b,
+                   param_growth=b / a if a > 0 else float("inf"), param_growth_per_update=per)
+        before = [v for s, v in loss if s <= s0]
+        rise = loss[-1][1] / statistics.median(before) if before and statistics.median(before) > 0 else None
+        big = (out["param_growth"] >= PARAM_GROWTH or (out["param_growth"] >= 1.5 and k >= 2 and per >= 1.2)) \
+            and (lon is not None or (rise is not None and rise >= 2))  # and the loss rose with it
+        out["param_growth_significant"] = bool(big)
+        if big:
+            onsets.append(s0 + 1)  # the update of s0 made the weights the loss of s0 + 1 saw
+    if lon is not None:
+        before = [v for s, v in loss if s < lon]
+        out.update(loss_onset_step=lon, loss_before=statistics.median(before) if before else None,
+                   loss_last=loss[-1][1], loss_at_onset=dict(loss).get(lon))
+        if before and out["loss_before"] and out["loss_before"] > 0 and loss[-1][1] > 0:
+            out["loss_growth_total"] = loss[-1][1] / out["loss_before"]
+        exc = [v for s, v in loss if s >= lon - 1]
+        ratios = [b / a for a, b in zip(exc, exc[1:]) if a > 0 and b > 0]
+        if ratios:  # the typical per-step factor (a median: one last overflowing step does not dominate)
+            out["loss_ratio_per_step"] = statistics.median(ratios)
+    if gon is not None:
+        before = [v for s, v in grad if s < gon]
+        out.update(grad_onset_step=gon, grad_norm_before=statistics.median(before) if before else None,
+                   grad_norm_last=grad[-1][1])
+    if onsets:
+        out["onset_step"] = min(onsets)
+        reg = regime_onset(loss)
+        if reg is not None and reg < out["onset_step"]:
+            out["regime_onset_step"] = reg
+    onset = out.get("onset_step")
+    # the first update of the excursion: how large it was relative to the weights
+    if onset is not None:
+        first = next((h for h in recs if h.get("step") == onset - 1), None)
+        if first is not None:
+            ratios = []
+            if fin(first.get("update_ratio")):
+                ratios.append(float(first["update_ratio"]))
+            a, b = first.get("param_norm"), first.get("param_norm_after")
+            if fin(a) and fin(b) and a > 0:
+                out["param_change_first_update"] = abs(b - a) / a
+                ratios.append(abs(b - a) / a)
+            if ratios:
+                out["update_ratio_at_onset"] = max(ratios)
+        calm = [float(h["update_ratio"]) for h in recs if fin(h.get("update_ratio"))
+                and h.get("step", 0) < onset - 1]
+        if calm:
+            out["update_ratio_calm"] = statistics.median(calm)
+    ur = [float(h["update_ratio"]) for h in recs[-5:] if fin(h.get("update_ratio"))]
+    if ur:
+        out["update_ratio_max_recent"] = max(ur)
+    if onset is not None:
+        exc = [float(h["update_ratio"]) for h in recs if fin(h.get("update_ratio")) and h.get("step", 0) >= onset - 1]
+        if exc:
+            out["update_ratio_excursion_max"] = max(exc)
+    _lr(recs, onset, out)
+    _step_size(recs, out)
+    _outlier(applied, loss, onset, out)
+    return out
+
+
+def _lr(recs: Sequence[dict], onset: Optional[int], out: Dict[str, Any]) -> None:
+    lrs = _series(recs, "lr")
+    if not lrs:
+        return
+    out["lr_last"] = lrs[-1][1]
+    if onset is None:
+        return
+    at = [v for s, v in lrs if s <= onset]
+    if not at:
+        return
+    out["lr_at_onset"] = at[-1]
+    window = [(s, v) for s, v in lrs if onset - 30 <= s <= onset]
+    lo_step, lo = min(window, key=lambda x: x[1])
+    if lo > 0 and at[-1] >= 1.5 * lo and lo_step < onset:
+        out.update(lr_rose_from=lo, lr_rose_from_step=lo_step)
+
+
+def _step_size(recs: Sequence[dict], out: Dict[str, Any]) -> None:
+    eff = [float(h["effective_lr"]) for h in recs if fin(h.get("effective_lr")) and h["effective_lr"] > 0]
+    if eff:
+        out["effective_lr"] = statistics.median(eff[-10:])
+
+
+def _outlier(applied: Sequence[dict], loss: Series, onset: Optional[int], out: Dict[str, Any]) -> None:
+    """A batch far outside the data seen so far, at (or right before) the excursion."""
+    bm = _series(applied, "batch_max")
+    if len(bm) <= OUTLIER_MIN_BEFORE:
+        return
+    lo = (onset - 2) if onset is not None else bm[-1][0] - 2
+    best = None
+    for i, (s, v) in enumerate(bm):
+        if i < OUTLIER_MIN_BEFORE or s < lo:
+            continue
+        ref = max(x for _, x in bm[:i])
+        if ref > 0 and v >= OUTLIER_FACTOR * ref and (best is None or v / ref > best[2]):
+            best = (s, v, v / ref, ref)
+    if best is None:
+        return
+    s, v, f, ref = best
+    out.update(outlier_step=s, outlier_batch_max=v, outlier_factor=f, batch_max_before=ref)
+    lvals = dict(loss)
+    before = [x for st, x in loss if st < s]
+    if s in lvals and before:
+        med = statistics.median(before)
+        if med > 0:
+            out["outlier_loss_factor"] = lvals[s] / med
