@@ -173,6 +173,36 @@ def test_tape_and_rerun_agree_on_a_forward_origin(tmp_path, monkeypatch):
     assert (got["1"][5], got["0"][5]) == ("replay-tape", "rerun")
 
 
+def test_rerun_reproduces_a_batch_built_by_many_ops_on_a_nan(tmp_path, monkeypatch):
+    # The re-run child arms the op recorder at the failing step's start; its checks read the NaN of
+    # every op that touches it (Tensor.item). Those reads are nanguard's, not the script's: they
+    # must not become evaluation events (60 of them filled max_events=50, and the step's own
+    # detection was dropped: "could not reproduce"; torch.distributed runs always take this path).
+    script = write(tmp_path, '''
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        for step in range(6):
+            x = torch.randn(16, 4)
+            if step == 3:
+                x[7, 2] = float("nan")                   # a bad sample
+            for _ in range(60):                          # feature scaling, one op at a time
+                x = x * 1.0
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        ''')
+    monkeypatch.setenv("NANGUARD_TAPE", "0")
+    code, rep = run_ng(tmp_path, script, localize=True, bundle=None)
+    ev = rep["events"][0]
+    assert (ev["step"], ev["phase"], ev["cause"]["category"]) == (3, "data", "bad_input_data")
+    assert ev["localization"]["method_kind"] == "rerun" and ev["localization"]["reproduced"] is True, \
+        ev["localization"]
+    assert [e["phase"] for e in rep["events"]].count("eval") == 0
+
+
 # --------------------------------------------------------------------------- library code
 
 MHA = '''

@@ -82,6 +82,9 @@ class RerunChild:
                 rec.start()
                 rec.set_stage("forward")
                 self.rec, self.t_arm = rec, time.time()
+                # its own reads of non-finite values are not evaluation events (they would fill the
+                # run's max_events before step N's detection, which would then be dropped)
+                self.watcher.live_recorder = rec
             except Exception as e:
                 self.dump({"reproduced": None, "error": f"could not arm the recorder: {type(e).__name__}: {e}"})
         elif step > N + 1:

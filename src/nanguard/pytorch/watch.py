@@ -102,6 +102,9 @@ class Watcher:
         self._replaying = False
         self._busy = 0
         self.spikes: Any = None  # early warning (nanguard.pytorch.spikes.SpikeResponder), set by the driver
+        # An op recorder armed on the live script (the localization re-run's child): while it runs its
+        # own checks, the values they read (NaN included) are not the script's (see ``busy``).
+        self.live_recorder: Any = None
 
     # ------------------------------------------------------------------ install / uninstall
     def __enter__(self) -> "Watcher":
@@ -179,7 +182,8 @@ class Watcher:
     @property
     def busy(self) -> bool:
         """nanguard's own code is running (a check, a replay): values it reads are not the script's."""
-        return self._busy > 0 or self._replaying
+        rec = self.live_recorder
+        return self._busy > 0 or self._replaying or (rec is not None and rec.busy)
 
     def _guarded(self, fn: Callable[[], Any]) -> Any:
         """Run guard code; on an internal error warn once and disable (unless strict)."""

@@ -156,6 +156,12 @@ class OpRecorder:
         boundary before a user frame answer with ``site`` (the stack above it is nanguard's)."""
         self._frames.boundary, self._frames.site = boundary, site
 
+    @property
+    def busy(self) -> bool:
+        """The recorder is running its own code (its checks read values with ``Tensor.item``), or is
+        paused: torch calls made now are not the recorded step's."""
+        return self._switch.busy
+
     def paused(self):
         """Context manager: run your own torch code while armed without it being recorded."""
         return self._modes.paused()
