@@ -22,7 +22,7 @@ from ..core.pipeline import build_event
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
 from .bundle import default_bundle_path, save_bundle
-from .compiled import annotate_compiled, eager, unwrap_compiled, uses_compile
+from .compiled import INDUCTOR_FIX, annotate_compiled, eager, unwrap_compiled, uses_compile
 from .counterfactual import GuardStep, TorchBench, drop_rows_and_regrad, investigate_failure
 from .counterfactual.samples import batch_indices, name_samples
 from .detect import StepMonitor
@@ -462,6 +462,8 @@ class Guard:
                                 kept=self._kept, snapshots=self.policy.all_snapshots() if self.policy else (),
                                 recovering=self.policy is not None, prior=prior)
         name_samples(event, step.dataset_indices())
+        if (event.localization or {}).get("compiled_code_made_it") and INDUCTOR_FIX not in (event.fixes or []):
+            event.fixes = list(event.fixes or []) + [INDUCTOR_FIX]  # the next step, whatever the experiments said
 
     def drop_samples_fn(self) -> Optional[Callable[[List[int]], Optional[dict]]]:
         """The ``drop_samples`` recovery on the failing step (re-run without the rows, gradients kept)."""
