@@ -105,7 +105,9 @@ WARNING_STEP = 40
 
 CASES = {
     "log_domain": (LOG_DOMAIN, [], 3),
-    "lr_recovered": (LR_TOO_HIGH, ["--recover", "auto"], 0),
+    # --on-spike warn: the failure's own recovery (the default under --recover rolls back at the early
+    # warning, before anything is non-finite)
+    "lr_recovered": (LR_TOO_HIGH, ["--recover", "auto", "--on-spike", "warn"], 0),
     "clean_warning": (CLEAN, [], 0),
 }
 
@@ -136,7 +138,7 @@ def run_case(name: str, folder: Path) -> Tuple[Dict[str, Any], str]:
 
 
 def add_warning(rep: Dict[str, Any], step: int = WARNING_STEP) -> Dict[str, Any]:
-    """The clean report plus one warning event (built by hand: no warning feature exists yet)."""
+    """The clean report plus one warning event, built by hand (a page with a warning on a clean history)."""
     rep = copy.deepcopy(rep)
     h = next(r for r in rep["history"] if r["step"] == step)
     rep["events"].append({

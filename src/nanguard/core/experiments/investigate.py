@@ -102,6 +102,19 @@ class _Investigation:
         self._verify_for_recovery()
         finalize(self.event, self.experiments, self.confirmed, self.ruled_out, self._cost(), self.original,
                  self.implied)
+        unavailable = self._unavailable()
+        if unavailable:  # recovery may take these actions unverified (recovery/verify.py)
+            self.event.cause.setdefault("evidence", {})["experiments_unavailable"] = unavailable
+
+    def _unavailable(self) -> List[str]:
+        """The experiment kinds this step cannot run at all (not the ones left out by the config or
+        the budget): history replays need a snapshot before the step, an upcast a module path."""
+        out = []
+        if not self.caps.get("snapshots"):
+            out += ["lr_replay", "clip_replay"]
+        if not self.caps.get("module_chain"):
+            out.append("upcast_module")
+        return out
 
     def _situation(self, cat: str) -> Situation:
         ev = (self.event.cause or {}).get("evidence") or {}

@@ -13,7 +13,10 @@ The experiments (``nanguard.core.experiments``) leave their outcome in the event
 * ``skip_step`` and ``rollback`` change nothing about how training runs and need no proof.
 
 When no experiment ran (no replayable step: ``nanguard run`` without a step tape, or experiments
-off) the table's actions are used as before and the record says they were not verified.
+off) the table's actions are used as before and the record says they were not verified. The same
+for one action whose experiment this step cannot run at all (``evidence.experiments_unavailable``:
+``nanguard run``'s step replay has no snapshot to replay the steps before from, so ``lr_backoff`` and
+``clip`` are applied unverified there, and the notes say so).
 
 A failure confined to a few samples of the batch (a verified ``drop_samples``, or an origin whose
 non-finite rows are a strict subset of its rows) is a *per-sample* failure: like bad input data,
@@ -49,6 +52,12 @@ def proof(cause: Dict[str, Any], action: str) -> Optional[dict]:
     return None
 
 
+def refuted(cause: Dict[str, Any], action: str) -> bool:
+    """An experiment of ``action``'s kind ran and the step stayed non-finite."""
+    kind = PROOF_KIND.get(action)
+    return any(e.get("kind") == kind and e.get("finite") is False for e in experiments(cause) or [])
+
+
 def verified_plan(cause: Dict[str, Any], acts: Sequence[str], allowed: Sequence[str],
                   phase: str) -> Tuple[List[str], Dict[str, dict], List[str]]:
     """The actions to take (proven ones only, when experiments ran), their proofs, and notes on the
@@ -58,6 +67,7 @@ def verified_plan(cause: Dict[str, Any], acts: Sequence[str], allowed: Sequence[
     out: List[str] = []
     proofs: Dict[str, dict] = {}
     notes: List[str] = []
+    unavailable = set((cause.get("evidence") or {}).get("experiments_unavailable") or ())
     for a in acts:
         if a not in PROOF_KIND:
             out.append(a)
@@ -66,6 +76,10 @@ def verified_plan(cause: Dict[str, Any], acts: Sequence[str], allowed: Sequence[
         if e is not None:
             out.append(a)
             proofs[a] = e
+        elif PROOF_KIND[a] in unavailable and not refuted(cause, a):
+            out.append(a)
+            notes.append(f"{a} applied unverified: this step cannot be replayed with it ({PROOF_KIND[a]} needs "
+                         + ("a snapshot before the step)" if a in ("lr_backoff", "clip") else "the origin's module)"))
         else:
             notes.append(f"{a} not applied: no replay showed that it makes the failing step finite")
     drop = proof(cause, "drop_samples")
