@@ -336,6 +336,11 @@ def _diverging(sync_free: bool):
     o = torch.optim.SGD(m.parameters(), lr=0.01)
     g = nanguard.Guard(m, o, quiet=True, bundle=None, html=None, recover="auto", sync_free=sync_free,
                        sync_free_every=4)
+    # the real-copy interval comes from measured copy and step times: fixed here, so that both runs keep the
+    # same snapshots (what is compared is the late read, not the timing)
+    g.policy.store.interval = lambda: 100
+    if not sync_free:  # the same per-step snapshots as sync-free mode keeps (sync_free_every more: a warning
+        g.policy.store.widen_recent(4)  # read late must reach the steps before it), so both can pick the same
     x = torch.randn(256, 8)
     y = x.sum(1, keepdim=True)
     for i in range(70):
