@@ -174,8 +174,9 @@ class RecoveryPolicy:
                 self._lr_backoff(cause, actions, done)
             elif a == "upcast":
                 o = event.origin or {}
-                path = (proofs.get("upcast") or {}).get("params", {}).get("module") \
-                    or o.get("module") or o.get("layer")  # Keras: the layer, by path or name
+                path = (proofs.get("upcast") or {}).get("params", {}).get("module")  # "": the whole model
+                if path is None:
+                    path = o.get("module") or o.get("layer")  # Keras: the layer, by path or name
                 rec = actions.upcast(path, self.upcast_modules.append)
                 if rec is None:
                     notes.append("no origin module to upcast" if path is None else f"module {path!r} not found")
