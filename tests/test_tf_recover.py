@@ -174,6 +174,42 @@ def test_clipping_is_off_until_armed_and_bit_exact_when_off():
     assert delta == pytest.approx(0.1 * 1e-3, rel=1e-3)  # SGD: lr x the clipped global norm
 
 
+def test_a_watch_leaves_nothing_to_the_next():
+    """Several watches in one process. What a watch armed in a traced step (a stop, clipping) ends
+    with it; an optimizer of an earlier watch that is still alive is no part of the next one (its
+    snapshot, learning rates) until one of its updates runs under it."""
+    data = _data()
+    old_model, old_opt = _model(bn=False), keras.optimizers.SGD(0.1)
+    old_step = _step_fn(old_model, old_opt)
+    with TFWatcher(GuardConfig(on_nonfinite="stop"), raise_on_stop=False):
+        old_step(*data[0])
+        old_step(data[1][0] * np.nan, data[1][1])  # stopped: neither this update nor later ones apply
+        old_step(*data[2])
+    assert int(old_opt.iterations) == 1
+    old_step(*data[2])  # no watcher: the check left in the traced step stops nothing
+    assert int(old_opt.iterations) == 2
+    k = old_model.layers[-1].kernel
+    k.assign(np.full(k.shape, np.nan, "float32"))  # between watches: the earlier run's model breaks
+    model, opt = _model(bn=False), keras.optimizers.SGD(0.1)
+    step = _step_fn(model, opt)
+    w = TFWatcher(GuardConfig(), raise_on_stop=False)
+    w.policy = _Policy()
+    with w:
+        step(*data[0])
+        acts = KerasActions(w)
+        assert w.optimizers() == [opt]
+        assert acts.take_snapshot(1, None).finite() and acts.state_finite()
+        assert acts.lr_backoff(0.5)["how"] == ["variable"]
+        acts.clip_gradients(1e-6)
+        old_step(*data[3])  # the earlier run's step under this watch: its optimizer is this run's now
+        assert w.optimizers() == [opt, old_opt] and w.steps_watched == 1
+        assert int(old_opt.iterations) == 2  # its non-finite variables: the update was dropped
+    before = _values(model.trainable_variables)
+    step(*data[1])  # no watcher: no clipping either (clipped, the update would move 5e-8)
+    delta = np.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(before, _values(model.trainable_variables))))
+    assert delta > 1e-4
+
+
 def test_upcast_a_layer_and_the_float16_layers_after_it():
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="square_me"),

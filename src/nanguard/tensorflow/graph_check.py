@@ -187,7 +187,7 @@ def _build_capture(st: OptState, ok: tf.Tensor, step: tf.Tensor, p: Pending) -> 
 
     def capture(step_t, *vals):
         w = active()  # the watcher installed when the step runs (not necessarily the tracing one)
-        if w is None or w.on_failure_capture is None or w.states.get(id(st.opt_ref())) is not st:
+        if w is None or w.on_failure_capture is None or not w._claim(st, ran=True):
             return tf.constant(0)
         try:  # never raise inside the graph: the step would fail
             n = len(flat)

@@ -42,8 +42,8 @@ class HostReader:
         sts = FN_STATES.get(fn)
         if sts and not w.disabled:
             for st in list(sts):
-                if w.states.get(id(st.opt_ref())) is not st:
-                    continue  # adopted at install (see TFWatcher.install): not this watcher's if absent
+                if not w._claim(st):
+                    continue  # an earlier watcher's that did not run here, or an unknown one
                 w._guarded(lambda st=st: self.read_stash(st))
             w._snap_due = True
             if w.on_update_done is not None:
@@ -136,7 +136,7 @@ class HostReader:
         w = self.w
         if w.stop_requested is None:
             w.stop_requested = det
-        for s in w.states.values():  # nothing more is applied, in this graph call or later ones
+        for s in w.known_states():  # nothing more is applied, in this graph call or later ones
             try:
                 s.halt.assign(True)
             except Exception:

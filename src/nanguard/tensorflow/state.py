@@ -4,8 +4,11 @@ and per optimizer the in-graph variables of the check and the host's reading pos
 
 The per-optimizer states and the ``tf.function``\\ s that hold a check are global, not per watcher:
 a step traced under one watcher keeps its check in its graph, and a later watcher (another ``fit``
-with the callback, another ``watch()`` block) reads it. With no watcher installed the check still
-runs but never skips an update (its ``active`` variable is off).
+with the callback, another ``watch()`` block) reads it once one of its updates runs under it (until
+then that optimizer is no part of the later run: not in its snapshots, learning rates or report).
+When a watcher uninstalls it releases the states it knew (:meth:`OptState.release`): with no watcher
+installed the check still runs but never skips an update nor clips (``active`` off, ``halt`` and the
+clip reset), so nothing one run armed reaches the next.
 """
 from __future__ import annotations
 
@@ -136,6 +139,14 @@ class OptState:
         self.eager_post = None
         self.active.assign(active)
         self.stop_mode.assign(stop_mode)
+        self.halt.assign(False)
+        self.force.assign(False)
+        self.clip.assign(float("inf"))
+        self.clip_host = float("inf")
+
+    def release(self) -> None:
+        """The watcher is gone: the check (still in traced steps) never skips an update, nor clips."""
+        self.active.assign(False)
         self.halt.assign(False)
         self.force.assign(False)
         self.clip.assign(float("inf"))

@@ -51,7 +51,9 @@ class TFWatcher:
         self.disabled = False
         self.error: Optional[str] = None
         self.stop_requested: Optional[Detection] = None
-        self.states: Dict[int, OptState] = {}
+        self.states: Dict[int, OptState] = {}   # the optimizers updated (or traced) under this watcher
+        # states made under an earlier watcher (see install): this watcher's once an update runs under it
+        self._earlier: Dict[int, OptState] = {}
         self._prepared: set = set()   # ids of the optimizers recovery has prepared (schedules)
         self.models: "weakref.WeakSet[Any]" = weakref.WeakSet()  # outermost layers called in training
         self.lso = False
@@ -102,8 +104,10 @@ class TFWatcher:
             if st.opt_ref() is None:
                 del STATES[key]
             elif key not in self.states:
+                # not this run's until one of its updates runs under this watcher (see _claim): an
+                # optimizer of an earlier run that is still alive is no part of this one
                 st.adopt(active=self.skip_bad, stop_mode=self.stop_mode)
-                self.states[key] = st
+                self._earlier[key] = st
             else:
                 st.active.assign(self.skip_bad)
         try:
@@ -130,6 +134,12 @@ class TFWatcher:
                 pass
         self._fit_models = weakref.WeakSet()
         self._class_apply = {}
+        for st in self.known_states():  # the checks left in traced steps run as with no watcher
+            try:
+                st.release()
+            except Exception as e:
+                warnings.warn(f"nanguard: could not reset a check's state: {type(e).__name__}: {e}", RuntimeWarning)
+        self._earlier = {}
         set_active(None)
         self._installed = False
 
@@ -260,7 +270,7 @@ class TFWatcher:
         if not getattr(var, "trainable", False) or not tf.executing_eagerly() or tl_get("apply_depth") > 0:
             return
         self.outside_write = True
-        for st in self.states.values():
+        for st in self.known_states():  # a step traced under an earlier watcher checks it too
             st.force.assign(True)
 
     def _take_due_snapshot(self) -> None:
@@ -272,9 +282,32 @@ class TFWatcher:
         self.policy.step_start(self, self.steps_watched)
 
     # ------------------------------------------------------------------ the update
+    def known_states(self) -> List[OptState]:
+        """This watcher's states and those made under an earlier one (whose traced checks may run)."""
+        return list(self.states.values()) + list(self._earlier.values())
+
+    def _claim(self, st: OptState, ran: Optional[bool] = None) -> bool:
+        """Whether ``st`` reports to this watcher: one of its states, or one made under an earlier
+        watcher whose update has run under this one (``ran``; None: its counter moved, one read), which
+        makes it one of this watcher's states."""
+        key = id(st.opt_ref())
+        if self.states.get(key) is st:
+            return True
+        if self._earlier.get(key) is not st:
+            return False
+        if ran is None:
+            ran = int(st.counter.numpy()) > st.offset
+        if ran:
+            self.states[key] = self._earlier.pop(key)
+        return ran
+
     def _state(self, opt: Any, n_vars: int) -> OptState:
         st = self.states.get(id(opt))
         if st is None or st.opt_ref() is not opt:
+            st = self._earlier.pop(id(opt), None)
+            if st is not None and st.opt_ref() is opt:  # adopted at install
+                self.states[id(opt)] = st
+                return st
             st = STATES.get(id(opt))
             if st is None or st.opt_ref() is not opt:
                 st = STATES[id(opt)] = OptState(opt, n_vars, active=self.skip_bad, stop_mode=self.stop_mode)
