@@ -78,7 +78,14 @@ def test_detects_locates_and_diagnoses(truth_file: pathlib.Path, tmp_path: pathl
 RECOVERABLE = [c for c in CASES if json.loads(c.read_text()).get("recoverable")]
 
 
-@pytest.mark.parametrize("truth_file", RECOVERABLE, ids=[c.stem for c in RECOVERABLE])
+def _recover_param(c: pathlib.Path):
+    """A scenario whose recovery is known to miss its quality bound runs as a strict xfail (its truth's
+    ``recovery_known_gap`` says why): it fails again the day it passes, so the mark gets removed."""
+    gap = json.loads(c.read_text()).get("recovery_known_gap")
+    return pytest.param(c, id=c.stem, marks=[pytest.mark.xfail(strict=True, reason=gap)] if gap else [])
+
+
+@pytest.mark.parametrize("truth_file", [_recover_param(c) for c in RECOVERABLE])
 def test_recovers(truth_file: pathlib.Path, tmp_path: pathlib.Path) -> None:
     truth = json.loads(truth_file.read_text())
     p, data = _run(truth_file.with_suffix(".py"), tmp_path, recover=True)

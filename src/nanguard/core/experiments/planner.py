@@ -86,7 +86,10 @@ def plan(category: str, s: Situation) -> List[Spec]:
         return _order(specs)
     if category in PRECISION or (s.low and category in EXACT | {"exp_overflow", "other"}):
         specs += _precision_specs(category, s)
-    if category in PER_SAMPLE and caps.get("batch_size", 0) and caps["batch_size"] >= 2:
+    # an outlier batch of an earlier step (the history's diagnosis): the failing step's own rows are not
+    # what it blames, so dropping them tests nothing
+    earlier = isinstance(s.evidence.get("outlier_step"), int) and s.evidence["outlier_step"] < s.step
+    if category in PER_SAMPLE and not earlier and caps.get("batch_size", 0) and caps["batch_size"] >= 2:
         rows = origin_rows(s)
         if rows is not None:
             specs.append(Spec("drop_samples", {"rows": rows}, category, 0.9))
