@@ -19,6 +19,8 @@ What it measures (BENCHMARKS.md has a real run and its reading):
    * ``unguarded``: zero_grad, forward+loss, backward, ``opt.step()``;
    * ``guard``: ``nanguard.Guard(model, opt, quiet=True).step(batch, loss_fn)``
      (localize on, never triggered);
+   * ``syncfree``: the same with ``sync_free=True`` (no host read in a healthy step; the
+     default on CUDA with fused optimizers; on the CPU a masked update, the flags read late);
    * ``zerocode``: the unguarded loop inside ``nanguard.watch(report=None,
      quiet=True)`` (the global hooks of ``nanguard run``);
    * ``anomaly``: the unguarded loop inside ``torch.autograd.detect_anomaly()``;
@@ -78,10 +80,11 @@ THREADS = 2
 # The transformer's budget (1.02x) is the tight one: its step-time rounds get twice the time, so its
 # interval is ~1.4x narrower than with the same time as the others.
 SECONDS_WEIGHT = {"gpt": 2.0}
-CONFIGS = ["unguarded", "guard", "zerocode", "anomaly", "naive", "scaler", "recover"]
+CONFIGS = ["unguarded", "guard", "syncfree", "zerocode", "anomaly", "naive", "scaler", "recover"]
 LABELS = {
     "unguarded": "unguarded",
     "guard": "nanguard Guard.step",
+    "syncfree": "nanguard Guard.step, sync_free=True",
     "zerocode": "nanguard zero-code (watch)",
     "anomaly": "torch detect_anomaly",
     "naive": "naive per-param isfinite().item()",
@@ -114,11 +117,13 @@ class Runner:
         self.i = 0
         self.guard = nanguard.Guard(self.model, self.opt, quiet=True)  # localize=True by default
         self.rguard = None  # Guard(recover="auto"), made on first use (it keeps snapshots)
+        self.sguard = None  # Guard(sync_free=True), made on first use
         self._found = torch.zeros(1)
         self._inv = torch.ones(1)
         self.steps = {
             "unguarded": lambda: self.plain(None),
             "guard": self.guarded,
+            "syncfree": self.sync_free,
             "zerocode": lambda: self.plain(None),
             "anomaly": lambda: self.plain(None),
             "naive": lambda: self.plain(self.naive_check),
@@ -142,6 +147,12 @@ class Runner:
 
     def guarded(self) -> None:
         self.guard.step(self.batch(), self.loss_fn)
+
+    def sync_free(self) -> None:
+        if self.sguard is None:
+            import nanguard
+            self.sguard = nanguard.Guard(self.model, self.opt, quiet=True, sync_free=True)
+        self.sguard.step(self.batch(), self.loss_fn)
 
     def recovering(self) -> None:
         if self.rguard is None:

@@ -79,10 +79,11 @@ RECOVERABLE = [c for c in CASES if json.loads(c.read_text()).get("recoverable")]
 
 
 def _recover_param(c: pathlib.Path):
-    """A scenario whose recovery is known to miss its quality bound runs as a strict xfail (its truth's
-    ``recovery_known_gap`` says why): it fails again the day it passes, so the mark gets removed."""
+    """A scenario whose recovery is known to miss its quality bound runs as an xfail (its truth's
+    ``recovery_known_gap`` says why; XPASS shows where it passes). Not strict: the final loss near the
+    bound depends on the CPU's kernels (one passes with ATEN_CPU_CAPABILITY=default)."""
     gap = json.loads(c.read_text()).get("recovery_known_gap")
-    return pytest.param(c, id=c.stem, marks=[pytest.mark.xfail(strict=True, reason=gap)] if gap else [])
+    return pytest.param(c, id=c.stem, marks=[pytest.mark.xfail(strict=False, reason=gap)] if gap else [])
 
 
 @pytest.mark.parametrize("truth_file", [_recover_param(c) for c in RECOVERABLE])
