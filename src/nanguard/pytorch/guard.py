@@ -9,7 +9,6 @@ runs before the update), the same batch and the same random numbers.
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -17,6 +16,7 @@ from torch.amp.grad_scaler import OptState
 
 from ..core.config import GuardConfig
 from ..core.events import Detection, Event, NonFiniteError, Report
+from ..core.guarded import call_guarded
 from ..core.experiments import ExperimentConfig, Spec
 from ..core.pipeline import build_event
 from ..core.render.html import write_run_html
@@ -142,6 +142,7 @@ class Guard:
                 self.policy.store.widen_recent(sync_free_every)
         self.spikes = SpikeResponder(self.monitor, on_spike, quiet=self.quiet)
         self.disabled = False
+        self.error: Optional[str] = None  # the internal error that disabled the guard, if any
         self._announced = False
         if bundle == "auto":
             bundle = default_bundle_path(report)
@@ -486,19 +487,7 @@ class Guard:
     # ------------------------------------------------------------------ housekeeping
     def _safe(self, fn: Callable[[], Any]) -> Any:
         """Guard code never kills training (unless strict)."""
-        if self.disabled:
-            return None
-        try:
-            return fn()
-        except NonFiniteError:
-            raise
-        except Exception as e:
-            if self.config.strict:
-                raise
-            self.disabled = True
-            warnings.warn(f"nanguard: internal error, guard disabled: {type(e).__name__}: {e}",
-                          RuntimeWarning, stacklevel=3)
-            return None
+        return call_guarded(self, fn, NonFiniteError)
 
     def _sync_report(self) -> Report:
         mon = self.monitor

@@ -19,15 +19,12 @@ Two ways, one recorder (:class:`nanguard.pytorch.locate.OpRecorder`):
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..core.childrun import CHILD_TIMEOUT_S, run_child
 from ..core.script import interruptible
 from .distributed import is_origin, local_replay, rerun_env
 from .locate import OpRecorder
@@ -109,7 +106,6 @@ def replay_step(model: torch.nn.Module, optimizers: Sequence[Any], scaler: Any, 
 
 # --------------------------------------------------------------------------- nanguard run: re-run the script
 
-CHILD_TIMEOUT_S = 600.0
 # The settings of the first run (GuardConfig fields) the re-run needs to see the same detections.
 CHILD_CONFIG_KEYS = ("min_loss_scale", "max_consecutive_skips", "param_check_every")
 
@@ -118,46 +114,12 @@ def rerun_localize(script: str, argv: List[str], step: int, rng_file: Optional[s
                    config: Dict[str, Any], timeout: float = CHILD_TIMEOUT_S,
                    bundle: Optional[str] = None, extra_env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """Re-run ``script`` in a child process and localize step ``step``. Never raises."""
-    t0 = time.time()
-    fd, out = tempfile.mkstemp(prefix="nanguard-loc-", suffix=".json")
-    os.close(fd)
-    errf = out + ".stderr"
-    cmd = [sys.executable, "-m", "nanguard.pytorch.rerun", "--step", str(step), "--out", out,
-           "--config", json.dumps(config)]
-    if rng_file:
-        cmd += ["--rng", rng_file]
-    if bundle:
-        cmd += ["--bundle", bundle]
-    cmd += ["--", script] + list(argv)
-    res: Dict[str, Any] = {"method": "rerun", "step": step}
-    try:
-        env = dict(os.environ)
-        env["NANGUARD_REPLAY_CHILD"] = "1"
-        env.update(extra_env or {})  # torch.distributed: the children's own rendezvous (pytorch.distributed)
-        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        with open(errf, "w") as ef, interruptible():  # SIGTERM/Ctrl-C now stops the child, not the report
-            p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=ef, stdin=subprocess.DEVNULL,
-                               timeout=timeout, cwd=os.getcwd(), env=env)
-        res["returncode"] = p.returncode
-        if os.path.getsize(out) > 0:
-            with open(out) as f:
-                res.update(json.load(f))
-        else:
-            res["error"] = "the re-run ended without reaching the failing step"
-            res["stderr_tail"] = _tail(errf)
-    except subprocess.TimeoutExpired:
-        res["error"] = f"the re-run timed out after {timeout:.0f}s"
-    except Exception as e:  # localization is best effort; detection already happened
-        res["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        for f in (out, errf):
-            try:
-                os.unlink(f)
-            except OSError:
-                pass
-    res["seconds"] = round(time.time() - t0, 3)
-    return res
+    args = ["--config", json.dumps(config)] + (["--rng", rng_file] if rng_file else []) + \
+        (["--bundle", bundle] if bundle else []) + ["--", script] + list(argv)
+    # extra_env: torch.distributed: the children's own rendezvous (pytorch.distributed);
+    # interruptible: SIGTERM/Ctrl-C now stops the child, not the report
+    return run_child("nanguard.pytorch.rerun", args, step, timeout=timeout, extra_env=extra_env,
+                     around=interruptible)
 
 
 def rerun_localize_all(det: Any, script: str, argv: Sequence[str], rng_file: Optional[str],
@@ -168,11 +130,3 @@ def rerun_localize_all(det: Any, script: str, argv: Sequence[str], rng_file: Opt
         return None
     return rerun_localize(script, list(argv), det.step, rng_file, config,
                           bundle=bundle if is_origin(det) else None, extra_env=env)
-
-
-def _tail(path: str, n: int = 1500) -> str:
-    try:
-        with open(path) as f:
-            return f.read()[-n:]
-    except OSError:
-        return ""

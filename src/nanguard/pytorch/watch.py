@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-import warnings
 from typing import Any, Callable, Iterator, List, Optional
 
 import torch
@@ -38,6 +37,7 @@ from torch.nn.modules import module as torch_module
 
 from ..core.config import GuardConfig
 from ..core.events import Detection
+from ..core.guarded import call_guarded
 from ..core.pipeline import build_event, recurrence_event
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
@@ -187,21 +187,9 @@ class Watcher:
 
     def _guarded(self, fn: Callable[[], Any]) -> Any:
         """Run guard code; on an internal error warn once and disable (unless strict)."""
-        if self.disabled:
-            return None
         self._busy += 1
         try:
-            return fn()
-        except StopRun:
-            raise
-        except Exception as e:  # never kill the user's training for a guard bug
-            if self.config.strict:
-                raise
-            self.disabled = True
-            self.error = f"{type(e).__name__}: {e}"
-            warnings.warn(f"nanguard: internal error, guard disabled for the rest of the run: "
-                          f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
-            return None
+            return call_guarded(self, fn, StopRun)
         finally:
             self._busy -= 1
 

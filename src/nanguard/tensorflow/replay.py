@@ -20,13 +20,11 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-CHILD_TIMEOUT_S = 600.0
+from ..core.childrun import CHILD_TIMEOUT_S, run_child
 
 
 def recorder_factory() -> Optional[Callable[[Any], Any]]:
@@ -86,49 +84,9 @@ def child_config(config: Any) -> Dict[str, Any]:
 def rerun_localize(script: str, argv: List[str], step: int, config: Dict[str, Any],
                    timeout: float = CHILD_TIMEOUT_S) -> Dict[str, Any]:
     """Re-run ``script`` in a child process and localize step ``step``. Never raises."""
-    t0 = time.time()
-    fd, out = tempfile.mkstemp(prefix="nanguard-tfloc-", suffix=".json")
-    os.close(fd)
-    errf = out + ".stderr"
-    cmd = [sys.executable, "-m", "nanguard.tensorflow.replay", "--step", str(step), "--out", out,
-           "--config", json.dumps(config), "--", script] + list(argv)
-    res: Dict[str, Any] = {"method": "rerun", "step": step}
-    try:
-        env = dict(os.environ)
-        env["NANGUARD_REPLAY_CHILD"] = "1"
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        with open(errf, "w") as ef:
-            p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=ef, stdin=subprocess.DEVNULL,
-                               timeout=timeout, cwd=os.getcwd(), env=env)
-        res["returncode"] = p.returncode
-        if os.path.getsize(out) > 0:
-            with open(out) as f:
-                res.update(json.load(f))
-        else:
-            res["error"] = "the re-run ended without reaching the failing step"
-            res["stderr_tail"] = _tail(errf)
-    except subprocess.TimeoutExpired:
-        res["error"] = f"the re-run timed out after {timeout:.0f}s"
-    except Exception as e:
-        res["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        for f in (out, errf):
-            try:
-                os.unlink(f)
-            except OSError:
-                pass
-    res["seconds"] = round(time.time() - t0, 3)
-    return res
-
-
-def _tail(path: str, n: int = 1500) -> str:
-    try:
-        with open(path) as f:
-            return f.read()[-n:]
-    except OSError:
-        return ""
+    quiet_tf = {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+    return run_child("nanguard.tensorflow.replay", ["--config", json.dumps(config), "--", script] + list(argv),
+                     step, timeout=timeout, extra_env=quiet_tf)
 
 
 def _child_main(argv: List[str]) -> int:

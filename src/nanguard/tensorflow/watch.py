@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from ..core.config import GuardConfig
 from ..core.events import Detection
+from ..core.guarded import call_guarded
 from ..core.history import StepHistory
 from . import detect as D
 from . import patches
@@ -154,20 +155,7 @@ class TFWatcher:
     # ------------------------------------------------------------------ safety
     def _guarded(self, fn: Callable[[], Any]) -> Any:
         """Run guard code; on an internal error warn once and disable (unless strict)."""
-        if self.disabled:
-            return None
-        try:
-            return fn()
-        except StopRun:
-            raise
-        except Exception as e:  # never kill the user's training for a guard bug
-            if self.config.strict:
-                raise
-            self.disabled = True
-            self.error = f"{type(e).__name__}: {e}"
-            warnings.warn(f"nanguard: internal error, guard disabled for the rest of the run: "
-                          f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
-            return None
+        return call_guarded(self, fn, StopRun)
 
     # ------------------------------------------------------------------ per-step inputs
     def _pend(self, key: Any = None) -> Pending:

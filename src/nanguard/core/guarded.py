@@ -1,0 +1,26 @@
+"""The guard's own errors never kill the user's training: :func:`call_guarded`, shared by the drivers."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Tuple, Type, Union
+
+
+def call_guarded(owner: Any, fn: Callable[[], Any],
+                 passthrough: Union[Type[BaseException], Tuple[Type[BaseException], ...]] = ()) -> Any:
+    """Run guard code ``fn`` for ``owner`` (a driver with ``disabled``, ``error`` and ``config.strict``).
+    ``passthrough``: the driver's own control-flow exceptions (a stop), re-raised. Any other error warns
+    once and disables the guard for the rest of the run (``owner.error`` says why), unless strict."""
+    if owner.disabled:
+        return None
+    try:
+        return fn()
+    except passthrough:
+        raise
+    except Exception as e:  # never kill the user's training for a guard bug
+        if owner.config.strict:
+            raise
+        owner.disabled = True
+        owner.error = f"{type(e).__name__}: {e}"
+        warnings.warn(f"nanguard: internal error, guard disabled for the rest of the run: "
+                      f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=4)
+        return None
