@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -149,3 +150,16 @@ def assert_same_params(m1: torch.nn.Module, m2: torch.nn.Module) -> None:
     assert_same_state(dict(m1.named_parameters()), dict(m2.named_parameters()))
     assert_same_state(dict(m1.named_buffers()) or {"_": torch.zeros(1)},
                       dict(m2.named_buffers()) or {"_": torch.zeros(1)})
+
+
+def run_scenario(script: Path, tmp_path: Path, recover: bool, env: Dict[str, str],
+                 timeout: float = 300) -> Tuple[Any, Optional[Dict[str, Any]]]:
+    """``nanguard run`` a scenario script as a user would (no bundle, no HTML): (process, report or None)."""
+    report = Path(tmp_path) / "report.json"
+    cmd = [sys.executable, "-m", "nanguard", "run", "--report", str(report), "--no-bundle", "--no-html"]
+    if recover:
+        cmd += ["--recover", "auto"]
+    cmd.append(str(script))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path),
+                       env={**os.environ, **env})
+    return p, (json.loads(report.read_text()) if report.exists() else None)

@@ -22,10 +22,10 @@ import json
 import math
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+from ngtest import run_scenario
 
 HERE = pathlib.Path(__file__).parent / "scenarios"
 CASES = sorted(HERE.glob("*.json"))
@@ -33,15 +33,7 @@ THREADS = os.environ.get("NANGUARD_TEST_THREADS", "2")
 
 
 def _run(script: pathlib.Path, tmp_path: pathlib.Path, recover: bool):
-    report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "nanguard", "run", "--report", str(report), "--no-bundle", "--no-html"]
-    if recover:
-        cmd += ["--recover", "auto"]
-    cmd.append(str(script))
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
-                       env={**os.environ, "OMP_NUM_THREADS": THREADS})
-    data = json.loads(report.read_text()) if report.exists() else None
-    return p, data
+    return run_scenario(script, tmp_path, recover, {"OMP_NUM_THREADS": THREADS})
 
 
 @pytest.mark.parametrize("truth_file", CASES, ids=[c.stem for c in CASES])

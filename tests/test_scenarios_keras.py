@@ -13,10 +13,10 @@ import json
 import math
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+from ngtest import run_scenario
 
 pytest.importorskip("tensorflow")
 
@@ -25,15 +25,7 @@ CASES = sorted(HERE.glob("*.json"))
 
 
 def _run(script: pathlib.Path, tmp_path: pathlib.Path, recover: bool):
-    report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "nanguard", "run", "--report", str(report), "--no-bundle", "--no-html"]
-    if recover:
-        cmd += ["--recover", "auto"]
-    cmd.append(str(script))
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=env)
-    data = json.loads(report.read_text()) if report.exists() else None
-    return p, data
+    return run_scenario(script, tmp_path, recover, {"OMP_NUM_THREADS": "2", "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=600)
 
 
 @pytest.mark.parametrize("truth_file", CASES, ids=[c.stem for c in CASES])
