@@ -1,10 +1,18 @@
 """Fixtures for the whole suite; the shared helpers are in ngtest.py."""
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 
-import pytest
-import torch
+# Inductor caches its kernels and precompiled headers per user, not per CPU capability: a cache written
+# under the native capability breaks the C++ compile of a later run under ATEN_CPU_CAPABILITY=default
+# ('at::vec' has not been declared). One cache per capability (subprocesses inherit it).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), "torchinductor_nanguard_" + os.environ.get("ATEN_CPU_CAPABILITY", "native")))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

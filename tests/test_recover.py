@@ -149,6 +149,38 @@ def test_rollback_restores_the_exact_state_model_optimizer_scaler_rng():
         assert torch.equal(train_step(model, opt, scaler), losses[step])
 
 
+def test_a_rollback_for_bad_data_does_not_rewind_the_rng_so_the_batches_move_on():
+    # A script that draws its batches from the global RNG (torch.randint) would otherwise draw the
+    # outlier batches it rolled back from again after every rollback, and never get past them.
+    model, opt = make()
+    policy = RecoveryPolicy(quiet=True)
+    at_step = {}
+    for step in range(6):
+        policy.maybe_snapshot(step, [model], [opt], None)
+        at_step[step] = model.fc1.weight.detach().clone()
+        train_step(model, opt, torch.amp.GradScaler("cpu", enabled=False))
+    before_rollback = state(model, opt)
+    with torch.no_grad():
+        model.fc1.weight.mul_(1e3)  # the spiking batch's update, already in the weights
+    ev = event("bad_input_data", phase="any", step=6)
+    ev.kind = "warning"
+    rec = policy.spike(ev, step=6, modules=[model], optimizers=[opt], scaler=None, roots=[model],
+                       history=hist([1.0] * 6), rollback=True)
+    assert rec["action"] == "rollback+skip_step" and rec["actions"]["rollback"]["rng_rewound"] is False
+    assert torch.equal(model.fc1.weight, at_step[rec["actions"]["rollback"]["to_step"]])  # weights went back...
+    assert torch.equal(torch.get_rng_state(), before_rollback["torch_rng"])  # ... the RNG did not
+    assert random.getstate() == before_rollback["random"]
+    # any other cause keeps the exact rollback, RNG included
+    policy.maybe_snapshot(7, [model], [opt], None)
+    rng7 = torch.get_rng_state()
+    train_step(model, opt, torch.amp.GradScaler("cpu", enabled=False))
+    ev = event("param_corruption", phase="params", step=8)
+    with torch.no_grad():
+        model.fc1.weight[0, 0] = float("nan")
+    rec = apply(policy, ev, model, [opt])
+    assert rec["actions"]["rollback"]["rng_rewound"] is True and torch.equal(torch.get_rng_state(), rng7)
+
+
 def test_per_step_snapshots_reuse_their_buffers_and_still_restore_exactly():
     # The per-step tier refills its oldest snapshot in place (no new allocation per step); what it
     # holds must still be exactly the state at its step, and rolling back to it must be exact.

@@ -60,7 +60,7 @@ class FakeActions(RecoveryActions):
         snap.step, snap.state, snap._finite = step, dict(self.state), None
         return True
 
-    def restore(self, snap):
+    def restore(self, snap, rng=True):
         self.calls.append(("restore", snap.step))
         self.state = dict(snap.state)
 

@@ -93,6 +93,7 @@ class TFSnapshot:
         self.nbytes = int(sum(a.nbytes for a in self.values))
         self._finite: Optional[bool] = None
         self.n_model = 0  # the first n_model entries are model variables (the rest: optimizer, globals)
+        self.n_seed = 0   # the last n_seed entries are the Keras seed generators' states
 
     def finite(self) -> bool:
         if self._finite is None:
@@ -180,18 +181,20 @@ class KerasActions(_ActionsBase):
     def take_snapshot(self, step: int, loss: Optional[float]) -> TFSnapshot:
         mv, allv = self._snap_vars()
         s = TFSnapshot(step, allv, loss)
-        s.n_model = len(mv)
+        s.n_model, s.n_seed = len(mv), len(self._global_seed_vars())
         return s
 
     def refill_snapshot(self, snap: TFSnapshot, step: int, loss: Optional[float]) -> bool:
         mv, allv = self._snap_vars()
         return len(mv) == snap.n_model and snap.refill(step, allv, loss)
 
-    def restore(self, snap: TFSnapshot) -> None:
-        for v, a in zip(snap.vars, snap.values):
+    def restore(self, snap: TFSnapshot, rng: bool = True) -> None:
+        n = len(snap.vars) - (0 if rng else snap.n_seed)  # the seed generators' states come last
+        for v, a in zip(snap.vars[:n], snap.values[:n]):
             v.assign(a)
-        random.setstate(snap.py_random)
-        np.random.set_state(snap.np_random)
+        if rng:
+            random.setstate(snap.py_random)
+            np.random.set_state(snap.np_random)
 
     def repair_nonfinite(self, snap: TFSnapshot) -> int:
         n, plan = 0, []

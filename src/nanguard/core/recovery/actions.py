@@ -54,8 +54,10 @@ class RecoveryActions(abc.ABC):
         structure changed (``snap`` is then unusable)."""
 
     @abc.abstractmethod
-    def restore(self, snap: Snapshot) -> None:
-        """Roll back: model, optimizer state (not its hyperparameters), loss scaler and RNG as in ``snap``."""
+    def restore(self, snap: Snapshot, rng: bool = True) -> None:
+        """Roll back: model, optimizer state (not its hyperparameters), loss scaler and, with ``rng``, the
+        RNG as in ``snap``. ``rng=False`` leaves the RNG where the run is now, so a script that draws its
+        batches from it moves on to new data instead of drawing the batches it rolled back from again."""
 
     @abc.abstractmethod
     def repair_nonfinite(self, snap: Snapshot) -> int:

@@ -51,7 +51,7 @@ class RecoveryBudget:
         return None
 
     def replay_failed(self, step: int, category: str) -> Optional[str]:
-        """A rollback that changed nothing else replays the same state and data (the RNG is restored too):
+        """A rollback that changed nothing else replays the same state and data (the RNG is rewound too):
         the same failure at the same point of the replay means a rollback alone cannot fix it."""
         last = self.last_rollback
         if last is None or last["version"] != self.version or last["category"] != category:

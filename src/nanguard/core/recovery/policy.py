@@ -270,9 +270,12 @@ class RecoveryPolicy:
                                     "snapshots_kept_bytes": self.snapshot_bytes()}
                 self._element_repairs.add(step)
                 return True
-        actions.restore(snap)
+        # Bad data: the RNG is not rewound, or a script that samples its batches from it would draw the
+        # outlier batches it rolled back from again (and again, at every rollback).
+        rewind_rng = cat != DATA_CATEGORY
+        actions.restore(snap, rng=rewind_rng)
         self.store.forget_after(snap.step)
-        done["rollback"] = {"to_step": snap.step, "steps_lost": step - snap.step,
+        done["rollback"] = {"to_step": snap.step, "steps_lost": step - snap.step, "rng_rewound": rewind_rng,
                             "snapshot_bytes": snap.nbytes, "snapshots_kept_bytes": self.snapshot_bytes()}
         return params_ok
 
@@ -317,7 +320,8 @@ class RecoveryPolicy:
             done["notes"] = notes
         if any(a in names for a in CHANGES_TRAINING):
             self.budget.training_changed()
-        if set(names) == {"rollback", "skip_step"} and not done["rollback"].get("elements_only"):
+        if set(names) == {"rollback", "skip_step"} and not done["rollback"].get("elements_only") \
+                and done["rollback"].get("rng_rewound"):
             self.budget.plain_rollback(step, done["rollback"]["to_step"], cat)  # its replay will be identical
         n = self.budget.spend(step, cat, data_skip=(cat == DATA_CATEGORY or few_rows)
                               and names in (["skip_step"], ["drop_samples"]))

@@ -8,6 +8,7 @@ import torch
 
 from ...core.recovery import RecoveryActions
 from ..gradscaler import scaler_enabled
+from ..rng import capture_rng, restore_rng
 from .clip import clip_grads
 from .loss_scale import unscale_grads
 from .lr_backoff import hand_params, learning_rates, lr_backoff, scale_grads
@@ -49,8 +50,11 @@ class TorchActions(RecoveryActions):
     def refill_snapshot(self, snap: Snapshot, step: int, loss: Optional[float]) -> bool:
         return snap.refill(step, self.modules, self.optimizers, self.scaler, loss)
 
-    def restore(self, snap: Snapshot) -> None:
+    def restore(self, snap: Snapshot, rng: bool = True) -> None:
+        live = None if rng else capture_rng(plain=False)
         snap.restore(self.modules, self.optimizers, self.scaler)
+        if live is not None:
+            restore_rng(live)
 
     def repair_nonfinite(self, snap: Snapshot) -> int:
         return snap.repair_nonfinite(self.modules)
