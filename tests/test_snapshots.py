@@ -46,11 +46,13 @@ def mse(model):
     return lambda b: ((model(b[0]) + 0.01 * torch.rand(1) - b[1]) ** 2).mean()  # draws from the RNG too
 
 
-def run(batches, virtual: bool, between=None, at=None, seed=5):
+def run(batches, virtual: bool, between=None, at=None, seed=5, cheap_bytes=None):
     """Guard(recover="auto") over ``batches``; ``between(model, opt, step)`` runs before step ``at``."""
     m, o = make()
     torch.manual_seed(seed)
     g = nanguard.Guard(m, o, recover="auto", quiet=True, bundle=None, localize=True)
+    if cheap_bytes is not None:
+        g.policy.store.cheap_bytes = cheap_bytes
     if not virtual:
         g.policy.store.budget = None  # the plain store: a real copy at every step
     for i, b in enumerate(batches):
@@ -81,6 +83,7 @@ def test_the_store_takes_real_copies_every_p_steps_and_virtual_ones_between():
 
     st = SnapshotStore(snapshot_every=4, keep_snapshots=2, recent_snapshots=2)
     st.adapt(0.01, virtual=lambda step, base: Fake(step, False))
+    st.cheap_bytes = 0  # the timing decides (a small state is copied on a fixed schedule: test below)
     st.clock = lambda: now[0]
     a = Actions()
     for step in range(13):
@@ -157,9 +160,43 @@ def _run_lr_nan(batches, virtual):
     return m, o, g
 
 
+def test_a_small_state_is_copied_on_a_fixed_schedule_whatever_the_clock():
+    # Two runs of the same small script must roll back to the same steps: the timing (a copy measured
+    # near the per-step threshold) must not switch snapshots on and off from run to run.
+    from nanguard.core.recovery.snapshots import SnapshotStore
+
+    class Fake:
+        def __init__(self, step):
+            self.step, self.nbytes = step, 1000
+
+        def finite(self):
+            return True
+
+    def steps_kept(copy_time):
+        now = [0.0]
+
+        class Actions:
+            def take_snapshot(self, step, loss):
+                now[0] += copy_time
+                return Fake(step)
+
+            def refill_snapshot(self, snap, step, loss):
+                return False
+
+        st = SnapshotStore(snapshot_every=4, keep_snapshots=3, recent_snapshots=2)
+        st.adapt(0.005)
+        st.clock = lambda: now[0]
+        for step in range(13):
+            st.maybe_take(step, Actions())
+            now[0] += 0.001  # a 1 ms step: a copy of 1 ms would be 100% of it
+        return st.interval(), [s.step for s in st.all()]
+
+    assert steps_kept(1e-6) == steps_kept(1e-3) == (4, [0, 4, 8, 11, 12])
+
+
 def test_the_interval_follows_the_measured_costs():
     batches = data(14)
-    m, o, g = run(batches, virtual=True)
+    m, o, g = run(batches, virtual=True, cheap_bytes=0)  # the timing decides (not a small state)
     st = g.policy.store
     assert st.copy_seconds is not None and st.step_seconds is not None
     expect = max(st.snapshot_every, math.ceil(st.copy_seconds / (st.budget * st.step_seconds)))

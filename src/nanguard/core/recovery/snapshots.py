@@ -18,6 +18,10 @@ virtual snapshot of step ``s`` is the last real one before it plus the steps in 
 run again from their batches and RNG: exact, and free until it is used), else real
 per-step copies only when a copy costs at most ``budget`` of a step, else none (a
 rollback then goes back to the last periodic snapshot, and the record says how far).
+A state of at most ``cheap_bytes`` (1 MiB) is exempt from the timing: its real copies are taken
+every ``snapshot_every`` steps and its per-step copies every step, whatever the clock says, so two
+runs of the same small script roll back to the same steps (a copy time measured near the threshold
+would otherwise switch the per-step tier on and off from run to run).
 """
 from __future__ import annotations
 
@@ -47,6 +51,8 @@ class SnapshotStore:
         # cost-based mode (adapt()): off by default
         self.budget: Optional[float] = None
         self.cheap_seconds = 2e-4
+        self.cheap_bytes = 2 ** 20  # a state this small is copied on a fixed schedule (module docstring)
+        self._small: Optional[bool] = None  # the last real snapshot was at most cheap_bytes
         self.virtual: Optional[Callable[[int, Any], Any]] = None
         self.max_every = 200
         self.copy_seconds: Optional[float] = None   # the last real snapshot's copy time
@@ -83,7 +89,7 @@ class SnapshotStore:
     def interval(self) -> int:
         """Steps between real snapshots in cost-based mode."""
         every = max(self.snapshot_every, 1)
-        if self.copy_seconds and self.step_seconds:
+        if self.copy_seconds and self.step_seconds and not self._small:
             every = max(every, math.ceil(self.copy_seconds / (self.budget * self.step_seconds) - 1e-9))
         return min(every, self.max_every)
 
@@ -188,8 +194,8 @@ class SnapshotStore:
         if not self.recent_on:
             return
         v = self.virtual(step, base) if self.virtual is not None else None
-        if v is None and self.copy_seconds is not None and self.step_seconds is not None \
-                and self.copy_seconds <= max(self.budget * self.step_seconds, self.cheap_seconds):
+        if v is None and (self._small or self.copy_seconds is not None and self.step_seconds is not None
+                          and self.copy_seconds <= max(self.budget * self.step_seconds, self.cheap_seconds)):
             reuse = self.recent[0] if len(self.recent) == self.recent.maxlen else None
             if reuse is not None and (reuse is self.initial or reuse is self._base or
                                       any(reuse is s for s in self.snapshots)):
@@ -220,4 +226,5 @@ class SnapshotStore:
         dt = getattr(snap, "copy_seconds", None)
         dt = dt() if callable(dt) else None
         self.copy_seconds = dt if dt is not None else self.clock() - t0
+        self._small = snap.nbytes <= self.cheap_bytes
         return snap
