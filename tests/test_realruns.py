@@ -173,6 +173,36 @@ def test_tape_and_rerun_agree_on_a_forward_origin(tmp_path, monkeypatch):
     assert (got["1"][5], got["0"][5]) == ("replay-tape", "rerun")
 
 
+def test_tape_and_rerun_agree_on_a_backward_origin_and_its_backward_line(tmp_path, monkeypatch):
+    # A backward-phase origin is named at its forward line, and `backward_line` is the line of
+    # `loss.backward()`; the in-process replay is started from the optimizer step's hook, a later
+    # line, which must not be taken for the backward call's site.
+    script = write(tmp_path, '''
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        for step in range(8):
+            a = model(torch.randn(16, 4))
+            b = a.detach() if step == 5 else a.detach() + 1.0
+            dist = torch.sqrt(((a - b) ** 2).sum(-1))   # ORIGIN: sqrt at 0 at step 5, NaN slope
+            loss = dist.mean()
+            opt.zero_grad()
+            loss.backward()                             # BACKWARD
+            opt.step()
+        ''')
+    got = {}
+    for tape in ("1", "0"):
+        monkeypatch.setenv("NANGUARD_TAPE", tape)
+        code, rep = run_ng(tmp_path, script, localize=True, bundle=None, report=str(tmp_path / f"r{tape}.json"))
+        ev = rep["events"][0]
+        o = ev["origin"]
+        got[tape] = (ev["step"], ev["phase"], ev["cause"]["category"], o["line"], o.get("backward_line"),
+                     ev["localization"]["method_kind"])
+    assert got["1"][:5] == got["0"][:5] == (5, "backward", "sqrt_domain", 9, 12)
+    assert (got["1"][5], got["0"][5]) == ("replay-tape", "rerun")
+
+
 def test_rerun_reproduces_a_batch_built_by_many_ops_on_a_nan(tmp_path, monkeypatch):
     # The re-run child arms the op recorder at the failing step's start; its checks read the NaN of
     # every op that touches it (Tensor.item). Those reads are nanguard's, not the script's: they

@@ -206,7 +206,8 @@ class StepReplay:
                         for t in tensors:
                             rec.mark_loss(t)
                         rec.set_stage("backward")
-                    self._backward(tensors, *a, **k)
+                    _call(self._backward, (tensors, *a), k)  # through the trampoline: backward ops
+                    # are named at the user's `loss.backward()` line, not where the replay was started
                     if rec is not None:
                         rec.set_stage("forward")
                     continue

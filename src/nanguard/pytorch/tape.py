@@ -478,7 +478,7 @@ class StepTape:
             return
         new: Dict[int, tuple] = {}
         e = Entry("backward", None, self._template(list(tensors), new),
-                  (self._template(a, new), self._template(k, new)), (None, None))
+                  (self._template(a, new), self._template(k, new)), self.frames.site_of(sys._getframe(1)))
         e.loss = [t.detach() for t in tensors]
         self._commit(new)
         self._add(e)
