@@ -147,6 +147,14 @@ def test_long_job_is_localized_in_process_not_rerun(tmp_path):
     assert b.step == 300 and torch.isnan(b.batch[0][3, 5]) and b.batch[0].shape == (16, 8)
 
 
+def _first_event_tape_and_rerun(tmp_path, monkeypatch, script):
+    """(tape, first event) of `nanguard run` with the in-process tape replay ("1") and the re-run ("0")."""
+    for tape in ("1", "0"):
+        monkeypatch.setenv("NANGUARD_TAPE", tape)
+        code, rep = run_ng(tmp_path, script, localize=True, bundle=None, report=str(tmp_path / f"r{tape}.json"))
+        yield tape, rep["events"][0]
+
+
 def test_tape_and_rerun_agree_on_a_forward_origin(tmp_path, monkeypatch):
     script = write(tmp_path, '''
         import torch
@@ -162,13 +170,8 @@ def test_tape_and_rerun_agree_on_a_forward_origin(tmp_path, monkeypatch):
             loss.backward()
             opt.step()
         ''')
-    got = {}
-    for tape in ("1", "0"):
-        monkeypatch.setenv("NANGUARD_TAPE", tape)
-        code, rep = run_ng(tmp_path, script, localize=True, bundle=None, report=str(tmp_path / f"r{tape}.json"))
-        ev = rep["events"][0]
-        got[tape] = (ev["step"], ev["phase"], ev["cause"]["category"], ev["origin"]["op"], ev["origin"]["line"],
-                     ev["localization"]["method_kind"])
+    got = {tape: (ev["step"], ev["phase"], ev["cause"]["category"], ev["origin"]["op"], ev["origin"]["line"],
+                  ev["localization"]["method_kind"]) for tape, ev in _first_event_tape_and_rerun(tmp_path, monkeypatch, script)}
     assert got["1"][:5] == got["0"][:5] == (5, "forward", "div_by_zero", "aten.div.Tensor", 9)
     assert (got["1"][5], got["0"][5]) == ("replay-tape", "rerun")
 
@@ -191,14 +194,9 @@ def test_tape_and_rerun_agree_on_a_backward_origin_and_its_backward_line(tmp_pat
             loss.backward()                             # BACKWARD
             opt.step()
         ''')
-    got = {}
-    for tape in ("1", "0"):
-        monkeypatch.setenv("NANGUARD_TAPE", tape)
-        code, rep = run_ng(tmp_path, script, localize=True, bundle=None, report=str(tmp_path / f"r{tape}.json"))
-        ev = rep["events"][0]
-        o = ev["origin"]
-        got[tape] = (ev["step"], ev["phase"], ev["cause"]["category"], o["line"], o.get("backward_line"),
-                     ev["localization"]["method_kind"])
+    got = {tape: (ev["step"], ev["phase"], ev["cause"]["category"], ev["origin"]["line"],
+                  ev["origin"].get("backward_line"), ev["localization"]["method_kind"])
+           for tape, ev in _first_event_tape_and_rerun(tmp_path, monkeypatch, script)}
     assert got["1"][:5] == got["0"][:5] == (5, "backward", "sqrt_domain", 9, 12)
     assert (got["1"][5], got["0"][5]) == ("replay-tape", "rerun")
 
