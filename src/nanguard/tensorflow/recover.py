@@ -167,8 +167,9 @@ class KerasActions(_ActionsBase):
             return []
 
     def _snap_vars(self):
-        mv = self.model_variables()
-        return mv, mv + self.optimizer_variables() + self._global_seed_vars()
+        """(model variables, everything a snapshot holds, how many seed-generator states end it)."""
+        mv, seeds = self.model_variables(), self._global_seed_vars()
+        return mv, mv + self.optimizer_variables() + seeds, len(seeds)
 
     # -------------------------------------------------------------- the state
     def state_finite(self, with_optimizers: bool = True) -> bool:
@@ -179,14 +180,14 @@ class KerasActions(_ActionsBase):
 
     # -------------------------------------------------------------- snapshots
     def take_snapshot(self, step: int, loss: Optional[float]) -> TFSnapshot:
-        mv, allv = self._snap_vars()
+        mv, allv, n_seed = self._snap_vars()
         s = TFSnapshot(step, allv, loss)
-        s.n_model, s.n_seed = len(mv), len(self._global_seed_vars())
+        s.n_model, s.n_seed = len(mv), n_seed
         return s
 
     def refill_snapshot(self, snap: TFSnapshot, step: int, loss: Optional[float]) -> bool:
-        mv, allv = self._snap_vars()
-        return len(mv) == snap.n_model and snap.refill(step, allv, loss)
+        mv, allv, n_seed = self._snap_vars()
+        return len(mv) == snap.n_model and n_seed == snap.n_seed and snap.refill(step, allv, loss)
 
     def restore(self, snap: TFSnapshot, rng: bool = True) -> None:
         n = len(snap.vars) - (0 if rng else snap.n_seed)  # the seed generators' states come last
