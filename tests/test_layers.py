@@ -147,3 +147,19 @@ def test_no_import_cycles() -> None:
         if state.get(m) is None:
             visit(m)
     assert cycles == []
+
+
+MAX_CLASS_LINES = 400
+
+
+def test_no_class_spans_more_than_400_lines() -> None:
+    """Keep each class small: one that grows past the limit is cut along its jobs (a helper class, a
+    mixin in its own module, module-level functions)."""
+    too_long = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_CLASS_LINES:
+                    too_long.append(f"{_module_name(path)}.{node.name}: {lines} lines")
+    assert too_long == [], f"classes over {MAX_CLASS_LINES} lines: {too_long}"

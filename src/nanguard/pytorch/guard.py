@@ -5,6 +5,9 @@ loss through ``loss_fn``, backward, check, update). Because the guard holds the
 step function, the batch and the RNG state, a failing step is replayed
 in-process under op-level instrumentation, with the same parameters (the check
 runs before the update), the same batch and the same random numbers.
+
+What the guard does with a failing step (bundle, replay, diagnosis, experiments, recovery, stop)
+is :mod:`.guard_failures`; how it keeps and writes its report is :mod:`.guard_reports`.
 """
 from __future__ import annotations
 
@@ -17,21 +20,19 @@ from torch.amp.grad_scaler import OptState
 from ..core.config import GuardConfig
 from ..core.events import Detection, Event, NonFiniteError, Report
 from ..core.guarded import call_guarded
-from ..core.experiments import ExperimentConfig, Spec
-from ..core.pipeline import build_event
-from ..core.render.html import write_run_html
-from ..core.render.terminal import print_line, render, summary_line
-from .bundle import default_bundle_path, save_bundle
-from .compiled import INDUCTOR_FIX, annotate_compiled, eager, unwrap_compiled, uses_compile
-from .counterfactual import GuardStep, TorchBench, drop_rows_and_regrad, investigate_failure
-from .counterfactual.samples import batch_indices, name_samples
+from ..core.experiments import ExperimentConfig
+from ..core.render.terminal import print_line, summary_line
+from .bundle import default_bundle_path
+from .compiled import unwrap_compiled
+from .counterfactual import GuardStep
+from .counterfactual.samples import batch_indices
 from .detect import StepMonitor
-from .distributed import accumulation, barrier, is_distributed, is_main, is_origin, replays_here, report_extra, \
-    share_event
+from .distributed import accumulation, is_main
+from .guard_failures import GuardFailureHandling
+from .guard_reports import GuardReportWriting
 from .recover import RecoveryPolicy
-from .replay import replay_step
 from .ring import StepRing
-from .rng import capture_rng, plain_rng
+from .rng import capture_rng
 from .spikes import SpikeResponder, optimizer_context
 from .syncfree import LazyDriver, resolve_sync_free
 from .tensorboard import TensorBoardLogger
@@ -39,7 +40,7 @@ from .tensorboard import TensorBoardLogger
 LossFn = Callable[[Any], torch.Tensor]
 
 
-class Guard:
+class Guard(GuardFailureHandling, GuardReportWriting):
     """Watch a model's training, one :meth:`step` at a time.
 
     >>> guard = nanguard.Guard(model, optimizer)              # doctest: +SKIP
@@ -301,21 +302,6 @@ class Guard:
             self.policy.after_step(self)
         self._timed(time.perf_counter() - self._step_start)
 
-    def _handle_failure(self, det: Detection, batches, loss_fn, rng, indices=None) -> str:
-        """A failure at this step: "skip" (recovered: the update is dropped), "apply" (recovered: the
-        step was re-run without its bad samples) or "continue"; raises on stop."""
-        if self._rewound is not None:  # sync-free: read late, the step run again after a rewind
-            det.detected = dict(det.detected, sync_free=dict(self._rewound))
-        action = self._on_failure(det, batches, loss_fn, rng, indices)
-        if action == "skip":
-            self.ring.clear()  # recovered: the steps before are not replayed from here on
-            for oo in self.optimizers:
-                oo.zero_grad(set_to_none=True)
-                self.monitor.end_step(oo, skipped=True)
-            if self.scaler is not None:
-                self._reset_scaler_stage()
-        return action
-
     def _timed(self, seconds: float) -> None:
         """A running estimate of one ordinary step's wall time (the experiments' budget unit)."""
         s = self._step_seconds
@@ -376,148 +362,10 @@ class Guard:
         except Exception:
             pass
 
-    # ------------------------------------------------------------------ failures
-    def _on_failure(self, det: Detection, batches, loss_fn, rng, indices=None) -> str:
-        # distributed: the bundle is saved where it was seen first; a DDP model is replayed there only
-        if self.bundle_path and self.bundle_saved is None and rng is not None and is_origin(det):
-            self.bundle_saved = self._safe(lambda: self._save_bundle(det, batches, rng))
-        here = rng is not None and replays_here(det, self.model)
-        # counterfactual replays run the step on this rank alone: never across ranks (its collectives would hang)
-        step = GuardStep(self.model, self.optimizers, self.scaler, batches, loss_fn, rng, det.step,
-                         batch_indices(batches[0], indices) if len(batches) == 1 else None) \
-            if here and not is_distributed() else None
-        # a compiled step is replayed compiled before the op-level replay (after which torch.compile runs
-        # that code eagerly): the eager/compiled experiment needs the compiled graph
-        prior = self._safe(lambda: self._compiled_first(step)) if step is not None else None
-        loc_run = None
-        if self.localize and det.phase in ("data", "params", "forward", "backward") and here:
-            loc_run = self._safe(lambda: self._replay(batches, loss_fn, rng, det))
-        event = self._safe(lambda: self._event(det, loc_run))
-        if event is None:
-            event = Event(step=det.step, phase=det.phase, detected=det.detected, rank=det.rank)
-        elif step is not None:
-            self._safe(lambda: self._experiment(event, det, loc_run, step, prior or []))
-        if det.rank is not None:  # every rank acts on the origin rank's diagnosis
-            event = share_event(event, det.rank)
-        if self.policy is not None:
-            decision = self.policy.decide(self, event)
-            if decision is not None:
-                self._tb_event(event)
-                return decision
-        self._tb_event(event)
-        self.report.events.append(event)
-        self._write_report()
-        if not self.quiet:
-            render(self.report, self.report_path)
-        if self.config.on_nonfinite == "stop":
-            # The step is abandoned: a caller that catches the error and goes on must get a
-            # guard that still checks (and a scaler ready for the next step).
-            for o in self.optimizers:
-                self._safe(lambda: self.monitor.discard_step(o))
-            if self.scaler is not None:
-                self._reset_scaler_stage()
-            self._write_html()
-            if det.rank is not None:  # distributed: rank 0 has written the report before any rank raises
-                barrier()
-            raise NonFiniteError(self.report, event)
-        return "continue"
-
-    def _save_bundle(self, det: Detection, batches, rng) -> str:
-        return save_bundle(self.bundle_path, step=det.step, phase=det.phase,
-                           batch=batches if len(batches) > 1 else batches[0],
-                           model_state=self.model.state_dict(),
-                           optimizer_states=[o.state_dict() for o in self.optimizers],
-                           scaler_state=self.scaler.state_dict() if self.scaler is not None else None,
-                           rng=plain_rng(rng), config={"on_nonfinite": self.config.on_nonfinite,
-                                            "history_size": self.config.history_size})
-
-    def _event(self, det: Detection, loc_run, exclude: Sequence[str] = ()) -> Event:
-        hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
-        ev = build_event(det, loc_run, hist, dict(self._context(), exclude_categories=list(exclude)))
-        if loc_run is not None and loc_run.get("eager"):
-            annotate_compiled(ev, loc_run)  # torch.compile: replayed eagerly; not reproduced: the compiled code
-        if self.bundle_saved:
-            ev.localization = dict(ev.localization or {}, bundle=self.bundle_saved)
-        return ev
-
-    def _compiled_first(self, step: GuardStep) -> list:
-        bench = TorchBench(step, [self.model], step_seconds=None)
-        if not (self.experiments.allows("eager") and bench.compiled()):
-            return []
-        return [bench.run(Spec("eager"), seconds_left=0.0)]
-
-    def _experiment(self, event: Event, det: Detection, loc_run, step: GuardStep, prior: list) -> None:
-        """Test the diagnosed cause by counterfactual replays of the step (nanguard.core.experiments);
-        name the batch rows (and dataset rows) of a per-sample failure."""
-        self._failing = step
-        if self.experiments.enabled and det.phase != "params":
-            hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
-
-            def rediagnose(excluded):
-                ev = self._event(det, loc_run, exclude=excluded)
-                return ev.cause, ev.fixes
-
-            investigate_failure(event, step, roots=[self.model], config=self.experiments,
-                                step_seconds=self._step_seconds or self._fail_seconds, rediagnose=rediagnose,
-                                history=hist,
-                                kept=self._kept, snapshots=self.policy.all_snapshots() if self.policy else (),
-                                recovering=self.policy is not None, prior=prior)
-        name_samples(event, step.dataset_indices())
-        if (event.localization or {}).get("compiled_code_made_it") and INDUCTOR_FIX not in (event.fixes or []):
-            event.fixes = list(event.fixes or []) + [INDUCTOR_FIX]  # the next step, whatever the experiments said
-
-    def drop_samples_fn(self) -> Optional[Callable[[List[int]], Optional[dict]]]:
-        """The ``drop_samples`` recovery on the failing step (re-run without the rows, gradients kept)."""
-        step = self._failing
-        # not with a GradScaler (it has unscaled this step's gradients already), nor across ranks (every
-        # rank must take the same action, and only the origin rank replayed)
-        if step is None or self.scaler is not None or is_distributed():
-            return None
-        return lambda rows: drop_rows_and_regrad(step, rows)
-
-    def _replay(self, batches, loss_fn, rng, det: Detection) -> dict:
-        """Re-run the failing step's forward and backward under the op recorder (params unchanged).
-        Compiled code (torch.compile) is replayed eagerly (:mod:`nanguard.pytorch.compiled`)."""
-        if not uses_compile(self.model, loss_fn):
-            return replay_step(self.model, self.optimizers, self.scaler, batches, loss_fn, rng)
-        with eager():
-            res = replay_step(unwrap_compiled(self.model), self.optimizers, self.scaler, batches, loss_fn, rng)
-        return dict(res, eager=True)
-
     # ------------------------------------------------------------------ housekeeping
     def _safe(self, fn: Callable[[], Any]) -> Any:
         """Guard code never kills training (unless strict)."""
         return call_guarded(self, fn, NonFiniteError)
-
-    def _sync_report(self) -> Report:
-        mon = self.monitor
-        r = self.report
-        r.steps_watched = mon.steps_watched
-        r.max_grad_norm = mon.history.max_grad_norm if len(mon.history) else None
-        r.scaler_skips = sum(1 for i in r.info if i.get("scaler_skip"))
-        r.history = mon.history.as_dicts()
-        known = {id(e) for e in r.events}
-        if self.policy is not None:
-            r.events.extend(e for e in self.policy.events if id(e) not in known)
-            r.events.sort(key=lambda e: (e.step, e.recovery is None))
-        r.events.extend(e for e in self.spikes.events if id(e) not in known)
-        return r
-
-    def _tb_event(self, event: Event) -> None:
-        if self.tensorboard is not None:
-            self._safe(lambda: self.tensorboard.log_event(event))
-
-    def _write_report(self) -> None:
-        self._sync_report()
-        if self.report_path and is_main():  # distributed: rank 0 writes the merged report
-            report_extra(self.report)
-            self._safe(lambda: self.report.write(self.report_path))
-
-    def _write_html(self) -> None:
-        if is_main():  # the page renders in seconds (plots): once, when the run stops or ends
-            page = write_run_html(self.report, self.report_path, self.html)
-            if page and not self.quiet:
-                print_line(f"HTML report: {page}")
 
     def close(self) -> Report:
         """Finish: read the last pending check, write the report, print the one-line summary."""

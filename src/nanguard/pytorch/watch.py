@@ -21,6 +21,9 @@ guard instead of killing the user's training (unless ``strict``).
 
 :func:`watch` installs the same hooks around a block of a training loop
 (detection only: nanguard cannot call an inline step again, so there is no replay).
+
+What the watcher does beyond detecting (experiments, recovery, early warnings, snapshots) is
+:mod:`.watch_recovery`.
 """
 from __future__ import annotations
 
@@ -38,19 +41,18 @@ from torch.nn.modules import module as torch_module
 from ..core.config import GuardConfig
 from ..core.events import Detection
 from ..core.guarded import call_guarded
-from ..core.pipeline import build_event, recurrence_event
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
 from ..core.script import apply_outcome, block_outcome
 from .data import DataHooks
 from .detect import StepMonitor, is_checkable, tensors_in
-from .distributed import share_event
 from .evalcheck import EvalCheck
 from .gradscaler import scaler_enabled
 from .stepreplay import StepReplay, replay_of
 from .tape import StepTape
+from .watch_recovery import WatcherRecovery
 from .zerocode import Localizer, announce, make_report
-from .spikes import SpikeResponder, optimizer_context
+from .spikes import SpikeResponder
 
 
 class StopRun(BaseException):
@@ -61,7 +63,7 @@ class StopRun(BaseException):
         self.detection = detection
 
 
-class Watcher:
+class Watcher(WatcherRecovery):
     """Global hooks driving a :class:`StepMonitor` for code nanguard cannot see into."""
 
     def __init__(self, config: Optional[GuardConfig] = None,
@@ -222,32 +224,6 @@ class Watcher:
         if self.config.on_nonfinite == "stop" and det.phase != "eval":
             raise StopRun(det)
 
-    def _experiment(self, det: Detection, loc: Any, event: Any = None) -> None:
-        """Counterfactual replays of the failing step (nanguard.core.experiments) from the step tape; the
-        diagnosed event is kept on ``det`` for the report."""
-        cfg = getattr(self, "experiments", None)
-        if cfg is None or not cfg.enabled or det.phase in ("eval", "params"):
-            return
-        replay = self.step_replay(det.step)
-        if replay is None:
-            return
-        from .counterfactual import investigate_zero_code
-        from .zerocode import run_context
-        hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
-        ctx = run_context(self)
-        if event is None:
-            event = build_event(det, loc, hist, ctx)
-
-        def rediagnose(excluded):
-            ev = build_event(det, loc, hist, dict(ctx, exclude_categories=list(excluded)))
-            return ev.cause, ev.fixes
-
-        investigate_zero_code(event, replay, roots=list(self.monitor.roots), optimizers=self.optimizers(),
-                              scaler=self.scalers[0] if self.scalers else None, config=cfg,
-                              step_seconds=getattr(self, "step_seconds", None), rediagnose=rediagnose,
-                              history=hist, indices=self.data.last if getattr(self, "data", None) else None)
-        det.event = event
-
     # ------------------------------------------------------------------ in-process replay
     def step_replay(self, step: int) -> Optional[StepReplay]:
         """The recorded step ``step`` as a :class:`~nanguard.pytorch.stepreplay.StepReplay`, or None
@@ -269,63 +245,8 @@ class Watcher:
         finally:
             self._replaying = prev
 
-    def _recover(self, det: Detection, opt: Any) -> bool:
-        """Diagnose ``det`` and let the policy act. True when the run may go on."""
-        mon = self.monitor
-        hist = [h for h in mon.history.raw_dicts() if h["step"] < det.step]
-        ctx = {"scaler": bool(self.scalers), **optimizer_context(self.optimizers())}
-        if self._first_event is None:
-            loc_run = self.localizer(det) if self.localizer is not None else None
-            event = _shared(build_event(det, loc_run, hist, ctx), det)
-            self._guarded(lambda: self._experiment(det, loc_run, event))
-            self._first_event = event
-        else:
-            event = _shared(recurrence_event(det, self._first_event, hist, ctx), det)
-        det.event = event
-        opts = self.optimizers()
-        rec = self.policy.apply(event, step=det.step, modules=list(mon.roots), optimizers=opts,
-                                scaler=self.scalers[0] if self.scalers else None, roots=list(mon.roots),
-                                history=hist)
-        if rec is None:
-            return False
-        self._skip_current.update(id(o) for o in opts)
-        return True
-
     def optimizers(self) -> list:
         return [v.opt_ref() for v in self.monitor.views.values() if v.opt_ref() is not None]
-
-    def _spike(self, opt: Any) -> bool:
-        """After a clean check: the early warning, if the check raised one. True: the step is to be skipped."""
-        if self.spikes is None or self.monitor.spike is None:
-            return False
-        return bool(self._guarded(lambda: self.spikes.after_check(
-            opt, modules=list(self.monitor.roots), optimizers=self.optimizers(),
-            scaler=self.scalers[0] if self.scalers else None, policy=self.policy)))
-
-    def _after_update(self, opt: Any) -> None:
-        """End of a step: a recovery snapshot of the next step is due (only with a policy).
-
-        It is taken when the next step starts (its first training forward, backward or check), not
-        here: code the script runs between steps (a projection, a re-normalisation, an EMA swap)
-        belongs to the state a rollback must restore.
-        """
-        import time as _t
-        now = _t.perf_counter()
-        prev = getattr(self, "_t_update", None)
-        self._t_update = now
-        if prev is not None:
-            d, s0 = now - prev, getattr(self, "step_seconds", None)
-            self.step_seconds = d if s0 is None else (0.8 * s0 + 0.2 * d if d < 10 * s0 else s0)
-        if self.policy is None:
-            return
-        last = self.monitor.history.last()
-        self._snap_due = (self.monitor.step_of(opt), last.loss if last else None)
-
-    def _take_due_snapshot(self) -> None:
-        due, self._snap_due = self._snap_due, None
-        if due is not None and self.policy is not None:
-            self.policy.maybe_snapshot(due[0], list(self.monitor.roots), self.optimizers(),
-                                       self.scalers[0] if self.scalers else None, due[1])
 
     # ------------------------------------------------------------------ optimizer
     def _in_scaler(self) -> bool:
@@ -517,13 +438,6 @@ def _in_backward() -> bool:
         return torch._C._current_autograd_node() is not None
     except Exception:
         return False
-
-
-def _shared(event: Any, det: Detection) -> Any:
-    """torch.distributed: every rank acts on the diagnosis made on the rank where ``det`` was seen first."""
-    if getattr(det, "rank", None) is None:
-        return event
-    return share_event(event, det.rank)
 
 
 def _graph_leaves(ts: List[torch.Tensor], limit: int = 100_000) -> List[torch.Tensor]:
