@@ -117,6 +117,27 @@ def test_mean_over_empty_group_is_div_by_zero():
     check(res, phase="forward", tag="div", category="div_by_zero")
 
 
+def test_a_flat_token_stream_does_not_hide_the_bad_sample():
+    """EmbeddingBag takes the tokens of the whole batch as one flat stream (plus offsets): its length is
+    not the batch size, so the bad row of the per-document logits must still be named as a sample."""
+    torch.manual_seed(0)
+    bag, fc = torch.nn.EmbeddingBag(50, 8, mode="sum"), torch.nn.Linear(8, 3)
+    model = torch.nn.ModuleDict({"bag": bag, "fc": fc})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(0, 50, (40,))
+    offsets = torch.tensor([0, 10, 20, 30])
+    shift = torch.tensor([0.0, 0.0, 1e3, 0.0]).unsqueeze(1)  # document 2's logits are huge: exp overflows
+
+    def fwd():
+        logits = fc(bag(tokens, offsets)) + shift
+        probs = torch.exp(logits) / torch.exp(logits).sum(1, keepdim=True)  # ORIGIN:flat_exp
+        return -torch.log(probs[:, 0]).mean()
+
+    res = armed_step(model, opt, fwd, roots=[bag, fc])
+    assert res["origin"]["line"] == line_of("flat_exp"), res["origin"]
+    assert res["origin"]["samples"] == [2], res["origin"]
+
+
 class TinyAttention(torch.nn.Module):
     def __init__(self, d: int = 8):
         super().__init__()

@@ -305,6 +305,7 @@ class ModuleTracker:
         self._hooks: list[Any] = []
         self._thread: int | None = None
         self.batch_size: int | None = None   # leading dimension of the first top-level call's first tensor
+        self._flat_batch = False  # the first top-level call's first tensor was 1-D: its output decides
         self.batch_inputs: list = []          # weak references to that call's batch-shaped tensor arguments
 
     @property
@@ -367,13 +368,22 @@ class ModuleTracker:
         self.stack.append(name)
         self.type_stack.append(type(mod).__name__)
 
-    def _note_batch(self, args: Any) -> None:
-        if self.batch_size is None:
-            t = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
-            if t is not None:
-                self.batch_size = int(t.shape[0])
-                self.batch_inputs = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor)
-                                     and a.dim() >= 1 and a.shape[0] == self.batch_size]
+    def _note_batch(self, args: Any, out: Any = None, flat_ok: bool = False) -> None:
+        """The batch size: the leading dimension of the first top-level call's first tensor. A 1-D first
+        tensor is a flat stream (EmbeddingBag's tokens with offsets, one id per sample) whose length need
+        not be the number of samples: the call's output rows decide (``_post`` calls back with ``out``)."""
+        if self.batch_size is not None:
+            return
+        t = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
+        if t is None:
+            return
+        if t.dim() == 1 and not flat_ok:
+            self._flat_batch = True
+            return
+        rows = out if isinstance(out, torch.Tensor) and out.dim() >= 1 else t
+        self.batch_size = int(rows.shape[0])
+        self.batch_inputs = [weakref.ref(a) for a in args if isinstance(a, torch.Tensor)
+                             and a.dim() >= 1 and a.shape[0] == self.batch_size]
 
     def _post(self, mod, args, *rest) -> None:
         # (mod, args, kwargs, out); (mod, args, out) when the forward raised (torch's always_call path)
@@ -381,6 +391,9 @@ class ModuleTracker:
         if self.switch.armed and self.stack and threading.get_ident() == self._thread:
             if len(self.stack) == 1 and kwargs:   # model(**batch): the batch is in the keyword arguments
                 self._note_batch(tuple(kwargs.values()))
+            if len(self.stack) == 1 and self._flat_batch and self.batch_size is None:
+                self._flat_batch = False
+                self._note_batch(args, rest[-1] if rest else None, flat_ok=True)
             self.stack.pop()
             if self.type_stack:
                 self.type_stack.pop()
