@@ -459,7 +459,8 @@ def snapshot_cost(r: Runner, meter: Optional["CpuMeter"] = None) -> Dict[str, An
         method = "nanguard.pytorch.recover.Snapshot"
         every = getattr(pol, "snapshot_every", 10)
         recent = getattr(pol, "recent_n", 0) if nb <= getattr(pol, "recent_max_bytes", 0) else 0
-        keep = 1 + getattr(pol, "keep", 3) + recent  # first step's + periodic + per-step (small models)
+        # first step's + periodic + per-step (small models) + the one pinned after a step-size cut
+        keep = 1 + getattr(pol, "keep", 3) + recent + 1
         per_step = 1.0 if recent else 1.0 / max(every, 1)
         del snap
     except Exception as e:  # recovery module absent: the documented cost of a snapshot

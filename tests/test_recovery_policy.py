@@ -270,3 +270,66 @@ def test_backoff_factor():
     assert backoff_factor(0.1, {}, [0.1]) == 0.1
     assert backoff_factor(0.1, {"evidence": {"estimated_stable_lr_limit": 0.004}}, [0.1]) == pytest.approx(0.02)
     assert backoff_factor(0.1, {"evidence": {"estimated_stable_lr_limit": 1e-9}}, [0.1]) == 1e-4  # floor
+
+
+def test_a_repeated_cut_uses_the_new_estimate_and_at_least_halves():
+    ev = {"evidence": {"lr_backoff_factor": 0.1, "lr_stable_factor": 0.4}}
+    assert backoff_factor(0.1, ev, [1.0]) == 0.1  # a first cut: at least 10x
+    assert backoff_factor(0.1, ev, [1.0], repeat=True) == pytest.approx(0.4)  # the new excursion's estimate
+    assert backoff_factor(0.1, {"evidence": {"lr_stable_factor": 0.9}}, [1.0], repeat=True) == 0.5
+    limit = {"evidence": {"estimated_stable_lr_limit": 2.6e-4}}  # steady growth: its limit is the estimate
+    assert backoff_factor(0.1, limit, [1e-3], repeat=True) == pytest.approx(0.13)
+    assert backoff_factor(0.1, {}, [1.0], repeat=True) == 0.1  # no estimate at all: the usual cut
+
+
+def test_a_second_divergence_after_a_cut_rolls_back_to_where_the_cut_restarted():
+    """The updates made since a step-size cut ran at a step size that proved too large: a second
+    divergence rolls back to the state the first cut restarted from (pinned), not to a later snapshot
+    that looks healthy, and cuts again by the new excursion's own estimate."""
+    p, a = RecoveryPolicy(snapshot_every=5, keep_snapshots=1, quiet=True), FakeActions(lrs=(1.0,))
+    snapshots(p, a, range(4))
+    first = event("lr_too_high", step=3, evidence={"onset_step": 1, "lr_backoff_factor": 0.05})
+    rec = p.on_spike(first, step=3, actions=a, history=hist([3.0, 13.0, 4e3, 1.6e6]))
+    assert rec["actions"]["rollback"]["to_step"] == 0 and a.lrs == [pytest.approx(0.05)]
+    a.state["w"] = 2.0  # the training at the lower step size goes on
+    snapshots(p, a, range(4, 30))
+    assert 4 in [s.step for s in p.all_snapshots()] and p.store.pinned.step == 4
+    a.calls.clear()
+    # every periodic snapshot but the pinned one has gone past step 4: one keeps step 25 only
+    assert [s.step for s in p.all_snapshots()][:2] == [0, 4]
+    again = event("lr_too_high", step=30, evidence={"onset_step": 28, "lr_backoff_factor": 0.1,
+                                                    "lr_stable_factor": 0.3})
+    healthy = hist([3.0] * 4 + [2.5] * 24 + [40.0, 900.0])
+    rec = p.on_spike(again, step=30, actions=a, history=healthy)
+    rb = rec["actions"]["rollback"]
+    assert rb["to_step"] == 4 and "proved too large" in rb["why"]
+    assert a.calls[0] == ("restore", 4) and a.lrs == [pytest.approx(0.015)]
+    assert rec["actions"]["lr_backoff"]["repeat"] is True
+
+
+def test_a_pinned_snapshot_is_never_refilled_and_goes_with_a_rollback_before_it():
+    store, a = SnapshotStore(snapshot_every=5, keep_snapshots=1, recent_snapshots=2), FakeActions()
+    for s in range(3):
+        store.maybe_take(s, a)
+    store.pin_next()
+    store.maybe_take(3, a)
+    pinned = store.pinned
+    assert pinned.step == 3
+    for s in range(4, 20):
+        store.maybe_take(s, a)
+    assert store.pinned is pinned and pinned.step == 3 and 3 in [s.step for s in store.all()]
+    store.forget_after(2)
+    assert store.pinned is None
+
+
+def test_the_pin_is_released_once_the_cut_step_size_held_for_a_window():
+    """A divergence long after a cut is a new one: it rolls back to a recent snapshot, not to the cut."""
+    p, a = RecoveryPolicy(snapshot_every=5, keep_snapshots=1, window=20, quiet=True), FakeActions(lrs=(1.0,))
+    snapshots(p, a, range(4))
+    p.on_spike(event("lr_too_high", step=3, evidence={"onset_step": 1}), step=3, actions=a,
+               history=hist([3.0, 13.0, 4e3, 1.6e6]))
+    snapshots(p, a, range(4, 40))
+    assert p.store.pinned is None and 4 not in [s.step for s in p.all_snapshots()]
+    rec = p.on_spike(event("lr_too_high", step=40, evidence={"onset_step": 38}), step=40, actions=a,
+                     history=hist([2.0] * 38 + [40.0, 900.0]))
+    assert rec["actions"]["rollback"]["to_step"] == 35 and "why" not in rec["actions"]["rollback"]

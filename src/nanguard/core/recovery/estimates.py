@@ -32,18 +32,30 @@ def clip_max_norm(history: Sequence[dict], default: float = 1.0, quantile: float
     return float(norms[int(quantile * (len(norms) - 1))])
 
 
-def backoff_factor(lr_factor: float, cause: Dict[str, Any], lrs: Sequence[float]) -> float:
+def backoff_factor(lr_factor: float, cause: Dict[str, Any], lrs: Sequence[float], repeat: bool = False) -> float:
     """``lr_factor``, or lower: to half the stability limit when the diagnosis estimated one.
-    ``lrs``: the current learning rates of every param group."""
-    factor = lr_factor
+    ``lrs``: the current learning rates of every param group.
+
+    ``repeat``: the learning rate was already lowered for a divergence in this run and the run diverged
+    again, so it now sits just past its limit: the new excursion's own estimate (``lr_stable_factor``,
+    or half the estimated limit) is used as it is, at least halving, instead of another 10x that
+    would stall the training (a step size far below the limit learns too slowly to make up the
+    rolled-back steps)."""
     ev = cause.get("evidence") or {}
-    est = ev.get("lr_backoff_factor")
-    if isinstance(est, (int, float)) and math.isfinite(est) and 0 < est < 1:
-        factor = min(factor, est)
+    factor = 0.5 if repeat else lr_factor
+    est = ev.get("lr_stable_factor" if repeat else "lr_backoff_factor")
     limit = ev.get("estimated_stable_lr_limit")
-    if isinstance(limit, (int, float)) and math.isfinite(limit) and limit > 0 and lrs and max(lrs) > 0:
+    if repeat and not _positive(est) and not _positive(limit):
+        est = lr_factor  # no estimate of how far past its limit: the usual cut
+    if _positive(est) and est < 1:
+        factor = min(factor, est)
+    if _positive(limit) and lrs and max(lrs) > 0:
         factor = min(factor, 0.5 * limit / max(lrs))
     return max(factor, 1e-4)
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 def rollback_bound(cause: Dict[str, Any]) -> Optional[int]:

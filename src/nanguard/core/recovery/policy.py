@@ -59,6 +59,7 @@ class RecoveryPolicy:
         self.failures = failures
         self.events: List[Any] = []           # the recovered events, in order
         self.grad_scale: Optional[float] = None  # armed by lr_backoff without optimizers (hand-written updates)
+        self._step_cuts = 0  # step-size limits set so far: learning-rate cuts, gradient scalings, clips
         self.clip_norm: Optional[float] = None  # armed by ``clip``: every later update is clipped
         self.loss_scaler: Optional[DynamicLossScale] = None  # armed by ``loss_scale``
         self.quarantined: List[int] = []      # dataset rows of bad input data
@@ -109,6 +110,9 @@ class RecoveryPolicy:
     def on_step_start(self, step: int, actions: RecoveryActions, loss: Optional[float] = None) -> None:
         """The state at the start of ``step``: snapshot it if rollback is allowed and a tier wants it."""
         if "rollback" in self.allowed:
+            pinned = self.store.pinned
+            if pinned is not None and step - pinned.step > self.budget.window:
+                self.store.pin_release()  # the cut step size held for a whole window: a later divergence is new
             self.store.maybe_take(step, actions, loss)
 
     # ---------------------------------------------------------------- armed actions, every update
@@ -253,6 +257,13 @@ class RecoveryPolicy:
                   params_ok: bool, done: Dict[str, Any], notes: List[str], before: Optional[int] = None) -> bool:
         """Roll back (or repair the non-finite elements); returns whether the parameters are now finite.
         ``before``: the latest step a snapshot may come from (the growth began after it)."""
+        pinned = self.store.pinned
+        again = self._step_cuts > 0 and cat in DIVERGENCE and pinned is not None and pinned.step <= step
+        if again:
+            # The step size was cut (or clipped) within the last window and the run diverged again: every
+            # update since that cut was made at a step size now shown to be past its limit, so its weights
+            # are not trusted. (The pin is released once the cut step size held for a whole window.)
+            before = pinned.step if before is None else min(before, pinned.step)
         snap = self.store.best(history, step, cat in DIVERGENCE, before)
         if snap is None:
             notes.append("no healthy snapshot to roll back to" if before is None else
@@ -277,24 +288,39 @@ class RecoveryPolicy:
         self.store.forget_after(snap.step)
         done["rollback"] = {"to_step": snap.step, "steps_lost": step - snap.step, "rng_rewound": rewind_rng,
                             "snapshot_bytes": snap.nbytes, "snapshots_kept_bytes": self.snapshot_bytes()}
+        if again:
+            done["rollback"]["why"] = (f"back to the state the step-size cut restarted from (step {pinned.step}): "
+                                       "the updates since were made at a step size that proved too large")
         return params_ok
 
     def _lr_backoff(self, cause: Dict[str, Any], actions: RecoveryActions, done: Dict[str, Any]) -> None:
         """Lower every learning rate; with no optimizer (hand-written updates) scale the gradients instead."""
         lrs = actions.learning_rates()
-        factor = backoff_factor(self.lr_factor, cause, lrs)
+        repeat = self._step_cuts > 0
+        factor = backoff_factor(self.lr_factor, cause, lrs, repeat=repeat)
+        self._step_cuts += 1
+        if "rollback" in done:
+            self.store.pin_next()
         if lrs:
             done["lr_backoff"] = actions.lr_backoff(factor)
+            if repeat:
+                done["lr_backoff"]["repeat"] = True
             return
-        self.grad_scale = (self.grad_scale or 1.0) * factor
-        eff = ((cause.get("evidence") or {}).get("effective_lr"))
+        before = self.grad_scale or 1.0
+        self.grad_scale = before * factor
+        eff = ((cause.get("evidence") or {}).get("effective_lr"))  # the script's own step size (its lr)
         rec: Dict[str, Any] = {"factor": self.grad_scale, "how": "no optimizer: the gradients are multiplied by "
                                "this factor before each hand-written update, instead of lowering a learning rate"}
         if isinstance(eff, (int, float)):
-            rec.update(effective_lr_before=eff, effective_lr_after=eff * factor)
+            rec.update(effective_lr_before=eff * before, effective_lr_after=eff * self.grad_scale)
+        if repeat:
+            rec["repeat"] = True
         done["grad_scale"] = rec
 
     def _clip(self, history: Sequence[dict], done: Dict[str, Any]) -> None:
+        self._step_cuts += 1
+        if "rollback" in done:
+            self.store.pin_next()
         if self.clip_norm is not None:  # clipping did not prevent it: tighten
             self.clip_norm = self.clip_norm / 2
             done["clip"] = {"max_norm": self.clip_norm, "tightened": True}

@@ -1,7 +1,8 @@
 """Which rollback snapshots are kept, in three tiers (the backend makes and restores them).
 
 At most ``1 + keep_snapshots + recent_snapshots`` are kept (defaults: the first
-step's, one every ``snapshot_every=10`` steps keeping 3, and the last 2 steps';
+step's, one every ``snapshot_every=10`` steps keeping 3, and the last 2 steps'; plus, after a
+rollback with a learning-rate cut, the state the cut restarted from: :meth:`SnapshotStore.pin_next`);
 the per-step tier is dropped for models whose snapshot is over
 ``recent_max_bytes``, 256 MiB). The per-step tier refills its oldest snapshot in
 place (the backend's ``refill_snapshot``), so after the first steps it allocates
@@ -42,6 +43,8 @@ class SnapshotStore:
         self.snapshot_every, self.keep, self.recent_n = snapshot_every, keep_snapshots, recent_snapshots
         self.recent_max_bytes = recent_max_bytes
         self.initial: Optional[Snapshot] = None
+        self.pinned: Optional[Snapshot] = None  # kept whatever the tiers do (pin_next())
+        self._pin_next = False
         self.snapshots: deque = deque(maxlen=max(keep_snapshots, 1))  # periodic tier
         if keep_snapshots <= 0:
             self.snapshot_every = 0
@@ -96,8 +99,8 @@ class SnapshotStore:
     def all(self) -> List[Snapshot]:
         """Every kept snapshot once, by step."""
         seen, out = set(), []
-        for s in ([self.initial] if self.initial else []) + list(self.snapshots) + \
-                (list(self.recent) if self.recent_on else []):
+        for s in ([self.initial] if self.initial else []) + ([self.pinned] if self.pinned else []) + \
+                list(self.snapshots) + (list(self.recent) if self.recent_on else []):
             if id(s) not in seen:
                 seen.add(id(s))
                 out.append(s)
@@ -134,6 +137,7 @@ class SnapshotStore:
         self.last_step = step
         if not snap.finite():
             return
+        self._kept_real(snap)
         if first:
             self.initial = snap
         if periodic:
@@ -151,17 +155,36 @@ class SnapshotStore:
         if kept_elsewhere or not self.recent_on or len(self.recent) < self.recent.maxlen:
             return None
         old = self.recent[0]
-        if old is self.initial or any(old is s for s in self.snapshots):
-            return None
-        return old
+        return None if self._holds(old) else old
 
     def best(self, history: Sequence[dict] = (), step: Optional[int] = None,
              divergence: bool = True, before: Optional[int] = None) -> Optional[Snapshot]:
         """The snapshot to roll back to (:func:`~nanguard.core.recovery.estimates.rollback_target`)."""
         return rollback_target(self.all(), history, step, divergence, before)
 
+    def pin_next(self) -> None:
+        """Keep the next real snapshot (one at a time, until a rollback goes to a step before it or
+        :meth:`pin_release`): after a rollback with a step-size cut, the state the cut restarts from,
+        the last one known to be trained only at a step size not yet shown to be too large."""
+        self._pin_next = True
+
+    def pin_release(self) -> None:
+        """Stop keeping the pinned snapshot (it goes unless a tier holds it)."""
+        self.pinned, self._pin_next = None, False
+
+    def _holds(self, snap: Snapshot) -> bool:
+        """Whether a tier other than the per-step one holds ``snap`` (its storage must not be refilled)."""
+        return snap is self.initial or snap is self.pinned or snap is self._base \
+            or any(snap is s for s in self.snapshots)
+
+    def _kept_real(self, snap: Snapshot) -> None:
+        if self._pin_next and snap.finite():
+            self.pinned, self._pin_next = snap, False
+
     def forget_after(self, step: int) -> None:
         """After a rollback: the snapshots of the abandoned trajectory go."""
+        if self.pinned is not None and self.pinned.step > step:
+            self.pinned = None
         for dq in (self.snapshots, self.recent):
             keep = [s for s in dq if s.step <= step]
             dq.clear()
@@ -182,6 +205,7 @@ class SnapshotStore:
         first = self.initial is None
         if first or self._force_real or base is None or step - base.step >= self.interval():
             snap = self._take_real(step, actions, loss)
+            self._kept_real(snap)
             self._force_real = False
             if first:
                 self.initial = snap
@@ -197,8 +221,7 @@ class SnapshotStore:
         if v is None and (self._small or self.copy_seconds is not None and self.step_seconds is not None
                           and self.copy_seconds <= max(self.budget * self.step_seconds, self.cheap_seconds)):
             reuse = self.recent[0] if len(self.recent) == self.recent.maxlen else None
-            if reuse is not None and (reuse is self.initial or reuse is self._base or
-                                      any(reuse is s for s in self.snapshots)):
+            if reuse is not None and self._holds(reuse):
                 reuse = None
             if reuse is not None and actions.refill_snapshot(reuse, step, loss):
                 v = reuse
@@ -214,7 +237,7 @@ class SnapshotStore:
         t0 = self.clock()
         old = self.snapshots[0] if len(self.snapshots) == self.snapshots.maxlen and self.initial is not None \
             else None
-        if old is not None and (old is self.initial or any(old is r for r in self.recent)):
+        if old is not None and (old is self.initial or old is self.pinned or any(old is r for r in self.recent)):
             old = None
         snap = None
         if old is not None:

@@ -26,7 +26,8 @@ import math
 
 from .. import text as T
 
-# The learning-rate factor (clamped to [1e-4, 0.1]):
+# The learning-rate factor (clamped to [1e-4, 0.1] for a first cut, ``lr_backoff_factor``; the
+# uncapped estimate is ``lr_stable_factor``, which recovery uses when a cut already made proved too small):
 # * plain gradient steps (SGD, hand-written updates): half the stability limit. On a quadratic, a step
 #   size past 2/lambda amplifies the deviation along the sharpest direction by amp = |1 - lr lambda|
 #   per step, and the loss (its square) by amp^2: amp = sqrt(the loss's typical per-step factor),
@@ -136,8 +137,9 @@ def _lr_ref(dy: dict, ctx: dict) -> tuple[float | None, bool]:
     return (float(lrs[0]), False) if lrs else (None, False)
 
 
-def backoff(dy: dict, ctx: dict, measured: bool) -> float:
-    """The learning-rate factor for the excursion (see ``TARGET_UPDATE_RATIO``)."""
+def stable_factor(dy: dict, ctx: dict, measured: bool) -> float:
+    """The learning-rate factor estimated to bring the step size to half its stability limit, uncapped
+    (see ``TARGET_UPDATE_RATIO``; 0.1 when the history gives no estimate)."""
     opt = str(ctx.get("optimizer") or "")
     adaptive = bool(opt) and not measured and opt.lower() != "sgd"
     ratio, per = dy.get("update_ratio_at_onset"), dy.get("loss_ratio_per_step")
@@ -147,7 +149,12 @@ def backoff(dy: dict, ctx: dict, measured: bool) -> float:
         f = 1.0 / (math.sqrt(per) + 1.0)
     else:
         f = 0.1
-    return max(1e-4, min(0.1, f))
+    return max(1e-4, min(1.0, f))
+
+
+def backoff(dy: dict, ctx: dict, measured: bool) -> float:
+    """The learning-rate factor of a first cut: the estimate, and at least 10x."""
+    return min(0.1, stable_factor(dy, ctx, measured))
 
 
 def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[str, list[str], str | None]:
@@ -206,8 +213,9 @@ def params_grew(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: 
                                          "param_growth_from_step", "update_ratio_at_onset", "update_ratio_calm",
                                          "lr_at_onset", "lr_rose_from", "effective_lr") if dy.get(kk) is not None})
     ev["lr_backoff_factor"] = backoff(dy, ctx, measured)
-    if lr:
-        ev["lr"] = lr
+    ev["lr_stable_factor"] = stable_factor(dy, ctx, measured)
+    if lr:  # per param group, as every other rule gives it (the hand-written update's: its measured size)
+        ev["lr"] = [lr] if measured else (sig.get("lr") or [lr])
     why, fixes, unsound = _why_step(dy, ctx, lr, measured)
     if unsound:
         ev["recovery_unsound"] = unsound
