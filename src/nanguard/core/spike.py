@@ -30,6 +30,11 @@ gradient norm that grows while the loss falls, normal early in training, never w
   seen): geometric growth, the signature of a learning rate above the stability limit. Losses
   near 0 (a noisy run's 1e-7 -> 1e-3 -> 1) never reach 10x the earlier ceiling.
 
+* **scale** (every rule): a loss below ``level_floor`` = 1e-3 of its starting level (the median of
+  the stream's first ``min_values`` losses) is never a warning: a run that has converged to ~0 has a
+  baseline of width ~0, so a loss of 1e-5 after a plateau at 1e-12 would otherwise be "10 million
+  widths" above it (measured: a CNN fit to loss 0 warned 10 times in a row at 1.3e-5).
+
 One warning per excursion: after a warning the stream stays quiet until ``calm_steps`` = 20
 steps in a row have an excess below ``high``; at most ``max_warnings`` = 10 per run.
 Measured on the repository's healthy scripts (warmup, cosine and cyclic schedules, GradScaler
@@ -62,6 +67,7 @@ class SpikeConfig:
     growth_total: float = 10.0
     rise: float = 1.1
     width_floor: float = 0.05
+    level_floor: float = 1e-3
     calm_steps: int = 20
     max_warnings: int = 10
 
@@ -87,6 +93,8 @@ class _Stream:
         self.loss = _Series(window)
         self.grad = _Series(window)
         self.recent: Deque[Tuple[int, float, float]] = deque(maxlen=8)  # (step, loss, excess) of the last steps
+        self.first: List[float] = []  # the first losses, until there are min_values of them
+        self.level: Optional[float] = None  # their median: the loss's starting level
         self.calm = 0
         self.armed = True
 
@@ -118,7 +126,12 @@ class SpikeDetector:
         n = len(st.loss.vals)
         le = (loss - lb[0]) / lb[1] if lb and n >= c.min_values else 0.0
         ge = (g - gb[0]) / gb[1] if gb and g is not None and len(st.grad.vals) >= c.min_values else 0.0
-        hit = self._rules(st, step, loss, g, le, ge, lb, gb)
+        if st.level is None and len(st.first) >= c.min_values:
+            st.level = _quantile(sorted(st.first), 0.5)
+        tiny = st.level is not None and abs(loss) < c.level_floor * abs(st.level)
+        hit = None if tiny else self._rules(st, step, loss, g, le, ge, lb, gb)
+        if st.level is None:
+            st.first.append(loss)
         st.recent.append((step, loss, le))
         st.loss.vals.append((step, loss))
         if g is not None:

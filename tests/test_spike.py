@@ -1,0 +1,32 @@
+"""The early-warning detector (``nanguard.core.spike``) on plain numbers."""
+from __future__ import annotations
+
+import math
+
+from nanguard.core.spike import SpikeDetector
+
+
+def feed(losses, norms=None):
+    d = SpikeDetector()
+    norms = norms or [1.0] * len(losses)
+    return [(i, w) for i, (l, g) in enumerate(zip(losses, norms)) if (w := d.observe(i, l, g)) is not None]
+
+
+def test_a_run_that_converged_to_zero_does_not_warn_on_a_tiny_blip():
+    """A loss fit down to ~1e-12 has a baseline of width ~0: a blip to 1.3e-5 is not a spike (it was
+    10 million widths above the median, and warned at every step)."""
+    losses = [1.4 * math.exp(-0.3 * i) for i in range(60)] + [1e-12] * 60 + [1.3e-5] * 10
+    norms = [5.0 * math.exp(-0.3 * i) for i in range(60)] + [5e-19] * 60 + [3.4e-3] * 10
+    assert feed(losses, norms) == []
+
+
+def test_a_real_spike_after_convergence_still_warns():
+    losses = [1.4 * math.exp(-0.05 * i) for i in range(80)] + [0.02] * 40 + [2.5]
+    hits = feed(losses)
+    assert [(i, w["rule"]) for i, w in hits] == [(120, "spike")]
+
+
+def test_geometric_growth_warns_from_the_first_steps():
+    losses = [3.4, 13.1, 4.1e3, 1.6e6]
+    hits = feed(losses)
+    assert hits and hits[0][0] == 3 and hits[0][1]["rule"] == "growth"
