@@ -26,7 +26,7 @@ from ..render.terminal import print_line
 from .actions import RecoveryActions, Snapshot
 from .budget import DATA_CATEGORY, RecoveryBudget
 from .estimates import DynamicLossScale, backoff_factor, clip_max_norm, healthy_grad_norms, rollback_bound
-from .records import actions_tally, fmt_bytes, notice
+from .records import notice, summary_line
 from .snapshots import SnapshotStore
 from .table import ACTIONS, AUTO, CHANGES_TRAINING, DIVERGENCE, actions_for, check_allowed, record_order
 from .verify import VERIFIED, per_sample, proof_record, verified_plan
@@ -404,26 +404,7 @@ class RecoveryPolicy:
     # ---------------------------------------------------------------- end of run
     def summary(self) -> Optional[str]:
         """One line on what recovery did (None when it did nothing)."""
-        if not self.events and not self.stopped:
-            return None
-        n = len(self.events)
-        s = f"recovery: {n or 'no'} recover{'y' if n == 1 else 'ies'}" + actions_tally(self.events)
-        if self.quarantined:
-            s += f"; quarantined dataset rows {self.quarantined[:20]}"
-        elif self.quarantined_batch_rows:
-            s += f"; bad batch rows {sorted(set(self.quarantined_batch_rows))[:20]}"
-        if self.upcast_modules:
-            s += f"; float32 modules {self.upcast_modules}"
-        if self.clip_norm is not None:
-            s += f"; clipping at {self.clip_norm:.3g}"
-        if self.loss_scaler is not None:
-            s += f"; loss scale {self.loss_scaler.scale:g}"
-        kept = self.all_snapshots()
-        if kept:
-            s += f"; {len(kept)} snapshots kept, {fmt_bytes(self.snapshot_bytes())}"
-        if self.stopped:
-            s += f"; then stopped at step {self.stopped_step} (recovery would not help: see above)"
-        return s
+        return summary_line(self)
 
     def print_summary(self) -> None:
         line = self.summary()

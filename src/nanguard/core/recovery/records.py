@@ -1,7 +1,7 @@
 """The words of recovery: the one-line notice of each recovery and the run's summary line."""
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 
 def notice(step: int, category: str, record: Dict[str, Any]) -> str:
@@ -55,3 +55,29 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n} B"
+
+
+def summary_line(policy: Any) -> Optional[str]:
+    """The run's recovery summary line for a :class:`~nanguard.core.recovery.RecoveryPolicy` (None when
+    recovery did nothing)."""
+    if not policy.events and not policy.stopped:
+        return None
+    n = len(policy.events)
+    s = f"recovery: {n or 'no'} recover{'y' if n == 1 else 'ies'}" + actions_tally(policy.events)
+    if policy.quarantined:
+        s += f"; quarantined dataset rows {policy.quarantined[:20]}"
+    elif policy.quarantined_batch_rows:
+        s += f"; bad batch rows {sorted(set(policy.quarantined_batch_rows))[:20]}"
+    if policy.upcast_modules:
+        s += f"; float32 modules {policy.upcast_modules}"
+    if policy.clip_norm is not None:
+        s += f"; clipping at {policy.clip_norm:.3g}"
+    if policy.loss_scaler is not None:
+        s += f"; loss scale {policy.loss_scaler.scale:g}"
+    kept = policy.all_snapshots()
+    if kept:
+        s += f"; {len(kept)} snapshots kept, {fmt_bytes(policy.snapshot_bytes())}"
+    if policy.stopped:
+        s += f"; then stopped at step {policy.stopped_step} (recovery would not help: see above)"
+    return s
+
