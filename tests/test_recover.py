@@ -797,3 +797,39 @@ def test_run_snapshot_includes_the_scripts_edits_between_steps(tmp_path):
     assert code == 0, rep["events"]
     assert rep["status"] == "recovered"
     assert all(e["recovery"] and e["recovery"].get("ok") for e in rep["events"])
+
+
+LOOSE_SGD = '''
+import torch
+torch.manual_seed(0)
+X = torch.randn(1024, 20)
+y = torch.tanh(X @ torch.randn(20, 1)) + 0.1 * torch.randn(1024, 1)
+W1 = (torch.randn(20, 64) * 0.3).requires_grad_()
+b1 = torch.zeros(64, requires_grad=True)
+W2 = (torch.randn(64, 1) * 0.3).requires_grad_()
+lr = 1.5  # diverges: 5.2 -> 9.1e3 -> 4.4e11 -> inf; 0.05 trains to ~0.24
+losses = []
+for step in range(100):
+    idx = torch.randint(0, 1024, (64,))
+    loss = ((torch.relu(X[idx] @ W1 + b1) @ W2 - y[idx]) ** 2).mean()
+    loss.backward()
+    with torch.no_grad():
+        for p in (W1, b1, W2):
+            p -= lr * p.grad
+            p.grad = None
+    losses.append(loss.item())
+print(f"final_loss={sum(losses[-5:]) / 5}")
+'''
+
+
+def test_run_recover_rolls_back_bare_tensors_trained_by_hand(tmp_path, capsys):
+    """A model made of bare leaf tensors (no module, no optimizer) updated by hand: recovery snapshots
+    and rolls back those tensors, and its skip really drops their gradients (it was a no-op that left
+    the diverging update in, and the run stopped: no snapshot)."""
+    code, rep = run_ng(tmp_path, write(tmp_path, LOOSE_SGD), recover="auto")
+    assert code == 0 and rep["status"] == "recovered", rep["events"][:1]
+    acts = rep["events"][0]["recovery"]["actions"]
+    assert acts["rollback"]["to_step"] == 0 and acts["skip_step"]["grads_dropped"] == 3
+    assert 0 < acts["grad_scale"]["factor"] < 0.1
+    final = float(capsys.readouterr().out.strip().splitlines()[-1].split("=")[1])
+    assert math.isfinite(final) and final < 1.0, final

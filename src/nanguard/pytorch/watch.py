@@ -360,7 +360,7 @@ class Watcher(WatcherRecovery):
             self._handle(det, None)
             skip = self._spike(None)
             if self.policy is not None and not skip:  # clipping / gradient scaling of hand-written updates
-                self._guarded(lambda: self.policy.before_update([], modules=list(self.monitor.roots)))
+                self._guarded(lambda: self.policy.before_update([], modules=self._state_modules()))
             self._guarded(lambda: self.monitor.end_step(None, skipped=skip, params=groups))
             self._guarded(lambda: self._after_update(None))  # the next step's snapshot (recovery only)
             self._step_started(None)

@@ -12,6 +12,7 @@ from typing import Any
 from ..core.events import Detection
 from ..core.pipeline import build_event, recurrence_event
 from .distributed import share_event
+from .recover.loose import LooseTensors
 from .spikes import optimizer_context
 
 
@@ -58,7 +59,7 @@ class WatcherRecovery:
             event = _shared(recurrence_event(det, self._first_event, hist, ctx), det)
         det.event = event
         opts = self.optimizers()
-        rec = self.policy.apply(event, step=det.step, modules=list(mon.roots), optimizers=opts,
+        rec = self.policy.apply(event, step=det.step, modules=self._state_modules(), optimizers=opts,
                                 scaler=self.scalers[0] if self.scalers else None, roots=list(mon.roots),
                                 history=hist)
         if rec is None:
@@ -71,7 +72,7 @@ class WatcherRecovery:
         if self.spikes is None or self.monitor.spike is None:
             return False
         return bool(self._guarded(lambda: self.spikes.after_check(
-            opt, modules=list(self.monitor.roots), optimizers=self.optimizers(),
+            opt, modules=self._state_modules(), optimizers=self.optimizers(),
             scaler=self.scalers[0] if self.scalers else None, policy=self.policy)))
 
     def _after_update(self, opt: Any) -> None:
@@ -93,10 +94,22 @@ class WatcherRecovery:
         last = self.monitor.history.last()
         self._snap_due = (self.monitor.step_of(opt), last.loss if last else None)
 
+    def _state_modules(self) -> list:
+        """The modules whose state recovery checks, snapshots and restores: the watched roots; for a
+        script whose trained tensors belong to no module (updated by hand), one holder of them."""
+        roots = list(self.monitor.roots)
+        if roots or not self.monitor.extra_params:
+            return roots
+        held = getattr(self, "_loose", None)
+        ids = [id(t) for t in self.monitor.extra_params]
+        if held is None or held[0] != ids:
+            held = self._loose = (ids, LooseTensors(self.monitor.extra_params))
+        return [held[1]]
+
     def _take_due_snapshot(self) -> None:
         due, self._snap_due = self._snap_due, None
         if due is not None and self.policy is not None:
-            self.policy.maybe_snapshot(due[0], list(self.monitor.roots), self.optimizers(),
+            self.policy.maybe_snapshot(due[0], self._state_modules(), self.optimizers(),
                                        self.scalers[0] if self.scalers else None, due[1])
 
 

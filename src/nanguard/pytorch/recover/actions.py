@@ -11,7 +11,8 @@ from ..gradscaler import scaler_enabled
 from ..rng import capture_rng, restore_rng
 from .clip import clip_grads
 from .loss_scale import unscale_grads
-from .lr_backoff import hand_params, learning_rates, lr_backoff, scale_grads
+from .loose import hand_params
+from .lr_backoff import learning_rates, lr_backoff, scale_grads
 from .skip import skip_step
 from .snapshot import Snapshot
 from .state import optimizer_state_finite, state_finite

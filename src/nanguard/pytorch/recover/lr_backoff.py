@@ -2,7 +2,7 @@
 
 Hand-written updates (``p.data.add_(p.grad, alpha=-lr)``, no optimizer object) have no learning rate
 to lower: the policy scales their gradients instead (``grad_scale``), before every update,
-with :func:`scale_grads` on :func:`hand_params`.
+with :func:`scale_grads` on :func:`~nanguard.pytorch.recover.loose.hand_params`.
 """
 from __future__ import annotations
 
@@ -52,11 +52,6 @@ def lr_backoff(optimizers: Sequence[Any], factor: float = 0.1) -> Dict[str, Any]
                 if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
                     setattr(sched, attr, [x * factor for x in v])
     return {"lr_before": before, "lr_after": after, "factor": factor}
-
-
-def hand_params(modules: Sequence[torch.nn.Module]) -> List[torch.Tensor]:
-    """The parameters a script trains by hand: those of the watched modules that have a gradient."""
-    return [p for m in modules for p in m.parameters() if p.grad is not None]
 
 
 def scale_grads(params: Sequence[torch.Tensor], factor: float) -> None:

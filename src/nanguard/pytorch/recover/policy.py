@@ -71,7 +71,7 @@ class RecoveryPolicy(_NeutralPolicy):
         if self._watcher is not None and self.initial is None and (optimizers or modules):
             w = self._watcher()
             if w is not None:  # nanguard run: the state before the very first update
-                self.maybe_snapshot(w.monitor.step_of(optimizers[0] if optimizers else None), list(w.monitor.roots),
+                self.maybe_snapshot(w.monitor.step_of(optimizers[0] if optimizers else None), w._state_modules(),
                                     w.optimizers(), w.scalers[0] if w.scalers else None)
         return self.on_update(self.actions(modules, optimizers=optimizers))
 

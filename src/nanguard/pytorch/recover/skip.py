@@ -5,13 +5,16 @@ from typing import Any, Dict, Sequence
 
 import torch
 
+from .loose import hand_params
+
 
 def skip_step(optimizers: Sequence[Any], modules: Sequence[torch.nn.Module] = ()) -> Dict[str, Any]:
     """Drop the gradients, so the coming ``optimizer.step()`` changes nothing.
 
     Optimizer-managed gradients are set to None (built-in optimizers then skip the
     parameter entirely: no momentum, no weight decay). Without an optimizer (updates
-    written by hand from ``p.grad``) the gradients of ``modules`` are zeroed instead.
+    written by hand from ``p.grad``) the gradients of ``modules`` (and of loose trained tensors) are
+    zeroed instead.
     """
     n = 0
     for o in optimizers:
@@ -22,9 +25,7 @@ def skip_step(optimizers: Sequence[Any], modules: Sequence[torch.nn.Module] = ()
                     n += 1
     if not optimizers:
         with torch.no_grad():
-            for m in modules:
-                for p in m.parameters():
-                    if p.grad is not None:
-                        p.grad.zero_()
-                        n += 1
+            for p in hand_params(modules):
+                p.grad.zero_()
+                n += 1
     return {"grads_dropped": n}

@@ -80,7 +80,7 @@ class Snapshot:
         with torch.no_grad():
             for m in modules:
                 sd = saved.get(id(m))
-                if sd is None:
+                if sd is None or getattr(m, "holds_weights", False):  # loose trained tensors: weights
                     continue
                 for name, b in m.named_buffers():
                     if name in sd and b is not None:
