@@ -337,3 +337,14 @@ def test_log1p_fixes_keep_the_argument_above_minus_one():
     assert d["category"] == "log_domain" and "values <= -1 in 3 of 3" in d["summary"]
     assert "F.logsigmoid(-z)" in d["fixes"][0] and any("clamp(min=-1 + 1e-6)" in x for x in d["fixes"])
     assert not any("clamp(min=1e-12)" in x for x in d["fixes"])
+
+
+def test_the_first_cut_reads_an_accelerating_excursion_from_its_first_step():
+    """Loss ratios 1757, 4.9e7, 1.4e24 per step (a deep net past the linear regime): the quadratic model
+    holds near the onset only, so the step size is estimated from the first ratio (x0.023, a working
+    rate), not from the median (x1.4e-4, a rate that no longer trains). A steady ratio is its own median."""
+    from nanguard.core.diagnosis.rules.divergence import stable_factor
+    accel = {"loss_ratio_per_step": 4.85e7, "loss_ratio_first": 1757.0}
+    assert abs(stable_factor(accel, {}, True) - 1 / (1757 ** 0.5 + 1)) < 1e-9
+    steady = {"loss_ratio_per_step": 9.0, "loss_ratio_first": 12.0}
+    assert abs(stable_factor(steady, {"optimizer": "SGD"}, False) - 0.25) < 1e-9

@@ -720,11 +720,11 @@ def test_run_recover_rolls_back_and_backs_off_a_diverging_run(tmp_path, monkeypa
     code, rep = run_ng(tmp_path, script, [tmp_path / "w.pt"], recover="auto")
     assert code == 0 and rep["status"] == "recovered"
     # recover= turns on on_spike="rollback": the early warning acts before any value is non-finite,
-    # with the lr factor of the stability limit it estimated (below the default x0.1)
+    # with a first cut of at least x0.1 (lower when the excursion's first step estimates a lower limit)
     ev = rep["events"][0]
     rb = ev["recovery"]["actions"]
     assert ev["kind"] == "warning" and rb["rollback"]["to_step"] == 0
-    assert 0 < rb["lr_backoff"]["lr_after"][0] <= 0.01
+    assert 0 < rb["lr_backoff"]["lr_after"][0] <= 0.01 * (1 + 1e-9)
     final = float(capsys.readouterr().out.strip().splitlines()[-1].split("=")[1])
     assert math.isfinite(final) and final < 1.0
 

@@ -151,6 +151,7 @@ def dynamics(history: Sequence[dict]) -> Dict[str, Any]:
         ratios = [b / a for a, b in zip(exc, exc[1:]) if a > 0 and b > 0]
         if ratios:  # the typical per-step factor (a median: one last overflowing step does not dominate)
             out["loss_ratio_per_step"] = statistics.median(ratios)
+            out["loss_ratio_first"] = ratios[0]  # the excursion's first step: the nearest to linear
     if gon is not None:
         before = [v for s, v in grad if s < gon]
         out.update(grad_onset_step=gon, grad_norm_before=statistics.median(before) if before else None,

@@ -31,7 +31,10 @@ from .. import text as T
 # * plain gradient steps (SGD, hand-written updates): half the stability limit. On a quadratic, a step
 #   size past 2/lambda amplifies the deviation along the sharpest direction by amp = |1 - lr lambda|
 #   per step, and the loss (its square) by amp^2: amp = sqrt(the loss's typical per-step factor),
-#   limit = 2 lr / (amp + 1), factor = 1 / (amp + 1);
+#   limit = 2 lr / (amp + 1), factor = 1 / (amp + 1). An accelerating excursion (each step's factor
+#   larger than the last: a deep net, whose loss grows as a power of the weights, past the linear
+#   regime) is read from its first step, the nearest to that model: its median would give a rate too
+#   small to train (a cut too small cannot be undone, one too large is cut again by recovery);
 # * adaptive optimizers (Adam...: the step is ~lr per element whatever the gradient): aim the first
 #   update of the excursion at 3% of the weights (healthy training moves them ~1e-3 per step): a run
 #   whose first diverging update was R times its weights gets 0.03 / R.
@@ -146,6 +149,9 @@ def stable_factor(dy: dict, ctx: dict, measured: bool) -> float:
     if adaptive and T.fin(ratio) and ratio > 0:
         f = TARGET_UPDATE_RATIO / ratio
     elif not adaptive and T.fin(per) and per > 1:
+        first = dy.get("loss_ratio_first")
+        if T.fin(first) and 1 < first < per:  # accelerating: the later steps are past the linear regime
+            per = first
         f = 1.0 / (math.sqrt(per) + 1.0)
     else:
         f = 0.1
