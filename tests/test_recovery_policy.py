@@ -323,7 +323,8 @@ def test_a_pinned_snapshot_is_never_refilled_and_goes_with_a_rollback_before_it(
 
 
 def test_the_pin_is_released_once_the_cut_step_size_held_for_a_window():
-    """A divergence long after a cut is a new one: it rolls back to a recent snapshot, not to the cut."""
+    """A divergence long after a cut is a new one: it rolls back to a recent snapshot, not to the cut,
+    and is cut as a first one."""
     p, a = RecoveryPolicy(snapshot_every=5, keep_snapshots=1, window=20, quiet=True), FakeActions(lrs=(1.0,))
     snapshots(p, a, range(4))
     p.on_spike(event("lr_too_high", step=3, evidence={"onset_step": 1}), step=3, actions=a,
@@ -333,3 +334,4 @@ def test_the_pin_is_released_once_the_cut_step_size_held_for_a_window():
     rec = p.on_spike(event("lr_too_high", step=40, evidence={"onset_step": 38}), step=40, actions=a,
                      history=hist([2.0] * 38 + [40.0, 900.0]))
     assert rec["actions"]["rollback"]["to_step"] == 35 and "why" not in rec["actions"]["rollback"]
+    assert "repeat" not in rec["actions"]["lr_backoff"]  # a first cut again: x0.1, not the repeat's halving

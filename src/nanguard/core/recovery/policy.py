@@ -59,7 +59,7 @@ class RecoveryPolicy:
         self.failures = failures
         self.events: List[Any] = []           # the recovered events, in order
         self.grad_scale: Optional[float] = None  # armed by lr_backoff without optimizers (hand-written updates)
-        self._step_cuts = 0  # step-size limits set so far: learning-rate cuts, gradient scalings, clips
+        self._last_cut: Optional[int] = None  # the step of the last step-size cut (lr, gradient scale, clip)
         self.clip_norm: Optional[float] = None  # armed by ``clip``: every later update is clipped
         self.loss_scaler: Optional[DynamicLossScale] = None  # armed by ``loss_scale``
         self.quarantined: List[int] = []      # dataset rows of bad input data
@@ -173,9 +173,9 @@ class RecoveryPolicy:
                                       "began: rolling back to weights that are already diverging is not sound"
                                       + (f"; fix: {event.fixes[0]}" if getattr(event, "fixes", None) else ""))
             elif a == "clip":
-                self._clip(history, done)
+                self._clip(history, done, step)
             elif a == "lr_backoff":
-                self._lr_backoff(cause, actions, done)
+                self._lr_backoff(cause, actions, done, step)
             elif a == "upcast":
                 o = event.origin or {}
                 path = (proofs.get("upcast") or {}).get("params", {}).get("module")  # "": the whole model
@@ -239,9 +239,9 @@ class RecoveryPolicy:
                 names.append("rollback")
                 for a in self.choose(cat):
                     if a == "lr_backoff":
-                        self._lr_backoff(cause, actions, done)
+                        self._lr_backoff(cause, actions, done, step)
                     elif a == "clip":
-                        self._clip(history, done)
+                        self._clip(history, done, step)
                     names += [n for n in (a, "grad_scale") if n in done and n not in names]
         done["skip_step"] = actions.skip_step()
         names.append("skip_step")
@@ -257,8 +257,8 @@ class RecoveryPolicy:
                   params_ok: bool, done: Dict[str, Any], notes: List[str], before: Optional[int] = None) -> bool:
         """Roll back (or repair the non-finite elements); returns whether the parameters are now finite.
         ``before``: the latest step a snapshot may come from (the growth began after it)."""
-        pinned = self.store.pinned
-        again = self._step_cuts > 0 and cat in DIVERGENCE and pinned is not None and pinned.step <= step
+        pinned = self.store.pinned  # set by a step-size cut with a rollback, released after a window
+        again = cat in DIVERGENCE and pinned is not None and pinned.step <= step
         if again:
             # The step size was cut (or clipped) within the last window and the run diverged again: every
             # update since that cut was made at a step size now shown to be past its limit, so its weights
@@ -293,14 +293,20 @@ class RecoveryPolicy:
                                        "the updates since were made at a step size that proved too large")
         return params_ok
 
-    def _lr_backoff(self, cause: Dict[str, Any], actions: RecoveryActions, done: Dict[str, Any]) -> None:
-        """Lower every learning rate; with no optimizer (hand-written updates) scale the gradients instead."""
-        lrs = actions.learning_rates()
-        repeat = self._step_cuts > 0
-        factor = backoff_factor(self.lr_factor, cause, lrs, repeat=repeat)
-        self._step_cuts += 1
+    def _step_size_cut(self, step: int, done: Dict[str, Any]) -> bool:
+        """Note a step-size cut (lr, gradient scale, clip) at ``step``; returns whether it repeats one made
+        within the last window (the step size then sits just past its limit: ``backoff_factor``). After a
+        rollback, the state the cut restarts from is pinned for a second divergence to go back to."""
+        last, self._last_cut = self._last_cut, step
         if "rollback" in done:
             self.store.pin_next()
+        return last is not None and 0 < step - last <= self.budget.window
+
+    def _lr_backoff(self, cause: Dict[str, Any], actions: RecoveryActions, done: Dict[str, Any], step: int) -> None:
+        """Lower every learning rate; with no optimizer (hand-written updates) scale the gradients instead."""
+        lrs = actions.learning_rates()
+        repeat = self._step_size_cut(step, done)
+        factor = backoff_factor(self.lr_factor, cause, lrs, repeat=repeat)
         if lrs:
             done["lr_backoff"] = actions.lr_backoff(factor)
             if repeat:
@@ -317,10 +323,8 @@ class RecoveryPolicy:
             rec["repeat"] = True
         done["grad_scale"] = rec
 
-    def _clip(self, history: Sequence[dict], done: Dict[str, Any]) -> None:
-        self._step_cuts += 1
-        if "rollback" in done:
-            self.store.pin_next()
+    def _clip(self, history: Sequence[dict], done: Dict[str, Any], step: int) -> None:
+        self._step_size_cut(step, done)
         if self.clip_norm is not None:  # clipping did not prevent it: tighten
             self.clip_norm = self.clip_norm / 2
             done["clip"] = {"max_norm": self.clip_norm, "tightened": True}

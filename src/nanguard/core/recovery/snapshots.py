@@ -2,7 +2,7 @@
 
 At most ``1 + keep_snapshots + recent_snapshots`` are kept (defaults: the first
 step's, one every ``snapshot_every=10`` steps keeping 3, and the last 2 steps'; plus, after a
-rollback with a learning-rate cut, the state the cut restarted from: :meth:`SnapshotStore.pin_next`);
+rollback with a step-size cut, the state the cut restarted from, for 100 steps: :meth:`SnapshotStore.pin_next`);
 the per-step tier is dropped for models whose snapshot is over
 ``recent_max_bytes``, 256 MiB). The per-step tier refills its oldest snapshot in
 place (the backend's ``refill_snapshot``), so after the first steps it allocates
