@@ -833,3 +833,13 @@ def test_run_recover_rolls_back_bare_tensors_trained_by_hand(tmp_path, capsys):
     assert 0 < acts["grad_scale"]["factor"] < 0.1
     final = float(capsys.readouterr().out.strip().splitlines()[-1].split("=")[1])
     assert math.isfinite(final) and final < 1.0, final
+
+
+def test_run_recover_leaves_a_healthy_bare_tensor_run_bit_for_bit(tmp_path, capsys):
+    """Do no harm: holding bare tensors for snapshots changes nothing in a run that does not fail."""
+    script = write(tmp_path, LOOSE_SGD.replace("lr = 1.5", "lr = 0.05"))
+    run_plain(script)
+    plain = capsys.readouterr().out
+    code, rep = run_ng(tmp_path, script, recover="auto")
+    assert code == 0 and rep["status"] == "clean"
+    assert capsys.readouterr().out == plain and "final_loss=" in plain
