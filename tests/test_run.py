@@ -892,3 +892,14 @@ def test_hand_written_updates_get_their_measured_step_size(tmp_path):
     lrs = [h.get("effective_lr") for h in hist[:-1]]  # the last update is not followed by a check
     assert len(lrs) == 11 and all(lr == pytest.approx(0.05, rel=1e-3) for lr in lrs), lrs
     assert all(h.get("param_norm_after") is not None for h in hist[:-1])
+
+
+def test_the_summary_line_calls_an_early_warning_a_warning_not_a_failure():
+    from nanguard.core.events import Event, Report
+    from nanguard.core.render.terminal import summary_line
+    warned = Report(events=[Event(step=3, phase="any", kind="warning")], steps_watched=80)
+    line = summary_line(warned)
+    assert line.startswith("warning: watched 80 steps") and "first warning at step 3" in line
+    assert "failure" not in line
+    both = Report(events=[Event(step=3, phase="any", kind="warning"), Event(step=9, phase="forward")])
+    assert "first failure at step 9 (forward)" in summary_line(both)

@@ -48,6 +48,7 @@ def _show_report(data: dict, json_path: str, out) -> int:
     # warnings are not failures: the panel is about the first non-finite event
     try:
         report = Report.from_dict({**data, "events": [e for e in events if not is_warning(e)]})
+        whole = Report.from_dict(data)  # the summary line counts the warnings' recoveries too
     except (ValueError, TypeError) as e:
         print(f"nanguard: {json_path}: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -58,9 +59,9 @@ def _show_report(data: dict, json_path: str, out) -> int:
     saved = data.get("status")
     if report.events:
         render(report, None, console=con)
-    line = summary_line(report)
-    if saved and not line.startswith(str(saved)):  # the file's own status (e.g. a warning-only run)
-        line = f"{saved} (saved); " + line
+    line = summary_line(whole)
+    if saved and not line.startswith(str(saved)):  # the status the run wrote is the one shown
+        line = f"{saved}: {line.partition(': ')[2]}"
     con.print(f"[bold cyan]nanguard[/]: {escape(line)}")
     if len(events) > 1 or warnings:
         con.print("[bold]events[/]")

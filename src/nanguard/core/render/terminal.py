@@ -168,9 +168,12 @@ def summary_line(report: Report) -> str:
     n_rec = sum(1 for e in report.events if e.recovery)
     if n_rec:
         s += f", recoveries {n_rec}"
-    fails = [e for e in report.events if e.recovery is None]
+    fails = [e for e in report.events if e.recovery is None and not e.is_warning]
+    warns = [e for e in report.events if e.recovery is None and e.is_warning]
     if fails:
         s += f", first failure at step {fails[0].step} ({fails[0].phase})"
+    elif warns:  # an early warning is not a failure: every value stayed finite
+        s += f", first warning at step {warns[0].step}"
     err = report.script_error
     if err:
         at = f" at {err['file'].rsplit('/', 1)[-1]}:{err.get('line')}" if err.get("file") else ""
