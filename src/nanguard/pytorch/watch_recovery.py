@@ -100,11 +100,9 @@ class WatcherRecovery:
         roots = list(self.monitor.roots)
         if roots or not self.monitor.extra_params:
             return roots
-        held = getattr(self, "_loose", None)
-        ids = [id(t) for t in self.monitor.extra_params]
-        if held is None or held[0] != ids:
-            held = self._loose = (ids, LooseTensors(self.monitor.extra_params))
-        return [held[1]]
+        if getattr(self, "_loose", None) is None:  # extra_params is found once, at the first backward
+            self._loose = LooseTensors(self.monitor.extra_params)
+        return [self._loose]
 
     def _take_due_snapshot(self) -> None:
         due, self._snap_due = self._snap_due, None

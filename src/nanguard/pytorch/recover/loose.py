@@ -3,8 +3,7 @@
 
 :class:`LooseTensors` holds them as the buffers of one module (the same tensor objects, not copies), so
 that snapshots, rollbacks, finiteness checks, skipping, clipping and gradient scaling act on them as
-on a module's state. They are the weights: restoring "the buffers" after bad input data skips them
-(``holds_weights``).
+on a module's state. They are the weights: restoring "the buffers" after bad input data skips them.
 """
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ import torch
 
 class LooseTensors(torch.nn.Module):
     """The module-less trained tensors of a script, as buffers ``t0``, ``t1``, ..."""
-
-    holds_weights = True
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         super().__init__()

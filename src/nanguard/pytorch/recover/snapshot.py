@@ -23,6 +23,7 @@ import torch
 
 from ..gradscaler import scaler_enabled
 from ..rng import capture_rng, restore_rng
+from .loose import LooseTensors
 from .state import tensors_finite
 
 
@@ -80,7 +81,7 @@ class Snapshot:
         with torch.no_grad():
             for m in modules:
                 sd = saved.get(id(m))
-                if sd is None or getattr(m, "holds_weights", False):  # loose trained tensors: weights
+                if sd is None or isinstance(m, LooseTensors):  # bare trained tensors: weights, not buffers
                     continue
                 for name, b in m.named_buffers():
                     if name in sd and b is not None:
