@@ -1,18 +1,12 @@
-"""Fixtures for the whole suite; the shared helpers are in ngtest.py."""
+"""Fixtures for the whole suite, framework-free (tests/core imports neither torch nor TensorFlow); the
+torch fixtures are in tests/torch/conftest.py, the TensorFlow ones in tests/tf/conftest.py. The shared
+helpers (ngtest.py, tf_helpers.py, html_cases.py, ...) stay in tests/, on sys.path through
+``pythonpath = ["tests"]`` in pyproject.toml, so ``import ngtest`` works from every subfolder."""
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 
-# Inductor caches its kernels and precompiled headers per user, not per CPU capability: a cache written
-# under the native capability breaks the C++ compile of a later run under ATEN_CPU_CAPABILITY=default
-# ('at::vec' has not been declared). One cache per capability (subprocesses inherit it).
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
-    tempfile.gettempdir(), "torchinductor_nanguard_" + os.environ.get("ATEN_CPU_CAPABILITY", "native")))
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
 
 
 @pytest.fixture(autouse=True)
@@ -22,23 +16,9 @@ def _in_tmp_dir(tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _restore_global_state():
-    """A failing test must not leave nanguard's global hooks or argv behind."""
-    init, backward = torch.optim.Optimizer.__init__, torch.autograd.backward
-    from torch.amp import grad_scaler as gs
-    scaler_step = gs.GradScaler.step
+def _restore_argv_and_path():
+    """A failing test must not leave sys.argv or sys.path changed behind it."""
     argv, path = list(sys.argv), list(sys.path)
-    from torch.nn.modules import module as mm
-    n_hooks = (len(mm._global_forward_pre_hooks), len(mm._global_forward_hooks))
-    import torch.optim.optimizer as oo
-    n_opt_hooks = (len(oo._global_optimizer_pre_hooks), len(oo._global_optimizer_post_hooks))
     yield
-    assert (len(mm._global_forward_pre_hooks), len(mm._global_forward_hooks)) == n_hooks, \
-        "global module hooks left installed"
-    assert (len(oo._global_optimizer_pre_hooks), len(oo._global_optimizer_post_hooks)) == n_opt_hooks, \
-        "global optimizer hooks left installed"
-    assert torch.optim.Optimizer.__init__ is init, "Optimizer.__init__ hook left installed"
-    assert torch.autograd.backward is backward, "autograd.backward hook left installed"
-    assert gs.GradScaler.step is scaler_step, "GradScaler.step hook left installed"
     assert sys.argv == argv, "sys.argv not restored"
     assert sys.path == path, "sys.path not restored"

@@ -20,7 +20,7 @@ pytest.importorskip("tensorflow")
 
 from tfl_helpers import category  # noqa: E402
 
-SCEN = Path(__file__).resolve().parents[1] / "scenarios_keras"
+SCEN = Path(__file__).resolve().parents[2] / "scenarios_keras"
 HARNESS = Path(__file__).resolve().parent / "keras_rerun.py"
 NAMES = sorted(p.stem for p in SCEN.glob("*.json"))
 
@@ -28,7 +28,7 @@ NAMES = sorted(p.stem for p in SCEN.glob("*.json"))
 def _run(script: Path, step: int, tmp_path: Path) -> dict:
     out = tmp_path / "loc.json"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1")
-    src = str(Path(__file__).resolve().parents[2] / "src")
+    src = str(Path(__file__).resolve().parents[3] / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     p = subprocess.run([sys.executable, str(HARNESS), str(script), str(step), str(out)], cwd=str(tmp_path),
                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)

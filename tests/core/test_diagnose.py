@@ -265,7 +265,7 @@ def test_categories_doc_matches_the_code():
     import pathlib
     from nanguard.core.diagnosis import CATEGORIES
     from nanguard.core.diagnosis.docs import categories_markdown
-    doc = (pathlib.Path(__file__).parent.parent / "docs" / "CATEGORIES.md").read_text()
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "CATEGORIES.md").read_text()
     assert doc == categories_markdown(), "regenerate: python -m nanguard.core.diagnosis.docs > docs/CATEGORIES.md"
     rows = {ln.split(" | ")[0][3:-1]: ln for ln in doc.splitlines() if ln.startswith("| `")}
     for name, text in CATEGORIES.items():

@@ -18,7 +18,7 @@ def fake_recorder(tmp_path, monkeypatch):
     out = tmp_path / "recorder.json"
     monkeypatch.setenv("NANGUARD_TF_RECORDER", "tf_fake_recorder:make")
     monkeypatch.setenv("FAKE_RECORDER_OUT", str(out))
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: tf_fake_recorder.py
     monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return out
 

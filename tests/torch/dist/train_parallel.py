@@ -1,4 +1,4 @@
-"""Data-parallel training on 2 ranks (gloo, CPU) with three failures, for tests/test_fsdp.py.
+"""Data-parallel training on 2 ranks (gloo, CPU) with three failures, for tests/torch/test_fsdp.py.
 
 ``torchrun --nproc_per_node 2 train_parallel.py OUT WRAP MODE``: WRAP ``fsdp`` (FSDP2
 ``fully_shard``, DTensor parameters and gradients) or ``ddp`` (DistributedDataParallel, two

@@ -27,7 +27,7 @@ import pytest
 
 from ngtest import run_scenario
 
-HERE = pathlib.Path(__file__).parent / "scenarios"
+HERE = pathlib.Path(__file__).resolve().parents[1] / "scenarios"
 CASES = sorted(HERE.glob("*.json"))
 THREADS = os.environ.get("NANGUARD_TEST_THREADS", "2")
 

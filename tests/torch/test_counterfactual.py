@@ -30,7 +30,7 @@ from nanguard.pytorch.rng import capture_rng
 # --------------------------------------------------------------------------- real training setups
 
 def _load_setups():
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "cf_scenarios" / "setups.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "cf_scenarios" / "setups.py"
     spec = importlib.util.spec_from_file_location("cf_setups", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

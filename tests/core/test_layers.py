@@ -16,7 +16,7 @@ import ast
 import pathlib
 from typing import Dict, Iterator, Set, Tuple
 
-PKG = pathlib.Path(__file__).resolve().parents[1] / "src" / "nanguard"
+PKG = pathlib.Path(__file__).resolve().parents[2] / "src" / "nanguard"
 FRAMEWORKS = ("torch", "tensorflow", "keras", "numpy", "lightning", "pytorch_lightning", "transformers")
 TF_NAMES = ("tensorflow", "keras")
 

@@ -20,7 +20,7 @@ from ngtest import run_scenario
 
 pytest.importorskip("tensorflow")
 
-HERE = pathlib.Path(__file__).parent / "scenarios_keras"
+HERE = pathlib.Path(__file__).resolve().parents[1] / "scenarios_keras"
 CASES = sorted(HERE.glob("*.json"))
 
 

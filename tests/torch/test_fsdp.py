@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``: DTensor parameters and gradients) and DDP with ``no_sync()`` gradient
 accumulation, 2 ranks on gloo, under the explicit Guard (synchronous and sync-free) and ``nanguard run``.
 
-The training script is ``tests/dist/train_parallel.py``: bad data on rank 1 at step 2, a forward
+The training script is ``tests/torch/dist/train_parallel.py``: bad data on rank 1 at step 2, a forward
 log-domain NaN on rank 0 at step 5, a learning-rate divergence from step 9 (its first non-finite step
 is found by an unguarded reference run with the same skips). Each configuration is one ``torchrun``
 launch (20-50 s on 2 busy cores).

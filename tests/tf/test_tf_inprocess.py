@@ -3,7 +3,7 @@
 The history-driven categories: learning rate too high (steady geometric growth until the forward
 overflows) and gradient explosion (one outlier batch makes the gradient norm jump, the update throws
 the weights far and the next forward overflows). The categories needing an op (log_domain,
-div_by_zero...) are in ``tests/tf_locate/``; loss_scale_collapse is in ``test_tf_guard.py``. Also:
+div_by_zero...) are in ``tests/tf/locate/``; loss_scale_collapse is in ``test_tf_guard.py``. Also:
 evaluation outputs (``eval`` phase, no stop) and a variable written between steps (``params``).
 """
 from __future__ import annotations
