@@ -59,7 +59,7 @@ def test_category_table_is_complete():
 
 def test_log_domain_names_line_and_numbers():
     f = {"log_domain": {"le_limit": 3, "zeros": 3, "negatives": 0, "min": 0.0, "numel": 32, "limit": 0.0},
-         "float64_rerun": {"finite": False}, "producers": [["rsub", "sigmoid"]]}
+         "float64_check": {"finite": False}, "producers": [["rsub", "sigmoid"]]}
     d = run(loc(facts=f), CALM)
     assert d["category"] == "log_domain"
     assert "train.py:42" in d["summary"] and "3 of 32" in d["summary"]
@@ -76,7 +76,7 @@ def test_diagnosis_does_not_depend_on_file_or_variable_names():
 
 def test_float16_log_with_vanishing_eps_is_underflow_but_float32_is_log_domain():
     eps = [{"value": 1e-8, "dtype": "float16", "rounds_to_zero": True, "absorbed_next_to_1": True}]
-    f16 = {"eps_constants": eps, "float32_rerun": {"direct_finite": False, "chain_finite": True},
+    f16 = {"eps_constants": eps, "float32_check": {"direct_finite": False, "chain_finite": True},
            "dtype_info": {"tiny": 6.1e-05, "eps": 0.000977, "smallest_subnormal": 5.96e-08}}
     d = run(loc(dtype="float16", facts=f16), CALM)
     assert d["category"] == "low_precision_underflow" and "1e-08" in d["summary"]
@@ -129,7 +129,7 @@ def test_backward_origins():
 
 
 def test_overflow_with_divergent_history_is_lr_too_high_or_explosion():
-    over = {"float64_rerun": {"finite": True, "max_abs": 1e39}, "overflow": {"dtype_max": 3.4e38}}
+    over = {"float64_check": {"finite": True, "max_abs": 1e39}, "overflow": {"dtype_max": 3.4e38}}
     l = loc("aten.mm.default", api="Tensor.matmul", facts=over, output={"nan": 0, "posinf": 4, "neginf": 0})
     losses = [15 * 300 ** i for i in range(14)]
     grads = [30 * 17 ** i for i in range(14)]
@@ -145,19 +145,19 @@ def test_overflow_with_divergent_history_is_lr_too_high_or_explosion():
 
 
 def test_exp_overflow_calm_vs_divergent_and_low_precision():
-    f = {"exp_input_max": 100.4, "overflow_threshold": 88.7, "float64_rerun": {"finite": True}}
+    f = {"exp_input_max": 100.4, "overflow_threshold": 88.7, "float64_check": {"finite": True}}
     l = loc("aten.exp.default", api="torch.exp", facts=f, output={"nan": 0, "posinf": 1, "neginf": 0})
     d = run(l, CALM)
     assert d["category"] == "exp_overflow" and "88.7" in d["summary"]
     assert run(l, H([10 * 50 ** i for i in range(8)]))["category"] == "lr_too_high"
-    f16 = dict(f, float32_rerun={"direct_finite": True, "chain_finite": True, "max_abs": 7e4})
+    f16 = dict(f, float32_check={"direct_finite": True, "chain_finite": True, "max_abs": 7e4})
     assert run(loc("aten.exp.default", dtype="float16", facts=f16, output={"nan": 0, "posinf": 1, "neginf": 0}),
                H([10 * 50 ** i for i in range(8)]))["category"] == "low_precision_overflow"
 
 
 def test_low_precision_overflow_names_module_and_float32_run():
-    f = {"float32_rerun": {"direct_finite": True, "chain_finite": True, "max_abs": 77643.0},
-         "float64_rerun": {"finite": True}, "dtype_info": {"max": 65504.0}}
+    f = {"float32_check": {"direct_finite": True, "chain_finite": True, "max_abs": 77643.0},
+         "float64_check": {"finite": True}, "dtype_info": {"max": 65504.0}}
     d = run(loc("aten.addmm.default", api="torch.nn.functional.linear", dtype="float16", module="2", facts=f,
                 output={"nan": 0, "posinf": 64, "neginf": 0}), CALM)
     assert d["category"] == "low_precision_overflow" and "module '2'" in d["summary"]
@@ -255,7 +255,7 @@ def test_long_accelerating_growth_is_divergence_not_other():
     loc = {"phase": "forward", "n_ops": 3, "sink": {"kind": "loss"},
            "origin": {"op": "aten.mse_loss.default", "stage": "forward", "dtype": "float32",
                       "output": {"nan": 0, "posinf": 1, "neginf": 0}},
-           "facts": {"float64_rerun": {"finite": True, "max_abs": 1e37}}}
+           "facts": {"float64_check": {"finite": True, "max_abs": 1e37}}}
     cause = diagnose(loc, history, phase="forward")
     assert cause["category"] == "lr_too_high"
 

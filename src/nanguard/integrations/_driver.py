@@ -130,13 +130,13 @@ class HookedGuard:
         wrapped = self._wrap(loss_fn) if (replay and loss_fn is not None) else None
         rng = self._rng if wrapped is not None else None
         try:
-            action = g._on_failure(det, list(self._batches), wrapped or (lambda b: None), rng)
+            outcome = g._on_failure(det, list(self._batches), wrapped or (lambda b: None), rng)
         except NonFiniteError as e:  # on_nonfinite="stop" (or recovery refused): end training cleanly
             self.stopped = e.event
             self.halted = True
             self.drop_grads()
             return "stop"
-        if action == "skip":
+        if outcome == "skip":
             self._skipped.update(id(o) for o in g.optimizers)
             return "skip"
         return "continue"

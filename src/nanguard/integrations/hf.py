@@ -149,8 +149,8 @@ class NanGuardCallback(DriverResults, _TrainerCallback):
         opt = optimizer if type(optimizer).__name__ != "AcceleratedOptimizer" else optimizer.optimizer
         if not isinstance(opt, torch.optim.Optimizer):
             return control
-        action = self.driver.before_update(opt, self._loss_fn())
-        if action == "stop":
+        outcome = self.driver.before_update(opt, self._loss_fn())
+        if outcome == "stop":
             control.should_training_stop = True
         return control
 

@@ -130,8 +130,8 @@ class NanGuardCallback(DriverResults, _Callback):
         if not isinstance(opt, torch.optim.Optimizer):
             return
         replay = bool(getattr(pl_module, "automatic_optimization", True))
-        action = self.driver.before_update(opt, self._loss_fn(trainer, pl_module), replay=replay)
-        if action == "stop":
+        outcome = self.driver.before_update(opt, self._loss_fn(trainer, pl_module), replay=replay)
+        if outcome == "stop":
             trainer.should_stop = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

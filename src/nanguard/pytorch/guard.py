@@ -18,18 +18,22 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from ..core.config import GuardConfig
+from ..core.engine import FailurePipeline, Ports
 from ..core.events import Detection, Event, NonFiniteError, Report
 from ..core.guarded import call_guarded
 from ..core.experiments import ExperimentConfig
 from ..core.render.terminal import print_line, summary_line
 from .bundle import default_bundle_path
 from .compiled import unwrap_compiled
-from .counterfactual import GuardStep
-from .counterfactual.samples import batch_indices
+from .experiments import GuardStep
+from .experiments.samples import batch_indices
 from .detect import StepMonitor
-from .distributed import accumulation, is_main
-from .guard_failures import GuardFailureHandling
+from .detect.closure import needs_closure
+from .distributed import accumulation, is_main, share_event
+from .guard_failures import GuardFailureHandling, annotate_replay
+from .guard_closure import GuardClosureSteps
 from .guard_reports import GuardReportWriting
+from .owners import guard_step
 from .recover import RecoveryPolicy
 from .ring import StepRing
 from .rng import capture_rng
@@ -40,7 +44,7 @@ from .tensorboard import TensorBoardLogger
 LossFn = Callable[[Any], torch.Tensor]
 
 
-class Guard(GuardFailureHandling, GuardReportWriting):
+class Guard(GuardFailureHandling, GuardReportWriting, GuardClosureSteps):
     """Watch a model's training, one :meth:`step` at a time.
 
     >>> guard = nanguard.Guard(model, optimizer)              # doctest: +SKIP
@@ -129,7 +133,9 @@ class Guard(GuardFailureHandling, GuardReportWriting):
         # The last steps' batches, RNG and hyperparameters: sync-free rewinds, rollbacks between
         # snapshots (nanguard.pytorch.ring).
         self.ring = StepRing(sync_free_every + 2)
-        self.sync_free = resolve_sync_free(sync_free, model, opts, scaler)
+        # a closure optimizer (LBFGS) is checked inside its closure (guard_closure.py), synchronously
+        self.closure_mode = any(needs_closure(o) for o in opts)
+        self.sync_free = resolve_sync_free(sync_free, model, opts, scaler) and not self.closure_mode
         self._lazy = LazyDriver(self) if self.sync_free else None
         self._rewound: Optional[dict] = None  # sync-free: the step being run again after a late read
         self.policy = None
@@ -142,6 +148,8 @@ class Guard(GuardFailureHandling, GuardReportWriting):
             if self.sync_free:  # an early warning read late may roll back to a step that many steps back
                 self.policy.store.widen_recent(sync_free_every)
         self.spikes = SpikeResponder(self.monitor, on_spike, quiet=self.quiet)
+        self.pipeline = FailurePipeline(Ports(context=self._context, share=lambda ev, det: share_event(ev, det.rank),
+                                              annotate=annotate_replay))
         self.disabled = False
         self.error: Optional[str] = None  # the internal error that disabled the guard, if any
         self._announced = False
@@ -182,9 +190,10 @@ class Guard(GuardFailureHandling, GuardReportWriting):
                        f"{'; sync-free' if self.sync_free else ''})")
         batches = list(batch) if micro_batches else [batch]
         self._step_start, self._step_indices = t_start, indices
-        if self._lazy is not None and not self.disabled:
-            return self._lazy.step(batches, loss_fn)
-        return self._sync_step(batches, loss_fn)
+        with guard_step():  # a nanguard.watch() / nanguard run around this guard leaves its steps to it
+            if self._lazy is not None and not self.disabled:
+                return self._lazy.step(batches, loss_fn)
+            return self._sync_step(batches, loss_fn)
 
     def _sync_step(self, batches: List[Any], loss_fn: LossFn, rng: Any = None) -> torch.Tensor:
         """One step with a synchronous check (the default, and the steps a sync-free rewind runs again)."""
@@ -195,6 +204,8 @@ class Guard(GuardFailureHandling, GuardReportWriting):
             self._size_ring()
             self.ring.record(self.monitor.steps_watched, batches, loss_fn, rng, self.optimizers, self.scaler)
             self._keep(batches, loss_fn, rng, self._step_indices)
+        if self.closure_mode:
+            return self._closure_step(batches, loss_fn, rng)
         loss = self._forward_backward(batches, loss_fn)
         if self.ring.entries and self.ring.entries[-1].step == self.monitor.steps_watched:
             self.ring.entries[-1].loss = loss.detach()
@@ -208,9 +219,10 @@ class Guard(GuardFailureHandling, GuardReportWriting):
             late = self.config.sync_free_every if self.sync_free else 0
             self.ring.resize(max(self.config.sync_free_every + 2, self.policy.ring_size() + late))
 
-    def _forward_backward(self, batches: List[Any], loss_fn: LossFn) -> torch.Tensor:
-        """Snapshots due, zero_grad, then forward + loss + backward of each micro-batch."""
-        if self.policy is not None:
+    def _forward_backward(self, batches: List[Any], loss_fn: LossFn, first: bool = True) -> torch.Tensor:
+        """Snapshots due, zero_grad, then forward + loss + backward of each micro-batch. ``first``: False
+        for a closure optimizer's later evaluation of the step (no snapshot)."""
+        if self.policy is not None and first:
             self.policy.before_step(self)
         for o in self.optimizers:
             o.zero_grad(set_to_none=True)
@@ -243,11 +255,11 @@ class Guard(GuardFailureHandling, GuardReportWriting):
                 skipped[id(o)] = bool(det.detected.get("scaler_skip"))
                 continue
             self._fail_seconds = time.perf_counter() - self._step_start  # forward + backward + check
-            action = self._handle_failure(det, batches, loss_fn, rng, self._step_indices)
+            outcome = self._handle_failure(det, batches, loss_fn, rng, self._step_indices)
             self._failing = None
-            if action == "apply":  # recovery re-ran the step without its bad samples: update with that
+            if outcome == "apply":  # recovery re-ran the step without its bad samples: update with that
                 continue
-            if action == "skip":
+            if outcome == "skip":
                 return loss.detach()
         if spiked:  # on_spike skip/rollback: the update is dropped (the gradients are gone)
             self._spike_dropped()
@@ -266,6 +278,21 @@ class Guard(GuardFailureHandling, GuardReportWriting):
     def _replay_update(self, batches: List[Any], loss_fn: LossFn) -> torch.Tensor:
         """A recorded step run again without checks (a rollback to a virtual snapshot,
         :mod:`nanguard.pytorch.recover.forward`): the same forward, backward, clipping and update."""
+        if self.closure_mode:  # the forward and backward inside the optimizer's closure
+            out: list = []
+
+            def closure():
+                for o in self.optimizers:
+                    o.zero_grad(set_to_none=True)
+                loss = None
+                for b in batches:
+                    loss = loss_fn(b)
+                    loss.backward()
+                out.append(loss)
+                return loss
+            for o in self.optimizers:
+                o.step(closure)
+            return out[0]
         for o in self.optimizers:
             o.zero_grad(set_to_none=True)
         loss = None
@@ -285,10 +312,14 @@ class Guard(GuardFailureHandling, GuardReportWriting):
             self.scaler.update()
         return loss
 
-    def _plain_update(self, skipped: Optional[dict] = None) -> None:
+    def _plain_update(self, skipped: Optional[dict] = None,
+                      step: Optional[Callable[[torch.optim.Optimizer], Any]] = None) -> None:
+        """The update, then the step's end. ``step(o)``: how to step ``o`` (a closure optimizer's)."""
         skipped = skipped or {}
         for o in self.optimizers:
-            if self.scaler is not None:
+            if step is not None:
+                step(o)
+            elif self.scaler is not None:
                 self.scaler.step(o)
             else:
                 o.step()
@@ -373,7 +404,8 @@ class Guard(GuardFailureHandling, GuardReportWriting):
             self._lazy.close()  # sync-free: the checks not read yet (a failure there is handled as usual)
         det = self._safe(self.monitor.flush)
         if det is not None and not det.info_only:
-            self.report.events.append(self._safe(lambda: self._event(det, None)) or
+            hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
+            self.report.events.append(self._safe(lambda: self.pipeline.explain(det, hist)) or
                                       Event(step=det.step, phase=det.phase, detected=det.detected))
         self._write_report()
         self._write_html()

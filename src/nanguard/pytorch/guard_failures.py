@@ -9,17 +9,23 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence
 
+from ..core.engine import Localized
 from ..core.events import Detection, Event, NonFiniteError
 from ..core.experiments import Spec
-from ..core.pipeline import build_event
 from ..core.render.terminal import render
 from .bundle import save_bundle
 from .compiled import INDUCTOR_FIX, annotate_compiled, eager, unwrap_compiled, uses_compile
-from .counterfactual import GuardStep, TorchBench, drop_rows_and_regrad, investigate_failure
-from .counterfactual.samples import batch_indices, name_samples
-from .distributed import barrier, is_distributed, is_origin, replays_here, share_event
+from .experiments import GuardStep, TorchBench, drop_rows_and_regrad, investigate_failure
+from .experiments.samples import batch_indices, name_samples
+from .distributed import barrier, is_distributed, is_origin, replays_here
 from .replay import replay_step
 from .rng import plain_rng
+
+
+def annotate_replay(event: Event, run: Localized) -> None:
+    """torch.compile: the step was replayed eagerly; say so (and whether the compiled code made it)."""
+    if run.eager:
+        annotate_compiled(event, run.as_dict())
 
 
 class GuardFailureHandling:
@@ -30,15 +36,15 @@ class GuardFailureHandling:
         step was re-run without its bad samples) or "continue"; raises on stop."""
         if self._rewound is not None:  # sync-free: read late, the step run again after a rewind
             det.detected = dict(det.detected, sync_free=dict(self._rewound))
-        action = self._on_failure(det, batches, loss_fn, rng, indices)
-        if action == "skip":
+        outcome = self._on_failure(det, batches, loss_fn, rng, indices)
+        if outcome == "skip":
             self.ring.clear()  # recovered: the steps before are not replayed from here on
             for oo in self.optimizers:
                 oo.zero_grad(set_to_none=True)
                 self.monitor.end_step(oo, skipped=True)
             if self.scaler is not None:
                 self._reset_scaler_stage()
-        return action
+        return outcome
 
     def _on_failure(self, det: Detection, batches, loss_fn, rng, indices=None) -> str:
         # distributed: the bundle is saved where it was seen first; a DDP model is replayed there only
@@ -55,13 +61,11 @@ class GuardFailureHandling:
         loc_run = None
         if self.localize and det.phase in ("data", "params", "forward", "backward") and here:
             loc_run = self._safe(lambda: self._replay(batches, loss_fn, rng, det))
-        event = self._safe(lambda: self._event(det, loc_run))
+        event = self._safe(lambda: self._explain(det, loc_run))  # every rank gets the origin rank's diagnosis
         if event is None:
             event = Event(step=det.step, phase=det.phase, detected=det.detected, rank=det.rank)
-        elif step is not None:
+        elif step is not None and event.recurrence_of is None:
             self._safe(lambda: self._experiment(event, det, loc_run, step, prior or []))
-        if det.rank is not None:  # every rank acts on the origin rank's diagnosis
-            event = share_event(event, det.rank)
         if self.policy is not None:
             decision = self.policy.decide(self, event)
             if decision is not None:
@@ -95,11 +99,19 @@ class GuardFailureHandling:
                                             "history_size": self.config.history_size})
 
     def _event(self, det: Detection, loc_run, exclude: Sequence[str] = ()) -> Event:
+        """A new diagnosis of ``det`` (the experiments' re-diagnosis without the refuted causes)."""
         hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
-        ev = build_event(det, loc_run, hist, dict(self._context(), exclude_categories=list(exclude)))
-        if loc_run is not None and loc_run.get("eager"):
-            annotate_compiled(ev, loc_run)  # torch.compile: replayed eagerly; not reproduced: the compiled code
+        ev = self.pipeline.diagnose(det, hist, loc_run, exclude)
         if self.bundle_saved:
+            ev.localization = dict(ev.localization or {}, bundle=self.bundle_saved)
+        return ev
+
+    def _explain(self, det: Detection, loc_run) -> Event:
+        """The failure's event through the pipeline: the first one diagnosed, a later one a recurrence or
+        a consequence of it when it is one."""
+        hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
+        ev = self.pipeline.explain(det, hist, loc_run)
+        if self.bundle_saved and ev.recurrence_of is None:
             ev.localization = dict(ev.localization or {}, bundle=self.bundle_saved)
         return ev
 

@@ -6,7 +6,9 @@ the run stops or ends, and its events logged to TensorBoard.
 """
 from __future__ import annotations
 
+from ..core.engine import RunFacts, assemble_report
 from ..core.events import Event, Report
+from ..core.guarded import disabled_note
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line
 from .distributed import is_main, report_extra
@@ -17,17 +19,13 @@ class GuardReportWriting:
 
     def _sync_report(self) -> Report:
         mon = self.monitor
-        r = self.report
-        r.steps_watched = mon.steps_watched
-        r.max_grad_norm = mon.history.max_grad_norm if len(mon.history) else None
-        r.scaler_skips = sum(1 for i in r.info if i.get("scaler_skip"))
-        r.history = mon.history.as_dicts()
-        known = {id(e) for e in r.events}
-        if self.policy is not None:
-            r.events.extend(e for e in self.policy.events if id(e) not in known)
-            r.events.sort(key=lambda e: (e.step, e.recovery is None))
-        r.events.extend(e for e in self.spikes.events if id(e) not in known)
-        return r
+        events = [e for e in self.report.events if not e.is_warning]
+        events += list(self.policy.events) if self.policy is not None else []
+        return assemble_report(RunFacts(
+            counting="optimizer", steps_watched=mon.steps_watched,
+            max_grad_norm=mon.history.max_grad_norm if len(mon.history) else None,
+            history=mon.history.as_dicts(), info=list(self.report.info), events=events,
+            warnings=list(self.spikes.events), disabled=disabled_note(self)), self.report)
 
     def _tb_event(self, event: Event) -> None:
         if self.tensorboard is not None:

@@ -28,6 +28,7 @@ What the watcher does beyond detecting (experiments, recovery, early warnings, s
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Iterator, List, Optional
@@ -39,6 +40,7 @@ from torch.amp.grad_scaler import OptState
 from torch.nn.modules import module as torch_module
 
 from ..core.config import GuardConfig
+from ..core.engine import FailurePipeline, Ports
 from ..core.events import Detection
 from ..core.guarded import call_guarded
 from ..core.render.html import write_run_html
@@ -46,12 +48,15 @@ from ..core.render.terminal import print_line, render, summary_line
 from ..core.script import apply_outcome, block_outcome
 from .data import DataHooks
 from .detect import StepMonitor, is_checkable, tensors_in
+from .detect.closure import checked_closure, closure_of, recheck, with_closure
+from .distributed import share_event
 from .evalcheck import EvalCheck
 from .gradscaler import scaler_enabled
+from .owners import in_guard_step, track, untrack
 from .stepreplay import StepReplay, replay_of
 from .tape import StepTape
 from .watch_recovery import WatcherRecovery
-from .zerocode import Localizer, announce, make_report
+from .zerocode import Localizer, announce, make_report, run_context
 from .spikes import SpikeResponder
 
 
@@ -94,14 +99,19 @@ class Watcher(WatcherRecovery):
         self._snap_due: Optional[tuple] = None  # (step, loss): the snapshot the next step starts from
         self.localizer: Optional[Callable[[Detection], Any]] = None
         self._skip_current: set = set()
-        self._first_event: Any = None
+        # the failures diagnosed during the run (recovery): the first one, recurrences of it
+        self.pipeline = FailurePipeline(Ports(context=lambda: run_context(self),
+                                              share=lambda ev, det: share_event(ev, det.rank)))
         # The step tape (in-process replay), the DataLoader hooks, the evaluation checks.
         self.tape: Optional[StepTape] = StepTape() if tape else None
         self.data = DataHooks(self.tape)
         self.evals = EvalCheck(self)
         self.loc_runs: dict = {}        # id(detection) -> how it was localized (at the failing step)
         self.on_event: Optional[Callable[[Detection], None]] = None  # after a failure was handled
-        self._replaying = False
+        self._replay_on = False
+        self.forked = False   # this is a forked child's copy: its hooks stand aside (owners.py)
+        # The stop, once raised in any thread: every thread's next hook raises it too, and the run ends 3.
+        self.stopping: Optional[Detection] = None
         self._busy = 0
         self.spikes: Any = None  # early warning (nanguard.pytorch.spikes.SpikeResponder), set by the driver
         # An op recorder armed on the live script (the localization re-run's child): while it runs its
@@ -120,6 +130,9 @@ class Watcher(WatcherRecovery):
         if self._installed:
             return
         self._installed = True
+        track(self)
+        self._orig_excepthook = threading.excepthook
+        threading.excepthook = self._thread_excepthook
 
         w = self
         orig_init = torch.optim.Optimizer.__init__
@@ -171,6 +184,9 @@ class Watcher(WatcherRecovery):
         torch.autograd.backward = self._orig["backward"]
         torch_grad_scaler.GradScaler.step = self._orig["scaler_step"]
         torch_grad_scaler.GradScaler.scale = self._orig["scale"]
+        if threading.excepthook == self._thread_excepthook:
+            threading.excepthook = self._orig_excepthook
+        untrack(self)
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -182,10 +198,37 @@ class Watcher(WatcherRecovery):
 
     # ------------------------------------------------------------------ safety
     @property
+    def _replaying(self) -> bool:
+        """The hooks do nothing now: an in-process replay runs (:meth:`quiet`), a Guard runs its own step
+        in this thread, or this process is a forked child (:mod:`.owners`). A stop raised in another
+        thread is raised here too (the run is stopping)."""
+        if self.stopping is not None and not self.forked and not self._replay_on and not self._busy \
+                and self._installed and not in_guard_step():
+            raise StopRun(self.stopping)
+        return self._replay_on or self.forked or in_guard_step()
+
+    def _stop(self, det: Detection) -> "StopRun":
+        """The run stops at ``det``, in every thread (see ``stopping``)."""
+        if self.stopping is None:
+            self.stopping = det
+        return StopRun(det)
+
+    def _thread_excepthook(self, args: Any) -> None:
+        """A training thread ended by the stop: one line, not a traceback (the run ends with status 3)."""
+        if isinstance(args.exc_value, StopRun):
+            if not getattr(self, "_thread_noted", False):
+                self._thread_noted = True
+                name = getattr(args.thread, "name", "a thread")
+                print(f"nanguard: {args.exc_value} (in thread {name}); the other threads stop at their next step",
+                      file=sys.stderr)
+            return
+        (self._orig_excepthook or threading.__excepthook__)(args)
+
+    @property
     def busy(self) -> bool:
         """nanguard's own code is running (a check, a replay): values it reads are not the script's."""
         rec = self.live_recorder
-        return self._busy > 0 or self._replaying or (rec is not None and rec.busy)
+        return self._busy > 0 or self._replay_on or (rec is not None and rec.busy)
 
     def _guarded(self, fn: Callable[[], Any]) -> Any:
         """Run guard code; on an internal error warn once and disable (unless strict)."""
@@ -208,7 +251,7 @@ class Watcher(WatcherRecovery):
             if self._recover(det, opt):
                 return
             self.detections.append(det)
-            raise StopRun(det)
+            raise self._stop(det)
         if self.localizer is not None and getattr(self.localizer, "wants", None) is not None \
                 and self.localizer.wants(det):
             loc = self._guarded(lambda: self.localizer(det))
@@ -222,7 +265,7 @@ class Watcher(WatcherRecovery):
         if self.on_event is not None:
             self._guarded(lambda: self.on_event(det))
         if self.config.on_nonfinite == "stop" and det.phase != "eval":
-            raise StopRun(det)
+            raise self._stop(det)
 
     # ------------------------------------------------------------------ in-process replay
     def step_replay(self, step: int) -> Optional[StepReplay]:
@@ -239,11 +282,11 @@ class Watcher(WatcherRecovery):
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
         """The watcher's hooks do nothing inside (an in-process replay runs the step's calls again)."""
-        prev, self._replaying = self._replaying, True
+        prev, self._replay_on = self._replay_on, True
         try:
             yield
         finally:
-            self._replaying = prev
+            self._replay_on = prev
 
     def optimizers(self) -> list:
         return [v.opt_ref() for v in self.monitor.views.values() if v.opt_ref() is not None]
@@ -252,11 +295,24 @@ class Watcher(WatcherRecovery):
     def _in_scaler(self) -> bool:
         return getattr(self._local, "scaler_depth", 0) > 0
 
-    def _opt_pre(self, opt, args, kwargs) -> None:
+    def _opt_pre(self, opt, args, kwargs) -> Optional[tuple]:
         if self._in_scaler() or self._replaying:
-            return
+            return None
         if self.tape is not None:
             self.tape.close()
+        closure = closure_of(args, kwargs)
+        if closure is not None and not self.disabled:
+            # optimizer.step(closure) (LBFGS): the loss and gradients are made inside step; the check
+            # runs inside the closure, after each evaluation, before the optimizer uses them
+            checked = checked_closure(closure, self.monitor, lambda loss: self._pre_check(opt),
+                                      lambda loss: self._handle(self._guarded(
+                                          lambda: recheck(self.monitor, opt, loss)), opt))
+            return with_closure(args, kwargs, checked)
+        self._pre_check(opt)
+        return None
+
+    def _pre_check(self, opt: Any) -> None:
+        """The step's check before ``opt`` updates (a closure step's: after the closure's first evaluation)."""
         if self._snap_due is not None:  # a step with no module forward and no backward
             self._guarded(self._take_due_snapshot)
         if self.on_optimizer_begin is not None:
@@ -456,7 +512,7 @@ def _graph_leaves(ts: List[torch.Tensor], limit: int = 100_000) -> List[torch.Te
 
 
 @contextlib.contextmanager
-def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "warn",
+def watch(report: Optional[str] = None, on_nonfinite: str = "warn",
           strict: bool = False, quiet: bool = False, html: Optional[str] = "auto") -> Iterator[Watcher]:
     """Watch every optimizer, module and GradScaler used inside the block (the hooks of ``nanguard run``).
 
@@ -464,7 +520,9 @@ def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "w
     at the failing step: one line on stderr then says what failed, where and why; the full report
     (JSON, panel, HTML) is written when the block ends. A step the tape cannot replay has no origin
     op (the event's ``localization.reason`` says why): outside ``nanguard run`` nanguard cannot re-run
-    your script. Yields the :class:`~nanguard.Watcher`.
+    your script. ``report``: the JSON report's path (None, the default: no file; the report is
+    ``w.report``). A :class:`~nanguard.Guard` stepping inside the block is left to the Guard.
+    Yields the :class:`~nanguard.Watcher`.
     """
     w = Watcher(GuardConfig(on_nonfinite=on_nonfinite, strict=strict), tape=True)
     w.spikes = SpikeResponder(w.monitor, "warn", quiet=quiet)

@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.events import Detection
-from ..core.pipeline import build_event, recurrence_event
-from .distributed import share_event
+from ..core.pipeline import build_event
 from .recover.loose import LooseTensors
 from .spikes import optimizer_context
 
@@ -28,7 +27,7 @@ class WatcherRecovery:
         replay = self.step_replay(det.step)
         if replay is None:
             return
-        from .counterfactual import investigate_zero_code
+        from .experiments import investigate_zero_code
         from .zerocode import run_context
         hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
         ctx = run_context(self)
@@ -49,14 +48,11 @@ class WatcherRecovery:
         """Diagnose ``det`` and let the policy act. True when the run may go on."""
         mon = self.monitor
         hist = [h for h in mon.history.raw_dicts() if h["step"] < det.step]
-        ctx = {"scaler": bool(self.scalers), **optimizer_context(self.optimizers())}
-        if self._first_event is None:
-            loc_run = self.localizer(det) if self.localizer is not None else None
-            event = _shared(build_event(det, loc_run, hist, ctx), det)
+        first = self.pipeline.first() is None
+        loc_run = self.localizer(det) if first and self.localizer is not None else None
+        event = self.pipeline.explain(det, hist, loc_run)
+        if first:
             self._guarded(lambda: self._experiment(det, loc_run, event))
-            self._first_event = event
-        else:
-            event = _shared(recurrence_event(det, self._first_event, hist, ctx), det)
         det.event = event
         opts = self.optimizers()
         rec = self.policy.apply(event, step=det.step, modules=self._state_modules(), optimizers=opts,
@@ -110,9 +106,3 @@ class WatcherRecovery:
             self.policy.maybe_snapshot(due[0], self._state_modules(), self.optimizers(),
                                        self.scalers[0] if self.scalers else None, due[1])
 
-
-def _shared(event: Any, det: Detection) -> Any:
-    """torch.distributed: every rank acts on the diagnosis made on the rank where ``det`` was seen first."""
-    if getattr(det, "rank", None) is None:
-        return event
-    return share_event(event, det.rank)

@@ -20,14 +20,16 @@ category, op and line); a failure with a different cause is an event of its own.
 """
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from ..core.events import Detection, Report, one_line
-from ..core.pipeline import (as_recurrence, build_event, consequence_event, fold_recurrences,
-                             recurrence_event, same_cause)
+from ..core.guarded import disabled_note
+from ..core.engine import FailurePipeline, Ports, RunFacts, assemble_report, info_rows
+from ..core.pipeline import build_event
 from ..core.render.terminal import print_line
 from ..core.script import Terminated
 from .bundle import save_bundle
@@ -160,62 +162,54 @@ def run_context(watcher: Any) -> dict:
     return ctx
 
 
+def pipeline_for(watcher: Any, localizer: Optional[Localizer] = None, localize: bool = True) -> FailurePipeline:
+    """The run's :class:`~nanguard.core.engine.FailurePipeline` on PyTorch's ports: the run context, the
+    re-run fallback (a signal during it cuts it short) and the distributed sharing."""
+    relocalize = None
+    if localize and localizer is not None:
+        def relocalize(det: Detection, first: Any) -> Any:
+            return _safe_fallback(localizer, det, first.as_dict() if first is not None else None)
+    return FailurePipeline(Ports(context=lambda: run_context(watcher), relocalize=relocalize,
+                                 share=lambda ev, det: share_event(ev, det.rank)))
+
+
 def make_report(watcher: Any, localizer: Optional[Localizer] = None, policy: Any = None,
                 localize: bool = True) -> Report:
     """The report of a watched run (see the module docstring for events and recurrences)."""
     mon = watcher.monitor
-    report = Report(counting=mon.counting, steps_watched=mon.steps_watched,
-                    max_grad_norm=mon.history.max_grad_norm if len(mon.history) else None,
-                    scaler_skips=sum(1 for d in watcher.info if d.detected.get("scaler_skip")),
-                    history=mon.history.as_dicts())
-    report.info = [{"step": d.step, "phase": d.phase, **d.detected} for d in watcher.info][:200]
+    pipe = pipeline_for(watcher, localizer, localize)
     history = mon.history.raw_dicts()
     events = list(policy.events) if policy is not None else []
-    ctx = run_context(watcher)
-    firsts: Dict[str, Any] = {}
     for det in watcher.detections:
         if det.event is not None:  # already diagnosed during the run (recovery, or tested by experiments)
             events.append(det.event)
-            firsts.setdefault("eval" if det.phase == "eval" else "train", det.event)
+            pipe.remember(det.event, det)
             continue
-        events.append(_event(det, watcher, localizer, firsts, [h for h in history if h["step"] < det.step],
-                             ctx, localize))
-    events.sort(key=lambda e: (e.step, e.recovery is not None))
-    report.events = fold_recurrences(events) + list(watcher.spikes.events if watcher.spikes is not None else [])
-    if watcher.dropped_events:
-        report.extra["dropped_events"] = watcher.dropped_events
-    report_extra(report)
-    if watcher.disabled:  # a clean status would otherwise hide that nothing was checked after this
-        report.extra["guard_disabled"] = watcher.error or True
+        hist = [h for h in history if h["step"] < det.step]
+        events.append(pipe.explain(det, hist, watcher.loc_runs.get(id(det)), relocalize=True))
+    extra = {}
     tape = getattr(watcher, "tape", None)
     if tape is not None and tape.off_reason:
-        report.extra["step_tape"] = tape.off_reason
+        extra["step_tape"] = tape.off_reason
+    report = assemble_report(RunFacts(
+        counting=mon.counting, steps_watched=mon.steps_watched,
+        max_grad_norm=mon.history.max_grad_norm if len(mon.history) else None, history=mon.history.as_dicts(),
+        info=info_rows(watcher.info), events=events,
+        warnings=list(watcher.spikes.events) if watcher.spikes is not None else [], extra=extra,
+        dropped_events=watcher.dropped_events, disabled=disabled_note(watcher)))
+    report_extra(report)
     return report
-
-
-def _event(det: Detection, watcher: Any, localizer: Optional[Localizer], firsts: Dict[str, Any], hist: list,
-           ctx: dict, localize: bool) -> Any:
-    kind = "eval" if det.phase == "eval" else "train"
-    first = firsts.get(kind)
-    loc_run = watcher.loc_runs.get(id(det))
-    if first is None:
-        if kind == "train" and localize and localizer is not None and not (loc_run or {}).get("reproduced"):
-            loc_run = _safe_fallback(localizer, det, loc_run)
-        ev = share_event(build_event(det, loc_run, hist, ctx), det.rank)
-        firsts[kind] = ev
-        return ev
-    if kind == "train" and det.phase in ("params", "optimizer"):
-        return consequence_event(det, first)
-    if not (loc_run or {}).get("reproduced"):
-        return recurrence_event(det, first, hist, ctx)
-    ev = build_event(det, loc_run, hist, ctx)
-    return as_recurrence(ev, first) if same_cause(ev, first) else ev
 
 
 def _safe_fallback(localizer: Localizer, det: Detection, loc_run: Any) -> Any:
     try:
         return localizer.fallback(det, loc_run)
-    except (Exception, KeyboardInterrupt, Terminated) as e:  # SIGTERM/Ctrl-C during the re-run: report without
+    except (KeyboardInterrupt, Terminated) as e:  # SIGTERM/Ctrl-C during the re-run: the signal wins (run.py)
+        sig = "SIGINT" if isinstance(e, KeyboardInterrupt) else signal.Signals(e.signum).name
+        out = dict(loc_run or {"method": "rerun"})
+        out.update(reproduced=False, interrupted=sig, reason=f"localization was interrupted by {sig}")
+        return out
+    except Exception as e:
         out = dict(loc_run or {"method": "rerun", "reproduced": False})
         out["reason"] = f"the re-run was stopped: {type(e).__name__}"
         return out

@@ -6,9 +6,11 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional
 
+from ..core.alerts import check_on_spike
 from ..core.config import GuardConfig
+from ..core.engine import FailurePipeline, Ports, RunFacts, assemble_report, info_rows
 from ..core.events import Detection, Event, Report
-from ..core.pipeline import build_event
+from ..core.guarded import disabled_note
 
 
 class RunDriver:
@@ -16,30 +18,40 @@ class RunDriver:
 
     def __init__(self, config: GuardConfig, script_abs: Optional[str] = None, args: Optional[List[str]] = None,
                  *, recover: Any = None, localize: bool = True, quiet: bool = False,
-                 raise_on_stop: bool = True) -> None:
+                 raise_on_stop: bool = True, on_spike: Optional[str] = None) -> None:
+        """``on_spike``: what an early warning does (:mod:`.spikes`): ``"warn"``, ``"skip"`` or
+        ``"rollback"``; None: ``"rollback"`` with ``recover``, else ``"warn"``."""
+        from .spikes import TFSpikes
         from .watch import TFWatcher
         self.config = config
         self.script = script_abs
         self.args = list(args or [])
         self.localize = localize
         self.quiet = quiet
-        self.watcher = TFWatcher(config, raise_on_stop=raise_on_stop)
+        self.on_spike = check_on_spike(on_spike or ("rollback" if recover else "warn"))
+        self.watcher = TFWatcher(config, raise_on_stop=raise_on_stop,
+                                 spikes=TFSpikes(self.on_spike, quiet, context=self.context))
         self.captures: Dict[int, Any] = {}  # step -> StepCapture (in-process replay of a failing step)
         self.loc_runs: Dict[int, Dict[str, Any]] = {}
         self.policy = None
         self.recover_unavailable: Optional[str] = None
+        # the failures' events: diagnosed during the run for recovery, or when the report is made
+        self.pipeline = FailurePipeline(Ports(context=self.context,
+                                              relocalize=lambda det, first: self.localize_detection(det)))
         if recover:
             from .recover import RecoveryUnavailable, TFRecovery
             try:
-                self.policy = TFRecovery.from_spec(recover, quiet=quiet)
+                self.policy = TFRecovery.from_spec(recover, pipeline=self.pipeline, localizer=self.localize_detection,
+                                                   quiet=quiet)
             except RecoveryUnavailable as e:
                 from ..core.render.terminal import print_line
                 print_line(f"{e}: detection only")
                 self.recover_unavailable = str(e)
             else:
-                self.policy.localizer = self.localize_detection
-                self.policy.context = self.context
                 self.watcher.policy = self.policy
+        elif self.on_spike != "warn":  # snapshots for the early warnings' skip/rollback; failures as on_nonfinite says
+            from .recover import TFRecovery
+            self.policy = self.watcher.policy = TFRecovery.for_spikes(quiet=quiet)
         if localize:
             self.watcher.capture_enabled = True
             self.watcher.on_failure_capture = self._on_capture
@@ -102,42 +114,29 @@ class RunDriver:
         w = self.watcher
         w.finish()
         h = w.history
-        report = Report(counting="optimizer", steps_watched=w.steps_watched,
-                        max_grad_norm=h.max_grad_norm if len(h) else None,
-                        scaler_skips=sum(1 for d in w.info if d.detected.get("scaler_skip")),
-                        history=h.as_dicts())
-        report.info = [{"step": d.step, "phase": d.phase, **d.detected} for d in w.info][:200]
+        pipe = self.pipeline
         history = h.raw_dicts()
         events: List[Event] = list(self.policy.events) if self.policy is not None else []
-        ctx = self.context()
-        for i, det in enumerate(w.detections):
+        for det in w.detections:
             if det.event is not None:  # already diagnosed during the run (recovery)
                 events.append(det.event)
+                pipe.remember(det.event, det)
                 continue
-            loc_run = self.localize_detection(det) if i == 0 else None
             hist = [r for r in history if r["step"] < det.step]
-            if i > 0 and events:
-                from ..core.pipeline import recurrence_event
-                first = next((e for e in events if e.recovery is None), None)
-                if first is not None:
-                    events.append(recurrence_event(det, first, hist, ctx))
-                    continue
-            events.append(build_event(det, loc_run, hist, ctx))
-        events.sort(key=lambda e: (e.step, e.recovery is not None))
-        report.events = events
-        report.extra["framework"] = "tensorflow"
+            events.append(pipe.explain(det, hist, self.loc_runs.get(det.step), relocalize=True))
+        extra: Dict[str, Any] = {"framework": "tensorflow"}
         if self.recover_unavailable:
-            report.extra["recovery_unavailable"] = self.recover_unavailable
-        if w.dropped_events:
-            report.extra["dropped_events"] = w.dropped_events
+            extra["recovery_unavailable"] = self.recover_unavailable
         lost = sum(st.lost_rows for st in w.states.values())
         if lost:
-            report.extra["history_rows_lost"] = lost
-        if w.disabled:
-            report.extra["guard_disabled"] = w.error or True
+            extra["history_rows_lost"] = lost
         if w.steps_watched == 0 and not w.states:
-            report.extra["note"] = "no optimizer update was seen (keras Optimizer.apply never ran)"
-        return report
+            extra["note"] = "no optimizer update was seen (keras Optimizer.apply never ran)"
+        return assemble_report(RunFacts(
+            counting="optimizer", steps_watched=w.steps_watched, max_grad_norm=h.max_grad_norm if len(h) else None,
+            history=h.as_dicts(), info=info_rows(w.info), events=events,
+            warnings=list(getattr(w, "warning_events", None) or []), extra=extra,
+            dropped_events=w.dropped_events, disabled=disabled_note(w)))
 
 
 def empty_report() -> Report:

@@ -123,8 +123,9 @@ class TFSnapshot:
 class KerasActions(_ActionsBase):
     """``RecoveryActions`` on the Keras models and optimizers a :class:`~.watch.TFWatcher` has seen."""
 
-    def __init__(self, watcher: Any) -> None:
+    def __init__(self, watcher: Any, applied: bool = False) -> None:
         self.w = watcher
+        self.applied = applied  # the step's update already ran (a traced step read after its call)
         self.models = [m for m in list(watcher.models)]
         self.optimizers = watcher.optimizers()
 
@@ -226,6 +227,8 @@ class KerasActions(_ActionsBase):
 
     # -------------------------------------------------------------- actions on a failure
     def skip_step(self) -> Dict[str, Any]:
+        if self.applied:  # an early warning read after its traced step: only a rollback undoes the update
+            return {"update_applied_before_read": True}
         n = sum(len(getattr(o, "_trainable_variables", [])) for o in self.optimizers)
         return {"grads_dropped": n, "update_skipped_in_graph": True}
 
@@ -327,25 +330,53 @@ class TFRecovery:
     """Drives ``nanguard.core.recovery.RecoveryPolicy`` from the TF watcher: a snapshot when a step
     starts, the decision when a step fails (its update was already dropped in-graph)."""
 
-    def __init__(self, policy: Any, quiet: bool = False) -> None:
+    def __init__(self, policy: Any, *, pipeline: Any, localizer: Callable[[Any], Any], quiet: bool = False) -> None:
+        """``pipeline``: the run's :class:`~nanguard.core.engine.FailurePipeline` (the failure's event);
+        ``localizer``: the driver's localization of a detection (its replay result, or None)."""
         self.policy = policy
         self.policy.quiet = policy.quiet or quiet
-        self.localizer: Optional[Callable[[Any], Any]] = None
-        self.context: Callable[[], Dict[str, Any]] = dict
-        self._first_event: Any = None
+        self.pipeline = pipeline
+        self.localizer = localizer
 
     @classmethod
-    def from_spec(cls, spec: Any, quiet: bool = False) -> "TFRecovery":
+    def from_spec(cls, spec: Any, *, pipeline: Any, localizer: Callable[[Any], Any],
+                  quiet: bool = False) -> "TFRecovery":
         try:
             from ..core.recovery import RecoveryPolicy  # type: ignore[attr-defined]
         except ImportError as e:
             raise RecoveryUnavailable("recovery for TensorFlow needs nanguard.core.recovery, which is not in "
                                       "this build") from e
-        return cls(RecoveryPolicy.from_spec(spec), quiet)
+        return cls(RecoveryPolicy.from_spec(spec), pipeline=pipeline, localizer=localizer, quiet=quiet)
+
+    @classmethod
+    def for_spikes(cls, quiet: bool = False) -> "TFRecovery":
+        """A policy that keeps snapshots for the early warnings' skip and rollback only (failures are left
+        to the driver's ``on_nonfinite``)."""
+        from ..core.recovery import RecoveryPolicy
+        return cls(RecoveryPolicy(failures=False), pipeline=None, localizer=lambda det: None, quiet=quiet)
 
     @property
     def events(self) -> list:
         return self.policy.events
+
+    @property
+    def failures(self) -> bool:
+        """Whether the policy acts on failures (False: it keeps snapshots for early warnings only)."""
+        return self.policy.failures
+
+    def snapshot_at(self, step: int) -> Any:
+        """The finite snapshot of the start of ``step``, if one is kept."""
+        snap = self.policy.store.at(step)
+        return snap if snap is not None and snap.finite() else None
+
+    def spike(self, watcher: Any, event: Any, *, step: int, history: Any, late: bool) -> Optional[Dict[str, Any]]:
+        """An early warning under on_spike="rollback" (the core policy's ``on_spike``). ``late``: the step's
+        update already ran (a traced step)."""
+        actions = KerasActions(watcher, applied=late)
+        rec = self.policy.on_spike(event, step=step, actions=actions, history=history, rollback=True)
+        if rec is not None:
+            self.policy.on_update(actions)  # arms clipping (an in-graph variable) for the next updates
+        return rec
 
     def prepare(self, opt: Any) -> None:
         """Before the update is traced (first apply): schedules get a scalable factor."""
@@ -357,15 +388,9 @@ class TFRecovery:
 
     def handle(self, watcher: Any, det: Any, st: Any) -> bool:
         """Diagnose ``det`` and let the policy act. True when the run may go on."""
-        from ..core.pipeline import build_event, recurrence_event
         hist = [h for h in watcher.history.raw_dicts() if h["step"] < det.step]
-        ctx = self.context()
-        if self._first_event is None:
-            loc_run = self.localizer(det) if self.localizer is not None else None
-            event = build_event(det, loc_run, hist, ctx)
-            self._first_event = event
-        else:
-            event = recurrence_event(det, self._first_event, hist, ctx)
+        loc_run = self.localizer(det) if self.pipeline.first() is None else None
+        event = self.pipeline.explain(det, hist, loc_run)
         det.event = event
         actions = KerasActions(watcher)
         rec = self.policy.on_failure(event, step=det.step, actions=actions, history=hist)

@@ -68,7 +68,7 @@ def test_div_by_zero_empty_bag_in_a_tf_function_step():
     assert o["samples"] == [5] and o["stage"] == "forward"
     zd = loc["facts"]["zero_denominator"]
     assert zd["zeros"] == 1 and zd["from_reduction"] and zd["zero_over_zero"] == 8
-    assert loc["facts"]["float64_rerun"]["finite"] is False
+    assert loc["facts"]["float64_check"]["finite"] is False
     assert category(loc) == "div_by_zero"
     # the replay leaves the training state as it found it, and functions graph-mode again
     for b, v in zip(before, model.trainable_variables):
@@ -144,7 +144,7 @@ def test_exp_overflow_in_a_hand_written_softmax():
     o = loc["origin"]
     assert loc["phase"] == "forward" and o["tf_op"] == "Exp" and o["line"] == L("# <exp>")
     assert o["output"]["posinf"] == 1 and o["samples"] == [0]
-    assert loc["facts"]["exp_input_max"] == pytest.approx(120.0) and loc["facts"]["float64_rerun"]["finite"]
+    assert loc["facts"]["exp_input_max"] == pytest.approx(120.0) and loc["facts"]["float64_check"]["finite"]
     assert category(loc) == "exp_overflow"
 
 
@@ -208,7 +208,7 @@ def test_low_precision_overflow_float16_custom_layer():
     o = loc["origin"]
     assert loc["phase"] == "forward" and (o["tf_op"], o["dtype"]) == ("Mul", "float16")
     assert o["layer"] == "quadratic_features" and o["line"] == L("# <square>") and o["samples"] == [1]
-    f32 = loc["facts"]["float32_rerun"]
+    f32 = loc["facts"]["float32_check"]
     assert f32["direct_finite"] and f32["max_abs"] == pytest.approx(90000.0)
     assert category(loc) == "low_precision_overflow"
 
@@ -233,7 +233,7 @@ def test_low_precision_underflow_float16_log_of_softmax():
     o = loc["origin"]
     assert loc["phase"] == "forward" and (o["tf_op"], o["dtype"], o["layer"]) == ("Log", "float16", "log_probs")
     assert o["line"] == L("# <fp16-log>")
-    f32 = loc["facts"]["float32_rerun"]
+    f32 = loc["facts"]["float32_check"]
     assert f32["chain_finite"] and not f32["direct_finite"] and "_softmax" in f32["chain_ops"]
     assert any(e["rounds_to_zero"] for e in loc["facts"]["eps_constants"])
     assert category(loc) == "low_precision_underflow"

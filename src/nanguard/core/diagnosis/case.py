@@ -25,8 +25,8 @@ class Case:
         self.where = where(origin)
         self.out = origin.get("output") or {}
         self.api = api_or_op(origin)
-        self.f64 = facts.get("float64_rerun") or {}
-        self.f32 = facts.get("float32_rerun") or {}
+        self.f64 = facts.get("float64_check") or {}
+        self.f32 = facts.get("float32_check") or {}
         self.inf_only = (self.out.get("posinf") or self.out.get("neginf")) and not self.out.get("nan")
         self.overflow_range = bool(self.inf_only and (self.f64.get("finite") or self.f32.get("direct_finite")))
         self.examined = self.fwd if (self.stage == "backward" and self.fwd) else self.op

@@ -21,7 +21,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Pattern
 
-__all__ = ["ErrorRule", "error_rule", "error_rules"]
+__all__ = ["ERROR_CATEGORIES", "ErrorRule", "error_rule", "error_rules"]
+
+# The causes of a script error (``script_error.diagnosis.category``): not non-finite causes, so not in
+# ``CATEGORIES``; a rule's category must be one of these.
+ERROR_CATEGORIES = ("script_error", "batch_of_one", "shape_mismatch", "autograd_graph", "bad_labels",
+                    "out_of_memory")
 
 
 @dataclass
@@ -39,6 +44,9 @@ _ERROR_RULES: list = []
 def error_rule(name: str, pattern: str, types: tuple = (), category: str = "script_error") -> Callable:
     """Register ``fn(match, err) -> {summary, fixes} | None`` for errors whose type name is in ``types``
     (any type when empty) and whose message matches ``pattern``; its cause is ``category``."""
+    if category not in ERROR_CATEGORIES:
+        raise ValueError(f"error rule {name!r}: category {category!r} is not declared in ERROR_CATEGORIES")
+
     def deco(fn: Callable) -> Callable:
         if any(r.name == name for r in _ERROR_RULES):
             raise ValueError(f"error rule {name!r} is already registered")

@@ -18,7 +18,7 @@ and what they mean; a backend executes them on its replayable step.
 * :mod:`.calibration` - the calibration table (confidence bucket -> share right);
 * :mod:`.config` - :class:`ExperimentConfig` (``experiments=``).
 
-The PyTorch bench is :mod:`nanguard.pytorch.counterfactual`.
+The PyTorch bench is :mod:`nanguard.pytorch.experiments`.
 """
 from __future__ import annotations
 

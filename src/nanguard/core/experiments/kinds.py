@@ -4,7 +4,7 @@ refutes, and which recovery action a finite outcome verifies.
 A cause is *confirmed* when removing it makes the failing step finite ("the NaN goes away when X"),
 and *refuted* when an experiment shows the step fails the same without it (or is finite where the
 cause says it could not be). Everything here is plain data over category names; the backend only
-executes the change (``nanguard.pytorch.counterfactual`` for PyTorch).
+executes the change (``nanguard.pytorch.experiments`` for PyTorch).
 
 =================  ===================================================  =====================================
 kind               change                                                finite / non-finite

@@ -4,6 +4,9 @@ from __future__ import annotations
 from typing import Dict, List, Sequence
 
 ACTIONS = ("skip_step", "rollback", "lr_backoff", "clip", "upcast", "loss_scale", "drop_samples")
+# every name a recovery record's ``action`` may hold: the actions, and ``grad_scale`` (the form
+# ``lr_backoff`` takes for hand-written updates, below)
+ACTION_RECORDS = ACTIONS + ("grad_scale",)
 
 # category -> actions, in order. Unlisted categories get skip_step (a rare domain
 # error on some batch), bounded by the budget. The failing update is always dropped.

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from ..distributed import local_replay
+from ..numerics import version
 from ..rng import capture_rng, restore_rng
 from .samples import batch_size_of, select_rows, tensors_of
 from .trial import cast_floats
@@ -111,11 +112,11 @@ class GuardStep(ReplayableStep):
         self.indices = list(indices) if indices is not None else None
         ts: List[torch.Tensor] = []
         tensors_of(self.batches, ts)
-        self._versions = [(t, t._version) for t in ts]
+        self._versions = [(t, version(t)) for t in ts]
 
     def intact(self) -> bool:
         """The batch tensors were not written in place since the step (kept steps hold references)."""
-        return all(t._version == v for t, v in self._versions)
+        return all(version(t) == v for t, v in self._versions)
 
     def batch_size(self) -> Optional[int]:
         return batch_size_of(self.batches[0]) if len(self.batches) == 1 else None

@@ -25,7 +25,7 @@ Parts, one job each:
 * ``oplog``: the per-op records of the step and the tensors kept alive for evidence;
 * ``provenance``: taints, origins and the sinks they must reach;
 * ``evidence``: the facts about an origin, one registered gatherer per fact (keyed like the op
-  families of ``nanguard.core.diagnosis.families``); ``rerun``: an op re-run in float64/float32;
+  families of ``nanguard.core.diagnosis.families``); ``opcheck``: an op recomputed in float64/float32;
 * ``library``: evidence about library calls (all targets ignored, fully padded attention rows);
 * ``recorder``: ``OpRecorder``, which ties them; ``result``: the localisation dict it returns.
 """

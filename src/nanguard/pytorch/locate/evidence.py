@@ -23,7 +23,7 @@ from .naming import Frames
 from .oplog import OpLog
 from .ops import Mutations, flat_tensors, opname
 from .provenance import Origin, Provenance
-from .rerun import Reruns
+from .opcheck import OpChecks
 
 aten = torch.ops.aten
 
@@ -92,7 +92,7 @@ class Evidence:
 
     def __init__(self, log: OpLog, prov: Provenance, frames: Frames, api_stack: list, mutations: Mutations) -> None:
         self.log, self.prov, self.frames, self.api_stack = log, prov, frames, api_stack
-        self.reruns = Reruns(log, prov, mutations)
+        self.opchecks = OpChecks(log, prov, mutations)
 
     # ------------------------------------------------------------------ origin description
     def first_use(self, func: Any, name: str, args: Sequence[Any], out: torch.Tensor, stage: str,
@@ -276,25 +276,25 @@ class Evidence:
 
 
 # ---------------------------------------------------------------------------- generic gatherers (every origin)
-@gatherer("float64_rerun", always=True)
+@gatherer("float64_check", always=True)
 def _float64(p: Probe) -> dict:
     """The origin op in float64 (still non-finite: a domain error; finite: the dtype ran out), and the
     examined forward op of a backward origin (its float64 re-run and its output statistics)."""
-    rr = p.ev.reruns
-    f = {"float64_rerun": rr.rerun_fact(p.func, p.args, p.kwargs, torch.float64, p.pos0)}
+    rr = p.ev.opchecks
+    f = {"float64_check": rr.check_fact(p.func, p.args, p.kwargs, torch.float64, p.pos0)}
     if p.e_func is not p.func:
-        f["forward_float64_rerun"] = rr.rerun_fact(p.e_func, p.e_args, p.e_kwargs, torch.float64, None)
-        fo = rr.rerun(p.e_func, p.e_args, p.e_kwargs, p.ftens[0].dtype if p.ftens else p.t0.dtype, None) \
+        f["forward_float64_check"] = rr.check_fact(p.e_func, p.e_args, p.e_kwargs, torch.float64, None)
+        fo = rr.recompute(p.e_func, p.e_args, p.e_kwargs, p.ftens[0].dtype if p.ftens else p.t0.dtype, None) \
             if p.ftens else []
         if fo:
             f["forward_output"] = N.tensor_stats(fo[0])
     return f
 
 
-@gatherer("float32_rerun", always=True)
+@gatherer("float32_check", always=True)
 def _float32(p: Probe) -> dict | None:
     if p.t0.dtype in N.LOW_PRECISION and p.stage != "backward":
-        return {"float32_rerun": p.ev.reruns.float32_chain(p.func, p.args, p.kwargs, p.pos0, p.rel)}
+        return {"float32_check": p.ev.opchecks.float32_chain(p.func, p.args, p.kwargs, p.pos0, p.rel)}
     return None
 
 
@@ -493,7 +493,7 @@ def _overflow(p: Probe) -> dict | None:
     """Infinities only, from finite inputs, that float64 (or float32 for low precision) would hold."""
     outc = N.nonfinite_counts(p.t0)
     f = p.facts
-    range_ok = f["float64_rerun"].get("finite") or (f.get("float32_rerun") or {}).get("direct_finite")
+    range_ok = f["float64_check"].get("finite") or (f.get("float32_check") or {}).get("direct_finite")
     if (outc["posinf"] or outc["neginf"]) and not outc["nan"] and range_ok:
         return {"overflow": {"dtype_max": jnum(torch.finfo(p.t0.dtype).max),
                              "input_max_abs": max([s for s in (N.tensor_stats(i[2]).get("max_abs") for i in p.rel

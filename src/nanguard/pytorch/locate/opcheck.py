@@ -1,5 +1,5 @@
-"""Re-running an op on copies of its arguments in another dtype: float64 (is it a domain error or did
-the dtype run out?), float32 for float16/bfloat16 origins, and the float32 re-run of a producer chain
+"""Recomputing an op on copies of its arguments in another dtype (an op check, not a re-run of the script): float64 (is it a domain error or did
+the dtype run out?), float32 for float16/bfloat16 origins, and the float32 recomputation of a producer chain
 from the arguments the op log still holds."""
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from .provenance import Provenance
 
 aten = torch.ops.aten
 
-__all__ = ["Reruns"]
+__all__ = ["OpChecks"]
 
 
-class Reruns:
+class OpChecks:
     """Re-runs with no side effect on the step: the arguments are detached copies."""
 
     def __init__(self, log: OpLog, prov: Provenance, mutations: Mutations) -> None:
@@ -39,7 +39,7 @@ class Reruns:
             return a
         return tuple(cv(a) for a in args), {k: cv(v) for k, v in kwargs.items()}
 
-    def rerun(self, func: Any, args: Any, kwargs: dict, dtype: torch.dtype, pos: int | None,
+    def recompute(self, func: Any, args: Any, kwargs: dict, dtype: torch.dtype, pos: int | None,
               subst: dict | None = None) -> list[torch.Tensor]:
         """Floating outputs of ``func`` re-run on copies of its arguments cast to ``dtype``."""
         a, k = self.cast_args(args, kwargs, dtype, subst)
@@ -58,9 +58,9 @@ class Reruns:
                 res.append(o)
         return res
 
-    def rerun_fact(self, func, args, kwargs, dtype, pos, subst=None) -> dict:
+    def check_fact(self, func, args, kwargs, dtype, pos, subst=None) -> dict:
         try:
-            outs = self.rerun(func, args, kwargs, dtype, pos, subst)
+            outs = self.recompute(func, args, kwargs, dtype, pos, subst)
         except Exception as e:
             return {"error": f"{type(e).__name__}: {str(e)[:120]}"}
         if not outs:
@@ -69,7 +69,7 @@ class Reruns:
         mx = max((N.tensor_stats(o).get("max_abs") for o in outs), key=lambda v: v if isinstance(v, float) else -1)
         return {"op": str(func), "dtype": N.dtype_name(dtype), "finite": fin, "max_abs": mx}
 
-    def rerun32_tensor(self, t: Any, depth: int) -> Any:
+    def recompute32(self, t: Any, depth: int) -> Any:
         """float32 version of ``t``, recomputed from its producers' inputs when they are still held."""
         if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.dtype not in N.LOW_PRECISION:
             return t
@@ -82,9 +82,9 @@ class Reruns:
         subst = {}
         for _k, _p, a in flat_tensors(args, kwargs):
             if a.dtype in N.LOW_PRECISION:
-                subst[id(a)] = self.rerun32_tensor(a, depth - 1)
+                subst[id(a)] = self.recompute32(a, depth - 1)
         try:
-            outs = self.rerun(func, args, kwargs, torch.float32, prod[1], subst)
+            outs = self.recompute(func, args, kwargs, torch.float32, prod[1], subst)
         except Exception:
             outs = []
         match = [o for o in outs if tuple(o.shape) == tuple(t.shape)]
@@ -94,13 +94,13 @@ class Reruns:
     def float32_chain(self, func: Any, args: Any, kwargs: dict, pos0: int | None, rel: list) -> dict:
         """The origin re-run in float32 directly, and with its low-precision inputs (``rel``) recomputed in
         float32 from their producers (up to two ops up)."""
-        direct = self.rerun_fact(func, args, kwargs, torch.float32, pos0)
+        direct = self.check_fact(func, args, kwargs, torch.float32, pos0)
         self._chain_ops = []
         subst = {}
         for i in rel:
             if i[2].dtype in N.LOW_PRECISION:
-                subst[id(i[2])] = self.rerun32_tensor(i[2], 2)
-        chain = self.rerun_fact(func, args, kwargs, torch.float32, pos0, subst)
+                subst[id(i[2])] = self.recompute32(i[2], 2)
+        chain = self.check_fact(func, args, kwargs, torch.float32, pos0, subst)
         return {"direct_finite": direct.get("finite"), "chain_finite": chain.get("finite"),
                 "chain_ops": self._chain_ops[:10], "max_abs": direct.get("max_abs")}
 

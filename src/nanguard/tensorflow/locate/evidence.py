@@ -27,7 +27,7 @@ from . import ops as O
 from .numerics import jnum
 from .oplog import OpLog, is_eager, numel
 from .provenance import Provenance, np_value
-from .rerun import rerun, rerun32_tensor, rerun_fact
+from .opcheck import check_fact, recompute, recompute32
 
 __all__ = ["gatherer", "GATHERERS", "Probe", "facts", "where_trap", "producer_chain"]
 
@@ -161,15 +161,15 @@ def where_trap(log: OpLog, fwd_idx: int) -> bool:
 
 
 # ---------------------------------------------------------------------------- generic gatherers (every origin)
-@gatherer("float64_rerun", always=True)
+@gatherer("float64_check", always=True)
 def _float64(p: Probe) -> dict:
     """The origin op in float64 (still non-finite: a domain error; finite: the dtype ran out), and the
     examined forward op of a backward origin (its float64 re-run and its output statistics)."""
-    f = {"float64_rerun": rerun_fact(p.t_op, p.inputs, p.attrs, p.n_out, tf.float64, p.pick)}
+    f = {"float64_check": check_fact(p.t_op, p.inputs, p.attrs, p.n_out, tf.float64, p.pick)}
     if p.e_op is not p.t_op or p.e_in is not p.inputs:
-        f["forward_float64_rerun"] = rerun_fact(p.e_op, p.e_in, p.e_attrs, p.e_nout, tf.float64, None)
+        f["forward_float64_check"] = check_fact(p.e_op, p.e_in, p.e_attrs, p.e_nout, tf.float64, None)
         try:
-            fo = rerun(p.e_op, p.e_in, p.e_attrs, p.e_nout, p.ftens[0].dtype) if p.ftens else []
+            fo = recompute(p.e_op, p.e_in, p.e_attrs, p.e_nout, p.ftens[0].dtype) if p.ftens else []
             if fo:
                 f["forward_output"] = N.tensor_stats(np_value(fo[0]), fo[0].dtype.name)
         except Exception:
@@ -177,20 +177,20 @@ def _float64(p: Probe) -> dict:
     return f
 
 
-@gatherer("float32_rerun", always=True)
+@gatherer("float32_check", always=True)
 def _float32(p: Probe) -> Optional[dict]:
     """float16/bfloat16 origins: the op in float32 directly, and with its low-precision producers
     recomputed in float32 (``chain_finite``: the whole chain is fine in float32)."""
     if p.t0.dtype.name not in N.LOW_PRECISION or p.stage == "backward":
         return None
-    direct = rerun_fact(p.t_op, p.inputs, p.attrs, p.n_out, tf.float32, p.pick)
+    direct = check_fact(p.t_op, p.inputs, p.attrs, p.n_out, tf.float32, p.pick)
     chain_ops: list = []
     subst = {}
     for x in p.inputs:
         if is_eager(x) and x.dtype.is_floating and x.dtype.name in N.LOW_PRECISION:
-            subst[id(x)] = rerun32_tensor(p.log, p.prov, x, 4, chain_ops)
-    chain = rerun_fact(p.t_op, p.inputs, p.attrs, p.n_out, tf.float32, p.pick, subst)
-    return {"float32_rerun": {"direct_finite": direct.get("finite"), "chain_finite": chain.get("finite"),
+            subst[id(x)] = recompute32(p.log, p.prov, x, 4, chain_ops)
+    chain = check_fact(p.t_op, p.inputs, p.attrs, p.n_out, tf.float32, p.pick, subst)
+    return {"float32_check": {"direct_finite": direct.get("finite"), "chain_finite": chain.get("finite"),
                               "chain_ops": chain_ops[:10], "max_abs": direct.get("max_abs")}}
 
 
@@ -354,8 +354,8 @@ def _domain(p: Probe) -> Optional[dict]:
 def _overflow(p: Probe) -> Optional[dict]:
     """Infinities only, from finite inputs, that a wider dtype holds."""
     outc = N.nonfinite_counts(p.a0)
-    range_ok = (p.facts.get("float64_rerun") or {}).get("finite") or \
-        (p.facts.get("float32_rerun") or {}).get("direct_finite")
+    range_ok = (p.facts.get("float64_check") or {}).get("finite") or \
+        (p.facts.get("float32_check") or {}).get("direct_finite")
     if (outc["posinf"] or outc["neginf"]) and not outc["nan"] and range_ok:
         mx = [N.tensor_stats(np_value(i)).get("max_abs") for i in p.inputs if is_eager(i) and i.dtype.is_floating]
         return {"overflow": {"dtype_max": jnum(N.dtype_max(p.t0.dtype.name)),

@@ -1,4 +1,4 @@
-"""Re-running one recorded op in another dtype (float64: range or domain? float32: a low-precision
+"""Recomputing one recorded op in another dtype (an op check, not a re-run of the script) (float64: range or domain? float32: a low-precision
 failure?), eagerly and unrecorded (the recorder is busy while evidence is gathered)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from . import numerics as N
 from .oplog import OpLog, is_eager
 from .provenance import Provenance, np_value
 
-__all__ = ["rerun", "rerun_fact", "rerun32_tensor"]
+__all__ = ["recompute", "check_fact", "recompute32"]
 
 _TYPE = int(pywrap_tfe.TF_ATTR_TYPE)
 
@@ -41,7 +41,7 @@ def _attrs_for(op_type: str, attrs: Any, dtype: tf.DType) -> tuple:
     return tuple(out)
 
 
-def rerun(op_type: str, inputs: Any, attrs: Any, n_out: int, dtype: tf.DType,
+def recompute(op_type: str, inputs: Any, attrs: Any, n_out: int, dtype: tf.DType,
           subst: Optional[dict] = None) -> list:
     """Execute ``op_type`` again with its floating inputs cast to ``dtype``. Floating outputs only."""
     new = []
@@ -58,11 +58,11 @@ def rerun(op_type: str, inputs: Any, attrs: Any, n_out: int, dtype: tf.DType,
     return [o for o in outs if is_eager(o) and o.dtype.is_floating]
 
 
-def rerun_fact(op_type: str, inputs: Any, attrs: Any, n_out: int, dtype: tf.DType, pos: Optional[int],
+def check_fact(op_type: str, inputs: Any, attrs: Any, n_out: int, dtype: tf.DType, pos: Optional[int],
                subst: Optional[dict] = None) -> dict:
     """{op, dtype, finite, max_abs} of the re-run (or {error})."""
     try:
-        outs = rerun(op_type, inputs, attrs, n_out, dtype, subst)
+        outs = recompute(op_type, inputs, attrs, n_out, dtype, subst)
     except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e)[:120]}"}
     if pos is not None and 0 <= pos < len(outs):
@@ -76,7 +76,7 @@ def rerun_fact(op_type: str, inputs: Any, attrs: Any, n_out: int, dtype: tf.DTyp
     return {"op": op_type, "dtype": dtype.name, "finite": fin, "max_abs": mx}
 
 
-def rerun32_tensor(log: OpLog, prov: Provenance, t: Any, depth: int, chain_ops: list) -> Any:
+def recompute32(log: OpLog, prov: Provenance, t: Any, depth: int, chain_ops: list) -> Any:
     """float32 version of ``t``, recomputed from its low-precision producers when still held."""
     if not is_eager(t) or not t.dtype.is_floating or t.dtype.name not in N.LOW_PRECISION:
         return t
@@ -87,9 +87,9 @@ def rerun32_tensor(log: OpLog, prov: Provenance, t: Any, depth: int, chain_ops: 
     subst = {}
     for a in inputs:
         if is_eager(a) and a.dtype.is_floating and a.dtype.name in N.LOW_PRECISION:
-            subst[id(a)] = rerun32_tensor(log, prov, a, depth - 1, chain_ops)
+            subst[id(a)] = recompute32(log, prov, a, depth - 1, chain_ops)
     try:
-        outs = rerun(op_type, inputs, attrs, n_out, tf.float32, subst)
+        outs = recompute(op_type, inputs, attrs, n_out, tf.float32, subst)
     except Exception:
         outs = []
     match = [o for o in outs if tuple(o.shape) == tuple(t.shape)]

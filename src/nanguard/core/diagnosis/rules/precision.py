@@ -24,7 +24,7 @@ def _low_precision_underflow_rule(c) -> dict | None:
 
 def underflow_evidence(facts: dict) -> bool:
     eps = facts.get("eps_constants") or []
-    f32 = facts.get("float32_rerun") or {}
+    f32 = facts.get("float32_check") or {}
     return any(e.get("rounds_to_zero") or e.get("absorbed_next_to_1") for e in eps) or bool(f32.get("chain_finite"))
 
 
@@ -35,7 +35,7 @@ def lp_underflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     eps = [e for e in facts.get("eps_constants") or [] if e.get("rounds_to_zero") or e.get("absorbed_next_to_1")]
     inp = T.first_input(origin)
     fi = facts.get("dtype_info") or {}
-    f32 = facts.get("float32_rerun") or {}
+    f32 = facts.get("float32_check") or {}
     parts = [f"{api} at {where} received {inp.get('zeros', '?')} zero(s) of {inp.get('numel', '?')} in {dt}"]
     if eps:
         e = eps[0]
@@ -65,7 +65,7 @@ def lp_overflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     where = T.where(origin)
     dt = origin.get("dtype")
     fi = facts.get("dtype_info") or {}
-    f32 = facts.get("float32_rerun") or {}
+    f32 = facts.get("float32_check") or {}
     out = origin.get("output") or {}
     n = (out.get("posinf") or 0) + (out.get("neginf") or 0)
     summ = (f"{api} at {where} overflowed {dt}: float32 gives max |x| {T.g(f32.get('max_abs'))} > {dt} max "

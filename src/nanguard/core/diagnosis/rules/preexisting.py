@@ -45,7 +45,7 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
         at = f"{os.path.basename(str(wb['file']))}:{wb.get('line')}"
         wb_s = f"; the values were written at {at} by {wb.get('api') or wop}"
         wf = wb.get("facts") or {}
-        f32w = wf.get("float32_rerun") or {}
+        f32w = wf.get("float32_check") or {}
         dti = wf.get("dtype_info") or {}
         if wop in ("_to_copy", "copy", "copy_") and st.get("dtype") in T.LOW_DTYPES and not st.get("nan") \
                 and f32w.get("direct_finite"):
