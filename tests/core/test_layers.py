@@ -126,6 +126,19 @@ def test_edges_are_imported_by_nothing_inside() -> None:
     assert sorted(bad) == []
 
 
+def test_lint_reads_code_only_and_only_the_command_line_imports_it() -> None:
+    """``nanguard.lint`` (the static checker) is an edge beside the command line: it may import the core (the
+    categories and the fix texts), the standard library and LibCST, never a framework, a backend, an
+    integration or the command line; inside the package only ``nanguard.cli`` imports it."""
+    forbidden = FRAMEWORKS + ("nanguard.pytorch", "nanguard.tensorflow", "nanguard.keras", "nanguard.integrations",
+                              "nanguard.cli")
+    assert _violations("nanguard.lint", forbidden) == []
+    assert "nanguard.lint.engine" in GRAPH
+    bad = [f"{mod}:{line} imports {target}" for mod, edges in GRAPH.items() for target, line in edges
+           if _under(target, "nanguard.lint") and not _under(mod, "nanguard.lint") and not _under(mod, "nanguard.cli")]
+    assert sorted(bad) == []
+
+
 def test_no_import_cycles() -> None:
     internal = {m: {t for t, _ in edges if t in GRAPH} for m, edges in GRAPH.items()}
     cycles = []

@@ -12,6 +12,7 @@ from ..core.exitcodes import EXIT_USAGE
 from ..core.experiments.config import ExperimentConfig
 from .report_html import add_parser as add_report_parser
 from .show import add_parser as add_show_parser
+from ..lint.command import add_parser as add_lint_parser
 
 
 def run_script(script: str, args: List[str], **kwargs) -> int:
@@ -60,6 +61,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     d.add_argument("--report", default=None, help="also write the JSON report here")
     add_report_parser(sub)
     add_show_parser(sub)
+    add_lint_parser(sub)
     a = ap.parse_args(argv)
     if a.version:
         print(f"nanguard {__version__}")
@@ -77,7 +79,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.cmd == "demo":
         from .demo import run_demo  # lazy: imports torch, like `run`
         return run_demo(a.report)
-    if a.cmd in ("report", "show"):
+    if a.cmd in ("report", "show", "lint"):
         return a.run(a)
     ap.print_help()
     return EXIT_USAGE

@@ -1,0 +1,454 @@
+"""Local data flow: which values are at risk, and which passed a guard.
+
+A value is summarised by a set of tags (what made it), computed from its expression and from the tags
+of the names it reads. Statements are walked in source order, so a name has the tags of its last
+assignment. The tags:
+
+* ``softmax``, ``sigmoid``: a probability that rounds to exactly 0 (or 1); ``relu``: exactly 0 on half its
+  inputs; ``count``: a sum of a mask, a ``count_nonzero``, the ``len()``/``numel()`` of a filtered
+  selection (0 for an empty set) -- together the ``ZERO`` tags: a log or a division of them is at risk;
+* ``mask`` (a comparison), ``filtered`` (``x[mask]``, ``nonzero``, a comprehension with ``if``);
+* ``norm``, ``std``, ``var``: a norm, standard deviation or variance (0 for a constant/zero input);
+* ``square``, ``sumsq`` (a sum/mean of squares, 0 when every term is), ``negdiff`` (a one-pass variance
+  ``E[x^2] - E[x]^2``, negative by rounding), ``diff``;
+* ``cos``: a dot product or cosine similarity (beyond +-1 by rounding);
+* ``logprob``: a log-probability; ``exp`` an exp of an unbounded value, ``bounded`` a clamped or
+  max-subtracted one, ``rowmax`` a max;
+* ``neginf``: filled with -inf; ``causal``: made from ``tril``/``triu`` (a causal mask keeps one key per row).
+
+A guard removes the risk tags: ``clamp``/``clip``/``maximum``, ``+ eps`` (any addition of a value that
+is not itself at risk), ``torch.where``/``tf.where`` on a safe branch, ``F.normalize``, a fused
+stable op (``log_softmax``, ``logsigmoid``, ``logsumexp``), ``max(x, 1)``, an in-place ``clamp_`` or an
+indexed assignment that patches the value (``den[den == 0] = 1``).
+"""
+from __future__ import annotations
+
+import ast
+from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple
+
+from .names import Aliases, Op, dotted
+
+__all__ = ["Tags", "ZERO", "RISK", "ModuleInfo", "Flow", "is_neg_inf", "own_exprs"]
+
+Tags = FrozenSet[str]
+NONE: Tags = frozenset()
+ZERO = frozenset({"softmax", "sigmoid", "relu", "count"})
+RISK = ZERO | {"norm", "std", "var", "sumsq", "negdiff", "cos", "exp", "diff", "filtered"}
+PROB = frozenset({"softmax", "sigmoid"})
+# what makes a whole vector exactly 0: a difference (a point paired with itself, a perfect fit), a ReLU, a
+# count or a mask; a norm or a root of squares of such a value is at risk, of an arbitrary feature vector not
+CAN_VANISH = frozenset({"diff", "relu", "count", "mask", "filtered"})
+
+# ops whose result carries the tags of their (first) input
+_PASS = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "detach", "view", "view_as", "reshape",
+         "reshape_as", "squeeze", "unsqueeze", "permute", "transpose", "contiguous", "flatten", "clone", "cpu",
+         "cuda", "gather", "index_select", "expand", "expand_as", "repeat", "t", "narrow", "select", "flip", "roll",
+         "cast", "identity", "expand_dims", "gather_nd", "convert_to_tensor", "bool", "long", "int", "squeeze_",
+         "unsqueeze_", "movedim", "take_along_dim", "take_along_axis", "stack", "cat", "concat", "concatenate",
+         "mul", "multiply", "tile", "broadcast_to", "unflatten", "sort", "values", "item", "data"}
+_FILTER = {"masked_select", "nonzero", "argwhere", "boolean_mask", "where_nonzero"}
+_GUARD = {"clamp", "normalize", "nan_to_num", "div_no_nan", "softplus", "logsumexp", "log_softmax", "logsigmoid",
+          "add", "add_", "clamp_", "tanh", "cosine_similarity_safe", "erf", "abs_"}
+_NOGRAD = {"no_grad", "inference_mode", "enable_grad_false"}
+
+
+def is_neg_inf(node: ast.AST, aliases: Optional[Aliases] = None) -> bool:
+    """``float('-inf')``, ``-float('inf')``, ``-math.inf``, ``-torch.inf``, ``-np.inf``, ``float('-inf')``."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return _is_inf(node.operand)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "float" and node.args:
+        a = node.args[0]
+        return isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.strip().lower() in ("-inf",
+                                                                                                        "-infinity")
+    return isinstance(node, ast.Constant) and isinstance(node.value, float) and node.value == float("-inf")
+
+
+def _is_inf(node: ast.AST) -> bool:
+    if isinstance(node, ast.Attribute) and node.attr == "inf":
+        return True
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "float" and node.args:
+        a = node.args[0]
+        return isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.strip().lower() in ("inf",
+                                                                                                        "infinity")
+    return isinstance(node, ast.Constant) and node.value == float("inf")
+
+
+def own_exprs(stmt: ast.stmt) -> Iterator[ast.AST]:
+    """The expressions a statement evaluates itself (not those of the statements nested in it)."""
+    for field, value in ast.iter_fields(stmt):
+        if field in ("body", "orelse", "finalbody", "handlers", "decorator_list", "cases"):
+            continue
+        if isinstance(value, ast.AST):
+            yield value
+        elif isinstance(value, list):
+            yield from (v for v in value if isinstance(v, ast.AST))
+
+
+class ModuleInfo:
+    """File-wide facts: the imports, what names and ``self.`` attributes are bound to (``criterion =
+    nn.BCELoss()``, ``self.register_buffer('bias', torch.tril(...))``), whether the file trains in
+    float16."""
+
+    def __init__(self, tree: ast.Module) -> None:
+        self.tree = tree
+        self.aliases = Aliases(tree)
+        self.bindings: Dict[str, Optional[ast.expr]] = {}
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                self._bind_key(node.targets[0].id, node.value)
+        for cls in ast.walk(tree):
+            if isinstance(cls, ast.ClassDef):
+                self._bind_attrs(cls)
+        self.torch = self.aliases.uses("torch")
+        self.tf = self.aliases.uses("tf") or self.aliases.uses("keras")
+        self.framework = "tensorflow" if self.tf and not self.torch else "pytorch"
+
+    def _bind_attrs(self, cls: ast.ClassDef) -> None:
+        """``self.x = ...`` and ``self.register_buffer('x', ...)`` in the class's methods, as ``Class:self.x``."""
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and getattr(node, "value", None) is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                key = dotted(targets[0]) if len(targets) == 1 else None
+                if key and key.startswith("self.") and key.count(".") == 1:
+                    self._bind_key(f"{cls.name}:{key}", node.value)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr == "register_buffer" and len(node.args) >= 2 and \
+                    isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                self._bind_key(f"{cls.name}:self.{node.args[0].value}", node.args[1])
+
+    def _bind_key(self, key: str, value: ast.expr) -> None:
+        if key in self.bindings and (self.bindings[key] is None or ast.dump(self.bindings[key]) != ast.dump(value)):
+            self.bindings[key] = None  # bound to different things: unknown
+        else:
+            self.bindings[key] = value
+
+    def module_ctor(self, ctor: ast.AST) -> Optional[Op]:
+        """The op of a module constructor call (``nn.BCELoss()``, ``nn.Softmax(dim=1)``), else None."""
+        if isinstance(ctor, ast.Call):
+            op = self.aliases.op(ctor)
+            if op is not None and op.module:
+                return op
+        return None
+
+
+class Flow:
+    """The tags of the values of one function body (or of the module's top level)."""
+
+    def __init__(self, info: ModuleInfo, no_grad: bool = False, cls: str = "") -> None:
+        self.info = info
+        self.env: Dict[str, Tags] = {}
+        self.defs: Dict[str, ast.expr] = {}
+        self.no_grad = no_grad
+        self.cls = cls
+        self._memo: Dict[int, Tags] = {}
+        self.nonempty: set = set()          # names a condition tested (if b: ..., if not b: return)
+        self.tested_here: FrozenSet[str] = frozenset()
+
+    def tested(self, node: Optional[ast.AST]) -> bool:
+        """A name in ``node`` was tested by a surrounding condition (``if n > 0``, ``... if b else``)."""
+        names = names_in(node)
+        return bool(names & self.nonempty or names & self.tested_here)
+
+    def bound(self, key: Optional[str]) -> Optional[ast.expr]:
+        """What a module-level name or a ``self.`` attribute of this class is bound to."""
+        if not key:
+            return None
+        if key.startswith("self."):
+            return self.info.bindings.get(f"{self.cls}:{key}") if self.cls else None
+        return self.info.bindings.get(key)
+
+    # ------------------------------------------------------------------ values
+    def module_op(self, func: ast.AST) -> Optional[Op]:
+        """The op of a module object being called: ``criterion(...)`` after ``criterion = nn.BCELoss()``
+        (in this body or at module level), ``self.softmax(x)``, ``nn.Softmax(dim=-1)(x)``."""
+        if isinstance(func, ast.Call):
+            return self.info.module_ctor(func)
+        key = dotted(func)
+        if key is None:
+            return None
+        if key in self.defs:
+            return self.info.module_ctor(self.defs[key])
+        if key in self.env:
+            return None
+        return self.info.module_ctor(self.bound(key))
+
+    def op(self, call: ast.Call) -> Optional[Op]:
+        return self.module_op(call.func) or self.info.aliases.op(call)
+
+    def value(self, node: Optional[ast.AST], depth: int = 0) -> Tags:
+        if node is None or depth > 12:
+            return NONE
+        memo = self._memo.get(id(node))
+        if memo is None:
+            memo = self._memo[id(node)] = self._value(node, depth + 1)
+        return memo
+
+    def _value(self, node: ast.AST, d: int) -> Tags:
+        if isinstance(node, ast.Name):
+            if node.id in self.env:
+                return self.env[node.id]
+            bound = self.bound(node.id)
+            if bound is None or (isinstance(bound, ast.Call) and self.info.module_ctor(bound) is not None):
+                return NONE
+            return self.value(bound, d)
+        if isinstance(node, ast.Attribute):
+            key = dotted(node)
+            if key and key.startswith("self.") and key.count(".") == 1:
+                bound = self.bound(key)
+                return self.value(bound, d) if bound is not None else NONE
+            if node.attr in ("T", "mT", "data", "values", "real"):
+                return self.value(node.value, d)
+            return NONE
+        if isinstance(node, ast.Subscript):
+            base = self.value(node.value, d)
+            if isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+                return frozenset({"count"}) if "filtered" in self.value(node.value.value, d) else NONE
+            if "mask" in self.value(node.slice, d) and not isinstance(node.slice, ast.Slice):
+                return (base - {"mask"}) | {"filtered"}
+            return base
+        if isinstance(node, ast.Compare):
+            tags = frozenset({"mask"})
+            return tags | (frozenset({"causal"}) if any("causal" in self.value(x, d)
+                                                        for x in [node.left, *node.comparators]) else NONE)
+        if isinstance(node, ast.UnaryOp):
+            v = self.value(node.operand, d)
+            return v | {"neg"} if isinstance(node.op, ast.USub) else v
+        if isinstance(node, ast.IfExp):
+            return self.value(node.body, d) | self.value(node.orelse, d)
+        if isinstance(node, ast.BinOp):
+            return self._binop(node, d)
+        if isinstance(node, ast.Call):
+            return self._call(node, d)
+        if isinstance(node, (ast.ListComp, ast.GeneratorExp)):
+            return frozenset({"filtered"}) if any(g.ifs for g in node.generators) else NONE
+        return NONE
+
+    def _binop(self, node: ast.BinOp, d: int) -> Tags:
+        lt, rt = self.value(node.left, d), self.value(node.right, d)
+        op = node.op
+        if isinstance(op, ast.Add):
+            if (lt & RISK) and (rt & RISK):
+                return lt | rt
+            return ((lt | rt) - RISK - {"mask"}) | ((lt | rt) & {"exp"}) | {"guarded"}
+        if isinstance(op, ast.Sub):
+            if "rowmax" in rt:
+                return (lt - {"exp"}) | {"bounded"}
+            if ("sumsq" in lt or "square" in lt) and rt & {"square", "sumsq", "cos"}:
+                return frozenset({"negdiff"})  # E[x^2] - E[x]^2, |x|^2 + |y|^2 - 2 x.y: negative by rounding
+            if isinstance(node.left, ast.Constant) and rt & PROB:
+                return rt & PROB
+            return frozenset({"diff"}) | (lt & {"neginf", "causal"})
+        if isinstance(op, ast.Mult):
+            if ast.dump(node.left) == ast.dump(node.right):
+                return frozenset({"square"}) | (lt & CAN_VANISH)
+            if "mask" in lt and "mask" in rt:
+                return lt | rt
+            return ((lt | rt) - {"mask"}) | {"product"} if not (isinstance(node.left, ast.Constant)
+                                                                 or isinstance(node.right, ast.Constant)) else lt | rt
+        if isinstance(op, (ast.Div, ast.FloorDiv)):
+            if ("product" in lt or "cos" in lt) and "norm" in rt:
+                return frozenset({"cos"})
+            return lt - {"mask"}
+        if isinstance(op, ast.Pow):
+            if isinstance(node.right, ast.Constant) and node.right.value == 2:
+                return frozenset({"square"}) | (lt & CAN_VANISH)
+            return lt
+        if isinstance(op, ast.MatMult):
+            return frozenset({"cos", "product"})
+        return lt | rt
+
+    def _call(self, call: ast.Call, d: int) -> Tags:
+        func = call.func
+        if isinstance(func, ast.Name) and func.id not in self.info.aliases.map and self.module_op(func) is None:
+            return self._builtin(call, d)
+        op = self.op(call)
+        if op is None:
+            return NONE
+        if op.module and not isinstance(func, ast.Call) and self.module_op(func) is None:
+            return NONE  # constructing a module (nn.Softmax(dim=1)): no tensor value yet
+        x = self.input(call, op)
+        v = self.value(x, d) if x is not None else NONE
+        name = op.name
+        if name in ("softmax", "sigmoid", "relu"):
+            return frozenset({name})
+        if name in ("log", "log_softmax", "logsigmoid"):
+            return frozenset({"logprob"})
+        if name in ("sum", "mean"):
+            if "mask" in v:
+                return frozenset({"count"})
+            if "square" in v or "sumsq" in v:
+                return frozenset({"sumsq"}) | (v & CAN_VANISH)
+            if "product" in v or "cos" in v:
+                return frozenset({"cos"})
+            if "exp" in v:
+                return frozenset({"exp", "expsum"})
+            if name == "mean":
+                return v & (PROB | {"relu"})
+            return v & {"relu"}
+        if name in ("count_nonzero",):
+            return frozenset({"count"})
+        if name in ("numel", "nelement", "size"):
+            return frozenset({"count"}) if "filtered" in v and not call.args else NONE
+        if name == "norm":
+            return frozenset({"norm"}) | (v & CAN_VANISH)
+        if name in ("std", "var"):
+            return frozenset({name})
+        if name in ("cosine_similarity", "matmul"):
+            return frozenset({"cos"})
+        if name == "sqrt":
+            if "var" in v:
+                return frozenset({"std"})
+            return frozenset({"norm"}) | (v & CAN_VANISH) if "sumsq" in v else NONE
+        if name == "square":
+            return frozenset({"square"}) | (v & CAN_VANISH)
+        if name == "pow":
+            e = call.args[1] if op.fw != "tensor" and len(call.args) > 1 else (call.args[0] if call.args else None)
+            return frozenset({"square"}) | (v & CAN_VANISH) if isinstance(e, ast.Constant) and e.value == 2 else v
+        if name == "exp":
+            return NONE if v & {"bounded", "logprob", "neg", "softmax", "sigmoid", "guarded"} else frozenset({"exp"})
+        if name == "max" or "max_pool" in name:
+            return frozenset({"rowmax"})
+        if name in ("tril", "triu"):
+            return frozenset({"causal"})
+        if name == "masked_fill":
+            fill = _arg(call, 1, "value") if op.fw == "tensor" else _arg(call, 2, "value")
+            mask = _arg(call, 0, "mask") if op.fw == "tensor" else _arg(call, 1, "mask")
+            out = v
+            if fill is not None and is_neg_inf(fill):
+                out = out | {"neginf"} | (self.value(mask, d) & {"causal"})
+            return out
+        if name == "where":
+            branches = [a for a in call.args[1:3]]
+            if any(is_neg_inf(b) for b in branches):
+                return frozenset({"neginf"}) | (self.value(call.args[0], d) & {"causal"}) if call.args else NONE
+            return frozenset({"bounded"})
+        if name == "maximum":
+            if any(isinstance(a, ast.Constant) or not (self.value(a, d) & RISK) for a in call.args):
+                return frozenset({"bounded"})
+            return v
+        if name in _GUARD:
+            return frozenset({"bounded"})
+        if name in _FILTER:
+            return frozenset({"filtered"})
+        if name in ("sub", "subtract"):
+            return frozenset({"diff"})
+        if name in ("abs",):
+            return v - {"neg"}
+        if name in _PASS:
+            return v
+        return NONE
+
+    def _builtin(self, call: ast.Call, d: int) -> Tags:
+        name = call.func.id
+        if name == "len" and call.args:
+            return frozenset({"count"}) if "filtered" in self.value(call.args[0], d) else NONE
+        if name in ("max", "min", "abs", "round", "int", "float", "sum"):
+            return NONE
+        return NONE
+
+    def input(self, call: ast.Call, op: Op) -> Optional[ast.AST]:
+        """The tensor an op reads: the receiver of a method, else the first argument (``input=``/``x=``)."""
+        if op.fw == "tensor" and isinstance(call.func, ast.Attribute) and self.module_op(call.func) is None:
+            return call.func.value
+        return _arg(call, 0, "input", "x", "inputs", "y_pred")
+
+    # ------------------------------------------------------------------ statements
+    def assign(self, target: ast.AST, tags: Tags, value: Optional[ast.expr] = None) -> None:
+        self._memo.clear()
+        if isinstance(target, ast.Name):
+            self.env[target.id] = tags
+            if value is not None:
+                self.defs[target.id] = value
+            else:
+                self.defs.pop(target.id, None)
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            for t in target.elts:
+                self.assign(t, tags - {"rowmax"} if len(target.elts) > 1 and "rowmax" not in tags else tags)
+        elif isinstance(target, ast.Starred):
+            self.assign(target.value, tags)
+        elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+            # den[den == 0] = 1 patches the value: no longer at risk; x[mask] = -inf masks it
+            name = target.value.id
+            if value is not None and is_neg_inf(value):
+                self.env[name] = self.env.get(name, NONE) | {"neginf"}
+            else:
+                self.env[name] = self.env.get(name, NONE) - RISK
+
+    def statement(self, stmt: ast.stmt) -> None:
+        """Update the tags after ``stmt`` ran (its own expressions were checked before)."""
+        self._memo.clear()
+        if isinstance(stmt, ast.Assign):
+            tags = self.value(stmt.value)
+            for t in stmt.targets:
+                self.assign(t, tags, stmt.value if isinstance(t, (ast.Name, ast.Subscript)) else None)
+        elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+            self.assign(stmt.target, self.value(stmt.value), stmt.value)
+        elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
+            expr = ast.BinOp(left=ast.Name(id=stmt.target.id, ctx=ast.Load()), op=stmt.op, right=stmt.value)
+            self.assign(stmt.target, self.value(expr))
+        elif isinstance(stmt, (ast.For, ast.AsyncFor)):
+            self.assign(stmt.target, NONE)
+        elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+            f = stmt.value.func
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.attr.endswith("_"):
+                name = f.value.id
+                if f.attr in ("clamp_", "clamp_min_", "clip_", "add_", "nan_to_num_"):
+                    self.env[name] = self.env.get(name, NONE) - RISK
+                elif f.attr == "masked_fill_" and len(stmt.value.args) > 1 and is_neg_inf(stmt.value.args[1]):
+                    self.env[name] = self.env.get(name, NONE) | {"neginf"} | \
+                        (self.value(stmt.value.args[0]) & {"causal"})
+
+    def definition(self, node: ast.AST) -> Optional[ast.expr]:
+        """The expression a name was last assigned in this body (for messages)."""
+        return self.defs.get(node.id) if isinstance(node, ast.Name) else None
+
+
+def _arg(call: ast.Call, pos: int, *names: str) -> Optional[ast.AST]:
+    if len(call.args) > pos and not isinstance(call.args[pos], ast.Starred):
+        return call.args[pos]
+    for k in call.keywords:
+        if k.arg in names:
+            return k.value
+    return None
+
+
+def arg(call: ast.Call, pos: int, *names: str) -> Optional[ast.AST]:
+    return _arg(call, pos, *names)
+
+
+def kwarg(call: ast.Call, name: str) -> Optional[ast.AST]:
+    for k in call.keywords:
+        if k.arg == name:
+            return k.value
+    return None
+
+
+def names_in(node: Optional[ast.AST]) -> FrozenSet[str]:
+    return frozenset(n.id for n in ast.walk(node) if isinstance(n, ast.Name)) if node is not None else frozenset()
+
+
+def walk_calls(nodes: List[ast.AST]) -> Iterator[Tuple[ast.AST, FrozenSet[str]]]:
+    """Every call and binary operation, with the names a surrounding condition tested (``a / len(b) if b
+    else 0``, ``b and a / len(b)``): there the tested value is known not to be empty or 0."""
+    stack = [(n, frozenset()) for n in reversed(nodes)]
+    while stack:
+        node, tested = stack.pop()
+        if isinstance(node, (ast.Call, ast.BinOp)):
+            yield node, tested
+        if isinstance(node, ast.IfExp):
+            stack += [(node.orelse, tested), (node.body, tested | names_in(node.test)), (node.test, tested)]
+            continue
+        if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And):
+            seen = tested
+            for v in node.values:
+                stack.append((v, seen))
+                seen = seen | names_in(v)
+            continue
+        stack += [(c, tested) for c in reversed(list(ast.iter_child_nodes(node)))]
+
+
+def is_no_grad(item: ast.AST, aliases: Aliases) -> bool:
+    """``torch.no_grad()`` / ``torch.inference_mode()`` (a with item or a decorator)."""
+    node = item.func if isinstance(item, ast.Call) else item
+    path = aliases.resolve(node) or ""
+    return path.split(".")[-1] in _NOGRAD and path.startswith("torch")

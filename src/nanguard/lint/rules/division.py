@@ -1,0 +1,101 @@
+"""Divisions by a value that can be 0: a count or a mask's sum (NGL005), a standard deviation (NGL006), a
+norm (NGL007)."""
+from __future__ import annotations
+
+import ast
+from typing import Iterator, Optional, Tuple
+
+from ...core.diagnosis.rules.division import div_result
+from ...core.diagnosis.rules.stdvar import variance
+from ..flow import CAN_VANISH, Flow, arg
+from ..registry import Hit, rule
+
+_CASTS = {"float", "double", "half", "to", "type", "type_as", "unsqueeze", "view", "reshape", "cast", "expand_as",
+          "expand", "squeeze", "detach"}
+
+
+def division(node: ast.AST, flow: Flow) -> Optional[Tuple[ast.AST, ast.AST]]:
+    """(numerator, denominator) of ``a / b``, ``torch.div(a, b)``, ``a.div(b)``, ``tf.math.divide(a, b)``."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        return node.left, node.right
+    if isinstance(node, ast.Call):
+        op = flow.op(node)
+        if op is not None and op.name == "div" and not op.module:
+            if op.fw == "tensor" and isinstance(node.func, ast.Attribute):
+                den = arg(node, 0, "other")
+                return (node.func.value, den) if den is not None else None
+            num, den = arg(node, 0, "input", "x"), arg(node, 1, "other", "y")
+            return (num, den) if num is not None and den is not None else None
+    return None
+
+
+def _strip(node: ast.AST, flow: Flow) -> ast.AST:
+    """The value under casts and reshapes: ``m.sum(1).float().unsqueeze(-1)`` -> ``m.sum(1)``."""
+    while isinstance(node, ast.Call):
+        op = flow.op(node)
+        if op is None or op.name not in _CASTS or op.fw != "tensor" or not isinstance(node.func, ast.Attribute):
+            break
+        node = node.func.value
+    return node
+
+
+def _weighted_mean(num: ast.AST, den: ast.AST, flow: Flow) -> bool:
+    """``(x * m).sum(d) / m.sum(d)``: the denominator sums the weights that multiply the numerator (a
+    masked mean), so a row whose weights are all 0 is 0/0."""
+    den = _strip(den, flow)
+    if not isinstance(den, ast.Call):
+        return False
+    op = flow.op(den)
+    if op is None or op.name != "sum" or op.module:
+        return False
+    w = _strip(flow.input(den, op), flow)
+    if not isinstance(w, (ast.Name, ast.Attribute, ast.Subscript)):
+        return False
+    key = ast.dump(w)
+    for sub in ast.walk(num):
+        if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Mult):
+            if any(ast.dump(_strip(side, flow)) == key for side in (sub.left, sub.right)):
+                return True
+    return False
+
+
+def _div_fixes(origin: dict, facts: dict) -> list:
+    return div_result(origin, {}, {}, "lint", False)["fixes"]
+
+
+@rule("NGL005", "div-by-count", "div_by_zero", fixes=_div_fixes,
+      what="a division by a count that can be 0: the sum of a mask (a masked mean (x * m).sum() / m.sum() "
+           "over a row with no valid entry), count_nonzero, or the len()/numel() of a filtered selection, with "
+           "no clamp(min=1) or eps")
+def _div_by_count(node: ast.AST, flow: Flow) -> Iterator[Hit]:
+    got = division(node, flow)
+    if got is None:
+        return
+    num, den = got
+    if flow.tested(den):
+        return
+    if "count" in flow.value(den) or _weighted_mean(num, den, flow):
+        yield Hit(node, "division by a count that is 0 when nothing is selected (0/0 = NaN): divide by "
+                        "count.clamp(min=1) or guard the empty case")
+
+
+@rule("NGL006", "div-by-std", "variance_zero", fixes=lambda origin, facts: variance(origin, {}, {}, "lint")["fixes"],
+      what="a division by a standard deviation (or the root of a variance) with no eps: a constant group, or "
+           "a group of one with the unbiased estimate, gives 0 (or NaN)")
+def _div_by_std(node: ast.AST, flow: Flow) -> Iterator[Hit]:
+    got = division(node, flow)
+    if got is not None and flow.value(got[1]) & {"std"} and not flow.tested(got[1]):
+        yield Hit(node, "division by a standard deviation without eps: a constant input gives x/0; add an eps "
+                        "(std + 1e-5)")
+
+
+@rule("NGL007", "div-by-norm", "div_by_zero", fixes=_div_fixes,
+      what="a division by the norm (or the root of a sum of squares) of a vector that is exactly 0 by "
+           "construction (a difference such as a point paired with itself, a ReLU output, a mask) with no eps or "
+           "clamp: 0/0 = NaN; F.normalize / tf.math.l2_normalize guard it")
+def _div_by_norm(node: ast.AST, flow: Flow) -> Iterator[Hit]:
+    got = division(node, flow)
+    tags = flow.value(got[1]) if got is not None and not flow.tested(got[1]) else frozenset()
+    if "norm" in tags and tags & CAN_VANISH:
+        yield Hit(node, "division by the norm of a vector that can be exactly 0 (a difference, a ReLU output, a "
+                        "mask) without eps: 0/0 = NaN; use F.normalize or norm.clamp(min=1e-12)")

@@ -1,0 +1,106 @@
+"""log of a value that can be exactly 0: a probability (NGL001, NGL002), a ReLU output or a count (NGL003);
+exp of unbounded logits in a hand-written softmax or logsumexp (NGL004)."""
+from __future__ import annotations
+
+import ast
+from typing import Iterator
+
+from ...core.diagnosis.rules.exp import exp_result
+from ...core.diagnosis.rules.log import log_result
+from ..flow import PROB, Flow, arg
+from ..registry import Hit, rule
+
+
+def _log_fixes(origin: dict, facts: dict) -> list:
+    return log_result(origin, {"producers": [facts.get("producers", [])]}, {}, "lint", False)["fixes"]
+
+
+def _log_input(node: ast.AST, flow: Flow):
+    """(the op, its argument node, the argument's tags) of a log/log1p call, else None."""
+    if not isinstance(node, ast.Call):
+        return None
+    op = flow.op(node)
+    if op is None or op.name not in ("log", "log1p") or op.module:
+        return None
+    x = flow.input(node, op)
+    return op, x, flow.value(x)
+
+
+def _producer(tags) -> str:
+    return "softmax" if "softmax" in tags else "sigmoid"
+
+
+@rule("NGL001", "log-of-probability", "log_domain", autofix=True, fixes=_log_fixes,
+      what="log of a softmax or sigmoid output (or 1 - it) with no eps or clamp: the probability rounds to "
+           "exactly 0 (or 1) for large logits and the log is -inf; log(softmax(x, dim)) is rewritten to "
+           "log_softmax(x, dim)")
+def _log_of_probability(node: ast.AST, flow: Flow) -> Iterator[Hit]:
+    got = _log_input(node, flow)
+    if got is None:
+        return
+    op, x, tags = got
+    if op.name == "log1p" and "neg" not in tags:
+        return
+    prob = tags & PROB
+    if not prob:
+        return
+    p = _producer(prob)
+    exact = isinstance(x, ast.Call) and op.name == "log" and not (flow.op(x) or op).module and \
+        (flow.op(x) or op).name == "softmax"
+    better = "log_softmax" if p == "softmax" else "logsigmoid / a loss on the logits"
+    yield Hit(node, f"log of a {p} output without eps or clamp: it is -inf where the {p} rounds to 0; use "
+                    f"{better}", fixable=exact, facts={"producers": [p]})
+
+
+@rule("NGL002", "bce-on-sigmoid", "log_domain", autofix=True, fixes=_log_fixes,
+      what="BCELoss / F.binary_cross_entropy on a sigmoid output: the sigmoid saturates to exactly 0 or 1 "
+           "(the loss is clamped to 100, the gradient vanishes, and float16 overflows); "
+           "nn.BCELoss()(torch.sigmoid(z), y) is rewritten to nn.BCEWithLogitsLoss()(z, y)")
+def _bce_on_sigmoid(node: ast.AST, flow: Flow) -> Iterator[Hit]:
+    if not isinstance(node, ast.Call):
+        return
+    op = flow.op(node)
+    if op is None or op.name != "binary_cross_entropy" or op.fw != "torch":
+        return
+    if op.module and flow.module_op(node.func) is None:
+        return  # the constructor itself
+    x = arg(node, 0, "input")
+    if "sigmoid" not in flow.value(x):
+        return
+    inner = flow.op(x) if isinstance(x, ast.Call) else None
+    inline_module = isinstance(node.func, ast.Call) or not op.module
+    exact = inner is not None and inner.name == "sigmoid" and not inner.module and inline_module and \
+        len(x.args) + len(x.keywords) == (0 if inner.fw == "tensor" else 1)
+    yield Hit(node, "binary cross-entropy on a sigmoid output: use BCEWithLogitsLoss / "
+                    "F.binary_cross_entropy_with_logits on the logits", fixable=exact,
+              facts={"producers": ["sigmoid"]})
+
+
+@rule("NGL003", "log-of-zero", "log_domain", fixes=_log_fixes,
+      what="log of a value that is exactly 0 by construction (a ReLU output, a count or a sum of a mask) "
+           "with no eps or clamp")
+def _log_of_zero(node: ast.AST, flow: Flow) -> Iterator[Hit]:
+    got = _log_input(node, flow)
+    if got is None or got[0].name != "log":
+        return
+    tags = got[2]
+    if tags & PROB:
+        return
+    what = "a ReLU output" if "relu" in tags else "a count" if "count" in tags else None
+    if what:
+        yield Hit(node, f"log of {what}, which is exactly 0 for some inputs: add an eps or clamp it")
+
+
+@rule("NGL004", "unbounded-exp", "exp_overflow",
+      fixes=lambda origin, facts: exp_result(origin, {}, {}, "lint")["fixes"],
+      what="a hand-written softmax exp(z) / sum(exp(z)) or logsumexp log(sum(exp(z))) with no max "
+           "subtracted from z: exp overflows to inf above 88.7 (float32), 11.1 (float16), then inf/inf = NaN")
+def _unbounded_exp(node: ast.AST, flow: Flow) -> Iterator[Hit]:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        if "exp" in flow.value(node.left) and "expsum" in flow.value(node.right):
+            yield Hit(node, "hand-written softmax exp(z) / sum(exp(z)) without subtracting the max: exp "
+                            "overflows for logits above 88.7; use softmax")
+        return
+    got = _log_input(node, flow)
+    if got is not None and got[0].name == "log" and "expsum" in got[2]:
+        yield Hit(node, "hand-written logsumexp log(sum(exp(z))) without subtracting the max: use logsumexp")

@@ -1,0 +1,415 @@
+"""`nanguard lint` rules: for each rule a realistic positive and negative snippet, in PyTorch and in
+TensorFlow/Keras spellings. The checks read the code only (no torch or TensorFlow is imported)."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from nanguard.core.diagnosis.categories import CATEGORIES
+from nanguard.lint.engine import lint_source
+from nanguard.lint.registry import rules
+
+TORCH = "import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n"
+TF = "import tensorflow as tf\nimport keras\nfrom keras import ops\n"
+
+
+def codes(src: str, header: str = TORCH) -> list:
+    return [f.rule for f in lint_source(header + textwrap.dedent(src), "snippet.py")]
+
+
+# (rule, positive snippet, negative snippet (the same code guarded), header)
+CASES = [
+    # NGL001 log of a softmax / sigmoid output
+    ("NGL001", """
+        def nll(logits, y):
+            probs = F.softmax(logits, dim=-1)
+            return -torch.log(probs.gather(1, y[:, None])).mean()
+     """, """
+        def nll(logits, y):
+            probs = F.softmax(logits, dim=-1)
+            return -torch.log(probs.gather(1, y[:, None]) + 1e-8).mean()
+     """, TORCH),
+    ("NGL001", """
+        def bce(x, y):
+            p = torch.sigmoid(x)
+            return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+     """, """
+        def bce(x, y):
+            p = torch.sigmoid(x).clamp(1e-6, 1 - 1e-6)
+            return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+     """, TORCH),
+    ("NGL001", """
+        def loss(logits, y):
+            pred = tf.nn.softmax(logits)
+            return tf.reduce_mean(-tf.reduce_sum(y * tf.math.log(pred), axis=1))
+     """, """
+        def loss(logits, y):
+            pred = tf.nn.softmax(logits)
+            return tf.reduce_mean(-tf.reduce_sum(y * tf.math.log(tf.clip_by_value(pred, 1e-10, 1.0)), axis=1))
+     """, TF),
+    ("NGL001", """
+        def loss(logits, y):
+            return -ops.sum(y * ops.log(ops.softmax(logits)), axis=-1)
+     """, """
+        def loss(logits, y):
+            return -ops.sum(y * ops.log_softmax(logits), axis=-1)
+     """, TF),
+    # NGL002 BCELoss on a sigmoid
+    ("NGL002", """
+        class Head(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 1)
+                self.crit = nn.BCELoss()
+            def loss(self, x, y):
+                return self.crit(torch.sigmoid(self.fc(x)), y)
+     """, """
+        class Head(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 1)
+                self.crit = nn.BCEWithLogitsLoss()
+            def loss(self, x, y):
+                return self.crit(self.fc(x), y)
+     """, TORCH),
+    ("NGL002", """
+        def loss(z, y):
+            return F.binary_cross_entropy(z.sigmoid(), y)
+     """, """
+        def loss(p, y):
+            return F.binary_cross_entropy(p, y)
+     """, TORCH),
+    # NGL003 log of a ReLU output or a count
+    ("NGL003", """
+        def scale(x):
+            return torch.log(F.relu(x))
+     """, """
+        def scale(x):
+            return torch.log(F.relu(x) + 1e-6)
+     """, TORCH),
+    ("NGL003", """
+        def idf(doc_mask):
+            df = tf.reduce_sum(tf.cast(doc_mask > 0, tf.float32), axis=0)
+            return tf.math.log(df)
+     """, """
+        def idf(doc_mask):
+            df = tf.reduce_sum(tf.cast(doc_mask > 0, tf.float32), axis=0)
+            return tf.math.log(df + 1.0)
+     """, TF),
+    # NGL004 hand-written softmax / logsumexp without the max
+    ("NGL004", """
+        def my_softmax(z):
+            e = torch.exp(z)
+            return e / e.sum(dim=-1, keepdim=True)
+     """, """
+        def my_softmax(z):
+            e = torch.exp(z - z.amax(dim=-1, keepdim=True))
+            return e / e.sum(dim=-1, keepdim=True)
+     """, TORCH),
+    ("NGL004", """
+        def lse(z):
+            return tf.math.log(tf.reduce_sum(tf.exp(z), axis=-1))
+     """, """
+        def lse(z):
+            m = tf.reduce_max(z, axis=-1, keepdims=True)
+            return tf.math.log(tf.reduce_sum(tf.exp(z - m), axis=-1))
+     """, TF),
+    # NGL005 division by a count / a mask's sum
+    ("NGL005", """
+        def mean_pool(h, attention_mask):
+            m = attention_mask.unsqueeze(-1).float()
+            return (h * m).sum(1) / m.sum(1)
+     """, """
+        def mean_pool(h, attention_mask):
+            m = attention_mask.unsqueeze(-1).float()
+            return (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+     """, TORCH),
+    ("NGL005", """
+        def masked_loss(per_token, labels):
+            valid = tf.cast(labels != 0, tf.float32)
+            return tf.reduce_sum(per_token * valid) / tf.reduce_sum(valid)
+     """, """
+        def masked_loss(per_token, labels):
+            valid = tf.cast(labels != 0, tf.float32)
+            return tf.math.divide_no_nan(tf.reduce_sum(per_token * valid), tf.reduce_sum(valid))
+     """, TF),
+    ("NGL005", """
+        def positive_mean(scores, labels):
+            pos = scores[labels == 1]
+            return pos.sum() / len(pos)
+     """, """
+        def positive_mean(scores, labels):
+            pos = scores[labels == 1]
+            return pos.sum() / max(len(pos), 1)
+     """, TORCH),
+    # NGL006 division by a standard deviation
+    ("NGL006", """
+        def normalize(adv):
+            return (adv - adv.mean()) / adv.std()
+     """, """
+        def normalize(adv):
+            return (adv - adv.mean()) / (adv.std() + 1e-8)
+     """, TORCH),
+    ("NGL006", """
+        def standardize(x):
+            return (x - tf.reduce_mean(x, 0)) / tf.math.reduce_std(x, 0)
+     """, """
+        def standardize(x):
+            return (x - tf.reduce_mean(x, 0)) / (tf.math.reduce_std(x, 0) + 1e-5)
+     """, TF),
+    # NGL007 division by the norm of a vector that can be 0
+    ("NGL007", """
+        def direction(a, b):
+            d = a - b
+            return d / d.norm(dim=-1, keepdim=True)
+     """, """
+        def direction(a, b):
+            d = a - b
+            return d / d.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+     """, TORCH),
+    ("NGL007", """
+        def direction(a, b):
+            d = a - b
+            return d / tf.norm(d, axis=-1, keepdims=True)
+     """, """
+        def direction(a, b):
+            return tf.math.l2_normalize(a - b, axis=-1)
+     """, TF),
+    # NGL008 sqrt at 0 / below 0
+    ("NGL008", """
+        def dist(a, b):
+            return torch.sqrt(((a - b) ** 2).sum(-1))
+     """, """
+        def dist(a, b):
+            return torch.sqrt(((a - b) ** 2).sum(-1) + 1e-12)
+     """, TORCH),
+    ("NGL008", """
+        def rmse(pred, y):
+            return tf.sqrt(tf.reduce_mean(tf.square(pred - y)))
+     """, """
+        def rmse(pred, y):
+            return tf.sqrt(tf.reduce_mean(tf.square(pred - y)) + 1e-12)
+     """, TF),
+    ("NGL008", """
+        def std(x):
+            return (x.pow(2).mean(0) - x.mean(0) ** 2).sqrt()
+     """, """
+        def std(x):
+            return (x.pow(2).mean(0) - x.mean(0) ** 2).clamp(min=0).add(1e-12).sqrt()
+     """, TORCH),
+    # NGL009 acos of a cosine
+    ("NGL009", """
+        def angle(a, b):
+            return torch.acos(F.cosine_similarity(a, b, dim=-1))
+     """, """
+        def angle(a, b):
+            return torch.acos(F.cosine_similarity(a, b, dim=-1).clamp(-1 + 1e-6, 1 - 1e-6))
+     """, TORCH),
+    ("NGL009", """
+        def angle(a, b):
+            cos = tf.reduce_sum(tf.math.l2_normalize(a, -1) * tf.math.l2_normalize(b, -1), -1)
+            return tf.math.acos(cos)
+     """, """
+        def angle(a, b):
+            cos = tf.reduce_sum(tf.math.l2_normalize(a, -1) * tf.math.l2_normalize(b, -1), -1)
+            return tf.math.acos(tf.clip_by_value(cos, -1 + 1e-6, 1 - 1e-6))
+     """, TF),
+    # NGL010 the where gradient trap
+    ("NGL010", """
+        def safe_log(x):
+            return torch.where(x > 0, torch.log(x), torch.zeros_like(x))
+     """, """
+        def safe_log(x):
+            return torch.where(x > 0, torch.log(torch.where(x > 0, x, 1.0)), torch.zeros_like(x))
+     """, TORCH),
+    ("NGL010", """
+        def root(y):
+            return tf.where(y > 0, tf.sqrt(y), y)
+     """, """
+        def root(y):
+            return tf.where(y > 0, tf.sqrt(tf.where(y > 0, y, 1.0)), y)
+     """, TF),
+    # NGL011 a softmax over -inf filled scores
+    ("NGL011", """
+        def attend(q, k, pad_mask):
+            s = q @ k.transpose(-2, -1)
+            s = s.masked_fill(pad_mask[:, None, :], float("-inf"))
+            return F.softmax(s, dim=-1)
+     """, """
+        def attend(q, k, pad_mask):
+            s = q @ k.transpose(-2, -1)
+            s = s.masked_fill(pad_mask[:, None, :], torch.finfo(s.dtype).min)
+            return F.softmax(s, dim=-1)
+     """, TORCH),
+    ("NGL011", """
+        def attend(scores, mask):
+            scores = tf.where(mask, scores, float("-inf"))
+            return tf.nn.softmax(scores, axis=-1)
+     """, """
+        def attend(scores, mask):
+            scores = tf.where(mask, scores, -1e9)
+            return tf.nn.softmax(scores, axis=-1)
+     """, TF),
+    # NGL012 kl_div arguments
+    ("NGL012", """
+        def distill(s, t):
+            return F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), reduction="batchmean")
+     """, """
+        def distill(s, t):
+            return F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), reduction="batchmean", log_target=True)
+     """, TORCH),
+    ("NGL012", """
+        def distill(s, t):
+            return nn.KLDivLoss(reduction="batchmean")(F.softmax(s, -1), F.softmax(t, -1))
+     """, """
+        def distill(s, t):
+            return nn.KLDivLoss(reduction="batchmean")(F.log_softmax(s, -1), F.softmax(t, -1))
+     """, TORCH),
+    # NGL013 an optimizer eps that is 0 in float16 parameters
+    ("NGL013", """
+        def setup(model):
+            model.half()
+            return torch.optim.Adam(model.parameters(), lr=1e-3)
+     """, """
+        def setup(model):
+            model.half()
+            return torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-4)
+     """, TORCH),
+    ("NGL013", """
+        keras.mixed_precision.set_global_policy("float16")
+        opt = keras.optimizers.Adam(learning_rate=1e-3, epsilon=1e-8)
+     """, """
+        keras.mixed_precision.set_global_policy("float16")
+        opt = keras.optimizers.Adam(learning_rate=1e-3, epsilon=1e-4)
+     """, TF),
+    # NGL014 a tiny eps in float16 math
+    ("NGL014", """
+        def scores(model, x):
+            model = model.to(torch.float16)
+            p = model(x)
+            return torch.log(p + 1e-8)
+     """, """
+        def scores(model, x):
+            model = model.to(torch.float16)
+            p = model(x)
+            return torch.log(p + 1e-4)
+     """, TORCH),
+    ("NGL014", """
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        def loss(y, p):
+            return -tf.reduce_mean(y * tf.math.log(p + 1e-8))
+     """, """
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        def loss(y, p):
+            return -tf.reduce_mean(y * tf.math.log(tf.cast(p, tf.float32) + 1e-4))
+     """, TF),
+]
+
+
+@pytest.mark.parametrize("code,pos,neg,header", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_rule_positive_and_negative(code, pos, neg, header):
+    assert code in codes(pos, header), codes(pos, header)
+    assert code not in codes(neg, header), codes(neg, header)
+
+
+def test_every_rule_has_both_frameworks_or_is_pytorch_only():
+    covered = {}
+    for code, _, _, header in CASES:
+        covered.setdefault(code, set()).add("tf" if header is TF else "torch")
+    for r in rules():
+        assert r.code in covered, f"{r.code} has no test case"
+        torch_only = {"NGL002", "NGL012"}  # Keras' BCE clips its probabilities; its KLDivergence takes probs
+        want = {"torch"} if r.code in torch_only else {"torch", "tf"}
+        assert covered[r.code] >= want, (r.code, covered[r.code])
+
+
+def test_rules_have_stable_codes_known_categories_and_runtime_fixes():
+    rs = rules()
+    assert [r.code for r in rs] == [f"NGL{i:03d}" for i in range(1, len(rs) + 1)]
+    for r in rs:
+        assert r.category in CATEGORIES
+    f = lint_source(TORCH + "def f(x):\n    return torch.log(F.softmax(x, -1))\n", "m.py")[0]
+    # the run-time diagnosis' own fix text (rules/log.py), located at the finding
+    assert any("torch.log_softmax" in fx and "m.py:5" in fx for fx in f.fixes), f.fixes
+    tf = lint_source(TF + "def f(x):\n    return tf.math.log(tf.nn.softmax(x))\n", "m.py")[0]
+    assert any("tf.nn.log_softmax" in fx for fx in tf.fixes), tf.fixes  # spoken in the file's framework
+
+
+def test_numpy_and_math_are_not_framework_ops():
+    src = """
+        import math
+        import numpy as np
+        def f(p, n):
+            return np.log(np.exp(p) / np.exp(p).sum()), math.log(n), math.sqrt(n)
+    """
+    assert codes(src, "") == []
+
+
+def test_causal_mask_from_a_registered_tril_buffer_is_not_flagged():
+    src = """
+        class Attn(nn.Module):
+            def __init__(self, n):
+                super().__init__()
+                self.register_buffer("bias", torch.tril(torch.ones(n, n)).view(1, 1, n, n))
+            def forward(self, att, T):
+                att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+                return F.softmax(att, dim=-1)
+
+        class LayerNorm(nn.Module):
+            def __init__(self, n):
+                super().__init__()
+                self.bias = nn.Parameter(torch.zeros(n))
+    """
+    assert codes(src) == []
+
+
+def test_no_grad_code_has_no_gradient_findings():
+    src = """
+        @torch.no_grad()
+        def dist(a, b):
+            return torch.sqrt(((a - b) ** 2).sum(-1))
+
+        def dist2(a, b):
+            with torch.no_grad():
+                return torch.sqrt(((a - b) ** 2).sum(-1))
+    """
+    assert codes(src) == []
+
+
+def test_a_parameter_shadows_a_module_level_name():
+    src = """
+        probs = F.softmax(torch.zeros(3), -1)
+        def f(probs):
+            return torch.log(probs)
+        def g():
+            return torch.log(probs)
+    """
+    assert [f.line for f in lint_source(TORCH + textwrap.dedent(src), "m.py")] == [9]
+
+
+def test_a_tested_count_is_not_flagged():
+    src = """
+        def share(rows):
+            b = [r for r in rows if r > 0]
+            k = sum(1 for r in b if r > 1)
+            return round(k / len(b), 3) if b else None
+
+        def share2(rows):
+            b = [r for r in rows if r > 0]
+            if not b:
+                return None
+            return 1 / len(b)
+
+        def share3(rows):
+            b = [r for r in rows if r > 0]
+            return 1 / len(b)
+    """
+    assert [(f.rule, f.line) for f in lint_source(TORCH + textwrap.dedent(src), "m.py")] == [("NGL005", 18)]
+
+
+def test_docs_lint_md_is_current():
+    from pathlib import Path
+    from nanguard.lint.docs import lint_markdown
+    path = Path(__file__).resolve().parents[2] / "docs" / "LINT.md"
+    assert path.read_text() == lint_markdown(), "regenerate: python -m nanguard.lint.docs > docs/LINT.md"
