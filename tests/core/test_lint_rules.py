@@ -143,6 +143,24 @@ CASES = [
             pos = scores[labels == 1]
             return pos.sum() / max(len(pos), 1)
      """, TORCH),
+    ("NGL005", """
+        def dice(y_true, y_pred):
+            inter = tf.reduce_sum(y_true * y_pred)
+            return 2.0 * inter / (tf.reduce_sum(y_true) + tf.reduce_sum(y_pred))
+     """, """
+        def dice(y_true, y_pred, smooth=1.0):
+            inter = tf.reduce_sum(y_true * y_pred)
+            return (2.0 * inter + smooth) / (tf.reduce_sum(y_true) + tf.reduce_sum(y_pred) + smooth)
+     """, TF),
+    ("NGL005", """
+        def edge_loss(logits, target, edges):
+            per_pixel = F.cross_entropy(logits, target, reduction="none")
+            return per_pixel[edges > 0].mean()
+     """, """
+        def edge_loss(logits, target, edges):
+            per_pixel = F.cross_entropy(logits, target, reduction="none")
+            return per_pixel[edges > 0].mean() if (edges > 0).any() else per_pixel.sum() * 0
+     """, TORCH),
     # NGL006 division by a standard deviation
     ("NGL006", """
         def normalize(adv):
@@ -386,6 +404,16 @@ def test_a_parameter_shadows_a_module_level_name():
             return torch.log(probs)
     """
     assert [f.line for f in lint_source(TORCH + textwrap.dedent(src), "m.py")] == [9]
+
+
+def test_a_distribution_normalised_by_its_own_sum_is_not_a_count():
+    src = """
+        def mix(choice_weights, w):
+            uniform = (choice_weights > 0).to(w.dtype)
+            uniform /= uniform.sum()
+            return uniform
+    """
+    assert codes(src) == []
 
 
 def test_a_tested_count_is_not_flagged():

@@ -13,7 +13,7 @@ from typing import Dict, Iterable, List, Optional, Set
 
 from ..core.diagnosis import fixes as X
 from . import rules as _rules
-from .flow import Flow, ModuleInfo, is_no_grad, names_in, own_exprs, walk_calls
+from .flow import Flow, ModuleInfo, aug_binop, is_no_grad, names_in, own_exprs, walk_calls
 from .registry import Rule
 
 __all__ = ["Finding", "lint_source", "select_rules", "suppressions"]
@@ -92,6 +92,8 @@ class _Walker:
                 self.body(stmt.body, Flow(self.info, flow.no_grad, cls=stmt.name))
                 continue
             exprs = [e for e in own_exprs(stmt)]
+            if isinstance(stmt, ast.AugAssign):
+                exprs.append(aug_binop(stmt))  # `x /= n` is checked as `x / n`
             self.check(exprs, flow)
             flow.statement(stmt)
             inner_no_grad = isinstance(stmt, (ast.With, ast.AsyncWith)) and \

@@ -45,7 +45,8 @@ _PASS = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "detach
          "cuda", "gather", "index_select", "expand", "expand_as", "repeat", "t", "narrow", "select", "flip", "roll",
          "cast", "identity", "expand_dims", "gather_nd", "convert_to_tensor", "bool", "long", "int", "squeeze_",
          "unsqueeze_", "movedim", "take_along_dim", "take_along_axis", "stack", "cat", "concat", "concatenate",
-         "mul", "multiply", "tile", "broadcast_to", "unflatten", "sort", "values", "item", "data"}
+         "mul", "multiply", "tile", "broadcast_to", "unflatten", "sort", "values", "item", "data", "diag",
+         "diagonal", "diag_part"}
 _FILTER = {"masked_select", "nonzero", "argwhere", "boolean_mask", "where_nonzero"}
 _GUARD = {"clamp", "normalize", "nan_to_num", "div_no_nan", "softplus", "logsumexp", "log_softmax", "logsigmoid",
           "add", "add_", "clamp_", "tanh", "cosine_similarity_safe", "erf", "abs_"}
@@ -278,10 +279,10 @@ class Flow:
                 return frozenset({"count"})
             if "square" in v or "sumsq" in v:
                 return frozenset({"sumsq"}) | (v & CAN_VANISH)
-            if "product" in v or "cos" in v:
-                return frozenset({"cos"})
             if "exp" in v:
                 return frozenset({"exp", "expsum"})
+            if "product" in v or "cos" in v:
+                return frozenset({"cos"})
             if name == "mean":
                 return v & (PROB | {"relu"})
             return v & {"relu"}
@@ -384,8 +385,9 @@ class Flow:
         elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
             self.assign(stmt.target, self.value(stmt.value), stmt.value)
         elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
-            expr = ast.BinOp(left=ast.Name(id=stmt.target.id, ctx=ast.Load()), op=stmt.op, right=stmt.value)
-            self.assign(stmt.target, self.value(expr))
+            expr = aug_binop(stmt)
+            prior = self.defs.get(stmt.target.id)
+            self.assign(stmt.target, self.value(expr), _substitute(expr, stmt.target.id, prior))
         elif isinstance(stmt, (ast.For, ast.AsyncFor)):
             self.assign(stmt.target, NONE)
         elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
@@ -401,6 +403,20 @@ class Flow:
     def definition(self, node: ast.AST) -> Optional[ast.expr]:
         """The expression a name was last assigned in this body (for messages)."""
         return self.defs.get(node.id) if isinstance(node, ast.Name) else None
+
+
+def aug_binop(stmt: ast.AugAssign) -> ast.BinOp:
+    """``x /= y`` as the expression ``x / y`` (at the statement's position)."""
+    left = ast.Name(id=stmt.target.id, ctx=ast.Load()) if isinstance(stmt.target, ast.Name) else stmt.target
+    node = ast.BinOp(left=left, op=stmt.op, right=stmt.value)
+    return ast.copy_location(node, stmt)
+
+
+def _substitute(expr: ast.BinOp, name: str, prior: Optional[ast.expr]) -> ast.expr:
+    """``x * m`` with x's previous definition put in (``x = a * b; x *= m`` -> ``(a * b) * m``)."""
+    if prior is None or not isinstance(expr.left, ast.Name) or expr.left.id != name:
+        return expr
+    return ast.copy_location(ast.BinOp(left=prior, op=expr.op, right=expr.right), expr)
 
 
 def _arg(call: ast.Call, pos: int, *names: str) -> Optional[ast.AST]:

@@ -3,7 +3,7 @@ norm (NGL007)."""
 from __future__ import annotations
 
 import ast
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 from ...core.diagnosis.rules.division import div_result
 from ...core.diagnosis.rules.stdvar import variance
@@ -39,24 +39,61 @@ def _strip(node: ast.AST, flow: Flow) -> ast.AST:
     return node
 
 
-def _weighted_mean(num: ast.AST, den: ast.AST, flow: Flow) -> bool:
-    """``(x * m).sum(d) / m.sum(d)``: the denominator sums the weights that multiply the numerator (a
-    masked mean), so a row whose weights are all 0 is 0/0."""
+def _summed(den: ast.AST, flow: Flow) -> Optional[List[ast.AST]]:
+    """The tensors a denominator sums: ``m.sum(1)`` -> [m]; ``K.sum(a) + K.sum(b)`` -> [a, b] (every term a
+    sum or a mean, no constant); else None."""
     den = _strip(den, flow)
+    if isinstance(den, ast.BinOp) and isinstance(den.op, ast.Add):
+        left, right = _summed(den.left, flow), _summed(den.right, flow)
+        return left + right if left is not None and right is not None else None
     if not isinstance(den, ast.Call):
-        return False
+        return None
     op = flow.op(den)
-    if op is None or op.name != "sum" or op.module:
-        return False
+    if op is None or op.name not in ("sum", "mean") or op.module:
+        return None
     w = _strip(flow.input(den, op), flow)
-    if not isinstance(w, (ast.Name, ast.Attribute, ast.Subscript)):
-        return False
-    key = ast.dump(w)
+    return [w] if isinstance(w, (ast.Name, ast.Attribute, ast.Subscript)) else None
+
+
+def _products(num: ast.AST, flow: Flow, depth: int = 0) -> Iterator[ast.AST]:
+    """The operands of the products the numerator is made of, following names to their definitions in the
+    body (``loss = loss * masks`` ... ``loss.sum() / masks.sum()``)."""
     for sub in ast.walk(num):
         if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Mult):
-            if any(ast.dump(_strip(side, flow)) == key for side in (sub.left, sub.right)):
-                return True
-    return False
+            yield _strip(sub.left, flow)
+            yield _strip(sub.right, flow)
+        elif isinstance(sub, ast.Name) and depth < 3:
+            d = flow.definition(sub)
+            if d is not None:
+                yield from _products(d, flow, depth + 1)
+
+
+def _weighted_mean(num: ast.AST, den: ast.AST, flow: Flow) -> bool:
+    """``(x * m).sum(d) / m.sum(d)``: the denominator sums the weights that multiply the numerator (a masked
+    mean), so a row whose weights are all 0 is 0/0; also the dice ratio ``sum(a * b) / (sum(a) + sum(b))``
+    with no smoothing term (0/0 for an empty mask and an empty prediction)."""
+    summed = _summed(den, flow)
+    if not summed:
+        return False
+    keys = {ast.dump(w) for w in summed}
+    return any(ast.dump(side) in keys for side in _products(num, flow))
+
+
+def _empty_mean(node: ast.AST, flow: Flow) -> Optional[ast.AST]:
+    """x for ``x[mask].mean()`` / ``torch.mean(x[mask])`` (a selection by a comparison), else None."""
+    if not isinstance(node, ast.Call):
+        return None
+    op = flow.op(node)
+    if op is None or op.name != "mean" or op.module:
+        return None
+    x = flow.input(node, op)
+    return x if isinstance(x, (ast.Subscript, ast.Name)) and "filtered" in flow.value(x) else None
+
+
+def _self_normalised(num: ast.AST, den: ast.AST, flow: Flow) -> bool:
+    """``w / w.sum()``: a vector normalised by its own sum (a distribution), not a mean over a count."""
+    summed = _summed(den, flow)
+    return bool(summed) and ast.dump(_strip(num, flow)) in {ast.dump(w) for w in summed}
 
 
 def _div_fixes(origin: dict, facts: dict) -> list:
@@ -65,14 +102,19 @@ def _div_fixes(origin: dict, facts: dict) -> list:
 
 @rule("NGL005", "div-by-count", "div_by_zero", fixes=_div_fixes,
       what="a division by a count that can be 0: the sum of a mask (a masked mean (x * m).sum() / m.sum() "
-           "over a row with no valid entry), count_nonzero, or the len()/numel() of a filtered selection, with "
-           "no clamp(min=1) or eps")
+           "over a row with no valid entry, a dice ratio with no smoothing term), count_nonzero, or the "
+           "len()/numel() of a filtered selection, with no clamp(min=1) or eps; or the mean of a boolean-mask "
+           "selection x[m].mean(), NaN when nothing is selected")
 def _div_by_count(node: ast.AST, flow: Flow) -> Iterator[Hit]:
     got = division(node, flow)
     if got is None:
+        x = _empty_mean(node, flow)
+        if x is not None and not flow.tested(x):
+            yield Hit(node, "mean of a boolean-mask selection, which is empty (0/0 = NaN) when nothing is selected: "
+                            "guard the empty case, or (x * m).sum() / m.sum().clamp(min=1)")
         return
     num, den = got
-    if flow.tested(den):
+    if flow.tested(den) or _self_normalised(num, den, flow):
         return
     if "count" in flow.value(den) or _weighted_mean(num, den, flow):
         yield Hit(node, "division by a count that is 0 when nothing is selected (0/0 = NaN): divide by "
