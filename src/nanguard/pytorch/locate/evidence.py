@@ -16,7 +16,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ...core.diagnosis import families
-from ...core.diagnosis.roles import EPS_PRODUCER, INDEX, REDUCE, SELECT, VIEW
+from ...core.diagnosis.roles import EPS_PRODUCER, INDEX, REDUCE, VIEW
+from ...core.locate.evidence import Gatherers, ProbeBase
+from ...core.locate.result import mask_escape_detail, source_rows
 from .. import numerics as N
 from ..numerics import jnum
 from .naming import Frames
@@ -31,24 +33,15 @@ __all__ = ["gatherer", "GATHERERS", "Probe", "Evidence"]
 
 _MAX_DETAILED = 64   # origins that get full input stats and facts
 
-GATHERERS: dict[str, tuple[Callable[["Probe"], dict | None], bool]] = {}
-
-
-def gatherer(name: str, *, always: bool = False) -> Callable:
-    """Register ``fn(probe) -> dict | None`` as the gatherer ``name`` (a family lists it in ``evidence``)."""
-    def deco(fn: Callable) -> Callable:
-        if name in GATHERERS:
-            raise ValueError(f"evidence gatherer {name!r} is already registered")
-        GATHERERS[name] = (fn, always)
-        return fn
-    return deco
+GATHERERS = Gatherers()   # name -> (fn(probe) -> dict | None, always)
+gatherer: Callable[..., Callable] = GATHERERS.register
 
 
 def count(mask: torch.Tensor) -> int:
     return int(N._scalar(aten.sum.default(mask)))
 
 
-class Probe:
+class Probe(ProbeBase):
     """The call whose semantics matter for an origin: the origin op itself, or the forward op of a
     backward origin whose inputs were kept. ``facts`` holds what earlier gatherers found."""
 
@@ -56,14 +49,11 @@ class Probe:
         self.ev, self.log = ev, ev.log
         self.func, self.name, self.args, self.kwargs, self.rel = func, name, args, kwargs, rel
         self.t0, self.pos0, self.stage, self.fwd_idx = t0, pos0, stage, fwd_idx
-        self.facts: dict[str, Any] = {}
         self.e_func, self.e_name, self.e_args, self.e_kwargs, self.e_pos = func, name, args, kwargs, pos0
-        if stage == "backward" and fwd_idx is not None and fwd_idx in ev.log.keep:
-            self.e_func, self.e_args, self.e_kwargs = ev.log.keep[fwd_idx]
+        kept = self.examine(stage, fwd_idx, ev.log.keep)
+        if kept is not None:
+            self.e_func, self.e_args, self.e_kwargs = kept
             self.e_name, self.e_pos = opname(self.e_func), None
-            self.facts["examined"] = "forward_op"
-        elif stage == "backward":
-            self.facts["examined"] = "backward_op"
         self.family = families.family_of(self.e_name)
         self.ftens = [a for _k, _p, a in flat_tensors(self.e_args, self.e_kwargs) if a.dtype.is_floating_point]
 
@@ -82,9 +72,6 @@ class Probe:
     @property
     def x(self) -> Any:
         return self.arg(0, "self")
-
-    def in_family(self, name: str) -> bool:
-        return self.family is not None and self.family.name == name
 
 
 class Evidence:
@@ -117,7 +104,7 @@ class Evidence:
                         index = aten.select.int(aten.nonzero.default(index), 1, 0)
                     if not index.dtype.is_floating_point and index.dim() >= 1:
                         flat = index if index.dim() == 1 else aten.reshape.default(index, [index.shape[0], -1])[:, 0]
-                        d["source_rows"] = sorted({int(flat[r]) for r in d["samples"] if r < flat.shape[0]})[:10]
+                        d["source_rows"] = source_rows(flat, d["samples"])
         except Exception as e:
             d["source_rows_error"] = str(e)[:100]
         return d
@@ -167,11 +154,9 @@ class Evidence:
             d["library"] = {"file": lib[0], "line": lib[1], "function": lib[2]}
         d["output"] = N.nonfinite_counts(t0)
         d["samples"] = N.bad_rows(t0)
-        mask, self.prov.escaped_mask = self.prov.escaped_mask, None
+        mask = self.prov.take_escaped_mask()
         if mask is not None:
-            md = mask.detail or {}
-            d["mask_escape"] = {"mask_op": md.get("name"), "mask_api": md.get("api"), "file": md.get("file"),
-                                "line": md.get("line"), "constant": (md.get("scalars") or [None])[0]}
+            d["mask_escape"] = mask_escape_detail(mask)
         o.detail = d
         if o.seq >= _MAX_DETAILED:
             return
@@ -189,14 +174,7 @@ class Evidence:
 
     def facts(self, func, name, args, kwargs, rel, t0, pos0, stage, fwd_idx) -> dict:
         """Run the gatherers that apply to the examined op (see the module docstring)."""
-        p = Probe(self, func, name, args, kwargs, rel, t0, pos0, stage, fwd_idx)
-        wanted = set(p.family.evidence) if p.family is not None else set()
-        for key, (fn, always) in GATHERERS.items():
-            if always or key in wanted:
-                out = fn(p)
-                if out:
-                    p.facts.update(out)
-        return p.facts
+        return GATHERERS.run(Probe(self, func, name, args, kwargs, rel, t0, pos0, stage, fwd_idx))
 
     # ------------------------------------------------------------------ helpers for gatherers
     def producer_chain(self, t: Any, depth: int = 3) -> list[int]:
@@ -252,27 +230,8 @@ class Evidence:
     def where_trap(self, fwd_idx: int) -> bool:
         """True when the forward op's output only reached where/masked_fill-like selections (through views):
         the forward discarded the bad entries, but their gradient (0 from the selection) still flows into
-        the op's backward, where 0 * inf or 0/0 gives NaN."""
-        log = self.log
-        if fwd_idx >= len(log):
-            return False
-        seen_where = False
-
-        def walk(i: int, depth: int) -> bool:
-            nonlocal seen_where
-            for cidx, cname, c_nf, c_float in log.consumers.get(i, []):
-                if cname in VIEW.ops and depth < 6:
-                    if not walk(cidx, depth + 1):
-                        return False
-                elif cname in SELECT.ops:
-                    if c_nf:
-                        return False     # the selection kept the non-finite entries
-                    seen_where = True
-                elif c_float:
-                    return False         # used by arithmetic, not only selected
-            return True
-        ok = walk(fwd_idx, 0)
-        return bool(ok and seen_where)
+        the op's backward, where 0 * inf or 0/0 gives NaN (:meth:`~nanguard.core.locate.oplog.OpGraph.where_trap`)."""
+        return self.log.where_trap(fwd_idx)
 
 
 # ---------------------------------------------------------------------------- generic gatherers (every origin)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import re
 import sys
-import sysconfig
 import threading
 import weakref
 from typing import Any, Callable
 
 import torch
+
+from ...core.locate.naming import PACKAGE_DIR, UserFiles, resolved_dirs, stdlib_dirs, under
 
 __all__ = ["api_name", "Frames", "Names", "ModuleTracker"]
 
@@ -42,38 +43,12 @@ def api_name(func: Any) -> str:
 
 
 # ---------------------------------------------------------------------------- user frames
-# nanguard's own examples (the demo) are user code, wherever nanguard is installed.
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
-_EXAMPLES_DIR = os.path.join(_PACKAGE_DIR, "examples")
-
-
-def default_user_file(fn: str, excluded: tuple[str, ...]) -> bool:
-    if not fn:
-        return False
-    if fn.startswith("<"):
-        return not fn.startswith(("<frozen", "<__array_function__"))
-    try:
-        real = os.path.realpath(fn)
-    except Exception:
-        real = fn
-    if real.startswith(_EXAMPLES_DIR + os.sep):
-        return True
-    if "site-packages" in fn or "dist-packages" in fn:
-        return False
-    return not any(real == p or real.startswith(p + os.sep) for p in excluded)
-
-
-_OWN_DIRS = tuple(os.path.realpath(d) for d in (os.path.dirname(torch.__file__), _PACKAGE_DIR))
+_OWN_DIRS = tuple(os.path.realpath(d) for d in (os.path.dirname(torch.__file__), PACKAGE_DIR))
 
 
 def excluded_dirs() -> tuple[str, ...]:
-    dirs = {os.path.dirname(torch.__file__), _PACKAGE_DIR}
-    for key in ("stdlib", "platstdlib"):
-        try:
-            dirs.add(sysconfig.get_paths()[key])
-        except Exception:
-            pass
-    return tuple(sorted({os.path.realpath(d) for d in dirs if d}))
+    """Not the user's code: torch, nanguard and the standard library."""
+    return resolved_dirs({os.path.dirname(torch.__file__), PACKAGE_DIR} | stdlib_dirs())
 
 
 class Frames:
@@ -88,21 +63,10 @@ class Frames:
 
     def __init__(self, user_file_filter: Callable[[str], bool] | None = None) -> None:
         self.user_file_filter = user_file_filter
-        self._excluded = excluded_dirs()
-        self._cache: dict[str, bool] = {}
+        self.is_user = UserFiles(excluded_dirs(), user_file_filter)   # fn -> the user's file?
         self._lib: dict[str, bool] = {}
         self.boundary: Any = None
         self.site: tuple | None = None
-
-    def is_user(self, fn: str) -> bool:
-        u = self._cache.get(fn)
-        if u is None:
-            try:
-                u = bool(self.user_file_filter(fn)) if self.user_file_filter else default_user_file(fn, self._excluded)
-            except Exception:
-                u = False
-            self._cache[fn] = u
-        return u
 
     def is_library(self, fn: str) -> bool:
         """An installed package's file (site-packages) that is not torch or nanguard."""
@@ -114,7 +78,7 @@ class Frames:
                     real = os.path.realpath(fn)
                 except Exception:
                     real = fn
-                u = not any(real == p or real.startswith(p + os.sep) for p in _OWN_DIRS)
+                u = not under(real, _OWN_DIRS)
             self._lib[fn] = u
         return u
 

@@ -15,6 +15,8 @@ from typing import Any, Callable
 import torch
 
 from ...core.diagnosis.roles import MASK_SINK, MASK_WRITE
+from ...core.locate.result import Sinks as _Sinks
+from ...core.locate.taint import CONST, Taint, Taints
 from .. import numerics as N
 from .naming import Names
 from .ops import nonfinite_scalar
@@ -22,6 +24,8 @@ from .ops import nonfinite_scalar
 aten = torch.ops.aten
 
 __all__ = ["Info", "Origin", "Provenance", "Sinks"]
+
+Origin = Taint   # a taint source (``nanguard.core.locate.taint``)
 
 
 class Info:
@@ -42,39 +46,20 @@ def where_stored(t: torch.Tensor) -> tuple | None:
         return None
 
 
-class Origin:
-    """A taint source. kind: 'op' (real origin), 'constant', 'preexisting', 'untracked'."""
-    __slots__ = ("seq", "kind", "soft", "op", "stage", "detail", "pre_kind", "name", "first_use", "tref")
-
-    def __init__(self, seq, kind, soft, op=None, stage=None):
-        self.seq, self.kind, self.soft, self.op, self.stage = seq, kind, soft, op, stage
-        self.detail: dict | None = None
-        self.pre_kind: str | None = None
-        self.name: str | None = None
-        self.first_use: dict | None = None
-        self.tref: Any = None
-
-    @property
-    def real(self) -> bool:
-        return not self.soft
-
-
-class Provenance:
-    """Taints of the tensors of one step. ``now()`` gives (current op index, current stage)."""
+class Provenance(Taints):
+    """Taints of the tensors of one step (the taint table and its rules: :class:`~nanguard.core.locate.taint.Taints`).
+    ``now()`` gives (current op index, current stage)."""
 
     def __init__(self, names: Names, notes: list[str], now: Callable[[], tuple[int, str]]) -> None:
+        super().__init__()
         self.names, self.notes, self.now = names, notes, now
         self.infos: dict[int, Info] = {}
         self.by_storage: dict[int, Origin] = {}
-        self.origins: list[Origin] = []
         self._wrapped: dict[Any, Origin] = {}
-        self.escaped_mask: Origin | None = None   # set by decide(), read by the origin description
 
     def _new(self, kind: str, soft: bool) -> Origin:
         idx, stage = self.now()
-        o = Origin(len(self.origins), kind, soft, op=idx, stage=stage)
-        self.origins.append(o)
-        return o
+        return self.add(kind, soft, idx, stage)
 
     def lookup(self, t: torch.Tensor) -> tuple[bool, bool, Origin | None, Info | None]:
         """Finiteness + taint of an input tensor, checking it if unseen or modified since."""
@@ -164,48 +149,24 @@ class Provenance:
 
     def decide(self, out_nan: bool, out_inf: bool, ins: list, scal: list, name: str | None = None,
                out: torch.Tensor | None = None) -> Any:
-        """Taint of a non-finite output: inherit a real origin, start a new one ("new"), or a constant ("const")."""
-        real = [i[5] for i in ins if i[5] is not None and i[5].real]
-        if real:
-            return min(real, key=lambda o: o.seq)
-        s_nan = any(nonfinite_scalar(v)[0] for _k, _p, v in scal)
-        s_inf = any(nonfinite_scalar(v)[1] for _k, _p, v in scal)
-        in_nan = s_nan or any(i[3] for i in ins)
-        in_inf = s_inf or any(i[4] for i in ins)
-        if out_nan and not in_nan:
-            return "new"       # NaN out of NaN-free inputs (incl. softmax of an all -inf row)
-        if out_inf and not out_nan and not in_inf:
-            return "new"       # overflow, x/0, log(0) from finite inputs
-        soft = [i[5] for i in ins if i[5] is not None]
-        if soft:
-            mask = self._mask_escape(name, out, ins, soft)
-            if mask is not None:
-                self.escaped_mask = mask
-                return "new"   # masked entries summed into a result: the bug is this reduction
-            return min(soft, key=lambda o: o.seq)
-        return "const"         # introduced from a non-finite scalar constant
+        """Taint of a non-finite output (:meth:`Taints.decide`): inherit a real origin, start a new one
+        ("new"), inherit a soft one, or a constant ("const"). ``ins``: (key, pos, tensor, nan, inf,
+        taint, producer) of the read inputs; ``scal``: (key, pos, value) of the scalar arguments."""
+        in_nan = any(i[3] for i in ins) or any(nonfinite_scalar(v)[0] for _k, _p, v in scal)
+        in_inf = any(i[4] for i in ins) or any(nonfinite_scalar(v)[1] for _k, _p, v in scal)
+        return super().decide(out_nan, out_inf, [i[5] for i in ins], in_nan, in_inf,
+                              lambda: self._reduces(name, out, ins), MASK_WRITE.ops, CONST)
 
-    def _mask_escape(self, name: str | None, out: Any, ins: list, soft: list) -> Origin | None:
-        """A sum/mean over positions that a mask filled with +-inf, giving a non-finite result
-        (e.g. label smoothing or a mean log-prob over -inf-masked logits). Masks are meant to be
-        absorbed (softmax, logsumexp, max turn them into finite values); a reduction that keeps
-        them is where the intended infinity becomes a real failure. The mask's origin, or None."""
+    def _reduces(self, name: str | None, out: Any, ins: list) -> bool:
+        """A forward sum/mean-like op (a mask sink) whose output has fewer elements than its largest input."""
         if name not in MASK_SINK.ops or not isinstance(out, torch.Tensor) or self.now()[1] != "forward":
-            return None
+            return False
         big = max((int(i[2].numel()) for i in ins if isinstance(i[2], torch.Tensor)), default=0)
-        if out.numel() >= big:
-            return None
-        consts = [o for o in soft if o.kind == "constant"]
-        if len(consts) != len(soft):
-            return None
-        masks = [o for o in consts if (o.detail or {}).get("name") in MASK_WRITE.ops]
-        return min(masks, key=lambda o: o.seq) if masks and len(masks) == len(consts) else None
+        return out.numel() < big
 
     def new_origin(self, kind: str, idx: int, stage: str) -> Origin:
         """A taint born at op ``idx``: kind 'op' (real) or 'constant' (soft)."""
-        o = Origin(len(self.origins), kind, kind == "constant", op=idx, stage=stage)
-        self.origins.append(o)
-        return o
+        return self.add(kind, kind == "constant", idx, stage)
 
     def set_info(self, t: torch.Tensor, nan: bool, inf: bool, taint: Origin | None, prod: tuple,
                  mutated: bool) -> None:
@@ -244,28 +205,15 @@ class Provenance:
             return self.lookup(t)[2]
         return self.storage_taint(t)
 
-    @staticmethod
-    def earliest(taints: list) -> Origin | None:
-        ts = [t for t in taints if t is not None]
-        real = [t for t in ts if t.real]
-        pool = real or ts
-        return min(pool, key=lambda o: o.seq) if pool else None
 
-    def fallback(self, stage: str) -> Origin | None:
-        real = [o for o in self.origins if o.real and o.kind in ("op", "preexisting")]
-        same = [o for o in real if o.stage == stage]
-        return (same or real or [None])[0]
-
-
-class Sinks:
+class Sinks(_Sinks):
     """Where a taint must arrive to matter: the loss tensors (``mark_loss``), the parameter gradients
-    (evaluated once, before the update) and the parameters / optimizer state after the update."""
+    (evaluated once, before the update) and the parameters / optimizer state after the update
+    (``grad``/``opt`` None until evaluated)."""
 
     def __init__(self, prov: Provenance, names: Names) -> None:
+        super().__init__(grad=None, opt=None)
         self.prov, self.names = prov, names
-        self.loss: list[tuple[Origin | None, dict]] = []
-        self.grad: list[tuple[str, Origin | None]] | None = None
-        self.opt: list[tuple[str, str | None, Origin | None]] | None = None
 
     def add_loss(self, loss: torch.Tensor) -> None:
         if not isinstance(loss, torch.Tensor) or not N.is_checkable(loss):

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ...core.diagnosis.roles import OVERWRITE, UNINITIALISED
+from ...core.locate.result import constant_detail, failed_result
 from .. import numerics as N
 from .evidence import Evidence
 from .modes import Modes, Switch
@@ -207,8 +208,7 @@ class OpRecorder:
                                    self._evidence, self.data_rows, self._modules.batch_size,
                                    [r() for r in self._modules.batch_inputs])
         except Exception as e:
-            res = {"reproduced": False, "phase": None, "origin": None, "preexisting": None, "optimizer": None,
-                   "facts": {}, "n_ops": self._n_ops, "notes": self._notes + [f"result failed: {e!r}"[:200]]}
+            res = failed_result(self._n_ops, self._notes, e)
         finally:
             self._switch.busy = prev_busy
         if self._stopped:
@@ -377,8 +377,5 @@ class OpRecorder:
             new_const.detail = {"op": str(func), "name": name, "module": module, "stage": stage,
                                 "collective": True, "note": "received non-finite from another rank"}
         elif new_const is not None:
-            fr = self._frames.user_frame()
-            new_const.detail = {"op": str(func), "name": name, "api": api, "module": module, "stage": stage,
-                                "file": fr[0] if fr else None, "line": fr[1] if fr else None,
-                                "function": fr[2] if fr else None, "constant": True,
-                                "scalars": [N.jnum(v) for _k, _p, v in scal][:6]}
+            new_const.detail = constant_detail(str(func), name, api, module, stage, self._frames.user_frame(),
+                                               [N.jnum(v) for _k, _p, v in scal][:6])

@@ -1,7 +1,9 @@
 """The localisation dict of one recorded step (``OpRecorder.result()``), from the sinks' taints.
 
-Keys: reproduced, phase, origin, preexisting, optimizer, facts, n_ops, notes, sink, origins_seen,
-masked_nonfinite_origins (see ``nanguard.core.diagnosis`` for how they are read).
+The sink choice, the phase and the dict's shape are the core's
+(:func:`nanguard.core.locate.result.build_localization`); this module is PyTorch's side of it: the
+origin's keys, the batch and dataset rows of bad data, flattened rows mapped to batch rows, and the
+optimizer's parameter, state slot and hyper-parameters.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ...core.locate.result import LocalizationPort, OptimizerInfo, OriginShape, Preexisting, build_localization
 from .. import numerics as N
 from ..numerics import jnum
 from .evidence import Evidence
@@ -18,96 +21,52 @@ from .provenance import Origin, Provenance, Sinks
 
 __all__ = ["build_result"]
 
-_OUT_KEYS = ("op", "api", "module", "file", "line", "function", "dtype", "shape", "stage", "autograd_node",
-             "forward_op", "forward_file", "forward_line", "forward_function", "forward_module", "inputs", "output",
-             "samples", "library")
+# the origin's keys, in report order; a backward origin with a recorded forward line is named by it
+_SHAPE = OriginShape(
+    keys=("op", "api", "module", "file", "line", "function", "dtype", "shape", "stage", "autograd_node",
+          "forward_op", "forward_file", "forward_line", "forward_function", "forward_module", "inputs", "output",
+          "samples", "library", "kind", "forward_api", "scalars", "module_type"),
+    backward_if="forward_line",
+    from_forward=(("file", "forward_file"), ("line", "forward_line"), ("function", "forward_function"),
+                  ("module", "forward_module")),
+    only_if_set=("module",))
+
+
+class _Port(LocalizationPort):
+    """PyTorch's side of :func:`~nanguard.core.locate.result.build_localization`."""
+
+    shape = _SHAPE
+    constant_example = "masked_fill with -inf"
+
+    def __init__(self, names: Names, log: OpLog, evidence: Evidence, data_rows: Any, batch_size: int | None,
+                 batch_inputs: list | None) -> None:
+        self.names, self.log, self.evidence = names, log, evidence
+        self.data_rows, self.batch_size, self.batch_inputs = data_rows, batch_size, batch_inputs
+
+    def preexisting(self, taint: Origin) -> Preexisting:
+        return _preexisting(taint, self.names, self.data_rows, self.batch_size, self.batch_inputs)
+
+    def where_trap(self, op: int) -> bool:
+        return self.evidence.where_trap(op)
+
+    def finish_origin(self, origin: dict, facts: dict) -> None:
+        _user_rows(origin, facts, self.batch_size)
+
+    def optimizer(self, taint: Origin, sinks: Sinks) -> OptimizerInfo | None:
+        return optimizer_info(taint, sinks, self.names, self.log)
 
 
 def build_result(notes: list[str], n_ops: int, sinks: Sinks, prov: Provenance, names: Names, log: OpLog,
                  evidence: Evidence, data_rows: Any = None, batch_size: int | None = None,
                  batch_inputs: list | None = None) -> dict:
     """Pick the sink that failed (loss, else gradients, else parameters/state after the update), follow
-    its earliest real taint to the origin and describe it."""
-    notes = list(notes)
-    sink_kind, sink_names, taint = None, [], None
-    bad_loss = [(t, info) for t, info in sinks.loss if not info.get("finite", True)]
-    if bad_loss:
-        sink_kind = "loss"
-        taint = prov.earliest([t for t, _ in bad_loss])
-        sink_names = [info.get("value") for _, info in bad_loss][:3]
-        fb_stage = "forward"
-    elif sinks.grad:
-        sink_kind = "grad"
-        taint = prov.earliest([t for _, t in sinks.grad])
-        sink_names = [n for n, _ in sinks.grad][:10]
-        fb_stage = "backward"
-    elif sinks.opt:
-        sink_kind = "optimizer"
-        taint = prov.earliest([t for *_, t in sinks.opt])
-        sink_names = [n if k is None else f"{n}:{k}" for n, k, _ in sinks.opt][:10]
-        fb_stage = "optimizer"
-    reproduced = sink_kind is not None
-    if reproduced and taint is None:
-        taint = prov.fallback(fb_stage)
-        notes.append("the non-finite sink could not be traced to an op; using the earliest real origin")
-    res: dict[str, Any] = {"reproduced": reproduced, "phase": None, "origin": None, "preexisting": None,
-                           "optimizer": None, "facts": {}, "n_ops": n_ops, "notes": notes,
-                           "sink": {"kind": sink_kind, "names": sink_names},
-                           "origins_seen": sum(1 for o in prov.origins if o.kind == "op"),
-                           "masked_nonfinite_origins": 0}
-    if not reproduced:
-        res["masked_nonfinite_origins"] = sum(1 for o in prov.origins if o.kind in ("op", "constant"))
-        if res["masked_nonfinite_origins"]:
-            notes.append(f"{res['masked_nonfinite_origins']} non-finite intermediate(s) appeared but were "
-                         "masked before reaching the loss, gradients or parameters")
-        return res
-    if taint is None:
-        res["phase"] = {"loss": "forward", "grad": "backward", "optimizer": "optimizer"}[sink_kind]
-        return res
-    if taint.kind == "preexisting":
-        return _preexisting(res, taint, names, data_rows, batch_size, batch_inputs)
-    res["phase"] = {"loss": "forward", "grad": "backward", "optimizer": "optimizer"}[sink_kind]
-    d = dict(taint.detail or {})
-    facts = dict(d.pop("facts", {}) or {})
-    if d.get("mask_escape"):
-        facts["mask_escape"] = d["mask_escape"]
-    if taint.kind == "constant":
-        notes.append("a non-finite constant written by the program (e.g. masked_fill with -inf) reached the "
-                     + sink_kind)
-        facts["intentional_constant"] = True
-    if taint.kind == "untracked":
-        notes.append("the origin is a mutation outside the recorded ops")
-    stage = d.get("stage") or taint.stage
-    if "where_trap" not in facts and taint.kind == "op" and sink_kind == "grad" and stage == "forward":
-        facts["where_trap"] = evidence.where_trap(taint.op)
-    origin = {k: d.get(k) for k in _OUT_KEYS}
-    origin["stage"] = stage
-    origin["kind"] = taint.kind
-    origin["forward_api"] = d.get("forward_api")
-    origin["scalars"] = d.get("scalars")
-    origin["module_type"] = d.get("module_type")
-    if stage == "backward" and d.get("forward_line") is not None:
-        origin["backward_file"], origin["backward_line"] = d.get("file"), d.get("line")
-        origin["file"], origin["line"] = d.get("forward_file"), d.get("forward_line")
-        origin["function"] = d.get("forward_function")
-        if d.get("forward_module") is not None:
-            origin["module"] = d.get("forward_module")
-    if origin["inputs"] is None:
-        origin["inputs"] = []
-    if origin["output"] is None:
-        origin["output"] = {"nan": 0, "posinf": 0, "neginf": 0}
-    if origin["samples"] is None:
-        origin["samples"] = []
-    _user_rows(origin, facts, batch_size)
-    res["origin"] = origin
-    res["facts"] = facts
-    if stage == "optimizer" or sink_kind == "optimizer":
-        res["optimizer"] = optimizer_info(taint, sinks, names, log)
-    return res
+    its earliest real taint to the origin and describe it (:func:`~nanguard.core.locate.result.build_localization`)."""
+    port = _Port(names, log, evidence, data_rows, batch_size, batch_inputs)
+    return build_localization(sinks, prov, notes, n_ops, port).as_dict()
 
 
-def _preexisting(res: dict, taint: Origin, names: Names, data_rows: Any = None,
-                 batch_size: int | None = None, batch_inputs: list | None = None) -> dict:
+def _preexisting(taint: Origin, names: Names, data_rows: Any = None, batch_size: int | None = None,
+                 batch_inputs: list | None = None) -> Preexisting:
     t = taint.tref() if taint.tref is not None else None
     if t is not None and taint.pre_kind in ("param", "buffer", "data"):
         pn = names.param_name(t)    # names may have been learnt (or improved) after the first read
@@ -122,20 +81,13 @@ def _preexisting(res: dict, taint: Origin, names: Names, data_rows: Any = None,
         if batch_t is not None and (t is None or t.dim() == 0):  # describe the batch, not the scalar
             st = N.tensor_stats(batch_t)
             st["bad_rows"] = samples
-    res["preexisting"] = {"kind": taint.pre_kind, "name": taint.name, "samples": samples,
-                          "source_rows": source, "stats": st,
-                          "rows_in_tensor": st.get("bad_rows", []), "first_use": fu or None,
-                          "written_by": (taint.detail or {}).get("written_by")}
+    pre = Preexisting.of(taint, samples, source, st)
     if is_data and data_rows is not None and t is not None and source and fu.get("source_rows") != source:
-        res["preexisting"]["source_rows_from"] = "the DataLoader's sampler (dataset indices of the batch)"
-    res["phase"] = {"data": "data", "param": "params", "buffer": "params",
-                    "optimizer_state": "optimizer"}.get(taint.pre_kind, "data")
-    res["facts"] = {"preexisting": {"kind": taint.pre_kind, "name": taint.name,
-                                    "nonfinite": st.get("nonfinite"), "numel": st.get("numel")}}
-    return res
+        pre.source_rows_from = "the DataLoader's sampler (dataset indices of the batch)"
+    return pre
 
 
-def optimizer_info(taint: Origin, sinks: Sinks, names: Names, log: OpLog) -> dict | None:
+def optimizer_info(taint: Origin, sinks: Sinks, names: Names, log: OpLog) -> OptimizerInfo | None:
     """Which parameter and which state slot the optimizer-stage origin belongs to (followed through the
     optimizer's op graph by tensor id), and the optimizer's hyperparameters."""
     optimizers = names.optimizers
@@ -180,29 +132,29 @@ def optimizer_info(taint: Origin, sinks: Sinks, names: Names, log: OpLog) -> dic
     state = next((a[1] for k, a in found if k == den_key and a[1] is not None), None) if den_key is not None \
         else None
     state = state or next((a[1] for _k, a in found if a[1] is not None and a[1] != "step"), None)
-    info: dict[str, Any] = {"param": param, "state": state, "inputs": [
-        {"arg": str(k), "param": a[0], "state": a[1]} for k, a in found][:10]}
+    info = OptimizerInfo(param=param, state=state, inputs=[
+        {"arg": str(k), "param": a[0], "state": a[1]} for k, a in found][:10])
     if sinks.opt:
-        info["nonfinite_after_step"] = [n if k is None else f"{n}:{k}" for n, k, _ in sinks.opt][:10]
-        if info["param"] is None:
-            info["param"] = sinks.opt[0][0]
-        if info["state"] is None:
-            info["state"] = next((k for _n, k, _t in sinks.opt if k), None)
+        info.nonfinite_after_step = [_Port.opt_name(n, k) for n, k, _ in sinks.opt][:10]
+        if info.param is None:
+            info.param = sinks.opt[0][0]
+        if info.state is None:
+            info.state = next((k for _n, k, _t in sinks.opt if k), None)
     for opt in optimizers:
-        info["optimizer"] = type(opt).__name__
+        info.optimizer = type(opt).__name__
         g = opt.param_groups[0]
         for key in ("lr", "eps", "weight_decay", "betas", "momentum"):
             if key in g:
                 v = g[key]
                 if isinstance(v, torch.Tensor):
                     v = v.item()
-                info[key] = [jnum(x) for x in v] if isinstance(v, (list, tuple)) else jnum(v)
+                info.hyper[key] = [jnum(x) for x in v] if isinstance(v, (list, tuple)) else jnum(v)
         by_name = {names.param_ids[pid]: p for pid, p in names.params.items()}
         if param and param in by_name:
             pdt = by_name[param].dtype
-            info["param_dtype"] = N.dtype_name(pdt)
+            info.param_dtype = N.dtype_name(pdt)
             if "eps" in g and isinstance(g["eps"], (int, float)) and pdt.is_floating_point:
-                info["eps_fact"] = N.eps_fact(float(g["eps"]), pdt)
+                info.eps_fact = N.eps_fact(float(g["eps"]), pdt)
         break
     return info
 

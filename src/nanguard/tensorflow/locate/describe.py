@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from ...core.locate.result import mask_escape_detail, source_rows
 from . import evidence as E
 from . import numerics as N
 from . import ops as O
@@ -40,7 +41,7 @@ class Describer:
                 index = np_value(inputs[1])
                 if index is not None and index.dtype.kind in "iu" and index.ndim >= 1:
                     flat = index if index.ndim == 1 else index.reshape(index.shape[0], -1)[:, 0]
-                    d["source_rows"] = sorted({int(flat[r]) for r in d["samples"] if r < flat.shape[0]})[:10]
+                    d["source_rows"] = source_rows(flat, d["samples"])
         except Exception as e:
             d["source_rows_error"] = str(e)[:100]
         return d
@@ -75,11 +76,9 @@ class Describer:
                     d["forward_layer_stack"] = list(fl.layer_stack)
         d["output"] = N.nonfinite_counts(a0)
         d["samples"] = N.bad_rows(a0)
-        mask, self.prov.escaped_mask = self.prov.escaped_mask, None
+        mask = self.prov.take_escaped_mask()
         if mask is not None:
-            md = mask.detail or {}
-            d["mask_escape"] = {"mask_op": md.get("name"), "mask_api": md.get("api"), "file": md.get("file"),
-                                "line": md.get("line"), "constant": (md.get("scalars") or [None])[0]}
+            d["mask_escape"] = mask_escape_detail(mask)
         o.detail = d
         if o.seq >= self.detail_limit:
             return

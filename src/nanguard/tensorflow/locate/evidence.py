@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from ...core.diagnosis import families
+from ...core.locate.evidence import Gatherers, ProbeBase
 from . import numerics as N
 from . import ops as O
 from .numerics import jnum
@@ -31,20 +32,11 @@ from .opcheck import check_fact, recompute, recompute32
 
 __all__ = ["gatherer", "GATHERERS", "Probe", "facts", "where_trap", "producer_chain"]
 
-GATHERERS: dict[str, tuple[Callable[["Probe"], Optional[dict]], bool]] = {}
+GATHERERS = Gatherers()   # name -> (fn(probe) -> dict | None, always)
+gatherer: Callable[..., Callable] = GATHERERS.register
 
 
-def gatherer(name: str, *, always: bool = False) -> Callable:
-    """Register ``fn(probe) -> dict | None`` as the gatherer ``name`` (a family lists it in ``evidence``)."""
-    def deco(fn: Callable) -> Callable:
-        if name in GATHERERS:
-            raise ValueError(f"evidence gatherer {name!r} is already registered")
-        GATHERERS[name] = (fn, always)
-        return fn
-    return deco
-
-
-class Probe:
+class Probe(ProbeBase):
     """The origin op (``t_op`` with ``inputs``/``attrs``, its bad output ``t0``/``a0`` at ``pos0``) and the
     examined op (``e_op``, ``e_in``...: the kept forward op of a backward origin). ``facts`` holds what
     earlier gatherers found."""
@@ -54,13 +46,10 @@ class Probe:
         self.log, self.prov = log, prov
         self.t_op, self.inputs, self.attrs, self.n_out = t_op, inputs, attrs, len(outputs)
         self.pos0, self.t0, self.a0, self.stage, self.fwd = pos0, t0, a0, stage, fwd
-        self.facts: dict[str, Any] = {}
         self.e_op, self.e_in, self.e_attrs, self.e_nout = t_op, inputs, attrs, self.n_out
-        if stage == "backward" and fwd is not None and fwd in log.keep:
-            self.e_op, self.e_in, self.e_attrs, self.e_nout = log.keep[fwd]
-            self.facts["examined"] = "forward_op"
-        elif stage == "backward":
-            self.facts["examined"] = "backward_op"
+        kept = self.examine(stage, fwd, log.keep)
+        if kept is not None:
+            self.e_op, self.e_in, self.e_attrs, self.e_nout = kept
         self.family = families.family_of(self.e_op)
         self.ftens = [x for x in self.e_in if is_eager(x) and x.dtype.is_floating]
         self.pick = pos0 if self.n_out > 1 else None
@@ -74,22 +63,11 @@ class Probe:
         a = np_value(x) if is_eager(x) else None
         return N.as_float(a) if a is not None and a.dtype.kind in "fV" else None
 
-    def in_family(self, name: str) -> bool:
-        return self.family is not None and self.family.name == name
-
 
 def facts(p: Probe) -> dict:
-    """Run the gatherers for ``p`` (always-on ones, then those its family asks for)."""
-    wanted = set(p.family.evidence) if p.family is not None else set()
-    for name, (fn, always) in GATHERERS.items():
-        if always or name in wanted:
-            try:
-                out = fn(p)
-            except Exception as e:
-                out = {f"{name}_error": f"{type(e).__name__}: {str(e)[:120]}"}
-            if out:
-                p.facts.update(out)
-    return p.facts
+    """Run the gatherers for ``p`` (always-on ones, then those its family asks for); one that raises
+    leaves ``<name>_error`` and the others still run."""
+    return GATHERERS.run(p, catch=True)
 
 
 # ---------------------------------------------------------------------------- producer chains
@@ -138,26 +116,9 @@ def _eps_constants(log: OpLog, prov: Provenance, tensors: list) -> list[dict]:
 def where_trap(log: OpLog, fwd_idx: int) -> bool:
     """True when the forward op's output only reached selections (``tf.where``, clipping, gathers,
     through pass-through ops): the forward discarded the bad entries, but their zero gradient still
-    flows into the op's backward, where 0 * inf or 0/0 gives NaN."""
-    if fwd_idx >= len(log):
-        return False
-    seen_where = False
-
-    def walk(i: int, depth: int) -> bool:
-        nonlocal seen_where
-        for cidx, cname, c_nf, c_float in log.consumers.get(i, []):
-            if cname in O.WHERE_OPS:
-                if c_nf:
-                    return False     # the selection kept the non-finite entries
-                seen_where = True
-            elif cname in O.PASS_OPS and depth < 6:
-                if not walk(cidx, depth + 1):
-                    return False
-            elif c_float:
-                return False         # used by arithmetic, not only selected
-        return True
-    ok = walk(fwd_idx, 0)
-    return bool(ok and seen_where)
+    flows into the op's backward, where 0 * inf or 0/0 gives NaN
+    (:meth:`~nanguard.core.locate.oplog.OpGraph.where_trap`)."""
+    return log.where_trap(fwd_idx)
 
 
 # ---------------------------------------------------------------------------- generic gatherers (every origin)

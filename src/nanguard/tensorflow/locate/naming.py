@@ -27,13 +27,12 @@ from __future__ import annotations
 import ast
 import os
 import sys
-import sysconfig
 import threading
 import weakref
 from typing import Any, Callable, Optional
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
-_EXAMPLES_DIR = os.path.join(_PACKAGE_DIR, "examples")
+from ...core.locate.naming import PACKAGE_DIR, PSEUDO_EXCLUDED, resolved_dirs, stdlib_dirs
+from ...core.locate.naming import UserFiles as _UserFiles
 
 _CTOR: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 _CTOR_BY_ID: dict[int, tuple] = {}      # for unhashable objects (kept with a weakref check)
@@ -43,52 +42,22 @@ _hook_count = 0
 
 # ---------------------------------------------------------------------------- user files
 def _excluded_dirs() -> tuple[str, ...]:
-    dirs = {_PACKAGE_DIR}
+    """Not the user's code: nanguard, TensorFlow, Keras and their dependencies, the standard library and
+    the installed packages."""
+    dirs = {PACKAGE_DIR}
     for mod in ("tensorflow", "keras", "numpy", "ml_dtypes", "absl", "optree", "tf_keras", "google", "h5py"):
         m = sys.modules.get(mod)
         f = getattr(m, "__file__", None) if m is not None else None
         if f:
             dirs.add(os.path.dirname(f))
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        try:
-            dirs.add(sysconfig.get_paths()[key])
-        except Exception:
-            pass
-    return tuple(sorted({os.path.realpath(d) for d in dirs if d}))
+    return resolved_dirs(dirs | stdlib_dirs(("stdlib", "platstdlib", "purelib", "platlib")))
 
 
-class UserFiles:
-    """Decides (and caches) whether a file is the user's code."""
+class UserFiles(_UserFiles):
+    """Decides (and caches) whether a file is the user's (the core's rule, TensorFlow's directories)."""
 
     def __init__(self, user_file_filter: Optional[Callable[[str], bool]] = None):
-        self.filter = user_file_filter
-        self._excluded = _excluded_dirs()
-        self._cache: dict[str, bool] = {}
-
-    def __call__(self, fn: str) -> bool:
-        u = self._cache.get(fn)
-        if u is None:
-            try:
-                u = bool(self.filter(fn)) if self.filter else self._default(fn)
-            except Exception:
-                u = False
-            self._cache[fn] = u
-        return u
-
-    def _default(self, fn: str) -> bool:
-        if not fn:
-            return False
-        if fn.startswith("<"):
-            return not fn.startswith(("<frozen", "<__array_function__", "<decorator-gen"))
-        if "site-packages" in fn or "dist-packages" in fn:
-            return False
-        try:
-            real = os.path.realpath(fn)
-        except Exception:
-            real = fn
-        if real.startswith(_EXAMPLES_DIR + os.sep):
-            return True
-        return not any(real == p or real.startswith(p + os.sep) for p in self._excluded)
+        super().__init__(_excluded_dirs(), user_file_filter, PSEUDO_EXCLUDED + ("<decorator-gen",))
 
 
 _DEFAULT_USER: Optional[UserFiles] = None

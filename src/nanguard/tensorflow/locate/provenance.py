@@ -15,12 +15,16 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from ...core.locate.result import constant_detail
+from ...core.locate.taint import NEW, Taint, Taints
 from . import numerics as N
 from . import ops as O
 from .numerics import jnum
 from .oplog import numel
 
 __all__ = ["Info", "Origin", "Provenance", "np_value", "dtype_name"]
+
+Origin = Taint   # a taint source (``nanguard.core.locate.taint``)
 
 
 def np_value(t: Any) -> Optional[np.ndarray]:
@@ -46,33 +50,14 @@ class Info:
         self.ref, self.nan, self.inf, self.taint, self.prod = ref, nan, inf, taint, prod
 
 
-class Origin:
-    """A taint source. kind: 'op' (real origin), 'constant', 'preexisting'."""
-    __slots__ = ("seq", "kind", "soft", "op", "stage", "detail", "pre_kind", "name", "first_use", "tref", "hid")
-
-    def __init__(self, seq, kind, soft, op=None, stage=None):
-        self.seq, self.kind, self.soft, self.op, self.stage = seq, kind, soft, op, stage
-        self.hid: Optional[int] = None     # the variable's handle id, for a variable
-        self.detail: Optional[dict] = None
-        self.pre_kind: Optional[str] = None
-        self.name: Optional[str] = None
-        self.first_use: Optional[dict] = None
-        self.tref: Any = None
-
-    @property
-    def real(self) -> bool:
-        return not self.soft
-
-
-class Provenance:
-    """The taint table of one step. ``stage()`` and ``where()`` (the current op's
-    :class:`.naming.Location`) come from the recorder."""
+class Provenance(Taints):
+    """The taint table of one step (its rules: :class:`~nanguard.core.locate.taint.Taints`). ``stage()``
+    and ``where()`` (the current op's :class:`.naming.Location`) come from the recorder."""
 
     def __init__(self, stage: Callable[[], str], where: Callable[[], Any]) -> None:
+        super().__init__()
         self.stage, self.where = stage, where
         self.infos: dict[int, Info] = {}
-        self.origins: list[Origin] = []
-        self.escaped_mask: Optional[Origin] = None   # set by decide(), read by the origin's description
 
     # ------------------------------------------------------------------ tensors
     def info(self, t: Any) -> Optional[Info]:
@@ -119,19 +104,16 @@ class Provenance:
 
     # ------------------------------------------------------------------ origins
     def new_origin(self, kind: str, soft: bool, idx: int, stage: Optional[str] = None) -> Origin:
-        o = Origin(len(self.origins), kind, soft, op=idx, stage=stage or self.stage())
-        self.origins.append(o)
-        return o
+        return self.add(kind, soft, idx, stage or self.stage())
 
     def unknown_nonfinite(self, t: Any, a: np.ndarray, nan: bool, first_op: str, idx: int) -> Origin:
         """A non-finite tensor made before the step (or by code outside the recorder)."""
         if a.size <= 1:   # a scalar constant (x * nan, tf.where(m, s, -inf)'s -inf)
             o = self.new_origin("constant", True, idx)
             fr = self.where()
-            o.detail = {"op": first_op, "name": first_op, "api": first_op, "module": fr.module if fr else None,
-                        "stage": o.stage, "file": fr.file if fr else None, "line": fr.line if fr else None,
-                        "function": fr.function if fr else None, "constant": True,
-                        "scalars": [jnum(a.reshape(-1)[0])] if a.size else []}
+            o.detail = constant_detail(first_op, first_op, first_op, fr.module if fr else None, o.stage,
+                                       (fr.file, fr.line, fr.function) if fr else None,
+                                       [jnum(a.reshape(-1)[0])] if a.size else [])
             return o
         return self.preexisting(t, a, nan, "data", None, idx)
 
@@ -153,49 +135,13 @@ class Provenance:
         return o
 
     def decide(self, out_nan: bool, out_inf: bool, ins: list, t_op: str, out: Any) -> Any:
-        """Taint of a non-finite output: inherit a real origin, start a new one ("new"), or inherit a
-        soft one. ``ins``: (pos, tensor, nan, inf, taint, producer) of the op's inputs."""
-        real = [i[4] for i in ins if i[4] is not None and i[4].real]
-        if real:
-            return min(real, key=lambda o: o.seq)
-        in_nan = any(i[2] for i in ins)
-        in_inf = any(i[3] for i in ins)
-        if out_nan and not in_nan:
-            return "new"       # NaN out of NaN-free inputs (incl. softmax of an all -inf row)
-        if out_inf and not out_nan and not in_inf:
-            return "new"       # overflow, x/0, log(0) from finite inputs
-        soft = [i[4] for i in ins if i[4] is not None]
-        if soft:
-            mask = self.mask_escape(t_op, out, ins, soft)
-            if mask is not None:
-                self.escaped_mask = mask
-                return "new"   # masked entries summed into a result: the bug is this reduction
-            return min(soft, key=lambda o: o.seq)
-        return "new"
+        """Taint of a non-finite output (:meth:`Taints.decide`): inherit a real origin, start a new one
+        ("new"), or inherit a soft one. ``ins``: (pos, tensor, nan, inf, taint, producer) of the op's inputs."""
+        return super().decide(out_nan, out_inf, [i[4] for i in ins], any(i[2] for i in ins), any(i[3] for i in ins),
+                              lambda: self._reduces(t_op, out, ins), O.MASK_WRITERS, NEW)
 
-    def mask_escape(self, t_op: str, out: Any, ins: list, soft: list) -> Optional[Origin]:
-        """A sum/mean over positions a mask filled with +-inf, giving a non-finite result."""
+    def _reduces(self, t_op: str, out: Any, ins: list) -> bool:
+        """A forward sum/mean-like op (a mask sink) whose output has fewer elements than its largest input."""
         if t_op not in O.MASK_SINKS or self.stage() != "forward":
-            return None
-        big = max((numel(i[1]) for i in ins), default=0)
-        if numel(out) >= big:
-            return None
-        consts = [o for o in soft if o.kind == "constant" or (o.kind == "preexisting" and o.soft)]
-        if len(consts) != len(soft):
-            return None
-        masks = [o for o in consts if o.kind == "constant" and (o.detail or {}).get("name") in O.MASK_WRITERS]
-        return min(masks, key=lambda o: o.seq) if masks and len(masks) == len(consts) else None
-
-    @staticmethod
-    def earliest(taints: list) -> Optional[Origin]:
-        """The first real taint among ``taints`` (else the first soft one)."""
-        ts = [t for t in taints if t is not None]
-        real = [t for t in ts if t.real]
-        pool = real or ts
-        return min(pool, key=lambda o: o.seq) if pool else None
-
-    def fallback(self, stage: str) -> Optional[Origin]:
-        """The earliest real origin (of ``stage`` first) when a sink's taint was lost."""
-        real = [o for o in self.origins if o.real and o.kind in ("op", "preexisting")]
-        same = [o for o in real if o.stage == stage]
-        return (same or real or [None])[0]
+            return False
+        return numel(out) < max((numel(i[1]) for i in ins), default=0)

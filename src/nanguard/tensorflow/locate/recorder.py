@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import tensorflow as tf
 
+from ...core.locate.result import failed_result
 from . import hooks
 from . import naming
 from . import numerics as N
@@ -222,9 +223,7 @@ class TFRecorder:
             try:
                 res = build_result(self)
             except Exception as e:
-                res = {"reproduced": False, "phase": None, "origin": None, "preexisting": None, "optimizer": None,
-                       "facts": {}, "n_ops": self.n_ops, "backend": "tensorflow",
-                       "notes": self.notes + [f"result failed: {e!r}"[:200]]}
+                res = failed_result(self.n_ops, self.notes, e, backend="tensorflow")
         if self._stopped:
             self._result = res
         return res
