@@ -25,20 +25,22 @@ __all__ = ["NanGuard", "watch"]
 
 @contextlib.contextmanager
 def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "warn", *,
-          strict: bool = False, quiet: bool = False) -> Iterator["object"]:
+          strict: bool = False, quiet: bool = False, on_spike: str = "warn") -> Iterator["object"]:
     """Watch every Keras optimizer update inside the block (the hooks of ``nanguard run``).
 
     ``on_nonfinite="stop"``: the failing update is skipped in-graph and the block ends with
     :class:`nanguard.NonFiniteError` (``err.report``); ``"warn"`` (default) reports and carries on.
     No replay runs here (the step is your inline code): events carry the step, phase and what the
-    check saw. Yields the watcher (``.history``, ``.detections``); ``.report`` is set at the end.
+    check saw. ``on_spike``: what an early warning does (``"warn"``, ``"skip"``; ``"rollback"`` keeps
+    recovery snapshots). Yields the watcher (``.history``, ``.detections``); ``.report`` is set at the end.
     """
     from .core.config import GuardConfig
     from .core.events import NonFiniteError
     from .tensorflow.driver import RunDriver, print_outcome
     from .tensorflow.watch import StopRun
 
-    drv = RunDriver(GuardConfig(on_nonfinite=on_nonfinite, strict=strict), localize=False, quiet=quiet)
+    drv = RunDriver(GuardConfig(on_nonfinite=on_nonfinite, strict=strict), localize=False, quiet=quiet,
+                    on_spike=on_spike)
     drv.install()
     w = drv.watcher
     stopped = False

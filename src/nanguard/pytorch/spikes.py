@@ -1,16 +1,11 @@
-"""Early warning for the PyTorch drivers: the detector on the monitor, warning events, the on-spike action.
+"""Early warning for the PyTorch drivers: the detector on the monitor and the torch port of the on-spike actions.
 
 The :class:`~nanguard.core.spike.SpikeDetector` is judged inside :meth:`StepMonitor.check` on the numbers
 its one sync already read (no tensor, no extra sync); a driver calls :meth:`SpikeResponder.after_check`
-right after each check that found nothing. On a warning it builds the event (``kind`` "warning", the
-cause diagnosed from the step history: :mod:`nanguard.core.alerts`), prints one line on stderr and,
-with ``on_spike``:
-
-* ``"warn"`` (default): nothing else, the step is applied;
-* ``"skip"``: the step's gradients are dropped (its update changes nothing), like OLMo's spike skipping;
-* ``"rollback"``: back to a snapshot from before the excursion began, the learning rate lowered as the
-  diagnosis says (the gradients scaled for hand-written updates; clipping for a gradient jump), and
-  the step dropped: needs the recovery policy's snapshots.
+right after each check that found nothing. What a warning does (its event, its line, ``on_spike``
+warn/skip/rollback) is the core's :class:`~nanguard.core.alerts.SpikeResponse`; this module supplies
+the step's record and :class:`TorchSpikePort`: ``"skip"`` drops the step's gradients (its update
+changes nothing); ``"rollback"`` acts through the PyTorch recovery policy (needs its snapshots).
 
 ``after_check`` returns True when the driver must treat the step as skipped.
 
@@ -22,28 +17,44 @@ event; ``"skip"`` cannot take back an applied update (the warning says so and th
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Union
 
-from ..core.alerts import warning_event, warning_line
+from ..core.alerts import SpikeResponse
 from ..core.events import Event
-from ..core.render.terminal import print_line
-from ..core.spike import ON_SPIKE, SpikeConfig, SpikeDetector
+from ..core.spike import SpikeConfig
 from .detect.verdict import total_norm as _total
 from .recover.skip import skip_step
 
+LATE = "read after its update was applied (sync-free)"
 
-class SpikeResponder:
-    """The early warnings of one driver (a Guard or a Watcher)."""
+
+class TorchSpikePort:
+    """The on-spike actions on one PyTorch step's training objects (:class:`~nanguard.core.alerts.SpikePort`)."""
+
+    late_reason = "read after its update, sync-free"
+
+    def __init__(self, modules: Sequence[Any], optimizers: Sequence[Any], scaler: Any, policy: Any) -> None:
+        self.modules, self.optimizers, self.scaler, self.policy = list(modules), list(optimizers), scaler, policy
+        self.can_rollback = policy is not None
+
+    def skip_step(self, step: int, late: bool) -> Union[Dict[str, Any], str]:
+        if late:  # sync-free: the update is applied by now
+            return LATE
+        return skip_step(self.optimizers, self.modules)
+
+    def rollback(self, event: Event, step: int, history: Sequence[dict], late: bool) -> Optional[Dict[str, Any]]:
+        return self.policy.spike(event, step=step, modules=self.modules, optimizers=self.optimizers,
+                                 scaler=self.scaler, roots=self.modules, history=history, rollback=True)
+
+
+class SpikeResponder(SpikeResponse):
+    """The early warnings of one driver (a Guard or a Watcher): the core response, judged on the monitor."""
 
     def __init__(self, monitor: Any, on_spike: str = "warn", quiet: bool = False,
                  config: Optional[SpikeConfig] = None) -> None:
-        if on_spike not in ON_SPIKE:
-            raise ValueError(f"on_spike must be one of {', '.join(ON_SPIKE)}, got {on_spike!r}")
+        super().__init__(on_spike, quiet, config)
         self.monitor = monitor
-        self.on_spike = on_spike
-        self.quiet = quiet
-        self.events: List[Event] = []
-        monitor.spikes = SpikeDetector(config)
+        monitor.spikes = self.detector
 
     def after_check(self, opt: Any, *, modules: Sequence[Any], optimizers: Sequence[Any], scaler: Any = None,
                     policy: Any = None, context: Optional[Dict[str, Any]] = None, late: bool = False) -> bool:
@@ -57,32 +68,7 @@ class SpikeResponder:
         hist = [h for h in self.monitor.history.raw_dicts() if h.get("step", 0) < step]
         hist.append(self._current(step, opt))
         ctx = dict(context) if context is not None else optimizer_context(optimizers)
-        ev = warning_event(hit, hist, ctx)
-        self.events.append(ev)
-        act = None
-        skip = self.on_spike != "warn"
-        if late and self.on_spike == "skip":  # sync-free: the update is applied by now
-            skip, act = False, "not skipped: read after its update was applied (sync-free)"
-        elif self.on_spike == "rollback" and policy is not None:
-            rec = policy.spike(ev, step=step, modules=list(modules), optimizers=list(optimizers), scaler=scaler,
-                               roots=list(modules), history=hist[:-1], rollback=True)
-            if rec is None:  # no sound action (e.g. Adam's beta2): the warning stands, the step is applied
-                skip, act = False, "no action: " + str((ev.cause.get("evidence") or {}).get("recovery_unsound"))
-            else:
-                act = rec.get("action")
-                back = (rec.get("actions") or {}).get("rollback")
-                if back:  # the replayed run is judged against the state before the excursion
-                    self.monitor.spikes.rewind(back["to_step"])
-                elif late:  # no rollback: the step itself cannot be dropped any more
-                    skip, act = False, f"{act}: too late to drop the step (read after its update, sync-free)"
-                    rec["late"] = True
-        elif skip:
-            ev.recovery = {"action": "skip_step", "ok": True, "category": (ev.cause or {}).get("category"),
-                           "actions": {"skip_step": skip_step(list(optimizers), list(modules))}}
-            act = "skip_step"
-        if not self.quiet:
-            print_line(warning_line(ev, act))
-        return skip
+        return self.respond(hit, hist, ctx, TorchSpikePort(modules, optimizers, scaler, policy), late=late)
 
     def _current(self, step: int, opt: Any) -> Dict[str, Any]:
         """The record of the warning's own step, from what its check read (the history gets it after the update)."""

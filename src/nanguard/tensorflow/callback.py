@@ -28,6 +28,10 @@ class NanGuard(keras.callbacks.Callback):
         quiet: print nothing (the report is still built: ``callback.report``).
         strict: internal guard errors raise instead of warning and disabling the guard.
         history_size: steps kept in the step history.
+        on_spike: what an early warning (the loss or gradient norm spiking or growing geometrically while
+            every value is still finite; :mod:`nanguard.tensorflow.spikes`) does: ``"warn"`` (a warning
+            event in the report and one line), ``"skip"`` the step's update, or ``"rollback"`` to before
+            the excursion with a lower learning rate. None: ``"rollback"`` with ``recover``, else ``"warn"``.
 
     After ``fit``: ``callback.report`` (:class:`nanguard.Report`), ``callback.stopped`` (bool).
     Under ``nanguard run`` (whose hooks already watch the script) the callback defers to it.
@@ -35,8 +39,10 @@ class NanGuard(keras.callbacks.Callback):
 
     def __init__(self, on_nonfinite: str = "stop", report: Optional[str] = "nanguard_report.json",
                  recover: Any = None, localize: bool = True, quiet: bool = False, strict: bool = False,
-                 history_size: int = 200) -> None:
+                 history_size: int = 200, on_spike: Optional[str] = None) -> None:
         super().__init__()
+        from ..core.alerts import check_on_spike
+        self.on_spike = check_on_spike(on_spike) if on_spike is not None else None
         self.config = GuardConfig(on_nonfinite=on_nonfinite, strict=strict, history_size=history_size)
         self.report_path = report
         self.recover = recover
@@ -56,7 +62,7 @@ class NanGuard(keras.callbacks.Callback):
             self._external = ext
             return
         drv = RunDriver(self.config, recover=self.recover, localize=self.localize, quiet=self.quiet,
-                        raise_on_stop=False)
+                        raise_on_stop=False, on_spike=self.on_spike)
         drv.install()
         self._driver = drv
         try:
@@ -70,7 +76,8 @@ class NanGuard(keras.callbacks.Callback):
         if not self.quiet:
             from ..core.render.terminal import print_line
             mode = "recover" if self.recover else self.config.on_nonfinite
-            print_line(f"guarding {type(self.model).__name__}.fit (on non-finite: {mode})")
+            spike = f"; on spike: {drv.on_spike}" if drv.on_spike != "warn" else ""
+            print_line(f"guarding {type(self.model).__name__}.fit (on non-finite: {mode}{spike})")
 
     def on_train_batch_end(self, batch, logs=None) -> None:
         w = self._driver.watcher if self._driver is not None else self._external

@@ -127,6 +127,24 @@ class Row:
         return self.vals[C[name]] >= 0.5
 
 
+def record_of(row: Row, param_norm: Optional[float] = None) -> StepRecord:
+    """The history record of one step's row (the gradient norm unscaled under a LossScaleOptimizer).
+    ``param_norm``: used when the row has none yet (an eager step read before its update)."""
+    gn = row.grad_norm
+    scale = row.loss_scale if row.flag("lso") and math.isfinite(row.loss_scale) else None
+    if scale and math.isfinite(gn):
+        gn = gn / scale  # the history keeps the unscaled gradient norm
+    pn = row.param_norm if math.isfinite(row.param_norm) and row.param_norm > 0 else param_norm
+    lr = row.lr
+    ratio = None
+    if pn and math.isfinite(lr) and math.isfinite(gn):
+        ratio = lr * gn / pn
+    skipped = row.flag("guard_skipped") or (row.flag("lso") and not row.flag("lso_finite"))
+    return StepRecord(step=int(row.step), loss=row.loss if row.flag("loss_known") else None, grad_norm=gn,
+                      group_grad_norms=[gn], param_norm=pn, update_ratio=ratio,
+                      lr=[lr] if math.isfinite(lr) else [], loss_scale=scale, skipped=skipped)
+
+
 class StepDecider:
     """Host-side decision for one optimizer's steps: history, detections, LossScale skips.
 
@@ -143,20 +161,7 @@ class StepDecider:
         self.consecutive_skips = 0
 
     def record(self, row: Row) -> None:
-        gn = row.grad_norm
-        scale = row.loss_scale if row.flag("lso") and math.isfinite(row.loss_scale) else None
-        if scale and math.isfinite(gn):
-            gn = gn / scale  # the history keeps the unscaled gradient norm
-        pn = row.param_norm if math.isfinite(row.param_norm) and row.param_norm > 0 else None
-        lr = row.lr
-        ratio = None
-        if pn and math.isfinite(lr) and math.isfinite(gn):
-            ratio = lr * gn / pn
-        skipped = row.flag("guard_skipped") or (row.flag("lso") and not row.flag("lso_finite"))
-        self.history.append(StepRecord(
-            step=int(row.step), loss=row.loss if row.flag("loss_known") else None, grad_norm=gn,
-            group_grad_norms=[gn], param_norm=pn, update_ratio=ratio,
-            lr=[lr] if math.isfinite(lr) else [], loss_scale=scale, skipped=skipped))
+        self.history.append(record_of(row))
 
     def decide(self, row: Row) -> Optional[Detection]:
         step = int(row.step)

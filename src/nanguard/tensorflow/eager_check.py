@@ -28,7 +28,9 @@ def apply_eager(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
         and row[D.C["pre_ok"]] >= 0.5 and (lso or row[D.C["grads_ok"]] >= 0.5)
     if not ok:  # decided now, before the update: a stop raises here, the variables untouched
         w._guarded(lambda: w.host.finish_row(st, D.Row(row), raw=False))
-    if ok or not w.skip_bad:
+    elif w.spikes is not None and w._guarded(lambda: w.spikes.observe(w, st, D.Row(row), late=False)):
+        row[D.C["guard_skipped"]] = 1.0  # an early warning dropped this update (on_spike skip/rollback)
+    if (ok and row[D.C["guard_skipped"]] < 0.5) or (not ok and not w.skip_bad):
         obs = w.observer
         if obs is not None:
             obs.set_stage("optimizer")

@@ -82,6 +82,8 @@ class HostReader:
         if det is not None:
             self.detail(det, st, row)
             self.handle(det, st)
+        elif raw and w.spikes is not None:  # a traced step, read after its update ran (eager: .eager_check)
+            w._guarded(lambda: w.spikes.observe(w, st, row, late=True))
         if w.on_step_end is not None:
             w.on_step_end(step)
 
@@ -120,7 +122,7 @@ class HostReader:
             if w.on_detection is not None:
                 w.on_detection(det, st)
             return
-        if w.policy is not None:
+        if w.recovering:
             if w._guarded(lambda: w.policy.handle(w, det, st)):
                 return  # recovered: the event is the policy's (the failing update was dropped in-graph)
             w.detections.append(det)

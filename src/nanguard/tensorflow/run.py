@@ -77,25 +77,30 @@ class _ChainedLoader(importlib.abc.Loader):
 def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
                   on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
                   strict: bool = False, quiet: bool = False, bundle: Optional[str] = None,
-                  tensorboard: Optional[str] = None, html: Optional[str] = "auto") -> int:
-    """Run a TensorFlow/Keras ``script`` as ``__main__`` under the guard; write the report however it ends."""
+                  tensorboard: Optional[str] = None, html: Optional[str] = "auto", on_spike: Optional[str] = None) -> int:
+    """Run a TensorFlow/Keras ``script`` as ``__main__`` under the guard; write the report however it ends.
+    ``on_spike``: what an early warning does (:mod:`nanguard.tensorflow.spikes`): ``"warn"``, ``"skip"``
+    or ``"rollback"``; None: ``"rollback"`` with ``recover``, else ``"warn"``."""
     if not os.path.isfile(script):
         print(f"nanguard: no such script: {script}", file=sys.stderr)
         return EXIT_USAGE
     script_abs = os.path.abspath(script)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     config = GuardConfig(on_nonfinite=on_nonfinite, strict=strict)
+    on_spike = on_spike or ("rollback" if recover else "warn")
     state: dict = {"watcher": None, "policy": None, "driver": None}
 
     def install() -> None:
         from .driver import RunDriver
-        drv = RunDriver(config, script_abs, list(args), recover=recover, localize=localize, quiet=quiet)
+        drv = RunDriver(config, script_abs, list(args), recover=recover, localize=localize, quiet=quiet,
+                        on_spike=on_spike)
         state["driver"] = drv
         drv.install()
 
     if not quiet:
         mode = "recover" if recover else on_nonfinite
-        print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}; report: {report_path})")
+        spike = f"; on spike: {on_spike}" if on_spike != "warn" else ""
+        print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}{spike}; report: {report_path})")
     hook = _InstallOnImport(install)
     if any(m in sys.modules for m in _TF_MODULES):
         hook.done = True

@@ -39,13 +39,16 @@ __all__ = ["TFWatcher", "StopRun", "OptState", "active"]
 class TFWatcher:
     """Global TensorFlow/Keras hooks driving the per-step check; one installed at a time."""
 
-    def __init__(self, config: Optional[GuardConfig] = None, *, raise_on_stop: bool = True) -> None:
+    def __init__(self, config: Optional[GuardConfig] = None, *, raise_on_stop: bool = True,
+                 spikes: Any = None) -> None:
         self.config = config or GuardConfig()
         self.history = StepHistory(self.config.history_size)
         self.decider = D.StepDecider(self.config, self.history)
         self.host = HostReader(self)
         self.raise_on_stop = raise_on_stop   # nanguard run: StopRun; the Keras callback: stop_training
         self.policy: Any = None              # recovery (set before install)
+        self.spikes = spikes                 # early warning (.spikes.TFSpikes) or None
+        self.finishing = False               # finish(): reading what is left after the run
         self.detections: List[Detection] = []
         self.info: List[Detection] = []
         self.dropped_events = 0
@@ -77,13 +80,23 @@ class TFWatcher:
         self.on_update_done: Optional[Callable[[int], None]] = None  # host: N updates attempted so far
 
     @property
+    def recovering(self) -> bool:
+        """Recovery acts on failures (a policy that only keeps snapshots for early warnings does not)."""
+        return self.policy is not None and getattr(self.policy, "failures", True)  # a test double: it does
+
+    @property
     def skip_bad(self) -> bool:
         """Whether a step that fails the check has its update dropped in-graph."""
-        return self.config.on_nonfinite == "stop" or self.policy is not None
+        return self.config.on_nonfinite == "stop" or self.recovering
 
     @property
     def stop_mode(self) -> bool:
-        return self.config.on_nonfinite == "stop" and self.policy is None
+        return self.config.on_nonfinite == "stop" and not self.recovering
+
+    @property
+    def warning_events(self) -> list:
+        """The early warnings' events, in order."""
+        return list(self.spikes.events) if self.spikes is not None else []
 
     # ------------------------------------------------------------------ install / uninstall
     def __enter__(self) -> "TFWatcher":
@@ -363,10 +376,12 @@ class TFWatcher:
         """Read what is still unread: the last eager update's norms, stashes of uncalled graphs.
         Never raises StopRun (the run is over)."""
         raise_on_stop, self.raise_on_stop = self.raise_on_stop, False
+        self.finishing = True
         try:
             self.host.finish()
         finally:
             self.raise_on_stop = raise_on_stop
+            self.finishing = False
 
     def optimizers(self) -> list:
         return [st.opt_ref() for st in self.states.values() if st.opt_ref() is not None]
