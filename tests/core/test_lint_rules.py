@@ -55,6 +55,40 @@ CASES = [
         def loss(logits, y):
             return -ops.sum(y * ops.log_softmax(logits), axis=-1)
      """, TF),
+    ("NGL001", """
+        def focal(pred, gt):
+            pos = torch.log(pred) * torch.pow(1 - pred, 2) * gt
+            neg = torch.log(1 - pred) * torch.pow(pred, 2) * (1 - gt)
+            return -(pos + neg).mean()
+     """, """
+        def focal(pred, gt):
+            pred = pred.clamp(1e-4, 1 - 1e-4)
+            pos = torch.log(pred) * torch.pow(1 - pred, 2) * gt
+            neg = torch.log(1 - pred) * torch.pow(pred, 2) * (1 - gt)
+            return -(pos + neg).mean()
+     """, TORCH),
+    ("NGL001", """
+        def cce(y_true, y_pred):
+            return -tf.reduce_sum(y_true * tf.math.log(y_pred), axis=-1)
+     """, """
+        def cce(y_true, y_pred):
+            return -tf.reduce_sum(y_true * tf.math.log(y_pred + 1e-7), axis=-1)
+     """, TF),
+    # NGL015 log of an input as it came in
+    ("NGL015", """
+        def nll(y_pred, y_true):
+            return F.nll_loss(torch.log(y_pred), y_true)
+     """, """
+        def nll(y_pred, y_true, eps: float = 1e-8):
+            return F.nll_loss(torch.log(y_pred.clamp(min=eps)), y_true)
+     """, TORCH),
+    ("NGL015", """
+        def log_ratio(p, q):
+            return tf.math.log(p) - tf.math.log(q)
+     """, """
+        def log_scale(max_period=10000):
+            return tf.math.log(max_period)
+     """, TF),
     # NGL002 BCELoss on a sigmoid
     ("NGL002", """
         class Head(nn.Module):
@@ -176,7 +210,22 @@ CASES = [
         def standardize(x):
             return (x - tf.reduce_mean(x, 0)) / (tf.math.reduce_std(x, 0) + 1e-5)
      """, TF),
-    # NGL007 division by the norm of a vector that can be 0
+    ("NGL006", """
+        class LN(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.eps = 0
+            def forward(self, x):
+                return (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + self.eps)
+     """, """
+        class LN(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.eps = 1e-5
+            def forward(self, x):
+                return (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + self.eps)
+     """, TORCH),
+    # NGL007 division by a norm
     ("NGL007", """
         def direction(a, b):
             d = a - b
@@ -269,6 +318,15 @@ CASES = [
             scores = tf.where(mask, scores, -1e9)
             return tf.nn.softmax(scores, axis=-1)
      """, TF),
+    ("NGL011", """
+        def attend(dots, mask):
+            dots.masked_fill_(mask, -float("-inf"))
+            return dots.softmax(dim=-1)
+     """, """
+        def attend(dots, mask):
+            dots.masked_fill_(mask, -torch.finfo(dots.dtype).max)
+            return dots.softmax(dim=-1)
+     """, TORCH),
     # NGL012 kl_div arguments
     ("NGL012", """
         def distill(s, t):
@@ -403,7 +461,8 @@ def test_a_parameter_shadows_a_module_level_name():
         def g():
             return torch.log(probs)
     """
-    assert [f.line for f in lint_source(TORCH + textwrap.dedent(src), "m.py")] == [9]
+    found = [(f.line, f.rule) for f in lint_source(TORCH + textwrap.dedent(src), "m.py")]
+    assert found == [(7, "NGL015"), (9, "NGL001")]  # the parameter is an input, not the module's softmax
 
 
 def test_a_distribution_normalised_by_its_own_sum_is_not_a_count():

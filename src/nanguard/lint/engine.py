@@ -13,7 +13,7 @@ from typing import Dict, Iterable, List, Optional, Set
 
 from ..core.diagnosis import fixes as X
 from . import rules as _rules
-from .flow import Flow, ModuleInfo, aug_binop, is_no_grad, names_in, own_exprs, walk_calls
+from .flow import Flow, ModuleInfo, aug_binop, is_no_grad, names_in, own_exprs, probability_params, walk_calls
 from .registry import Rule
 
 __all__ = ["Finding", "lint_source", "select_rules", "suppressions"]
@@ -120,6 +120,9 @@ class _Walker:
         for p in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]:
             if p is not None:
                 flow.env[p.arg] = frozenset()
+        for p in probability_params(fn):
+            flow.env[p] = frozenset({"prob"})
+        flow.inputs = _tensor_params(fn)
         self.check([*a.defaults, *[d for d in a.kw_defaults if d is not None]], outer)
         self.body(fn.body, flow)
 
@@ -139,6 +142,23 @@ class _Walker:
                                               hit.message, fixes, hit.fixable and r.autofix,
                                               getattr(hit.node, "end_lineno", 0) or 0,
                                               (getattr(hit.node, "end_col_offset", 0) or 0) + 1))
+
+
+def _tensor_params(fn: ast.AST) -> frozenset:
+    """The parameters that can carry a tensor: not ``self``/``cls``, no numeric default, not annotated
+    int/float/bool/str."""
+    a = fn.args
+    positional = [*a.posonlyargs, *a.args]
+    defaults = dict(zip([p.arg for p in positional][len(positional) - len(a.defaults):], a.defaults))
+    defaults.update({p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+    out = set()
+    for p in [*positional, *a.kwonlyargs]:
+        if p.arg in ("self", "cls") or isinstance(defaults.get(p.arg), ast.Constant):
+            continue
+        if isinstance(p.annotation, ast.Name) and p.annotation.id in ("int", "float", "bool", "str"):
+            continue
+        out.add(p.arg)
+    return frozenset(out)
 
 
 def lint_source(source: str, path: str = "<string>", rules: Optional[List[Rule]] = None) -> List[Finding]:

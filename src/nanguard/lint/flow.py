@@ -34,7 +34,7 @@ Tags = FrozenSet[str]
 NONE: Tags = frozenset()
 ZERO = frozenset({"softmax", "sigmoid", "relu", "count"})
 RISK = ZERO | {"norm", "std", "var", "sumsq", "negdiff", "cos", "exp", "diff", "filtered"}
-PROB = frozenset({"softmax", "sigmoid"})
+PROB = frozenset({"softmax", "sigmoid", "prob"})
 # what makes a whole vector exactly 0: a difference (a point paired with itself, a perfect fit), a ReLU, a
 # count or a mask; a norm or a root of squares of such a value is at risk, of an arbitrary feature vector not
 CAN_VANISH = frozenset({"diff", "relu", "count", "mask", "filtered"})
@@ -62,6 +62,13 @@ def is_neg_inf(node: ast.AST, aliases: Optional[Aliases] = None) -> bool:
         return isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.strip().lower() in ("-inf",
                                                                                                         "-infinity")
     return isinstance(node, ast.Constant) and isinstance(node.value, float) and node.value == float("-inf")
+
+
+def is_pos_inf(node: ast.AST) -> bool:
+    """``float('inf')``, ``math.inf``, ``-float('-inf')`` (a fill that makes every softmax row NaN)."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return is_neg_inf(node.operand)
+    return _is_inf(node)
 
 
 def _is_inf(node: ast.AST) -> bool:
@@ -143,6 +150,7 @@ class Flow:
         self.cls = cls
         self._memo: Dict[int, Tags] = {}
         self.nonempty: set = set()          # names a condition tested (if b: ..., if not b: return)
+        self.inputs: FrozenSet[str] = frozenset()  # the function's tensor parameters
         self.tested_here: FrozenSet[str] = frozenset()
 
     def tested(self, node: Optional[ast.AST]) -> bool:
@@ -224,12 +232,20 @@ class Flow:
             return frozenset({"filtered"}) if any(g.ifs for g in node.generators) else NONE
         return NONE
 
+    def is_zero(self, node: ast.AST) -> bool:
+        """A literal 0, or a name / ``self.`` attribute bound to one (``self.eps = 0``)."""
+        if isinstance(node, (ast.Name, ast.Attribute)) and not (isinstance(node, ast.Name) and node.id in self.env):
+            node = self.bound(dotted(node))
+        return isinstance(node, ast.Constant) and not isinstance(node.value, bool) and node.value == 0
+
     def _binop(self, node: ast.BinOp, d: int) -> Tags:
         lt, rt = self.value(node.left, d), self.value(node.right, d)
         op = node.op
         if isinstance(op, ast.Add):
             if (lt & RISK) and (rt & RISK):
                 return lt | rt
+            if self.is_zero(node.left) or self.is_zero(node.right):
+                return lt | rt  # x + eps with eps bound to 0 guards nothing
             return ((lt | rt) - RISK - {"mask"}) | ((lt | rt) & {"exp"}) | {"guarded"}
         if isinstance(op, ast.Sub):
             if "rowmax" in rt:
@@ -317,6 +333,8 @@ class Flow:
             out = v
             if fill is not None and is_neg_inf(fill):
                 out = out | {"neginf"} | (self.value(mask, d) & {"causal"})
+            elif fill is not None and is_pos_inf(fill):
+                out = out | {"posinf"}
             return out
         if name == "where":
             branches = [a for a in call.args[1:3]]
@@ -399,6 +417,8 @@ class Flow:
                 elif f.attr == "masked_fill_" and len(stmt.value.args) > 1 and is_neg_inf(stmt.value.args[1]):
                     self.env[name] = self.env.get(name, NONE) | {"neginf"} | \
                         (self.value(stmt.value.args[0]) & {"causal"})
+                elif f.attr == "masked_fill_" and len(stmt.value.args) > 1 and is_pos_inf(stmt.value.args[1]):
+                    self.env[name] = self.env.get(name, NONE) | {"posinf"}
 
     def definition(self, node: ast.AST) -> Optional[ast.expr]:
         """The expression a name was last assigned in this body (for messages)."""
@@ -441,6 +461,43 @@ def kwarg(call: ast.Call, name: str) -> Optional[ast.AST]:
 
 def names_in(node: Optional[ast.AST]) -> FrozenSet[str]:
     return frozenset(n.id for n in ast.walk(node) if isinstance(n, ast.Name)) if node is not None else frozenset()
+
+
+def _log_of(node: ast.AST) -> Optional[str]:
+    """p for ``log(p)`` / ``K.log(p)`` / ``p.log()`` with p a bare name, else None."""
+    if not isinstance(node, ast.Call):
+        return None
+    f = node.func
+    if isinstance(f, ast.Attribute) and f.attr == "log" and not node.args and isinstance(f.value, ast.Name):
+        return f.value.id if f.value.id not in ("torch", "tf", "K", "np", "math", "ops") else None
+    if (dotted(f) or "").split(".")[-1] == "log" and len(node.args) == 1 and isinstance(node.args[0], ast.Name):
+        return node.args[0].id
+    return None
+
+
+def probability_params(fn: ast.AST) -> FrozenSet[str]:
+    """Parameters the function's own arithmetic uses as probabilities: ``log(p)`` or ``log(1 - p)`` beside
+    ``1 - p`` (a hand-written binary cross-entropy or focal loss), or ``y * log(p)`` / ``dot(log(p), y)`` with
+    y another parameter (a hand-written cross-entropy against a target)."""
+    params = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
+    complement, logged, crossed = set(), set(), set()
+    for n in ast.walk(fn):
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub) and isinstance(n.left, ast.Constant) and \
+                n.left.value == 1 and isinstance(n.right, ast.Name) and n.right.id in params:
+            complement.add(n.right.id)
+        if isinstance(n, ast.Call) and (dotted(n.func) or "").split(".")[-1] == "log" and n.args:
+            logged |= {x.id for x in ast.walk(n.args[0]) if isinstance(x, ast.Name)}
+        pairs = []
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult):
+            pairs = [(n.left, n.right), (n.right, n.left)]
+        elif isinstance(n, ast.Call) and (dotted(n.func) or "").split(".")[-1] in ("dot", "matmul", "tensordot") \
+                and len(n.args) >= 2:
+            pairs = [(n.args[0], n.args[1]), (n.args[1], n.args[0])]
+        for a, b in pairs:
+            p = _log_of(a)
+            if p in params and (names_in(b) & (params - {p})) and not isinstance(b, ast.Constant):
+                crossed.add(p)
+    return frozenset((complement & logged) | crossed)
 
 
 def walk_calls(nodes: List[ast.AST]) -> Iterator[Tuple[ast.AST, FrozenSet[str]]]:

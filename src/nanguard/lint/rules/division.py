@@ -7,7 +7,7 @@ from typing import Iterator, List, Optional, Tuple
 
 from ...core.diagnosis.rules.division import div_result
 from ...core.diagnosis.rules.stdvar import variance
-from ..flow import CAN_VANISH, Flow, arg
+from ..flow import Flow, arg
 from ..registry import Hit, rule
 
 _CASTS = {"float", "double", "half", "to", "type", "type_as", "unsqueeze", "view", "reshape", "cast", "expand_as",
@@ -39,12 +39,14 @@ def _strip(node: ast.AST, flow: Flow) -> ast.AST:
     return node
 
 
-def _summed(den: ast.AST, flow: Flow) -> Optional[List[ast.AST]]:
+def _summed(den: ast.AST, flow: Flow, depth: int = 0) -> Optional[List[ast.AST]]:
     """The tensors a denominator sums: ``m.sum(1)`` -> [m]; ``K.sum(a) + K.sum(b)`` -> [a, b] (every term a
-    sum or a mean, no constant); else None."""
+    sum or a mean, no constant; names followed to their definitions in the body); else None."""
     den = _strip(den, flow)
+    if isinstance(den, ast.Name) and depth < 3 and flow.definition(den) is not None:
+        return _summed(flow.definition(den), flow, depth + 1)
     if isinstance(den, ast.BinOp) and isinstance(den.op, ast.Add):
-        left, right = _summed(den.left, flow), _summed(den.right, flow)
+        left, right = _summed(den.left, flow, depth), _summed(den.right, flow, depth)
         return left + right if left is not None and right is not None else None
     if not isinstance(den, ast.Call):
         return None
@@ -132,12 +134,12 @@ def _div_by_std(node: ast.AST, flow: Flow) -> Iterator[Hit]:
 
 
 @rule("NGL007", "div-by-norm", "div_by_zero", fixes=_div_fixes,
-      what="a division by the norm (or the root of a sum of squares) of a vector that is exactly 0 by "
-           "construction (a difference such as a point paired with itself, a ReLU output, a mask) with no eps or "
-           "clamp: 0/0 = NaN; F.normalize / tf.math.l2_normalize guard it")
+      what="a division by a norm (or the root of a sum of squares) with no eps or clamp: a zero vector (an "
+           "all-zero embedding, a difference of a point with itself, a ReLU output) gives 0/0 = NaN; F.normalize "
+           "/ tf.math.l2_normalize guard it")
 def _div_by_norm(node: ast.AST, flow: Flow) -> Iterator[Hit]:
     got = division(node, flow)
     tags = flow.value(got[1]) if got is not None and not flow.tested(got[1]) else frozenset()
-    if "norm" in tags and tags & CAN_VANISH:
-        yield Hit(node, "division by the norm of a vector that can be exactly 0 (a difference, a ReLU output, a "
-                        "mask) without eps: 0/0 = NaN; use F.normalize or norm.clamp(min=1e-12)")
+    if "norm" in tags:
+        yield Hit(node, "division by a norm without eps: a zero vector gives 0/0 = NaN; use F.normalize or "
+                        "norm.clamp(min=1e-12)")

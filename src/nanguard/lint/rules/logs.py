@@ -27,7 +27,7 @@ def _log_input(node: ast.AST, flow: Flow):
 
 
 def _producer(tags) -> str:
-    return "softmax" if "softmax" in tags else "sigmoid"
+    return "softmax" if "softmax" in tags else "sigmoid" if "sigmoid" in tags else "prob"
 
 
 @rule("NGL001", "log-of-probability", "log_domain", autofix=True, fixes=_log_fixes,
@@ -48,8 +48,10 @@ def _log_of_probability(node: ast.AST, flow: Flow) -> Iterator[Hit]:
     exact = isinstance(x, ast.Call) and op.name == "log" and not (flow.op(x) or op).module and \
         (flow.op(x) or op).name == "softmax"
     better = "log_softmax" if p == "softmax" else "logsigmoid / a loss on the logits"
-    yield Hit(node, f"log of a {p} output without eps or clamp: it is -inf where the {p} rounds to 0; use "
-                    f"{better}", fixable=exact, facts={"producers": [p]})
+    what, which = (f"a {p} output", f"the {p}") if p != "prob" else ("a probability (a parameter used as one)",
+                                                                     "it")
+    yield Hit(node, f"log of {what} without eps or clamp: it is -inf where {which} rounds to 0; use {better}",
+              fixable=exact, facts={"producers": [p if p != "prob" else "sigmoid"]})
 
 
 @rule("NGL002", "bce-on-sigmoid", "log_domain", autofix=True, fixes=_log_fixes,
@@ -104,3 +106,18 @@ def _unbounded_exp(node: ast.AST, flow: Flow) -> Iterator[Hit]:
     got = _log_input(node, flow)
     if got is not None and got[0].name == "log" and "expsum" in got[2]:
         yield Hit(node, "hand-written logsumexp log(sum(exp(z))) without subtracting the max: use logsumexp")
+
+
+@rule("NGL015", "log-of-input", "log_domain", fixes=_log_fixes,
+      what="log of a function's tensor parameter, used as it came in, with no eps or clamp (a hand-written "
+           "loss's log(y_pred)): a prediction, probability or count that reaches 0 gives -inf. Not for a "
+           "parameter with a numeric default or an int/float annotation")
+def _log_of_input(node: ast.AST, flow: Flow) -> Iterator[Hit]:
+    got = _log_input(node, flow)
+    if got is None or got[0].name != "log":
+        return
+    x = got[1]
+    if not isinstance(x, ast.Name) or x.id not in flow.inputs or got[2] or x.id in flow.defs or flow.tested(x):
+        return
+    yield Hit(node, f"log of the input '{x.id}' as it came in, with no eps or clamp: -inf where it is 0; clamp it "
+                    "(or compute the loss from logits)")

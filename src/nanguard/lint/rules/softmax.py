@@ -23,7 +23,10 @@ def _masked_softmax(node: ast.AST, flow: Flow) -> Iterator[Hit]:
     if op is None or op.name not in ("softmax", "log_softmax") or (op.module and flow.module_op(node.func) is None):
         return
     tags = flow.value(flow.input(node, op))
-    if "neginf" in tags and "causal" not in tags and not flow.no_grad:
+    if "posinf" in tags:
+        yield Hit(node, "softmax over scores filled with +inf: exp(inf - inf) is NaN in every masked row; fill with "
+                        "-inf's finite stand-in torch.finfo(dtype).min instead")
+    elif "neginf" in tags and "causal" not in tags and not flow.no_grad:
         yield Hit(node, "softmax over scores masked with -inf: a fully masked row gives NaN; fill with "
                         "torch.finfo(dtype).min (or -1e9) instead, or make sure every row keeps one key")
 
