@@ -112,7 +112,7 @@ def test_loss_scale_collapse_is_a_failure(tmp_path):
 
 def test_exit_statuses(tmp_path):
     code, rep = run_tf(tmp_path, write(tmp_path, "import tensorflow\nraise SystemExit(4)\n", "a.py"))
-    assert code == 4 and rep["status"] == "clean"
+    assert code == 4 and rep["status"] == "exited" and rep["exit_code"] == 4
     code, rep = run_tf(tmp_path, write(tmp_path, "import keras\nraise ValueError('boom')\n", "b.py"))
     assert code == 1 and rep is not None
     code, rep = run_tf(tmp_path, write(tmp_path, "import keras\nraise KeyboardInterrupt\n", "c.py"))

@@ -718,7 +718,8 @@ def test_sys_exit_inside_the_loop(tmp_path, capsys, stmt, expected):
     script = write(tmp_path, loop_script(before_forward=stmt))
     code, rep = run_ng(tmp_path, script, [3])
     assert code == expected
-    assert rep["steps_watched"] == 3 and rep["status"] == "clean"
+    assert rep["steps_watched"] == 3 and rep["status"] == ("clean" if expected == 0 else "exited")
+    assert rep["exit_code"] == expected
     if "fatal" in stmt:
         assert "fatal: bad config" in capsys.readouterr().err
 
@@ -801,7 +802,9 @@ def test_internal_error_disables_but_does_not_hide_the_run(tmp_path, monkeypatch
     with pytest.warns(RuntimeWarning):
         code, rep = run_ng(tmp_path, script, [2])
     assert code == 0  # the guard is off; the script ran to its end
-    assert rep["guard_disabled"] == "RuntimeError: boom inside the monitor"  # the report says so
+    # the report says so, from which step, and its status is not "clean"
+    assert rep["guard_disabled"] == {"error": "RuntimeError: boom inside the monitor", "step": 0}
+    assert rep["status"] == "guard_disabled"
 
 
 def test_internal_error_strict_raises(tmp_path, monkeypatch, capsys):

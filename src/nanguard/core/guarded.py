@@ -21,6 +21,24 @@ def call_guarded(owner: Any, fn: Callable[[], Any],
             raise
         owner.disabled = True
         owner.error = f"{type(e).__name__}: {e}"
+        owner.disabled_step = _step_of(owner)
         warnings.warn(f"nanguard: internal error, guard disabled for the rest of the run: "
                       f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=4)
         return None
+
+
+def _step_of(owner: Any) -> Any:
+    """The step the driver was at (its monitor's count of steps watched), or None."""
+    for src in (getattr(owner, "monitor", None), owner):
+        n = getattr(src, "steps_watched", None)
+        if isinstance(n, int):
+            return n
+    return None
+
+
+def disabled_note(owner: Any) -> Any:
+    """The report's ``guard_disabled`` record of a driver an internal error turned off, or None."""
+    if not getattr(owner, "disabled", False):
+        return None
+    return {"error": getattr(owner, "error", None) or "internal error",
+            "step": getattr(owner, "disabled_step", None)}

@@ -90,6 +90,10 @@ def _describe_localization(det: Detection, loc_run: Optional[Dict[str, Any]], re
         d["method"] = f"{verb} under op-level instrumentation (forward, backward and optimizer ops), reproduced"
         if (loc_run.get("fallback_from") or {}).get("reason"):
             d["method"] += f"; the in-process replay was not used: {loc_run['fallback_from']['reason']}"
+    elif loc_run.get("interrupted"):  # a signal cut the localization short: nothing to conclude from it
+        d["method"] = (f"localization of step {det.step} was interrupted by {loc_run['interrupted']} before it "
+                       f"finished, so no origin is claimed")
+        d.update(reproduced=None, interrupted=loc_run["interrupted"])
     else:
         why = loc_run.get("reason") or loc_run.get("error") or "no non-finite value appeared"
         d["method"] = (f"tried to replay step {det.step} under op-level instrumentation: could not reproduce "

@@ -29,9 +29,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from .diagnosis import diagnose_error
+from .exitcodes import EXIT_NONFINITE
 
 __all__ = ["ScriptOutcome", "Terminated", "run_as_main", "exit_code", "apply_outcome", "print_user_traceback",
-           "interruptible", "pending_signal", "restore_signals", "block_outcome"]
+           "interruptible", "pending_signal", "restore_signals", "block_outcome", "apply_late_signal",
+           "ThreadStops"]
 
 
 class Terminated(BaseException):
@@ -67,6 +69,8 @@ def run_as_main(script: str, args: List[str], is_stop: Callable[[BaseException],
     sys.argv = [script] + list(args)
     sys.path.insert(0, folder)
     out = ScriptOutcome()
+    threads = ThreadStops(is_stop)
+    threads.install()
     try:
         with _signals_raise():
             runpy.run_path(script_abs, run_name="__main__")
@@ -85,6 +89,7 @@ def run_as_main(script: str, args: List[str], is_stop: Callable[[BaseException],
             out.code, out.error = 1, e
             out.error_info = describe_error(e, script_abs)
     finally:
+        threads.uninstall()
         sys.argv = old_argv
         if sys.path and sys.path[0] == folder:
             del sys.path[0]
@@ -94,6 +99,32 @@ def run_as_main(script: str, args: List[str], is_stop: Callable[[BaseException],
             except ValueError:
                 pass
     return out
+
+
+class ThreadStops:
+    """While installed, a thread that nanguard's stop ended (``is_stop(exc)``) prints one line instead of
+    a traceback (``threading.excepthook``); the backends raise the stop in the other threads at their
+    next step and end the run with status 3. Other exceptions go to the previous hook."""
+
+    def __init__(self, is_stop: Callable[[BaseException], bool]) -> None:
+        self.is_stop, self.prev, self.noted = is_stop, None, False
+
+    def install(self) -> None:
+        self.prev, threading.excepthook = threading.excepthook, self.hook
+
+    def uninstall(self) -> None:
+        if threading.excepthook == self.hook:
+            threading.excepthook = self.prev or threading.__excepthook__
+
+    def hook(self, args: Any) -> None:
+        if args.exc_value is not None and self.is_stop(args.exc_value):
+            if not self.noted:
+                self.noted = True
+                name = getattr(args.thread, "name", None) or "a thread"
+                print(f"nanguard: {args.exc_value} (in thread {name}); the other threads stop at their next step",
+                      file=sys.stderr)
+            return
+        (self.prev or threading.__excepthook__)(args)
 
 
 class _Signals:
@@ -260,3 +291,18 @@ def apply_outcome(report: Any, outcome: ScriptOutcome, step: Optional[int] = Non
         report.script_error = err
     if outcome.signal is not None:
         report.interrupted = {"signal": outcome.signal, "exit_status": outcome.code, "step": step}
+    report.exit_code = EXIT_NONFINITE if outcome.stopped else outcome.code
+
+
+def apply_late_signal(report: Any, outcome: ScriptOutcome, step: Optional[int] = None) -> Optional[int]:
+    """A signal that came after the script ended (nanguard stopped it, or it finished) while nanguard
+    localized the failure: it wins. The report says ``interrupted`` (``"during": "localization"``) with
+    128 + the signal number as ``exit_code``, which is returned; None when no such signal came."""
+    sig = _SIGNALS.pending
+    if sig is None or outcome.signal is not None:
+        return None
+    code = 128 + int(sig)
+    report.interrupted = {"signal": signal.Signals(sig).name, "exit_status": code, "step": step,
+                          "during": "localization"}
+    report.exit_code = code
+    return code

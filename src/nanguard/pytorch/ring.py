@@ -25,6 +25,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
+from .numerics import version
+
 
 
 @dataclass
@@ -42,7 +44,7 @@ class StepEntry:
 
     def intact(self) -> bool:
         """No batch tensor was written in place since the step ran."""
-        return all(t._version == v for t, v in self.versions)
+        return all(version(t) == v for t, v in self.versions)
 
 
 def hyperparameters(optimizers) -> List[List[Dict[str, Any]]]:
@@ -101,7 +103,7 @@ class StepRing:
         e = StepEntry(step=step, batches=list(batches), loss_fn=loss_fn, rng=rng,
                       hyper=hyperparameters(optimizers),
                       scaler=scaler_state(scaler) if scaler is not None else None,
-                      host=list(host or []), versions=[(t, t._version) for t in ts],
+                      host=list(host or []), versions=[(t, version(t)) for t in ts],
                       nbytes=sum(t.numel() * t.element_size() for t in ts))
         while self.entries and self.entries[-1].step >= step:  # a step run again replaces its entry
             self.entries.pop()

@@ -23,7 +23,7 @@ from ..core.experiments import ExperimentConfig
 from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
-from ..core.script import apply_outcome, pending_signal, restore_signals, run_as_main
+from ..core.script import apply_late_signal, apply_outcome, pending_signal, restore_signals, run_as_main
 from .bundle import default_bundle_path
 from .distributed import barrier, is_main
 from .recover import RecoveryPolicy
@@ -110,16 +110,23 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
         if tb is not None:
             tb.log_report(report)
             tb.close()
+    owner = os.getpid()
         page = None
         if report_path and is_main():  # torch.distributed: rank 0 writes the merged report
             report.write(report_path)
         if is_main():
             page = write_run_html(report, report_path, html)
+    if os.getpid() != owner:  # a child the script forked (os.fork) ran on to the script's end: it was
+        return outcome.code   # not watched, and writes nothing (the parent reports; nanguard.pytorch.owners)
+    # a stop raised in another thread (the thread ended with it; this one may have run on to the end)
+    outcome.stopped = outcome.stopped or (watcher.stopping is not None and outcome.signal is None)
         if not quiet:
+    final = None
             _print_outcome(report, report_path)
             if page:
                 print_line(f"HTML report: {page}")
             if policy is not None:
+        final = apply_late_signal(report, outcome, step=watcher.monitor.steps_watched)  # it wins over the stop
                 policy.print_summary()
         barrier()  # torch.distributed: no rank exits (and gets the others killed) before rank 0 is done
     except Exception as e:
@@ -133,8 +140,8 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
             os.unlink(rng_file)
         except OSError:
             pass
-    if stopped:
-        return EXIT_NONFINITE
+    if final is not None:  # a signal while nanguard localized the failure
+        return final
     if outcome.signal is None and late is not None:  # a signal while the report was written
         return 128 + int(late)
     return code
@@ -149,3 +156,5 @@ def _print_outcome(report, report_path) -> None:
     if report.events or report.script_error:
         render(report, report_path)
     print_line(summary_line(report))
+    if stopped:
+        return EXIT_NONFINITE

@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from .distributed import is_distributed
+from .numerics import version
 from .tape import Entry, Ext, Ref, StepTape, rng_now, set_rng, tensor_leaves
 
 __all__ = ["StepReplay", "Changes", "ReplayError", "replay_of"]
@@ -104,13 +105,13 @@ class StepReplay:
                 stack.extend(w for w in writers.get((r.entry, r.slot), ()) if w < i)
         return sorted(need)
 
-    def _check(self, ext_ver: List[int]) -> Optional[str]:
+    def _check(self, ext_ver: List[Optional[int]]) -> Optional[str]:
         for i in self.needed:
             for x in _exts((self.entries[i].args, self.entries[i].kwargs)):
                 t = self.ext[x.i]
                 if self.written.get(x.i, -1) > i:
                     return "a tensor the loss needs was written in place after it was read"
-                if t._version != ext_ver[x.i]:
+                if version(t) != ext_ver[x.i]:
                     return "a tensor the loss needs was modified in place after the step read it"
         return None
 

@@ -40,6 +40,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .locate.naming import Frames, api_name
+from .numerics import version
 
 __all__ = ["StepTape", "Entry", "Ref", "Ext", "tensor_leaves", "rng_now", "set_rng"]
 
@@ -236,7 +237,9 @@ class StepTape:
     def _clear(self) -> None:
         self.entries = []
         self.ext: List[torch.Tensor] = []
-        self.ext_ver: List[int] = []
+        # version counters (None for an inference tensor: it has none, and cannot be written in place
+        # outside inference mode, so it is a constant of the step)
+        self.ext_ver: List[Optional[int]] = []
         self.ext_written: Dict[int, int] = {}         # external -> the position of its last in-place write
         self.writers: Dict[tuple, List[int]] = {}    # (entry, slot) -> calls that wrote that output in place
         self.param_writes: Dict[int, dict] = {}      # id(parameter) -> the last recorded in-place write to it
@@ -340,7 +343,7 @@ class StepTape:
             return Ext(i)
         n = new.get(id(t))
         if n is None:  # provisional: registered only if the call is recorded
-            n = new[id(t)] = (Ext(len(self.ext) + len(new)), t, t._version)
+            n = new[id(t)] = (Ext(len(self.ext) + len(new)), t, version(t))
         return n[0]
 
     def _template(self, obj: Any, new: Dict[int, tuple], depth: int = 0) -> Any:
@@ -463,7 +466,7 @@ class StepTape:
             fr = self.frames.site_of(sys._getframe(2))[0]
             self.param_writes[id(t)] = {"api": api_name(func), "file": fr[0] if fr else None,
                                         "line": fr[1] if fr else None, "function": fr[2] if fr else None}
-        self.ext_ver[i] = t._version
+        self.ext_ver[i] = version(t)
         self.ext_written[i] = len(self.entries)
 
     def before_backward(self, tensors: List[torch.Tensor], a: tuple, k: dict) -> None:

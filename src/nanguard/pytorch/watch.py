@@ -28,7 +28,6 @@ What the watcher does beyond detecting (experiments, recovery, early warnings, s
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import weakref
 from typing import Any, Callable, Iterator, List, Optional
@@ -52,7 +51,7 @@ from .detect.closure import checked_closure, closure_of, recheck, with_closure
 from .distributed import share_event
 from .evalcheck import EvalCheck
 from .gradscaler import scaler_enabled
-from .owners import in_guard_step, track, untrack
+from .owners import StandAside, StopRun
 from .stepreplay import StepReplay, replay_of
 from .tape import StepTape
 from .watch_recovery import WatcherRecovery
@@ -60,15 +59,7 @@ from .zerocode import Localizer, announce, make_report, run_context
 from .spikes import SpikeResponder
 
 
-class StopRun(BaseException):
-    """Raised through the user's script to stop it (BaseException: ``except Exception`` won't eat it)."""
-
-    def __init__(self, detection: Detection) -> None:
-        super().__init__(f"nanguard stopped the run at step {detection.step} ({detection.phase})")
-        self.detection = detection
-
-
-class Watcher(WatcherRecovery):
+class Watcher(WatcherRecovery, StandAside):
     """Global hooks driving a :class:`StepMonitor` for code nanguard cannot see into."""
 
     def __init__(self, config: Optional[GuardConfig] = None,
@@ -130,9 +121,7 @@ class Watcher(WatcherRecovery):
         if self._installed:
             return
         self._installed = True
-        track(self)
-        self._orig_excepthook = threading.excepthook
-        threading.excepthook = self._thread_excepthook
+        self._own_process()
 
         w = self
         orig_init = torch.optim.Optimizer.__init__
@@ -184,9 +173,7 @@ class Watcher(WatcherRecovery):
         torch.autograd.backward = self._orig["backward"]
         torch_grad_scaler.GradScaler.step = self._orig["scaler_step"]
         torch_grad_scaler.GradScaler.scale = self._orig["scale"]
-        if threading.excepthook == self._thread_excepthook:
-            threading.excepthook = self._orig_excepthook
-        untrack(self)
+        self._release_process()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -197,33 +184,6 @@ class Watcher(WatcherRecovery):
         self._installed = False
 
     # ------------------------------------------------------------------ safety
-    @property
-    def _replaying(self) -> bool:
-        """The hooks do nothing now: an in-process replay runs (:meth:`quiet`), a Guard runs its own step
-        in this thread, or this process is a forked child (:mod:`.owners`). A stop raised in another
-        thread is raised here too (the run is stopping)."""
-        if self.stopping is not None and not self.forked and not self._replay_on and not self._busy \
-                and self._installed and not in_guard_step():
-            raise StopRun(self.stopping)
-        return self._replay_on or self.forked or in_guard_step()
-
-    def _stop(self, det: Detection) -> "StopRun":
-        """The run stops at ``det``, in every thread (see ``stopping``)."""
-        if self.stopping is None:
-            self.stopping = det
-        return StopRun(det)
-
-    def _thread_excepthook(self, args: Any) -> None:
-        """A training thread ended by the stop: one line, not a traceback (the run ends with status 3)."""
-        if isinstance(args.exc_value, StopRun):
-            if not getattr(self, "_thread_noted", False):
-                self._thread_noted = True
-                name = getattr(args.thread, "name", "a thread")
-                print(f"nanguard: {args.exc_value} (in thread {name}); the other threads stop at their next step",
-                      file=sys.stderr)
-            return
-        (self._orig_excepthook or threading.__excepthook__)(args)
-
     @property
     def busy(self) -> bool:
         """nanguard's own code is running (a check, a replay): values it reads are not the script's."""
@@ -304,9 +264,11 @@ class Watcher(WatcherRecovery):
         if closure is not None and not self.disabled:
             # optimizer.step(closure) (LBFGS): the loss and gradients are made inside step; the check
             # runs inside the closure, after each evaluation, before the optimizer uses them
+            tape = self.tape
             checked = checked_closure(closure, self.monitor, lambda loss: self._pre_check(opt),
                                       lambda loss: self._handle(self._guarded(
-                                          lambda: recheck(self.monitor, opt, loss)), opt))
+                                          lambda: recheck(self.monitor, opt, loss)), opt),
+                                      again=None if tape is None else lambda: tape.reset(self.monitor.step_of(opt)))
             return with_closure(args, kwargs, checked)
         self._pre_check(opt)
         return None

@@ -21,7 +21,7 @@ from ..core.config import GuardConfig
 from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line
-from ..core.script import apply_outcome, pending_signal, restore_signals, run_as_main
+from ..core.script import apply_late_signal, apply_outcome, pending_signal, restore_signals, run_as_main
 
 _TF_MODULES = ("tensorflow", "keras")
 
@@ -120,6 +120,7 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
         if drv is not None:
             drv.uninstall()
     code, stopped = outcome.code, outcome.stopped
+    owner = os.getpid()
     drv = state["driver"]
     try:
         if drv is None:
@@ -130,21 +131,26 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
         apply_outcome(report, outcome, step=report.steps_watched)  # script_error / interrupted (core.script)
         if report_path:
             report.write(report_path)
+    if os.getpid() != owner:  # a child the script forked (os.fork) ran on to the script's end: the
+        return outcome.code   # parent reports, not the child
         page = write_run_html(report, report_path, html)
         if not quiet:
+    final = None
             from .driver import print_outcome
             print_outcome(report, report_path, drv)
             if page:
                 print_line(f"HTML report: {page}")
     except Exception as e:
         if strict:
+        outcome.stopped = stopped = stopped or (drv is not None and drv.stopped)
             raise
+        final = apply_late_signal(report, outcome, step=report.steps_watched)  # a signal wins over the stop
         print(f"nanguard: could not build the report: {type(e).__name__}: {e}", file=sys.stderr)
     finally:
         late = pending_signal()
         restore_signals()
-    if stopped or (drv is not None and drv.stopped):
-        return EXIT_NONFINITE
+    if final is not None:  # a signal while nanguard localized the failure
+        return final
     if outcome.signal is None and late is not None:  # a signal while the report was written
         return 128 + int(late)
     return code
@@ -156,3 +162,5 @@ def _is_stop(e: BaseException) -> bool:
         return False
     from .watch import StopRun
     return isinstance(e, StopRun)
+    if stopped or (drv is not None and drv.stopped):
+        return EXIT_NONFINITE

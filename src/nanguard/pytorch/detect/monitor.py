@@ -14,6 +14,7 @@ docstring (:mod:`nanguard.pytorch.detect`).
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -33,11 +34,43 @@ from .tensors import finite_markers, is_checkable, tensors_in
 from .verdict import REWIND, decode, step_record
 
 
+class _PerThread:
+    """A per-step input of the check, kept per thread: threads that train at once (each with its own
+    optimizer) each check their own step's loss and batch, not another thread's."""
+
+    def __init__(self, empty: Callable[[], Any]) -> None:
+        self.empty = empty
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type = None) -> Any:
+        if obj is None:
+            return self
+        local = obj._per_thread
+        try:
+            return getattr(local, self.name)
+        except AttributeError:
+            v = self.empty()
+            setattr(local, self.name, v)
+            return v
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj._per_thread, self.name, value)
+
+
 class StepMonitor:
     """Per-step finiteness checks and step history, shared by every driver."""
 
+    _loss_vals = _PerThread(list)
+    _loss_marks = _PerThread(list)
+    _loss_n = _PerThread(int)
+    _data_marks = _PerThread(list)
+    _data_where = _PerThread(list)
+
     def __init__(self, config: Optional[GuardConfig] = None) -> None:
         self.config = config or GuardConfig()
+        self._per_thread = threading.local()
         self.history = StepHistory(self.config.history_size)
         self.views: Dict[int, OptimizerView] = {}
         self.counts: Dict[int, int] = {}          # step attempts per optimizer

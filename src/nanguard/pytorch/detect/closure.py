@@ -1,0 +1,115 @@
+"""Closure optimizers (``optimizer.step(closure)``: LBFGS, and any optimizer given a closure).
+
+The closure computes the loss and the gradients *inside* ``step``, so the per-step check cannot run
+before ``step`` is called: it runs inside the closure instead (:func:`checked_closure`), after the
+closure returned and before the optimizer reads the loss and gradients. LBFGS calls the closure
+several times per step (its line search moves the parameters between evaluations):
+
+* the first evaluation is the step's own (the loss ``step`` returns, the gradients at the step's
+  parameters): the ordinary check (:meth:`~nanguard.pytorch.detect.StepMonitor.check`) runs on it,
+  and the history records its loss and gradient norm;
+* each later evaluation counts within the same step: its loss, batch and gradients are kept apart
+  (:func:`later_evaluation`) and checked by :func:`recheck` (one small sync; LBFGS reads every
+  evaluation's loss on the host anyway). Only a non-finite value there costs a full check, which
+  names the phase.
+
+A failure stops the run inside the closure: at the first evaluation no parameter has moved yet; at a
+later one the optimizer has not used the non-finite values (the line search's own finite moves stay).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable, Dict, Iterator, Optional
+
+import torch
+
+from ...core.events import Detection
+from .tensors import is_checkable
+
+_REQUIRED: Dict[type, bool] = {}
+
+
+def needs_closure(opt: Any) -> bool:
+    """``opt.step`` takes a closure it cannot do without (LBFGS): its ``closure`` has no default."""
+    t = type(opt)
+    if t not in _REQUIRED:
+        try:
+            p = inspect.signature(t.step).parameters.get("closure")
+            _REQUIRED[t] = p is not None and p.default is inspect.Parameter.empty
+        except (TypeError, ValueError):
+            _REQUIRED[t] = False
+    return _REQUIRED[t]
+
+
+def closure_of(args: tuple, kwargs: dict) -> Optional[Callable[[], Any]]:
+    """The closure a step call was given, from an optimizer step pre-hook's ``(args, kwargs)`` (torch
+    passes the optimizer itself as ``args[0]``), if any."""
+    c = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    return c if callable(c) else None
+
+
+def with_closure(args: tuple, kwargs: dict, closure: Callable[[], Any]) -> tuple:
+    """The pre-hook's ``(args, kwargs)`` with the closure replaced (what the hook returns)."""
+    if "closure" in kwargs:
+        return args, dict(kwargs, closure=closure)
+    return (args[0], closure) + tuple(args[2:]), kwargs
+
+
+def checked_closure(closure: Callable[[], Any], monitor: Any, first: Callable[[Any], None],
+                    later: Callable[[Any], None], again: Optional[Callable[[], None]] = None) -> Callable[[], Any]:
+    """``closure``, checked: ``first(loss)`` after its first evaluation, ``later(loss)`` after each later
+    one (inside :func:`later_evaluation`); either may raise to stop the step. ``again()`` runs before
+    each later evaluation (the step tape starts over: it then holds the evaluation a failure is in)."""
+    n = [0]
+
+    def checked() -> Any:
+        n[0] += 1
+        if n[0] == 1:
+            loss = closure()
+            first(loss)
+            return loss
+        if again is not None:
+            again()
+        with later_evaluation(monitor):
+            loss = closure()
+            later(loss)
+        return loss
+
+    checked.evaluations = n  # type: ignore[attr-defined]
+    return checked
+
+
+@contextlib.contextmanager
+def later_evaluation(monitor: Any) -> Iterator[None]:
+    """A later evaluation of the step's closure: its loss and batch marks are recorded apart, so the
+    step's history keeps the first evaluation's (the loss ``step`` returns)."""
+    keys = ("_loss_vals", "_loss_marks", "_loss_n", "_data_marks", "_data_where")
+    saved = [getattr(monitor, k) for k in keys]
+    for k, v in zip(keys, ([], [], 0, [], [])):
+        setattr(monitor, k, v)
+    try:
+        yield
+    finally:
+        for k, v in zip(keys, saved):
+            setattr(monitor, k, v)
+
+
+def recheck(monitor: Any, opt: Any, loss: Any, scaler: Any = None) -> Optional[Detection]:
+    """A later evaluation's loss and gradients: None when all are finite (one small sync), else the
+    full check's detection (which names the phase)."""
+    parts = []
+    if isinstance(loss, torch.Tensor) and is_checkable(loss):
+        parts.append(loss.detach().float().sum().reshape(1))
+    grads = [p.grad for g in opt.param_groups for p in g["params"]
+             if isinstance(p.grad, torch.Tensor) and is_checkable(p.grad)]
+    by_dev: Dict[Any, list] = {}
+    for g in grads:
+        by_dev.setdefault((g.device, g.dtype), []).append(g)
+    for gs in by_dev.values():
+        parts.append(torch.stack(torch._foreach_norm(gs)).float().sum().reshape(1).to(parts[0].device
+                                                                                      if parts else gs[0].device))
+    if not parts or bool(torch.isfinite(torch.cat(parts)).all()):
+        return None
+    monitor._checked[id(opt)] = False  # the full check, on this evaluation's values
+    return monitor.check(opt, scaler)

@@ -1,0 +1,97 @@
+"""Who the global hooks of a :class:`~nanguard.pytorch.watch.Watcher` answer to, at this moment.
+
+A Watcher's hooks (optimizer, backward, module forward) see every training step of the process. They
+stand aside where the step is someone else's:
+
+* a :class:`~nanguard.Guard` step (``Guard.step`` checks, replays and reports its own steps: a
+  ``Guard`` inside ``nanguard.watch()`` or under ``nanguard run`` is left to the Guard);
+* a forked child (``os.fork``, ``multiprocessing`` with the fork start method, DataLoader workers):
+  only the process that started the run watches, stops and writes the report and the bundle; the
+  child's hooks do nothing (the child is left alone: never stopped, never fatal, no file written).
+
+A stop raised in one thread (:class:`StopRun`) stops the run in every thread: the thread it ends
+prints one line (not a traceback: ``threading.excepthook``), every other thread's next hook raises
+it too, and ``nanguard run`` ends with status 3 (:class:`StandAside`, a mixin of the Watcher).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import weakref
+from typing import Any, Iterator
+
+from ..core.script import ThreadStops
+
+_local = threading.local()
+
+
+class StopRun(BaseException):
+    """Raised through the user's script to stop it (BaseException: ``except Exception`` won't eat it)."""
+
+    def __init__(self, detection: Any) -> None:
+        super().__init__(f"nanguard stopped the run at step {detection.step} ({detection.phase})")
+        self.detection = detection
+_watchers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def guard_step() -> Iterator[None]:
+    """The calling thread runs a Guard's own step: watchers stand aside inside."""
+    _local.guard_depth = getattr(_local, "guard_depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.guard_depth -= 1
+
+
+def in_guard_step() -> bool:
+    return getattr(_local, "guard_depth", 0) > 0
+
+
+def track(watcher: Any) -> None:
+    """An installed watcher: after a fork, the child's copy of it stands aside (``watcher.forked``)."""
+    _watchers.add(watcher)
+
+
+def untrack(watcher: Any) -> None:
+    _watchers.discard(watcher)
+
+
+def _in_child() -> None:
+    for w in list(_watchers):
+        w.forked = True
+
+
+class StandAside:
+    """The Watcher's hooks: when they do nothing, and a stop in any thread (see the module docstring).
+    Works on the watcher's ``_replay_on``, ``forked``, ``stopping``, ``_busy`` and ``_installed``."""
+
+    @property
+    def _replaying(self) -> bool:
+        """The hooks do nothing now: an in-process replay runs (``quiet()``), a Guard runs its own step
+        in this thread, or this process is a forked child. A stop raised in another thread is raised
+        here too (the run is stopping)."""
+        if self.stopping is not None and not self.forked and not self._replay_on and not self._busy \
+                and self._installed and not in_guard_step():
+            raise StopRun(self.stopping)
+        return self._replay_on or self.forked or in_guard_step()
+
+    def _stop(self, det: Any) -> StopRun:
+        """The run stops at ``det``, in every thread (see ``stopping``)."""
+        if self.stopping is None:
+            self.stopping = det
+        return StopRun(det)
+
+    def _own_process(self) -> None:
+        track(self)
+        self._threads = ThreadStops(lambda e: isinstance(e, StopRun))
+        self._threads.install()
+
+    def _release_process(self) -> None:
+        self._threads.uninstall()
+        untrack(self)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_in_child)
