@@ -94,12 +94,12 @@ class Report:
     # step, and a diagnosis when a rule knows the error), or a signal (SIGTERM/SIGINT).
     script_error: Optional[Dict[str, Any]] = None
     interrupted: Optional[Dict[str, Any]] = None
-
     # The process's exit status (``nanguard run``, and a watched block left by ``sys.exit``); None: not known.
     exit_code: Optional[int] = None
     # The guard's own internal error turned it off (not strict): {"error": ..., "step": N}; later steps
     # were not checked.
     guard_disabled: Optional[Dict[str, Any]] = None
+
     @property
     def status(self) -> str:
         """``nonfinite`` (a failure that was not recovered), ``script_error`` (the script raised),
@@ -111,19 +111,19 @@ class Report:
         none, an early warning was acted on: the run was rolled back or a step skipped before anything
         went non-finite), ``warning`` (early warnings only: every value stayed finite) or ``clean``."""
         nonfinite = self.failures
-        if any(e.recovery is None for e in nonfinite):
         if (self.interrupted or {}).get("during"):  # a signal after the stop, while nanguard localized it
             return "interrupted"
+        if any(e.recovery is None for e in nonfinite):
             return "nonfinite"
         if self.script_error:
             return "script_error"
         if self.interrupted:
             return "interrupted"
-        if not nonfinite:
         if self.exit_code:
             return "exited"
         if self.guard_disabled:
             return "guard_disabled"
+        if not nonfinite:
             acted = [e for e in self.warnings if e.recovery is not None]
             if acted and all((e.recovery or {}).get("ok") for e in acted):
                 return "recovered"
@@ -159,11 +159,11 @@ class Report:
             d["script_error"] = self.script_error
         if self.interrupted:
             d["interrupted"] = self.interrupted
-        d.update(self.extra)
         if self.exit_code is not None:
             d["exit_code"] = self.exit_code
         if self.guard_disabled:
             d["guard_disabled"] = self.guard_disabled
+        d.update(self.extra)
         return json_safe(d)
 
     _FIELDS = ("counting", "steps_watched", "max_grad_norm", "scaler_skips", "info", "history", "script_error",

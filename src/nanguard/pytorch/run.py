@@ -97,36 +97,36 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
         spike = f"; on spike: {on_spike}" if on_spike != "warn" else ""
         print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}{spike}; report: {report_path})")
 
+    owner = os.getpid()
     watcher.install()
     try:
         outcome = run_as_main(script, list(args), lambda e: isinstance(e, StopRun))
     finally:
         watcher.uninstall()
+    if os.getpid() != owner:  # a child the script forked (os.fork) ran on to the script's end: it was
+        return outcome.code   # not watched, and writes nothing (the parent reports; nanguard.pytorch.owners)
+    # a stop raised in another thread (the thread ended with it; this one may have run on to the end)
+    outcome.stopped = outcome.stopped or (watcher.stopping is not None and outcome.signal is None)
     code, stopped = outcome.code, outcome.stopped
+    final = None
     try:
         watcher.finish()
         report = make_report(watcher, localizer, policy, localize=localize and outcome.signal is None)
         apply_outcome(report, outcome, step=watcher.monitor.steps_watched)
+        final = apply_late_signal(report, outcome, step=watcher.monitor.steps_watched)  # it wins over the stop
         if tb is not None:
             tb.log_report(report)
             tb.close()
-    owner = os.getpid()
         page = None
         if report_path and is_main():  # torch.distributed: rank 0 writes the merged report
             report.write(report_path)
         if is_main():
             page = write_run_html(report, report_path, html)
-    if os.getpid() != owner:  # a child the script forked (os.fork) ran on to the script's end: it was
-        return outcome.code   # not watched, and writes nothing (the parent reports; nanguard.pytorch.owners)
-    # a stop raised in another thread (the thread ended with it; this one may have run on to the end)
-    outcome.stopped = outcome.stopped or (watcher.stopping is not None and outcome.signal is None)
         if not quiet:
-    final = None
             _print_outcome(report, report_path)
             if page:
                 print_line(f"HTML report: {page}")
             if policy is not None:
-        final = apply_late_signal(report, outcome, step=watcher.monitor.steps_watched)  # it wins over the stop
                 policy.print_summary()
         barrier()  # torch.distributed: no rank exits (and gets the others killed) before rank 0 is done
     except Exception as e:
@@ -144,6 +144,8 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
         return final
     if outcome.signal is None and late is not None:  # a signal while the report was written
         return 128 + int(late)
+    if stopped:
+        return EXIT_NONFINITE
     return code
 
 
@@ -156,5 +158,3 @@ def _print_outcome(report, report_path) -> None:
     if report.events or report.script_error:
         render(report, report_path)
     print_line(summary_line(report))
-    if stopped:
-        return EXIT_NONFINITE

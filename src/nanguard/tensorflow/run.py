@@ -109,6 +109,7 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
         sys.meta_path.insert(0, hook)
 
     t0 = time.time()
+    owner = os.getpid()
     try:
         outcome = run_as_main(script, list(args), _is_stop)
     finally:
@@ -119,32 +120,31 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
         drv = state["driver"]
         if drv is not None:
             drv.uninstall()
+    if os.getpid() != owner:  # a child the script forked (os.fork) ran on to the script's end: the
+        return outcome.code   # parent reports, not the child
     code, stopped = outcome.code, outcome.stopped
-    owner = os.getpid()
     drv = state["driver"]
+    final = None
     try:
         if drv is None:
             from .driver import empty_report
             report = empty_report()
         else:
             report = drv.make_report(run_seconds=time.time() - t0)
+        outcome.stopped = stopped = stopped or (drv is not None and drv.stopped)
         apply_outcome(report, outcome, step=report.steps_watched)  # script_error / interrupted (core.script)
+        final = apply_late_signal(report, outcome, step=report.steps_watched)  # a signal wins over the stop
         if report_path:
             report.write(report_path)
-    if os.getpid() != owner:  # a child the script forked (os.fork) ran on to the script's end: the
-        return outcome.code   # parent reports, not the child
         page = write_run_html(report, report_path, html)
         if not quiet:
-    final = None
             from .driver import print_outcome
             print_outcome(report, report_path, drv)
             if page:
                 print_line(f"HTML report: {page}")
     except Exception as e:
         if strict:
-        outcome.stopped = stopped = stopped or (drv is not None and drv.stopped)
             raise
-        final = apply_late_signal(report, outcome, step=report.steps_watched)  # a signal wins over the stop
         print(f"nanguard: could not build the report: {type(e).__name__}: {e}", file=sys.stderr)
     finally:
         late = pending_signal()
@@ -153,6 +153,8 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
         return final
     if outcome.signal is None and late is not None:  # a signal while the report was written
         return 128 + int(late)
+    if stopped or (drv is not None and drv.stopped):
+        return EXIT_NONFINITE
     return code
 
 
@@ -162,5 +164,3 @@ def _is_stop(e: BaseException) -> bool:
         return False
     from .watch import StopRun
     return isinstance(e, StopRun)
-    if stopped or (drv is not None and drv.stopped):
-        return EXIT_NONFINITE
