@@ -138,8 +138,11 @@ def test_choose_sink_order_and_names():
     s = Sinks(loss=[(None, {"finite": True})], grad=[("w", b), ("v", a)], opt=[("w", "exp_avg", None)])
     c = choose_sink(s, LocalizationPort.opt_name)
     assert (c.kind, c.names, c.taint, c.stage) == ("grad", ["w", "v"], a, "backward")
-    s.loss.append((b, {"finite": False, "value": "nan"}))
-    assert choose_sink(s, LocalizationPort.opt_name).kind == "loss"
+    s.note_loss(False, b, "nan", [2])
+    s.note_loss(True)
+    assert s.loss[1:] == [(b, {"finite": False, "value": "nan", "shape": [2]}), (None, {"finite": True})]
+    c = choose_sink(s, LocalizationPort.opt_name)
+    assert (c.kind, c.names, c.taint, c.stage) == ("loss", ["nan"], b, "forward")
     c = choose_sink(Sinks(grad=None, opt=[("w", None, None), ("w", "exp_avg", None)]), LocalizationPort.opt_name)
     assert (c.kind, c.names, c.taint, c.stage) == ("optimizer", ["w", "w:exp_avg"], None, "optimizer")
     assert choose_sink(Sinks(grad=None, opt=None), LocalizationPort.opt_name).kind is None
@@ -271,6 +274,9 @@ def test_as_dict_round_trip_is_byte_identical():
     assert list(d["optimizer"]) == ["param", "state", "inputs", "nonfinite_after_step", "optimizer", "lr", "betas",
                                     "param_dtype", "eps_fact"]
     assert json.dumps(Localization.from_dict(json.loads(json.dumps(d))).as_dict()) == json.dumps(d)
+    d["seconds"] = 0.25                                   # added by a driver: kept, last
+    back = Localization.from_dict(d)
+    assert back.extra == {"seconds": 0.25} and json.dumps(back.as_dict()) == json.dumps(d)
     f = failed_result(4, ["n"], ValueError("boom"), backend="tensorflow")
     assert f["reproduced"] is False and f["notes"] == ["n", "result failed: ValueError('boom')"]
     assert "sink" not in f and f["backend"] == "tensorflow"

@@ -122,6 +122,7 @@ class OptimizerInfo:
 
 
 _OPTIONAL = ("backend", "instrumentation", "origins_seen", "masked_nonfinite_origins", "loss_scale")
+_KNOWN = ("reproduced", "phase", "origin", "preexisting", "optimizer", "facts", "n_ops", "notes", "sink") + _OPTIONAL
 
 
 @dataclass
@@ -130,7 +131,8 @@ class Localization:
 
     ``origin`` is the origin op's description (its keys are the backend's, see :class:`OriginShape`);
     ``facts`` the evidence the diagnosis rules read; ``origins_seen``: real op origins recorded;
-    ``masked_nonfinite_origins``: (not reproduced) non-finite values that never reached a sink."""
+    ``masked_nonfinite_origins``: (not reproduced) non-finite values that never reached a sink;
+    ``extra``: keys added by others (e.g. ``seconds``), kept as they came, last."""
     reproduced: bool = False
     phase: Optional[str] = None
     origin: Optional[Dict[str, Any]] = None
@@ -145,6 +147,7 @@ class Localization:
     origins_seen: Optional[int] = None
     masked_nonfinite_origins: Optional[int] = None
     loss_scale: Optional[float] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> Dict[str, Any]:
         """The JSON dict (the keys the diagnosis and the reports read; unset optional keys left out)."""
@@ -158,6 +161,7 @@ class Localization:
             v = getattr(self, k)
             if v is not None:
                 d[k] = v
+        d.update(self.extra)
         return d
 
     @classmethod
@@ -184,7 +188,7 @@ class Localization:
                    preexisting=pre_t, optimizer=opt_t, facts=d.get("facts") or {}, n_ops=d.get("n_ops") or 0,
                    notes=list(d.get("notes") or []),
                    sink=Sink(sink.get("kind"), sink.get("names") or []) if isinstance(sink, dict) else None,
-                   **{k: d.get(k) for k in _OPTIONAL})
+                   **{k: d.get(k) for k in _OPTIONAL}, extra={k: v for k, v in d.items() if k not in _KNOWN})
 
 
 def failed_result(n_ops: int, notes: List[str], error: BaseException, backend: Optional[str] = None) -> Dict[str, Any]:
@@ -204,6 +208,12 @@ class Sinks:
     grad: Optional[List[Tuple[str, Optional[Taint]]]] = field(default_factory=list)
     grad_marked: bool = False
     opt: Optional[List[Tuple[Optional[str], Optional[str], Optional[Taint]]]] = field(default_factory=list)
+
+    def note_loss(self, finite: bool, taint: Optional[Taint] = None, value: Any = None,
+                  shape: Optional[List[int]] = None) -> None:
+        """A loss the step differentiates: finite, or non-finite with its taint, first value and shape."""
+        self.loss.append((None, {"finite": True}) if finite else
+                         (taint, {"finite": False, "value": value, "shape": shape}))
 
 
 @dataclass

@@ -220,12 +220,10 @@ class Sinks(_Sinks):
             return
         nan, inf = N.nonfinite_flags(loss)
         if not (nan or inf):
-            self.loss.append((None, {"finite": True}))
+            self.note_loss(True)
             return
-        taint = self.prov.taint_of(loss)
-        info = {"finite": False, "value": N.jnum(loss.detach().reshape(-1)[0].item()) if loss.numel() else None,
-                "shape": list(loss.shape)}
-        self.loss.append((taint, info))
+        self.note_loss(False, self.prov.taint_of(loss),
+                       N.jnum(loss.detach().reshape(-1)[0].item()) if loss.numel() else None, list(loss.shape))
 
     def eval_grad(self) -> None:
         res = []

@@ -189,11 +189,10 @@ class TFRecorder:
                         continue
                     nan, inf = N.nonfinite_flags(a)
                     if not (nan or inf):
-                        self.sinks.loss.append((None, {"finite": True}))
+                        self.sinks.note_loss(True)
                         continue
-                    self.sinks.loss.append((self.prov.taint_of(t, self.n_ops),
-                                            {"finite": False, "value": jnum(a.reshape(-1)[0]) if a.size else None,
-                                             "shape": [int(s) for s in a.shape]}))
+                    self.sinks.note_loss(False, self.prov.taint_of(t, self.n_ops),
+                                         jnum(a.reshape(-1)[0]) if a.size else None, [int(s) for s in a.shape])
             except Exception as e:
                 self.fail(e)
 
