@@ -4,7 +4,6 @@ the pre-commit hook definition."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -184,6 +184,19 @@ class Flow:
     def op(self, call: ast.Call) -> Optional[Op]:
         return self.module_op(call.func) or self.info.aliases.op(call)
 
+    def call_of(self, node: ast.AST, names: Tuple[str, ...], fw: Optional[str] = None,
+                modules: bool = False) -> Optional[Op]:
+        """The op of ``node`` when it is a call of one of ``names`` (in framework ``fw``). Constructing a
+        module is not a call of its op; calling the module object is, where ``modules`` allows it."""
+        if not isinstance(node, ast.Call):
+            return None
+        op = self.op(node)
+        if op is None or op.name not in names or (fw is not None and op.fw != fw):
+            return None
+        if op.module and (not modules or self.module_op(node.func) is None):
+            return None
+        return op
+
     def value(self, node: Optional[ast.AST], depth: int = 0) -> Tags:
         if node is None or depth > 12:
             return NONE

@@ -59,10 +59,8 @@ def _sqrt_at_zero(node: ast.AST, flow: Flow) -> Iterator[Hit]:
       what="acos/asin of a cosine similarity or a dot product of unit vectors with no clamp: rounding puts it "
            "beyond +-1 (NaN), and the gradient at exactly +-1 is infinite")
 def _acos_of_cosine(node: ast.AST, flow: Flow) -> Iterator[Hit]:
-    if not isinstance(node, ast.Call):
-        return
-    op = flow.op(node)
-    if op is None or op.name not in ("acos", "asin") or op.module:
+    op = flow.call_of(node, ("acos", "asin"))
+    if op is None:
         return
     x = flow.input(node, op)
     if "cos" in flow.value(x):
@@ -100,10 +98,8 @@ def _names(node: ast.AST) -> set:
       what="torch.where / tf.where that selects log, sqrt, exp, a division or acos of x by a condition on x: the "
            "unselected entries are still computed, and their inf/NaN gradient times 0 is NaN in the backward")
 def _where_trap(node: ast.AST, flow: Flow) -> Iterator[Hit]:
-    if not isinstance(node, ast.Call) or len(node.args) < 3 or flow.no_grad:
-        return
-    op = flow.op(node)
-    if op is None or op.name != "where" or op.fw == "tensor":
+    op = flow.call_of(node, ("where",))
+    if op is None or op.fw == "tensor" or len(node.args) < 3 or flow.no_grad:
         return
     cond = _names(node.args[0])
     for branch in node.args[1:3]:

@@ -17,10 +17,8 @@ def _log_fixes(origin: dict, facts: dict) -> list:
 
 def _log_input(node: ast.AST, flow: Flow):
     """(the op, its argument node, the argument's tags) of a log/log1p call, else None."""
-    if not isinstance(node, ast.Call):
-        return None
-    op = flow.op(node)
-    if op is None or op.name not in ("log", "log1p") or op.module:
+    op = flow.call_of(node, ("log", "log1p"))
+    if op is None:
         return None
     x = flow.input(node, op)
     return op, x, flow.value(x)
@@ -59,13 +57,9 @@ def _log_of_probability(node: ast.AST, flow: Flow) -> Iterator[Hit]:
            "(the loss is clamped to 100, the gradient vanishes, and float16 overflows); "
            "nn.BCELoss()(torch.sigmoid(z), y) is rewritten to nn.BCEWithLogitsLoss()(z, y)")
 def _bce_on_sigmoid(node: ast.AST, flow: Flow) -> Iterator[Hit]:
-    if not isinstance(node, ast.Call):
+    op = flow.call_of(node, ("binary_cross_entropy",), fw="torch", modules=True)
+    if op is None:
         return
-    op = flow.op(node)
-    if op is None or op.name != "binary_cross_entropy" or op.fw != "torch":
-        return
-    if op.module and flow.module_op(node.func) is None:
-        return  # the constructor itself
     x = arg(node, 0, "input")
     if "sigmoid" not in flow.value(x):
         return

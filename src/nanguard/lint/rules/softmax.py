@@ -17,10 +17,8 @@ from ..registry import Hit, rule
       what="softmax of scores filled with -inf (masked_fill / where) by a mask that is not causal (tril/triu): "
            "a row whose keys are all masked (an all-padding sequence) is -inf everywhere and 0/0 = NaN")
 def _masked_softmax(node: ast.AST, flow: Flow) -> Iterator[Hit]:
-    if not isinstance(node, ast.Call):
-        return
-    op = flow.op(node)
-    if op is None or op.name not in ("softmax", "log_softmax") or (op.module and flow.module_op(node.func) is None):
+    op = flow.call_of(node, ("softmax", "log_softmax"), modules=True)
+    if op is None:
         return
     tags = flow.value(flow.input(node, op))
     if "posinf" in tags:
@@ -36,16 +34,12 @@ def _masked_softmax(node: ast.AST, flow: Flow) -> Iterator[Hit]:
            "log-probabilities, or log-probabilities as the target without log_target=True (target * log(target) "
            "of a negative target is NaN)")
 def _kl_div(node: ast.AST, flow: Flow) -> Iterator[Hit]:
-    if not isinstance(node, ast.Call):
-        return
-    op = flow.op(node)
-    if op is None or op.name != "kl_div" or op.fw != "torch":
+    op = flow.call_of(node, ("kl_div",), fw="torch", modules=True)
+    if op is None:
         return
     if op.module:
         ctor = node.func if isinstance(node.func, ast.Call) else flow.defs.get(getattr(node.func, "id", "")) \
             or flow.bound(dotted(node.func))
-        if flow.module_op(node.func) is None:
-            return
         log_target = kwarg(ctor, "log_target") if isinstance(ctor, ast.Call) else None
     else:
         log_target = kwarg(node, "log_target")
