@@ -28,6 +28,10 @@ Parts, one job each:
   families of ``nanguard.core.diagnosis.families``); ``opcheck``: an op recomputed in float64/float32;
 * ``library``: evidence about library calls (all targets ignored, fully padded attention rows);
 * ``recorder``: ``OpRecorder``, which ties them; ``result``: the localisation dict it returns.
+
+What does not depend on PyTorch is shared with the TensorFlow recorder and lives in
+``nanguard.core.locate``: the taint rules, the op log's walks (producer chain, where-trap), the
+failing-sink choice and the result's assembly and typed shape, the evidence registry, the user-file rule.
 """
 from __future__ import annotations
 

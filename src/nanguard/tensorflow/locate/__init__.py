@@ -53,7 +53,8 @@ inputs (stats), output (counts), samples (batch rows), scalars; for a backward o
 autograd_node (``LogGrad``), backward_op, forward_op / forward_tf_op and the forward op's layer and
 line in file/line}), ``facts``, ``preexisting`` ({kind: data | param | buffer | optimizer_state, name:
 the variable's ``.path``, samples, source_rows, stats, first_use}), ``optimizer``, ``n_ops``,
-``notes``, ``backend: "tensorflow"``.
+``notes``, ``backend: "tensorflow"``. The shape, the sink choice and the taint rules are the ones
+``nanguard.core.locate`` holds for both backends.
 
 Re-run child (``nanguard run`` on a script whose step is inline code): construct the recorder the
 same way (``make_recorder(capture)`` with ``kind="rerun"``, or ``TFRecorder(model=..., optimizer=...)``),
