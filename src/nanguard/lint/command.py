@@ -75,6 +75,9 @@ def lint_paths(paths: List[str], cfg: C.LintConfig, rules) -> Tuple[List[Finding
         except SyntaxError as e:
             errors.append(f"{name}:{e.lineno or 0}:{(e.offset or 0)}: error: syntax error: {e.msg}")
             continue
+        except (RecursionError, ValueError) as e:  # a pathological file (deep nesting, null bytes): skip it
+            errors.append(f"{name}: error: not checked ({type(e).__name__}: {e})")
+            continue
         sources[name] = src
         findings.extend(found)
     return findings, errors, sources

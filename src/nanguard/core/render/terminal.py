@@ -180,4 +180,13 @@ def summary_line(report: Report) -> str:
         s += f"; the script raised {err.get('type')}{at}"
     if report.interrupted:
         s = s.replace("interrupted: ", f"interrupted by {report.interrupted.get('signal')}: ", 1)
+        if report.interrupted.get("during"):
+            s += f"; the signal came during the {report.interrupted['during']} of the failure"
+    if report.exit_code and report.status == "exited":
+        s += f"; the script exited with status {report.exit_code}"
+    off = report.guard_disabled
+    if off:
+        at = f" at step {off.get('step')}" if isinstance(off, dict) and off.get("step") is not None else ""
+        why = off.get("error") if isinstance(off, dict) else off
+        s += f"; the guard was disabled{at} by its own error ({why}): later steps were not checked"
     return s
