@@ -140,6 +140,12 @@ def test_a_syntax_error_is_one_line_and_the_rest_is_checked(tree, capsys):
     errors = [ln for ln in out.splitlines() if "syntax error" in ln]
     assert len(errors) == 1 and errors[0].startswith(str(tree / "pkg" / "broken.py") + ":1:")
     assert "NGL001" in out
+    alone = tree / "alone"
+    alone.mkdir()
+    (alone / "broken.py").write_text("def f(:\n    pass\n")
+    (alone / "good.py").write_text(GOOD)
+    rc, out, _ = run(capsys, str(alone))
+    assert rc == 1 and len(out.strip().splitlines()) == 1  # not clean: a file could not be checked
 
 
 def test_lint_help_and_run_import_no_framework(tree):

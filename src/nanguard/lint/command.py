@@ -1,4 +1,5 @@
-"""``nanguard lint PATH...``: arguments, files, exit status (0 clean, 1 findings, 2 usage error).
+"""``nanguard lint PATH...``: arguments, files, exit status (0 clean, 1 findings or a file that could not be
+checked, 2 usage error).
 
 Imports no framework: ``nanguard lint --help`` and a lint run never import torch or TensorFlow.
 """
@@ -128,7 +129,7 @@ def run(a: argparse.Namespace) -> int:
     if a.format != "text":
         for e in errors:
             print(e, file=sys.stderr)
-    return EXIT_FINDINGS if findings else EXIT_CLEAN
+    return EXIT_FINDINGS if findings or errors else EXIT_CLEAN  # a file that could not be checked is not clean
 
 
 def _fix(findings: List[Finding], sources: dict, rules, errors: List[str]) -> Optional[int]:

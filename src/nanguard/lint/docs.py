@@ -31,9 +31,9 @@ nanguard lint --fix src/                    # rewrite the exactly safe patterns 
 flake8 --select NGL src/                    # the same rules as a flake8 plugin
 ```
 
-Exit status: 0 clean, 1 findings, 2 usage error (no such path, a bad `--format` or rule code, a
-`pyproject.toml` that does not parse). A file with a syntax error is reported on one line and the others
-are still checked.
+Exit status: 0 clean, 1 findings (or a file that could not be checked), 2 usage error (no such path, a bad
+`--format` or rule code, a `pyproject.toml` that does not parse). A file with a syntax error is reported on
+one line and the others are still checked.
 
 Suppress a finding with a trailing comment on its line: `# nanguard: ignore[NGL001]` (or
 `# nanguard: ignore` for every rule). Configure in `pyproject.toml`:
