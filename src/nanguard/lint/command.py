@@ -6,6 +6,7 @@ Imports no framework: ``nanguard lint --help`` and a lint run never import torch
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -38,6 +39,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-config", action="store_true", help="ignore pyproject.toml")
     p.add_argument("--output", "-o", default=None, metavar="FILE", help="write the report here (default: stdout)")
     p.add_argument("--list-rules", action="store_true", help="print the rules and exit")
+    p.add_argument("--report", default=None, metavar="REPORT.json",
+                   help="a nanguard run's JSON report: check the files of its events' origins and list the findings "
+                        "on each origin's line (where the NaN was born), with the run's diagnosed category")
     p.set_defaults(run=run)
     return p
 
@@ -102,6 +106,8 @@ def run(a: argparse.Namespace) -> int:
     except C.ConfigError as e:
         print(f"nanguard lint: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if a.report:
+        return _at_origins(a, cfg)
     paths = a.paths or [str(cfg.root / p) if not os.path.isabs(p) else p for p in cfg.paths]
     if not paths:
         print("nanguard lint: no PATH given (and no [tool.nanguard.lint] paths in pyproject.toml)", file=sys.stderr)
@@ -130,6 +136,48 @@ def run(a: argparse.Namespace) -> int:
         for e in errors:
             print(e, file=sys.stderr)
     return EXIT_FINDINGS if findings or errors else EXIT_CLEAN  # a file that could not be checked is not clean
+
+
+def origins(report: dict) -> List[dict]:
+    """The events' origins that name a file and a line: {file, line, step, category}."""
+    out = []
+    for ev in report.get("events") or []:
+        o, cause = ev.get("origin") or {}, ev.get("cause") or {}
+        if o.get("file") and isinstance(o.get("line"), int):
+            out.append({"file": o["file"], "line": o["line"], "step": ev.get("step"),
+                        "category": cause.get("category")})
+    return out
+
+
+def _at_origins(a: argparse.Namespace, cfg: C.LintConfig) -> int:
+    """``--report``: the findings on the lines where a run's non-finite values were born."""
+    try:
+        report = json.loads(Path(a.report).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        print(f"nanguard lint: --report {a.report}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        rules = select_rules(_codes(a.select) or cfg.select, (_codes(a.ignore) or []) + cfg.ignore)
+    except ValueError as e:
+        print(f"nanguard lint: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    found, notes = [], []
+    for o in origins(report if isinstance(report, dict) else {}):
+        if not os.path.isfile(o["file"]):
+            notes.append(f"{o['file']}:{o['line']}: the origin's file is not here")
+            continue
+        at_line = [f for f in lint_paths([o["file"]], cfg, rules)[0] if f.line <= o["line"] <= max(f.line, f.end_line)]
+        for f in at_line:
+            same = " (the run's category too)" if f.category == o["category"] else \
+                f" (the run diagnosed {o['category']})" if o["category"] else ""
+            f.message += f"; at the origin of step {o['step']}{same}"
+        found += at_line
+        if not at_line:
+            notes.append(f"{o['file']}:{o['line']}: no lint finding on the origin's line (step {o['step']}, "
+                         f"{o['category']})")
+    out = render(a.format, found, notes if a.format == "text" else [])
+    sys.stdout.write(out)
+    return EXIT_FINDINGS if found else EXIT_CLEAN
 
 
 def _fix(findings: List[Finding], sources: dict, rules, errors: List[str]) -> Optional[int]:

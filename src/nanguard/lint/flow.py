@@ -267,6 +267,8 @@ class Flow:
                 return frozenset({"negdiff"})  # E[x^2] - E[x]^2, |x|^2 + |y|^2 - 2 x.y: negative by rounding
             if isinstance(node.left, ast.Constant) and rt & PROB:
                 return rt & PROB
+            if isinstance(node.left, ast.Constant) and node.left.value == 1 and rt & {"sumsq", "square"}:
+                return frozenset({"cos"})  # 1 - |a - b|^2 / 2 of unit vectors: exactly 1 for a == b
             return frozenset({"diff"}) | (lt & {"neginf", "causal"})
         if isinstance(op, ast.Mult):
             if ast.dump(node.left) == ast.dump(node.right):
@@ -323,8 +325,16 @@ class Flow:
             return frozenset({"norm"}) | (v & CAN_VANISH)
         if name in ("std", "var"):
             return frozenset({name})
-        if name in ("cosine_similarity", "matmul"):
+        if name == "cosine_similarity":
             return frozenset({"cos"})
+        if name == "matmul":
+            operands = [a for a in call.args if not isinstance(a, ast.Constant)]
+            if op.fw == "tensor" and isinstance(func, ast.Attribute):
+                operands = [func.value, *operands]
+            vals = [self.value(a, d) for a in operands]
+            # a product of ReLU outputs (linear attention's q . sum(k)) is exactly 0 where they do not overlap
+            relu = len(vals) >= 2 and all("relu" in v for v in vals)
+            return frozenset({"cos"}) | (frozenset({"relu"}) if relu else NONE)
         if name == "sqrt":
             if "var" in v:
                 return frozenset({"std"})
@@ -412,6 +422,11 @@ class Flow:
         if isinstance(stmt, ast.Assign):
             tags = self.value(stmt.value)
             for t in stmt.targets:
+                if isinstance(t, (ast.Tuple, ast.List)) and isinstance(stmt.value, (ast.Tuple, ast.List)) and \
+                        len(t.elts) == len(stmt.value.elts):
+                    for te, ve in zip(t.elts, stmt.value.elts):  # a, b = f(x), g(y): element by element
+                        self.assign(te, self.value(ve), ve if isinstance(te, ast.Name) else None)
+                    continue
                 self.assign(t, tags, stmt.value if isinstance(t, (ast.Name, ast.Subscript)) else None)
         elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
             self.assign(stmt.target, self.value(stmt.value), stmt.value)

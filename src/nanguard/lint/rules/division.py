@@ -104,7 +104,8 @@ def _div_fixes(origin: dict, facts: dict) -> list:
 
 @rule("NGL005", "div-by-count", "div_by_zero", fixes=_div_fixes,
       what="a division by a count that can be 0: the sum of a mask (a masked mean (x * m).sum() / m.sum() "
-           "over a row with no valid entry, a dice ratio with no smoothing term), count_nonzero, or the "
+           "over a row with no valid entry, a dice ratio with no smoothing term), count_nonzero, a product or sum of "
+           "ReLU outputs (linear attention's normaliser), or the "
            "len()/numel() of a filtered selection, with no clamp(min=1) or eps; or the mean of a boolean-mask "
            "selection x[m].mean(), NaN when nothing is selected")
 def _div_by_count(node: ast.AST, flow: Flow) -> Iterator[Hit]:
@@ -118,7 +119,7 @@ def _div_by_count(node: ast.AST, flow: Flow) -> Iterator[Hit]:
     num, den = got
     if flow.tested(den) or _self_normalised(num, den, flow):
         return
-    if "count" in flow.value(den) or _weighted_mean(num, den, flow):
+    if flow.value(den) & {"count", "relu"} or _weighted_mean(num, den, flow):
         yield Hit(node, "division by a count that is 0 when nothing is selected (0/0 = NaN): divide by "
                         "count.clamp(min=1) or guard the empty case")
 

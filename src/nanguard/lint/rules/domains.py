@@ -56,8 +56,9 @@ def _sqrt_at_zero(node: ast.AST, flow: Flow) -> Iterator[Hit]:
 
 
 @rule("NGL009", "acos-of-cosine", "trig_domain", fixes=lambda origin, facts: trig_result(origin, {}, {}, "lint")["fixes"],
-      what="acos/asin of a cosine similarity or a dot product of unit vectors with no clamp: rounding puts it "
-           "beyond +-1 (NaN), and the gradient at exactly +-1 is infinite")
+      what="acos/asin of a cosine similarity, a dot product of unit vectors, 1 - |a - b|^2 / 2 or a ratio, with no "
+           "clamp (or clamped to exactly +-1): rounding puts it beyond +-1 (NaN), and the gradient at exactly +-1 "
+           "is infinite")
 def _acos_of_cosine(node: ast.AST, flow: Flow) -> Iterator[Hit]:
     op = flow.call_of(node, ("acos", "asin"))
     if op is None:
@@ -65,6 +66,9 @@ def _acos_of_cosine(node: ast.AST, flow: Flow) -> Iterator[Hit]:
     x = flow.input(node, op)
     if "cos" in flow.value(x):
         yield Hit(node, f"{op.name} of a cosine / dot product without a clamp: rounding takes it past +-1 (NaN); "
+                        "clamp to [-1 + 1e-6, 1 - 1e-6]")
+    elif isinstance(x, ast.BinOp) and isinstance(x.op, ast.Div):
+        yield Hit(node, f"{op.name} of a ratio without a clamp: nothing keeps it within [-1, 1] (NaN beyond); "
                         "clamp to [-1 + 1e-6, 1 - 1e-6]")
     elif _clamped_to_one(x, flow):
         yield Hit(node, f"{op.name} of a value clamped to exactly [-1, 1]: the value is finite but the gradient "

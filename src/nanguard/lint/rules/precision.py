@@ -74,11 +74,19 @@ def _fixes(origin: dict, facts: dict) -> list:
 
 
 @rule("NGL013", "fp16-optimizer-eps", "optimizer_numerics", fixes=_fixes,
-      what="an Adam-family optimizer with its default eps or an eps of 1e-8 or smaller in a file that trains "
-           "float16 parameters (.half(), .to(torch.float16), a Keras \"float16\" policy or floatx): the eps is 0 "
-           "in float16 and sqrt(v) + eps divides by 0")
+      what="an optimizer with eps=0 (any precision), or an Adam-family optimizer with its default eps or an eps "
+           "of 1e-8 or smaller in a file that trains float16 parameters (.half(), .to(torch.float16), a Keras "
+           "\"float16\" policy or floatx): the eps is 0 in float16 and sqrt(v) + eps divides by 0")
 def _fp16_optimizer_eps(node: ast.AST, flow: Flow) -> Iterator[Hit]:
-    if not isinstance(node, ast.Call) or half_mode(flow) != "half":
+    if not isinstance(node, ast.Call):
+        return
+    if half_mode(flow) != "half":
+        op = flow.op(node)
+        eps = kwarg(node, "eps") or kwarg(node, "epsilon")
+        if op is not None and op.module and op.name in _OPTIMIZERS and isinstance(eps, ast.Constant) and \
+                not isinstance(eps.value, bool) and eps.value == 0:
+            yield Hit(node, "optimizer eps=0: the update divides by sqrt(v), which is 0 for a parameter whose "
+                            "gradient has been 0 (an embedding row not yet looked up); keep the default eps")
         return
     if isinstance(node.func, ast.Attribute) and node.func.attr == "compile":
         name = kwarg(node, "optimizer")
@@ -95,7 +103,7 @@ def _fp16_optimizer_eps(node: ast.AST, flow: Flow) -> Iterator[Hit]:
         yield Hit(node, "optimizer with its default eps (1e-8 in PyTorch, 1e-7 in Keras) on float16 parameters: it "
                         "is 0 (or a few subnormal steps) in float16; pass eps=1e-4 (or keep float32 parameters with "
                         "autocast / mixed_float16)")
-    elif _tiny(eps) is not None:
+    elif _tiny(eps) is not None or (isinstance(eps, ast.Constant) and eps.value == 0):
         yield Hit(node, f"optimizer eps={eps.value:g} on float16 parameters: it is 0 in float16; use 1e-4")
 
 

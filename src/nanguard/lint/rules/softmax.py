@@ -14,11 +14,12 @@ from ..registry import Hit, rule
 
 @rule("NGL011", "masked-softmax", "masked_softmax",
       fixes=lambda origin, facts: masked_softmax(origin, {}, {}, "lint")["fixes"],
-      what="softmax of scores filled with -inf (masked_fill / where) by a mask that is not causal (tril/triu): "
-           "a row whose keys are all masked (an all-padding sequence) is -inf everywhere and 0/0 = NaN")
+      what="softmax (or F.cross_entropy) of scores filled with -inf (masked_fill / where) by a mask that is not "
+           "causal (tril/triu): a row whose keys are all masked (an all-padding sequence) is -inf everywhere and "
+           "0/0 = NaN; a +inf fill is NaN in every masked row")
 def _masked_softmax(node: ast.AST, flow: Flow) -> Iterator[Hit]:
-    op = flow.call_of(node, ("softmax", "log_softmax"), modules=True)
-    if op is None:
+    op = flow.call_of(node, ("softmax", "log_softmax", "cross_entropy", "crossentropyloss"), modules=True)
+    if op is None or (op.name in ("cross_entropy", "crossentropyloss") and op.fw != "torch"):
         return
     tags = flow.value(flow.input(node, op))
     if "posinf" in tags:
