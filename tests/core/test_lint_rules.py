@@ -500,3 +500,30 @@ def test_docs_lint_md_is_current():
     from nanguard.lint.docs import lint_markdown
     path = Path(__file__).resolve().parents[2] / "docs" / "LINT.md"
     assert path.read_text() == lint_markdown(), "regenerate: python -m nanguard.lint.docs > docs/LINT.md"
+
+
+def test_values_made_by_this_files_model_and_functions():
+    src = """
+        class GaussNet(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.mu, self.sigma = nn.Linear(4, 1), nn.Linear(4, 1)
+            def forward(self, v):
+                return self.mu(v), torch.relu(self.sigma(v))
+
+        def probs_of(z):
+            return torch.softmax(z, -1)
+
+        model = GaussNet()
+        clf = nn.Sequential(nn.Linear(4, 3), nn.Softmax(dim=-1))
+
+        def train(x, y):
+            mu, sigma = model(x)
+            nll = torch.log(sigma) + 0.5 * ((y - mu) / sigma) ** 2
+            a = torch.log(probs_of(x))
+            b = torch.log(clf(x))
+            c = torch.log(model(x)[0])
+            return nll, a, b, c
+    """
+    found = [(f.line, f.rule) for f in lint_source(TORCH + textwrap.dedent(src), "m.py")]
+    assert found == [(20, "NGL003"), (20, "NGL005"), (21, "NGL001"), (22, "NGL001")], found  # sigma is a ReLU: log and / at 0

@@ -20,7 +20,9 @@ sum, a standard deviation or a norm is at risk; one that passed `clamp`/`clip`/`
 condition (`x / len(b) if b else 0`). A parameter is a probability when the function's own arithmetic
 says so (`log(p)` beside `1 - p`, `y * log(p)` against another parameter). Precision comes first: a value
 of unknown origin is not a finding, except a tensor parameter put into a log as it came in (NGL015, the
-`log(y_pred)` of hand-written losses). Measured: 20 findings in 385,000 lines of popular training code.
+`log(y_pred)` of hand-written losses). Values made by this file's own functions and model classes (their
+return values, an `nn.Sequential`'s last layer) are followed. Measured: 26 findings in 385,000 lines of
+popular training code (0.07 per 1,000 lines), 10 of them a log of a softmax/sigmoid output.
 
 ```bash
 nanguard lint src/ train.py                 # text: file:line:col: RULE category message

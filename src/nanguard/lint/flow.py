@@ -110,6 +110,29 @@ class ModuleInfo:
         self.torch = self.aliases.uses("torch")
         self.tf = self.aliases.uses("tf") or self.aliases.uses("keras")
         self.framework = "tensorflow" if self.tf and not self.torch else "pytorch"
+        self.functions = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        self.classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+        self._returns: Dict[str, Optional[Tags]] = {}
+
+    def returns(self, key: str) -> Tags:
+        """What a function of this file (``name``) or a model class's forward/call (``Class``) returns: its
+        tags, and ``@i:tag`` for the i-th element of a returned tuple. Computed once, recursion-safe."""
+        if key in self._returns:
+            return self._returns[key] or NONE
+        self._returns[key] = None  # in progress: a recursive call sees nothing
+        fn, cls = self.functions.get(key), ""
+        if fn is None and key in self.classes:
+            cls = key
+            fn = next((m for m in self.classes[key].body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                       and m.name in ("forward", "call", "__call__")), None)
+        out = NONE
+        if fn is not None:
+            flow = Flow(self, cls=cls)
+            for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]:
+                flow.env[a.arg] = NONE
+            out = flow.returned(fn.body)
+        self._returns[key] = out
+        return out
 
     def _bind_attrs(self, cls: ast.ClassDef) -> None:
         """``self.x = ...`` and ``self.register_buffer('x', ...)`` in the class's methods, as ``Class:self.x``."""
@@ -223,6 +246,9 @@ class Flow:
             return NONE
         if isinstance(node, ast.Subscript):
             base = self.value(node.value, d)
+            if any(t.startswith("@") for t in base) and isinstance(node.slice, ast.Constant):
+                i = node.slice.value
+                return frozenset(x.split(":", 1)[1] for x in base if x.startswith(f"@{i}:"))
             if isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
                 return frozenset({"count"}) if "filtered" in self.value(node.value.value, d) else NONE
             if "mask" in self.value(node.slice, d) and not isinstance(node.slice, ast.Slice):
@@ -289,8 +315,60 @@ class Flow:
             return frozenset({"cos", "product"})
         return lt | rt
 
+    def returned(self, body: List[ast.stmt]) -> Tags:
+        """The tags of what ``body`` returns (statements run in order, nested blocks included)."""
+        out: set = set()
+        for stmt in body:
+            if isinstance(stmt, ast.Return) and stmt.value is not None:
+                if isinstance(stmt.value, (ast.Tuple, ast.List)):
+                    for i, e in enumerate(stmt.value.elts):
+                        out |= {f"@{i}:{t}" for t in self.value(e) if not t.startswith("@")}
+                else:
+                    out |= self.value(stmt.value)
+                continue
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            self.statement(stmt)
+            for name in ("body", "orelse", "finalbody"):
+                out |= self.returned(getattr(stmt, name, None) or [])
+        return frozenset(out)
+
+    def _made_here(self, call: ast.Call) -> Optional[Tags]:
+        """What a call of this file's own code returns: a function defined here, a model object of a class
+        defined here (its forward / call), an ``nn.Sequential`` / Keras ``Sequential`` (its last layer)."""
+        func = call.func
+        if isinstance(func, ast.Name) and func.id in self.info.functions and func.id not in self.env:
+            return self.info.returns(func.id)
+        key = dotted(func)
+        ctor = func if isinstance(func, ast.Call) else (self.defs.get(key) if key in self.defs else
+                                                         None if key in self.env else self.bound(key))
+        if not isinstance(ctor, ast.Call):
+            return None
+        if isinstance(ctor.func, ast.Name) and ctor.func.id in self.info.classes:
+            return self.info.returns(ctor.func.id)
+        path = self.info.aliases.resolve(ctor.func) or ""
+        if path.split(".")[-1] == "Sequential":
+            layers = ctor.args[0].elts if len(ctor.args) == 1 and isinstance(ctor.args[0], ast.List) else ctor.args
+            return self._layer_output(layers[-1]) if layers else NONE
+        return None
+
+    def _layer_output(self, layer: ast.AST) -> Tags:
+        """The tags of a layer's output: ``nn.Softmax()``, ``nn.Sigmoid()``, ``Dense(..., activation="softmax")``."""
+        if not isinstance(layer, ast.Call):
+            return NONE
+        op = self.info.aliases.op(layer)
+        if op is not None and op.name in ("softmax", "sigmoid", "relu"):
+            return frozenset({op.name})
+        act = kwarg(layer, "activation")
+        if isinstance(act, ast.Constant) and act.value in ("softmax", "sigmoid", "relu"):
+            return frozenset({act.value})
+        return NONE
+
     def _call(self, call: ast.Call, d: int) -> Tags:
         func = call.func
+        made = self._made_here(call)
+        if made is not None:
+            return made
         if isinstance(func, ast.Name) and func.id not in self.info.aliases.map and self.module_op(func) is None:
             return self._builtin(call, d)
         op = self.op(call)
@@ -404,6 +482,10 @@ class Flow:
             else:
                 self.defs.pop(target.id, None)
         elif isinstance(target, (ast.Tuple, ast.List)):
+            if any(t.startswith("@") for t in tags):  # mu, sigma = model(x): each its element's tags
+                for i, t in enumerate(target.elts):
+                    self.assign(t, frozenset(x.split(":", 1)[1] for x in tags if x.startswith(f"@{i}:")))
+                return
             for t in target.elts:
                 self.assign(t, tags - {"rowmax"} if len(target.elts) > 1 and "rowmax" not in tags else tags)
         elif isinstance(target, ast.Starred):

@@ -119,9 +119,13 @@ def _div_by_count(node: ast.AST, flow: Flow) -> Iterator[Hit]:
     num, den = got
     if flow.tested(den) or _self_normalised(num, den, flow):
         return
-    if flow.value(den) & {"count", "relu"} or _weighted_mean(num, den, flow):
+    tags = flow.value(den)
+    if "count" in tags or _weighted_mean(num, den, flow):
         yield Hit(node, "division by a count that is 0 when nothing is selected (0/0 = NaN): divide by "
                         "count.clamp(min=1) or guard the empty case")
+    elif "relu" in tags:
+        yield Hit(node, "division by a ReLU output (or a product or sum of them), which is exactly 0 wherever the "
+                        "inputs are not positive: add an eps or clamp(min=eps)")
 
 
 @rule("NGL006", "div-by-std", "variance_zero", fixes=lambda origin, facts: variance(origin, {}, {}, "lint")["fixes"],
