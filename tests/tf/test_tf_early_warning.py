@@ -13,7 +13,8 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-from tf_helpers import _tf_state, run_tf, script, write  # noqa: E402,F401
+from tf_helpers import _tf_state, assert_same_weights, run_plain, run_tf, script, write  # noqa: E402,F401
+from ngtest import load_report  # noqa: E402
 from nanguard.core.config import GuardConfig  # noqa: E402
 from nanguard.tensorflow.driver import RunDriver  # noqa: E402
 
@@ -143,11 +144,15 @@ def test_healthy_keras_scenarios_never_warn(tmp_path, name):
 
 
 @pytest.mark.parametrize("mode", ["eager", "function", "fit"])
-def test_a_healthy_regression_never_warns_even_with_on_spike_rollback(tmp_path, mode):
+def test_a_healthy_regression_never_warns_and_trains_bit_for_bit_with_on_spike_rollback(tmp_path, mode):
+    # on_spike rollback keeps per-step snapshots and a scalable learning rate: none of it may change
+    # what a healthy run computes
     path = script(tmp_path, steps=40)
-    code, rep = run_tf(tmp_path, path, [mode, -1, "none"], on_spike="rollback")
+    run_plain(path, [mode, -1, "none", tmp_path / "plain.npz"])
+    code, rep = run_tf(tmp_path, path, [mode, -1, "none", tmp_path / "guarded.npz"], on_spike="rollback")
     assert code == 0 and rep["steps_watched"] == 40
     assert rep["status"] == "clean" and rep["events"] == []
+    assert_same_weights(str(tmp_path / "plain.npz"), str(tmp_path / "guarded.npz"))
 
 
 # ------------------------------------------------------------------ on_spike, step by step
@@ -230,8 +235,6 @@ def test_on_spike_rollback_goes_back_to_before_the_excursion(graph):
 def test_the_keras_callback_takes_on_spike_and_rolls_back_a_diverging_fit(tmp_path, capsys):
     path = write(tmp_path, WARMUP_FIT, "warmup_fit.py")
     report = tmp_path / "cb.json"
-    from tf_helpers import run_plain
-    from ngtest import load_report
     run_plain(path, [0.1, "callback", report, "rollback"])
     rep = load_report(report)
     final = float(capsys.readouterr().out.strip().splitlines()[-1].split("=")[1])
@@ -246,7 +249,6 @@ def test_nanguard_run_on_spike_reaches_a_tensorflow_script(tmp_path):
     from nanguard.cli.run import run_script
     path = write(tmp_path, WARMUP_FIT, "warmup_fit.py")
     report = tmp_path / "r.json"
-    from ngtest import load_report
     code = run_script(path, ["0.1", "run"], report_path=str(report), quiet=True, html=None, on_spike="skip",
                       localize=False)
     rep = load_report(report)
