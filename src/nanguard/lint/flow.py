@@ -26,59 +26,15 @@ from __future__ import annotations
 import ast
 from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple
 
+from .calls import call_tags
 from .names import Aliases, Op, dotted
+from .tags import CAN_VANISH, NONE, PROB, RISK, ZERO, Tags, arg, is_neg_inf, is_pos_inf, kwarg, names_in
 
-__all__ = ["Tags", "ZERO", "RISK", "ModuleInfo", "Flow", "is_neg_inf", "own_exprs"]
+__all__ = ["ModuleInfo", "Flow", "own_exprs", "walk_calls", "probability_params", "aug_binop", "is_no_grad",
+           # re-exported for the rules
+           "Tags", "ZERO", "RISK", "PROB", "CAN_VANISH", "is_neg_inf", "is_pos_inf", "arg", "kwarg", "names_in"]
 
-Tags = FrozenSet[str]
-NONE: Tags = frozenset()
-ZERO = frozenset({"softmax", "sigmoid", "relu", "count"})
-RISK = ZERO | {"norm", "std", "var", "sumsq", "negdiff", "cos", "exp", "diff", "filtered"}
-PROB = frozenset({"softmax", "sigmoid", "prob"})
-# what makes a whole vector exactly 0: a difference (a point paired with itself, a perfect fit), a ReLU, a
-# count or a mask; a norm or a root of squares of such a value is at risk, of an arbitrary feature vector not
-CAN_VANISH = frozenset({"diff", "relu", "count", "mask", "filtered"})
-
-# ops whose result carries the tags of their (first) input
-_PASS = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "detach", "view", "view_as", "reshape",
-         "reshape_as", "squeeze", "unsqueeze", "permute", "transpose", "contiguous", "flatten", "clone", "cpu",
-         "cuda", "gather", "index_select", "expand", "expand_as", "repeat", "t", "narrow", "select", "flip", "roll",
-         "cast", "identity", "expand_dims", "gather_nd", "convert_to_tensor", "bool", "long", "int", "squeeze_",
-         "unsqueeze_", "movedim", "take_along_dim", "take_along_axis", "stack", "cat", "concat", "concatenate",
-         "mul", "multiply", "tile", "broadcast_to", "unflatten", "sort", "values", "item", "data", "diag",
-         "diagonal", "diag_part"}
-_FILTER = {"masked_select", "nonzero", "argwhere", "boolean_mask", "where_nonzero"}
-_GUARD = {"clamp", "normalize", "nan_to_num", "div_no_nan", "softplus", "logsumexp", "log_softmax", "logsigmoid",
-          "add", "add_", "clamp_", "tanh", "cosine_similarity_safe", "erf", "abs_"}
 _NOGRAD = {"no_grad", "inference_mode", "enable_grad_false"}
-
-
-def is_neg_inf(node: ast.AST, aliases: Optional[Aliases] = None) -> bool:
-    """``float('-inf')``, ``-float('inf')``, ``-math.inf``, ``-torch.inf``, ``-np.inf``, ``float('-inf')``."""
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return _is_inf(node.operand)
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "float" and node.args:
-        a = node.args[0]
-        return isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.strip().lower() in ("-inf",
-                                                                                                        "-infinity")
-    return isinstance(node, ast.Constant) and isinstance(node.value, float) and node.value == float("-inf")
-
-
-def is_pos_inf(node: ast.AST) -> bool:
-    """``float('inf')``, ``math.inf``, ``-float('-inf')`` (a fill that makes every softmax row NaN)."""
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return is_neg_inf(node.operand)
-    return _is_inf(node)
-
-
-def _is_inf(node: ast.AST) -> bool:
-    if isinstance(node, ast.Attribute) and node.attr == "inf":
-        return True
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "float" and node.args:
-        a = node.args[0]
-        return isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.strip().lower() in ("inf",
-                                                                                                        "infinity")
-    return isinstance(node, ast.Constant) and node.value == float("inf")
 
 
 def own_exprs(stmt: ast.stmt) -> Iterator[ast.AST]:
@@ -266,7 +222,7 @@ class Flow:
         if isinstance(node, ast.BinOp):
             return self._binop(node, d)
         if isinstance(node, ast.Call):
-            return self._call(node, d)
+            return call_tags(self, node, d)
         if isinstance(node, (ast.ListComp, ast.GeneratorExp)):
             return frozenset({"filtered"}) if any(g.ifs for g in node.generators) else NONE
         return NONE
@@ -333,144 +289,11 @@ class Flow:
                 out |= self.returned(getattr(stmt, name, None) or [])
         return frozenset(out)
 
-    def _made_here(self, call: ast.Call) -> Optional[Tags]:
-        """What a call of this file's own code returns: a function defined here, a model object of a class
-        defined here (its forward / call), an ``nn.Sequential`` / Keras ``Sequential`` (its last layer)."""
-        func = call.func
-        if isinstance(func, ast.Name) and func.id in self.info.functions and func.id not in self.env:
-            return self.info.returns(func.id)
-        key = dotted(func)
-        ctor = func if isinstance(func, ast.Call) else (self.defs.get(key) if key in self.defs else
-                                                         None if key in self.env else self.bound(key))
-        if not isinstance(ctor, ast.Call):
-            return None
-        if isinstance(ctor.func, ast.Name) and ctor.func.id in self.info.classes:
-            return self.info.returns(ctor.func.id)
-        path = self.info.aliases.resolve(ctor.func) or ""
-        if path.split(".")[-1] == "Sequential":
-            layers = ctor.args[0].elts if len(ctor.args) == 1 and isinstance(ctor.args[0], ast.List) else ctor.args
-            return self._layer_output(layers[-1]) if layers else NONE
-        return None
-
-    def _layer_output(self, layer: ast.AST) -> Tags:
-        """The tags of a layer's output: ``nn.Softmax()``, ``nn.Sigmoid()``, ``Dense(..., activation="softmax")``."""
-        if not isinstance(layer, ast.Call):
-            return NONE
-        op = self.info.aliases.op(layer)
-        if op is not None and op.name in ("softmax", "sigmoid", "relu"):
-            return frozenset({op.name})
-        act = kwarg(layer, "activation")
-        if isinstance(act, ast.Constant) and act.value in ("softmax", "sigmoid", "relu"):
-            return frozenset({act.value})
-        return NONE
-
-    def _call(self, call: ast.Call, d: int) -> Tags:
-        func = call.func
-        made = self._made_here(call)
-        if made is not None:
-            return made
-        if isinstance(func, ast.Name) and func.id not in self.info.aliases.map and self.module_op(func) is None:
-            return self._builtin(call, d)
-        op = self.op(call)
-        if op is None:
-            return NONE
-        if op.module and not isinstance(func, ast.Call) and self.module_op(func) is None:
-            return NONE  # constructing a module (nn.Softmax(dim=1)): no tensor value yet
-        x = self.input(call, op)
-        v = self.value(x, d) if x is not None else NONE
-        name = op.name
-        if name in ("softmax", "sigmoid", "relu"):
-            return frozenset({name})
-        if name in ("log", "log_softmax", "logsigmoid"):
-            return frozenset({"logprob"})
-        if name in ("sum", "mean"):
-            if "mask" in v:
-                return frozenset({"count"})
-            if "square" in v or "sumsq" in v:
-                return frozenset({"sumsq"}) | (v & CAN_VANISH)
-            if "exp" in v:
-                return frozenset({"exp", "expsum"})
-            if "product" in v or "cos" in v:
-                return frozenset({"cos"})
-            if name == "mean":
-                return v & (PROB | {"relu"})
-            return v & {"relu"}
-        if name in ("count_nonzero",):
-            return frozenset({"count"})
-        if name in ("numel", "nelement", "size"):
-            return frozenset({"count"}) if "filtered" in v and not call.args else NONE
-        if name == "norm":
-            return frozenset({"norm"}) | (v & CAN_VANISH)
-        if name in ("std", "var"):
-            return frozenset({name})
-        if name == "cosine_similarity":
-            return frozenset({"cos"})
-        if name == "matmul":
-            operands = [a for a in call.args if not isinstance(a, ast.Constant)]
-            if op.fw == "tensor" and isinstance(func, ast.Attribute):
-                operands = [func.value, *operands]
-            vals = [self.value(a, d) for a in operands]
-            # a product of ReLU outputs (linear attention's q . sum(k)) is exactly 0 where they do not overlap
-            relu = len(vals) >= 2 and all("relu" in v for v in vals)
-            return frozenset({"cos"}) | (frozenset({"relu"}) if relu else NONE)
-        if name == "sqrt":
-            if "var" in v:
-                return frozenset({"std"})
-            return frozenset({"norm"}) | (v & CAN_VANISH) if "sumsq" in v else NONE
-        if name == "square":
-            return frozenset({"square"}) | (v & CAN_VANISH)
-        if name == "pow":
-            e = call.args[1] if op.fw != "tensor" and len(call.args) > 1 else (call.args[0] if call.args else None)
-            return frozenset({"square"}) | (v & CAN_VANISH) if isinstance(e, ast.Constant) and e.value == 2 else v
-        if name == "exp":
-            return NONE if v & {"bounded", "logprob", "neg", "softmax", "sigmoid", "guarded"} else frozenset({"exp"})
-        if name == "max" or "max_pool" in name:
-            return frozenset({"rowmax"})
-        if name in ("tril", "triu"):
-            return frozenset({"causal"})
-        if name == "masked_fill":
-            fill = _arg(call, 1, "value") if op.fw == "tensor" else _arg(call, 2, "value")
-            mask = _arg(call, 0, "mask") if op.fw == "tensor" else _arg(call, 1, "mask")
-            out = v
-            if fill is not None and is_neg_inf(fill):
-                out = out | {"neginf"} | (self.value(mask, d) & {"causal"})
-            elif fill is not None and is_pos_inf(fill):
-                out = out | {"posinf"}
-            return out
-        if name == "where":
-            branches = [a for a in call.args[1:3]]
-            if any(is_neg_inf(b) for b in branches):
-                return frozenset({"neginf"}) | (self.value(call.args[0], d) & {"causal"}) if call.args else NONE
-            return frozenset({"bounded"})
-        if name == "maximum":
-            if any(isinstance(a, ast.Constant) or not (self.value(a, d) & RISK) for a in call.args):
-                return frozenset({"bounded"})
-            return v
-        if name in _GUARD:
-            return frozenset({"bounded"})
-        if name in _FILTER:
-            return frozenset({"filtered"})
-        if name in ("sub", "subtract"):
-            return frozenset({"diff"})
-        if name in ("abs",):
-            return v - {"neg"}
-        if name in _PASS:
-            return v
-        return NONE
-
-    def _builtin(self, call: ast.Call, d: int) -> Tags:
-        name = call.func.id
-        if name == "len" and call.args:
-            return frozenset({"count"}) if "filtered" in self.value(call.args[0], d) else NONE
-        if name in ("max", "min", "abs", "round", "int", "float", "sum"):
-            return NONE
-        return NONE
-
     def input(self, call: ast.Call, op: Op) -> Optional[ast.AST]:
         """The tensor an op reads: the receiver of a method, else the first argument (``input=``/``x=``)."""
         if op.fw == "tensor" and isinstance(call.func, ast.Attribute) and self.module_op(call.func) is None:
             return call.func.value
-        return _arg(call, 0, "input", "x", "inputs", "y_pred")
+        return arg(call, 0, "input", "x", "inputs", "y_pred")
 
     # ------------------------------------------------------------------ statements
     def assign(self, target: ast.AST, tags: Tags, value: Optional[ast.expr] = None) -> None:
@@ -547,30 +370,6 @@ def _substitute(expr: ast.BinOp, name: str, prior: Optional[ast.expr]) -> ast.ex
     if prior is None or not isinstance(expr.left, ast.Name) or expr.left.id != name:
         return expr
     return ast.copy_location(ast.BinOp(left=prior, op=expr.op, right=expr.right), expr)
-
-
-def _arg(call: ast.Call, pos: int, *names: str) -> Optional[ast.AST]:
-    if len(call.args) > pos and not isinstance(call.args[pos], ast.Starred):
-        return call.args[pos]
-    for k in call.keywords:
-        if k.arg in names:
-            return k.value
-    return None
-
-
-def arg(call: ast.Call, pos: int, *names: str) -> Optional[ast.AST]:
-    return _arg(call, pos, *names)
-
-
-def kwarg(call: ast.Call, name: str) -> Optional[ast.AST]:
-    for k in call.keywords:
-        if k.arg == name:
-            return k.value
-    return None
-
-
-def names_in(node: Optional[ast.AST]) -> FrozenSet[str]:
-    return frozenset(n.id for n in ast.walk(node) if isinstance(n, ast.Name)) if node is not None else frozenset()
 
 
 def _log_of(node: ast.AST) -> Optional[str]:
