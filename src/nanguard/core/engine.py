@@ -9,7 +9,7 @@ once for all of them:
    the first failure of a kind may fall back to the backend's re-run (``Ports.relocalize``);
 2. **diagnose**: :func:`nanguard.core.pipeline.build_event` (category, evidence, fixes);
 3. **recurrences**: a later failure is a *consequence* of the first (parameters or optimizer state
-   made non-finite by an update that warn mode let through), a *recurrence* (the same cause: same
+   made non-finite by an update that warn mode let through; never after a recovered first failure), a *recurrence* (the same cause: same
    phase without a new replay, or a new replay with the same category, op and line) or an event of
    its own;
 4. **experiments** and **recovery** are the driver's next stages (they need the backend's step);
@@ -148,7 +148,8 @@ class FailurePipeline:
             return ev
         # every event is shared: only the rank where the failure was seen replays it, so the others
         # would otherwise decide (and recover) on a different event
-        if kind == TRAIN and det.phase in ("params", "optimizer"):
+        if kind == TRAIN and det.phase in ("params", "optimizer") and first.recovery is None:
+            # the first failure's values were let through (warn mode); a recovered one left none
             return self.ports.share(consequence_event(det, first), det)
         if run is None or not run.reproduced:
             return self.ports.share(recurrence_event(det, first, history, self.ports.context()), det)
