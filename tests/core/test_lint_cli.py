@@ -184,3 +184,29 @@ def test_nanguard_lint_src_finds_only_the_demos_deliberate_nan(capsys):
     assert found == [("nanguard/examples/demo_train.py", "NGL008", "sqrt_domain")], out
     line = (ROOT / "src/nanguard/examples/demo_train.py").read_text().splitlines()[json.loads(out)[0]["line"] - 1]
     assert "diff.pow(2).sum(-1)" in line and ".sqrt()" in line
+
+
+def test_report_lists_the_findings_on_the_runs_origin_line(tree, capsys):
+    """`--report`: the run's JSON report names the origin file and line; the lint findings on that line come
+    out with the run's category beside them."""
+    bad = tree / "pkg" / "bad.py"
+    report = {"schema": "nanguard.report/1", "status": "nonfinite", "events": [
+        {"step": 17, "phase": "forward", "origin": {"file": str(bad), "line": 7, "op": "log"},
+         "cause": {"category": "log_domain"}},
+        {"step": 30, "phase": "forward", "origin": {"file": str(tree / "gone.py"), "line": 3},
+         "cause": {"category": "div_by_zero"}}]}
+    (tree / "r.json").write_text(json.dumps(report))
+    rc, out, _ = run(capsys, "--report", str(tree / "r.json"))
+    lines = out.splitlines()
+    assert rc == 1
+    assert lines[0].startswith(f"{bad}:7:13: NGL001 log_domain ") and lines[0].endswith(
+        "; at the origin of step 17 (the run's category too)")
+    assert lines[1] == f"{tree / 'gone.py'}:3: the origin's file is not here"
+    assert not any("NGL006" in ln for ln in lines)  # line 11 is not an origin
+    report["events"] = report["events"][:1]
+    report["events"][0]["origin"]["line"] = 5
+    (tree / "r.json").write_text(json.dumps(report))
+    rc, out, _ = run(capsys, "--report", str(tree / "r.json"))
+    assert rc == 0 and "no lint finding on the origin's line" in out
+    (tree / "r.json").write_text("{not json")
+    assert run(capsys, "--report", str(tree / "r.json"))[0] == 2

@@ -106,8 +106,13 @@ def run(a: argparse.Namespace) -> int:
     except C.ConfigError as e:
         print(f"nanguard lint: {e}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        rules = select_rules(_codes(a.select) or cfg.select, (_codes(a.ignore) or []) + cfg.ignore)
+    except ValueError as e:
+        print(f"nanguard lint: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if a.report:
-        return _at_origins(a, cfg)
+        return _at_origins(a, cfg, rules)
     paths = a.paths or [str(cfg.root / p) if not os.path.isabs(p) else p for p in cfg.paths]
     if not paths:
         print("nanguard lint: no PATH given (and no [tool.nanguard.lint] paths in pyproject.toml)", file=sys.stderr)
@@ -115,11 +120,6 @@ def run(a: argparse.Namespace) -> int:
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
         print(f"nanguard lint: no such file or folder: {', '.join(missing)}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        rules = select_rules(_codes(a.select) or cfg.select, (_codes(a.ignore) or []) + cfg.ignore)
-    except ValueError as e:
-        print(f"nanguard lint: {e}", file=sys.stderr)
         return EXIT_USAGE
     findings, errors, sources = lint_paths(paths, cfg, rules)
     if a.fix:
@@ -149,17 +149,12 @@ def origins(report: dict) -> List[dict]:
     return out
 
 
-def _at_origins(a: argparse.Namespace, cfg: C.LintConfig) -> int:
+def _at_origins(a: argparse.Namespace, cfg: C.LintConfig, rules) -> int:
     """``--report``: the findings on the lines where a run's non-finite values were born."""
     try:
         report = json.loads(Path(a.report).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         print(f"nanguard lint: --report {a.report}: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        rules = select_rules(_codes(a.select) or cfg.select, (_codes(a.ignore) or []) + cfg.ignore)
-    except ValueError as e:
-        print(f"nanguard lint: {e}", file=sys.stderr)
         return EXIT_USAGE
     found, notes = [], []
     for o in origins(report if isinstance(report, dict) else {}):
