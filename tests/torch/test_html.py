@@ -246,7 +246,7 @@ def test_write_html_is_atomic(tmp_path, monkeypatch):
         raise RuntimeError("disk full")
     import nanguard.core.jsonio as jio
     real = jio.write_atomic
-    monkeypatch.setattr(jio, "write_atomic", lambda p, w, s=".tmp": real(p, boom, s))
+    monkeypatch.setattr(jio, "write_atomic", lambda p, w, s=".tmp", **k: real(p, boom, s, **k))
     assert (out.stat().st_mode & 0o777) == 0o666 & ~_umask()  # not mkstemp's 0600
     with pytest.raises(RuntimeError):
         write_html(rep, str(out), plots=False)
@@ -273,8 +273,8 @@ def test_cli_report_writes_html(cases, tmp_path, capsys):
     ("{not json", "is not valid JSON (line 1"),
     ("[1, 2]", "not an object"),
     ('{"schema": "something/1"}', "is not a nanguard report"),
-    ('{"schema": "nanguard.report/1", "events": {}}', "'events' should be a list"),
-    ('{"schema": "nanguard.report/1", "events": [3]}', "every entry of 'events'"),
+    ('{"schema": "nanguard.report/1", "events": {}}', "events should be a list"),
+    ('{"schema": "nanguard.report/1", "events": [3]}', "events[0] should be an object"),
 ])
 @pytest.mark.parametrize("cmd", [["report"], ["show"], ["show", "--history"]])
 def test_cli_bad_report_file_exits_2(tmp_path, capsys, content, msg, cmd):

@@ -22,10 +22,30 @@ def run_script(script: str, args: List[str], **kwargs) -> int:
     return run(script, args, **kwargs)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors are one line on stderr and exit status 2 (no usage block to read through)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _check_recover(spec: Optional[str]) -> Optional[str]:
+    """What is wrong with a ``--recover`` value (checked by the framework-free core), or None."""
+    if spec is None:
+        return None
+    from ..core.recovery.policy import RecoveryPolicy
+    try:
+        RecoveryPolicy.from_spec(spec)
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="nanguard", description="Catch the first NaN/Inf in PyTorch training, "
-                                 "find where it was born, and say why.")
+    ap = _Parser(prog="nanguard", description="Catch the first NaN/Inf in PyTorch training, "
+                 "find where it was born, and say why.")
     ap.add_argument("--version", action="store_true", help="print the version and exit")
     sub = ap.add_subparsers(dest="cmd")
     r = sub.add_parser("run", help="run a training script under the guard, with no code changes")
@@ -71,6 +91,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             ExperimentConfig.from_spec(a.experiments)
         except (ValueError, TypeError) as e:
             print(f"nanguard: --experiments: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        bad = _check_recover(a.recover)
+        if bad:
+            print(f"nanguard: --recover: {bad}", file=sys.stderr)
             return EXIT_USAGE
         return run_script(a.script, a.args, report_path=a.report, on_nonfinite=a.on_nonfinite,
                           recover=a.recover, localize=not a.no_localize, strict=a.strict,

@@ -17,18 +17,33 @@ def add_parser(sub) -> None:
 
 
 def report_html(json_path: str, out: Optional[str] = None, *, plots: bool = True) -> int:
-    """Render ``json_path`` to ``out`` (default: the same name with ``.html``). Exit status 0, or 2."""
+    """Render ``json_path`` to ``out`` (default: the same name with ``.html``). Exit status 0, or 2.
+
+    ``out`` is checked before anything is rendered: a new path or a page nanguard wrote, never the
+    JSON report itself, a directory, a device or someone else's file."""
+    from ..core.outputs import OutputError, check_distinct, check_output
     from ..core.render.html import default_html_path, write_html
+    out = out or default_html_path(json_path)
+    try:
+        check_distinct([("-o", out)], [("JSON report", json_path)])
+        check_output(out, "html", "-o")
+    except OutputError as e:
+        print(f"nanguard: {e}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         report = load_report(json_path)
     except ReportFileError as e:
         print(f"nanguard: {e}", file=sys.stderr)
         return EXIT_USAGE
-    out = out or default_html_path(json_path)
     try:
         path = write_html(report, out, plots=plots)
     except OSError as e:
         print(f"nanguard: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError, RecursionError) as e:
+        # the reader checked the fields the page reads; this is a field it does not know the shape of
+        print(f"nanguard: {json_path}: cannot render this report: a field has an unexpected shape "
+              f"({type(e).__name__}: {str(e)[:120]})", file=sys.stderr)
         return EXIT_USAGE
     note = ""
     if plots and not _have_matplotlib():

@@ -26,13 +26,28 @@ def show(json_path: str, *, history: bool = False, rows: int = 20, ascii: Option
     except ReportFileError as e:
         print(f"nanguard: {e}", file=sys.stderr)
         return EXIT_USAGE
-    if history:
-        from ..core.render.history_text import can_unicode, history_text
-        if ascii is None:
-            ascii = not can_unicode(out)
-        print(history_text(data, rows=rows, ascii=ascii), file=out)
-        return 0
-    return _show_report(data, json_path, out)
+    try:
+        if history:
+            from ..core.render.history_text import can_unicode, history_text
+            if ascii is None:
+                ascii = not can_unicode(out)
+            print(history_text(data, rows=max(0, rows), ascii=ascii), file=out)
+            return 0
+        return _show_report(data, json_path, out)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError, RecursionError) as e:
+        # the reader checked the fields the renderers read; this is a field it does not know the shape of
+        print(f"nanguard: {json_path}: cannot show this report: a field has an unexpected shape "
+              f"({type(e).__name__}: {str(e)[:120]})", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def running_note(data: dict) -> str:
+    """What a report still marked ``running`` means: the run did not finish (killed, or still going)."""
+    run = data.get("running") if isinstance(data.get("running"), dict) else {}
+    who = f" (pid {run.get('pid')} on {run.get('host')})" if run.get("pid") is not None else ""
+    when = f", last written {run.get('updated')}" if run.get("updated") else ""
+    return (f"the run did not finish{who}: it was killed (SIGKILL, out of memory, os._exit) or is still "
+            f"running{when}; this is what was known then")
 
 
 def _show_report(data: dict, json_path: str, out) -> int:
@@ -63,6 +78,8 @@ def _show_report(data: dict, json_path: str, out) -> int:
     if saved and not line.startswith(str(saved)):  # the status the run wrote is the one shown
         line = f"{saved}: {line.partition(': ')[2]}"
     con.print(f"[bold cyan]nanguard[/]: {escape(line)}")
+    if saved == "running":
+        con.print(f"[bold yellow]{escape(running_note(data))}[/]", soft_wrap=True)
     if len(events) > 1 or warnings:
         con.print("[bold]events[/]")
         for e in events:

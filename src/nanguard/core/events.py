@@ -109,7 +109,10 @@ class Report:
         ``guard_disabled.step``: the steps after it were not checked, so the run cannot be called
         clean), ``recovered`` (every non-finite event was recovered, or, with
         none, an early warning was acted on: the run was rolled back or a step skipped before anything
-        went non-finite), ``warning`` (early warnings only: every value stayed finite) or ``clean``."""
+        went non-finite), ``warning`` (early warnings only: every value stayed finite) or ``clean``.
+        A file can also say ``running``: the report of a run not finished (still going, or killed
+        outright), written at its start and at each event (:mod:`nanguard.core.reportsink`); a
+        Report object never has that status itself."""
         nonfinite = self.failures
         if (self.interrupted or {}).get("during"):  # a signal after the stop, while nanguard localized it
             return "interrupted"

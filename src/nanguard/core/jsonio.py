@@ -1,4 +1,4 @@
-"""Strict JSON (NaN/Inf as strings) and atomic file writes: what every report file goes through."""
+"""Strict JSON (NaN/Inf as strings) and the one atomic, policy-checked writer every nanguard file goes through."""
 from __future__ import annotations
 
 import json
@@ -6,6 +6,8 @@ import math
 import os
 import tempfile
 from typing import Any, Callable
+
+from .outputs import check_output
 
 
 def json_safe(obj: Any) -> Any:
@@ -23,11 +25,15 @@ def json_safe(obj: Any) -> Any:
     return str(obj)
 
 
-def write_atomic(path: str, write: Callable[[str], None], suffix: str = ".tmp") -> str:
-    """Write through ``write(tmp_path)`` then rename over ``path``: readers never see half a file.
+def write_atomic(path: str, write: Callable[[str], None], suffix: str = ".tmp", *, kind: str) -> str:
+    """The one writer of every file nanguard writes (JSON report, HTML page, repro bundle).
 
-    The file gets the permissions a plain ``open(path, "w")`` would give (the temp file's are 0600)."""
-    path = os.path.abspath(path)
+    Checks ``path`` against the output policy (:func:`nanguard.core.outputs.check_output`: a new
+    path, or a nanguard file of this ``kind``; never a directory, device, FIFO or a user's file),
+    writes through ``write(tmp_path)`` in the same folder, then renames over it: readers never see
+    half a file. A symbolic link is kept and its target written. The file gets the permissions a
+    plain ``open(path, "w")`` would give (the temp file's are 0600). Returns the absolute path."""
+    path = check_output(path, kind)
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".nanguard-", suffix=suffix, dir=folder)
@@ -35,6 +41,7 @@ def write_atomic(path: str, write: Callable[[str], None], suffix: str = ".tmp") 
     try:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
+        check_output(path, kind)  # again, right before the rename: it may have changed while we wrote
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -45,15 +52,13 @@ def write_atomic(path: str, write: Callable[[str], None], suffix: str = ".tmp") 
     return path
 
 
-def write_json_atomic(path: str, data: Any) -> None:
+def write_json_atomic(path: str, data: Any, *, kind: str = "report") -> str:
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:
             json.dump(data, f, indent=1, allow_nan=False)
             f.flush()
             os.fsync(f.fileno())
-    write_atomic(path, write, ".json.tmp")
-
-
+    return write_atomic(path, write, ".json.tmp", kind=kind)
 
 
 def _umask() -> int:

@@ -30,6 +30,7 @@ nanguard lint --format json src/            # [{"path", "line", "col", "rule", "
 nanguard lint --format sarif -o lint.sarif src/   # SARIF 2.1.0 for code scanning
 nanguard lint --select NGL001,NGL005 --ignore NGL007 src/
 nanguard lint --fix src/                    # rewrite the exactly safe patterns (needs `pip install 'nanguard[lint]'`)
+nanguard lint --report nanguard_report.json # after a run: the findings on the lines where its NaNs were born
 flake8 --select NGL src/                    # the same rules as a flake8 plugin
 ```
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import platform
+import random
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -69,18 +70,152 @@ class Bundle:
     def load_into(self, model: torch.nn.Module, optimizers: Any = (), scaler: Any = None,
                   rng: bool = True) -> None:
         """Put the failing step's starting state into your own objects: model weights and buffers,
-        optimizer state(s) (in the order they were created), GradScaler and (``rng=True``) the RNG."""
-        model.load_state_dict(self.state_for(model))
+        optimizer state(s) (in the order they were created), GradScaler and (``rng=True``) the RNG.
+
+        Everything is checked first (the model's names, shapes and dtypes, each optimizer state's
+        structure against its optimizer, the scaler's and the RNG's states): a bundle that does not fit
+        raises :class:`BundleError` and leaves the model, the optimizers, the scaler and the RNG as they were."""
         opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers or ())
+        state = self.state_for(model)
+        _check_model_state(state, model)
         if len(opts) > len(self.optimizer_states):
             raise BundleError(f"the bundle holds {len(self.optimizer_states)} optimizer state(s), "
                               f"{len(opts)} optimizer(s) given")
+        for i, (o, st) in enumerate(zip(opts, self.optimizer_states)):
+            _check_optimizer_state(st, o, i)
+        use_scaler = scaler is not None and bool(self.scaler_state)
+        if use_scaler:
+            _check_scaler_state(self.scaler_state)
+        if rng:
+            _check_rng(self.rng)
+        model.load_state_dict(state)
         for o, st in zip(opts, self.optimizer_states):
             o.load_state_dict(st)
-        if scaler is not None and self.scaler_state:
+        if use_scaler:
             scaler.load_state_dict(self.scaler_state)
         if rng:
             self.restore_rng()
+
+
+def _check_model_state(state: Dict[str, Any], model: torch.nn.Module) -> None:
+    """The bundle's model state fits ``model`` exactly: the same names, shapes, dtypes and layouts."""
+    own = model.state_dict()
+    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or extra:
+        bits = ([f"missing {missing[:5]}"] if missing else []) + ([f"unexpected {extra[:5]}"] if extra else [])
+        raise BundleError(f"the bundle's model state does not fit {type(model).__name__}: {'; '.join(bits)}")
+    for k, v in state.items():
+        t = own[k]
+        if not isinstance(v, torch.Tensor):
+            raise BundleError(f"model state {k!r} is a {type(v).__name__}, not a tensor")
+        if not isinstance(t, torch.Tensor):
+            continue  # extra state a module serialises itself
+        if v.layout != t.layout or v.dtype != t.dtype or tuple(v.shape) != tuple(t.shape):
+            raise BundleError(f"model state {k!r} is {v.dtype} {tuple(v.shape)} ({v.layout}) in the bundle, "
+                              f"{t.dtype} {tuple(t.shape)} ({t.layout}) in the model")
+
+
+_NUMBER = (int, float)
+
+
+def _fits(saved: Any, live: Any) -> bool:
+    """A saved hyperparameter can stand in for the live one: numbers for numbers (a tensor learning
+    rate too), sequences of the same length, None/str/bool like for like."""
+    if isinstance(live, bool) or isinstance(saved, bool):
+        return saved is None or (isinstance(saved, bool) and isinstance(live, bool))
+    if isinstance(live, (_NUMBER, torch.Tensor)):
+        return isinstance(saved, _NUMBER) or (isinstance(saved, torch.Tensor) and saved.numel() == 1
+                                                and not saved.is_complex())
+    if isinstance(live, (list, tuple)):
+        return isinstance(saved, (list, tuple)) and len(saved) == len(live) and all(
+            _fits(a, b) for a, b in zip(saved, live))
+    if live is None:
+        return saved is None or isinstance(saved, (_NUMBER, str))
+    return saved is None or type(saved) is type(live) or isinstance(saved, type(live))
+
+
+def _check_optimizer_state(st: Any, opt: Any, i: int) -> None:
+    """``st`` is a state dict ``opt.load_state_dict`` takes as it is, with nothing of the wrong kind in it."""
+    where = f"optimizer state {i} ({type(opt).__name__})"
+    if not isinstance(st, dict) or not isinstance(st.get("state"), dict) or not isinstance(st.get("param_groups"), list):
+        raise BundleError(f"{where}: not an optimizer state dict ('state' and 'param_groups')")
+    groups, live = st["param_groups"], opt.param_groups
+    if len(groups) != len(live):
+        raise BundleError(f"{where}: {len(groups)} parameter group(s) in the bundle, {len(live)} in the optimizer")
+    ids: Dict[int, torch.Tensor] = {}
+    for g, lg in zip(groups, live):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list):
+            raise BundleError(f"{where}: a parameter group without its 'params' list")
+        if len(g["params"]) != len(lg["params"]):
+            raise BundleError(f"{where}: a group of {len(g['params'])} parameters in the bundle, "
+                              f"{len(lg['params'])} in the optimizer")
+        for pid, p in zip(g["params"], lg["params"]):
+            if isinstance(pid, bool) or not isinstance(pid, (int, str)) or pid in ids:
+                raise BundleError(f"{where}: parameter ids must be distinct integers (or names)")
+            ids[pid] = p
+        for k, v in g.items():
+            if k != "params" and k in lg and not _fits(v, lg[k]):
+                raise BundleError(f"{where}: hyperparameter {k!r} is {type(v).__name__} {str(v)[:40]!r}, "
+                                  f"the optimizer's is {type(lg[k]).__name__}")
+    for pid, ps in st["state"].items():
+        if pid not in ids:
+            raise BundleError(f"{where}: state for parameter id {pid!r}, which no group holds")
+        if not isinstance(ps, dict) or not all(isinstance(k, str) for k in ps):
+            raise BundleError(f"{where}: the state of parameter {pid!r} is not a dict of named values")
+        p = ids[pid]
+        for k, v in ps.items():
+            if isinstance(v, torch.Tensor):
+                if v.layout != torch.strided or v.is_complex() != p.is_complex() and v.numel() > 1:
+                    raise BundleError(f"{where}: state {k!r} of parameter {pid!r} is a {v.dtype} {v.layout} "
+                                      f"tensor, which does not fit a {p.dtype} parameter")
+            elif not (v is None or isinstance(v, (bool, int, float, str))):
+                raise BundleError(f"{where}: state {k!r} of parameter {pid!r} is a {type(v).__name__}")
+
+
+_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def _check_scaler_state(st: Any) -> None:
+    if not isinstance(st, dict):
+        raise BundleError("the GradScaler state is not a dict")
+    for k in _SCALER_KEYS:
+        v = st.get(k)
+        if isinstance(v, bool) or not isinstance(v, _NUMBER) or not (v == v):
+            raise BundleError(f"the GradScaler state's {k!r} is {v!r}, not a number")
+
+
+def _check_rng(st: Any) -> None:
+    """Each RNG state has the type and size its generator takes."""
+    t = st.get("torch") if isinstance(st, dict) else None
+    cur = torch.get_rng_state()
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.shape != cur.shape:
+        raise BundleError(f"the bundle's torch RNG state is not a uint8 tensor of {cur.numel()} bytes")
+    r = st.get("random")
+    if r is not None:
+        ok = isinstance(r, (list, tuple)) and len(r) == 3 and isinstance(r[1], (list, tuple))
+        if ok:
+            try:
+                state = random.getstate()
+                random.setstate((r[0], tuple(r[1]), r[2]))  # checked by the generator itself, then put back
+                random.setstate(state)
+            except (TypeError, ValueError, OverflowError):
+                ok = False
+        if not ok:
+            raise BundleError("the bundle's Python RNG state is not one random.setstate takes")
+    cuda = st.get("cuda")
+    if cuda is not None and not (isinstance(cuda, (list, tuple)) and all(
+            isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda)):
+        raise BundleError("the bundle's CUDA RNG states are not uint8 tensors")
+    n = st.get("numpy")
+    if n is not None:
+        ok = isinstance(n, (list, tuple)) and len(n) == 5 and isinstance(n[0], str)
+        keys = n[1] if ok else None
+        if isinstance(keys, torch.Tensor):
+            ok = keys.dim() == 1 and keys.numel() == 624 and not keys.is_floating_point()
+        elif ok:
+            ok = hasattr(keys, "__len__") and len(keys) == 624  # native form
+        if not ok:
+            raise BundleError("the bundle's numpy RNG state is not an MT19937 state")
 
 
 def versions() -> Dict[str, str]:
@@ -118,7 +253,7 @@ def save_bundle(path: str, *, step: int, phase: str, batch: Any, model_state: Di
             "optimizer_states": [_plain(s) for s in optimizer_states],
             "scaler_state": _plain(scaler_state), "rng": _plain(rng), "config": _plain(config or {}),
             "versions": versions(), "event": _plain(event or {})}
-    return write_atomic(path, lambda tmp: torch.save(data, tmp))
+    return write_atomic(path, lambda tmp: torch.save(data, tmp), ".pt.tmp", kind="bundle")
 
 
 def load_bundle(path: str) -> Bundle:
@@ -154,6 +289,9 @@ def load_bundle(path: str) -> Bundle:
 
 
 def default_bundle_path(report_path: Optional[str]) -> str:
-    folder = os.path.dirname(os.path.abspath(report_path)) if report_path else os.getcwd()
-    return os.path.join(folder, "nanguard_bundle.pt")
-
+    """The run's own bundle, beside its report: ``run/r.json`` -> ``run/r.bundle.pt`` (runs with different
+    reports never share a bundle); ``./nanguard_bundle.pt`` when there is no report."""
+    if not report_path:
+        return os.path.join(os.getcwd(), "nanguard_bundle.pt")
+    root, ext = os.path.splitext(os.path.abspath(report_path))
+    return (root if ext.lower() == ".json" else root + ext) + ".bundle.pt"

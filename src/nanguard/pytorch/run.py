@@ -21,7 +21,9 @@ import torch
 from ..core.config import GuardConfig
 from ..core.experiments import ExperimentConfig
 from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
-from ..core.render.html import write_run_html
+from ..core.outputs import absolute
+from ..core.render.html import html_target, write_run_html
+from ..core.reportsink import interim_report, open_run_report
 from ..core.render.terminal import print_line, render, summary_line
 from ..core.script import apply_late_signal, apply_outcome, pending_signal, restore_signals, run_as_main
 from .bundle import default_bundle_path
@@ -57,6 +59,15 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
     quiet = quiet or not is_main()
     if bundle == "auto":
         bundle = default_bundle_path(report_path)
+    # every output checked (and the report started, "running") before the script runs; absolute paths:
+    # a script that changes its working folder does not move them
+    page_path, bundle, tensorboard = absolute(html_target(report_path, html)), absolute(bundle), absolute(tensorboard)
+    try:
+        sink = open_run_report(script=script_abs, report=report_path, html=page_path, bundle=bundle,
+                               tensorboard=tensorboard, write=is_main())
+    except OSError as e:
+        print(f"nanguard: {e}", file=sys.stderr)
+        return EXIT_USAGE
     rng_fd, rng_file = tempfile.mkstemp(prefix="nanguard-rng-", suffix=".pt")
     os.close(rng_fd)
     torch.save(capture_rng(), rng_file)  # the re-run starts from this exact RNG state
@@ -89,6 +100,8 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
         policy.attach(watcher)
     if not quiet and on_nonfinite == "warn" and not recovering:
         watcher.on_event = lambda det: announce(watcher, det)
+    if sink.active:  # the report on disk follows the run: rewritten at each event
+        _keep_current(sink, watcher, policy)
     tb = None
     if tensorboard:
         tb = TensorBoardLogger.attach_to(watcher.monitor, tensorboard)
@@ -119,9 +132,9 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
             tb.close()
         page = None
         if report_path and is_main():  # torch.distributed: rank 0 writes the merged report
-            report.write(report_path)
+            sink.finish(report)
         if is_main():
-            page = write_run_html(report, report_path, html)
+            page = write_run_html(report, report_path, page_path)
         if not quiet:
             _print_outcome(report, report_path)
             if page:
@@ -147,6 +160,21 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
     if stopped:
         return EXIT_NONFINITE
     return code
+
+
+def _keep_current(sink: Any, watcher: Any, policy: Any) -> None:
+    """Rewrite the running report whenever an event was recorded: at the event (a failure the run stops
+    at, a warn-mode failure) and at the next step's start (recoveries, early warnings)."""
+    def current(*_: Any) -> None:
+        events, warnings = (policy.events if policy is not None else []), watcher.spikes.events
+        mon = watcher.monitor
+        sink.poll(len(watcher.detections) + len(events) + len(warnings), lambda: interim_report(
+            detections=watcher.detections, events=events, warnings=warnings, history=mon.history.as_dicts(),
+            counting=mon.counting, steps_watched=mon.steps_watched,
+            max_grad_norm=mon.history.max_grad_norm if len(mon.history) else None))
+    for hook in ("on_event", "on_step_start"):
+        prev = getattr(watcher, hook)
+        setattr(watcher, hook, current if prev is None else (lambda *a, _p=prev: (_p(*a), current())))
 
 
 def child_config(config: Any) -> dict:

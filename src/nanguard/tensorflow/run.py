@@ -19,7 +19,9 @@ from typing import List, Optional
 
 from ..core.config import GuardConfig
 from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
-from ..core.render.html import write_run_html
+from ..core.outputs import absolute
+from ..core.render.html import html_target, write_run_html
+from ..core.reportsink import interim_report, open_run_report
 from ..core.render.terminal import print_line
 from ..core.script import apply_late_signal, apply_outcome, pending_signal, restore_signals, run_as_main
 
@@ -86,6 +88,13 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
         return EXIT_USAGE
     script_abs = os.path.abspath(script)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    page_path = absolute(html_target(report_path, html))  # checked, and the report started, before the script runs
+    try:
+        sink = open_run_report(script=script_abs, report=report_path, html=page_path,
+                               extra={"framework": "tensorflow"})
+    except OSError as e:
+        print(f"nanguard: {e}", file=sys.stderr)
+        return EXIT_USAGE
     config = GuardConfig(on_nonfinite=on_nonfinite, strict=strict)
     on_spike = on_spike or ("rollback" if recover else "warn")
     state: dict = {"watcher": None, "policy": None, "driver": None}
@@ -95,6 +104,8 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
         drv = RunDriver(config, script_abs, list(args), recover=recover, localize=localize, quiet=quiet,
                         on_spike=on_spike)
         state["driver"] = drv
+        if sink.active:  # the report on disk follows the run: rewritten after a step that recorded an event
+            _keep_current(sink, drv)
         drv.install()
 
     if not quiet:
@@ -135,8 +146,8 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
         apply_outcome(report, outcome, step=report.steps_watched)  # script_error / interrupted (core.script)
         final = apply_late_signal(report, outcome, step=report.steps_watched)  # a signal wins over the stop
         if report_path:
-            report.write(report_path)
-        page = write_run_html(report, report_path, html)
+            sink.finish(report)
+        page = write_run_html(report, report_path, page_path)
         if not quiet:
             from .driver import print_outcome
             print_outcome(report, report_path, drv)
@@ -156,6 +167,20 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
     if stopped or (drv is not None and drv.stopped):
         return EXIT_NONFINITE
     return code
+
+
+def _keep_current(sink, drv) -> None:
+    w = drv.watcher
+
+    def current(*_) -> None:
+        events = drv.policy.events if drv.policy is not None else []
+        warnings = list(getattr(w, "warning_events", None) or [])
+        sink.poll(len(w.detections) + len(events) + len(warnings), lambda: interim_report(
+            detections=w.detections, events=events, warnings=warnings, history=w.history.as_dicts(),
+            steps_watched=w.steps_watched, max_grad_norm=w.history.max_grad_norm if len(w.history) else None,
+            extra={"framework": "tensorflow"}))
+    prev = w.on_step_end
+    w.on_step_end = current if prev is None else (lambda *a: (prev(*a), current()))
 
 
 def _is_stop(e: BaseException) -> bool:

@@ -25,6 +25,7 @@ import os
 import warnings
 from typing import Any, Dict, Optional
 
+from ..outputs import HTML_MARKER
 from .html_blocks import e
 from .html_origin import origin_section, path_section
 from .html_sections import environment_section, events_section, evidence_section, fixes_section, \
@@ -83,7 +84,7 @@ def write_html(report: Dict[str, Any], path: str, *, plots: bool = True) -> str:
             f.write(page)
             f.flush()
             os.fsync(f.fileno())
-    return write_atomic(path, write, ".html.tmp")
+    return write_atomic(path, write, ".html.tmp", kind="html")
 
 
 def render_html(report: Dict[str, Any], *, plots: bool = True) -> str:
@@ -103,7 +104,7 @@ def render_html(report: Dict[str, Any], *, plots: bool = True) -> str:
     foot = (f'<footer>Rendered by nanguard {e(__version__)} on {e(now)} from a '
             f'<code>{e(report.get("schema", "?"))}</code> report. Self-contained page: no script, no network.'
             f'</footer>')
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+    return (f'<!DOCTYPE html>\n{HTML_MARKER}\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta http-equiv="Content-Security-Policy" content="{PAGE_CSP}">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f'<meta name="generator" content="nanguard {e(__version__)}">'
