@@ -153,7 +153,7 @@ def test_bad_data_skips_restores_the_buffers_and_quarantines_the_rows():
     assert rec["actions"] == {"skip_step": {"grads_dropped": 2, "buffers_restored": 1},
                               "quarantine": {"rows": [7, 7, 9], "batch_rows": [1]}, "quarantined_samples": [7, 7, 9]}
     assert p.quarantined == [7, 9] and p.budget.data_steps == [4] and p.budget.recovery_steps == []
-    assert "quarantined dataset rows [7, 9]" in p.summary()
+    assert "quarantined dataset rows 7, 9" in p.summary()
 
 
 def test_nonfinite_weights_without_a_snapshot_stop_the_run():

@@ -27,7 +27,7 @@ from nanguard.core.render.values import choose_scale
 import importlib.util
 
 needs_mpl = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
-                               reason="the plots need the html extra: pip install 'nanguard[html]'")
+                               reason="the plots need matplotlib (a dependency of nanguard)")
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_page_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     page = render_html(payload_report(tmp_path))
     assert "<svg" not in page and 'id="no-plots"' in page
-    assert "pip install &#x27;nanguard[html]&#x27;" in page
+    assert "pip install matplotlib" in page
     assert '<table class="data"><caption>last 2 steps' in page  # the numbers are still there
     assert _sections(page) == ["plots", "origin", "path", "evidence", "fixes", "events", "environment"]
 

@@ -3,7 +3,10 @@
 Pages of real runs (tests/html_cases.py): a forward log-domain failure, a divergence with
 recoveries, a clean run with a (test-made) warning, and the built-in demo. For each: no request
 leaves the page, nothing is logged as an error, the plots are drawn (SVG paths with non-empty
-boxes), the failing step and the highlighted origin line are visible; the open time (navigation
+boxes, painted), the failing step and the highlighted origin line are visible, the Evidence section
+shows its deciding numbers (label, value with its unit, meaning) with the raw dump folded, and the
+plot legends say what happened (a loss, gradients or a recovery that went non-finite, an early
+warning while every value was finite); the open time (navigation
 start to the load event) and the file size are measured. A page whose strings carry script/img
 payloads runs nothing and shows the text literally, with and without its Content-Security-Policy.
 
@@ -45,7 +48,7 @@ def _missing() -> str:
     if not CHROMIUM:
         return "no Chromium found (apt-get install -y chromium, or set NANGUARD_CHROMIUM)"
     if not HAVE_MPL:
-        return "matplotlib is not installed (pip install 'nanguard[html]')"
+        return "matplotlib is not installed (pip install matplotlib)"
     return ""
 
 
@@ -112,19 +115,49 @@ def open_page(browser, path: Path, width: int = 1200) -> Opened:
 
 
 def plot_boxes(page):
-    """Per inline SVG: its size, its <path> count, and the box of its first data line."""
+    """Per inline SVG: its size, its <path> count, the box of its first data line and whether that line
+    is painted (a stroke, not hidden, not transparent)."""
     return page.evaluate("""() => Array.from(document.querySelectorAll('svg.plot')).map(s => {
         const r = s.getBoundingClientRect();
         const line = s.querySelector('[id^="ng-line-"] path');
         const lb = line ? line.getBoundingClientRect() : null;
         return {id: s.id, w: r.width, h: r.height, paths: s.querySelectorAll('path').length,
-                line_w: lb ? lb.width : 0, line_h: lb ? lb.height : 0};
+                line_w: lb ? lb.width : 0, line_h: lb ? lb.height : 0, painted};
     })""")
 
+        const cs = line ? getComputedStyle(line) : null;
+        const painted = !!cs && cs.stroke !== 'none' && cs.visibility !== 'hidden' && cs.display !== 'none'
+            && parseFloat(cs.opacity) > 0 && parseFloat(cs.strokeOpacity || '1') > 0;
 
 def box(page, selector):
     return page.evaluate("""(sel) => { const el = document.querySelector(sel); if (!el) return null;
         const r = el.getBoundingClientRect(); return {w: r.width, h: r.height, x: r.x, y: r.y}; }""", selector)
+
+def legend_texts(page, key: str) -> list:
+    """The legend entries of plot ``key`` (matplotlib writes them as <text> in its legend group)."""
+    return page.evaluate("""(key) => Array.from(document.querySelectorAll(
+        `#plot-${key} g[id^="legend"] text`)).map(t => t.textContent.trim()).filter(t => t)""", key)
+
+
+def check_evidence(page):
+    """The Evidence section a person reads: the deciding numbers with label, value (with its unit) and
+    meaning, visible; the raw dump folded in a closed <details> whose content shows only when opened."""
+    rows = page.evaluate("""() => Array.from(document.querySelectorAll('#evidence-deciding tbody tr')).map(r => ({
+        key: r.dataset.key, label: r.querySelector('th').textContent.trim(),
+        value: r.querySelector('td.value').textContent.trim(),
+        meaning: r.querySelector('td.meaning').textContent.trim()}))""")
+    assert rows, "no deciding numbers in the Evidence section"
+    for r in rows:
+        assert r["label"] and r["value"] and len(r["meaning"]) > 10, r
+    assert visible(page, "#evidence-deciding")
+    if page.locator("#evidence-all").count():
+        assert page.evaluate("() => document.querySelector('#evidence-all').open") is False
+        assert not visible(page, "#evidence-all table")  # folded away
+        page.click("#evidence-all > summary")
+        assert visible(page, "#evidence-all table")
+        page.click("#evidence-all > summary")
+    return rows
+
 
 
 def check_common(o: Opened, path: Path, name: str, artifacts: Path, measurements: dict, n_plots: int):
@@ -143,6 +176,7 @@ def check_common(o: Opened, path: Path, name: str, artifacts: Path, measurements
     page.screenshot(path=str(artifacts / f"{name}_top.png"))
     shutil.copy(path, artifacts / f"{name}.html")
     measurements[name] = {"bytes": size, "open_ms": round(o.timing["load_ms"], 1),
+        assert p["painted"], f"{p['id']}: its data line is not painted"
                           "dom_content_loaded_ms": round(o.timing["dom_ms"], 1), "plots": len(plots)}
 
 
@@ -184,6 +218,12 @@ def test_forward_log_domain_page(browser, tmp_path, artifacts, measurements):
         page.emulate_media(media="print")
         cols = page.evaluate("() => getComputedStyle(document.querySelector('.plots')).gridTemplateColumns")
         assert len(cols.split()) == 2
+        # a forward failure: the loss itself went non-finite, and the legend says so
+        assert f"loss non-finite at step {step}" in legend_texts(page, "loss")
+        rows = check_evidence(page)
+        labels = {r["label"]: r["value"] for r in rows}
+        assert "origin op in float64" in labels and "log inputs at 0" in labels, labels
+        assert labels["log inputs at 0"].endswith("elements"), labels  # the unit is said
         assert all(p["w"] > 100 for p in plot_boxes(page))
         page.pdf(path=str(artifacts / "log_domain.pdf"), format="A4", print_background=True)
     finally:
@@ -209,6 +249,10 @@ def test_divergence_with_recovery_page(browser, tmp_path, artifacts, measurement
     finally:
         o.ctx.close()
 
+        legend = " | ".join(legend_texts(page, "loss"))
+        assert "recovered" in legend and "loss = inf" in legend, legend
+        rows = check_evidence(page)
+        assert any(r["value"].startswith("×") for r in rows), rows  # a growth factor, with its unit
 
 def test_clean_run_with_warning_page(browser, tmp_path, artifacts, measurements):
     rep, _ = run_case("clean_warning", tmp_path)
@@ -226,6 +270,11 @@ def test_clean_run_with_warning_page(browser, tmp_path, artifacts, measurements)
         o.ctx.close()
 
 
+        # an early warning: every value was finite, and no legend or title says otherwise
+        legend = legend_texts(page, "loss")
+        assert f"early warning at step {WARNING_STEP} (all finite)" in legend, legend
+        assert not any("non-finite" in t for k in ("loss", "grad_norm") for t in legend_texts(page, k))
+        assert "non-finite value" not in page.inner_text("h1").lower()
 def test_demo_page(browser, tmp_path, artifacts, measurements):
     """``nanguard demo --report``: the page a first-time user sees (its size and open time)."""
     rep_path = tmp_path / "demo.json"
@@ -239,12 +288,20 @@ def test_demo_page(browser, tmp_path, artifacts, measurements):
     try:
         check_common(o, html_path, "demo", artifacts, measurements, n_plots=5)
         rep = json.loads(rep_path.read_text())
-        assert o.page.inner_text("#failing-step") == str(rep["events"][0]["step"])
+        step = rep["events"][0]["step"]
+        assert o.page.inner_text("#failing-step") == str(step)
         assert visible(o.page, "#origin-line")
     finally:
         o.ctx.close()
 
 
+        # a backward failure with a finite loss: the loss legend names the gradients, never the loss
+        legend = legend_texts(o.page, "loss")
+        assert f"gradients non-finite at step {step}" in legend and not any("loss non-finite" in t for t in legend)
+        rows = {r["label"]: r["value"] for r in check_evidence(o.page)}
+        assert rows.get("+inf outputs", "").endswith("elements") and "inputs of the root at 0" in rows, rows
+        # the why text follows the op's own output (+inf: x/0), not a fixed 0/0
+        assert "x/0 = +inf" in o.page.inner_text("#summary") and "0/0" not in o.page.inner_text("#summary")
 # --------------------------------------------------------------------------- safety
 
 @pytest.mark.parametrize("csp", [True, False], ids=["with-csp", "escaping-alone"])

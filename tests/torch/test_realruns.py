@@ -279,7 +279,7 @@ def test_padded_multihead_attention_names_the_batch_row_and_the_mask(tmp_path):
     assert o["module"] == "attn" and o["line"] == 18
     assert o["samples"] == [3] and o["tensor_rows"] == [12, 13, 14, 15]   # batch row 3 of 8, 4 heads
     assert ev["cause"]["evidence"]["key_padding_rows"]["batch_rows"] == [3]
-    assert "key_padding_mask rows [3]" in ev["cause"]["summary"]
+    assert "key_padding_mask row 3 " in ev["cause"]["summary"]
 
 
 HF = '''

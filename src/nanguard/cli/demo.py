@@ -6,11 +6,13 @@ a new temporary folder that is kept (its path is printed).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import tempfile
 from typing import Optional
 
-from ..core.exitcodes import EXIT_NONFINITE
+from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
 from ..core.render.terminal import print_line
 from .run import run_script
 
@@ -31,7 +33,11 @@ def demo_report_path(report_path: Optional[str] = None) -> str:
 
 
 def run_demo(report_path: Optional[str] = None) -> int:
-    """Run the demo; exit 0 when nanguard caught and explained the failure, 1 otherwise."""
+    """Run the demo; exit 0 when nanguard caught and explained the failure, 1 otherwise, 2 without torch."""
+    if importlib.util.find_spec("torch") is None:  # the demo is a PyTorch script; say so in one line
+        print("nanguard: the demo trains a PyTorch model and torch is not installed: pip install "
+              "'nanguard[torch]' (or run nanguard run on your own TensorFlow/Keras script)", file=sys.stderr)
+        return EXIT_USAGE
     script = demo_script_path()
     print_line(f"demo: training {os.path.relpath(script)} (a metric-learning net with a hand-written "
                "pairwise distance) under `nanguard run`")

@@ -9,10 +9,8 @@ from typing import List, Optional
 
 from .._version import __version__
 from ..core.exitcodes import EXIT_USAGE
-from ..core.experiments.config import ExperimentConfig
 from .report_html import add_parser as add_report_parser
 from .show import add_parser as add_show_parser
-from ..lint.command import add_parser as add_lint_parser
 
 
 def run_script(script: str, args: List[str], **kwargs) -> int:
@@ -81,14 +79,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     d.add_argument("--report", default=None, help="also write the JSON report here")
     add_report_parser(sub)
     add_show_parser(sub)
-    add_lint_parser(sub)
+    if not argv or argv[0] not in ("run", "demo"):  # start-up: `nanguard run` does not import the linter
+        from ..lint.command import add_parser as add_lint_parser
+        add_lint_parser(sub)
     a = ap.parse_args(argv)
     if a.version:
         print(f"nanguard {__version__}")
         return 0
     if a.cmd == "run":
         try:
-            ExperimentConfig.from_spec(a.experiments)
+            if a.experiments != "auto":  # start-up: the experiments' modules only when asked for
+                from ..core.experiments.config import ExperimentConfig
+                ExperimentConfig.from_spec(a.experiments)
         except (ValueError, TypeError) as e:
             print(f"nanguard: --experiments: {e}", file=sys.stderr)
             return EXIT_USAGE

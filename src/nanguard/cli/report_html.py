@@ -47,7 +47,7 @@ def report_html(json_path: str, out: Optional[str] = None, *, plots: bool = True
         return EXIT_USAGE
     note = ""
     if plots and not _have_matplotlib():
-        note = " (without plots: pip install 'nanguard[html]')"
+        note = " (without plots: pip install matplotlib)"
     print(f"nanguard: HTML report written to {path}{note}", file=sys.stderr)
     return 0
 

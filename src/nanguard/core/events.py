@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 
 from .._version import __version__
 from .jsonio import json_safe, write_json_atomic
+from .text import strip_ansi
 
 SCHEMA = "nanguard.report/1"
 PHASES = ("data", "params", "forward", "backward", "optimizer", "eval")
@@ -224,7 +225,8 @@ def one_line(ev: Event) -> str:
     if o.get("file") and o.get("line"):
         where = f" at {os.path.basename(str(o['file']))}:{o['line']}"
     cat = (ev.cause or {}).get("category", "other")
-    summary = (ev.cause or {}).get("summary") or ""
-    return f"non-finite value at step {ev.step} (phase {ev.phase}){where}: {cat}. {summary}".strip()
+    summary = strip_ansi((ev.cause or {}).get("summary") or "")
+    what = "early warning" if ev.is_warning else "non-finite value"
+    return f"{what} at step {ev.step} (phase {ev.phase}){where}: {cat}. {summary}".strip()
 
 

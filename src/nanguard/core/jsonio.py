@@ -8,10 +8,14 @@ import tempfile
 from typing import Any, Callable
 
 from .outputs import check_output
+from .text import strip_ansi
 
 
 def json_safe(obj: Any) -> Any:
-    """Replace NaN/Inf floats by strings: the report must be strict JSON."""
+    """Replace NaN/Inf floats by strings: the report must be strict JSON. Terminal escape codes copied
+    from an exception message are stripped (:func:`nanguard.core.text.strip_ansi`)."""
+    if isinstance(obj, str):
+        return strip_ansi(obj)
     if isinstance(obj, float):
         if math.isfinite(obj):
             return obj
@@ -20,9 +24,9 @@ def json_safe(obj: Any) -> Any:
         return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
-    if obj is None or isinstance(obj, (str, int, bool)):
+    if obj is None or isinstance(obj, (int, bool)):
         return obj
-    return str(obj)
+    return strip_ansi(str(obj))
 
 
 def write_atomic(path: str, write: Callable[[str], None], suffix: str = ".tmp", *, kind: str) -> str:

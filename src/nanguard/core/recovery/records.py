@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from ..text import counted_list, plural, plural_word
+
 
 def notice(step: int, category: str, record: Dict[str, Any]) -> str:
     """``recovered at step 17: lr_too_high -> rollback+lr_backoff+skip_step, back to step 10, ...``"""
     done = record["actions"]
     extra = ""
     if "rollback" in done and done["rollback"].get("elements_only"):
-        extra += (f", {done['rollback']['elements_restored']} non-finite element(s) restored from "
+        extra += (f", {plural(done['rollback']['elements_restored'], 'non-finite element')} restored from "
                   f"step {done['rollback']['to_step']}'s snapshot")
     elif "rollback" in done:
         extra += f", back to step {done['rollback']['to_step']}"
@@ -21,10 +23,11 @@ def notice(step: int, category: str, record: Dict[str, Any]) -> str:
         extra += f", clip grad norm at {done['clip']['max_norm']:.3g}"
     if "upcast" in done:
         extra += f", module {done['upcast']['module']!r} now float32"
+    dropped = counted_list("row", done.get("drop_samples", {}).get("rows"))
     if "drop_samples" in done:
-        extra += f", trained on the batch without rows {done['drop_samples'].get('rows')}"
+        extra += f", trained on the batch without {dropped or 'its bad rows'}"
     if "quarantine" in done and done["quarantine"].get("rows"):
-        extra += f", quarantined rows {done['quarantine']['rows']}"
+        extra += f", quarantined {counted_list('row', done['quarantine']['rows'])}"
     if record.get("verified"):
         extra += f", {record['verified']}"
     return (f"recovered at step {step}: {category} -> {record['action']}{extra} "
@@ -41,7 +44,7 @@ def actions_tally(events: List[Any]) -> str:
     steps = [e.step for e in events]
     n = len(events)
     return ((f" ({', '.join(f'{a} x{c}' for a, c in acts.items())})" if acts else "")
-            + (f" at step{'s' if n > 1 else ''} {', '.join(map(str, steps[:12]))}"
+            + (f" at {plural_word(n, 'step')} {', '.join(map(str, steps[:12]))}"
                f"{'...' if n > 12 else ''}" if steps else ""))
 
 
@@ -63,20 +66,20 @@ def summary_line(policy: Any) -> Optional[str]:
     if not policy.events and not policy.stopped:
         return None
     n = len(policy.events)
-    s = f"recovery: {n or 'no'} recover{'y' if n == 1 else 'ies'}" + actions_tally(policy.events)
+    s = f"recovery: {plural(n or 'no', 'recovery')}" + actions_tally(policy.events)
     if policy.quarantined:
-        s += f"; quarantined dataset rows {policy.quarantined[:20]}"
+        s += f"; quarantined dataset {counted_list('row', policy.quarantined)}"
     elif policy.quarantined_batch_rows:
-        s += f"; bad batch rows {sorted(set(policy.quarantined_batch_rows))[:20]}"
+        s += f"; bad batch {counted_list('row', sorted(set(policy.quarantined_batch_rows)))}"
     if policy.upcast_modules:
-        s += f"; float32 modules {policy.upcast_modules}"
+        s += f"; float32 {counted_list('module', policy.upcast_modules)}"
     if policy.clip_norm is not None:
         s += f"; clipping at {policy.clip_norm:.3g}"
     if policy.loss_scaler is not None:
         s += f"; loss scale {policy.loss_scaler.scale:g}"
     kept = policy.all_snapshots()
     if kept:
-        s += f"; {len(kept)} snapshots kept, {fmt_bytes(policy.snapshot_bytes())}"
+        s += f"; {plural(len(kept), 'snapshot')} kept, {fmt_bytes(policy.snapshot_bytes())}"
     if policy.stopped:
         s += f"; then stopped at step {policy.stopped_step} (recovery would not help: see above)"
     return s

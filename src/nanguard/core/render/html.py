@@ -21,24 +21,28 @@ This module assembles the page and writes it; the sections are :mod:`.html_secti
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import warnings
 from typing import Any, Dict, Optional
 
 from ..outputs import HTML_MARKER
-from .html_blocks import e
-from .html_origin import origin_section, path_section
-from .html_sections import environment_section, events_section, evidence_section, fixes_section, \
-    headline_section, plots_section
-from .html_style import PAGE_CSP, PAGE_CSS
-from .values import headline_event
-
-# Defined here before the page was cut into its section modules: importable from here still.
-from .html_blocks import prose_html as _prose  # noqa: F401,E402
-from .html_origin import CONTEXT_LINES, MAX_SOURCE_BYTES, SOURCE_SUFFIXES, read_source  # noqa: F401,E402
-from .html_sections import ENV_WANTED  # noqa: F401,E402
 
 __all__ = ["render_html", "write_html", "default_html_path"]
+
+# Defined here before the page was cut into its section modules: importable from here still. The
+# sections are imported when a page is rendered (start-up: a run that writes no page never loads them).
+_MOVED = {"_prose": (".html_blocks", "prose_html"), "CONTEXT_LINES": (".html_origin", "CONTEXT_LINES"),
+          "MAX_SOURCE_BYTES": (".html_origin", "MAX_SOURCE_BYTES"),
+          "SOURCE_SUFFIXES": (".html_origin", "SOURCE_SUFFIXES"), "read_source": (".html_origin", "read_source"),
+          "ENV_WANTED": (".html_sections", "ENV_WANTED")}
+
+
+def __getattr__(name: str) -> Any:
+    where = _MOVED.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(where[0], __package__), where[1])
 
 
 def default_html_path(json_path: str) -> str:
@@ -89,6 +93,12 @@ def write_html(report: Dict[str, Any], path: str, *, plots: bool = True) -> str:
 
 def render_html(report: Dict[str, Any], *, plots: bool = True) -> str:
     """The whole page as a string. ``plots=False`` leaves the plots out (no matplotlib import)."""
+    from .html_blocks import e
+    from .html_origin import origin_section, path_section
+    from .html_sections import environment_section, events_section, evidence_section, fixes_section, \
+        headline_section, plots_section
+    from .html_style import PAGE_CSP, PAGE_CSS
+    from .values import headline_event
     if not isinstance(report, dict):
         raise TypeError(f"a report dict is expected, got {type(report).__name__}")
     ev = headline_event(report)

@@ -10,12 +10,14 @@ import re
 from html import escape
 from typing import Any, Dict, Iterable, Tuple
 
+from ..text import strip_ansi
 from .values import fmt, num
 
 
 def e(v: Any) -> str:
-    """Escape any value for HTML text or a quoted attribute."""
-    return escape("" if v is None else str(v), quote=True)
+    """Escape any value for HTML text or a quoted attribute (terminal escape codes a message carried
+    are stripped: :func:`nanguard.core.text.strip_ansi`)."""
+    return escape("" if v is None else strip_ansi(str(v)), quote=True)
 
 
 def kv_table(rows: Iterable[Tuple[str, str]], cls: str = "kv") -> str:

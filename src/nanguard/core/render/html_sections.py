@@ -7,7 +7,9 @@ import math
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..text import plural, plural_word
 from .html_blocks import css_slug, e, inline_html, kv_table, prose_html, value_html
+from .html_evidence import evidence_section  # noqa: F401  (the page's sections are imported from here)
 from .values import fmt, is_recovery, is_warning, num
 
 # Keys of the report that the environment section shows in its own rows; anything else top-level
@@ -17,7 +19,7 @@ _KNOWN_TOP = ("schema", "status", "events", "history", "info", "nanguard_version
 # What a reader wants to know about the run and the report does not carry today (see the module doc).
 ENV_WANTED = (("python", "Python version"), ("framework", "framework (torch / tensorflow)"),
               ("framework_version", "framework version"), ("device", "device (cpu, cuda:0 + GPU name)"),
-              ("param_dtypes", "parameter dtype(s)"), ("optimizer", "optimizer(s)"),
+              ("param_dtypes", "parameter dtypes"), ("optimizer", "optimizers"),
               ("argv", "command line"), ("cwd", "working directory"), ("hostname", "host"),
               ("started_at", "start time"), ("wall_seconds", "wall time"))
 
@@ -36,24 +38,24 @@ _PHASE_HINT = {
 def headline_section(report: Dict[str, Any], ev: Optional[Dict[str, Any]]) -> str:
     status = str(report.get("status") or "unknown")
     n_steps = report.get("steps_watched")
-    unit = "backward passes" if report.get("counting") == "backward" else "steps"
+    unit = "backward pass" if report.get("counting") == "backward" else "step"
     events = [x for x in report.get("events") or [] if isinstance(x, dict)]
     n_rec = sum(1 for x in events if is_recovery(x))
     n_warn = sum(1 for x in events if is_warning(x))
-    facts = [f"watched {e(fmt(n_steps))} {unit}"]
+    facts = [f"watched {e(plural(n_steps if isinstance(n_steps, int) else fmt(n_steps) or '?', unit))}"]
     if report.get("max_grad_norm") is not None:
         facts.append(f"max grad norm {e(fmt(report.get('max_grad_norm'), 3))}")
     if report.get("scaler_skips"):
         facts.append(f"scaler skips {e(report.get('scaler_skips'))}")
     if n_rec:
-        facts.append(f"{n_rec} recover{'y' if n_rec == 1 else 'ies'}")
+        facts.append(plural(n_rec, "recovery"))
     if n_warn:
-        facts.append(f"{n_warn} warning{'s' if n_warn != 1 else ''}")
+        facts.append(plural(n_warn, "warning"))
     badge = f'<span class="badge status-{e(css_slug(status))}" id="status">{e(status)}</span>'
     if ev is None:
         h1 = "No non-finite value"
         if n_warn:
-            h1 += f", {n_warn} warning{'s' if n_warn != 1 else ''}"
+            h1 += f", {plural(n_warn, 'warning')}"
         return (f'<header class="headline"><h1>{badge} {e(h1)}</h1>'
                 f'<p class="facts">{", ".join(facts)}.</p></header>')
     cause = ev.get("cause") or {}
@@ -80,7 +82,7 @@ def headline_section(report: Dict[str, Any], ev: Optional[Dict[str, Any]]) -> st
     earlier = [x for x in events if is_recovery(x) and x is not ev and isinstance(x.get("step"), int)
                and isinstance(ev.get("step"), int) and x["step"] <= ev["step"]]
     if earlier:
-        facts.append(f"earlier non-finite step{'s' if len(earlier) > 1 else ''} recovered: "
+        facts.append(f"earlier non-finite {plural_word(len(earlier), 'step')} recovered: "
                      + e(", ".join(str(x["step"]) for x in earlier[:10])) + (" …" if len(earlier) > 10 else ""))
     summary = cause.get("summary") or ""
     return (f'<header class="headline"><h1>{badge} {e(what)} at step {e(ev.get("step"))}</h1>'
@@ -115,9 +117,8 @@ def plots_section(report: Dict[str, Any], want: bool) -> str:
     if not hist:
         return head + '<p class="muted">The report holds no step history.</p></section>'
     steps = [r.get("step") for r in hist if isinstance(r, dict) and isinstance(r.get("step"), int)]
-    span = (f'<p class="muted">The last {len(hist)} recorded steps'
-            + (f" ({min(steps)} to {max(steps)})" if steps else "") + ". Non-finite values are drawn as red "
-            "markers at the edge; the dashed red line is the non-finite step.</p>")
+    span = (f'<p class="muted" id="plots-key">The last {plural(len(hist), "recorded step")}'
+            + (f" ({min(steps)} to {max(steps)})" if steps else "") + ". " + e(_plot_key(report)) + "</p>")
     if not want:
         return head + span + '<p class="notice">Plots left out.</p></section>'
     from .plots import INSTALL_HINT, PlotsUnavailable, history_plots
@@ -137,6 +138,22 @@ def plots_section(report: Dict[str, Any], want: bool) -> str:
     return head + span + f'<div class="plots">{figs}</div>' + note + "</section>"
 
 
+def _plot_key(report: Dict[str, Any]) -> str:
+    """What the marks on the plots mean, for the marks this report has."""
+    evs = [x for x in report.get("events") or [] if isinstance(x, dict)]
+    fails = [x for x in evs if not is_warning(x)]
+    bits = []
+    if fails:
+        bits.append("A red dashed line marks a step where a value went non-finite (a green triangle below "
+                    "it: recovered); a value that is itself NaN or infinite is a red marker at the plot's edge")
+    if any(is_warning(x) for x in evs):
+        bits.append("an orange dotted line marks an early warning: the run was diverging while every value "
+                    "was still finite")
+    if not bits:
+        return "Nothing went non-finite."
+    return "; ".join(bits) + "."
+
+
 def _history_table(hist: List[Dict[str, Any]], rows: int = 12) -> str:
     """Without plots: the last few history rows as a table."""
     cols = ("step", "loss", "grad_norm", "param_norm", "update_ratio", "lr", "loss_scale", "skipped")
@@ -152,27 +169,12 @@ def _history_table(hist: List[Dict[str, Any]], rows: int = 12) -> str:
             bad = num(r.get(c)) is not None and not math.isfinite(num(r.get(c)))
             cells.append(f'<td class="num{" bad" if bad else ""}">{e(v)}</td>')
         body.append("<tr>" + "".join(cells) + "</tr>")
-    return (f'<table class="data"><caption>last {min(rows, len(hist))} steps</caption><thead><tr>'
+    return (f'<table class="data"><caption>last {plural(min(rows, len(hist)), "step")}</caption><thead><tr>'
             + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr></thead><tbody>" + "".join(body)
             + "</tbody></table>")
 
 
 # --------------------------------------------------------------------------- evidence, fixes
-
-_EVIDENCE_SHOWN = {"op", "file", "line", "function", "dtype", "shape", "stage", "autograd_node", "forward_op",
-                   "inputs", "sink", "output", "samples", "api", "module", "module_type", "layer"}
-
-
-def evidence_section(ev: Dict[str, Any]) -> str:
-    cause = ev.get("cause") or {}
-    evid = cause.get("evidence") or {}
-    rows = [(k, value_html(v)) for k, v in evid.items() if k not in _EVIDENCE_SHOWN and v not in (None, {}, [])]
-    if cause.get("method"):
-        rows.insert(0, ("diagnosed by", e(cause.get("method"))))
-    if not rows:
-        return '<section id="evidence"><h2>Evidence</h2><p class="muted">No evidence recorded.</p></section>'
-    return '<section id="evidence"><h2>Evidence</h2>' + kv_table(rows, cls="kv evidence") + "</section>"
-
 
 def fixes_section(ev: Dict[str, Any]) -> str:
     fixes = [f for f in ev.get("fixes") or [] if f]

@@ -60,6 +60,9 @@ ol.chain li.gap{border-style:dashed;background:none}
 ol.fixes li{margin:.3rem 0}
 table.events td{font-size:.95em}tr.ev-recovery{background:#f7fbf7}tr.ev-warning{background:#fffbf2}
 ul.info{font-size:.9em}
+table.deciding th[scope=row]{font-weight:600;white-space:nowrap}table.deciding td.value{white-space:nowrap}
+table.deciding td.meaning{color:var(--muted)}
+details.all-evidence{margin:.6rem 0}details.all-evidence>summary{cursor:pointer;color:var(--muted)}
 footer{margin-top:2.5rem;padding-top:.6rem;border-top:1px solid var(--line);color:var(--muted);font-size:.82em}
 @media print{
  @page{margin:14mm}

@@ -1,7 +1,8 @@
 """Plots of a report's step history as small inline SVGs (matplotlib's SVG backend).
 
-matplotlib is an optional extra (``pip install 'nanguard[html]'``), imported only when
-:func:`history_plots` runs; without it :class:`PlotsUnavailable` is raised and the page says so.
+matplotlib is a dependency of nanguard, imported only when :func:`history_plots` runs (a run
+that writes no page never imports it); where it cannot be imported :class:`PlotsUnavailable` is
+raised and the page says so.
 The figures are made with ``matplotlib.figure.Figure`` and the SVG canvas directly (no pyplot,
 no backend switch) inside ``rc_context``, so the user's own matplotlib state is untouched.
 
@@ -18,10 +19,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..text import plural
 from .values import choose_scale, is_recovery, is_warning, n_groups, num, series
 
 MAX_POINTS = 300
-INSTALL_HINT = "pip install 'nanguard[html]'"
+INSTALL_HINT = "pip install matplotlib"
 
 FAIL_COLOR = "#c62828"
 RECOVERY_COLOR = "#2e7d32"
@@ -112,15 +114,45 @@ def panels(history: List[Dict[str, Any]], events: Sequence[Dict[str, Any]] = ())
     return out, notes
 
 
-def markers(report: Dict[str, Any]) -> Dict[str, List[int]]:
-    """Steps to mark on every x-axis: non-finite events (recovered or not), recoveries, warnings, skips."""
+def markers(report: Dict[str, Any]) -> Dict[str, Any]:
+    """Steps to mark on every x-axis: non-finite events (recovered or not), recoveries, warnings, skips;
+    ``"phases"``: the phase of each non-finite step (what went non-finite there, for the legend)."""
     evs = [e for e in report.get("events") or [] if isinstance(e, dict) and isinstance(e.get("step"), int)]
     skipped = [int(r["step"]) for r in report.get("history") or []
                if isinstance(r, dict) and r.get("skipped") is True and isinstance(r.get("step"), int)]
+    phases: Dict[int, str] = {}
+    for e in evs:
+        if not is_warning(e):
+            phases.setdefault(e["step"], str(e.get("phase") or ""))
     return {"failure": sorted({e["step"] for e in evs if not is_warning(e)}),
             "recovery": sorted({e["step"] for e in evs if is_recovery(e)}),
             "warning": sorted({e["step"] for e in evs if is_warning(e)}),
-            "skipped": sorted(set(skipped))}
+            "skipped": sorted(set(skipped)), "phases": phases}
+
+
+# What went non-finite in each phase: the legend says it, so a finite loss is never labelled non-finite.
+_WHAT = {"data": "batch", "params": "parameters", "forward": "loss", "backward": "gradients",
+         "optimizer": "update", "eval": "eval output"}
+
+
+def mark_label(kind: str, steps: Sequence[int], phases: Optional[Dict[int, str]] = None) -> str:
+    """The legend of the x-axis marks: ``"gradients non-finite at step 4"``, ``"recovered at step 9"``,
+    ``"early warning at step 3 (all finite)"``; with several steps, their number."""
+    phases = phases or {}
+    if len(steps) != 1:
+        n = len(steps)
+        if kind == "failure":
+            return f"non-finite at {plural(n, 'step')}"
+        if kind == "recovery":
+            return f"recovered at {plural(n, 'step')}"
+        return f"{plural(n, 'early warning')} (all finite)"
+    s = steps[0]
+    if kind == "failure":
+        what = _WHAT.get(phases.get(s, ""), "value")
+        return f"{what} non-finite at step {s}"
+    if kind == "recovery":
+        return f"non-finite, recovered at step {s}"
+    return f"early warning at step {s} (all finite)"
 
 
 def downsample(steps: Sequence[int], vals: Sequence[Optional[float]], max_points: int = MAX_POINTS):
@@ -184,7 +216,7 @@ def history_plots(report: Dict[str, Any], *, max_points: int = MAX_POINTS) -> Tu
     return plots, notes
 
 
-def _draw(ax, p: Panel, marks: Dict[str, List[int]], max_points: int) -> Tuple[str, int]:
+def _draw(ax, p: Panel, marks: Dict[str, Any], max_points: int) -> Tuple[str, int]:
     allv = [v for _, _, vals in p.lines for v in vals if v is not None]
     scale, linthresh = choose_scale(allv)
     xs_all = [s for _, steps, _ in p.lines for s in steps]
@@ -207,7 +239,7 @@ def _draw(ax, p: Panel, marks: Dict[str, List[int]], max_points: int) -> Tuple[s
             n_bad += len(bad)
             bad = bad[:max_points]
             ax.plot(bad, [y] * len(bad), linestyle="none", marker=m, ms=5, mew=1.4, color=FAIL_COLOR,
-                    transform=xt, clip_on=False, label=kind if kind not in bad_done else None,
+                    transform=xt, clip_on=False, label=f"{p.ylabel} = {kind}" if kind not in bad_done else None,
                     gid=f"ng-nonfinite-{p.key}-{j}-{kind.strip('+-')}")
             bad_done.add(kind)
     if scale == "log":
@@ -235,11 +267,11 @@ def _draw(ax, p: Panel, marks: Dict[str, List[int]], max_points: int) -> Tuple[s
             continue
         ax.plot(steps[:200], [0.0] * len(steps[:200]), linestyle="none", marker=mk, ms=6 if mk == "^" else 4.5,
                 color=color, transform=xt, clip_on=False, gid=f"ng-{kind}-marks-{p.key}",
-                label=f"{_LABEL[kind]} (step {steps[0]})" if len(steps) == 1 else f"{_LABEL[kind]} ({len(steps)})")
+                label=mark_label(kind, steps, marks.get("phases")))
     sk = visible(marks.get("skipped", []))
     if sk:
         ax.plot(sk[:max_points], [0.0] * len(sk[:max_points]), linestyle="none", marker="|", ms=7,
-                color=SKIP_COLOR, transform=xt, clip_on=False, label=f"skipped ({len(sk)})",
+                color=SKIP_COLOR, transform=xt, clip_on=False, label=f"{plural(len(sk), 'skipped step')}",
                 gid=f"ng-skipped-{p.key}")
     ax.set_title(p.title, loc="left")
     ax.set_xlabel("step")
@@ -254,8 +286,6 @@ def _draw(ax, p: Panel, marks: Dict[str, List[int]], max_points: int) -> Tuple[s
                   borderaxespad=0.2, columnspacing=0.8)
     return scale, n_bad
 
-
-_LABEL = {"failure": "non-finite", "recovery": "recovered", "warning": "warning"}
 
 _PROLOG = re.compile(r"<\?xml[^>]*\?>|<!DOCTYPE[^>]*>|<metadata>.*?</metadata>", re.S)
 _SVG_OPEN = re.compile(r"<svg\b([^>]*)>", re.S)

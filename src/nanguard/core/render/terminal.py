@@ -7,6 +7,7 @@ import sys
 from typing import Optional
 
 from ..events import Report, one_line
+from ..text import listed, plural, strip_ansi
 
 
 def _console():
@@ -24,8 +25,10 @@ def print_line(msg: str) -> None:
 
 
 def _escape(s: str) -> str:
+    """Text from the run (messages, paths, summaries) for rich: its markup escaped and any terminal
+    escape codes it carried (a library's coloured exception message) stripped."""
     from rich.markup import escape
-    return escape(s)
+    return escape(strip_ansi(str(s)))
 
 
 def render(report: Report, json_path: Optional[str] = None, console=None) -> None:
@@ -81,9 +84,9 @@ def _render(report: Report, json_path: Optional[str], console=None) -> None:
             head.add_row("library", _escape(f"{lib['file']}:{lib.get('line')} in {lib.get('function')} "
                                             "(the op ran here, called from the line above)"))
         if o.get("samples"):
-            head.add_row("batch rows", _escape(str(o["samples"][:20])))
+            head.add_row("batch rows", _escape(listed(o["samples"])))
         if o.get("source_rows"):
-            head.add_row("dataset rows", _escape(str(o["source_rows"][:20])))
+            head.add_row("dataset rows", _escape(listed(o["source_rows"])))
     head.add_row("cause", _escape(f"{cause.get('category', 'other')} "
                                   f"(confidence {float(cause.get('confidence') or 0):.2f})"))
     if cause.get("summary"):
@@ -107,12 +110,20 @@ def _render(report: Report, json_path: Optional[str], console=None) -> None:
     more = len(report.events) - 1
     tail = []
     if more > 0:
-        tail.append(f"{more} more event(s) in the JSON report")
+        tail.append(f"{plural(more, 'more event')} in the JSON report")
     if json_path:
         tail.append(f"JSON report: {json_path}")
     if tail:
         parts.append("[dim]" + _escape("; ".join(tail)) + "[/]")
-    con.print(Panel(Group(*parts), title="[bold red]nanguard: non-finite value[/]", expand=False))
+    con.print(Panel(Group(*parts), title=f"[bold {'yellow' if ev.is_warning else 'red'}]nanguard: {panel_title(ev)}[/]",
+                    expand=False))
+
+
+def panel_title(ev) -> str:
+    """What happened, in the words of the panel's title: an early warning is not a non-finite value."""
+    if ev.is_warning:
+        return "early warning (every value still finite)" + (" - acted on" if ev.recovery else "")
+    return "non-finite value" + (" - recovered" if (ev.recovery or {}).get("ok") else "")
 
 
 def _error_panel(err: dict):
@@ -162,8 +173,8 @@ def _excerpt(path: Optional[str], line: Optional[int], context: int = 2):
 def summary_line(report: Report) -> str:
     mg = report.max_grad_norm
     mg_s = f"{mg:.3g}" if isinstance(mg, float) and math.isfinite(mg) else "n/a"
-    unit = "steps" if report.counting == "optimizer" else "backward passes"
-    s = (f"{report.status}: watched {report.steps_watched} {unit}, max grad norm {mg_s}, "
+    unit = "step" if report.counting == "optimizer" else "backward pass"
+    s = (f"{report.status}: watched {plural(report.steps_watched, unit)}, max grad norm {mg_s}, "
          f"scaler skips {report.scaler_skips}")
     n_rec = sum(1 for e in report.events if e.recovery)
     if n_rec:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from .. import families as F
 from .. import fixes as X
 from .. import text as T
+from ...text import plural
 from .precision import lp_underflow, underflow_evidence
 from .stdvar import variance
 
@@ -54,6 +55,23 @@ def _nll_all_ignored(c) -> dict | None:
     if c.out.get("nan") and _all_targets_ignored(c.origin):
         return div_result(c.origin, c.facts, c.ev, c.method, c.low, empty_mean=True, all_ignored=True)
     return None
+
+
+def zero_division_words(origin: dict) -> str:
+    """What a division by 0 gave, read from the op's own output counts: ``"x/0 = +inf (2 elements)"``,
+    ``"0/0 = NaN (3 elements)"``, both joined by "and"; ``"x/0"`` when the counts are not recorded.
+
+    A non-zero numerator over 0 is an infinity, a zero one is NaN: the words follow the stats the
+    report shows beside them, never a fixed 0/0."""
+    out = origin.get("output") or {}
+    nan, pos, neg = (int(out.get(k) or 0) for k in ("nan", "posinf", "neginf"))
+    parts = []
+    if pos or neg:
+        sign = "+inf" if not neg else "-inf" if not pos else "+/-inf"
+        parts.append(f"x/0 = {sign} ({plural(pos + neg, 'element')})")
+    if nan:
+        parts.append(f"0/0 = NaN ({plural(nan, 'element')})")
+    return " and ".join(parts) or "x/0"
 
 
 def _empty_input(origin: dict) -> bool:

@@ -16,6 +16,7 @@ given (facts gathered while it ran, ``pytorch/locate/library.py``) and say the u
 from __future__ import annotations
 
 from .. import text as T
+from ...text import counted_list
 from .division import DIV
 from .softmax import ATTENTION, SOFTMAX
 
@@ -57,11 +58,11 @@ def _mha_padded_rows(c) -> dict | None:
     rows = kp.get("batch_rows") or []
     c.ev["key_padding_rows"] = kp
     sm = c.facts.get("softmax_all_masked_rows") or {}
-    summ = (f"nn.MultiheadAttention at {T.where(c.origin)}: key_padding_mask rows {rows} of the batch mask all "
+    summ = (f"nn.MultiheadAttention at {T.where(c.origin)}: key_padding_mask {counted_list('row', rows) or 'rows'} of the batch mask all "
             f"{kp.get('keys')} keys (a sequence with no valid position: empty, or all padding), so every "
             f"attention score of {'that row' if len(rows) == 1 else 'those rows'} is -inf and the softmax is "
             "0/0 = NaN" + (f" ({sm.get('count')} rows of the batch x heads scores)" if sm.get("count") else ""))
-    fixes = [f"drop empty sequences before batching (length 0 at batch rows {rows}), or keep one valid key per "
+    fixes = [f"drop empty sequences before batching (length 0{' at batch ' + counted_list('row', rows) if rows else ''}), or keep one valid key per "
              "row (a BOS/CLS token that is never padded)",
              "or zero the attention output of fully padded rows and leave them out of the loss: "
              "out = out.masked_fill(key_padding_mask.all(1)[:, None, None], 0.0)",

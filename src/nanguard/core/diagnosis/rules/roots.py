@@ -5,7 +5,7 @@ from __future__ import annotations
 from .. import families as F
 from .. import fixes as X
 from .. import text as T
-from .division import div_result
+from .division import div_result, zero_division_words
 from .exp import exp_rule
 
 SQRT = F.register(F.Family(
@@ -70,8 +70,9 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
     api = T.api_or_op(origin)
     node = origin.get("autograd_node")
     if backward:
-        summ = (f"the backward of {api} at {where} ({node}) divides by sqrt(0): {sd.get('zeros', '?')} input(s) "
-                f"of {sd.get('numel', '?')} are exactly 0, the forward is finite but the gradient is 0/0 = NaN")
+        summ = (f"the backward of {api} at {where} ({node}) divides by sqrt(0): {sd.get('zeros', '?')} of "
+                f"{sd.get('numel', '?')} inputs are exactly 0, the forward is finite but the gradient there is "
+                + zero_division_words(origin))
     else:
         summ = (f"{api} at {where} received {sd.get('negatives', '?')} negative and {sd.get('zeros', '?')} zero "
                 f"input(s) of {sd.get('numel', '?')} ({origin.get('dtype')})")

@@ -6,6 +6,7 @@ import os
 from .. import families as F
 from .. import fixes as X
 from .. import text as T
+from ...text import counted_list
 
 SOFTMAX = F.register(F.Family(
     "softmax", ops={"_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax", "_masked_softmax",
@@ -39,10 +40,11 @@ def _mask_escape_rule(c) -> dict | None:
 
 def masked_softmax(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     sm = facts.get("softmax_all_masked_rows") or {}
+    rows = counted_list("row", sm.get("batch_rows"))
     where = T.where(origin)
     api = T.api_or_op(origin)
     summ = (f"{api} at {where} got {sm.get('count')} of {sm.get('rows_total')} rows whose inputs are all -inf "
-            f"(every key masked; batch rows {sm.get('batch_rows')}): 0/0 = NaN")
+            f"(every key masked{'; batch ' + rows if rows else ''}): 0/0 = NaN")
     fixes = ["make sure every query keeps at least one visible key (drop or skip empty/all-padding sequences, or "
              "always unmask one position such as a CLS/BOS token)",
              f"fill masked scores with a large finite value ({X.mask_fill_min()}) instead of -inf, or "
