@@ -44,6 +44,7 @@ on every divergence scenario: a warning 1 to 20 steps before the first non-finit
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, Hashable, List, Optional, Tuple
@@ -73,16 +74,30 @@ class SpikeConfig:
 
 
 class _Series:
-    """The accepted values of one series of one stream, and the baseline they give."""
+    """The accepted values of one series of one stream, and the baseline they give. The values are
+    also kept sorted (one insertion and one removal per step, no sort: the detector runs every step)."""
 
     def __init__(self, window: int) -> None:
         self.vals: Deque[Tuple[int, float]] = deque(maxlen=window)
+        self.ordered: List[float] = []
+
+    def add(self, step: int, v: float) -> None:
+        if len(self.vals) == self.vals.maxlen:
+            del self.ordered[bisect_left(self.ordered, self.vals[0][1])]
+        self.vals.append((step, v))
+        insort(self.ordered, v)
+
+    def keep_before(self, step: int) -> None:
+        keep = [(s, v) for s, v in self.vals if s < step]
+        self.vals.clear()
+        self.vals.extend(keep)
+        self.ordered = sorted(v for _, v in keep)
 
     def baseline(self, floor: float) -> Optional[Tuple[float, float, float]]:
         """(median, width, max) of the accepted values, or None when there are none."""
         if not self.vals:
             return None
-        s = sorted(v for _, v in self.vals)
+        s = self.ordered
         med = _quantile(s, 0.5)
         width = max(_quantile(s, 0.9) - _quantile(s, 0.1), floor * abs(med), 1e-12)
         return med, width, s[-1]
@@ -133,9 +148,9 @@ class SpikeDetector:
         if st.level is None:
             st.first.append(loss)
         st.recent.append((step, loss, le))
-        st.loss.vals.append((step, loss))
+        st.loss.add(step, loss)
         if g is not None:
-            st.grad.vals.append((step, g))
+            st.grad.add(step, g)
         if not st.armed:
             st.calm = st.calm + 1 if le < c.high else 0
             if st.calm >= c.calm_steps:
@@ -199,9 +214,7 @@ class SpikeDetector:
         (the excursion is not the baseline of the replayed run) and watch again at once."""
         for st in self.streams.values():
             for ser in (st.loss, st.grad):
-                keep = [(s, v) for s, v in ser.vals if s < to_step]
-                ser.vals.clear()
-                ser.vals.extend(keep)
+                ser.keep_before(to_step)
             st.recent.clear()
             st.armed, st.calm = True, 0
 
