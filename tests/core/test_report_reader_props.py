@@ -116,9 +116,7 @@ def _in_file(data: bytes):
     return path
 
 
-@PROPS
-@given(st.binary(max_size=2048))
-def test_any_bytes(data):
+def _check_bytes(data: bytes) -> None:
     path = _in_file(data)
     try:
         _check_all(path)
@@ -127,23 +125,21 @@ def test_any_bytes(data):
 
 
 @PROPS
+@given(st.binary(max_size=2048))
+def test_any_bytes(data):
+    _check_bytes(data)
+
+
+@PROPS
 @given(_JSON)
 def test_any_json_value(value):
-    path = _in_file(json.dumps(value).encode())
-    try:
-        _check_all(path)
-    finally:
-        os.unlink(path)
+    _check_bytes(json.dumps(value).encode())
 
 
 @PROPS
 @given(_REPORT)
 def test_a_report_whose_fields_hold_anything(report):
-    path = _in_file(json.dumps(report).encode())
-    try:
-        _check_all(path)
-    finally:
-        os.unlink(path)
+    _check_bytes(json.dumps(report).encode())
 
 
 @settings(max_examples=40, deadline=4000, suppress_health_check=[HealthCheck.too_slow])
@@ -170,8 +166,4 @@ def test_a_well_typed_report_renders(report):
 
 def test_non_finite_numbers_written_by_other_tools_are_read():
     assert math.isnan(json.loads("NaN"))  # Python's json writes NaN unless told not to
-    path = _in_file(b'{"schema": "nanguard.report/1", "max_grad_norm": NaN, "history": [{"step": 0, "loss": Infinity}]}')
-    try:
-        _check_all(path)
-    finally:
-        os.unlink(path)
+    _check_bytes(b'{"schema": "nanguard.report/1", "max_grad_norm": NaN, "history": [{"step": 0, "loss": Infinity}]}')

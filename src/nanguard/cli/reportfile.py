@@ -138,53 +138,53 @@ def _is(v: Any, kind: str) -> bool:
     raise ValueError(kind)
 
 
-# field: (type, None allowed). What the terminal and HTML renderers read.
-_TOP: Dict[str, Tuple[str, bool]] = {
-    "status": (_STR, True), "events": (_LIST, True), "history": (_LIST, True), "info": (_LIST, True),
-    "counting": (_STR, True), "steps_watched": (_INT, True), "max_grad_norm": (_NUM, True),
-    "scaler_skips": (_INT, True), "script_error": (_DICT, True), "interrupted": (_DICT, True),
-    "nanguard_version": (_STR, True), "exit_code": (_INT, True), "running": (_DICT, True),
-    "dropped_events": (_INT, True), "framework": (_STR, True), "distributed": (_DICT, True),
+# field: its type (None: anything); every field may be null or missing but an event's step and phase.
+# What the terminal and HTML renderers read.
+_TOP: Dict[str, Optional[str]] = {
+    "status": _STR, "events": _LIST, "history": _LIST, "info": _LIST,
+    "counting": _STR, "steps_watched": _INT, "max_grad_norm": _NUM,
+    "scaler_skips": _INT, "script_error": _DICT, "interrupted": _DICT,
+    "nanguard_version": _STR, "exit_code": _INT, "running": _DICT,
+    "dropped_events": _INT, "framework": _STR, "distributed": _DICT,
 }
-_EVENT: Dict[str, Tuple[str, bool]] = {
-    "step": (_INT, False), "phase": (_STR, False), "origin": (_DICT, True), "cause": (_DICT, True),
-    "fixes": (_LIST, True), "recovery": (_DICT, True), "detected": (_DICT, True),
-    "localization": (_DICT, True), "rank": (_INT, True), "recurrence_of": (_INT, True), "count": (_INT, True),
-    "last_step": (_INT, True), "kind": (_STR, True),
+_EVENT: Dict[str, Optional[str]] = {
+    "step": _INT, "phase": _STR, "origin": _DICT, "cause": _DICT,
+    "fixes": _LIST, "recovery": _DICT, "detected": _DICT,
+    "localization": _DICT, "rank": _INT, "recurrence_of": _INT, "count": _INT,
+    "last_step": _INT, "kind": _STR,
 }
-_CAUSE: Dict[str, Tuple[str, bool]] = {
-    "category": (_STR, True), "summary": (_STR, True), "confidence": (_NUM, True), "evidence": (_DICT, True),
-    "title": (_STR, True), "hypothesis": (_STR, True),
+_CAUSE: Dict[str, Optional[str]] = {
+    "category": _STR, "summary": _STR, "confidence": _NUM, "evidence": _DICT,
+    "title": _STR, "hypothesis": _STR,
 }
-_ORIGIN: Dict[str, Tuple[str, bool]] = {
-    "op": (_STR, True), "module": (_STR, True), "file": (_STR, True), "line": (_INT, True),
-    "function": (_STR, True), "dtype": (_STR, True), "tensor": (_STR, True), "kind": (_STR, True),
-    "code": (_STR, True), "stage": (_STR, True), "samples": (_LIST, True), "shape": (_LIST, True),
+_ORIGIN: Dict[str, Optional[str]] = {
+    "op": _STR, "module": _STR, "file": _STR, "line": _INT,
+    "function": _STR, "dtype": _STR, "tensor": _STR, "kind": _STR,
+    "code": _STR, "stage": _STR, "samples": _LIST, "shape": _LIST,
 }
-_RECOVERY: Dict[str, Tuple[str, bool]] = {
-    "action": (_STR, True), "ok": (_BOOL, True), "category": (_STR, True), "actions": (_DICT, True),
-    "reason": (_STR, True), "step": (_INT, True),
+_RECOVERY: Dict[str, Optional[str]] = {
+    "action": _STR, "ok": _BOOL, "category": _STR, "actions": _DICT,
+    "reason": _STR, "step": _INT,
 }
-_LOCALIZATION: Dict[str, Tuple[str, bool]] = {
-    "method": (_STR, True), "method_kind": (_STR, True), "reproduced": (_BOOL, True), "reason": (_STR, True),
-    "seconds": (_NUM, True), "bundle": (None, True),
+_LOCALIZATION: Dict[str, Optional[str]] = {
+    "method": _STR, "method_kind": _STR, "reproduced": _BOOL, "reason": _STR,
+    "seconds": _NUM, "bundle": None,
 }
-_ERROR: Dict[str, Tuple[str, bool]] = {
-    "type": (_STR, True), "message": (_STR, True), "file": (_STR, True), "line": (_INT, True),
-    "step": (_INT, True), "signal": (_STR, True),
+_ERROR: Dict[str, Optional[str]] = {
+    "type": _STR, "message": _STR, "file": _STR, "line": _INT,
+    "step": _INT, "signal": _STR,
 }
 
 
-def _check(obj: Dict[str, Any], spec: Dict[str, Tuple[Optional[str], bool]], where: str) -> Optional[str]:
-    for key, (kind, none_ok) in spec.items():
-        if key not in obj:
-            if not none_ok:
+def _check(obj: Dict[str, Any], spec: Dict[str, Optional[str]], where: str,
+           required: Tuple[str, ...] = ()) -> Optional[str]:
+    for key, kind in spec.items():
+        v = obj.get(key)
+        if v is None:
+            if key in required:
                 return f"{where} has no {key!r}"
             continue
-        v = obj[key]
-        if v is None and none_ok or kind is None:
-            continue
-        if not _is(v, kind):
+        if kind is not None and not _is(v, kind):
             return f"{where}{'.' if where else ''}{key} should be {kind}, not {_tname(v)} {_short(v)}"
     return None
 
@@ -200,7 +200,7 @@ def report_type_error(data: Dict[str, Any]) -> Optional[str]:
                 return f"{name}[{i}] should be an object, not {_tname(row)} {_short(row)}"
     for i, ev in enumerate(data.get("events") or []):
         at = f"events[{i}]"
-        bad = _check(ev, _EVENT, at)
+        bad = _check(ev, _EVENT, at, required=("step", "phase"))
         for sub, spec in (("cause", _CAUSE), ("origin", _ORIGIN), ("recovery", _RECOVERY),
                           ("localization", _LOCALIZATION)):
             if bad:
