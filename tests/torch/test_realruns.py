@@ -537,21 +537,22 @@ def test_watch_reports_at_the_failing_step(tmp_path, capsys):
 
 def test_step_replay_interface_counterfactual_inputs():
     from nanguard.pytorch.stepreplay import Changes
+    from nanguard.pytorch.observer import WatchObserver
     from nanguard.pytorch.watch import Watcher
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = {}
 
-    def at_failure(det, _opt):  # in the hook, before the update: the step is replayable now
-        if det.phase != "data":
-            return   # (then the update the run let through made the parameters non-finite: optimizer phase)
-        rep = w.step_replay(det.step)
-        seen["plain"] = rep.run()
-        seen["fixed"] = rep.run(changes=Changes(inputs=lambda t, i: torch.nan_to_num(t)))
+    class AtFailure(WatchObserver):
+        def detection(self, w, det, _opt):  # in the hook, before the update: the step is replayable now
+            if det.phase != "data":
+                return   # (then the update the run let through made the parameters non-finite: optimizer phase)
+            rep = w.step_replay(det.step)
+            seen["plain"] = rep.run()
+            seen["fixed"] = rep.run(changes=Changes(inputs=lambda t, i: torch.nan_to_num(t)))
 
-    w = Watcher(nanguard.GuardConfig(on_nonfinite="warn"), tape=True)
-    w.on_detection = at_failure
+    w = Watcher(nanguard.GuardConfig(on_nonfinite="warn"), tape=True, observer=AtFailure())
     batches = [torch.randn(8, 4) for _ in range(3)]
     batches[1][5, 2] = float("nan")                # a bad sample in the data
     with w:

@@ -59,19 +59,9 @@ class HookedGuard:
         return self.guard is not None
 
     def start(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], scaler: Any = None):
-        g = self.guard = Guard(model, list(optimizers), scaler, **self.kw)
-        replay = g._replay
-
-        def safe_replay(batches, loss_fn, rng, det):
-            # The framework's step code runs in the replay: its own error is not a guard bug, so it
-            # makes the localization fail ("could not reproduce"), not the guard disable itself.
-            try:
-                return replay(batches, loss_fn, rng, det)
-            except Exception as e:
-                return {"method": "replay", "reproduced": False,
-                        "error": f"the replay raised {type(e).__name__}: {e}"}
-
-        g._replay = safe_replay
+        # The framework's step code runs in the replay: its own error is not a guard bug, so it makes
+        # the localization fail ("could not reproduce"), not the guard disable itself (safe_replay).
+        g = self.guard = Guard(model, list(optimizers), scaler, safe_replay=True, **self.kw)
         return g
 
     @property
@@ -130,7 +120,7 @@ class HookedGuard:
         wrapped = self._wrap(loss_fn) if (replay and loss_fn is not None) else None
         rng = self._rng if wrapped is not None else None
         try:
-            outcome = g._on_failure(det, list(self._batches), wrapped or (lambda b: None), rng)
+            outcome = g.failures.on_failure(det, list(self._batches), wrapped or (lambda b: None), rng)
         except NonFiniteError as e:  # on_nonfinite="stop" (or recovery refused): end training cleanly
             self.stopped = e.event
             self.halted = True

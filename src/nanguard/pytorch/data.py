@@ -36,10 +36,11 @@ _KEEP = 16  # batches whose tensors stay registered (weakly)
 
 
 class DataHooks:
-    def __init__(self, tape: Any = None) -> None:
-        self.tape = tape                                       # paused while a batch is fetched
-        self.on_begin: Optional[Callable[[], None]] = None   # observers (the re-run child pauses its recorder)
-        self.on_end: Optional[Callable[[], None]] = None     # after (even on StopIteration)
+    def __init__(self, tape: Any = None, on_begin: Optional[Callable[[], None]] = None,
+                 on_end: Optional[Callable[[], None]] = None) -> None:
+        self.tape = tape                  # paused while a batch is fetched
+        self.on_begin = on_begin          # before a fetch (the re-run child pauses its recorder)
+        self.on_end = on_end              # after (even on StopIteration)
         self._rows: Dict[int, tuple] = {}        # id(tensor) -> (weakref, indices)
         self._order: List[int] = []
         self.last: Optional[List[int]] = None     # indices of the most recent batch

@@ -6,8 +6,11 @@ step function, the batch and the RNG state, a failing step is replayed
 in-process under op-level instrumentation, with the same parameters (the check
 runs before the update), the same batch and the same random numbers.
 
-What the guard does with a failing step (bundle, replay, diagnosis, experiments, recovery, stop)
-is :mod:`.guard_failures`; how it keeps and writes its report is :mod:`.guard_reports`.
+The guard is put together from parts it holds (no mixins): what it does with a failing step (bundle,
+replay, diagnosis, experiments, recovery, stop) is ``guard.failures``
+(:class:`~.guard_failures.FailureHandler`); how it keeps and writes its report is ``guard.reports``
+(:class:`~.guard_reports.ReportWriter`); its step with a closure optimizer (LBFGS) is
+``guard.closure`` (:class:`~.guard_closure.ClosureSteps`).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from torch.amp.grad_scaler import OptState
 from ..core.config import GuardConfig
 from ..core.engine import FailurePipeline, Ports
 from ..core.events import Detection, Event, NonFiniteError, Report
-from ..core.guarded import call_guarded
+from ..core.guarded import call_guarded, disabled_note
 from ..core.experiments import ExperimentConfig
 from ..core.render.terminal import print_line, summary_line
 from .bundle import default_bundle_path
@@ -30,9 +33,9 @@ from .experiments.samples import batch_indices
 from .detect import StepMonitor
 from .detect.closure import needs_closure
 from .distributed import accumulation, is_main, share_event
-from .guard_failures import GuardFailureHandling, annotate_replay
-from .guard_closure import GuardClosureSteps
-from .guard_reports import GuardReportWriting
+from .guard_failures import FailureHandler, annotate_replay
+from .guard_closure import ClosureSteps
+from .guard_reports import ReportWriter
 from .owners import guard_step
 from .recover import RecoveryPolicy
 from .ring import StepRing
@@ -44,7 +47,7 @@ from .tensorboard import TensorBoardLogger
 LossFn = Callable[[Any], torch.Tensor]
 
 
-class Guard(GuardFailureHandling, GuardReportWriting, GuardClosureSteps):
+class Guard:
     """Watch a model's training, one :meth:`step` at a time.
 
     >>> guard = nanguard.Guard(model, optimizer)              # doctest: +SKIP
@@ -92,6 +95,8 @@ class Guard(GuardFailureHandling, GuardReportWriting, GuardClosureSteps):
             is non-finite; :mod:`nanguard.core.spike`) does: ``"warn"``, ``"skip"`` the step, or
             ``"rollback"`` to before the excursion with a lower learning rate (keeps snapshots).
             Default: ``"rollback"`` with ``recover``, else ``"warn"``.
+        safe_replay: a replay whose step code raises makes the localization fail ("could not
+            reproduce") instead of counting as the guard's own error (the framework integrations).
 
     Under ``torch.distributed`` (DDP, ``world_size > 1``) every rank reaches the same decision
     at every step (one small all-reduce in the check), the failing step is replayed on the
@@ -107,7 +112,7 @@ class Guard(GuardFailureHandling, GuardReportWriting, GuardClosureSteps):
                  bundle: Optional[str] = "auto", tensorboard: Any = None,
                  param_check_every: Optional[int] = None, html: Optional[str] = "auto",
                  sync_free: Any = "auto", sync_free_every: int = 8, no_sync: Any = "auto",
-                 experiments: Any = "auto", on_spike: Optional[str] = None) -> None:
+                 experiments: Any = "auto", on_spike: Optional[str] = None, safe_replay: bool = False) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -156,16 +161,19 @@ class Guard(GuardFailureHandling, GuardReportWriting, GuardClosureSteps):
         if bundle == "auto":
             bundle = default_bundle_path(report)
         self.bundle_path = bundle
-        self.bundle_saved: Optional[str] = None
         self.tensorboard = None
         if tensorboard is not None:
             self.tensorboard = TensorBoardLogger.attach_to(self.monitor, tensorboard)
+        self.failures = FailureHandler(self, safe_replay=safe_replay)
+        self.reports = ReportWriter(self.report, monitor=self.monitor, policy=self.policy, spikes=self.spikes,
+                                    path=report, html=html, quiet=self.quiet, tensorboard=self.tensorboard,
+                                    safe=self._safe, disabled=lambda: disabled_note(self))
+        self.closure = ClosureSteps(self)
         # "auto": with the op-level replay (localize=False means: do not re-run my step)
         self.experiments = ExperimentConfig.from_spec(False if (experiments == "auto" and not localize)
                                                       else experiments)
         self._step_start, self._step_indices = time.perf_counter(), None  # the current step's
         self._kept: Dict[int, GuardStep] = {}   # the last steps, for history replays (recovery only)
-        self._failing: Optional[GuardStep] = None
         self._step_seconds: Optional[float] = None  # a running estimate: the experiments' time unit
         self._fail_seconds: Optional[float] = None  # the failing step's own time (no estimate at step 0)
 
@@ -205,7 +213,7 @@ class Guard(GuardFailureHandling, GuardReportWriting, GuardClosureSteps):
             self.ring.record(self.monitor.steps_watched, batches, loss_fn, rng, self.optimizers, self.scaler)
             self._keep(batches, loss_fn, rng, self._step_indices)
         if self.closure_mode:
-            return self._closure_step(batches, loss_fn, rng)
+            return self.closure.step(batches, loss_fn, rng)
         loss = self._forward_backward(batches, loss_fn)
         if self.ring.entries and self.ring.entries[-1].step == self.monitor.steps_watched:
             self.ring.entries[-1].loss = loss.detach()
@@ -255,8 +263,7 @@ class Guard(GuardFailureHandling, GuardReportWriting, GuardClosureSteps):
                 skipped[id(o)] = bool(det.detected.get("scaler_skip"))
                 continue
             self._fail_seconds = time.perf_counter() - self._step_start  # forward + backward + check
-            outcome = self._handle_failure(det, batches, loss_fn, rng, self._step_indices)
-            self._failing = None
+            outcome = self.failures.handle(det, batches, loss_fn, rng, self._step_indices)
             if outcome == "apply":  # recovery re-ran the step without its bad samples: update with that
                 continue
             if outcome == "skip":
@@ -407,15 +414,21 @@ class Guard(GuardFailureHandling, GuardReportWriting, GuardClosureSteps):
             hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
             self.report.events.append(self._safe(lambda: self.pipeline.explain(det, hist)) or
                                       Event(step=det.step, phase=det.phase, detected=det.detected))
-        self._write_report()
-        self._write_html()
-        if self.tensorboard is not None:
-            self._safe(self.tensorboard.close)
+        self.reports.close()
         if not self.quiet:
             print_line(summary_line(self.report))
             if self.policy is not None:
                 self.policy.print_summary()
         return self.report
+
+    @property
+    def bundle_saved(self) -> Optional[str]:
+        """The repro bundle saved at the first failure (its path), or None."""
+        return self.failures.bundle_saved
+
+    def drop_samples_fn(self) -> Optional[Callable[[List[int]], Optional[dict]]]:
+        """The ``drop_samples`` recovery on the failing step (re-run without the rows, gradients kept)."""
+        return self.failures.drop_samples_fn()
 
     def __enter__(self) -> "Guard":
         return self

@@ -9,7 +9,8 @@ parameter has moved yet. A healthy step runs exactly the calls the plain loop ru
 
 An update the guard drops (a recovered failure, an early warning's skip, the recovery policy's
 veto) ends the optimizer's ``step`` from inside the closure before it reads the gradients.
-:class:`GuardClosureSteps` is a mixin of :class:`~nanguard.pytorch.guard.Guard`.
+:class:`ClosureSteps` is a part the :class:`~nanguard.pytorch.guard.Guard` holds (``guard.closure``); it
+runs the guard's step (forward, check, failure, update), so it keeps a reference to the guard.
 """
 from __future__ import annotations
 
@@ -25,18 +26,22 @@ class _Dropped(Exception):
     """The guard drops this step's update (raised through the optimizer's ``step`` from the closure)."""
 
 
-class GuardClosureSteps:
+class ClosureSteps:
     """``Guard.step`` with closure optimizers (see the module docstring)."""
 
-    def _closure_step(self, batches: List[Any], loss_fn: Any, rng: Any) -> torch.Tensor:
+    def __init__(self, guard: Any) -> None:
+        self.g = guard
+
+    def step(self, batches: List[Any], loss_fn: Any, rng: Any) -> torch.Tensor:
+        g = self.g
         out: dict = {}
         n = [0]
 
         def body() -> Any:
             n[0] += 1
-            loss = self._forward_backward(batches, loss_fn, first=n[0] == 1)
-            if n[0] == 1 and self.ring.entries and self.ring.entries[-1].step == self.monitor.steps_watched:
-                self.ring.entries[-1].loss = loss.detach()
+            loss = g._forward_backward(batches, loss_fn, first=n[0] == 1)
+            if n[0] == 1 and g.ring.entries and g.ring.entries[-1].step == g.monitor.steps_watched:
+                g.ring.entries[-1].loss = loss.detach()
             return loss
 
         def first(loss: Any) -> None:
@@ -44,44 +49,45 @@ class GuardClosureSteps:
                 return
             out["loss"] = loss
             spiked = False
-            for o in self.optimizers:
-                det = self._safe(lambda: self._check(o))
+            for o in g.optimizers:
+                det = g._safe(lambda: g._check(o))
                 if det is None:
-                    spiked = bool(self._safe(lambda: self._spike(o))) or spiked
+                    spiked = bool(g._safe(lambda: g._spike(o))) or spiked
                 elif det.info_only:
-                    self.report.info.append({"step": det.step, "phase": det.phase, **det.detected})
+                    g.report.info.append({"step": det.step, "phase": det.phase, **det.detected})
                 else:
-                    self._failed(det, batches, loss_fn, rng)
+                    self.failed(det, batches, loss_fn, rng)
             if spiked:  # on_spike skip/rollback: the update is dropped
-                self._spike_dropped()
-                self._drop_update()
-            if self.policy is not None and not self.policy.before_update(self.optimizers):
-                self._drop_update()
+                g._spike_dropped()
+                self.drop_update()
+            if g.policy is not None and not g.policy.before_update(g.optimizers):
+                self.drop_update()
 
         def later(loss: Any) -> None:
-            for o in self.optimizers:
-                det = self._safe(lambda: recheck(self.monitor, o, loss))
+            for o in g.optimizers:
+                det = g._safe(lambda: recheck(g.monitor, o, loss))
                 if det is not None and not det.info_only:
-                    self._failed(det, batches, loss_fn, rng)
+                    self.failed(det, batches, loss_fn, rng)
 
-        closure = checked_closure(body, self.monitor, first, later)
+        closure = checked_closure(body, g.monitor, first, later)
         try:
-            self._plain_update(step=lambda o: o.step(closure))
+            g._plain_update(step=lambda o: o.step(closure))
         except _Dropped:
             pass
         return out["loss"].detach()
 
-    def _failed(self, det: Any, batches: List[Any], loss_fn: Any, rng: Any) -> None:
+    def failed(self, det: Any, batches: List[Any], loss_fn: Any, rng: Any) -> None:
         """A failure inside the closure: handled as in any step; raises on stop, or drops the update."""
-        self._fail_seconds = time.perf_counter() - self._step_start
-        action = self._handle_failure(det, batches, loss_fn, rng, self._step_indices)
-        self._failing = None
+        g = self.g
+        g._fail_seconds = time.perf_counter() - g._step_start
+        action = g.failures.handle(det, batches, loss_fn, rng, g._step_indices)
         if action == "skip":  # recovered: the update is dropped (the steps are ended already)
             raise _Dropped()
         if action == "apply":  # the optimizer cannot take a re-made gradient inside its own step: dropped
-            self._drop_update()
+            self.drop_update()
 
-    def _drop_update(self) -> None:
-        for o in self.optimizers:
-            self.monitor.end_step(o, skipped=True)
+    def drop_update(self) -> None:
+        g = self.g
+        for o in g.optimizers:
+            g.monitor.end_step(o, skipped=True)
         raise _Dropped()

@@ -11,7 +11,8 @@ stand aside where the step is someone else's:
 
 A stop raised in one thread (:class:`StopRun`) stops the run in every thread: the thread it ends
 prints one line (not a traceback: ``threading.excepthook``), every other thread's next hook raises
-it too, and ``nanguard run`` ends with status 3 (:class:`StandAside`, a mixin of the Watcher).
+it too, and ``nanguard run`` ends with status 3 (:class:`StandAside`, a part the Watcher holds: the stop
+and the fork flag; the Watcher's ``_replaying`` reads them in every hook).
 """
 from __future__ import annotations
 
@@ -49,13 +50,13 @@ def in_guard_step() -> bool:
     return getattr(_local, "guard_depth", 0) > 0
 
 
-def track(watcher: Any) -> None:
-    """An installed watcher: after a fork, the child's copy of it stands aside (``watcher.forked``)."""
-    _watchers.add(watcher)
+def track(owner: Any) -> None:
+    """An installed watcher's :class:`StandAside`: after a fork, the child's copy stands aside (``forked``)."""
+    _watchers.add(owner)
 
 
-def untrack(watcher: Any) -> None:
-    _watchers.discard(watcher)
+def untrack(owner: Any) -> None:
+    _watchers.discard(owner)
 
 
 def _in_child() -> None:
@@ -64,32 +65,29 @@ def _in_child() -> None:
 
 
 class StandAside:
-    """The Watcher's hooks: when they do nothing, and a stop in any thread (see the module docstring).
-    Works on the watcher's ``_replay_on``, ``forked``, ``stopping``, ``_busy`` and ``_installed``."""
+    """The Watcher's stop and fork state (see the module docstring): ``stopping``, the detection a stop
+    was raised at in any thread (None: none), and ``forked``, this process is a forked child's copy."""
 
-    @property
-    def _replaying(self) -> bool:
-        """The hooks do nothing now: an in-process replay runs (``quiet()``), a Guard runs its own step
-        in this thread, or this process is a forked child. A stop raised in another thread is raised
-        here too (the run is stopping)."""
-        if self.stopping is not None and not self.forked and not self._replay_on and not self._busy \
-                and self._installed and not in_guard_step():
-            raise StopRun(self.stopping)
-        return self._replay_on or self.forked or in_guard_step()
+    def __init__(self) -> None:
+        self.stopping: Any = None
+        self.forked = False
+        self._threads: Any = None
 
-    def _stop(self, det: Any) -> StopRun:
+    def stop(self, det: Any) -> StopRun:
         """The run stops at ``det``, in every thread (see ``stopping``)."""
         if self.stopping is None:
             self.stopping = det
         return StopRun(det)
 
-    def _own_process(self) -> None:
+    def own_process(self) -> None:
         track(self)
         self._threads = ThreadStops(lambda e: isinstance(e, StopRun))
         self._threads.install()
 
-    def _release_process(self) -> None:
-        self._threads.uninstall()
+    def release_process(self) -> None:
+        if self._threads is not None:
+            self._threads.uninstall()
+            self._threads = None
         untrack(self)
 
 

@@ -25,33 +25,27 @@ from torch.nn.modules import module as torch_module
 from ..core.config import GuardConfig
 from ..core.events import Detection
 from .bundle import save_bundle
+from .observer import WatchObserver
 from .replay import CHILD_CONFIG_KEYS, fill_names, make_recorder
 from .rng import restore_rng
 from .watch import Watcher
 from .zerocode import pre_step_state
 
-class RerunChild:
-    """Re-runs the script up to the failing step ``step`` and records that step's ops."""
+class RerunChild(WatchObserver):
+    """Re-runs the script up to the failing step ``step`` and records that step's ops: the observer of
+    the Watcher it builds (:class:`~nanguard.pytorch.observer.WatchObserver`)."""
 
     def __init__(self, step: int, out: str, config: Dict[str, Any], bundle: Optional[str] = None) -> None:
         self.step, self.out, self.config, self.bundle = step, out, config, bundle
-        self.watcher = w = Watcher(GuardConfig(on_nonfinite="warn", **{k: v for k, v in config.items()
-                                                                       if k in CHILD_CONFIG_KEYS}))
         self.rec: Any = None
         self.params: Dict[str, torch.Tensor] = {}   # name -> tensor maps the recorder holds
         self.buffers: Dict[str, torch.Tensor] = {}
         self.t_arm: Optional[float] = None
         self.pre: Optional[Dict[str, Any]] = None   # the state at the start of step N (for the bundle)
         self.batch: Any = None
-        w.on_step_start = self.on_step_start
-        w.on_backward_begin = self.on_backward_begin
-        w.on_backward_end = self.on_backward_end
-        w.on_optimizer_begin = self.on_optimizer_begin
-        w.on_optimizer_end = self.on_optimizer_end
-        w.on_detection = self.on_detection
-        w.data.on_begin = self.on_data_begin   # a batch is data: the DataLoader runs unrecorded
-        w.data.on_end = self.on_data_end
         self._data_pause: Any = None
+        self.watcher = Watcher(GuardConfig(on_nonfinite="warn", **{k: v for k, v in config.items()
+                                                                   if k in CHILD_CONFIG_KEYS}), observer=self)
 
     def run(self, script: str, args: List[str], rng_file: Optional[str]) -> int:
         if rng_file:
@@ -70,8 +64,15 @@ class RerunChild:
                                                   f"{self.step}"})
         return 0
 
-    # ------------------------------------------------------------------ the Watcher's observers
-    def on_step_start(self, step: int) -> None:
+    # ------------------------------------------------------------------ the Watcher's hooks
+    @property
+    def recorder(self) -> Any:
+        """The op recorder armed at step N: its own reads of non-finite values are not evaluation
+        events (they would fill the run's max_events before step N's detection, which would then be
+        dropped)."""
+        return self.rec
+
+    def step_start(self, watcher: Any, step: int) -> None:
         N = self.step
         if step == N and self.rec is None:
             if self.bundle:
@@ -81,48 +82,45 @@ class RerunChild:
                                     self.buffers, data_rows=self.watcher.data.rows_of)
                 rec.start()
                 rec.set_stage("forward")
-                self.rec, self.t_arm = rec, time.time()
-                # its own reads of non-finite values are not evaluation events (they would fill the
-                # run's max_events before step N's detection, which would then be dropped)
-                self.watcher.live_recorder = rec
+                self.rec, self.t_arm = rec, time.time()  # (``recorder``: the watcher's checks stand aside)
             except Exception as e:
                 self.dump({"reproduced": None, "error": f"could not arm the recorder: {type(e).__name__}: {e}"})
         elif step > N + 1:
             self.dump({"reproduced": False, "reason": f"step {N} ran again without a non-finite value"})
 
-    def on_data_begin(self) -> None:
+    def data_begin(self, watcher: Any) -> None:  # a batch is data: the DataLoader runs unrecorded
         if self.rec is not None and self._data_pause is None:
             self._data_pause = self.rec.paused()
             self._data_pause.__enter__()
 
-    def on_data_end(self) -> None:
+    def data_end(self, watcher: Any) -> None:
         if self._data_pause is not None:
             p, self._data_pause = self._data_pause, None
             p.__exit__(None, None, None)
 
-    def on_backward_begin(self, ts: List[torch.Tensor]) -> None:
+    def backward_begin(self, watcher: Any, ts: List[torch.Tensor]) -> None:
         rec = self.rec
         if rec is not None:
             for t in ts:
                 rec.mark_loss(t)
             rec.set_stage("backward")
 
-    def on_backward_end(self) -> None:
+    def backward_end(self, watcher: Any) -> None:
         if self.rec is not None:
             self.rec.set_stage("forward")
 
-    def on_optimizer_begin(self) -> None:
+    def optimizer_begin(self, watcher: Any) -> None:
         if self.rec is not None:
             self.rec.set_stage("optimizer")
 
-    def on_optimizer_end(self) -> None:
+    def optimizer_end(self, watcher: Any) -> None:
         # With several optimizers (a GAN), the next model's forward follows this update within the
         # same iteration: record it as forward. (With one, the stage stays until the next backward,
         # which is how an update's non-finite output is read as an optimizer-phase sink.)
         if self.rec is not None and len(self.watcher.monitor.views) > 1:
             self.rec.set_stage("forward")
 
-    def on_detection(self, det: Detection, opt: Any) -> None:
+    def detection(self, watcher: Any, det: Detection, opt: Any) -> None:
         if det.phase == "eval":
             return
         if det.step == self.step:

@@ -31,10 +31,10 @@ from .distributed import barrier, is_main
 from .recover import RecoveryPolicy
 from .replay import CHILD_CONFIG_KEYS, rerun_localize_all
 from .rng import capture_rng
-from .spikes import SpikeResponder
 from .tensorboard import TensorBoardLogger
 from .watch import StopRun, Watcher
-from .zerocode import Localizer, announce, make_report
+from .observer import WatchObserver
+from .zerocode import LocalizeSpec, make_report
 
 
 def run_torch_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
@@ -81,27 +81,23 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
         policy.quiet = policy.quiet or not is_main()
     elif on_spike == "rollback":  # snapshots for the early-warning rollbacks only; failures as on_nonfinite says
         policy = RecoveryPolicy(failures=False)
-    # NANGUARD_TAPE=0: no step tape (every failure is localized by re-running the script; for comparisons)
-    watcher = Watcher(config, tape=localize and os.environ.get("NANGUARD_TAPE", "1") != "0")
-    watcher.spikes = SpikeResponder(watcher.monitor, on_spike, quiet=quiet)
-    # counterfactual replays of a failing step, once the step can be replayed in-process (step tape)
-    watcher.experiments = ExperimentConfig.from_spec(False if (experiments == "auto" and not localize) else experiments)
     cfg = child_config(config)
 
-    def rerun(det):
-        return rerun_localize_all(det, script_abs, list(args), rng_file, cfg,
-                                  bundle=None if localizer.bundle_written else bundle)
+    def rerun(det, to_bundle):
+        return rerun_localize_all(det, script_abs, list(args), rng_file, cfg, bundle=to_bundle)
 
     recovering = policy is not None and policy.failures
-    localizer = Localizer(watcher, rerun=rerun, bundle=bundle, config=cfg, at_once=recovering)
-    if localize:
-        watcher.localizer = localizer
-    if policy is not None:
-        policy.attach(watcher)
-    if not quiet and on_nonfinite == "warn" and not recovering:
-        watcher.on_event = lambda det: announce(watcher, det)
-    if sink.active:  # the report on disk follows the run: rewritten at each event
-        _keep_current(sink, watcher, policy)
+    # NANGUARD_TAPE=0: no step tape (every failure is localized by re-running the script; for comparisons)
+    watcher = Watcher(
+        config, tape=localize and os.environ.get("NANGUARD_TAPE", "1") != "0", on_spike=on_spike, quiet=quiet,
+        # counterfactual replays of a failing step, once the step can be replayed in-process (step tape)
+        experiments=ExperimentConfig.from_spec(False if (experiments == "auto" and not localize) else experiments),
+        policy=policy,
+        localize=LocalizeSpec(rerun=rerun, bundle=bundle, config=cfg, at_once=recovering) if localize else None,
+        announce=not quiet and on_nonfinite == "warn" and not recovering,
+        # the report on disk follows the run: rewritten at each event
+        observer=RunningReport(sink, policy) if sink.active else None)
+    localizer = watcher.localizer
     tb = None
     if tensorboard:
         tb = TensorBoardLogger.attach_to(watcher.monitor, tensorboard)
@@ -162,19 +158,26 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
     return code
 
 
-def _keep_current(sink: Any, watcher: Any, policy: Any) -> None:
-    """Rewrite the running report whenever an event was recorded: at the event (a failure the run stops
+class RunningReport(WatchObserver):
+    """Rewrites the running report whenever an event was recorded: at the event (a failure the run stops
     at, a warn-mode failure) and at the next step's start (recoveries, early warnings)."""
-    def current(*_: Any) -> None:
-        events, warnings = (policy.events if policy is not None else []), watcher.spikes.events
+
+    def __init__(self, sink: Any, policy: Any) -> None:
+        self.sink, self.policy = sink, policy
+
+    def event(self, watcher: Any, det: Any) -> None:
+        self.current(watcher)
+
+    def step_start(self, watcher: Any, step: int) -> None:
+        self.current(watcher)
+
+    def current(self, watcher: Any) -> None:
+        events, warnings = (self.policy.events if self.policy is not None else []), watcher.spikes.events
         mon = watcher.monitor
-        sink.poll(len(watcher.detections) + len(events) + len(warnings), lambda: interim_report(
+        self.sink.poll(len(watcher.detections) + len(events) + len(warnings), lambda: interim_report(
             detections=watcher.detections, events=events, warnings=warnings, history=mon.history.as_dicts(),
             counting=mon.counting, steps_watched=mon.steps_watched,
             max_grad_norm=mon.history.max_grad_norm if len(mon.history) else None))
-    for hook in ("on_event", "on_step_start"):
-        prev = getattr(watcher, hook)
-        setattr(watcher, hook, current if prev is None else (lambda *a, _p=prev: (_p(*a), current())))
 
 
 def child_config(config: Any) -> dict:

@@ -23,14 +23,30 @@ guard instead of killing the user's training (unless ``strict``).
 (detection only: nanguard cannot call an inline step again, so there is no replay).
 
 What the watcher does beyond detecting (experiments, recovery, early warnings, snapshots) is
-:mod:`.watch_recovery`.
+:mod:`.watch_recovery`; who its hooks answer to (a Guard's step, a forked child, a stop raised in
+another thread) is :mod:`.owners`. Its parts are declared constructor parameters: the early warning's
+``on_spike``, the ``experiments``, the recovery ``policy``, how to ``localize`` a failure
+(:class:`~nanguard.pytorch.zerocode.LocalizeSpec`) and an ``observer``
+(:class:`~nanguard.pytorch.observer.WatchObserver`) told of each step, backward, update, batch fetch
+and failure.
+
+*The Watcher's parts* (keyword-only constructor parameters): ``tape``, keep a
+:class:`~nanguard.pytorch.tape.StepTape` of each step, so that a failing step can be replayed
+in-process (``step_replay``); ``observer``, one :class:`~nanguard.pytorch.observer.WatchObserver` or
+several (called in order); ``on_spike``, what an early warning does (``"warn"``, ``"skip"``,
+``"rollback"``; None: no early warning), its line printed unless ``quiet``; ``experiments``, the
+counterfactual replays of a failing step (None: none); ``policy``, a
+:class:`~nanguard.pytorch.recover.RecoveryPolicy` (attached by the Watcher, which it references
+weakly); ``localize``, how to localize a failure at the failing step
+(:class:`~nanguard.pytorch.zerocode.LocalizeSpec`; None: not at all); ``announce``, one line on
+stderr at the first failure of each kind (warn mode).
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 import weakref
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import torch
 import torch.optim.optimizer as torch_optimizer
@@ -41,6 +57,7 @@ from torch.nn.modules import module as torch_module
 from ..core.config import GuardConfig
 from ..core.engine import FailurePipeline, Ports
 from ..core.events import Detection
+from ..core.experiments import ExperimentConfig
 from ..core.guarded import call_guarded
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
@@ -51,24 +68,26 @@ from .detect.closure import checked_closure, closure_of, recheck, with_closure
 from .distributed import share_event
 from .evalcheck import EvalCheck
 from .gradscaler import scaler_enabled
-from .owners import StandAside, StopRun
+from .observer import WatchObserver, combine
+from .owners import StandAside, StopRun, in_guard_step
 from .stepreplay import StepReplay, replay_of
 from .tape import StepTape
 from .watch_recovery import WatcherRecovery
-from .zerocode import Localizer, announce, make_report, run_context
+from .zerocode import Announcer, LocalizeSpec, Localizer, make_report, run_context
 from .spikes import SpikeResponder
 
 
-class Watcher(WatcherRecovery, StandAside):
+class Watcher:
     """Global hooks driving a :class:`StepMonitor` for code nanguard cannot see into."""
 
-    def __init__(self, config: Optional[GuardConfig] = None,
-                 on_detection: Optional[Callable[[Detection, Any], None]] = None, tape: bool = False) -> None:
-        """``tape``: keep a :class:`~nanguard.pytorch.tape.StepTape` of each step, so that a failing
-        step can be replayed in-process (:meth:`step_replay`)."""
+    def __init__(self, config: Optional[GuardConfig] = None, *, tape: bool = False,
+                 observer: Union[WatchObserver, Sequence[WatchObserver], None] = None,
+                 on_spike: Optional[str] = None, quiet: bool = False,
+                 experiments: Optional[ExperimentConfig] = None, policy: Any = None,
+                 localize: Optional[LocalizeSpec] = None, announce: bool = False) -> None:
+        """The parameters are described in the module docstring (*The Watcher's parts*)."""
         self.config = config or GuardConfig()
         self.monitor = StepMonitor(self.config)
-        self.on_detection = on_detection
         self.detections: List[Detection] = []
         self.info: List[Detection] = []
         self.dropped_events = 0
@@ -79,35 +98,39 @@ class Watcher(WatcherRecovery, StandAside):
         self._handles: list = []
         self._orig: dict = {}
         self._local = threading.local()
-        # Optional observers (used by the replay child to arm the op recorder).
-        self.on_step_start: Optional[Callable[[int], None]] = None
-        self.on_backward_begin: Optional[Callable[[List[torch.Tensor]], None]] = None
-        self.on_backward_end: Optional[Callable[[], None]] = None
-        self.on_optimizer_begin: Optional[Callable[[], None]] = None
-        self.on_optimizer_end: Optional[Callable[[], None]] = None  # after each optimizer's update (or skip)
+        self._scaled: Optional[tuple] = None  # (weakref to scaler.scale's output, the scale)
+        observers = list(observer) if isinstance(observer, (list, tuple)) else [observer]
+        self.observer: WatchObserver = combine(Announcer() if announce else None, *observers)
         # Recovery (nanguard run --recover): a RecoveryPolicy, and how to localize a failure.
-        self.policy: Any = None
-        self._snap_due: Optional[tuple] = None  # (step, loss): the snapshot the next step starts from
-        self.localizer: Optional[Callable[[Detection], Any]] = None
+        self.policy: Any = policy
+        self.localizer: Optional[Localizer] = Localizer(self, localize) if localize is not None else None
         self._skip_current: set = set()
         # the failures diagnosed during the run (recovery): the first one, recurrences of it
         self.pipeline = FailurePipeline(Ports(context=lambda: run_context(self),
                                               share=lambda ev, det: share_event(ev, det.rank)))
         # The step tape (in-process replay), the DataLoader hooks, the evaluation checks.
         self.tape: Optional[StepTape] = StepTape() if tape else None
-        self.data = DataHooks(self.tape)
+        obs = self.observer
+        self.data = DataHooks(self.tape, on_begin=lambda: obs.data_begin(self), on_end=lambda: obs.data_end(self))
         self.evals = EvalCheck(self)
         self.loc_runs: dict = {}        # id(detection) -> how it was localized (at the failing step)
-        self.on_event: Optional[Callable[[Detection], None]] = None  # after a failure was handled
         self._replay_on = False
-        self.forked = False   # this is a forked child's copy: its hooks stand aside (owners.py)
-        # The stop, once raised in any thread: every thread's next hook raises it too, and the run ends 3.
-        self.stopping: Optional[Detection] = None
+        # the stop (once raised in any thread, every thread's next hook raises it too, and the run ends
+        # 3) and the fork flag (a forked child's copy: its hooks stand aside): owners.py
+        self.owner = StandAside()
         self._busy = 0
-        self.spikes: Any = None  # early warning (nanguard.pytorch.spikes.SpikeResponder), set by the driver
-        # An op recorder armed on the live script (the localization re-run's child): while it runs its
-        # own checks, the values they read (NaN included) are not the script's (see ``busy``).
-        self.live_recorder: Any = None
+        # the early warning (nanguard.pytorch.spikes.SpikeResponder)
+        self.spikes: Optional[SpikeResponder] = \
+            SpikeResponder(self.monitor, on_spike, quiet=quiet) if on_spike is not None else None
+        self.recovery = WatcherRecovery(self, experiments)
+        self.report: Any = None  # watch(): the report, once the block ended
+        if policy is not None:
+            policy.attach(self)
+
+    @property
+    def stopping(self) -> Optional[Detection]:
+        """The detection the run was stopped at (in any thread), or None."""
+        return self.owner.stopping
 
     # ------------------------------------------------------------------ install / uninstall
     def __enter__(self) -> "Watcher":
@@ -121,7 +144,7 @@ class Watcher(WatcherRecovery, StandAside):
         if self._installed:
             return
         self._installed = True
-        self._own_process()
+        self.owner.own_process()
 
         w = self
         orig_init = torch.optim.Optimizer.__init__
@@ -163,8 +186,7 @@ class Watcher(WatcherRecovery, StandAside):
             self.tape.install()
             self.tape.reset(0)  # the script's start is step 0's "before the first module call"
         self.evals.install()
-        if self.on_step_start is not None:
-            self.on_step_start(0)
+        self.observer.step_start(self, 0)
 
     def uninstall(self) -> None:
         if not self._installed:
@@ -173,7 +195,7 @@ class Watcher(WatcherRecovery, StandAside):
         torch.autograd.backward = self._orig["backward"]
         torch_grad_scaler.GradScaler.step = self._orig["scaler_step"]
         torch_grad_scaler.GradScaler.scale = self._orig["scale"]
-        self._release_process()
+        self.owner.release_process()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -187,8 +209,19 @@ class Watcher(WatcherRecovery, StandAside):
     @property
     def busy(self) -> bool:
         """nanguard's own code is running (a check, a replay): values it reads are not the script's."""
-        rec = self.live_recorder
+        rec = self.observer.recorder
         return self._busy > 0 or self._replay_on or (rec is not None and rec.busy)
+
+    @property
+    def _replaying(self) -> bool:
+        """The hooks do nothing now: an in-process replay runs (``quiet()``), a Guard runs its own step
+        in this thread, or this process is a forked child. A stop raised in another thread is raised
+        here too (the run is stopping; :mod:`.owners`)."""
+        own = self.owner
+        if own.stopping is not None and not own.forked and not self._replay_on and not self._busy \
+                and self._installed and not in_guard_step():
+            raise StopRun(own.stopping)
+        return self._replay_on or own.forked or in_guard_step()
 
     def _guarded(self, fn: Callable[[], Any]) -> Any:
         """Run guard code; on an internal error warn once and disable (unless strict)."""
@@ -208,24 +241,21 @@ class Watcher(WatcherRecovery, StandAside):
             self.dropped_events += 1
             return
         if self.policy is not None and self.policy.failures and det.phase != "eval":
-            if self._recover(det, opt):
+            if self.recovery.recover(det, opt):
                 return
             self.detections.append(det)
-            raise self._stop(det)
-        if self.localizer is not None and getattr(self.localizer, "wants", None) is not None \
-                and self.localizer.wants(det):
+            raise self.owner.stop(det)
+        if self.localizer is not None and self.localizer.wants(det):
             loc = self._guarded(lambda: self.localizer(det))
             if loc is not None:
                 self.loc_runs[id(det)] = loc
                 if not self.detections:  # the first failure: test its cause on the step replay
-                    self._guarded(lambda: self._experiment(det, loc))
+                    self._guarded(lambda: self.recovery.experiment(det, loc))
         self.detections.append(det)
-        if self.on_detection is not None:
-            self.on_detection(det, opt)
-        if self.on_event is not None:
-            self._guarded(lambda: self.on_event(det))
+        self.observer.detection(self, det, opt)
+        self._guarded(lambda: self.observer.event(self, det))
         if self.config.on_nonfinite == "stop" and det.phase != "eval":
-            raise self._stop(det)
+            raise self.owner.stop(det)
 
     # ------------------------------------------------------------------ in-process replay
     def step_replay(self, step: int) -> Optional[StepReplay]:
@@ -275,15 +305,14 @@ class Watcher(WatcherRecovery, StandAside):
 
     def _pre_check(self, opt: Any) -> None:
         """The step's check before ``opt`` updates (a closure step's: after the closure's first evaluation)."""
-        if self._snap_due is not None:  # a step with no module forward and no backward
-            self._guarded(self._take_due_snapshot)
-        if self.on_optimizer_begin is not None:
-            self.on_optimizer_begin()
+        if self.recovery.snap_due is not None:  # a step with no module forward and no backward
+            self._guarded(self.recovery.take_due_snapshot)
+        self.observer.optimizer_begin(self)
         if self.policy is not None:  # recovery's loss scale (if on): unscale before the check
             self._guarded(lambda: self.policy.before_check([opt]))
         det = self._guarded(lambda: self.monitor.check(opt))
         self._handle(det, opt)
-        if self._spike(opt):
+        if self.recovery.spike(opt):
             self._skip_current.add(id(opt))
         if self.policy is not None and id(opt) not in self._skip_current:
             if not self._guarded(lambda: self.policy.before_update([opt])):
@@ -295,16 +324,14 @@ class Watcher(WatcherRecovery, StandAside):
         skipped = id(opt) in self._skip_current
         self._skip_current.discard(id(opt))
         self._guarded(lambda: self.monitor.end_step(opt, skipped=skipped))
-        self._guarded(lambda: self._after_update(opt))
+        self._guarded(lambda: self.recovery.after_update(opt))
         self._step_started(opt)
 
     def _step_started(self, opt: Any) -> None:
         if self.tape is not None:
             self.tape.reset(self.monitor.step_of(opt))
-        if self.on_optimizer_end is not None:  # e.g. a GAN: the other model's forward comes next
-            self.on_optimizer_end()
-        if self.on_step_start is not None:
-            self.on_step_start(self.monitor.step_of(opt))
+        self.observer.optimizer_end(self)  # e.g. a GAN: the other model's forward comes next
+        self.observer.step_start(self, self.monitor.step_of(opt))
 
     def _scaler_step(self, orig, scaler, optimizer, a, k):
         if self.disabled or self._replaying or not scaler_enabled(scaler):
@@ -321,11 +348,10 @@ class Watcher(WatcherRecovery, StandAside):
                 scaler.unscale_(optimizer)  # scaler.step would do the same; we check unscaled grads
             return self.monitor.check(optimizer, scaler)
 
-        if self.on_optimizer_begin is not None:
-            self.on_optimizer_begin()
+        self.observer.optimizer_begin(self)
         det = self._guarded(prepare)
         self._handle(det, optimizer)
-        if self._spike(optimizer):
+        if self.recovery.spike(optimizer):
             self._skip_current.add(id(optimizer))
         skipped = bool(det is not None and det.detected.get("scaler_skip")) or \
             bool((getattr(self.monitor, "_last", None) or {}).get("found_inf", 0) > 0)
@@ -342,7 +368,7 @@ class Watcher(WatcherRecovery, StandAside):
             finally:
                 self._local.scaler_depth -= 1
         self._guarded(lambda: self.monitor.end_step(optimizer, skipped=skipped))
-        self._guarded(lambda: self._after_update(optimizer))
+        self._guarded(lambda: self.recovery.after_update(optimizer))
         self._step_started(optimizer)
         return ret
 
@@ -355,50 +381,40 @@ class Watcher(WatcherRecovery, StandAside):
         if self.tape is not None:
             tape = self.tape
             self._guarded(lambda: tape.before_backward(ts, a, k))
-        if self._snap_due is not None:
-            self._guarded(self._take_due_snapshot)
+        if self.recovery.snap_due is not None:
+            self._guarded(self.recovery.take_due_snapshot)
         self._guarded(lambda: self.monitor.on_backward(self._unscaled(ts)))
         by_backward = not self.monitor.views
         groups = None
         if by_backward:
-            groups = self._guarded(lambda: self._backward_params(ts))
-        if self.on_backward_begin is not None:
-            self.on_backward_begin(ts)
+            groups = self._guarded(lambda: _backward_params(self.monitor, ts))
+        self.observer.backward_begin(self, ts)
         if self.policy is not None and not by_backward and (a[0] if a else k.get("grad_tensors")) is None:
             scaled = self._guarded(lambda: self.policy.scale_loss(tensors))  # recovery's loss scale, if on
             tensors = tensors if scaled is None else scaled
         try:
             out = orig(tensors, *a, **k)
         finally:
-            if self.on_backward_end is not None:
-                self.on_backward_end()
+            self.observer.backward_end(self)
         if by_backward and groups is not None:
             # No optimizer: each backward pass is a step (hand-written updates follow it).
             det = self._guarded(lambda: self.monitor.check(None, params=groups))
             self._handle(det, None)
-            skip = self._spike(None)
+            skip = self.recovery.spike(None)
             if self.policy is not None and not skip:  # clipping / gradient scaling of hand-written updates
-                self._guarded(lambda: self.policy.before_update([], modules=self._state_modules()))
+                self._guarded(lambda: self.policy.before_update([], modules=self.recovery.state_modules()))
             self._guarded(lambda: self.monitor.end_step(None, skipped=skip, params=groups))
-            self._guarded(lambda: self._after_update(None))  # the next step's snapshot (recovery only)
+            self._guarded(lambda: self.recovery.after_update(None))  # the next step's snapshot (recovery only)
             self._step_started(None)
         return out
 
     def _unscaled(self, ts: List[torch.Tensor]) -> List[torch.Tensor]:
-        scaled = getattr(self, "_scaled", None)
+        scaled = self._scaled
         if scaled is None:
             return ts
         ref, scale = scaled
         self._scaled = None
         return [t.detach() / scale if t is ref() else t for t in ts]
-
-    def _backward_params(self, ts: List[torch.Tensor]) -> List[List[torch.Tensor]]:
-        params = [p for r in list(self.monitor.roots) for p in r.parameters() if p.requires_grad]
-        if not params:
-            if not self.monitor.extra_params:
-                self.monitor.extra_params = _graph_leaves(ts)
-            params = self.monitor.extra_params
-        return [[p for p in params if is_checkable(p)]]
 
     # ------------------------------------------------------------------ modules
     def _depth(self) -> int:
@@ -416,8 +432,8 @@ class Watcher(WatcherRecovery, StandAside):
                     self.tape.root_pre(module, args)
                 self.evals.root_pre(module, args)
                 self.monitor.add_root(module)
-                if self._snap_due is not None and torch.is_grad_enabled() and module.training:
-                    self._take_due_snapshot()  # the state the next training step starts from
+                if self.recovery.snap_due is not None and torch.is_grad_enabled() and module.training:
+                    self.recovery.take_due_snapshot()  # the state the next training step starts from
                 if torch.is_grad_enabled() and module.training:
                     # Only tensors that do not come from parameters are "the batch".
                     batch = [t for t in tensors_in(args) if not t.requires_grad]
@@ -447,8 +463,7 @@ class Watcher(WatcherRecovery, StandAside):
         det = self._guarded(self.monitor.flush)
         if det is not None and not det.info_only and len(self.detections) < self.config.max_events:
             self.detections.append(det)
-            if self.on_detection is not None:
-                self.on_detection(det, None)
+            self.observer.detection(self, det, None)
 
 
 def _in_backward() -> bool:
@@ -456,6 +471,16 @@ def _in_backward() -> bool:
         return torch._C._current_autograd_node() is not None
     except Exception:
         return False
+
+
+def _backward_params(monitor: StepMonitor, ts: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """The tensors a script with no optimizer trains: its roots' parameters, else the loss graph's leaves."""
+    params = [p for r in list(monitor.roots) for p in r.parameters() if p.requires_grad]
+    if not params:
+        if not monitor.extra_params:
+            monitor.extra_params = _graph_leaves(ts)
+        params = monitor.extra_params
+    return [[p for p in params if is_checkable(p)]]
 
 
 def _graph_leaves(ts: List[torch.Tensor], limit: int = 100_000) -> List[torch.Tensor]:
@@ -486,12 +511,8 @@ def watch(report: Optional[str] = None, on_nonfinite: str = "warn",
     ``w.report``). A :class:`~nanguard.Guard` stepping inside the block is left to the Guard.
     Yields the :class:`~nanguard.Watcher`.
     """
-    w = Watcher(GuardConfig(on_nonfinite=on_nonfinite, strict=strict), tape=True)
-    w.spikes = SpikeResponder(w.monitor, "warn", quiet=quiet)
-    loc = Localizer(w)
-    w.localizer = loc
-    if not quiet:
-        w.on_event = lambda det: announce(w, det)
+    w = Watcher(GuardConfig(on_nonfinite=on_nonfinite, strict=strict), tape=True, on_spike="warn", quiet=quiet,
+                localize=LocalizeSpec(), announce=not quiet)
     w.install()
     error: Optional[BaseException] = None
     try:
@@ -502,7 +523,7 @@ def watch(report: Optional[str] = None, on_nonfinite: str = "warn",
     finally:
         w.uninstall()
         w.finish()
-        rep = make_report(w, loc)
+        rep = make_report(w, w.localizer)
         if error is not None and not isinstance(error, (StopRun, GeneratorExit)):
             apply_outcome(rep, block_outcome(error), step=w.monitor.steps_watched)
         w.report = rep

@@ -2,35 +2,45 @@
 counterfactual replays of the step tape, diagnose a failure for the recovery policy and let it act,
 respond to an early warning, and take the recovery snapshot when the next step starts.
 
-:class:`WatcherRecovery` is a mixin of :class:`~nanguard.pytorch.watch.Watcher`: it works on the
-watcher's monitor, policy, localizer, scalers, spike responder and step tape.
+:class:`WatcherRecovery` is a part the Watcher holds (``watcher.recovery``), built with the
+experiments' settings; it works on the watcher's monitor, policy, localizer, scalers, spike responder
+and step tape, and drives the watcher's per-step state (the updates to skip, the snapshot due).
 """
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Optional
 
 from ..core.events import Detection
+from ..core.experiments import ExperimentConfig
 from ..core.pipeline import build_event
 from .recover.loose import LooseTensors
-from .spikes import optimizer_context
 
 
 class WatcherRecovery:
     """The Watcher's experiments, recovery, early warnings and snapshots (see the module docstring)."""
 
-    def _experiment(self, det: Detection, loc: Any, event: Any = None) -> None:
+    def __init__(self, watcher: Any, experiments: Optional[ExperimentConfig] = None) -> None:
+        self.w = watcher
+        self.experiments = experiments
+        self.snap_due: Optional[tuple] = None  # (step, loss): the snapshot the next step starts from
+        self.step_seconds: Optional[float] = None  # a running estimate of one step's wall time
+        self._t_update: Optional[float] = None
+        self._loose: Optional[LooseTensors] = None
+
+    def experiment(self, det: Detection, loc: Any, event: Any = None) -> None:
         """Counterfactual replays of the failing step (nanguard.core.experiments) from the step tape; the
         diagnosed event is kept on ``det`` for the report."""
-        cfg = getattr(self, "experiments", None)
+        cfg, w = self.experiments, self.w
         if cfg is None or not cfg.enabled or det.phase in ("eval", "params"):
             return
-        replay = self.step_replay(det.step)
+        replay = w.step_replay(det.step)
         if replay is None:
             return
         from .experiments import investigate_zero_code
         from .zerocode import run_context
-        hist = [h for h in self.monitor.history.raw_dicts() if h["step"] < det.step]
-        ctx = run_context(self)
+        hist = [h for h in w.monitor.history.raw_dicts() if h["step"] < det.step]
+        ctx = run_context(w)
         if event is None:
             event = build_event(det, loc, hist, ctx)
 
@@ -38,71 +48,73 @@ class WatcherRecovery:
             ev = build_event(det, loc, hist, dict(ctx, exclude_categories=list(excluded)))
             return ev.cause, ev.fixes
 
-        investigate_zero_code(event, replay, roots=list(self.monitor.roots), optimizers=self.optimizers(),
-                              scaler=self.scalers[0] if self.scalers else None, config=cfg,
-                              step_seconds=getattr(self, "step_seconds", None), rediagnose=rediagnose,
-                              history=hist, indices=self.data.last if getattr(self, "data", None) else None)
+        investigate_zero_code(event, replay, roots=list(w.monitor.roots), optimizers=w.optimizers(),
+                              scaler=w.scalers[0] if w.scalers else None, config=cfg,
+                              step_seconds=self.step_seconds, rediagnose=rediagnose,
+                              history=hist, indices=w.data.last)
         det.event = event
 
-    def _recover(self, det: Detection, opt: Any) -> bool:
+    def recover(self, det: Detection, opt: Any) -> bool:
         """Diagnose ``det`` and let the policy act. True when the run may go on."""
-        mon = self.monitor
+        w = self.w
+        mon = w.monitor
         hist = [h for h in mon.history.raw_dicts() if h["step"] < det.step]
-        first = self.pipeline.first() is None
-        loc_run = self.localizer(det) if first and self.localizer is not None else None
-        event = self.pipeline.explain(det, hist, loc_run)
+        first = w.pipeline.first() is None
+        loc_run = w.localizer(det) if first and w.localizer is not None else None
+        event = w.pipeline.explain(det, hist, loc_run)
         if first:
-            self._guarded(lambda: self._experiment(det, loc_run, event))
+            w._guarded(lambda: self.experiment(det, loc_run, event))
         det.event = event
-        opts = self.optimizers()
-        rec = self.policy.apply(event, step=det.step, modules=self._state_modules(), optimizers=opts,
-                                scaler=self.scalers[0] if self.scalers else None, roots=list(mon.roots),
-                                history=hist)
+        opts = w.optimizers()
+        rec = w.policy.apply(event, step=det.step, modules=self.state_modules(), optimizers=opts,
+                             scaler=w.scalers[0] if w.scalers else None, roots=list(mon.roots),
+                             history=hist)
         if rec is None:
             return False
-        self._skip_current.update(id(o) for o in opts)
+        w._skip_current.update(id(o) for o in opts)
         return True
 
-    def _spike(self, opt: Any) -> bool:
+    def spike(self, opt: Any) -> bool:
         """After a clean check: the early warning, if the check raised one. True: the step is to be skipped."""
-        if self.spikes is None or self.monitor.spike is None:
+        w = self.w
+        if w.spikes is None or w.monitor.spike is None:
             return False
-        return bool(self._guarded(lambda: self.spikes.after_check(
-            opt, modules=self._state_modules(), optimizers=self.optimizers(),
-            scaler=self.scalers[0] if self.scalers else None, policy=self.policy)))
+        return bool(w._guarded(lambda: w.spikes.after_check(
+            opt, modules=self.state_modules(), optimizers=w.optimizers(),
+            scaler=w.scalers[0] if w.scalers else None, policy=w.policy)))
 
-    def _after_update(self, opt: Any) -> None:
+    def after_update(self, opt: Any) -> None:
         """End of a step: a recovery snapshot of the next step is due (only with a policy).
 
         It is taken when the next step starts (its first training forward, backward or check), not
         here: code the script runs between steps (a projection, a re-normalisation, an EMA swap)
         belongs to the state a rollback must restore.
         """
-        import time as _t
-        now = _t.perf_counter()
-        prev = getattr(self, "_t_update", None)
-        self._t_update = now
+        now = time.perf_counter()
+        prev, self._t_update = self._t_update, now
         if prev is not None:
-            d, s0 = now - prev, getattr(self, "step_seconds", None)
+            d, s0 = now - prev, self.step_seconds
             self.step_seconds = d if s0 is None else (0.8 * s0 + 0.2 * d if d < 10 * s0 else s0)
-        if self.policy is None:
+        w = self.w
+        if w.policy is None:
             return
-        last = self.monitor.history.last()
-        self._snap_due = (self.monitor.step_of(opt), last.loss if last else None)
+        last = w.monitor.history.last()
+        self.snap_due = (w.monitor.step_of(opt), last.loss if last else None)
 
-    def _state_modules(self) -> list:
+    def state_modules(self) -> list:
         """The modules whose state recovery checks, snapshots and restores: the watched roots; for a
         script whose trained tensors belong to no module (updated by hand), one holder of them."""
-        roots = list(self.monitor.roots)
-        if roots or not self.monitor.extra_params:
+        mon = self.w.monitor
+        roots = list(mon.roots)
+        if roots or not mon.extra_params:
             return roots
-        if getattr(self, "_loose", None) is None:  # extra_params is found once, at the first backward
-            self._loose = LooseTensors(self.monitor.extra_params)
+        if self._loose is None:  # extra_params is found once, at the first backward
+            self._loose = LooseTensors(mon.extra_params)
         return [self._loose]
 
-    def _take_due_snapshot(self) -> None:
-        due, self._snap_due = self._snap_due, None
-        if due is not None and self.policy is not None:
-            self.policy.maybe_snapshot(due[0], self._state_modules(), self.optimizers(),
-                                       self.scalers[0] if self.scalers else None, due[1])
-
+    def take_due_snapshot(self) -> None:
+        due, self.snap_due = self.snap_due, None
+        w = self.w
+        if due is not None and w.policy is not None:
+            w.policy.maybe_snapshot(due[0], self.state_modules(), w.optimizers(),
+                                    w.scalers[0] if w.scalers else None, due[1])

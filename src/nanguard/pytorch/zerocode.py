@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -36,18 +37,36 @@ from .bundle import save_bundle
 from .distributed import report_extra, share_event
 from .replay import make_recorder
 from .rng import capture_rng
+from .observer import WatchObserver
 from .spikes import optimizer_context
 
-__all__ = ["Localizer", "make_report", "run_context", "pre_step_state", "announce"]
+__all__ = ["LocalizeSpec", "Localizer", "Announcer", "make_report", "run_context", "pre_step_state", "announce"]
+
+
+@dataclass(frozen=True)
+class LocalizeSpec:
+    """How a zero-code run localizes its failures (the Watcher builds its :class:`Localizer` from it).
+
+    ``rerun(det, bundle)``: the full re-run of the script up to the failing step (``nanguard run``
+    only; None: no re-run), ``bundle`` the repro bundle's path for it to write (None once one was
+    written); ``bundle``: where the repro bundle of the first localized failure goes; ``config``: the
+    settings the re-run's child needs; ``at_once``: re-run at the failing step (``--recover``), not
+    at report time.
+    """
+
+    rerun: Optional[Callable[[Detection, Optional[str]], Optional[Dict[str, Any]]]] = None
+    bundle: Optional[str] = None
+    config: Dict[str, Any] = field(default_factory=dict)
+    at_once: bool = False
 
 
 class Localizer:
     """Localizes the failures of a zero-code run (see the module docstring)."""
 
-    def __init__(self, watcher: Any, rerun: Optional[Callable[[Detection], Dict[str, Any]]] = None,
-                 bundle: Optional[str] = None, config: Optional[Dict[str, Any]] = None,
-                 at_once: bool = False) -> None:
-        self.w, self.rerun, self.bundle, self.config, self.at_once = watcher, rerun, bundle, config or {}, at_once
+    def __init__(self, watcher: Any, spec: Optional[LocalizeSpec] = None) -> None:
+        spec = spec if spec is not None else LocalizeSpec()
+        self.w, self.rerun, self.bundle, self.config, self.at_once = \
+            watcher, spec.rerun, spec.bundle, dict(spec.config), spec.at_once
         self.bundle_written = False
 
     def wants(self, det: Detection) -> bool:
@@ -107,7 +126,7 @@ class Localizer:
         """The full re-run when the in-process replay did not reproduce (``first``)."""
         if self.rerun is None:
             return first
-        res = self.rerun(det)
+        res = self.rerun(det, None if self.bundle_written else self.bundle)
         if res is not None and first is not None:
             res["fallback_from"] = {"method": first.get("method"), "reason": first.get("reason")}
         return res
@@ -188,7 +207,7 @@ def make_report(watcher: Any, localizer: Optional[Localizer] = None, policy: Any
         hist = [h for h in history if h["step"] < det.step]
         events.append(pipe.explain(det, hist, watcher.loc_runs.get(id(det)), relocalize=True))
     extra = {}
-    tape = getattr(watcher, "tape", None)
+    tape = watcher.tape
     if tape is not None and tape.off_reason:
         extra["step_tape"] = tape.off_reason
     report = assemble_report(RunFacts(
@@ -213,6 +232,13 @@ def _safe_fallback(localizer: Localizer, det: Detection, loc_run: Any) -> Any:
         out = dict(loc_run or {"method": "rerun", "reproduced": False})
         out["reason"] = f"the re-run was stopped: {type(e).__name__}"
         return out
+
+
+class Announcer(WatchObserver):
+    """The observer that prints :func:`announce`'s line after a failure was handled."""
+
+    def event(self, watcher: Any, det: Detection) -> None:
+        announce(watcher, det)
 
 
 def announce(watcher: Any, det: Detection) -> None:

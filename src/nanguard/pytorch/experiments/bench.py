@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -69,7 +69,10 @@ class TorchBench(Bench):
         e = Experiment(kind=spec.kind, change=describe(spec.kind, spec.params), params=dict(spec.params))
         t0 = time.perf_counter()
         try:
-            getattr(self, "_" + spec.kind)(e, seconds_left)
+            runner = _RUNNERS.get(spec.kind)
+            if runner is None:
+                raise ValueError(f"no PyTorch experiment of kind {spec.kind!r}")
+            runner(self, e, seconds_left)
         except Exception as ex:  # never break the run for an experiment
             e.finite, e.error = None, f"{type(ex).__name__}: {str(ex)[:200]}"
         e.seconds = time.perf_counter() - t0
@@ -241,6 +244,19 @@ class TorchBench(Bench):
     def _clip_replay(self, e: Experiment, seconds_left: float) -> None:
         self._history(e, max_norm=float(e.params.get("max_norm") or 1.0))
 
+
+# kind (nanguard.core.experiments.kinds.KINDS) -> the bench method that runs it
+_RUNNERS: Dict[str, Callable[[TorchBench, Experiment, float], None]] = {
+    "drop_samples": TorchBench._drop_samples,
+    "upcast_module": TorchBench._upcast_module,
+    "float64_step": TorchBench._float64_step,
+    "origin_input_f64": TorchBench._origin_input_f64,
+    "domain_guard": TorchBench._domain_guard,
+    "determinism": TorchBench._determinism,
+    "eager": TorchBench._eager,
+    "lr_replay": TorchBench._lr_replay,
+    "clip_replay": TorchBench._clip_replay,
+}
 
 _GUARD_TEXT = {"log": "clamped to >= eps", "log2": "clamped to >= eps", "log10": "clamped to >= eps",
                "sqrt": "clamped to >= eps", "rsqrt": "clamped to >= eps", "log1p": "clamped to > -1",

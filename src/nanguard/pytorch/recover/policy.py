@@ -71,8 +71,8 @@ class RecoveryPolicy(_NeutralPolicy):
         if self._watcher is not None and self.initial is None and (optimizers or modules):
             w = self._watcher()
             if w is not None:  # nanguard run: the state before the very first update
-                self.maybe_snapshot(w.monitor.step_of(optimizers[0] if optimizers else None), w._state_modules(),
-                                    w.optimizers(), w.scalers[0] if w.scalers else None)
+                self.maybe_snapshot(w.monitor.step_of(optimizers[0] if optimizers else None),
+                                    w.recovery.state_modules(), w.optimizers(), w.scalers[0] if w.scalers else None)
         return self.on_update(self.actions(modules, optimizers=optimizers))
 
     def spike(self, event, *, step: int, modules, optimizers, scaler, roots, history, rollback: bool):
@@ -127,7 +127,7 @@ class RecoveryPolicy(_NeutralPolicy):
 
     # ---------------------------------------------------------------- Watcher adapter (nanguard run)
     def attach(self, watcher) -> None:
-        watcher.policy = self
+        """Called by the Watcher that was built with this policy: only a weak reference is kept."""
         self._watcher = weakref.ref(watcher)
         self.store.adapt(SNAPSHOT_BUDGET)  # no replay under nanguard run: real copies only
 
