@@ -31,6 +31,10 @@ import pytest
 from html_cases import LOG_DOMAIN_LINE, PAYLOADS, WARNING_STEP, payload_report, run_case
 from nanguard.core.render.html import write_html
 
+# The real runs of html_cases.run_case are cached per process: test_html.py and test_html_browser.py run on one
+# pytest-xdist worker (--dist loadgroup), so each case runs once per session.
+pytestmark = pytest.mark.xdist_group("html_cases")
+
 CHROMIUM = next((p for p in [os.environ.get("NANGUARD_CHROMIUM")] + [shutil.which(n) for n in (
     "chromium", "chromium-browser", "google-chrome")] if p and os.access(p, os.X_OK)), None)
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -121,17 +125,13 @@ def plot_boxes(page):
         const r = s.getBoundingClientRect();
         const line = s.querySelector('[id^="ng-line-"] path');
         const lb = line ? line.getBoundingClientRect() : null;
+        const cs = line ? getComputedStyle(line) : null;
+        const painted = !!cs && cs.stroke !== 'none' && cs.visibility !== 'hidden' && cs.display !== 'none'
+            && parseFloat(cs.opacity) > 0 && parseFloat(cs.strokeOpacity || '1') > 0;
         return {id: s.id, w: r.width, h: r.height, paths: s.querySelectorAll('path').length,
                 line_w: lb ? lb.width : 0, line_h: lb ? lb.height : 0, painted};
     })""")
 
-        const cs = line ? getComputedStyle(line) : null;
-        const painted = !!cs && cs.stroke !== 'none' && cs.visibility !== 'hidden' && cs.display !== 'none'
-            && parseFloat(cs.opacity) > 0 && parseFloat(cs.strokeOpacity || '1') > 0;
-
-def box(page, selector):
-    return page.evaluate("""(sel) => { const el = document.querySelector(sel); if (!el) return null;
-        const r = el.getBoundingClientRect(); return {w: r.width, h: r.height, x: r.x, y: r.y}; }""", selector)
 
 def legend_texts(page, key: str) -> list:
     """The legend entries of plot ``key`` (matplotlib writes them as <text> in its legend group)."""
@@ -152,12 +152,19 @@ def check_evidence(page):
     assert visible(page, "#evidence-deciding")
     if page.locator("#evidence-all").count():
         assert page.evaluate("() => document.querySelector('#evidence-all').open") is False
-        assert not visible(page, "#evidence-all table")  # folded away
+        shown = "() => document.querySelector('#evidence-all table').checkVisibility({opacityProperty: true, " \
+                "visibilityProperty: true, contentVisibilityAuto: true})"
+        assert page.evaluate(shown) is False  # folded away (a closed <details> renders no content)
         page.click("#evidence-all > summary")
-        assert visible(page, "#evidence-all table")
+        assert page.evaluate(shown) is True and visible(page, "#evidence-all table")
         page.click("#evidence-all > summary")
+        page.evaluate("() => window.scrollTo(0, 0)")  # visible() reads boxes from the top of the page
     return rows
 
+
+def box(page, selector):
+    return page.evaluate("""(sel) => { const el = document.querySelector(sel); if (!el) return null;
+        const r = el.getBoundingClientRect(); return {w: r.width, h: r.height, x: r.x, y: r.y}; }""", selector)
 
 
 def check_common(o: Opened, path: Path, name: str, artifacts: Path, measurements: dict, n_plots: int):
@@ -172,11 +179,11 @@ def check_common(o: Opened, path: Path, name: str, artifacts: Path, measurements
     for p in plots:
         assert p["w"] > 200 and p["h"] > 80 and p["paths"] > 5, p
         assert p["line_w"] > 0 or p["line_h"] > 0, f"{p['id']}: its data line is not drawn"
+        assert p["painted"], f"{p['id']}: its data line is not painted"
     page.screenshot(path=str(artifacts / f"{name}.png"), full_page=True)
     page.screenshot(path=str(artifacts / f"{name}_top.png"))
     shutil.copy(path, artifacts / f"{name}.html")
     measurements[name] = {"bytes": size, "open_ms": round(o.timing["load_ms"], 1),
-        assert p["painted"], f"{p['id']}: its data line is not painted"
                           "dom_content_loaded_ms": round(o.timing["dom_ms"], 1), "plots": len(plots)}
 
 
@@ -214,16 +221,16 @@ def test_forward_log_domain_page(browser, tmp_path, artifacts, measurements):
         bg = page.evaluate("() => getComputedStyle(document.querySelector('#origin-line')).backgroundColor")
         assert bg not in ("rgba(0, 0, 0, 0)", "transparent")
         assert page.inner_text("#origin-module") == "head"
-        # print: the plots go two per row and stay drawn; a PDF as an artifact
-        page.emulate_media(media="print")
-        cols = page.evaluate("() => getComputedStyle(document.querySelector('.plots')).gridTemplateColumns")
-        assert len(cols.split()) == 2
         # a forward failure: the loss itself went non-finite, and the legend says so
         assert f"loss non-finite at step {step}" in legend_texts(page, "loss")
         rows = check_evidence(page)
         labels = {r["label"]: r["value"] for r in rows}
         assert "origin op in float64" in labels and "log inputs at 0" in labels, labels
         assert labels["log inputs at 0"].endswith("elements"), labels  # the unit is said
+        # print: the plots go two per row and stay drawn; a PDF as an artifact
+        page.emulate_media(media="print")
+        cols = page.evaluate("() => getComputedStyle(document.querySelector('.plots')).gridTemplateColumns")
+        assert len(cols.split()) == 2
         assert all(p["w"] > 100 for p in plot_boxes(page))
         page.pdf(path=str(artifacts / "log_domain.pdf"), format="A4", print_background=True)
     finally:
@@ -245,14 +252,14 @@ def test_divergence_with_recovery_page(browser, tmp_path, artifacts, measurement
         assert page.get_attribute("figure[data-key=loss]", "data-scale") == "log"
         events = page.inner_text("#events")
         assert "rollback+lr_backoff+skip_step" in events and "lr_before" in events
+        legend = " | ".join(legend_texts(page, "loss"))
+        assert "recovered at step" in legend and "loss = +inf" in legend, legend
+        rows = check_evidence(page)
+        assert any(r["value"].startswith("×") for r in rows), rows  # a growth factor, with its unit
         assert visible(page, "#origin-line")
     finally:
         o.ctx.close()
 
-        legend = " | ".join(legend_texts(page, "loss"))
-        assert "recovered" in legend and "loss = inf" in legend, legend
-        rows = check_evidence(page)
-        assert any(r["value"].startswith("×") for r in rows), rows  # a growth factor, with its unit
 
 def test_clean_run_with_warning_page(browser, tmp_path, artifacts, measurements):
     rep, _ = run_case("clean_warning", tmp_path)
@@ -266,15 +273,16 @@ def test_clean_run_with_warning_page(browser, tmp_path, artifacts, measurements)
         assert visible(page, "#ng-warning-marks-loss use")
         assert page.locator("#origin").count() == 0
         assert "grad_norm_spike" in page.inner_text("#events")
-    finally:
-        o.ctx.close()
-
-
         # an early warning: every value was finite, and no legend or title says otherwise
         legend = legend_texts(page, "loss")
         assert f"early warning at step {WARNING_STEP} (all finite)" in legend, legend
         assert not any("non-finite" in t for k in ("loss", "grad_norm") for t in legend_texts(page, k))
-        assert "non-finite value" not in page.inner_text("h1").lower()
+        h1 = page.inner_text("h1").lower()  # titled as what happened: no non-finite value, a warning
+        assert "no non-finite value, 1 warning" in h1 and "at step" not in h1, h1
+    finally:
+        o.ctx.close()
+
+
 def test_demo_page(browser, tmp_path, artifacts, measurements):
     """``nanguard demo --report``: the page a first-time user sees (its size and open time)."""
     rep_path = tmp_path / "demo.json"
@@ -291,10 +299,6 @@ def test_demo_page(browser, tmp_path, artifacts, measurements):
         step = rep["events"][0]["step"]
         assert o.page.inner_text("#failing-step") == str(step)
         assert visible(o.page, "#origin-line")
-    finally:
-        o.ctx.close()
-
-
         # a backward failure with a finite loss: the loss legend names the gradients, never the loss
         legend = legend_texts(o.page, "loss")
         assert f"gradients non-finite at step {step}" in legend and not any("loss non-finite" in t for t in legend)
@@ -302,6 +306,10 @@ def test_demo_page(browser, tmp_path, artifacts, measurements):
         assert rows.get("+inf outputs", "").endswith("elements") and "inputs of the root at 0" in rows, rows
         # the why text follows the op's own output (+inf: x/0), not a fixed 0/0
         assert "x/0 = +inf" in o.page.inner_text("#summary") and "0/0" not in o.page.inner_text("#summary")
+    finally:
+        o.ctx.close()
+
+
 # --------------------------------------------------------------------------- safety
 
 @pytest.mark.parametrize("csp", [True, False], ids=["with-csp", "escaping-alone"])
