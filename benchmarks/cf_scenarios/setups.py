@@ -1,4 +1,4 @@
-"""Training setups shared by the Guard-driven scenarios here and ``tests/test_counterfactual.py``. Each
+"""Training setups shared by the Guard-driven scenarios here and ``tests/torch/test_counterfactual.py``. Each
 returns ``(model, optimizer, loss_fn, batch)`` (``batch(step)`` gives the step's batch); the mechanism
 of each failure is decided by construction (see the docstrings)."""
 import torch

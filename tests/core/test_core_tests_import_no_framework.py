@@ -28,7 +28,7 @@ def test_collecting_tests_core_imports_neither_torch_nor_tensorflow(tmp_path):
     out = tmp_path / "probe.json"
     env = dict(os.environ, CORE_PROBE_OUT=str(out),
                PYTHONPATH=str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist",
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
                         "-p", "core_import_probe", "tests/core"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -4,7 +4,9 @@ Each script (one mechanism each, `model.fit` or a `GradientTape` loop, eager or 
 NAME.json with the truth: the first bad step, the phase, the accepted cause categories, the origin
 line and layer, or `kind: clean` (see `tests/scenarios_keras/README.md`: the truths are decided by
 construction, and hold with TensorFlow's oneDNN kernels on or off). Each runs under `nanguard run`
-in a subprocess, as a user would run it, and the JSON report is graded against the truth.
+in a subprocess, as a user would run it, and the JSON report is graded against the truth (the origin
+the op recorder found: line, layer, op, or the variable already non-finite; the recorder's own re-run
+harness checks the clean ones, tests/tf/locate/test_tf_locate_scenarios.py).
 Recoverable ones also run with `--recover auto` and must finish `recovered` under the loss bound.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 from ngtest import run_scenario
 
 pytest.importorskip("tensorflow")
+pytestmark = pytest.mark.e2e  # each test runs `nanguard run` on a whole script in a subprocess
 
 HERE = pathlib.Path(__file__).resolve().parents[1] / "scenarios_keras"
 CASES = sorted(HERE.glob("*.json"))
@@ -44,14 +47,17 @@ def test_detects_locates_and_diagnoses(truth_file: pathlib.Path, tmp_path: pathl
     o = ev.get("origin") or {}
     got = (ev["step"], ev["phase"], ev["cause"]["category"], o.get("line"))
     assert ev["step"] == truth["first_bad_step"], got
+    assert (ev.get("localization") or {}).get("reproduced") is True, ev.get("localization")
     if truth["phase"] != "any":
         assert ev["phase"] == truth["phase"], got
     assert ev["cause"]["category"] in truth["accept"], got
     if truth.get("origin_line"):
         assert o.get("line") == truth["origin_line"] and os.path.basename(str(o.get("file"))) == script.name, got
+        assert truth["origin_op"] in script.read_text().splitlines()[truth["origin_line"] - 1], truth["origin_op"]
     if truth.get("origin_layer"):
         assert o.get("layer") == truth["origin_layer"], o
-    if truth.get("origin_param"):
+    if truth.get("origin_param"):  # the variable non-finite before the step, named by the recorder
+        assert o.get("tensor") == truth["origin_param"], o
         assert truth["origin_param"] in json.dumps(ev["cause"]), ev["cause"]["summary"]
     assert ev["cause"]["summary"] and ev["fixes"]
     fixes = " ".join(ev["fixes"])

@@ -129,12 +129,23 @@ def only_rank0_report(out: Path) -> dict:
 
 # --------------------------------------------------------------------------- Guard under torchrun
 
+# pytest-xdist (--dist loadgroup): the two tests of this launch run on one worker, so it is made once.
+ONE_LAUNCH = pytest.mark.xdist_group("ddp_guard_recover")
+
+
+def torchrun_test(test):
+    """A test that launches a 2-process torchrun: slow, end to end."""
+    return pytest.mark.e2e(pytest.mark.slow(test))
+
+
 @pytest.fixture(scope="module")
 def guard_recover_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp_guard")
     return torchrun(tmp, GUARD_SCRIPT, [BAD_RANK, BAD_STEP, "recover"])
 
 
+@ONE_LAUNCH
+@torchrun_test
 def test_ddp_guard_recovery_skips_the_same_step_on_every_rank(guard_recover_run):
     p, out, ranks = guard_recover_run
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -155,12 +166,15 @@ def test_ddp_guard_recovery_skips_the_same_step_on_every_rank(guard_recover_run)
     assert p.stderr.count("recovered at step 3") == 1, p.stderr
 
 
+@ONE_LAUNCH
+@torchrun_test
 def test_ddp_guard_recovery_keeps_ranks_identical(guard_recover_run):
     p, out, ranks = guard_recover_run
     assert p.returncode == 0, p.stderr[-3000:]
     same_state(out)
 
 
+@torchrun_test
 def test_ddp_guard_stop_stops_every_rank_at_the_same_step(tmp_path):
     p, out, ranks = torchrun(tmp_path, GUARD_SCRIPT, [0, 2, "stop"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -175,6 +189,7 @@ def test_ddp_guard_stop_stops_every_rank_at_the_same_step(tmp_path):
 
 # --------------------------------------------------------------------------- nanguard run under torchrun
 
+@torchrun_test
 def test_nanguard_run_under_torchrun_recovers_consistently(tmp_path):
     p, out, ranks = torchrun(tmp_path, PLAIN_SCRIPT, [BAD_RANK, BAD_STEP, "-"],
                              nanguard_run=["--recover", "auto", "--report", str(tmp_path / "out" / "report.json"),
@@ -194,6 +209,7 @@ def test_nanguard_run_under_torchrun_recovers_consistently(tmp_path):
     assert [h["step"] for h in rep["history"] if h["skipped"]] == [BAD_STEP]
 
 
+@torchrun_test
 def test_nanguard_run_under_torchrun_stops_every_rank(tmp_path):
     p, out, ranks = torchrun(tmp_path, PLAIN_SCRIPT, [BAD_RANK, BAD_STEP, "-"],
                              nanguard_run=["--no-localize", "--report", str(tmp_path / "out" / "report.json")])

@@ -19,7 +19,7 @@ import torch
 
 from ngtest import load_report
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.e2e,
               pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")]
 
 SCRIPT = Path(__file__).parent / "dist" / "train_parallel.py"
@@ -61,7 +61,10 @@ def recover_launch(wrap: str, tmp_path_factory):
     return _RUNS[wrap]
 
 
-@pytest.fixture(scope="module", params=["fsdp", "ddp"])
+# pytest-xdist (--dist loadgroup): the tests that share a configuration's recover launch run on one
+# worker (the launch is made once per worker process); the two configurations may run side by side.
+@pytest.fixture(scope="module", params=[pytest.param("fsdp", marks=pytest.mark.xdist_group("fsdp_recover")),
+                                        pytest.param("ddp", marks=pytest.mark.xdist_group("ddp_recover"))])
 def recover_run(request, tmp_path_factory):
     return request.param, recover_launch(request.param, tmp_path_factory)
 
@@ -115,6 +118,7 @@ def test_fsdp_stop_names_the_rank_and_keeps_the_pre_step_weights(tmp_path):
     assert "dist_train.py" not in p.stderr and "train_parallel.py:" in p.stderr  # the user's line
 
 
+@pytest.mark.xdist_group("fsdp_recover")  # compares with the fsdp recover launch
 def test_fsdp_under_nanguard_run(tmp_path, tmp_path_factory):
     _p, _out, ranks_ref = recover_launch("fsdp", tmp_path_factory)
     p, out, ranks = launch(tmp_path, "fsdp", "plain", nanguard_run=["--recover", "auto", "--no-bundle"])

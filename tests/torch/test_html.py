@@ -26,6 +26,10 @@ from nanguard.core.render.values import choose_scale
 
 import importlib.util
 
+# The real runs of html_cases.run_case are cached per process: test_html.py and test_html_browser.py run on one
+# pytest-xdist worker (--dist loadgroup), so each case runs once per session.
+pytestmark = pytest.mark.xdist_group("html_cases")
+
 needs_mpl = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                                reason="the plots need matplotlib (a dependency of nanguard)")
 

@@ -22,7 +22,7 @@ Add an op rule
    and the gradient), so a declared domain needs no backend code. For other numbers add a gatherer to
    ``nanguard/pytorch/locate/evidence.py`` (``@gatherer("my_fact")`` returning ``{"my_fact": ...}``)
    and list ``"my_fact"`` in ``evidence=``; it then also shows in ``cause.evidence.facts``.
-4. Add a test that drives a real training step to the failure (``tests/test_locate.py``) and
+4. Add a test that drives a real training step to the failure (``tests/torch/test_locate.py``) and
    regenerate ``docs/CATEGORIES.md`` (``python -m nanguard.core.diagnosis.docs > docs/CATEGORIES.md``).
 The recorder and the dispatcher (``engine.py``) need no change.
 """
