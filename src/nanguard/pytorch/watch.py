@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
@@ -59,6 +60,7 @@ from ..core.engine import FailurePipeline, Ports
 from ..core.events import Detection
 from ..core.experiments import ExperimentConfig
 from ..core.guarded import call_guarded
+from ..core.outputs import check_output
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
 from ..core.script import apply_outcome, block_outcome
@@ -513,6 +515,8 @@ def watch(report: Optional[str] = None, on_nonfinite: str = "warn",
     """
     w = Watcher(GuardConfig(on_nonfinite=on_nonfinite, strict=strict), tape=True, on_spike="warn", quiet=quiet,
                 localize=LocalizeSpec(), announce=not quiet)
+    if report:  # a path nanguard may not write is refused before the block runs (OutputError)
+        report = check_output(report, "report", "report")
     w.install()
     error: Optional[BaseException] = None
     try:
@@ -527,9 +531,13 @@ def watch(report: Optional[str] = None, on_nonfinite: str = "warn",
         if error is not None and not isinstance(error, (StopRun, GeneratorExit)):
             apply_outcome(rep, block_outcome(error), step=w.monitor.steps_watched)
         w.report = rep
-        if report:
-            rep.write(report)
-        page = write_run_html(rep, report, html)
+        page = None
+        try:  # checked on entry; a path taken since (another process) costs the file, never the block
+            if report:
+                rep.write(report)
+            page = write_run_html(rep, report, html)
+        except OSError as e:
+            warnings.warn(f"nanguard: could not write the report: {e}", RuntimeWarning, stacklevel=3)
         if not quiet:
             if rep.events or rep.script_error:
                 render(rep, report)
