@@ -3,14 +3,12 @@ terminal panel, the summary and one-line status, the recovery lines, the JSON an
 Evidence section (labels, units, meanings, the raw dump folded); plot legends that say what happened;
 the division words of a diagnosis that follow the op's own output counts.
 
-Synthetic reports only (no framework): ``text_problems`` is also what tests/torch/test_scenario_text.py
-checks over the reports of real scenario runs.
+Synthetic reports only (no framework); tests/torch/test_scenario_text.py runs the same checks
+(tests/textcheck.py) over the reports of real scenario runs.
 """
 from __future__ import annotations
 
-import io
 import json
-import re
 
 import pytest
 
@@ -21,53 +19,9 @@ from nanguard.core.recovery.records import actions_tally, notice
 from nanguard.core.render.html import render_html
 from nanguard.core.render.html_evidence import EVIDENCE, deciding_rows
 from nanguard.core.render.plots import mark_label
-from nanguard.core.render.terminal import panel_title, render, summary_line
+from nanguard.core.render.terminal import panel_title, summary_line
 from nanguard.core.text import counted_list, listed, plural, strip_ansi
-
-# "1 steps", "1 rows", "1 recoveries", "1 passes": a count of one with a plural noun
-_ONE_PLURAL = re.compile(r"(?<![\d.,])1 (?:steps|rows|events|recoveries|warnings|elements|passes|backward passes|"
-                         r"inputs|zeros|samples|batches|snapshots|modules|parameters|keys|more events)\b")
-_EMPTY_LIST = re.compile(r"\[\s*\]")
-
-
-def text_problems(text: str, where: str, prose: bool = True) -> list:
-    """Every reading problem in ``text``: a singular count with a plural noun, an empty ``[]`` (``prose``:
-    not in the JSON, whose lists may be empty), a terminal escape code."""
-    out = []
-    for rx, what in ((_ONE_PLURAL, "plural after 1"), (_EMPTY_LIST, "empty list")):
-        if not prose:
-            break
-        for m in rx.finditer(text):
-            out.append(f"{where}: {what}: ...{text[max(0, m.start() - 60):m.end() + 20]!r}...")
-    if "\x1b" in text or "\x9b" in text:
-        i = text.find("\x1b")
-        out.append(f"{where}: terminal escape code: {text[max(0, i - 40):i + 20]!r}")
-    return out
-
-
-def _html_prose(page: str) -> str:
-    """The page's visible text (the SVG plots' own markup and the style block left out)."""
-    page = re.sub(r"<style>.*?</style>", " ", page, flags=re.S)
-    page = re.sub(r"<svg\b.*?</svg>", lambda m: " ".join(re.findall(r">([^<>]+)<", m.group(0))), page, flags=re.S)
-    return re.sub(r"<[^>]+>", " ", page)
-
-
-def rendered_texts(report: Report) -> dict:
-    """The terminal panel, the summary line, each event's one-line status, the JSON and the HTML text."""
-    from rich.console import Console
-    buf = io.StringIO()
-    render(report, "r.json", console=Console(file=buf, width=100, color_system=None, highlight=False))
-    out = {"panel": buf.getvalue(), "summary": summary_line(report),
-           "json": json.dumps(report.as_dict()), "html": _html_prose(render_html(report.as_dict()))}
-    for i, ev in enumerate(report.events):
-        out[f"one_line[{i}]"] = one_line(ev)
-        out[f"summary[{i}]"] = str((ev.cause or {}).get("summary") or "") + "\n" + "\n".join(map(str, ev.fixes))
-    return out
-
-
-def all_problems(report: Report) -> list:
-    return [p for where, text in rendered_texts(report).items() for p in text_problems(text, where, where != "json")]
-
+from textcheck import all_problems, rendered_texts
 
 # --------------------------------------------------------------------------- the helpers
 
@@ -122,8 +76,9 @@ def _reports() -> dict:
                                                      "lr": [0.5]}})],
                   steps_watched=8, max_grad_norm=3.0,
                   history=[{"step": i, "loss": 2.0 ** i, "grad_norm": 1.0} for i in range(8)])
-    rec = _event(step=2, phase="forward", recovery={"action": "skip_step", "ok": True, "actions": {"skip_step": {}},
-                                                    "recovery_number": 1})
+    rec = _event(step=2, phase="forward", recovery={
+        "action": "upcast+skip_step", "ok": True, "recovery_number": 1,
+        "actions": {"skip_step": {}, "upcast": {"module": "", "downstream": [], "dtype_before": ["float16"]}}})
     recovered = Report(events=[rec], steps_watched=5, max_grad_norm=1.0,
                        history=[{"step": i, "loss": 1.0, "grad_norm": 1.0} for i in range(5)])
     err = Report(steps_watched=1, script_error={

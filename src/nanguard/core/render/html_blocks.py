@@ -58,12 +58,18 @@ def value_html(v: Any, depth: int = 0) -> str:
 
 
 def inline_html(v: Any) -> str:
-    """A small dict or list on one line: ``key value, key value``."""
+    """A small dict or list on one line: ``key value; key value``, a list's items joined by commas
+    (no brackets); empty values (``[]``, ``{}``, ``""``, None) are left out of the line."""
     if isinstance(v, dict):
-        return ", ".join(f'<span class="muted">{e(k)}</span> {inline_html(x)}' for k, x in v.items())
+        return "; ".join(f'<span class="muted">{e(k)}</span> {inline_html(x)}' for k, x in v.items()
+                         if not _empty(x))
     if isinstance(v, list):
-        return "[" + ", ".join(inline_html(x) for x in v[:12]) + (", …" if len(v) > 12 else "") + "]"
+        return ", ".join(inline_html(x) for x in v[:12] if not _empty(x)) + (", …" if len(v) > 12 else "")
     return value_html(v, 4)
+
+
+def _empty(v: Any) -> bool:
+    return v is None or (isinstance(v, (list, dict, str)) and not v)
 
 
 def shape_text(shape: Any) -> str:
