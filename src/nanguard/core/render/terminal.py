@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import linecache
 import math
+import os
 import sys
 from typing import Optional
 
@@ -17,11 +18,18 @@ def _console():
 
 
 def print_line(msg: str) -> None:
-    """One short status line on stderr (never stdout: the user's script owns it)."""
+    """One short status line on stderr (never stdout: the user's script owns it). Written without rich
+    (start-up: a run that prints only its status lines never imports it); "nanguard" in bold cyan on
+    a colour terminal (not with NO_COLOR or TERM=dumb), plain text otherwise."""
+    text = strip_ansi(str(msg))
     try:
-        _console().print(f"[bold cyan]nanguard[/]: {_escape(msg)}", soft_wrap=True)
+        err = sys.stderr
+        colour = (hasattr(err, "isatty") and err.isatty() and not os.environ.get("NO_COLOR")
+                  and os.environ.get("TERM") != "dumb")
+        err.write(("\x1b[1;36mnanguard\x1b[0m" if colour else "nanguard") + f": {text}\n")
+        err.flush()
     except Exception:
-        print(f"nanguard: {msg}", file=sys.stderr)
+        pass
 
 
 def _escape(s: str) -> str:
@@ -46,13 +54,16 @@ def render(report: Report, json_path: Optional[str] = None, console=None) -> Non
 
 
 def _render(report: Report, json_path: Optional[str], console=None) -> None:
+    ev = next((e for e in report.events if e.recovery is None), report.first)
+    if ev is None and not report.script_error and console is None:
+        print_line(summary_line(report))  # a clean run: one line, no rich
+        return
     from rich.panel import Panel
     from rich.syntax import Syntax
     from rich.table import Table
     from rich.console import Group
 
     con = console or _console()
-    ev = next((e for e in report.events if e.recovery is None), report.first)
     if ev is None:
         if report.script_error:
             con.print(_error_panel(report.script_error))
