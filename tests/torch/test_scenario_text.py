@@ -18,6 +18,8 @@ import pytest
 from nanguard.core.events import Report
 from textcheck import all_problems, text_problems
 
+pytestmark = pytest.mark.e2e  # each test runs `nanguard run` on a whole script in a subprocess
+
 SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
 # a masked softmax (batch rows in the summary), a loss divided by an empty count, an early warning,
 # an outlier batch recovered (recovery lines, quarantined rows), an fp16 overflow
