@@ -4,7 +4,7 @@ report (the same ``nanguard.report/1`` as the PyTorch backend, via ``nanguard.co
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from ..core.alerts import check_on_spike
 from ..core.config import GuardConfig
@@ -18,9 +18,11 @@ class RunDriver:
 
     def __init__(self, config: GuardConfig, script_abs: Optional[str] = None, args: Optional[List[str]] = None,
                  *, recover: Any = None, localize: bool = True, quiet: bool = False,
-                 raise_on_stop: bool = True, on_spike: Optional[str] = None) -> None:
+                 raise_on_stop: bool = True, on_spike: Optional[str] = None,
+                 observers: Sequence[Any] = ()) -> None:
         """``on_spike``: what an early warning does (:mod:`.spikes`): ``"warn"``, ``"skip"`` or
-        ``"rollback"``; None: ``"rollback"`` with ``recover``, else ``"warn"``."""
+        ``"rollback"``; None: ``"rollback"`` with ``recover``, else ``"warn"``. ``observers``:
+        :class:`.observer.TFObserver` hooks on the watcher's steps."""
         from .spikes import TFSpikes
         from .watch import TFWatcher
         self.config = config
@@ -29,8 +31,6 @@ class RunDriver:
         self.localize = localize
         self.quiet = quiet
         self.on_spike = check_on_spike(on_spike or ("rollback" if recover else "warn"))
-        self.watcher = TFWatcher(config, raise_on_stop=raise_on_stop,
-                                 spikes=TFSpikes(self.on_spike, quiet, context=self.context))
         self.captures: Dict[int, Any] = {}  # step -> StepCapture (in-process replay of a failing step)
         self.loc_runs: Dict[int, Dict[str, Any]] = {}
         self.policy = None
@@ -47,14 +47,12 @@ class RunDriver:
                 from ..core.render.terminal import print_line
                 print_line(f"{e}: detection only")
                 self.recover_unavailable = str(e)
-            else:
-                self.watcher.policy = self.policy
         elif self.on_spike != "warn":  # snapshots for the early warnings' skip/rollback; failures as on_nonfinite says
             from .recover import TFRecovery
-            self.policy = self.watcher.policy = TFRecovery.for_spikes(quiet=quiet)
-        if localize:
-            self.watcher.capture_enabled = True
-            self.watcher.on_failure_capture = self._on_capture
+            self.policy = TFRecovery.for_spikes(quiet=quiet)
+        self.watcher = TFWatcher(config, raise_on_stop=raise_on_stop,
+                                 spikes=TFSpikes(self.on_spike, quiet, context=self.context), policy=self.policy,
+                                 capture=self._on_capture if localize else None, observers=observers)
         self.t0 = time.time()
 
     # ------------------------------------------------------------------ lifecycle
@@ -135,7 +133,7 @@ class RunDriver:
         return assemble_report(RunFacts(
             counting="optimizer", steps_watched=w.steps_watched, max_grad_norm=h.max_grad_norm if len(h) else None,
             history=h.as_dicts(), info=info_rows(w.info), events=events,
-            warnings=list(getattr(w, "warning_events", None) or []), extra=extra,
+            warnings=list(w.warning_events), extra=extra,
             dropped_events=w.dropped_events, disabled=disabled_note(w)))
 
 

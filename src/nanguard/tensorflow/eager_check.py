@@ -31,7 +31,7 @@ def apply_eager(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
     elif w.spikes is not None and w._guarded(lambda: w.spikes.observe(w, st, D.Row(row), late=False)):
         row[D.C["guard_skipped"]] = 1.0  # an early warning dropped this update (on_spike skip/rollback)
     if (ok and row[D.C["guard_skipped"]] < 0.5) or (not ok and not w.skip_bad):
-        obs = w.observer
+        obs = w.observers.recorder
         if obs is not None:
             obs.set_stage("optimizer")
         try:
@@ -42,8 +42,7 @@ def apply_eager(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
     if ok:
         w._guarded(lambda: _post(st, opt, row, tvars))
     w._snap_due = True
-    if w.on_update_done is not None:
-        w.on_update_done(st.attempts - st.offset)
+    w.observers.update_done(w, st.attempts - st.offset)
     return None
 
 

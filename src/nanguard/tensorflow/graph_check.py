@@ -124,7 +124,7 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
                 st.gbad.assign(tf.stack([tf.constant(0.0, tf.float64) if g is None else
                                          D.f64(tf.logical_not(D.all_finite(D.float_tensors([g])))) for g in grads]))
             ok = _ok(loss_ok, d_ok, pre_ok, grads_ok, lso)
-            if w.capture_enabled and p.batch is not None:
+            if w.capture is not None and p.batch is not None:
                 _build_capture(st, ok, step, p)
             active = st.active.read_value()
             st.halt.assign(tf.logical_or(halted, tf.logical_and(tf.logical_not(ok),
@@ -187,13 +187,13 @@ def _build_capture(st: OptState, ok: tf.Tensor, step: tf.Tensor, p: Pending) -> 
 
     def capture(step_t, *vals):
         w = active()  # the watcher installed when the step runs (not necessarily the tracing one)
-        if w is None or w.on_failure_capture is None or not w._claim(st, ran=True):
+        if w is None or w.capture is None or not w._claim(st, ran=True):
             return tf.constant(0)
         try:  # never raise inside the graph: the step would fail
             n = len(flat)
             batch = [np.array(v.numpy()) for v in vals[:n]]
             seed_vals = [np.array(v.numpy()) for v in vals[n:]]
-            w.on_failure_capture({"step": int(step_t.numpy()) - st.offset, "optimizer": st.opt_ref(),
+            w.capture({"step": int(step_t.numpy()) - st.offset, "optimizer": st.opt_ref(),
                                   "batch_flat": batch, "batch_structure": struct,
                                   "seeds": list(zip(gens, seed_vals))})
         except Exception as e:

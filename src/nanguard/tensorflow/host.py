@@ -46,8 +46,7 @@ class HostReader:
                     continue  # an earlier watcher's that did not run here, or an unknown one
                 w._guarded(lambda st=st: self.read_stash(st))
             w._snap_due = True
-            if w.on_update_done is not None:
-                w.on_update_done(w.steps_watched)
+            w.observers.update_done(w, w.steps_watched)
         self.raise_if_stopped()
 
     def read_stash(self, st: OptState) -> None:
@@ -84,8 +83,7 @@ class HostReader:
             self.handle(det, st)
         elif raw and w.spikes is not None:  # a traced step, read after its update ran (eager: .eager_check)
             w._guarded(lambda: w.spikes.observe(w, st, row, late=True))
-        if w.on_step_end is not None:
-            w.on_step_end(step)
+        w.observers.step_end(w, step)
 
     def detail(self, det: Detection, st: OptState, row: D.Row) -> None:
         """Slow path (a failure only): which variables / gradients are non-finite, by ``.path``."""
@@ -119,8 +117,7 @@ class HostReader:
             return
         if det.phase == "eval":   # an evaluation output: reported, never recovered from nor stopped at
             w.detections.append(det)
-            if w.on_detection is not None:
-                w.on_detection(det, st)
+            w.observers.detection(w, det, st)
             return
         if w.recovering:
             if w._guarded(lambda: w.policy.handle(w, det, st)):
@@ -129,8 +126,7 @@ class HostReader:
             self.request_stop(det)
             return
         w.detections.append(det)
-        if w.on_detection is not None:
-            w.on_detection(det, st)
+        w.observers.detection(w, det, st)
         if w.config.on_nonfinite == "stop":
             self.request_stop(det)
 

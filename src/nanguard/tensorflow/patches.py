@@ -56,7 +56,7 @@ def install(w: Any) -> List[Callable[[], None]]:
 
     def gradient(tape, target, sources, *a, **k):
         w._guarded(lambda: w._on_target(target))
-        hooks = w.replay_hooks or w.observer
+        hooks = w.replay_hooks or w.observers.recorder
         if hooks is not None:
             hooks.set_stage("backward")
         out = orig["gradient"](tape, target, sources, *a, **k)
@@ -74,7 +74,7 @@ def install(w: Any) -> List[Callable[[], None]]:
             out = orig["layer_call"](layer, *args, **kwargs)
         finally:
             tl_set("layer_depth", 0)
-        if tf.executing_eagerly() and w.replay_hooks is None and w.observer is None:
+        if tf.executing_eagerly() and w.replay_hooks is None and w.observers.recorder is None:
             w._guarded(lambda: w._on_eval_output(layer, out))
         return out
 

@@ -109,11 +109,11 @@ def _child_main(argv: List[str]) -> int:
 
     from ..core.config import GuardConfig
     from .capture import StepCapture, variables_of
+    from .observer import TFObserver
     from .watch import TFWatcher
 
     config = GuardConfig(on_nonfinite="warn", **{k: v for k, v in cfg.items() if k in (
         "min_loss_scale", "max_consecutive_skips", "warmup_loss_scale")})
-    watcher = TFWatcher(config, raise_on_stop=False)
     state: Dict[str, Any] = {"rec": None, "t_arm": None}
     make = recorder_factory()
 
@@ -152,28 +152,34 @@ def _child_main(argv: List[str]) -> int:
             tf.config.run_functions_eagerly(True)  # step N's ops run one by one under the recorder
             rec.set_stage("forward")
             rec.start()
-            watcher.observer = rec
             state["rec"], state["t_arm"] = rec, time.time()
         except Exception as e:
             dump({"reproduced": None, "error": f"could not arm the recorder: {type(e).__name__}: {e}"})
 
-    def on_update_done(next_step: int) -> None:
-        if next_step == N and state["rec"] is None:
-            arm()
-        elif next_step > N + 1 and state["rec"] is not None:
-            dump({"reproduced": False, "reason": f"step {N} ran again without a non-finite value"})
+    class Child(TFObserver):
+        """The re-run child: arms the recorder at step N, writes what it found."""
 
-    def on_detection(det, st) -> None:
-        if det.phase == "eval":
-            return   # an evaluation output: not a training step
-        if det.step == N:
-            dump({"reproduced": True, "detection": {"step": det.step, "phase": det.phase,
-                                                    "detected": det.detected}})
-        elif det.step < N:
-            dump({"reproduced": False, "reason": f"the re-run failed earlier, at step {det.step} ({det.phase})"})
+        @property
+        def recorder(self) -> Any:  # type: ignore[override]
+            return state["rec"]
 
-    watcher.on_update_done = on_update_done
-    watcher.on_detection = on_detection
+        def update_done(self, w: Any, next_step: int) -> None:
+            if next_step == N and state["rec"] is None:
+                arm()
+            elif next_step > N + 1 and state["rec"] is not None:
+                dump({"reproduced": False, "reason": f"step {N} ran again without a non-finite value"})
+
+        def detection(self, w: Any, det: Any, st: Any) -> None:
+            if det.phase == "eval":
+                return   # an evaluation output: not a training step
+            if det.step == N:
+                dump({"reproduced": True, "detection": {"step": det.step, "phase": det.phase,
+                                                        "detected": det.detected}})
+            elif det.step < N:
+                dump({"reproduced": False,
+                      "reason": f"the re-run failed earlier, at step {det.step} ({det.phase})"})
+
+    watcher = TFWatcher(config, raise_on_stop=False, observers=[Child()])
     sys.argv = [script] + list(args)
     sys.path.insert(0, os.path.dirname(script))
     watcher.install()

@@ -15,7 +15,7 @@ import importlib.abc
 import os
 import sys
 import time
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from ..core.config import GuardConfig
 from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
@@ -24,6 +24,7 @@ from ..core.render.html import html_target, write_run_html
 from ..core.reportsink import interim_report, open_run_report
 from ..core.render.terminal import print_line
 from ..core.script import apply_late_signal, apply_outcome, pending_signal, restore_signals, run_as_main
+from .observer import TFObserver
 
 _TF_MODULES = ("tensorflow", "keras")
 
@@ -102,10 +103,8 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
     def install() -> None:
         from .driver import RunDriver
         drv = RunDriver(config, script_abs, list(args), recover=recover, localize=localize, quiet=quiet,
-                        on_spike=on_spike)
+                        on_spike=on_spike, observers=[_RunningReport(sink)] if sink.active else [])
         state["driver"] = drv
-        if sink.active:  # the report on disk follows the run: rewritten after a step that recorded an event
-            _keep_current(sink, drv)
         drv.install()
 
     if not quiet:
@@ -169,18 +168,19 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
     return code
 
 
-def _keep_current(sink, drv) -> None:
-    w = drv.watcher
+class _RunningReport(TFObserver):
+    """The report on disk follows the run: rewritten after a step that recorded an event."""
 
-    def current(*_) -> None:
-        events = drv.policy.events if drv.policy is not None else []
-        warnings = list(getattr(w, "warning_events", None) or [])
-        sink.poll(len(w.detections) + len(events) + len(warnings), lambda: interim_report(
+    def __init__(self, sink: Any) -> None:
+        self.sink = sink
+
+    def step_end(self, w: Any, step: int) -> None:
+        events = w.policy.events if w.policy is not None else []
+        warnings = list(w.warning_events)
+        self.sink.poll(len(w.detections) + len(events) + len(warnings), lambda: interim_report(
             detections=w.detections, events=events, warnings=warnings, history=w.history.as_dicts(),
             steps_watched=w.steps_watched, max_grad_norm=w.history.max_grad_norm if len(w.history) else None,
             extra={"framework": "tensorflow"}))
-    prev = w.on_step_end
-    w.on_step_end = current if prev is None else (lambda *a: (prev(*a), current()))
 
 
 def _is_stop(e: BaseException) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -31,6 +31,7 @@ from .eager_check import apply_eager
 from .graph_check import apply_graph
 from .host import HostReader
 from .locate.naming import install_construction_hook
+from .observer import TFObserver, TFObservers
 from .state import STATES, OptState, Pending, StopRun, active, create_lifted, graph_key, set_active, tl_get, tl_set
 
 __all__ = ["TFWatcher", "StopRun", "OptState", "active"]
@@ -40,13 +41,18 @@ class TFWatcher:
     """Global TensorFlow/Keras hooks driving the per-step check; one installed at a time."""
 
     def __init__(self, config: Optional[GuardConfig] = None, *, raise_on_stop: bool = True,
-                 spikes: Any = None) -> None:
+                 spikes: Any = None, policy: Any = None,
+                 capture: Optional[Callable[[Dict[str, Any]], None]] = None,
+                 observers: Sequence[TFObserver] = ()) -> None:
+        """``spikes``: the early warning (:class:`.spikes.TFSpikes`) or None; ``policy``: recovery
+        (:class:`.recover.TFRecovery`) or None; ``capture``: called with each failing ``fit`` step's
+        in-graph capture (None: no capture is built); ``observers``: named hooks on the steps."""
         self.config = config or GuardConfig()
         self.history = StepHistory(self.config.history_size)
         self.decider = D.StepDecider(self.config, self.history)
         self.host = HostReader(self)
         self.raise_on_stop = raise_on_stop   # nanguard run: StopRun; the Keras callback: stop_training
-        self.policy: Any = None              # recovery (set before install)
+        self.policy: Any = policy            # recovery
         self.spikes = spikes                 # early warning (.spikes.TFSpikes) or None
         self.finishing = False               # finish(): reading what is left after the run
         self.detections: List[Detection] = []
@@ -69,15 +75,10 @@ class TFWatcher:
         self._installed = False
         self._class_apply: Dict[type, Callable] = {}
         self._uninstallers: List[Callable[[], None]] = []
-        # Observers (replay child, recovery, capture).
-        self.on_detection: Optional[Callable[[Detection, OptState], None]] = None
-        self.on_step_end: Optional[Callable[[int], None]] = None      # host: after step N was decided
-        self.on_failure_capture: Optional[Callable[[Dict[str, Any]], None]] = None
-        self.capture_enabled = False  # build the in-graph capture of failing fit steps
+        self.observers = TFObservers(observers)
+        self.capture = capture        # the in-graph capture of failing fit steps (None: not built)
         self.capture_error: Optional[str] = None
         self.replay_hooks: Any = None  # set while a captured step is replayed (see .capture)
-        self.observer: Any = None      # a recorder watching live steps (the re-run child), see .replay
-        self.on_update_done: Optional[Callable[[int], None]] = None  # host: N updates attempted so far
 
     @property
     def recovering(self) -> bool:
@@ -184,7 +185,7 @@ class TFWatcher:
 
     def _on_target(self, target: Any) -> None:
         p = self._pend()
-        hooks = self.replay_hooks or self.observer
+        hooks = self.replay_hooks or self.observers.recorder
         for t in tf.nest.flatten(target):
             if t is None or not isinstance(t, (tf.Tensor, tf.Variable)):
                 continue
@@ -237,7 +238,7 @@ class TFWatcher:
 
     def _on_seed(self, gen: Any) -> None:
         """The state of a Keras SeedGenerator before its first draw of this step (no read: a tensor)."""
-        if not self.capture_enabled or self.replay_hooks is not None or tf.executing_eagerly():
+        if self.capture is None or self.replay_hooks is not None or tf.executing_eagerly():
             return
         p = self._pend()
         if id(gen) not in p.seeds:
