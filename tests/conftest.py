@@ -9,6 +9,21 @@ import sys
 import pytest
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """``--dist loadgroup`` (pyproject.toml) with ``-n N``: tests marked ``xdist_group(NAME)`` run on one worker.
+    pytest-xdist 3.8 tags them by renaming ``item._nodeid``, which pytest 9.2 no longer reads (the node id
+    is ``item._id``): the tag is set through ``_id`` here where xdist's rename did not take."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    from _pytest.nodeid import coerce_node_id
+    for item in items:
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                 for m in item.iter_markers("xdist_group")}
+        if names and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(sorted(names))}")
+
+
 @pytest.fixture(autouse=True)
 def _in_tmp_dir(tmp_path, monkeypatch):
     """Default report/bundle paths are relative to the working directory: keep them in tmp."""
