@@ -21,8 +21,8 @@ from torch import nn
 
 import nanguard
 from nanguard.core.experiments import ExperimentConfig, Spec
-from nanguard.pytorch.counterfactual import GuardStep, TorchBench
-from nanguard.pytorch.counterfactual.samples import batch_size_of, bisect_rows, select_rows
+from nanguard.pytorch.experiments import GuardStep, TorchBench
+from nanguard.pytorch.experiments.samples import batch_size_of, bisect_rows, select_rows
 from nanguard.pytorch.recover.snapshot import Snapshot
 from nanguard.pytorch.rng import capture_rng
 

@@ -91,7 +91,7 @@ def test_log_of_saturated_sigmoid_is_log_domain():
     o = res["origin"]
     assert o["op"] == "aten.log.default" and o["api"] == "torch.log" and o["stage"] == "forward"
     assert res["facts"]["log_domain"]["zeros"] == 8
-    assert res["facts"]["float64_rerun"]["finite"] is False
+    assert res["facts"]["float64_check"]["finite"] is False
     d = check(res, phase="forward", tag="bce", category="log_domain", history=calm_history())
     assert any("binary_cross_entropy_with_logits" in f for f in d["fixes"])
     assert "test_locate.py:%d" % line_of("bce") in d["summary"]
@@ -375,7 +375,7 @@ def test_handwritten_softmax_exp_overflow():
     res = armed_step(fc, opt, fwd)
     assert res["origin"]["op"] == "aten.exp.default"
     assert res["facts"]["exp_input_max"] > res["facts"]["overflow_threshold"]
-    assert res["facts"]["float64_rerun"]["finite"] is True
+    assert res["facts"]["float64_check"]["finite"] is True
     check(res, phase="forward", tag="exp", category="exp_overflow", history=calm_history())
 
 
@@ -395,7 +395,7 @@ def test_float16_linear_overflow_names_module():
     res = armed_step(model, opt, fwd)
     o = res["origin"]
     assert o["module"] == "2" and o["dtype"] == "float16" and o["module_type"] == "Linear"
-    assert res["facts"]["float32_rerun"]["direct_finite"] is True
+    assert res["facts"]["float32_check"]["direct_finite"] is True
     d = check(res, phase="forward", tag="fp16", category="low_precision_overflow")
     assert "'2'" in d["summary"]
 
@@ -417,7 +417,7 @@ def test_float16_eps_underflow():
     res = armed_step(fc, opt, fwd)
     eps = res["facts"]["eps_constants"]
     assert eps and eps[0]["rounds_to_zero"] is True and eps[0]["dtype"] == "float16"
-    assert res["facts"]["float32_rerun"]["chain_finite"] is True
+    assert res["facts"]["float32_check"]["chain_finite"] is True
     check(res, phase="forward", tag="eps16", category="low_precision_underflow")
 
 
@@ -434,7 +434,7 @@ def test_float32_log_of_rounded_probability_is_not_low_precision():
         return -torch.log(1 - p).mean()  # ORIGIN:f32eps
 
     res = armed_step(fc, opt, fwd)
-    assert res["origin"]["dtype"] == "float32" and "float32_rerun" not in res["facts"]
+    assert res["origin"]["dtype"] == "float32" and "float32_check" not in res["facts"]
     check(res, phase="forward", tag="f32eps", category="log_domain")
 
 

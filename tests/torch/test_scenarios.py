@@ -27,6 +27,8 @@ import pytest
 
 from ngtest import run_scenario
 
+pytestmark = pytest.mark.e2e  # each test runs `nanguard run` on a whole script in a subprocess
+
 HERE = pathlib.Path(__file__).resolve().parents[1] / "scenarios"
 CASES = sorted(HERE.glob("*.json"))
 THREADS = os.environ.get("NANGUARD_TEST_THREADS", "2")

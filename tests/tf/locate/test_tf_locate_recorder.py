@@ -117,7 +117,7 @@ def test_builtin_layer_inside_a_custom_layer_is_named_by_its_construction_line()
     o = loc["origin"]
     assert o["tf_op"] == "MatMul" and o["layer"] == "proj" and o["layer_stack"][-2:] == ["big_projection", "proj"]
     assert o["line"] == L("# <inner-ctor>") and o["line_source"] == "constructor"
-    assert loc["facts"]["float64_rerun"]["finite"] and loc["facts"]["overflow"]["dtype_max"] > 3e38
+    assert loc["facts"]["float64_check"]["finite"] and loc["facts"]["overflow"]["dtype_max"] > 3e38
 
 
 def _train(model, opt, x, y):
