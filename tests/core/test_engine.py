@@ -7,7 +7,6 @@ folding of recurrences, the early warnings, and the status.
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
@@ -74,10 +73,6 @@ def _run(backend: FakeBackend, dets: list, *, localized_steps=(), policy_events=
     return assemble_report(RunFacts(steps_watched=12, history=CALM, events=events, warnings=list(warnings),
                                     info=info_rows([Detection(1, "optimizer", {"scaler_skip": True},
                                                               info_only=True)])))
-
-
-def test_no_framework_is_imported():
-    assert "torch" not in sys.modules and "tensorflow" not in sys.modules
 
 
 def test_first_failure_is_diagnosed_and_later_ones_are_consequences_recurrences_or_new():

@@ -20,6 +20,7 @@ loss outside the model are not in it).
 """
 from __future__ import annotations
 
+import copy
 import os
 import platform
 import random
@@ -88,11 +89,24 @@ class Bundle:
             _check_scaler_state(self.scaler_state)
         if rng:
             _check_rng(self.rng)
-        model.load_state_dict(state)
-        for o, st in zip(opts, self.optimizer_states):
-            o.load_state_dict(st)
-        if use_scaler:
-            scaler.load_state_dict(self.scaler_state)
+        # what the checks cannot know (an optimizer class's own required keys) fails inside its
+        # load_state_dict: the load is all or nothing, the state before it put back on any error
+        before = ({k: v.detach().clone() for k, v in model.state_dict().items()},
+                  [copy.deepcopy(o.state_dict()) for o in opts],
+                  copy.deepcopy(scaler.state_dict()) if use_scaler else None)
+        try:
+            model.load_state_dict(state)
+            for o, st in zip(opts, self.optimizer_states):
+                o.load_state_dict(st)
+            if use_scaler:
+                scaler.load_state_dict(self.scaler_state)
+        except Exception as e:
+            model.load_state_dict(before[0])
+            for o, st in zip(opts, before[1]):
+                o.load_state_dict(st)
+            if use_scaler:
+                scaler.load_state_dict(before[2])
+            raise BundleError(f"the bundle does not load into these objects: {type(e).__name__}: {e}"[:300]) from None
         if rng:
             self.restore_rng()
 

@@ -80,10 +80,10 @@ class ClosureSteps:
         """A failure inside the closure: handled as in any step; raises on stop, or drops the update."""
         g = self.g
         g._fail_seconds = time.perf_counter() - g._step_start
-        action = g.failures.handle(det, batches, loss_fn, rng, g._step_indices)
-        if action == "skip":  # recovered: the update is dropped (the steps are ended already)
+        outcome = g.failures.handle(det, batches, loss_fn, rng, g._step_indices)
+        if outcome == "skip":  # recovered: the update is dropped (the steps are ended already)
             raise _Dropped()
-        if action == "apply":  # the optimizer cannot take a re-made gradient inside its own step: dropped
+        if outcome == "apply":  # the optimizer cannot take a re-made gradient inside its own step: dropped
             self.drop_update()
 
     def drop_update(self) -> None:

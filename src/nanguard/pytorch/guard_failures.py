@@ -79,7 +79,7 @@ class FailureHandler:
         event = g._safe(lambda: self.explain(det, loc_run))  # every rank gets the origin rank's diagnosis
         if event is None:
             event = Event(step=det.step, phase=det.phase, detected=det.detected, rank=det.rank)
-        elif step is not None and event.recurrence_of is None:
+        elif step is not None:  # a recurrence too: recovery acts only on what a replay verified
             g._safe(lambda: self.experiment(event, det, loc_run, step, prior or []))
         if g.policy is not None:
             decision = g.policy.decide(g, event)
