@@ -13,7 +13,6 @@ from typing import Any, Optional
 
 from ..core.events import Detection
 from ..core.experiments import ExperimentConfig
-from ..core.pipeline import build_event
 from .recover.loose import LooseTensors
 
 
@@ -38,14 +37,12 @@ class WatcherRecovery:
         if replay is None:
             return
         from .experiments import investigate_zero_code
-        from .zerocode import run_context
         hist = [h for h in w.monitor.history.raw_dicts() if h["step"] < det.step]
-        ctx = run_context(w)
         if event is None:
-            event = build_event(det, loc, hist, ctx)
+            event = w.pipeline.diagnose(det, hist, loc)
 
         def rediagnose(excluded):
-            ev = build_event(det, loc, hist, dict(ctx, exclude_categories=list(excluded)))
+            ev = w.pipeline.diagnose(det, hist, loc, excluded)
             return ev.cause, ev.fixes
 
         investigate_zero_code(event, replay, roots=list(w.monitor.roots), optimizers=w.optimizers(),

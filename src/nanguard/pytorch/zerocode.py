@@ -30,7 +30,6 @@ import torch
 from ..core.events import Detection, Report, one_line
 from ..core.guarded import disabled_note
 from ..core.engine import FailurePipeline, Ports, RunFacts, assemble_report, info_rows
-from ..core.pipeline import build_event
 from ..core.render.terminal import print_line
 from ..core.script import Terminated
 from .bundle import save_bundle
@@ -247,7 +246,7 @@ def announce(watcher: Any, det: Detection) -> None:
     if any((d.phase == "eval") == kind for d in watcher.detections if d is not det):
         return  # later failures are summed up at the end
     hist = [h for h in watcher.monitor.history.raw_dicts() if h["step"] < det.step]
-    ev = build_event(det, watcher.loc_runs.get(id(det)), hist, run_context(watcher))
+    ev = watcher.pipeline.diagnose(det, hist, watcher.loc_runs.get(id(det)))
     try:
         print_line(one_line(ev) + " (full report at the end)")
     except Exception:
