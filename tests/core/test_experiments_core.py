@@ -93,7 +93,7 @@ def test_verdicts(kind, params, finite, low, cat, verdict):
 # --------------------------------------------------------------------------- the investigation
 
 class ScriptedBench(Bench):
-    """Outcomes by kind; each run takes ``cost`` seconds of a 1 s step."""
+    """Outcomes by kind; each run takes ``cost`` replays (and seconds) of a 1 s step."""
 
     def __init__(self, outcomes, caps_=None, cost=1.0):
         self.outcomes, self.caps_, self.cost, self.ran = outcomes, caps_ or caps(), cost, []
@@ -108,7 +108,7 @@ class ScriptedBench(Bench):
         self.ran.append(spec.kind)
         fin = self.outcomes.get(spec.kind)
         return Experiment(spec.kind, spec.kind, params=dict(spec.params), finite=fin, seconds=self.cost,
-                          replays=1, details={"rows": spec.params.get("rows")} if spec.kind == "drop_samples" else {})
+                          replays=1, work=self.cost, details={"rows": spec.params.get("rows")} if spec.kind == "drop_samples" else {})
 
 
 def fp16_log_event():
@@ -153,7 +153,7 @@ def test_budget_stops_before_an_experiment_that_does_not_fit():
     ev = fp16_log_event()
     bench = ScriptedBench({"float64_step": False, "domain_guard": True}, caps(batch_size=4), cost=2.5)
     investigate(ev, bench, ExperimentConfig(budget_steps=3))
-    assert bench.ran == ["float64_step"]  # 2.5 s spent, the guard (1.5 steps) does not fit in 3
+    assert bench.ran == ["float64_step"]  # 2.5 replays spent, the guard (1.5) does not fit in 3
     cost = ev.cause["evidence"]["experiments_cost"]
     assert cost["not_run_for_budget"] == ["domain_guard"] and cost["step_multiple"] == 2.5
     assert "confirmed_by" not in ev.cause and ev.cause["category"] == "log_domain"

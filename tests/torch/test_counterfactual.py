@@ -151,7 +151,7 @@ def test_drop_samples_bisects_when_the_origin_rows_are_not_batch_rows(tmp_path):
 
     bench, gs = failing_bench((model, opt, loss_fn, lambda i: (x, mask)), 0)
     spec = Spec("drop_samples", {"bisect": True})
-    e = bench.run(spec, seconds_left=60.0)
+    e = bench.run(spec, replays_left=60.0)
     assert e.finite is True and e.details["rows"] == [13], e
     assert e.replays >= 3 and "sub-batch" in e.details["bisection"]
 
@@ -186,7 +186,7 @@ def test_every_single_step_experiment_restores_the_state(kind):
     before = state_of(model, opt)
     params = {"upcast_module": {"module": "block", "whole_model": False}, "drop_samples": {"rows": [1, 2]},
               "domain_guard": {"op": "log"}, "origin_input_f64": {"op": "mul"}}.get(kind, {})
-    e = bench.run(Spec(kind, params), seconds_left=60.0)
+    e = bench.run(Spec(kind, params), replays_left=60.0)
     assert e.kind == kind and e.seconds > 0
     assert_same(before, state_of(model, opt))
 
@@ -234,7 +234,7 @@ def test_origin_input_f64_shows_the_negative_variance_was_made_by_rounding_upstr
 
     bench, gs = failing_bench((model, opt, loss_fn, lambda i: (x, y)), 0)
     assert gs.run().finite is False
-    e = bench.run(Spec("origin_input_f64", {"op": "sqrt"}), seconds_left=60.0)
+    e = bench.run(Spec("origin_input_f64", {"op": "sqrt"}), replays_left=60.0)
     assert e.finite is True and e.details["calls_substituted"] == 1, e
     assert bench.run(Spec("origin_input_f64", {"op": "mul"}), 60.0).error  # two-input ops: not this experiment
 

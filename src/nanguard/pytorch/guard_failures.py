@@ -136,7 +136,7 @@ class FailureHandler:
         bench = TorchBench(step, [self.g.model], step_seconds=None)
         if not (self.g.experiments.allows("eager") and bench.compiled()):
             return []
-        return [bench.run(Spec("eager"), seconds_left=0.0)]
+        return [bench.run(Spec("eager"), replays_left=0.0)]
 
     def experiment(self, event: Event, det: Detection, loc_run, step: GuardStep, prior: list) -> None:
         """Test the diagnosed cause by counterfactual replays of the step (nanguard.core.experiments);

@@ -1,5 +1,5 @@
-"""``experiments=`` (``Guard(experiments=...)``, ``nanguard run --experiments``): on or off, the time
-budget, the allowed kinds."""
+"""``experiments=`` (``Guard(experiments=...)``, ``nanguard run --experiments``): on or off, the
+budget (in replays of one step), the allowed kinds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,9 +10,10 @@ from .kinds import KINDS
 
 @dataclass(frozen=True)
 class ExperimentConfig:
-    """``budget_steps``: the time the experiments may add at a failure, in training steps (the
-    investigation stops before an experiment whose estimated cost would pass it); ``max_seconds``:
-    an absolute cap; ``kinds``: the allowed kinds (None: all); ``keep_steps``: how many past steps'
+    """``budget_steps``: the work the experiments may add at a failure, in replays of one training step
+    (the investigation stops before an experiment whose planned cost would pass it; counted in work,
+    not seconds, so the outcome does not depend on the machine's load); ``max_seconds``: kept for
+    backwards compatibility (a replay's own guard; it no longer decides what runs); ``kinds``: the allowed kinds (None: all); ``keep_steps``: how many past steps'
     batches a driver keeps for history replays (``lr_replay``/``clip_replay``, with recovery only)."""
 
     enabled: bool = True
@@ -31,11 +32,9 @@ class ExperimentConfig:
     def allows(self, kind: str) -> bool:
         return self.enabled and (self.kinds is None or kind in self.kinds)
 
-    def budget_seconds(self, step_seconds: Optional[float]) -> float:
-        """The time budget at a failure: ``budget_steps`` training steps (capped at ``max_seconds``)."""
-        if not step_seconds or step_seconds <= 0:
-            return min(self.max_seconds, 1.0)
-        return min(self.max_seconds, self.budget_steps * step_seconds)
+    def budget_replays(self) -> float:
+        """The budget at a failure, in replays of one step (the planner's ``Spec.cost`` unit)."""
+        return float(self.budget_steps)
 
     @classmethod
     def from_spec(cls, spec: Any) -> "ExperimentConfig":

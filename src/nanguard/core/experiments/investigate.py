@@ -1,5 +1,6 @@
-"""The investigation of one diagnosed failure: experiments cheapest first, within a time budget,
-stopping at the first that confirms or refutes the leading cause; a refuted cause is dropped and
+"""The investigation of one diagnosed failure: experiments cheapest first, within a budget counted in
+work (replays of one step, never seconds: the same failure gets the same experiments, and so the same
+cause, however loaded or slow the machine is), stopping at the first that confirms or refutes the leading cause; a refuted cause is dropped and
 the next candidate (the cause the experiment proves, or the diagnosis re-run without the refuted
 categories) is tested in turn.
 
@@ -7,7 +8,8 @@ The backend supplies a :class:`Bench` (its replayable step, able to run a :class
 is updated in place:
 
 * ``cause.evidence.experiments``: every experiment (what was changed, finite or not, seconds);
-* ``cause.evidence.experiments_cost``: total seconds, one training step's seconds, their ratio, the budget;
+* ``cause.evidence.experiments_cost``: the replays spent and the budget in replays (what decides which
+  experiments run), total seconds, one training step's seconds and their ratio (for information);
 * ``cause.confirmed_by``: the experiment whose change made the step finite, when one confirmed it;
 * ``cause.ruled_out``: the categories experiments refuted, and how;
 * ``cause.confidence``: calibrated from the outcome (:mod:`.verdict`).
@@ -36,13 +38,15 @@ class Bench(abc.ABC):
         """What it can do (see :class:`~nanguard.core.experiments.planner.Situation`'s ``caps``)."""
 
     @abc.abstractmethod
-    def run(self, spec: Spec, seconds_left: float) -> Experiment:
+    def run(self, spec: Spec, replays_left: float) -> Experiment:
         """Run one experiment (never raises: a failure to run is ``Experiment.error``); the training
-        state, gradients, buffers and RNG are as before afterwards."""
+        state, gradients, buffers and RNG are as before afterwards. ``replays_left``: the budget left, in
+        replays of one step (an experiment of many replays, a bisection, stays within it); the
+        experiment counts its replays in ``Experiment.replays``."""
 
     @abc.abstractmethod
     def step_seconds(self) -> Optional[float]:
-        """The wall time of one ordinary training step (the budget's unit), if known."""
+        """The wall time of one ordinary training step (reported beside the cost, never decides), if known."""
 
 
 # A re-diagnosis with categories excluded: returns (cause, fixes), or None.
@@ -58,7 +62,8 @@ def investigate(event: Any, bench: Bench, config: ExperimentConfig, *, rediagnos
     inv = _Investigation(event, bench, config, rediagnose, list(history), recovering)
     for e in prior:
         inv.experiments.append(e)
-        inv.spent += e.seconds
+        inv.spent += e.cost
+        inv.seconds += e.seconds
     inv.run()
     return inv.summary()
 
@@ -70,9 +75,9 @@ class _Investigation:
         self.origin = event.origin or {}
         self.caps = bench.capabilities(event.origin)
         self.step_s = bench.step_seconds()
-        self.budget = config.budget_seconds(self.step_s)
-        self.replay_s = self.step_s or None
-        self.spent = 0.0
+        self.budget = config.budget_replays()
+        self.spent = 0.0    # replays of one step: what the budget counts
+        self.seconds = 0.0  # wall time: reported, never decides
         self.experiments: List[Experiment] = []
         self.ruled_out: List[Dict[str, Any]] = []
         self.confirmed: Optional[Experiment] = None
@@ -147,17 +152,14 @@ class _Investigation:
         for e in self.experiments:
             if (e.kind, e.params) == (spec.kind, spec.params):
                 return e
-        est = spec.cost * (self.replay_s or 0.0)
-        if self.spent + est > self.budget:
+        if self.spent + spec.cost > self.budget + 1e-9:
             self.skipped.append(spec.kind)
             return None
         t0 = time.perf_counter()
         e = self.bench.run(spec, max(self.budget - self.spent, 0.0))
         e.seconds = e.seconds or (time.perf_counter() - t0)
-        self.spent += e.seconds
-        if e.replays:
-            per = e.seconds / max(e.replays, 1)
-            self.replay_s = per if self.replay_s is None else max(per, 0.5 * self.replay_s)
+        self.seconds += e.seconds
+        self.spent += e.cost
         self.experiments.append(e)
         return e
 
@@ -201,7 +203,7 @@ class _Investigation:
             return
         # The action is applied only if verified: its replay may use a second budget (the alternative
         # is to skip the step and, if it recurs, stop the run).
-        self.budget += self.config.budget_seconds(self.step_s)
+        self.budget += self.config.budget_replays()
         for spec in plan(cat, self._situation(cat)):
             if KINDS[spec.kind].verifies != action:
                 continue
@@ -216,18 +218,19 @@ class _Investigation:
                 return
 
     def _cost(self) -> Dict[str, Any]:
-        d: Dict[str, Any] = {"seconds": round(self.spent, 4), "budget_seconds": round(self.budget, 4),
-                             "budget_steps": self.config.budget_steps}
+        d: Dict[str, Any] = {"replays": round(self.spent, 3), "budget_replays": round(self.budget, 4),
+                             "budget_steps": self.config.budget_steps, "seconds": round(self.seconds, 4)}
         if self.step_s:
             d["step_seconds"] = round(self.step_s, 5)
-            d["step_multiple"] = round(self.spent / self.step_s, 2)
+            d["step_multiple"] = round(self.seconds / self.step_s, 2)
         if self.skipped:
             d["not_run_for_budget"] = sorted(set(self.skipped))
         return d
 
     def summary(self) -> Dict[str, Any]:
         return {"experiments": len(self.experiments), "confirmed_by": self.confirmed.kind if self.confirmed else None,
-                "ruled_out": [r["category"] for r in self.ruled_out], "seconds": round(self.spent, 4)}
+                "ruled_out": [r["category"] for r in self.ruled_out], "replays": round(self.spent, 3),
+                "seconds": round(self.seconds, 4)}
 
 
 def _why(cat: str, e: Experiment) -> str:

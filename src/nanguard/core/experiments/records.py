@@ -35,7 +35,9 @@ class Experiment:
 
     ``finite``: the replayed step (loss and gradients; for history replays every replayed step and
     update) was finite with the change; None when it could not run (``error``). ``change``: what was
-    changed, in words. ``seconds``: its wall time; ``replays``: how many step replays it took.
+    changed, in words. ``seconds``: its wall time; ``replays``: how many step replays it took;
+    ``work``: the same in full-step replays (a replay on half of the batch's rows counts one half;
+    0: as ``replays``), what the investigation's budget counts.
     ``details``: kind-specific findings (the rows bisection found, the snapshot a history replay
     started from, whether two replays were identical...). ``verdicts``: category -> confirms/refutes,
     filled by the core when judged."""
@@ -46,9 +48,15 @@ class Experiment:
     finite: Optional[bool] = None
     seconds: float = 0.0
     replays: int = 0
+    work: float = 0.0
     error: Optional[str] = None
     details: Dict[str, Any] = field(default_factory=dict)
     verdicts: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def cost(self) -> float:
+        """The work it took, in replays of one full step."""
+        return float(self.work) if self.work else float(self.replays)
 
     @property
     def ran(self) -> bool:
@@ -57,6 +65,8 @@ class Experiment:
     def as_dict(self) -> Dict[str, Any]:
         d: Dict[str, Any] = {"kind": self.kind, "change": self.change, "finite": self.finite,
                              "seconds": round(float(self.seconds), 4), "replays": self.replays}
+        if self.work and abs(self.work - self.replays) > 1e-9:
+            d["work"] = round(float(self.work), 3)
         if self.params:
             d["params"] = dict(self.params)
         if self.error:

@@ -21,7 +21,7 @@ _DTYPE_ERRORS = ("dtype", "scalar type", "same type", "Half", "BFloat16")
 class TorchBench(Bench):
     """Experiments on ``step`` (the failing step). ``roots``: the watched models; ``kept``: earlier
     steps by number and ``snapshots`` (objects with ``step`` and ``restore``) for history replays;
-    ``step_seconds``: one ordinary training step's wall time (the budget's unit); ``origin``: the
+    ``step_seconds``: one ordinary training step's wall time (reported with the cost); ``origin``: the
     event's origin (its source line for ``domain_guard``)."""
 
     def __init__(self, step: ReplayableStep, roots: Sequence[torch.nn.Module], *, step_seconds: Optional[float],
@@ -65,14 +65,14 @@ class TorchBench(Bench):
             hasattr(getattr(self.step, "loss_fn", None), "_torchdynamo_orig_callable")
 
     # ------------------------------------------------------------------ running one
-    def run(self, spec: Spec, seconds_left: float) -> Experiment:
+    def run(self, spec: Spec, replays_left: float) -> Experiment:
         e = Experiment(kind=spec.kind, change=describe(spec.kind, spec.params), params=dict(spec.params))
         t0 = time.perf_counter()
         try:
             runner = _RUNNERS.get(spec.kind)
             if runner is None:
                 raise ValueError(f"no PyTorch experiment of kind {spec.kind!r}")
-            runner(self, e, seconds_left)
+            runner(self, e, replays_left)
         except Exception as ex:  # never break the run for an experiment
             e.finite, e.error = None, f"{type(ex).__name__}: {str(ex)[:200]}"
         e.seconds = time.perf_counter() - t0
@@ -81,21 +81,24 @@ class TorchBench(Bench):
     def _replay(self, e: Experiment, changes: Optional[StepChanges] = None) -> Outcome:
         o = self.step.run(changes=changes)
         e.replays += 1
+        size = self.step.batch_size() if (changes is not None and changes.keep_rows is not None) else None
+        e.work += (len(changes.keep_rows) / size) if size else 1.0  # a replay on some rows: that share of one
         self.replay_s = o.seconds if self.replay_s is None else min(self.replay_s, o.seconds)
         return o
 
     def _settle(self, e: Experiment, o: Outcome) -> None:
         e.finite, e.error = o.finite, o.error
 
-    def _drop_samples(self, e: Experiment, seconds_left: float) -> None:
+    def _drop_samples(self, e: Experiment, replays_left: float) -> None:
         size = self.step.batch_size()
         if not size:
             e.error = "the batch has no row dimension"
             return
         rows = e.params.get("rows")
         if e.params.get("bisect"):
-            per = self.replay_s or self._step_s or 0.01
-            max_tests = max(2, int(seconds_left / max(per * 0.75, 1e-6)) - 1)
+            # the budget is counted in work (replays of the whole batch), never seconds: a bisection's
+            # replays run on halves, quarters... of the rows, so the budget left pays for 4x as many
+            max_tests = max(2, int(4 * replays_left) - 1)
 
             def fails(keep: List[int]) -> Optional[bool]:
                 o = self._replay(e, StepChanges(keep_rows=keep))
@@ -114,7 +117,7 @@ class TorchBench(Bench):
             e.details["dataset_indices"] = idx
         e.change = describe("drop_samples", {"rows": list(rows)})
 
-    def _upcast_module(self, e: Experiment, seconds_left: float) -> None:
+    def _upcast_module(self, e: Experiment, replays_left: float) -> None:
         mod = find_module(self.roots, e.params.get("module"))
         if mod is None:
             e.error = f"module {e.params.get('module')!r} not found"
@@ -153,14 +156,14 @@ class TorchBench(Bench):
                 e.details["downstream"] = list(down)
         return o
 
-    def _float64_step(self, e: Experiment, seconds_left: float) -> None:
+    def _float64_step(self, e: Experiment, replays_left: float) -> None:
         with self._grads_aside() as t:
             for r in self.roots:
                 t.cast_module(r, torch.float64)
             with PromoteMode(torch.float64):
                 self._settle(e, self._replay(e, StepChanges(cast=torch.float64)))
 
-    def _origin_input_f64(self, e: Experiment, seconds_left: float) -> None:
+    def _origin_input_f64(self, e: Experiment, replays_left: float) -> None:
         op, file, line = e.params.get("op") or "", self.origin.get("file"), self.origin.get("line")
         if op not in UNARY:
             e.error = f"{op} is not a one-input op"
@@ -180,7 +183,7 @@ class TorchBench(Bench):
         e.details["calls_substituted"] = sub.used
         self._settle(e, o)
 
-    def _domain_guard(self, e: Experiment, seconds_left: float) -> None:
+    def _domain_guard(self, e: Experiment, replays_left: float) -> None:
         op = e.params.get("op") or ""
         e.params["guard"] = _GUARD_TEXT.get(op, "clamped")
         e.change = describe("domain_guard", e.params)
@@ -204,7 +207,7 @@ class TorchBench(Bench):
         recorded (a step tape)."""
         return not hasattr(self.step, "replay")
 
-    def _determinism(self, e: Experiment, seconds_left: float) -> None:
+    def _determinism(self, e: Experiment, replays_left: float) -> None:
         a = self._replay(e)
         b = self._replay(e)
         e.details.update(first_finite=a.finite, second_finite=b.finite,
@@ -212,7 +215,7 @@ class TorchBench(Bench):
         e.finite = None if (a.finite is None or b.finite is None) else bool(a.finite and b.finite)
         e.error = a.error or b.error
 
-    def _eager(self, e: Experiment, seconds_left: float) -> None:
+    def _eager(self, e: Experiment, replays_left: float) -> None:
         compiled = self._replay(e)
         stance = getattr(torch.compiler, "set_stance", None)
         if stance is None:
@@ -234,14 +237,15 @@ class TorchBench(Bench):
             return
         res = replay_history(snap, steps, self.roots, self.step.optimizers, **change)
         e.replays += res.get("replays", 0)
+        e.work += res.get("replays", 0)
         e.finite, e.error = res.get("finite"), res.get("error")
         if res.get("failed_at") is not None:
             e.details["failed_at"] = res["failed_at"]
 
-    def _lr_replay(self, e: Experiment, seconds_left: float) -> None:
+    def _lr_replay(self, e: Experiment, replays_left: float) -> None:
         self._history(e, lr_factor=float(e.params.get("factor") or 0.1))
 
-    def _clip_replay(self, e: Experiment, seconds_left: float) -> None:
+    def _clip_replay(self, e: Experiment, replays_left: float) -> None:
         self._history(e, max_norm=float(e.params.get("max_norm") or 1.0))
 
 
