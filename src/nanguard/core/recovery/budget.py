@@ -50,6 +50,12 @@ class RecoveryBudget:
                      "a deterministic bug, not a rare bad batch; recovery would only hide it"))
         return None
 
+    def left(self, step: int, data: bool = False) -> int:
+        """Recoveries (or bad-data skips) still allowed in the window that ends at ``step``."""
+        steps = self.data_steps if data else self.recovery_steps
+        limit = self.max_data_skips if data else self.max_recoveries
+        return max(limit - len([s for s in steps if s > step - self.window]), 0)
+
     def replay_failed(self, step: int, category: str) -> Optional[str]:
         """A rollback that changed nothing else replays the same state and data (the RNG is rewound too):
         the same failure at the same point of the replay means a rollback alone cannot fix it."""

@@ -27,6 +27,7 @@ from .actions import RecoveryActions, Snapshot
 from .budget import DATA_CATEGORY, RecoveryBudget
 from .estimates import DynamicLossScale, backoff_factor, clip_max_norm, healthy_grad_norms, rollback_bound
 from .records import notice, summary_line
+from .repeats import Repeats
 from .snapshots import SnapshotStore
 from .table import ACTIONS, AUTO, CHANGES_TRAINING, DIVERGENCE, actions_for, check_allowed, record_order
 from .verify import VERIFIED, per_sample, proof_record, verified_plan
@@ -44,13 +45,15 @@ class RecoveryPolicy:
                  max_consecutive_data: int = 8,
                  snapshot_every: int = 10, keep_snapshots: int = 3, recent_snapshots: int = 2,
                  recent_max_bytes: int = 256 * 2 ** 20, lr_factor: float = 0.1, clip_quantile: float = 0.25,
-                 quiet: bool = False, failures: bool = True) -> None:
+                 quiet: bool = False, failures: bool = True, max_same_failure: int = 2) -> None:
         check_allowed(allowed or [])
         if not 0 < lr_factor < 1:
             raise ValueError(f"lr_factor must be in (0, 1), got {lr_factor}")
         self.allowed = list(allowed) if allowed else list(ACTIONS)
         self.auto = auto
         self.budget = RecoveryBudget(max_recoveries, window, max_consecutive, max_data_skips, max_consecutive_data)
+        self.repeats = Repeats(max_same_failure)  # the same failure back after a rollback: escalate, then stop
+        self._same = 0  # how many recoveries in a row the failure being recovered has had
         self.store = SnapshotStore(snapshot_every, keep_snapshots, recent_snapshots, recent_max_bytes)
         self.lr_factor, self.clip_quantile = lr_factor, clip_quantile
         self.quiet = quiet
@@ -149,6 +152,9 @@ class RecoveryPolicy:
         why = self.budget.exhausted(step, cat, data=few_rows or None) or self.budget.replay_failed(step, cat)
         if why:
             return self._stop(event, step, why)
+        self._same = self.repeats.count(step, cat, "failure")
+        if self.repeats.exhausted(self._same):
+            return self._stop(event, step, self.repeats.why_stop(step, cat, self._same))
         params_ok = actions.state_finite()
         unsound = (cause.get("evidence") or {}).get("recovery_unsound")
         if unsound and params_ok:
@@ -228,6 +234,10 @@ class RecoveryPolicy:
         unsound = (cause.get("evidence") or {}).get("recovery_unsound")
         if unsound:  # nothing to do that would help: the warning stands, the step is applied
             return None
+        self._same = self.repeats.count(step, cat, "warning")
+        if self.repeats.exhausted(self._same):  # no more rollbacks for it: the warning stands
+            cause.setdefault("evidence", {})["recovery_unsound"] = self.repeats.why_stop(step, cat, self._same)
+            return None
         done: Dict[str, Any] = {}
         notes: List[str] = []
         names: List[str] = []
@@ -250,8 +260,17 @@ class RecoveryPolicy:
         if any(a in names for a in CHANGES_TRAINING):
             self.budget.training_changed()
         rec = {"action": "+".join(record_order(names)), "ok": True, "actions": done, "category": cat}
+        self._tries(step, cat, "warning", rec)
         event.recovery = rec
         return rec
+
+    def _tries(self, step: int, cat: str, kind: str, rec: Dict[str, Any]) -> None:
+        """Say how many tries are left (this failure, the run's budget) and arm the repeat detection."""
+        rec["tries_left"] = {"same_failure": self.repeats.tries_left(self._same),
+                             "recoveries": self.budget.left(step)}
+        if self._same:
+            rec["repeat"] = self._same
+        self.repeats.note(step, cat, kind, rec, self._same)
 
     def _rollback(self, event, step: int, cat: str, actions: RecoveryActions, history: Sequence[dict],
                   params_ok: bool, done: Dict[str, Any], notes: List[str], before: Optional[int] = None) -> bool:
@@ -282,12 +301,17 @@ class RecoveryPolicy:
                 self._element_repairs.add(step)
                 return True
         # Bad data: the RNG is not rewound, or a script that samples its batches from it would draw the
-        # outlier batches it rolled back from again (and again, at every rollback).
-        rewind_rng = cat != DATA_CATEGORY
+        # outlier batches it rolled back from again (and again, at every rollback). Nor when this same
+        # failure came back after the last rollback (repeats.py): the batch that made it is dropped.
+        redraw = self.repeats.escalate(self._same)
+        rewind_rng = cat != DATA_CATEGORY and not redraw
         actions.restore(snap, rng=rewind_rng)
         self.store.forget_after(snap.step)
         done["rollback"] = {"to_step": snap.step, "steps_lost": step - snap.step, "rng_rewound": rewind_rng,
                             "snapshot_bytes": snap.nbytes, "snapshots_kept_bytes": self.snapshot_bytes()}
+        if redraw:
+            done["rollback"]["escalated"] = ("the same failure came back after the last rollback: the RNG is not "
+                                             "rewound this time, so the batch that made it is not drawn again")
         if again:
             done["rollback"]["why"] = (f"back to the state the step-size cut restarted from (step {pinned.step}): "
                                        "the updates since were made at a step size that proved too large")
@@ -345,7 +369,7 @@ class RecoveryPolicy:
                     done["skip_step"]["buffers_restored"] = actions.restore_buffers(this)
             names.append("skip_step")
         if cat == DATA_CATEGORY or few_rows:
-            self._quarantine(event, done)
+            quarantine(self, event, done)
         if notes:
             done["notes"] = notes
         if any(a in names for a in CHANGES_TRAINING):
@@ -359,6 +383,7 @@ class RecoveryPolicy:
                "recovery_number": n}
         if done.get("verified"):
             rec["verified"] = VERIFIED
+        self._tries(step, cat, "failure", rec)
         event.recovery = rec
         self.events.append(event)
         self._last_rec = (step, rec)
@@ -383,28 +408,6 @@ class RecoveryPolicy:
             print_line(f"recovery stopped at step {step}: {why}")
         return None
 
-    def _quarantine(self, event, done: Dict[str, Any]) -> None:
-        origin = event.origin or {}
-        ev = (event.cause or {}).get("evidence") or {}
-        if ev.get("same_as_step") is not None:
-            done["quarantine"] = {"same_as_step": ev["same_as_step"],
-                                  "note": "not re-localized: assumed to be the same bad sample(s)"}
-            return
-        rows = [int(r) for r in (origin.get("source_rows") or (ev.get("bad_samples") or {}).get("dataset_indices") or [])
-                if isinstance(r, int)]
-        batch_rows = [int(r) for r in (origin.get("samples") or []) if isinstance(r, int)]
-        q: Dict[str, Any] = {}
-        if rows:
-            q["rows"] = rows
-            self.quarantined.extend(r for r in rows if r not in self.quarantined)
-        if batch_rows:
-            q["batch_rows"] = batch_rows
-            self.quarantined_batch_rows.extend(batch_rows)
-        if origin.get("tensor"):
-            q["tensor"] = origin.get("tensor")
-        done["quarantine"] = q
-        done["quarantined_samples"] = rows or batch_rows
-
     # ---------------------------------------------------------------- end of run
     def summary(self) -> Optional[str]:
         """One line on what recovery did (None when it did nothing)."""
@@ -414,3 +417,28 @@ class RecoveryPolicy:
         line = self.summary()
         if line and not self.quiet:
             print_line(line)
+
+
+def quarantine(policy: RecoveryPolicy, event, done: Dict[str, Any]) -> None:
+    """Record the bad samples of a bad-data (or per-sample) recovery in ``done`` and in the policy's
+    quarantine lists."""
+    origin = event.origin or {}
+    ev = (event.cause or {}).get("evidence") or {}
+    if ev.get("same_as_step") is not None:
+        done["quarantine"] = {"same_as_step": ev["same_as_step"],
+                              "note": "not re-localized: assumed to be the same bad sample(s)"}
+        return
+    rows = [int(r) for r in (origin.get("source_rows") or (ev.get("bad_samples") or {}).get("dataset_indices") or [])
+            if isinstance(r, int)]
+    batch_rows = [int(r) for r in (origin.get("samples") or []) if isinstance(r, int)]
+    q: Dict[str, Any] = {}
+    if rows:
+        q["rows"] = rows
+        policy.quarantined.extend(r for r in rows if r not in policy.quarantined)
+    if batch_rows:
+        q["batch_rows"] = batch_rows
+        policy.quarantined_batch_rows.extend(batch_rows)
+    if origin.get("tensor"):
+        q["tensor"] = origin.get("tensor")
+    done["quarantine"] = q
+    done["quarantined_samples"] = rows or batch_rows

@@ -30,8 +30,24 @@ def notice(step: int, category: str, record: Dict[str, Any]) -> str:
         extra += f", quarantined {counted_list('row', done['quarantine']['rows'])}"
     if record.get("verified"):
         extra += f", {record['verified']}"
+    if (done.get("rollback") or {}).get("escalated"):
+        extra += f", the same failure again: the batch is not drawn again (RNG not rewound)"
     return (f"recovered at step {step}: {category} -> {record['action']}{extra} "
-            f"(recovery {record['recovery_number']})")
+            f"(recovery {record['recovery_number']}{tries_text(record.get('tries_left'))})")
+
+
+def tries_text(left: Any) -> str:
+    """``; 1 more if the same failure comes back, 9 left in the budget`` (the record's ``tries_left``)."""
+    if not isinstance(left, dict):
+        return ""
+    same, budget = left.get("same_failure"), left.get("recoveries")
+    parts = []
+    if isinstance(same, int):
+        parts.append(f"{same} more if the same failure comes back" if same else
+                     "it stops if the same failure comes back")
+    if isinstance(budget, int):
+        parts.append(f"{budget} left in the budget")
+    return ("; " + ", ".join(parts)) if parts else ""
 
 
 def actions_tally(events: List[Any]) -> str:

@@ -1,0 +1,66 @@
+"""No recovery loops: the same failure coming back after the same recovery escalates, and every
+recovery record says how many tries are left.
+
+A rollback replays the steps after its snapshot; with the RNG rewound, a script that draws its
+batches from the RNG draws the same batches again, so a failure made by one batch (a heavy-tailed
+one, a bad row) comes back at the same point of the replay, and the same rollback would follow,
+again and again. A failure (or an early warning) of the same category within the steps a rollback
+replayed (plus two) is the *same failure*; the n-th time in a row it comes back:
+
+1. first repeat: escalate. The rollback does not rewind the RNG this time (the batch that made it
+   is not drawn again: the batch is dropped), and a step-size cut repeated within its window cuts
+   further (:func:`~nanguard.core.recovery.estimates.backoff_factor`);
+2. past ``max_tries`` recoveries of it: stop, with the reason (for an early warning: no more
+   rollbacks, the warning stands and the step is applied).
+
+Plain numbers only; the policy (:mod:`.policy`) asks :meth:`Repeats.count` before it acts and
+:meth:`Repeats.note` after.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+
+class Repeats:
+    """The last rollback's failure and how many times in a row it came back (see the module docstring)."""
+
+    def __init__(self, max_tries: int = 2) -> None:
+        if max_tries < 1:
+            raise ValueError(f"max_tries must be >= 1, got {max_tries}")
+        self.max_tries = max_tries
+        self.last: Optional[Dict[str, Any]] = None
+
+    def count(self, step: int, category: str, kind: str) -> int:
+        """How many recoveries in a row the same failure has had (0: a new failure). ``kind``:
+        "failure" or "warning" (each is matched with its own kind)."""
+        last = self.last
+        if last is None or last["category"] != category or last["kind"] != kind:
+            return 0
+        return last["count"] if 0 < step - last["step"] <= last["span"] + 2 else 0
+
+    def escalate(self, count: int) -> bool:
+        """A repeat: this recovery must differ from the last one (the batch is not drawn again)."""
+        return 0 < count < self.max_tries
+
+    def exhausted(self, count: int) -> bool:
+        return count >= self.max_tries
+
+    def tries_left(self, count: int) -> int:
+        """Recoveries of this same failure left after this one."""
+        return max(self.max_tries - count - 1, 0)
+
+    def note(self, step: int, category: str, kind: str, record: Dict[str, Any], count: int) -> None:
+        """After a recovery of this failure: a rollback arms the detection of a repeat (the steps it
+        replays); a recovery without one clears it (the steps that follow are new ones)."""
+        rb = (record.get("actions") or {}).get("rollback") or {}
+        if not isinstance(rb.get("to_step"), int) or rb.get("elements_only"):
+            self.last = None
+            return
+        self.last = {"step": step, "span": max(step - rb["to_step"], 0), "category": category, "kind": kind,
+                     "count": count + 1, "action": record.get("action")}
+
+    def why_stop(self, step: int, category: str, count: int) -> str:
+        last = self.last or {}
+        return (f"the same {category} came back at step {step}, at the same point of the replay, after "
+                f"{count} recover{'y' if count == 1 else 'ies'} ({last.get('action')}, the last one without "
+                f"drawing the same batch again): recovery is not fixing it, so it stops here rather than loop")

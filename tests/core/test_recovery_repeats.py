@@ -1,0 +1,86 @@
+"""No recovery loops (issue 22): the same failure coming back at the same point of the replay after a
+rollback escalates (the RNG is not rewound, so the batch that made it is not drawn again; a repeated cut
+cuts further), then stops with the reason; every record says how many tries are left."""
+from __future__ import annotations
+
+from nanguard.core.events import Event
+from nanguard.core.recovery import RecoveryPolicy
+
+from test_recovery_policy import FakeActions, hist
+
+
+class RngActions(FakeActions):
+    def restore(self, snap, rng=True):
+        self.calls.append(("restore", snap.step, rng))
+        self.state = dict(snap.state)
+
+
+def _ev(step, cat="gradient_explosion", kind="failure"):
+    return Event(step=step, phase="forward", kind=kind,
+                 cause={"category": cat, "summary": "t", "confidence": 0.9, "evidence": {"onset_step": step - 1}})
+
+
+def _loop(p, a, hook, kind, tries=7):
+    """A batch drawn from the rewound RNG fails at the same point of every replay: step f, rolled back to t,
+    comes back at f + (f - t). Returns the records (None: stopped)."""
+    step, recs = 30, []
+    for s in range(step):
+        p.on_step_start(s, a)
+    for _ in range(tries):
+        h = hist([1.0] * step)
+        rec = getattr(p, hook)(_ev(step, kind=kind), step=step, actions=a, history=h)
+        recs.append(rec)
+        if rec is None:
+            break
+        back = rec["actions"]["rollback"]["to_step"]
+        nxt = step + (step - back)
+        for s in range(step + 1, nxt):
+            p.on_step_start(s, a)
+        step = nxt
+    return recs
+
+
+def test_the_same_failure_after_a_rollback_escalates_then_stops():
+    p, a = RecoveryPolicy(snapshot_every=10, quiet=True), RngActions()
+    recs = _loop(p, a, "on_failure", "failure")
+    assert len(recs) == 3 and recs[-1] is None  # not seven identical rollbacks
+    first, second = recs[0], recs[1]
+    assert first["actions"]["rollback"]["rng_rewound"] is True and "repeat" not in first
+    assert first["tries_left"]["same_failure"] == 1 and first["tries_left"]["recoveries"] == 9
+    assert second["actions"]["rollback"]["rng_rewound"] is False and second["repeat"] == 1
+    assert "not drawn again" in second["actions"]["rollback"]["escalated"]
+    assert second["actions"]["clip"].get("tightened")  # the cut goes further too
+    assert second["tries_left"] == {"same_failure": 0, "recoveries": 8}
+    rng = [c[2] for c in a.calls if c[0] == "restore"]
+    assert rng == [True, False]
+    assert "same gradient_explosion came back" in p.stopped and "rather than loop" in p.stopped
+
+
+def test_the_same_warning_after_a_rollback_escalates_then_stands():
+    p, a = RecoveryPolicy(snapshot_every=10, quiet=True), RngActions()
+    recs = _loop(p, a, "on_spike", "warning")
+    assert len(recs) == 3 and recs[-1] is None
+    assert [c[2] for c in a.calls if c[0] == "restore"] == [True, False]
+    assert recs[1]["repeat"] == 1 and recs[1]["tries_left"]["same_failure"] == 0
+
+
+def test_a_failure_after_the_replayed_steps_is_a_new_one():
+    p, a = RecoveryPolicy(snapshot_every=10, quiet=True), RngActions()
+    for s in range(30):
+        p.on_step_start(s, a)
+    rec = p.on_failure(_ev(30), step=30, actions=a, history=hist([1.0] * 30))
+    back = rec["actions"]["rollback"]["to_step"]
+    for s in range(31, 80):
+        p.on_step_start(s, a)
+    rec = p.on_failure(_ev(80), step=80, actions=a, history=hist([1.0] * 80))
+    assert rec is not None and "repeat" not in rec and rec["actions"]["rollback"]["rng_rewound"] is True
+    assert back < 30 and rec["tries_left"]["same_failure"] == 1
+
+
+def test_the_notice_says_the_tries_left():
+    from nanguard.core.recovery.records import notice
+    p, a = RecoveryPolicy(snapshot_every=10, quiet=True), RngActions()
+    recs = _loop(p, a, "on_failure", "failure", tries=2)
+    assert "1 more if the same failure comes back, 9 left in the budget" in notice(30, "gradient_explosion", recs[0])
+    line = notice(40, "gradient_explosion", recs[1])
+    assert "not drawn again" in line and "it stops if the same failure comes back" in line
