@@ -1,0 +1,282 @@
+"""Evidence facts for a JAX origin: the same ``facts`` names as the other backends' gatherers, so that
+``nanguard.core.diagnosis`` reads them unchanged.
+
+The probe holds the origin equation with its input values and, for a backward origin, the forward
+equation it differentiates (``examined``: ``forward_op``). Gatherers registered ``always=True`` run for
+every origin (the float64 / float32 re-runs of the equation, dtype facts, producers, eps constants,
+overflow, where-trap); the others when the examined op's family lists them (``log_domain``,
+``sqrt_domain``, ``trig_domain``, ``exp_input``, ``zero_denominator``, ``softmax_all_masked_rows``,
+the generic ``domain``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, List, Optional
+
+import numpy as np
+
+from ...core.diagnosis import families
+from ...core.locate.evidence import Gatherers, ProbeBase
+from . import numerics as N
+from . import ops as O
+from .replay import bind
+
+__all__ = ["GATHERERS", "gatherer", "Probe", "facts", "recompute"]
+
+GATHERERS = Gatherers()
+gatherer: Callable[..., Callable] = GATHERERS.register
+
+
+def recompute(eqn: Any, vals: List[Any], dtype: Any) -> List[np.ndarray]:
+    """Bind ``eqn`` again with its floating inputs cast to ``dtype`` (float64 under ``jax.enable_x64``)."""
+    import jax
+    import jax.numpy as jnp
+    with jax.enable_x64(True):
+        cast = [jnp.asarray(N.host(v).astype(dtype)) if N.is_float(v) else v for v in vals]
+        params = {}
+        for key in ("new_dtype", "preferred_element_type"):
+            v = eqn.params.get(key)
+            if v is not None and np.dtype(v).kind == "f":
+                params[key] = np.dtype(dtype)
+        return [N.host(o) for o in bind(eqn, cast, params)]
+
+
+def check_fact(eqn: Any, vals: List[Any], dtype: Any, pos: Optional[int]) -> dict:
+    """{op, dtype, finite, max_abs} of the re-run (or {error})."""
+    try:
+        outs = recompute(eqn, vals, dtype)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+    if pos is not None and 0 <= pos < len(outs):
+        outs = [outs[pos]]
+    outs = [o for o in outs if o is not None and o.dtype.kind == "f"]
+    if not outs:
+        return {"error": "no floating output"}
+    fin = all(bool(np.isfinite(o).all()) for o in outs)
+    mxs = [N.stats(o).get("max_abs") for o in outs]
+    mx = max((m for m in mxs if isinstance(m, float)), default=None)
+    return {"op": eqn.primitive.name, "dtype": np.dtype(dtype).name, "finite": fin, "max_abs": mx}
+
+
+class Probe(ProbeBase):
+    """The origin equation (``eqn``, input values ``ins``, bad output ``a0`` at ``pos``, dtype) and the
+    examined one (``e_op``/``e_in``/``e_eqn``: the forward op of a backward origin when kept)."""
+
+    def __init__(self, replay: Any, idx: int, eqn: Any, ins: List[Any], out: Any, pos: int, stage: str,
+                 fwd: Optional[int], canon: str, fwd_canon: Optional[str]) -> None:
+        self.rp, self.idx, self.eqn, self.ins, self.pos, self.stage, self.fwd = replay, idx, eqn, ins, pos, stage, fwd
+        self.a0 = N.host(out)
+        self.dtype = str(getattr(out, "dtype", ""))
+        self.t_op = canon
+        self.e_op, self.e_in, self.e_eqn = canon, ins, eqn
+        keep = {fwd: (fwd_canon, replay.log.inputs[fwd], replay.log.eqns[fwd])} \
+            if fwd is not None and fwd in replay.log.inputs else {}
+        kept = self.examine(stage, fwd, keep)
+        if kept is not None:
+            self.e_op, self.e_in, self.e_eqn = kept
+        self.family = families.family_of(self.e_op)
+
+    def arr(self, i: int) -> Optional[np.ndarray]:
+        """The examined op's input ``i`` as a float array (None if not floating)."""
+        if i >= len(self.e_in) or not N.is_float(self.e_in[i]):
+            return None
+        return N.host(self.e_in[i])
+
+
+def facts(p: Probe) -> dict:
+    return GATHERERS.run(p, catch=True)
+
+
+# ---------------------------------------------------------------------------- every origin
+@gatherer("float64_check", always=True)
+def _float64(p: Probe) -> dict:
+    f = {"float64_check": check_fact(p.eqn, p.ins, np.float64, p.pos)}
+    if p.e_eqn is not p.eqn:
+        f["forward_float64_check"] = check_fact(p.e_eqn, p.e_in, np.float64, None)
+        try:
+            fo = recompute(p.e_eqn, p.e_in, np.float32)
+            if fo and fo[0] is not None:
+                f["forward_output"] = N.stats(fo[0])
+        except Exception:
+            pass
+    return f
+
+
+@gatherer("float32_check", always=True)
+def _float32(p: Probe) -> Optional[dict]:
+    if p.dtype not in N.LOW_PRECISION or p.stage == "backward":
+        return None
+    direct = check_fact(p.eqn, p.ins, np.float32, p.pos)
+    return {"float32_check": {"direct_finite": direct.get("finite"), "chain_finite": None, "chain_ops": [],
+                              "max_abs": direct.get("max_abs")}}
+
+
+@gatherer("dtype_info", always=True)
+def _dtype_info(p: Probe) -> dict:
+    return {"dtype_info": N.finfo_facts(p.dtype)}
+
+
+def _producer_chains(p: Probe, depth: int = 3) -> List[List[int]]:
+    log = p.rp.log
+    idx = p.fwd if p.e_eqn is not p.eqn and p.fwd is not None else p.idx
+    return [log.chain(q, depth) for q in log.inprod[idx][:4] if q >= 0]
+
+
+@gatherer("producers", always=True)
+def _producers(p: Probe) -> dict:
+    return {"producers": [[p.rp.log.canon[i] for i in ch] for ch in _producer_chains(p)]}
+
+
+@gatherer("eps_constants", always=True)
+def _eps(p: Probe) -> Optional[dict]:
+    """Small constants added (or clamped in) right before the op, against the op's dtype."""
+    log, out = p.rp.log, []
+    for ch in _producer_chains(p, 2):
+        for i in ch:
+            if log.names[i] not in O.EPS_PRODUCERS or i not in log.eqns:
+                continue
+            from jax._src.core import Literal
+            for v in log.eqns[i].invars:
+                if isinstance(v, Literal) and np.size(v.val) == 1:
+                    c = float(np.asarray(v.val))
+                    if c != 0 and abs(c) < 1e-2:
+                        out.append({**N.eps_fact(c, p.dtype), "op": log.canon[i]})
+    return {"eps_constants": out[:10]} if out else None
+
+
+# ---------------------------------------------------------------------------- per family
+def _domain_of(p: Probe):
+    return p.family.domain_for(p.e_op) if p.family is not None else None
+
+
+@gatherer("log_domain")
+def _log_domain(p: Probe) -> Optional[dict]:
+    dom = _domain_of(p)
+    sa = p.arr(dom.arg) if dom is not None else None
+    if sa is None:
+        return None
+    lim = float(dom.limit)
+    return {"log_domain": {"le_limit": int((sa <= lim).sum()), "limit": lim, "zeros": int((sa == 0).sum()),
+                           "negatives": int((sa < 0).sum()), "min": N.stats(sa).get("min"), "numel": int(sa.size)}}
+
+
+@gatherer("sqrt_domain")
+def _sqrt_domain(p: Probe) -> Optional[dict]:
+    xf = p.arr(0)
+    if xf is None:
+        return None
+    d: dict = {"zeros": int((xf == 0).sum()), "negatives": int((xf < 0).sum()), "numel": int(xf.size)}
+    if p.in_family("pow"):
+        y = p.e_eqn.params.get("y") if p.e_eqn is not None else None   # integer_pow's exponent
+        ex = np.asarray(float(y)) if y is not None else p.arr(1)
+        if ex is not None and ex.size == 1:
+            e = float(ex.reshape(-1)[0])
+            d["exponent"] = N.jnum(e)
+            d["fractional"] = bool(math.isfinite(e) and e != int(e))
+        elif ex is not None:
+            exb = np.broadcast_to(ex, np.broadcast_shapes(ex.shape, xf.shape))
+            xb = np.broadcast_to(xf, exb.shape)
+            d["neg_base_fractional_exp"] = int(((xb < 0) & (exb != np.floor(exb))).sum())
+            d["zero_base_negative_exp"] = int(((xb == 0) & (exb < 0)).sum())
+            d["fractional"] = d["neg_base_fractional_exp"] > 0
+    if "forward_output" in p.facts:
+        d["norm_zeros"] = p.facts["forward_output"].get("zeros")
+    return {"sqrt_domain": d}
+
+
+@gatherer("trig_domain")
+def _trig_domain(p: Probe) -> Optional[dict]:
+    xf = p.arr(0)
+    if xf is None:
+        return None
+    ax = np.abs(xf)
+    return {"trig_domain": {"abs_ge_1": int((ax >= 1).sum()), "abs_gt_1": int((ax > 1).sum()), "lt_1": None,
+                            "max_abs": N.stats(xf).get("max_abs"), "numel": int(xf.size)}}
+
+
+@gatherer("exp_input")
+def _exp_input(p: Probe) -> Optional[dict]:
+    src = p.arr(1) if p.in_family("pow") else p.arr(0)
+    if src is None or (p.in_family("pow") and src.size <= 1):
+        return None
+    return {"exp_input_max": N.stats(src).get("max"),
+            "overflow_threshold": N.jnum(math.log(N.dtype_max(str(src.dtype))))}
+
+
+@gatherer("zero_denominator")
+def _zero_denominator(p: Probe) -> Optional[dict]:
+    num, den = p.arr(0), p.arr(1)
+    d: dict = {}
+    if den is None:
+        return {"zero_denominator": d}
+    if den.size == 1:
+        d["scalar_denominator"] = N.jnum(float(den.reshape(-1)[0]))
+    dz = den == 0
+    d.update(zeros=int(dz.sum()), numel=int(den.size), min=N.stats(den).get("min"))
+    if num is not None:
+        try:
+            nb, db = np.broadcast_arrays(num, dz)
+            d["zero_over_zero"] = int((db & (nb == 0)).sum())
+            d["nonzero_over_zero"] = int((db & (nb != 0)).sum())
+        except ValueError:
+            pass
+    log = p.rp.log
+    idx = p.fwd if p.e_eqn is not p.eqn and p.fwd is not None else p.idx
+    q = log.inprod[idx][1] if len(log.inprod[idx]) > 1 else -1
+    chain = log.chain(q, 3) if q >= 0 else []
+    d["producer_chain"] = [log.canon[i] for i in chain][:6]
+    real = [log.names[i] for i in chain if log.names[i] not in O.PASS]
+    d["from_reduction"] = bool(real) and real[0] in O.REDUCE
+    d["from_std_var"] = False
+    return {"zero_denominator": d}
+
+
+@gatherer("softmax_all_masked_rows")
+def _softmax_rows(p: Probe) -> Optional[dict]:
+    xf = p.arr(0)
+    if xf is None or xf.ndim < 1:
+        return None
+    allm = np.all(np.isneginf(xf), axis=-1)
+    rows = allm.reshape(allm.shape[0], -1).any(axis=1) if allm.ndim > 1 else allm
+    return {"softmax_all_masked_rows": {"count": int(allm.sum()),
+                                        "batch_rows": [int(i) for i in np.nonzero(rows)[0][:10]],
+                                        "rows_total": int(allm.size),
+                                        "rows_with_neginf": int(np.any(np.isneginf(xf), axis=-1).sum())}}
+
+
+_CMP = {"le": np.less_equal, "lt": np.less, "ge": np.greater_equal, "gt": np.greater}
+
+
+@gatherer("domain")
+def _domain(p: Probe) -> Optional[dict]:
+    dom = _domain_of(p)
+    src = p.arr(dom.arg) if dom is not None else None
+    if src is None:
+        return None
+    v = np.abs(src) if dom.abs else src
+    st = N.stats(src)
+    return {"domain": {"condition": dom.text(), "grad_condition": dom.text(grad=True), "arg": dom.kwarg,
+                       "inside": int(_CMP[dom.cmp](v, dom.limit).sum()),
+                       "grad_inside": int(_CMP[dom.grad_cmp or dom.cmp](v, dom.limit).sum()),
+                       "numel": int(src.size), "min": st.get("min"), "max": st.get("max")}}
+
+
+# ---------------------------------------------------------------------------- after the family's
+@gatherer("overflow", always=True)
+def _overflow(p: Probe) -> Optional[dict]:
+    """Infinities only, from finite inputs, that a wider dtype holds."""
+    outc = N.counts(p.a0)
+    range_ok = (p.facts.get("float64_check") or {}).get("finite") or \
+        (p.facts.get("float32_check") or {}).get("direct_finite")
+    if (outc["posinf"] or outc["neginf"]) and not outc["nan"] and range_ok:
+        mx = [N.stats(N.host(v)).get("max_abs") for v in p.ins if N.is_float(v)]
+        return {"overflow": {"dtype_max": N.jnum(N.dtype_max(p.dtype)),
+                             "input_max_abs": max([m for m in mx if isinstance(m, float)], default=None)}}
+    return None
+
+
+@gatherer("where_trap", always=True)
+def _where_trap(p: Probe) -> Optional[dict]:
+    if p.stage == "backward" and p.fwd is not None:
+        return {"where_trap": p.rp.log.where_trap(p.fwd)}
+    return None

@@ -1,0 +1,72 @@
+"""lax primitives: the canonical (aten) name each is diagnosed under, and how each moves values.
+
+The op-family registry (``nanguard.core.diagnosis.families``) knows ops by their aten names (a
+TensorFlow op by its family's ``tf_ops``); a JAX origin is reported with both names:
+``origin["jax_op"]`` is the lax primitive (``integer_pow``) and ``origin["op"]`` its canonical name
+(``pow``), so that every family, rule and fix applies unchanged. Most primitives already carry the
+aten name (``log``, ``exp``, ``sqrt``, ``div``, ``acos``...); :data:`CANONICAL` holds those that differ.
+The roles (pass-through, selection, mask writers and sinks) are JAX's own sets of primitive names.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ...core.diagnosis import families as F
+
+__all__ = ["CANONICAL", "canonical", "family_of", "api_name", "PASS", "SELECT", "MASK_WRITERS", "MASK_SINKS",
+           "REDUCE", "EPS_PRODUCERS", "CALLS", "NO_VALUE"]
+
+# lax primitive -> the aten name it is diagnosed under, where the two differ
+CANONICAL = {
+    "integer_pow": "pow", "logistic": "sigmoid", "erf_inv": "erfinv", "reduce_max": "amax", "reduce_min": "amin",
+    "reduce_sum": "sum", "reduce_prod": "prod", "dot_general": "matmul", "select_n": "where", "rem": "remainder",
+    "broadcast_in_dim": "expand", "expand_dims": "unsqueeze", "transpose": "permute",
+    "convert_element_type": "_to_copy", "concatenate": "cat", "max": "maximum", "min": "minimum",
+    "dynamic_slice": "slice", "gather": "index", "add_any": "add", "copy_p": "alias", "square": "pow",
+    "cumsum": "cumsum", "cumlogsumexp": "logcumsumexp", "reduce_and": "all", "reduce_or": "any",
+    "exp2": "exp2", "atan2": "atan2",
+}
+
+# JAX names of the user-facing functions, by canonical name (for sentences: 'jnp.log received 0 ...')
+_API = {"sigmoid": "jax.nn.sigmoid", "_softmax": "jax.nn.softmax", "_log_softmax": "jax.nn.log_softmax",
+        "matmul": "jnp.matmul", "pow": "jnp.power", "div": "jnp.divide", "amax": "jnp.max", "amin": "jnp.min",
+        "sum": "jnp.sum", "prod": "jnp.prod", "where": "jnp.where", "erfinv": "jax.scipy.special.erfinv",
+        "remainder": "jnp.remainder", "acos": "jnp.arccos", "asin": "jnp.arcsin", "atanh": "jnp.arctanh",
+        "acosh": "jnp.arccosh", "lgamma": "jax.scipy.special.gammaln", "digamma": "jax.scipy.special.digamma"}
+
+# primitives that pass values on unchanged (walked through, not counted as producers)
+PASS = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "convert_element_type",
+                  "copy", "copy_p", "slice", "dynamic_slice", "concatenate", "rev", "reduce_precision",
+                  "stop_gradient", "optimization_barrier", "pjit", "jit", "device_put", "pvary"})
+# primitives that keep some entries and discard others (where-trap consumers)
+SELECT = frozenset({"select_n", "clamp", "max", "min", "gather", "dynamic_slice", "slice", "select_and_scatter_add",
+                    "argmax", "argmin"})
+# canonical names of ops that write a scalar into some positions (a -inf mask written on purpose)
+MASK_WRITERS = frozenset({"where", "expand", "full"})
+# reductions that can carry a masked -inf into their result
+MASK_SINKS = frozenset({"reduce_sum", "dot_general"})
+# counts and sums (a denominator from them is 0 for an empty set)
+REDUCE = frozenset({"reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "dot_general", "cumsum"})
+# ops that add or clamp in a small constant (an eps)
+EPS_PRODUCERS = frozenset({"add", "sub", "max", "clamp", "add_any"})
+# higher-order primitives evaluated by recursion into their jaxprs (param name of the body)
+CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+         "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
+         "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr", "custom_lin": None}
+# primitives whose outputs are not computed from their inputs' values
+NO_VALUE = frozenset({"iota", "random_bits", "random_seed", "random_wrap", "random_unwrap", "rng_bit_generator",
+                      "threefry2x32", "eq", "ne", "lt", "le", "gt", "ge", "is_finite", "sign", "argmax", "argmin"})
+
+
+def canonical(prim: str) -> str:
+    """The aten name a lax primitive is diagnosed under (``integer_pow`` -> ``pow``)."""
+    return CANONICAL.get(prim, prim)
+
+
+def family_of(prim: str) -> Optional[F.Family]:
+    return F.family_of(canonical(prim))
+
+
+def api_name(canon: str) -> str:
+    """'log' -> 'jnp.log', 'sigmoid' -> 'jax.nn.sigmoid'."""
+    return _API.get(canon, f"jnp.{canon.lstrip('_')}")

@@ -1,0 +1,220 @@
+"""The JAX replay (nanguard.jax.locate): the public scenarios' mechanisms in miniature, backward origins,
+nested jit / scan, and the -inf mask that must not count. In-process, a few equations each."""
+from __future__ import annotations
+
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+from nanguard.core.diagnosis import diagnose  # noqa: E402
+from nanguard.jax.locate import localize  # noqa: E402
+
+HERE = __file__
+
+
+def line_of(marker: str) -> int:
+    """The line of this file holding ``# <marker>``."""
+    with open(HERE) as f:
+        for n, text in enumerate(f, 1):
+            if text.rstrip().endswith(f"# {marker}"):
+                return n
+    raise AssertionError(marker)
+
+
+def adam_step(loss_fn, lr=0.05):
+    tx = optax.adam(lr)
+
+    @jax.jit
+    def step(p, s, *batch):
+        loss, g = jax.value_and_grad(loss_fn)(p, *batch)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+    return tx, step
+
+
+def run(step, args, **kw):
+    res = localize(step, args, user_files=[HERE], **kw)
+    assert res.error is None, res.error
+    return res, res.localization
+
+
+def cause(loc, phase):
+    return diagnose(loc, [], phase=phase, context={"framework": "jax"})
+
+
+# ---------------------------------------------------------------------------- forward origins
+def poisson_nll(p, x, y):
+    rate = jnp.maximum(x @ p["w"] + p["b"], 0.0)
+    return jnp.mean(rate - y * jnp.log(rate))   # log-of-zero
+
+
+def test_log_of_zero_in_a_poisson_nll_is_a_forward_origin_with_its_line_and_row():
+    tx, step = adam_step(poisson_nll)
+    p = {"w": jnp.array([1.0, -1.0]), "b": jnp.array(0.0)}
+    x = jnp.array([[3.0, 1.0], [1.0, 2.0], [0.5, 0.2]])
+    y = jnp.array([1.0, 2.0, 0.0])
+    res, loc = run(step, (p, tx.init(p), x, y), phase_hint="forward")
+    assert res.reproduced and loc["phase"] == "forward" and loc["backend"] == "jax"
+    o = loc["origin"]
+    assert (o["op"], o["jax_op"], o["stage"]) == ("log", "log", "forward")
+    assert o["line"] == line_of("log-of-zero") and o["file"] == HERE
+    assert o["samples"] == [1]                       # x[1] @ w = -1 -> rate 0
+    assert loc["facts"]["log_domain"]["zeros"] == 1
+    assert cause(loc, "forward")["category"] == "log_domain"
+
+
+def mse(p, x, y):
+    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+
+def test_a_nan_row_of_the_batch_is_bad_input_data_with_its_row():
+    tx, step = adam_step(mse)
+    p = {"w": jnp.ones((3,)), "b": jnp.array(0.0)}
+    x = np.ones((4, 3), np.float32)
+    x[2, 1] = np.nan
+    y = jnp.zeros((4,))
+    res, loc = run(step, (p, tx.init(p), jnp.asarray(x), y),
+                   names={"[2]": {"name": "batch.x", "kind": None, "module": None}})
+    assert res.reproduced and loc["phase"] == "data"
+    pre = loc["preexisting"]
+    assert pre["kind"] == "data" and pre["name"] == "batch.x" and pre["samples"] == [2]
+    assert cause(loc, "data")["category"] == "bad_input_data"
+
+
+def test_a_leaf_kind_comes_from_how_the_step_uses_it():
+    """Not from names: a NaN parameter is read by the forward and the update, Adam's mu by the update."""
+    tx, step = adam_step(mse)
+    p = {"w": jnp.array([1.0, np.nan, 1.0]), "b": jnp.array(0.0)}
+    x, y = jnp.ones((4, 3)), jnp.zeros((4,))
+    _, loc = run(step, (p, tx.init(p), x, y))
+    assert loc["phase"] == "params" and loc["preexisting"]["kind"] == "param"
+    assert loc["preexisting"]["name"] == "[0]['w']"
+    p = {"w": jnp.ones((3,)), "b": jnp.array(0.0)}
+    s = tx.init(p)
+    s = (s[0]._replace(mu={"w": jnp.array([np.nan, 0.0, 0.0]), "b": jnp.array(0.0)}),) + tuple(s[1:])
+    _, loc = run(step, (p, s, x, y))
+    assert loc["phase"] == "optimizer" and loc["preexisting"]["kind"] == "optimizer_state"
+
+
+def test_gradients_that_overflow_from_a_too_large_step_are_an_overflow_of_finite_values():
+    tx = optax.sgd(1e-4, momentum=0.9)
+
+    def loss(p, x, y):
+        return jnp.mean((x @ p["w"] - y) ** 2)
+
+    @jax.jit
+    def step(p, s, x, y):
+        val, g = jax.value_and_grad(loss)(p, x, y)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, val
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.uniform(500, 2500, (16, 2)).astype(np.float32))
+    y = jnp.asarray(rng.uniform(0, 5, (16,)).astype(np.float32))
+    p = {"w": jnp.zeros((2,))}
+    s = tx.init(p)
+    for _ in range(40):
+        new_p, new_s, val = step(p, s, x, y)
+        if not all(bool(jnp.isfinite(v).all()) for v in jax.tree_util.tree_leaves((new_p, new_s, val))):
+            break
+        p, s = new_p, new_s
+    else:
+        pytest.fail("the run never went non-finite")
+    res, loc = run(step, (p, s, x, y))
+    assert res.reproduced
+    o = loc["origin"]
+    assert o["output"]["nan"] == 0 and (o["output"]["posinf"] or o["output"]["neginf"])
+    assert loc["facts"]["float64_check"]["finite"] is True          # float64 holds it: the range ran out
+    assert "overflow" in loc["facts"]
+
+
+# ---------------------------------------------------------------------------- masks
+def attention_loss(s, mask):
+    s = jnp.where(mask, s, -jnp.inf)   # mask-write
+    return jnp.sum(jax.nn.softmax(s, axis=-1) ** 2)   # softmax-call
+
+
+def test_an_intentional_minus_inf_mask_that_a_softmax_absorbs_is_no_origin():
+    s = jnp.arange(12.0).reshape(3, 4)
+    mask = jnp.array([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]], bool)
+    res, loc = run(jax.value_and_grad(attention_loss), (s, mask))
+    assert not res.reproduced and loc["sink"]["kind"] is None
+    assert loc["masked_nonfinite_origins"] >= 1
+
+
+def test_a_softmax_row_with_every_entry_masked_is_the_origin_of_its_nan():
+    s = jnp.arange(12.0).reshape(3, 4)
+    mask = jnp.array([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)
+    res, loc = run(jax.value_and_grad(attention_loss), (s, mask))
+    assert res.reproduced and loc["phase"] == "forward"
+    o = loc["origin"]
+    assert o["op"] == "_softmax" and o["jax_op"] == "sub" and o["line"] == line_of("softmax-call")
+    assert loc["facts"]["softmax_all_masked_rows"]["batch_rows"] == [1]
+    assert cause(loc, "forward")["category"] == "masked_softmax"
+
+
+# ---------------------------------------------------------------------------- backward origins
+def dist_loss(p, a):
+    d = jnp.sqrt(jnp.sum((a - p["c"]) ** 2, axis=-1))   # sqrt-at-zero
+    return jnp.mean(d)
+
+
+def norm_loss(p, a):
+    return jnp.mean(jnp.linalg.norm(a - p["c"], axis=-1))   # norm-at-zero
+
+
+@pytest.mark.parametrize("fn,marker", [(dist_loss, "sqrt-at-zero"), (norm_loss, "norm-at-zero")])
+def test_the_gradient_of_a_root_at_zero_is_a_backward_origin_on_the_forward_line(fn, marker):
+    tx, step = adam_step(fn)
+    p = {"c": jnp.array([1.0, 2.0])}
+    a = jnp.array([[1.0, 2.0], [0.0, 1.0]])            # row 0 sits on the centre: distance 0
+    res, loc = run(step, (p, tx.init(p), a))
+    assert res.reproduced and loc["phase"] == "backward" and loc["sink"]["kind"] == "grad"
+    o = loc["origin"]
+    assert o["stage"] == "backward" and o["forward_op"] == "sqrt" and o["line"] == line_of(marker)
+    assert loc["facts"]["examined"] == "forward_op" and loc["facts"]["sqrt_domain"]["zeros"] == 1
+    assert cause(loc, "backward")["category"] == "sqrt_domain"
+
+
+def guarded_log(p, x):
+    z = x * p["s"]
+    return jnp.sum(jnp.where(z > 0, jnp.log(z), 0.0))   # where-log
+
+
+def test_a_log_hidden_by_where_fails_in_its_backward_and_is_a_where_trap():
+    tx, step = adam_step(guarded_log)
+    p = {"s": jnp.array(1.0)}
+    res, loc = run(step, (p, tx.init(p), jnp.array([1.0, 0.0, 2.0])))
+    assert res.reproduced and loc["phase"] == "backward"
+    o = loc["origin"]
+    assert o["stage"] == "backward" and o["forward_op"] == "log" and o["line"] == line_of("where-log")
+    assert loc["facts"]["where_trap"] is True
+
+
+# ---------------------------------------------------------------------------- nested jit and scan
+@jax.jit
+def inner(h):
+    return jnp.log(h)   # inner-jit-log
+
+
+def scan_loss(p, xs):
+    def body(c, x):
+        c = c + p["k"] * x
+        return c, jnp.sqrt(c)   # scan-body
+    _, ys = lax.scan(body, jnp.array(0.0), xs)
+    return jnp.sum(ys) + jnp.sum(inner(xs + 1.0))
+
+
+def test_origins_inside_a_nested_jit_and_a_scan_body_keep_their_lines():
+    tx, step = adam_step(scan_loss)
+    p = {"k": jnp.array(1.0)}
+    res, loc = run(step, (p, tx.init(p), jnp.array([3.0, -4.0, 1.0])))
+    assert res.reproduced and loc["origin"]["line"] == line_of("scan-body")   # c = -1 at iteration 1
+    assert loc["origin"]["op"] == "sqrt"
+    res, loc = run(step, (p, tx.init(p), jnp.array([3.0, 1.0, -1.0])))
+    assert res.reproduced and loc["origin"]["line"] == line_of("inner-jit-log")   # log(0); c stays >= 0
