@@ -2,6 +2,8 @@
 nested jit / scan, and the -inf mask that must not count. In-process, a few equations each."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 jax = pytest.importorskip("jax")
@@ -43,8 +45,16 @@ def run(step, args, **kw):
     return res, res.localization
 
 
+FOREIGN = re.compile(r"\btorch\b|\bF\.[a-z_]+|\.clamp\(|GradScaler|autocast|DataLoader|\btf\.|\bkeras\b|"
+                     r"Keras|LossScaleOptimizer|\bnn\.Module|\.float\(\)")
+
+
 def cause(loc, phase):
-    return diagnose(loc, [], phase=phase, context={"framework": "jax"})
+    """The diagnosis of a JAX localization, checked to speak JAX (no PyTorch / TensorFlow words)."""
+    out = diagnose(loc, [], phase=phase, context={"framework": "jax"})
+    text = " ".join([out["summary"]] + list(out["fixes"]))
+    assert not FOREIGN.search(text), (FOREIGN.search(text).group(0), text)
+    return out
 
 
 # ---------------------------------------------------------------------------- forward origins
@@ -218,3 +228,15 @@ def test_origins_inside_a_nested_jit_and_a_scan_body_keep_their_lines():
     assert loc["origin"]["op"] == "sqrt"
     res, loc = run(step, (p, tx.init(p), jnp.array([3.0, 1.0, -1.0])))
     assert res.reproduced and loc["origin"]["line"] == line_of("inner-jit-log")   # log(0); c stays >= 0
+
+
+def test_the_where_trap_and_the_history_diagnoses_speak_jax():
+    tx, step = adam_step(guarded_log)
+    p = {"s": jnp.array(1.0)}
+    _, loc = run(step, (p, tx.init(p), jnp.array([1.0, 0.0, 2.0])))
+    out = cause(loc, "backward")
+    assert out["category"] == "where_gradient_trap"
+    assert any("jnp.where(m, jnp.log(jnp.where(m, x, 1.0)), 0.0)" in f for f in out["fixes"]), out["fixes"]
+    out = diagnose(None, [], phase="data", context={"framework": "jax"})
+    assert out["category"] == "bad_input_data"
+    assert not FOREIGN.search(" ".join(out["fixes"])) and "np.isfinite(x)" in out["fixes"][0], out["fixes"]

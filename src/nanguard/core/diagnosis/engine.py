@@ -75,17 +75,22 @@ def from_history(loc: dict | None, sig: dict, phase: str, ctx: dict) -> dict:
                         [X.say(pytorch=f"find what wrote non-finite values into {names}: check initialisation "
                                "and any in-place writes under torch.no_grad()",
                                tensorflow=f"find what wrote non-finite values into {names}: check the "
-                               "initializers and any variable.assign(...) / set_weights(...) between steps"),
+                               "initializers and any variable.assign(...) / set_weights(...) between steps",
+                               jax=f"find what wrote non-finite values into {names}: check the initialisation "
+                               "(model.init / nnx.Rngs) and any code that replaces leaves of the parameter pytree"),
                         X.say(pytorch="restore the last finite checkpoint (or roll back the update) and "
                               "re-initialise the affected parameters",
                               tensorflow="restore the last finite checkpoint (model.load_weights) or roll back "
-                              "the update, and re-initialise the affected variables")], method)
+                              "the update, and re-initialise the affected variables",
+                              jax="keep a reference to the last finite parameter pytree (JAX arrays are immutable) "
+                              "and continue from it, re-initialising the affected leaves")], method)
     if phase == "data":
         return T.result("bad_input_data", "the batch already holds non-finite values before the forward", 0.55,
                         ev, [X.say(pytorch="filter non-finite samples in the data pipeline, e.g. keep rows with "
                                    "torch.isfinite(x).all(dim=1)",
                                    tensorflow="filter non-finite samples in the input pipeline, e.g. "
-                                   + X.finite_filter()),
+                                   + X.finite_filter(),
+                                   jax="filter non-finite samples before batching, e.g. " + X.finite_filter()),
                              "fix the source rows (blank CSV fields, division by zero in preprocessing)"], method)
     dv = divergence(sig, None, ev, method, 0.55, ctx)
     if dv is not None:
@@ -97,9 +102,11 @@ def from_history(loc: dict | None, sig: dict, phase: str, ctx: dict) -> dict:
                     [X.say(pytorch="re-run the failing step under torch.autograd.detect_anomaly(check_nan=True) "
                            "to find the op",
                            tensorflow="re-run the failing step with tf.debugging.enable_check_numerics() to find "
-                           "the op"),
+                           "the op",
+                           jax="re-run the failing step with " + X.detect_anomaly() + " to find the op"),
                      X.say(pytorch="check inputs with torch.isfinite before the forward",
-                           tensorflow="check inputs with tf.debugging.assert_all_finite before the forward")],
+                           tensorflow="check inputs with tf.debugging.assert_all_finite before the forward",
+                           jax="check inputs with np.isfinite on the host before the jitted step")],
                     method)
 
 
@@ -133,7 +140,9 @@ def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
                                "or make sure the masked entries never reach the loss (torch.where / nan_to_num "
                                "after the op)",
                                tensorflow="mask with a large finite value (x.dtype.min, or -1e9) instead of -inf, "
-                               "or make sure the masked entries never reach the loss (tf.where after the op)")],
+                               "or make sure the masked entries never reach the loss (tf.where after the op)",
+                               jax="mask with a large finite value (jnp.finfo(x.dtype).min) instead of -inf, or make "
+                               "sure the masked entries never reach the loss (jnp.where after the op)")],
                         method)
     return mechanism(Case(origin, facts, sig, phase, ev, method, ctx))
 

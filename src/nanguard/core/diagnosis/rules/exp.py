@@ -36,10 +36,14 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     fixes = [X.say(pytorch=f"replace the hand-written exp(z)/sum(exp(z)) at {where} by torch.softmax(z, dim) or, "
                    "for a loss, F.log_softmax / F.cross_entropy on the logits",
                    tensorflow=f"replace the hand-written exp(z)/sum(exp(z)) at {where} by tf.nn.softmax(z, axis) "
-                   "or, for a loss, tf.nn.log_softmax / " + X.logits_loss() + " on the logits"),
+                   "or, for a loss, tf.nn.log_softmax / " + X.logits_loss() + " on the logits",
+                   jax=f"replace the hand-written exp(z)/sum(exp(z)) at {where} by jax.nn.softmax(z, axis) or, for "
+                   "a loss, jax.nn.log_softmax / " + X.logits_loss() + " on the logits"),
              X.say(pytorch="if you need exp itself, subtract the row max first: z - z.amax(dim, keepdim=True), or "
                    "use torch.logsumexp",
                    tensorflow="if you need exp itself, subtract the row max first: z - tf.reduce_max(z, axis, "
-                   "keepdims=True), or use tf.math.reduce_logsumexp"),
+                   "keepdims=True), or use tf.math.reduce_logsumexp",
+                   jax="if you need exp itself, subtract the row max first: z - jnp.max(z, axis, keepdims=True), or "
+                   "use jax.nn.logsumexp"),
              "keep the logits bounded (normalisation, weight decay) if they keep growing"]
     return T.result("exp_overflow", summ, 0.9, ev, fixes, method)

@@ -82,7 +82,8 @@ def where_trap(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     summ = (f"{api} at {where} produced non-finite values"
             + (f" ({fo.get('nonfinite')} of {fo.get('numel')})" if fo.get("nonfinite") else "")
             + (f" from {n} zero input(s)" if n else "")
-            + X.say(pytorch=" that torch.where/masked_fill discarded", tensorflow=" that tf.where discarded")
+            + X.say(pytorch=" that torch.where/masked_fill discarded", tensorflow=" that tf.where discarded",
+                    jax=" that jnp.where discarded")
             + " in the forward, but its backward still computes 0/0 or 0*inf = NaN for them")
     op = T.opshort(origin.get("forward_op") or origin.get("op")) if X.is_tf() else api
     fixes = [f"use the double-where pattern at {where}: {X.safe_where(op)} so the unselected branch never sees "

@@ -51,7 +51,7 @@ def log1p_result(c) -> dict:
     summ, where, prods = log_summary(c.origin, c.facts)
     fixes = []
     if "sigmoid" in prods:
-        ls = "tf.math.log_sigmoid" if X.is_tf() else "F.logsigmoid"
+        ls = X.say(pytorch="F.logsigmoid", tensorflow="tf.math.log_sigmoid", jax="jax.nn.log_sigmoid")
         fixes.append(f"log1p(-sigmoid(z)) is {ls}(-z) (and log1p(-sigmoid(-z)) is {ls}(z)): compute it "
                      f"from the logits at {where}; sigmoid rounds to exactly 1 for z > ~17 in float32, and "
                      "log1p(-1) = -inf")
@@ -91,12 +91,16 @@ def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> d
             "sigmoid rounds to exactly 0 or 1 for |logit| > ~17 in float32",
             tensorflow=f"compute the loss from the logits: {X.logits_loss('binary')} on the logits (drop the "
             "sigmoid activation), or tf.math.log_sigmoid(x) / tf.math.log_sigmoid(-x), instead of log(sigmoid) / "
-            f"log(1 - sigmoid) at {where}; sigmoid rounds to exactly 0 or 1 for |logit| > ~17 in float32"))
+            f"log(1 - sigmoid) at {where}; sigmoid rounds to exactly 0 or 1 for |logit| > ~17 in float32",
+            jax=f"compute the loss from the logits: {X.logits_loss('binary')} (or jax.nn.log_sigmoid(x) / "
+            f"jax.nn.log_sigmoid(-x)) instead of log(sigmoid) / log(1 - sigmoid) at {where}; sigmoid rounds to "
+            "exactly 0 or 1 for |logit| > ~17 in float32"))
     if any(p in prods for p in ("_softmax", "softmax")):
         fixes.append(X.say(
             pytorch=f"use torch.log_softmax (or F.cross_entropy on the logits) instead of log(softmax) at {where}",
             tensorflow=f"compute the loss from the logits: {X.logits_loss()} on the logits (drop the softmax "
-            f"activation), or tf.nn.log_softmax, instead of log(softmax) at {where}"))
+            f"activation), or tf.nn.log_softmax, instead of log(softmax) at {where}",
+            jax=f"use jax.nn.log_softmax (or {X.logits_loss()}) instead of log(softmax) at {where}"))
     fixes.append(f"clamp the argument away from 0 at {where}: {X.call('log', X.clamp_min('x', '1e-12'))} in float32 "
                  "(use a floor the dtype can hold: float32 tiny is 1.2e-38, float16 tiny is 6.1e-05)")
     fixes.append("if the zeros are legitimately masked, use the safe double-where pattern: " + X.safe_where("log"))

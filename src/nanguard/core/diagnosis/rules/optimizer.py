@@ -36,7 +36,9 @@ def optimizer_result(loc: dict | None, facts: dict, ev: dict, method: str, conf:
         fixes.append(X.say(pytorch=f"keep float32 master weights and optimizer state (train with torch.autocast + "
                            f"torch.amp.GradScaler instead of {pdt} parameters)",
                            tensorflow="keep float32 variables and optimizer state: use "
-                           + X.mixed_precision(f"instead of {pdt} variables")))
+                           + X.mixed_precision(f"instead of {pdt} variables"),
+                           jax="keep float32 parameters and optimizer state: use "
+                           + X.mixed_precision(f"instead of {pdt} parameters")))
     eps_cause = ef.get("rounds_to_zero") or ef.get("below_tiny") or zd.get("zeros") or (T.fin(eps) and float(eps) == 0)
     if eps_cause and (eps is not None or not X.is_tf()):   # Keras optimizers without an epsilon (SGD): none
         fixes.append(X.say(
@@ -44,13 +46,17 @@ def optimizer_result(loc: dict | None, facts: dict, ev: dict, method: str, conf:
             f"6.1e-05, float32 tiny 1.2e-38), e.g. {name}(..., eps=1e-4)",
             tensorflow="raise epsilon to a value the variable dtype can hold (float16 tiny is 6.1e-05, float32 "
             "tiny 1.2e-38), e.g. " + X.eps_kwarg(name, "1e-4" if pdt in T.LOW_DTYPES else "1e-7")
-            + (" (the Keras default)" if pdt not in T.LOW_DTYPES else "")))
+            + (" (the Keras default)" if pdt not in T.LOW_DTYPES else ""),
+            jax="raise eps to a value the parameter dtype can hold (float16 tiny is 6.1e-05, float32 tiny "
+            "1.2e-38), e.g. " + X.eps_kwarg(name or "adam", "1e-4")))
     lr = opt.get("lr", ctx.get("lr"))
     lr = lr[0] if isinstance(lr, (list, tuple)) and lr else lr
     fixes.append(X.say(pytorch="lower the learning rate or clip gradients if the update itself is huge",
                        tensorflow="if the update itself is huge, lower the learning rate"
                        + (f" (e.g. learning_rate={T.g(T.nice(float(lr) / 10), 2)})" if T.fin(lr) and lr > 0 else "")
-                       + " or clip gradients: " + X.clip_grad_norm("1.0")))
+                       + " or clip gradients: " + X.clip_grad_norm("1.0"),
+                       jax="if the update itself is huge, lower the learning rate or clip gradients: "
+                       + X.clip_grad_norm("1.0")))
     if not origin:
         fixes.append("re-run the step with the recorder armed to name the op and state")
     return T.result("optimizer_numerics", ", ".join(parts), conf, ev, fixes, method)
@@ -78,7 +84,10 @@ def _hyperparameter(origin: dict, facts: dict, opt: dict, name: str, ev: dict, m
                    "LinearLR / CosineAnnealingLR)",
                    tensorflow=f"fix the schedule at {where} so it stays finite for every step of the run (e.g. keep "
                    "a denominator >= 1: tf.maximum(remaining, 1.0)), or use a built-in one "
-                   "(keras.optimizers.schedules.PolynomialDecay / CosineDecay)"),
+                   "(keras.optimizers.schedules.PolynomialDecay / CosineDecay)",
+                   jax=f"fix the schedule at {where} so it stays finite for every step of the run (e.g. keep a "
+                   "denominator >= 1: jnp.maximum(remaining, 1.0)), or use a built-in one "
+                   "(optax.linear_schedule / optax.cosine_decay_schedule)"),
              "check the schedule's value at every step up to the last one before training (a decay horizon "
              "shorter than the run gives a pole, then negative rates)"]
     return T.result("optimizer_numerics", summ, conf, ev, fixes, method)

@@ -49,14 +49,18 @@ def lp_underflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
                    "or better F.log_softmax(logits.float(), -1) / F.cross_entropy(logits.float(), y)",
                    tensorflow=f"compute {api} and the loss in float32 at {where}: e.g. "
                    "tf.math.log(tf.cast(probs, tf.float32) + 1e-8), or better from float32 logits: give the last "
-                   f"layer dtype=\"float32\" and use {X.logits_loss()}"),
+                   f"layer dtype=\"float32\" and use {X.logits_loss()}",
+                   jax=f"compute {api} and the loss in float32 at {where}: e.g. jnp.log(probs.astype(jnp.float32) + "
+                   f"1e-8), or better jax.nn.log_softmax(logits.astype(jnp.float32)) / {X.logits_loss()}"),
              f"use an eps the dtype can hold ({dt} tiny {T.g(fi.get('tiny'))}, eps {T.g(fi.get('eps'))}): e.g. "
              f"{T.g(safe_eps)} instead of {T.g(eps[0].get('value')) if eps else 'the current value'}",
              X.say(pytorch="train with torch.autocast (float16/bfloat16 matmuls, float32 losses and reductions) and "
                    "torch.amp.GradScaler instead of a model cast to half, or use bfloat16",
                    tensorflow="under mixed_float16 keep the numerically sensitive layers (softmax, log, norms, "
                    "the loss) in float32 with dtype=\"float32\", or use the \"mixed_bfloat16\" policy "
-                   "(float32's range)")]
+                   "(float32's range)",
+                   jax="keep the numerically sensitive ops (softmax, log, norms, the loss) in float32 "
+                   "(x.astype(jnp.float32)), or compute in bfloat16 (float32's range) instead of float16")]
     return T.result("low_precision_underflow", "; ".join(parts), 0.9, ev, fixes, method)
 
 
@@ -74,7 +78,9 @@ def lp_overflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
              X.say(pytorch=f"use bfloat16 (max 3.4e38, same range as float32) instead of {dt}, or torch.autocast + "
                    "torch.amp.GradScaler instead of casting the whole model",
                    tensorflow=f"use the \"mixed_bfloat16\" policy (bfloat16 has float32's range, max 3.4e38) "
-                   f"instead of {dt}"),
+                   f"instead of {dt}",
+                   jax=f"use bfloat16 (max 3.4e38, same range as float32) instead of {dt}, or keep this "
+                   "computation in float32 (x.astype(jnp.float32))"),
              "rescale the quantities (e.g. normalise targets/inputs so activations stay far below "
              f"{T.g(fi.get('max'))})"]
     return T.result("low_precision_overflow", summ, 0.92, ev, fixes, method)

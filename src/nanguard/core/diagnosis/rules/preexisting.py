@@ -28,7 +28,9 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
                        "missing values (torch.nan_to_num / imputation with the column mean)",
                        tensorflow="validate batches in the input pipeline (" + X.finite_check("x") + ") or replace "
                        "missing values (tf.where(tf.math.is_finite(x), x, 0.0), imputation with the column mean, "
-                       "or record_defaults for blank CSV fields)")]
+                       "or record_defaults for blank CSV fields)",
+                       jax="validate batches before the jitted step (" + X.finite_check("x") + ") or replace "
+                       "missing values (np.nan_to_num / imputation with the column mean) when loading the data")]
         return T.result("bad_input_data", summ, 0.95, ev, fixes, method)
     if kind == "optimizer_state":
         return T.result("optimizer_numerics", f"optimizer state {name} was already non-finite before the step "
@@ -56,7 +58,9 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
             fixes = [X.say(pytorch=f"keep '{name or 'the parameter'}' in float32: train with torch.autocast (+ "
                            f"GradScaler for float16) instead of casting the model at {at}",
                            tensorflow=f"keep '{name or 'the variable'}' in float32: use "
-                           + X.mixed_precision(f"instead of casting the variables at {at}")),
+                           + X.mixed_precision(f"instead of casting the variables at {at}"),
+                           jax=f"keep '{name or 'the parameter'}' in float32: use "
+                           + X.mixed_precision(f"instead of casting the parameters at {at}")),
                      f"or rescale it before the cast so |x| < {T.g(dti.get('max'))} (e.g. fold a large input "
                      "scale into a normalisation of the inputs instead of the weights), or use bfloat16",
                      f"assert {X.assert_finite_params()} after a cast or a load"]

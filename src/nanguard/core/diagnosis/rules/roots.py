@@ -78,10 +78,12 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
                 f"input(s) of {sd.get('numel', '?')} ({origin.get('dtype')})")
     fixes = [X.say(pytorch=f"use torch.linalg.vector_norm(a - b, dim=-1) at {where} (its gradient at 0 is defined "
                    "as 0) instead of sqrt(sum of squares)",
-                   tensorflow=f"add a small eps inside the root at {where}: {X.norm_hint()}"),
+                   tensorflow=f"add a small eps inside the root at {where}: {X.norm_hint()}",
+                   jax=f"add a small eps inside the root at {where}: {X.norm_hint()}"),
              X.say(pytorch="or add a small eps inside the root: torch.sqrt(x + 1e-12) (float32) / "
                    "x.clamp(min=1e-12).sqrt()",
-                   tensorflow="or clamp inside the root: tf.sqrt(tf.maximum(x, 1e-12)) (float32)"),
+                   tensorflow="or clamp inside the root: tf.sqrt(tf.maximum(x, 1e-12)) (float32)",
+                   jax="or clamp inside the root: jnp.sqrt(jnp.maximum(x, 1e-12)) (float32)"),
              "if the zero distance comes from pairing a sample with itself, exclude those pairs"]
     is_pow = T.opshort(origin.get("forward_op") or origin.get("op")) in POW.ops or T.node_family(node).startswith("pow")
     if is_pow and backward:
@@ -96,7 +98,8 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
                 f"x ** p is NaN for x < 0 ({origin.get('dtype')})")
         fixes = [f"clamp the base at {where}: {X.clamp_min('x', '0')} ** p (or {X.clamp_min('x', 'eps')} if p < 0)",
                  "if the sign should carry through: " + X.say(pytorch="torch.sign(x) * x.abs() ** p",
-                                                              tensorflow="tf.sign(x) * tf.abs(x) ** p"),
+                                                              tensorflow="tf.sign(x) * tf.abs(x) ** p",
+                                                              jax="jnp.sign(x) * jnp.abs(x) ** p"),
                  "find why the base goes negative (a threshold or offset larger than the data)"]
         return T.result("sqrt_domain", summ, 0.9, ev, fixes, method)
     if not backward and sd.get("negatives"):

@@ -51,7 +51,9 @@ def masked_softmax(origin: dict, facts: dict, ev: dict, method: str) -> dict:
              f"zero the fully masked rows after the softmax: {X.nan_to_zero('att')}",
              X.say(pytorch="or use F.scaled_dot_product_attention, which handles fully masked rows",
                    tensorflow="or use keras.layers.MultiHeadAttention / keras.layers.Attention with attention_mask "
-                   "(Keras masks add a large negative number, so fully masked rows stay finite)")]
+                   "(Keras masks add a large negative number, so fully masked rows stay finite)",
+                   jax="or pass the mask to flax.nnx.MultiHeadAttention / flax.linen.MultiHeadDotProductAttention "
+                   "(Flax masks with the dtype's most negative finite value, so fully masked rows stay finite)")]
     return T.result("masked_softmax", summ, 0.93, ev, fixes, method)
 
 
@@ -68,13 +70,17 @@ def mask_escape(origin: dict, me: dict, ev: dict, method: str) -> dict:
                    "/ (~mask).sum(-1) instead of x.sum(-1) / x.mean(-1)",
                    tensorflow=f"leave masked entries out of the reduction at {where}: tf.reduce_sum(tf.where(mask, "
                    "0.0, x), -1) / tf.reduce_sum(tf.cast(~mask, x.dtype), -1) instead of tf.reduce_sum(x, -1) / "
-                   "tf.reduce_mean(x, -1)"),
+                   "tf.reduce_mean(x, -1)",
+                   jax=f"leave masked entries out of the reduction at {where}: jnp.sum(jnp.where(mask, 0.0, x), -1) "
+                   "/ jnp.sum(~mask, -1) instead of jnp.sum(x, -1) / jnp.mean(x, -1)"),
              X.say(pytorch="with F.cross_entropy(label_smoothing=...) and masked classes, write the smoothing term "
                    "over the allowed classes yourself: label smoothing spreads probability over every class, "
                    "masked ones included",
                    tensorflow="with a Keras cross-entropy's label_smoothing and masked classes, write the smoothing "
                    "term over the allowed classes yourself: label smoothing spreads probability over every class, "
-                   "masked ones included"),
+                   "masked ones included",
+                   jax="with optax.smooth_labels and masked classes, write the smoothing term over the allowed "
+                   "classes yourself: label smoothing spreads probability over every class, masked ones included"),
              f"keep the -inf mask at {at} for softmax/argmax only; do not replace it by a large finite "
              "negative, which turns the infinite loss into a huge finite one"]
     return T.result("masked_softmax", summ, 0.85, ev, fixes, method)

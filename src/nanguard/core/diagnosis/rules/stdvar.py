@@ -42,8 +42,11 @@ def variance(origin: dict, facts: dict, ev: dict, method: str, backward: bool = 
                    "/ correction=0, plus an eps: (x - mean) / (std + 1e-5)",
                    tensorflow="add an eps to the standard deviation: (x - mean) / (tf.math.reduce_std(x, axis, "
                    "keepdims=True) + 1e-5) (a constant group has std 0), or use keras.layers.LayerNormalization "
-                   "(epsilon inside the root)"),
+                   "(epsilon inside the root)",
+                   jax="add an eps to the standard deviation: (x - mean) / (jnp.std(x, axis, keepdims=True) + 1e-5) "
+                   "(a constant group has std 0), or use flax.nnx.LayerNorm / flax.linen.LayerNorm (epsilon inside "
+                   "the root); jnp.std's gradient at std 0 is NaN too"),
              f"avoid batches of size 1: {X.drop_last()} or skip batches with fewer than 2 samples",
              "or normalise with statistics computed once over the whole training set"
-             + X.say(pytorch="", tensorflow=" (keras.layers.Normalization().adapt(x))")]
+             + X.say(pytorch="", tensorflow=" (keras.layers.Normalization().adapt(x))", jax="")]
     return T.result("variance_zero", summ, 0.9, ev, fixes, method)

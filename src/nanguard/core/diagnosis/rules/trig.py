@@ -49,5 +49,7 @@ def trig_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
              "dtype's eps, 1.2e-07 in float32, 9.8e-04 in float16)",
              X.say(pytorch="cosine similarities can exceed 1 by rounding: normalise with F.normalize and clamp",
                    tensorflow="cosine similarities can exceed 1 by rounding: normalise with tf.math.l2_normalize "
-                   "and clip")]
+                   "and clip",
+                   jax="cosine similarities can exceed 1 by rounding: normalise with " + X.unit("x")
+                   + " and clip with jnp.clip(c, -1 + 1e-7, 1 - 1e-7)")]
     return T.result("trig_domain", summ, 0.9, ev, fixes, method)
