@@ -17,7 +17,8 @@ import pathlib
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 PKG = pathlib.Path(__file__).resolve().parents[2] / "src" / "nanguard"
-FRAMEWORKS = ("torch", "tensorflow", "keras", "numpy", "lightning", "pytorch_lightning", "transformers")
+JAX_NAMES = ("jax", "jaxlib", "flax", "optax", "equinox")
+FRAMEWORKS = ("torch", "tensorflow", "keras", "numpy", "lightning", "pytorch_lightning", "transformers") + JAX_NAMES
 TF_NAMES = ("tensorflow", "keras")
 
 
@@ -98,20 +99,30 @@ def test_the_walk_sees_the_package() -> None:
 
 
 def test_core_imports_no_framework_and_no_backend() -> None:
-    forbidden = FRAMEWORKS + ("nanguard.pytorch", "nanguard.tensorflow", "nanguard.keras",
+    forbidden = FRAMEWORKS + ("nanguard.pytorch", "nanguard.tensorflow", "nanguard.keras", "nanguard.jax",
                               "nanguard.integrations", "nanguard.cli")
     assert _violations("nanguard.core", forbidden) == []
 
 
 def test_pytorch_backend_imports_no_edge_and_no_tensorflow() -> None:
-    forbidden = TF_NAMES + ("nanguard.tensorflow", "nanguard.keras", "nanguard.integrations", "nanguard.cli")
+    forbidden = TF_NAMES + JAX_NAMES + ("nanguard.tensorflow", "nanguard.keras", "nanguard.jax",
+                                        "nanguard.integrations", "nanguard.cli")
     assert _violations("nanguard.pytorch", forbidden) == []
 
 
 def test_tensorflow_backend_imports_no_torch_and_no_edge() -> None:
-    forbidden = ("torch", "nanguard.pytorch", "nanguard.integrations", "nanguard.cli")
+    forbidden = ("torch", "nanguard.pytorch", "nanguard.jax", "nanguard.integrations", "nanguard.cli") + JAX_NAMES
     assert _violations("nanguard.tensorflow", forbidden) == []
-    assert _violations("nanguard.keras", ("torch", "nanguard.pytorch")) == []
+    assert _violations("nanguard.keras", ("torch", "nanguard.pytorch", "nanguard.jax") + JAX_NAMES) == []
+
+
+def test_jax_backend_imports_no_other_framework_and_no_edge() -> None:
+    """``nanguard.jax`` may import jax, flax, optax, equinox, numpy and the core; never torch, TensorFlow,
+    another backend, an integration or the command line."""
+    forbidden = ("torch", "nanguard.pytorch", "nanguard.tensorflow", "nanguard.keras", "nanguard.integrations",
+                 "nanguard.cli") + TF_NAMES
+    assert "nanguard.jax.driver" in GRAPH
+    assert _violations("nanguard.jax", forbidden) == []
 
 
 def test_edges_are_imported_by_nothing_inside() -> None:

@@ -46,6 +46,9 @@ BACKENDS: Tuple[Backend, ...] = (
             note="counterfactual experiments (--experiments) run on PyTorch only: see docs/PARITY.md"),
     Backend("torch", "torch", frozenset({"torch"}), "nanguard.pytorch.run:run_torch_script",
             options=COMMON | {"experiments"}),
+    Backend("jax", "jax", frozenset({"jax", "flax", "optax", "equinox"}), "nanguard.jax.run:run_jax_script",
+            options=COMMON - {"bundle", "tensorboard", "on_spike"},
+            note="repro bundles, TensorBoard and early warnings are not in the JAX backend yet: see docs/PARITY.md"),
 )
 DEFAULT = "torch"  # a script that imports no known framework (it may import it through its own modules)
 

@@ -1,0 +1,122 @@
+"""The in-graph per-step check of the JAX backend: one small float32 vector per optimizer update.
+
+Computed inside the user's traced step, next to the outermost optax ``update`` (see :mod:`.hooks`):
+the loss the step differentiated, the squared global gradient norm, the squared parameter norm
+(before the update), the learning rate when optax's ``inject_hyperparams`` state holds one, and the
+finiteness flags the host decides on. A sum (or sum of squares) is finite exactly when every element
+is, except when it overflows with finite elements (values ~1e19): a non-finite sum is confirmed by an
+exact ``isfinite`` pass under ``lax.cond``, which costs nothing on a healthy step.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# the vector's columns (float32; flags are 1.0 / 0.0)
+COLS = ("loss", "grad_sumsq", "param_sumsq", "lr", "loss_known", "loss_ok", "pre_ok", "grads_ok", "post_ok",
+        "aif", "gated")
+C = {name: i for i, name in enumerate(COLS)}
+NCOL = len(COLS)
+
+
+def float_leaves(tree: Any) -> List[Any]:
+    """The floating-point array leaves of a pytree (ints, None and Python objects left out)."""
+    out = []
+    for x in jax.tree_util.tree_leaves(tree):
+        dt = getattr(x, "dtype", None)
+        if dt is not None and jnp.issubdtype(dt, jnp.floating):
+            out.append(x)
+    return out
+
+
+def _exact(leaves: Sequence[Any]) -> jax.Array:
+    flags = [jnp.all(jnp.isfinite(x)) for x in leaves]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+
+
+def total(leaves: Sequence[Any], square: bool) -> jax.Array:
+    """Sum (or sum of squares) of every element, in float32 (one reduction per leaf)."""
+    if not leaves:
+        return jnp.zeros((), jnp.float32)
+    parts = [jnp.sum(jnp.square(x.astype(jnp.float32)) if square else x.astype(jnp.float32)) for x in leaves]
+    s = parts[0]
+    for p in parts[1:]:
+        s = s + p
+    return s
+
+
+def finite_from(s: jax.Array, leaves: Sequence[Any]) -> jax.Array:
+    """Every element of ``leaves`` is finite, given their sum ``s``: exact only when ``s`` is not finite."""
+    if not leaves:
+        return jnp.array(True)
+    return lax.cond(jnp.isfinite(s), lambda: jnp.array(True), lambda: _exact(leaves))
+
+
+def has_state(state: Any, name: str) -> bool:
+    """An optax state of the named type anywhere in ``state`` (a chain's states are tuples)."""
+    if type(state).__name__ == name:
+        return True
+    if isinstance(state, (tuple, list)):
+        return any(has_state(s, name) for s in state)
+    return False
+
+
+def learning_rate(state: Any) -> Optional[Any]:
+    """The learning rate an ``optax.inject_hyperparams`` state holds, or None."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if "hyperparams" in keys and keys and keys[-1] == "learning_rate":
+            return leaf
+    return None
+
+
+def step_vector(loss: Any, grads: Any, params: Any, updates: Any, new_state: Any) -> Tuple[jax.Array, jax.Array]:
+    """(the flag vector, the step's ``ok``): ``ok`` is False when the update must not be applied
+    (non-finite loss, parameters, update or state; non-finite gradients only when no
+    ``optax.apply_if_finite`` is skipping them itself)."""
+    g = float_leaves(grads)
+    gsq = total(g, True)
+    grads_ok = finite_from(gsq, g)
+    p = float_leaves(params) if params is not None else []
+    psq = total(p, True)
+    pre_ok = finite_from(psq, p)
+    post = float_leaves(updates) + float_leaves(new_state)
+    post_ok = finite_from(total(post, False), post)
+    if loss is not None:
+        lv = jnp.asarray(loss).astype(jnp.float32).reshape(())
+        loss_ok, known = jnp.isfinite(lv), 1.0
+    else:
+        lv, loss_ok, known = jnp.zeros((), jnp.float32), jnp.array(True), 0.0
+    aif = has_state(new_state, "ApplyIfFiniteState")
+    lr = learning_rate(new_state)
+    lr = jnp.asarray(lr).astype(jnp.float32).reshape(()) if lr is not None else jnp.array(jnp.nan, jnp.float32)
+    ok = loss_ok & pre_ok & post_ok & (grads_ok | aif)
+    f = lambda b: jnp.asarray(b).astype(jnp.float32)  # noqa: E731
+    vec = jnp.stack([lv, gsq, psq, lr, f(known), f(loss_ok), f(pre_ok), f(grads_ok), f(post_ok), f(aif),
+                     jnp.zeros((), jnp.float32)])
+    return vec, ok
+
+
+def gate(ok: jax.Array, vec: jax.Array, updates: Any, new_state: Any, old_state: Any,
+         scale: float = 1.0) -> Tuple[jax.Array, Any, Any]:
+    """Recovery mode: a failing update is dropped in the graph (zero update, the old optimizer state),
+    and ``scale`` (a backed-off learning rate) multiplies the update (never when it is 1: bit-for-bit)."""
+    zero = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
+    if scale != 1.0:
+        zero = jax.tree_util.tree_map(lambda u: (u * scale).astype(u.dtype), zero)
+    kept = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new_state, old_state)
+    vec = vec.at[C["gated"]].set(jnp.where(ok, 0.0, 1.0))
+    return vec, zero, kept
+
+
+def clip_tree(grads: Any, max_norm: float) -> Any:
+    """``grads`` scaled so their global norm is at most ``max_norm`` (recovery's armed clip)."""
+    leaves = float_leaves(grads)
+    norm = jnp.sqrt(total(leaves, True))
+    factor = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    return jax.tree_util.tree_map(
+        lambda g: (g * factor).astype(g.dtype) if jnp.issubdtype(getattr(g, "dtype", jnp.int32), jnp.floating) else g,
+        grads)

@@ -1,0 +1,254 @@
+"""The zero-code hooks of the JAX backend: optax updates checked in the graph, jitted steps return the check.
+
+JAX runs Python hooks once, when a step is traced, so the check is built into the traced step:
+
+* every optax ``GradientTransformation`` is wrapped at construction (``optax.adam(...)``, ``chain``,
+  ``inject_hyperparams``... all go through ``GradientTransformation.__new__``); the outermost
+  ``update`` of a step (the inner transforms of a chain are not counted) computes the step's flag
+  vector (:mod:`.check`) next to the update, and in recovery mode drops a failing update in the graph;
+* ``jax.value_and_grad`` (used by ``nnx.value_and_grad`` and ``eqx.filter_value_and_grad`` too) notes
+  the loss it returns, so the check sees the loss the step differentiated;
+* ``jax.jit`` (used by ``nnx.jit`` and ``eqx.filter_jit`` too) compiles the user's function with the
+  step's flag vectors as one extra output: the host reads them with the step's own results, no
+  callback and no extra sync. The jitted object keeps the user's interface (its ``lower``, ``trace``...
+  are those of a plain ``jax.jit`` of the same function). An update traced where no such output can
+  carry the vector (inside ``lax.scan``, under a jit with ``out_shardings``) reports it through
+  ``jax.debug.callback``; an eager update hands it to the host directly.
+
+The host is the installed :class:`~.driver.JaxDriver` (one at a time), reached through :data:`HOST`.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+import jax
+import jax.numpy as jnp
+from jax._src import core as jcore
+
+from . import check
+
+HOST: List[Any] = [None]     # the installed driver
+_ORIG: Dict[str, Any] = {}   # what the patches replaced
+_DEPTH = [0]                 # optax update nesting (inner transforms of a chain)
+_EAGER_LOSS: List[Any] = [None]
+
+
+class _Ctx:
+    """One traced outermost function: its trace, the loss last differentiated, the flag vectors."""
+
+    __slots__ = ("trace", "loss", "flags")
+
+    def __init__(self) -> None:
+        self.trace = jcore.trace_ctx.trace
+        self.loss: Any = None
+        self.flags: List[Any] = []
+
+
+_STACK: List[_Ctx] = []
+
+
+def tracing() -> bool:
+    return not isinstance(jcore.trace_ctx.trace, jcore.EvalTrace)
+
+
+def _here() -> Optional[_Ctx]:
+    """The context of the function being traced right now (None inside a nested transform's body)."""
+    if _STACK and _STACK[-1].trace is jcore.trace_ctx.trace:
+        return _STACK[-1]
+    return None
+
+
+def _live(host: Any) -> bool:
+    return host is not None and not host.suspended and not host.disabled
+
+
+# --------------------------------------------------------------------------- the loss
+
+def _note_loss(value: Any) -> None:
+    ctx = _here()
+    if ctx is not None:
+        ctx.loss = value
+    elif not tracing():
+        _EAGER_LOSS[0] = value
+
+
+def _value_and_grad(fun: Callable, *a: Any, **k: Any) -> Callable:
+    g = _ORIG["value_and_grad"](fun, *a, **k)
+    has_aux = k.get("has_aux", a[1] if len(a) > 1 else False)
+
+    @functools.wraps(g)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out = g(*args, **kwargs)
+        if _live(HOST[0]):
+            try:
+                _note_loss(out[0][0] if has_aux else out[0])
+            except Exception:
+                pass
+        return out
+    return wrapped
+
+
+# --------------------------------------------------------------------------- optax updates
+
+def optimizer_info(frames_from: Any) -> Dict[str, Any]:
+    """The optax factory that built a transform (the outermost public optax function on the stack)
+    and its numeric arguments: ``{"name": "adam", "hyperparams": {"learning_rate": 0.05, ...}}``."""
+    info: Dict[str, Any] = {}
+    f = frames_from
+    while f is not None:
+        mod = f.f_globals.get("__name__", "")
+        name = f.f_code.co_name
+        if mod.startswith("optax") and not name.startswith("_") and "<" not in name \
+                and not mod.endswith("._src.base"):
+            hp = {k: v for k, v in f.f_locals.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            info = {"name": name, "hyperparams": hp}
+        f = f.f_back
+    return info
+
+
+def _wrap_update(update: Callable, info: Dict[str, Any]) -> Callable:
+    if getattr(update, "_nanguard", False):
+        return update
+
+    def wrapped(updates: Any, state: Any, params: Any = None, *a: Any, **k: Any) -> Any:
+        host = HOST[0]
+        if not _live(host) or _DEPTH[0] > 0:
+            return update(updates, state, params, *a, **k)
+        return _outer_update(host, update, info, updates, state, params, a, k)
+    wrapped._nanguard = True  # type: ignore[attr-defined]
+    wrapped._nanguard_info = info  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _outer_update(host: Any, update: Callable, info: Dict[str, Any], grads: Any, state: Any, params: Any,
+                  a: tuple, k: dict) -> Any:
+    g = grads
+    if host.clip_norm is not None:
+        g = check.clip_tree(grads, host.clip_norm)
+    _DEPTH[0] += 1
+    try:
+        out_u, new_state = update(g, state, params, *a, **k)
+    finally:
+        _DEPTH[0] -= 1
+    try:
+        ctx = _here()
+        traced = tracing()
+        loss = ctx.loss if ctx is not None else (None if traced else _EAGER_LOSS[0])
+        vec, ok = check.step_vector(loss, grads, params, out_u, new_state)
+        if host.recovering:
+            vec, out_u, new_state = check.gate(ok, vec, out_u, new_state, state, host.lr_scale)
+        host.note_optimizer(info, state)
+        if ctx is not None:
+            ctx.flags.append(vec[None, :])
+            ctx.loss = None
+        elif not traced:
+            _EAGER_LOSS[0] = None
+            host.on_vectors(vec[None, :], None)
+        else:
+            jax.debug.callback(host.on_callback, vec, ordered=False)
+    except Exception as e:  # the check must never break the user's step
+        host.internal_error(e)
+    return out_u, new_state
+
+
+# --------------------------------------------------------------------------- jit
+
+def _instrumented(fun: Callable) -> Callable:
+    @functools.wraps(fun)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        ctx = _Ctx()
+        _STACK.append(ctx)
+        try:
+            out = fun(*args, **kwargs)
+        finally:
+            _STACK.remove(ctx)
+        flags = jnp.concatenate(ctx.flags, 0) if ctx.flags else None
+        return out, flags
+    return traced
+
+
+class Jitted:
+    """``jax.jit(fun)`` under the guard: calls return ``fun``'s outputs; the step's flag vectors,
+    compiled in as an extra output, go to the host. Other attributes are a plain jit's."""
+
+    def __init__(self, fun: Callable, a: tuple, k: dict) -> None:
+        self._fun, self._a, self._k = fun, a, k
+        kk = dict(k)
+        kk.pop("out_shardings", None)  # all None (nnx.jit passes a tuple of them): the same as none
+        self.donated = bool(kk.pop("donate_argnums", None) or kk.pop("donate_argnames", None))
+        kk.pop("donate_argnums", None)
+        kk.pop("donate_argnames", None)
+        # donated inputs are the pre-step state the replay and the rollback need: they stay alive
+        self._inner = _ORIG["jit"](_instrumented(fun), *a, **kk)
+        self._plain: Any = None
+        functools.update_wrapper(self, fun)  # type: ignore[arg-type]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        host = HOST[0]
+        if not _live(host) or tracing():
+            out, flags = self._inner(*args, **kwargs)
+            ctx = _here()
+            if flags is not None and ctx is not None:
+                ctx.flags.append(flags)  # a jitted step inside another traced function
+            return out
+        args, kwargs = host.before_call(self, args, kwargs)
+        out, flags = self._inner(*args, **kwargs)
+        if flags is not None:
+            host.after_call(self, args, kwargs, out, flags)
+        return out
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else functools.partial(self, obj)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_fun", "_a", "_k", "_inner", "_plain", "donated"):
+            raise AttributeError(name)
+        if self._plain is None:
+            self._plain = _ORIG["jit"](self._fun, *self._a, **self._k)
+        return getattr(self._plain, name)
+
+
+def _jit(fun: Any = None, *a: Any, **k: Any) -> Any:
+    if fun is None:
+        return lambda f: _jit(f, *a, **k)
+    if HOST[0] is None or not callable(fun) or jax.tree_util.tree_leaves(k.get("out_shardings")):
+        return _ORIG["jit"](fun, *a, **k)  # real output shardings: the check reports by callback there
+    return Jitted(fun, a, k)
+
+
+# --------------------------------------------------------------------------- install
+
+def install(host: Any) -> None:
+    """Patch optax, ``jax.jit`` and ``jax.value_and_grad`` for ``host`` (idempotent)."""
+    HOST[0] = host
+    if _ORIG:
+        return
+    from optax._src import base
+    _ORIG["jit"], _ORIG["value_and_grad"] = jax.jit, jax.value_and_grad
+    jax.jit = _jit
+    jax.value_and_grad = _value_and_grad
+    for cls in (base.GradientTransformation, base.GradientTransformationExtraArgs):
+        orig_new = cls.__new__
+        _ORIG[f"new:{cls.__name__}"] = (cls, orig_new)
+
+        def new(c: Any, init: Any, update: Any, _orig: Any = orig_new) -> Any:
+            try:
+                upd = _wrap_update(update, optimizer_info(sys._getframe(1)))
+            except Exception:
+                upd = update
+            return _orig(c, init, upd)
+        cls.__new__ = new  # type: ignore[method-assign]
+
+
+def uninstall() -> None:
+    """Put back what :func:`install` replaced (transforms built meanwhile stay wrapped, inert)."""
+    HOST[0] = None
+    if not _ORIG:
+        return
+    jax.jit = _ORIG.pop("jit")
+    jax.value_and_grad = _ORIG.pop("value_and_grad")
+    for key in [k for k in _ORIG if k.startswith("new:")]:
+        cls, orig_new = _ORIG.pop(key)
+        cls.__new__ = orig_new

@@ -1,0 +1,92 @@
+"""``nanguard run`` for JAX scripts (Flax NNX or Linen, Equinox, plain JAX with optax): the script runs
+as ``__main__`` under the JAX hooks (:mod:`.hooks`).
+
+Same contract as the other runners: exit status 0 / the script's own status when nanguard did not stop
+it, ``3`` when nanguard stopped the run at a non-finite value, ``2`` for a usage error; the report is
+written however the script ends. jax and optax are imported before the script runs (that starts no
+XLA backend, so the script's own ``XLA_FLAGS`` still apply).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, List, Optional
+
+from ..core.config import GuardConfig
+from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
+from ..core.outputs import absolute
+from ..core.render.html import html_target, write_run_html
+from ..core.render.terminal import print_line
+from ..core.reportsink import open_run_report
+from ..core.script import apply_late_signal, apply_outcome, pending_signal, restore_signals, run_as_main
+
+
+def run_jax_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
+                   on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
+                   strict: bool = False, quiet: bool = False, bundle: Optional[str] = None,
+                   tensorboard: Optional[str] = None, html: Optional[str] = "auto",
+                   on_spike: Optional[str] = None) -> int:
+    """Run a JAX ``script`` as ``__main__`` under the guard; write the report however it ends."""
+    if not os.path.isfile(script):
+        print(f"nanguard: no such script: {script}", file=sys.stderr)
+        return EXIT_USAGE
+    script_abs = os.path.abspath(script)
+    page_path = absolute(html_target(report_path, html))
+    try:
+        sink = open_run_report(script=script_abs, report=report_path, html=page_path, extra={"framework": "jax"})
+    except OSError as e:
+        print(f"nanguard: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    from .driver import JaxDriver, StopRun
+    drv = JaxDriver(GuardConfig(on_nonfinite=on_nonfinite, strict=strict), script_abs, recover=recover,
+                    localize=localize, quiet=quiet)
+    if not quiet:
+        mode = "recover" if recover else on_nonfinite
+        print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}; report: {report_path})")
+    drv.install()
+    t0 = time.time()
+    owner = os.getpid()
+    try:
+        outcome = run_as_main(script, list(args), lambda e: isinstance(e, StopRun))
+    finally:
+        drv.uninstall()
+    if os.getpid() != owner:
+        return outcome.code
+    code, stopped = outcome.code, outcome.stopped
+    final = None
+    try:
+        report = drv.make_report(run_seconds=time.time() - t0)
+        outcome.stopped = stopped = stopped or drv.stopped
+        apply_outcome(report, outcome, step=report.steps_watched)
+        final = apply_late_signal(report, outcome, step=report.steps_watched)
+        if report_path:
+            sink.finish(report)
+        page = write_run_html(report, report_path, page_path)
+        if not quiet:
+            _print_outcome(report, report_path, drv)
+            if page:
+                print_line(f"HTML report: {page}")
+    except Exception as e:
+        if strict:
+            raise
+        print(f"nanguard: could not build the report: {type(e).__name__}: {e}", file=sys.stderr)
+    finally:
+        late = pending_signal()
+        restore_signals()
+    if final is not None:
+        return final
+    if outcome.signal is None and late is not None:
+        return 128 + int(late)
+    if stopped or (drv.stopped and drv.recovery is None):
+        return EXIT_NONFINITE
+    return code
+
+
+def _print_outcome(report: Any, report_path: Optional[str], drv: Any) -> None:
+    from ..core.render.terminal import render, summary_line
+    if report.status != "clean":
+        render(report, report_path)
+    print_line(summary_line(report))
+    if drv.recovery is not None:
+        drv.recovery.print_summary()
