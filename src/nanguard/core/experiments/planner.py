@@ -128,7 +128,8 @@ def _history_specs(category: str, s: Situation) -> List[Spec]:
         return []
     n = s.step - start + 1.5  # + saving, restoring and checking the state
     out: List[Spec] = []
-    lr = Spec("lr_replay", {"factor": lr_factor(s), "from_step": start, "to_step": s.step}, category, n)
+    lr = Spec("lr_replay", {"factor": lr_factor(s), "from_step": start, "to_step": s.step, "deeper": True},
+              category, n)
     clip = Spec("clip_replay", {"max_norm": clip_norm(s), "from_step": start, "to_step": s.step}, category,
                 n + 0.01)
     out += [lr, clip] if category == "lr_too_high" else [clip, lr]

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 
 from .kinds import DIVERGENCE, PER_SAMPLE, PRECISION
 from .records import Experiment, confirmed_record
+from .tested import tested_fixes
 
 CONFIRMED = 0.97
 AFTER_REFUTED = 0.7
@@ -62,6 +63,9 @@ def finalize(event: Any, experiments: List[Experiment], confirmed: Optional[Expe
         finding = determinism_finding(det)
         ev["determinism"] = finding
         cause["summary"] = f"{cause.get('summary', '')}. {finding}"
+    tested = tested_fixes(ev["experiments"])
+    if tested:
+        cause["tested_fixes"] = tested
     if experiments:
         n_ok = sum(1 for e in experiments if e.finite)
         ev["experiments_note"] = (f"{len(experiments)} counterfactual replay(s), {n_ok} finite, "

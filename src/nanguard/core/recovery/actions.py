@@ -77,6 +77,11 @@ class RecoveryActions(abc.ABC):
     def learning_rates(self) -> List[float]:
         """The current learning rate of every param group."""
 
+    def learning_rate_peaks(self) -> List[float]:
+        """The highest rate each param group's schedule reaches in the coming steps (a warm-up's peak),
+        in :meth:`learning_rates`' order; by default the current rates (no schedule known)."""
+        return self.learning_rates()
+
     @abc.abstractmethod
     def lr_backoff(self, factor: float) -> Dict[str, Any]:
         """Scale every learning rate (and the schedulers' base rates) by ``factor``.

@@ -54,6 +54,15 @@ def backoff_factor(lr_factor: float, cause: Dict[str, Any], lrs: Sequence[float]
     return max(factor, 1e-4)
 
 
+def peak_cut(factor: float, lrs: Sequence[float], peaks: Sequence[float]) -> float:
+    """The factor for the schedule's base rates so that its coming peak lands on ``factor`` x the rate
+    that diverged (``lrs``, now), not above it: under a warm-up a plain ``factor`` would put the new peak
+    at ``factor`` x the old peak, which may be where the run diverged. ``peaks``: each group's highest
+    coming rate (``RecoveryActions.learning_rate_peaks``); ``factor`` when no peak is above its rate."""
+    ratios = [lr / pk for lr, pk in zip(lrs, peaks) if _positive(lr) and _positive(pk) and pk > lr]
+    return max(factor * min(ratios), 1e-6) if ratios else factor
+
+
 def _positive(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..render.terminal import print_line
 from .actions import RecoveryActions, Snapshot
 from .budget import DATA_CATEGORY, RecoveryBudget
-from .estimates import DynamicLossScale, backoff_factor, clip_max_norm, healthy_grad_norms, rollback_bound
+from .estimates import DynamicLossScale, backoff_factor, clip_max_norm, healthy_grad_norms, peak_cut, rollback_bound
 from .records import notice, summary_line
 from .repeats import Repeats
 from .snapshots import SnapshotStore
@@ -181,7 +181,7 @@ class RecoveryPolicy:
             elif a == "clip":
                 self._clip(history, done, step)
             elif a == "lr_backoff":
-                self._lr_backoff(cause, actions, done, step)
+                self._lr_backoff(cause, actions, done, step, proofs.get("lr_backoff"))
             elif a == "upcast":
                 o = event.origin or {}
                 path = (proofs.get("upcast") or {}).get("params", {}).get("module")  # "": the whole model
@@ -326,13 +326,23 @@ class RecoveryPolicy:
             self.store.pin_next()
         return last is not None and 0 < step - last <= self.budget.window
 
-    def _lr_backoff(self, cause: Dict[str, Any], actions: RecoveryActions, done: Dict[str, Any], step: int) -> None:
+    def _lr_backoff(self, cause: Dict[str, Any], actions: RecoveryActions, done: Dict[str, Any], step: int,
+                    proof: Optional[dict] = None) -> None:
         """Lower every learning rate; with no optimizer (hand-written updates) scale the gradients instead."""
         lrs = actions.learning_rates()
         repeat = self._step_size_cut(step, done)
         factor = backoff_factor(self.lr_factor, cause, lrs, repeat=repeat)
+        tested = ((proof or {}).get("params") or {}).get("factor")
+        if isinstance(tested, (int, float)) and 0 < tested < 1:
+            factor = float(tested)  # the rate a replay showed to be finite (recovery/verify.py)
         if lrs:
-            done["lr_backoff"] = actions.lr_backoff(factor)
+            peaks = actions.learning_rate_peaks()
+            cut = peak_cut(factor, lrs, peaks)  # under a warm-up: the coming peak lands on factor x now
+            done["lr_backoff"] = actions.lr_backoff(cut)
+            if cut < factor:
+                done["lr_backoff"]["schedule_peak"] = {"before": max(peaks), "after": max(peaks) * cut,
+                                                       "why": f"the schedule still rises to {max(peaks):.3g}: "
+                                                       f"its peak is cut to x{factor:.3g} the rate that diverged"}
             if repeat:
                 done["lr_backoff"]["repeat"] = True
             return

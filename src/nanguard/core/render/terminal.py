@@ -110,11 +110,14 @@ def _render(report: Report, json_path: Optional[str], console=None) -> None:
     if code:
         parts.append(Syntax(code[0], "python", line_numbers=True, start_line=code[1],
                             highlight_lines={int(o["line"])}, word_wrap=True))
-    if ev.fixes:
+    tested = tested_line(cause.get("tested_fixes") or [])
+    if ev.fixes or tested:
         fx = Table.grid(padding=(0, 1))
         fx.add_column()
         fx.add_column()
-        for i, f in enumerate(ev.fixes, 1):
+        if tested:  # a fix a replay from the snapshot showed to work, first (experiments/tested.py)
+            fx.add_row("[bold green]>[/]", _escape(tested))
+        for i, f in enumerate(ev.fixes or [], 1):
             fx.add_row(f"[bold green]{i}.[/]", _escape(f))
         parts.append("[bold]What to do[/]")
         parts.append(fx)
@@ -128,6 +131,17 @@ def _render(report: Report, json_path: Optional[str], console=None) -> None:
         parts.append("[dim]" + _escape("; ".join(tail)) + "[/]")
     con.print(Panel(Group(*parts), title=f"[bold {'yellow' if ev.is_warning else 'red'}]nanguard: {panel_title(ev)}[/]",
                     expand=False))
+
+
+def tested_line(tested) -> Optional[str]:
+    """The line the fixes start with (``cause.tested_fixes``, passed ones first): a fix that passed, with
+    what happened, or that none of the tested ones passed."""
+    tested = [t for t in tested or () if isinstance(t, dict) and t.get("text")]
+    if not tested:
+        return None
+    if tested[0].get("passed"):
+        return f"tested: {tested[0]['text']}"
+    return "tested, none passed: " + "; ".join(t["text"] for t in tested[:3])
 
 
 def panel_title(ev) -> str:

@@ -226,7 +226,7 @@ class TorchBench(Bench):
         e.details["compiled_finite"] = compiled.finite
         self._settle(e, eager)
 
-    def _history(self, e: Experiment, **change: Any) -> None:
+    def _history(self, e: Experiment, **change: Any) -> Dict[str, Any]:
         start, end = e.params.get("from_step"), e.params.get("to_step")
         snap = next((s for s in self.snapshots if s.step == start), None)
         kept = dict(self.kept)
@@ -234,16 +234,41 @@ class TorchBench(Bench):
         steps = consecutive(kept, start, end) if snap is not None else None
         if steps is None:
             e.error = f"no snapshot and kept batches from step {start}"
-            return
+            return {}
         res = replay_history(snap, steps, self.roots, self.step.optimizers, **change)
         e.replays += res.get("replays", 0)
         e.work += res.get("replays", 0)
         e.finite, e.error = res.get("finite"), res.get("error")
         if res.get("failed_at") is not None:
             e.details["failed_at"] = res["failed_at"]
+        e.details["steps"] = res.get("replays", 0)
+        losses = [x for x in res.get("losses") or [] if isinstance(x, float)]
+        if losses:
+            e.details["losses"] = [losses[0], losses[-1]]
+        return res
 
     def _lr_replay(self, e: Experiment, replays_left: float) -> None:
-        self._history(e, lr_factor=float(e.params.get("factor") or 0.1))
+        """The learning rate lowered by the planned factor; with ``deeper`` (the planner's), if the replay
+        still fails and the budget left pays for one more, x0.1 further (a fix printed, or applied, must
+        be one that passed)."""
+        factor = float(e.params.get("factor") or 0.1)
+        lrs = [float(g["lr"]) for o in self.step.optimizers for g in o.param_groups]
+        tried = []
+        while True:
+            before = e.work
+            self._history(e, lr_factor=factor)
+            tried.append({"factor": factor, "finite": e.finite, **({"failed_at": e.details["failed_at"]}
+                                                                    if "failed_at" in e.details else {})})
+            if e.finite is not False or not e.params.get("deeper") or len(tried) >= 2 or factor * 0.1 < 1e-4 or \
+                    e.work + (e.work - before) > replays_left:
+                break
+            factor *= 0.1
+            e.details.pop("failed_at", None)
+        e.params["factor"] = factor
+        e.details["lr"] = [x * factor for x in lrs]
+        if len(tried) > 1:
+            e.details["tried"] = tried
+            e.change = describe("lr_replay", e.params)
 
     def _clip_replay(self, e: Experiment, replays_left: float) -> None:
         self._history(e, max_norm=float(e.params.get("max_norm") or 1.0))

@@ -24,13 +24,14 @@ def replay_history(snapshot: Any, steps: Sequence[ReplayableStep], modules: Sequ
                    optimizers: Sequence[Any], *, lr_factor: Optional[float] = None,
                    max_norm: Optional[float] = None) -> Dict[str, Any]:
     """Replay ``steps`` (consecutive, the first one starting at ``snapshot.step``) from ``snapshot``.
-    Returns ``{"finite": bool | None, "failed_at": step | None, "replays": n, "error": ...}``."""
+    Returns ``{"finite": bool | None, "failed_at": step | None, "replays": n, "losses": [each step's
+    loss], "error": ...}``."""
     t0 = time.perf_counter()
     params = params_of(optimizers)
     saved_grads = [p.grad for p in params]
     current = Snapshot(-1, modules, optimizers, None)  # the state now (pre-update of the failing step)
     lrs = [[g["lr"] for g in o.param_groups] for o in optimizers]
-    out: Dict[str, Any] = {"finite": None, "failed_at": None, "replays": 0}
+    out: Dict[str, Any] = {"finite": None, "failed_at": None, "replays": 0, "losses": []}
     try:
         snapshot.restore(modules, optimizers, None)
         if lr_factor is not None:
@@ -41,6 +42,8 @@ def replay_history(snapshot: Any, steps: Sequence[ReplayableStep], modules: Sequ
         for st in steps:
             o = st.run(changes=StepChanges(keep_grads=True))
             out["replays"] += 1
+            if o.losses:
+                out["losses"].append(sum(o.losses))
             if o.finite is None:
                 out["error"] = o.error
                 finite = None

@@ -12,7 +12,7 @@ from ..rng import capture_rng, restore_rng
 from .clip import clip_grads
 from .loss_scale import unscale_grads
 from .loose import hand_params
-from .lr_backoff import learning_rates, lr_backoff, scale_grads
+from .lr_backoff import learning_rates, lr_backoff, scale_grads, schedule_peaks
 from .skip import skip_step
 from .snapshot import Snapshot
 from .state import optimizer_state_finite, state_finite
@@ -69,6 +69,9 @@ class TorchActions(RecoveryActions):
 
     def learning_rates(self) -> List[float]:
         return learning_rates(self.optimizers)
+
+    def learning_rate_peaks(self) -> List[float]:
+        return schedule_peaks(self.optimizers)
 
     def lr_backoff(self, factor: float) -> Dict[str, Any]:
         return lr_backoff(self.optimizers, factor)

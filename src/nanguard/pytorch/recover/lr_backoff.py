@@ -6,7 +6,9 @@ with :func:`scale_grads` on :func:`~nanguard.pytorch.recover.loose.hand_params`.
 """
 from __future__ import annotations
 
+import copy
 import gc
+import warnings
 from typing import Any, Dict, List, Sequence
 
 import torch
@@ -52,6 +54,62 @@ def lr_backoff(optimizers: Sequence[Any], factor: float = 0.1) -> Dict[str, Any]
                 if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
                     setattr(sched, attr, [x * factor for x in v])
     return {"lr_before": before, "lr_after": after, "factor": factor}
+
+
+def schedule_peaks(optimizers: Sequence[Any], horizon: int = 1000) -> List[float]:
+    """The highest learning rate each param group (in :func:`learning_rates`' order) will reach in the
+    next ``horizon`` steps of its attached schedulers (a warm-up's peak), at least its current one.
+
+    The schedulers are stepped on copies that share a stand-in optimizer (param groups without their
+    parameters): the real schedulers, optimizers and learning rates are untouched. Only run after a
+    failure (recovery), never on a healthy step."""
+    out: List[float] = []
+    for o in optimizers:
+        lrs = [float(g["lr"]) for g in o.param_groups if isinstance(g.get("lr"), (int, float, torch.Tensor))]
+        peaks = list(lrs)
+        try:
+            peaks = _simulate(o, lrs, horizon)
+        except Exception:  # a scheduler that cannot be copied or stepped alone: the current rates
+            pass
+        out += peaks
+    return out
+
+
+class _StandIn:
+    """An optimizer without parameters, for schedulers stepped on copies."""
+
+    def __init__(self, opt: Any) -> None:
+        self.param_groups = [{k: (v.clone() if isinstance(v, torch.Tensor) else copy.copy(v))
+                              for k, v in g.items() if k != "params"} | {"params": []} for g in opt.param_groups]
+        self.defaults = dict(getattr(opt, "defaults", {}))
+        self._opt_called = True
+
+        def step(*a: Any, **k: Any) -> None:
+            return None
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        self.step = step
+
+
+def _simulate(opt: Any, lrs: List[float], horizon: int) -> List[float]:
+    scheds = [s for s in schedulers_of(opt) if not isinstance(s, lr_scheduler.ReduceLROnPlateau)]
+    inner = {id(c) for s in scheds for c in (getattr(s, "_schedulers", None) or [])}
+    top = [s for s in scheds if id(s) not in inner]
+    if not top:
+        return list(lrs)
+    shadow = _StandIn(opt)
+    copies = copy.deepcopy(top, memo={id(opt): shadow})
+    peaks = list(lrs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(horizon):
+            try:
+                for c in copies:
+                    c.step()
+            except Exception:  # past a schedule's end (OneCycleLR's total_steps)
+                break
+            now = [float(g["lr"]) for g in shadow.param_groups if isinstance(g.get("lr"), (int, float, torch.Tensor))]
+            peaks = [max(a, b) for a, b in zip(peaks, now)]
+    return peaks
 
 
 def scale_grads(params: Sequence[torch.Tensor], factor: float) -> None:

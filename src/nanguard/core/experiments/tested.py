@@ -1,0 +1,63 @@
+"""Fixes that were tested: the numeric fixes a report suggests (a learning rate, a clip value, an eps or
+a domain clamp, a dtype), each with what its replay from the snapshot gave, a fix that passed first.
+
+Built from the experiments that ran on the failure (``cause.evidence.experiments``: plain dicts), so
+nothing is run twice: ``lr_replay`` (the learning rate), ``clip_replay`` (a gradient-norm clip),
+``domain_guard`` (an eps/clamp on the origin op's input), ``upcast_module`` (a module in float32).
+Each entry of ``cause.tested_fixes`` (report schema ``nanguard.report/1``, an optional field: readers
+of older reports see none)::
+
+    {"fix": "lr 0.004", "kind": "lr_replay", "passed": true, "steps": 20,
+     "loss": [2.3, 1.1], "text": "lr 0.004: 20 steps finite, loss 2.3 -> 1.1"}
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+
+
+def g(x: Any) -> str:
+    return f"{x:.3g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
+
+_KINDS = ("lr_replay", "clip_replay", "domain_guard", "upcast_module")
+
+
+def tested_fixes(experiments: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One entry per numeric fix a replay tried (see the module docstring); passed ones first, each
+    group in the order they ran."""
+    out = [t for t in (_entry(e) for e in experiments if e.get("kind") in _KINDS) if t is not None]
+    return [t for t in out if t["passed"]] + [t for t in out if not t["passed"]]
+
+
+def _entry(e: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    if e.get("finite") is None:  # could not run: nothing was tested
+        return None
+    p, d = e.get("params") or {}, e.get("details") or {}
+    kind = e["kind"]
+    if kind == "lr_replay":
+        lrs = d.get("lr") or []
+        fix = f"lr {', '.join(g(x) for x in lrs[:3])}" if lrs else f"lr x{g(p.get('factor'))}"
+    elif kind == "clip_replay":
+        fix = f"clip grad norm at {g(p.get('max_norm'))}"
+    elif kind == "domain_guard":
+        fix = f"{p.get('op', 'the origin op')}: {p.get('guard') or 'inputs kept in its domain'}"
+    else:
+        fix = f"module '{p.get('module')}' in float32" if p.get("module") else "the whole model in float32"
+    passed = e.get("finite") is True
+    steps = d.get("steps") if isinstance(d.get("steps"), int) else max(int(e.get("replays") or 1), 1)
+    if kind in ("domain_guard", "upcast_module"):
+        steps = 1  # one replay of the failing step
+    what = f"{steps} step{'s' if steps != 1 else ''} finite" if passed else \
+        ("still non-finite" + (f" at step {d['failed_at']}" if d.get("failed_at") is not None else ""))
+    loss = d.get("losses")
+    t: Dict[str, Any] = {"fix": fix, "kind": kind, "passed": passed, "steps": steps}
+    if isinstance(loss, list) and len(loss) == 2 and passed:
+        t["loss"] = list(loss)
+        what += f", loss {g(loss[0])} -> {g(loss[1])}"
+    if d.get("tried"):
+        t["tried"] = list(d["tried"])
+        failed = [x for x in d["tried"] if x.get("finite") is False]
+        if failed and passed:
+            what += f" (x{g(failed[0]['factor'])} still diverged)"
+    t["text"] = f"{fix}: {what}"
+    return t
