@@ -48,6 +48,16 @@ class FrameFinder:
             self._cache[fn] = u
         return u
 
+    def in_library(self, traceback: Any) -> bool:
+        """The equation's innermost frame outside JAX is not the user's (an op inside a Flax / Equinox
+        layer or an optax transform, called from the user's line)."""
+        try:
+            from jax._src import source_info_util as siu
+            f = siu.user_frame(traceback)
+        except Exception:
+            return False
+        return f is not None and not self.is_user(f.file_name)
+
     def frame(self, traceback: Any) -> Optional[Frame]:
         """(file, line, function) of the innermost user frame, or None."""
         if traceback is None:

@@ -37,7 +37,64 @@ from .frames import Frame, FrameFinder, is_backward
 __all__ = ["Rec", "Leaf", "Replay", "bind", "EVAL_BUDGET", "KEEP_BUDGET"]
 
 EVAL_BUDGET = 400_000      # equations evaluated one by one; loops beyond it are bound whole
+PRECOMPUTE_BUDGET = 200_000_000   # elements of intermediate values computed in one compiled run
+LOOPS = ("cond", "while", "scan")
+_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+                 "xla_disable_hlo_passes": "fusion,cpu-instruction-fusion,algsimp,cse"}
 KEEP_BUDGET = 32_000_000   # elements of op inputs kept for the origin's evidence
+
+
+def _body(eqn: Any) -> Any:
+    """The jaxpr a call-like equation is evaluated through (None: bound as one op)."""
+    key = O.CALLS.get(eqn.primitive.name)
+    return eqn.params.get(key) if key else None
+
+
+def precompute(closed: Any, args_flat: Sequence[Any]) -> Optional[List[List[Any]]]:
+    """Every equation's outputs, in the replay's order, from ONE compiled run of the jaxpr (calls
+    inlined; a loop or cond counts as one equation): the replay then reads values instead of compiling
+    each primitive for an eager call (~30-80 ms each on CPU). None when they would not fit
+    :data:`PRECOMPUTE_BUDGET`."""
+    import jax
+
+    def size(jaxpr: Any) -> int:
+        n = 0
+        for eqn in jaxpr.eqns:
+            body = _body(eqn)
+            if body is not None:
+                n += size(getattr(body, "jaxpr", body))
+            else:
+                n += sum(int(np.prod(getattr(v.aval, "shape", ()) or (1,))) for v in eqn.outvars)
+        return n
+    if size(closed.jaxpr) > PRECOMPUTE_BUDGET:
+        return None
+
+    def collect(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], out: list) -> list:
+        from jax._src.core import Literal
+        env = dict(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        for eqn in jaxpr.eqns:
+            vals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
+            body = _body(eqn)
+            if body is not None:
+                res = collect(getattr(body, "jaxpr", body), getattr(body, "consts", ()) if hasattr(body, "jaxpr")
+                              else (), vals, out)
+            else:
+                res = bind(eqn, vals)
+                out.append(res)
+            env.update(zip(eqn.outvars, res))
+        return [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
+
+    def all_values(*args: Any) -> list:
+        out: list = []
+        collect(closed.jaxpr, closed.consts, args, out)
+        return out
+    lowered = jax.jit(all_values).lower(*args_flat)
+    try:    # a big graph with every intermediate as an output: LLVM's expensive passes dominate
+        compiled = lowered.compile(compiler_options=_FAST_COMPILE)
+    except Exception:
+        compiled = lowered.compile()
+    return compiled(*args_flat)
 
 
 def bind(eqn: Any, vals: Sequence[Any], params: Optional[dict] = None) -> List[Any]:
@@ -87,6 +144,7 @@ class Ctx:
     frame: Optional[Frame]
     name_stack: str
     backward: bool
+    lib: bool = False
 
 
 class JaxOpLog(OpGraph):
@@ -99,6 +157,7 @@ class JaxOpLog(OpGraph):
         self.stage: List[str] = []
         self.frame: List[Optional[Frame]] = []
         self.name_stack: List[str] = []
+        self.lib: List[bool] = []             # the op runs inside a library call made on its user line
         self.users: Dict[int, List[int]] = {}
         self.eqns: Dict[int, Any] = {}
         self.inputs: Dict[int, tuple] = {}      # op -> input values (kept within KEEP_BUDGET)
@@ -128,9 +187,18 @@ class Replay:
         self.batch_size: Optional[int] = None
         self.loss_ops: set = set()
         self._grad_seen: set = set()
+        self.pre: Optional[List[List[Any]]] = None   # precomputed outputs (see precompute), read in order
+        self._cursor = 0
+        self._in_loop = 0
 
     # ------------------------------------------------------------------ entry
-    def run(self, closed: Any, args_flat: Sequence[Any]) -> List[Rec]:
+    def run(self, closed: Any, args_flat: Sequence[Any], fast: bool = True) -> List[Rec]:
+        """Replay ``closed`` on ``args_flat`` (``fast``: values from one compiled run where they fit)."""
+        if fast:
+            try:
+                self.pre = precompute(closed, args_flat)
+            except Exception as e:   # the eager path below still works
+                self.notes.append(f"values computed op by op ({type(e).__name__} in the compiled run)")
         jaxpr = closed.jaxpr
         env: Dict[Any, Rec] = {}
         for v, c in zip(jaxpr.constvars, closed.consts):
@@ -207,11 +275,13 @@ class Replay:
         from jax._src.core import Literal
         for eqn in jaxpr.eqns:
             ins = [Rec(v.val, const=True) if isinstance(v, Literal) else env[v] for v in eqn.invars]
-            frame = self.frames.frame(eqn.source_info.traceback) or ctx.frame
+            tb = eqn.source_info.traceback
+            frame = self.frames.frame(tb) or ctx.frame
+            lib = self.frames.in_library(tb) if tb is not None else ctx.lib
             ns = str(eqn.source_info.name_stack)
             ns = f"{ctx.name_stack}/{ns}" if ctx.name_stack and ns else (ctx.name_stack or ns)
             back = ctx.backward or is_backward(ns)
-            sub = Ctx(frame, ns, back)
+            sub = Ctx(frame, ns, back, lib)
             outs = self.higher_order(eqn, ins, sub)
             if outs is None:
                 outs = self.apply(eqn, ins, sub)
@@ -230,7 +300,7 @@ class Replay:
         """Bind one equation on its inputs' values and record its outputs' taints."""
         prim = eqn.primitive.name
         vals = [r.val for r in ins]
-        outs_v = bind(eqn, vals)
+        outs_v = self._next() if self.pre is not None and not self._in_loop else bind(eqn, vals)
         self.n_evals += 1
         idx = len(self.log)
         stage = self._stage(ins, ctx)
@@ -240,6 +310,7 @@ class Replay:
         log.stage.append(stage)
         log.frame.append(ctx.frame)
         log.name_stack.append(ctx.name_stack)
+        log.lib.append(ctx.lib)
         leaves_read = []
         for r in ins:
             if r.op >= 0:
@@ -294,18 +365,32 @@ class Replay:
         for o in bad:
             o.taint = t
 
+    def _next(self) -> List[Any]:
+        out = self.pre[self._cursor]
+        self._cursor += 1
+        return list(out)
+
     # ------------------------------------------------------------------ higher-order primitives
     def higher_order(self, eqn: Any, ins: List[Rec], ctx: Ctx) -> Optional[List[Rec]]:
         """Recurse into the body of a call, cond, while or scan (None: bind it as one op)."""
         prim = eqn.primitive.name
-        if self.n_evals > EVAL_BUDGET:
-            return None
-        if prim in O.CALLS:
-            key = O.CALLS[prim]
-            body = eqn.params.get(key) if key else None
-            if body is None:
-                return None
+        body = _body(eqn)
+        if body is not None:
             return self._call(body, ins, ctx)
+        if prim not in LOOPS or self.n_evals > EVAL_BUDGET:
+            return None
+        if self.pre is not None and not self._in_loop:
+            self._cursor += 1     # the compiled run evaluated the loop as one equation
+        self._in_loop += 1
+        try:
+            out = self._loop(prim, eqn, ins, ctx)
+        finally:
+            self._in_loop -= 1
+        if out is None and self.pre is not None and not self._in_loop:
+            self._cursor -= 1     # bound whole: apply() reads the compiled run's value
+        return out
+
+    def _loop(self, prim: str, eqn: Any, ins: List[Rec], ctx: Ctx) -> Optional[List[Rec]]:
         if prim == "cond":
             idx = int(np.asarray(ins[0].val))
             branches = eqn.params["branches"]

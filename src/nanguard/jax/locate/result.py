@@ -8,7 +8,9 @@ input leaf a pre-existing value is and of what kind, and the batch rows.
 """
 from __future__ import annotations
 
+import linecache
 import os
+import re
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -51,9 +53,14 @@ def _softmax_input(rp: Replay, idx: int) -> bool:
     return False
 
 
+_SELF_CALL = re.compile(r"self((?:\.\w+|\[\d+\])+)\s*\(")
+
+
 def _module(rp: Replay, idx: int) -> Optional[str]:
-    """The module whose call holds op ``idx``: the Linen scope of its name stack, else the module of
-    the parameters read on the same line just before it (an NNX / Equinox layer's call)."""
+    """The module whose call holds op ``idx``: the Linen scope of its name stack, else from the
+    parameters read on its line (an NNX / Equinox layer called there): their module for an op inside
+    that layer, and for an op written on the line itself the module calling it (the parameters' module
+    without the ``self.<attribute>`` path the line calls)."""
     log = rp.log
     scope = linen_scope(log.name_stack[idx])
     if scope is not None:
@@ -66,11 +73,16 @@ def _module(rp: Replay, idx: int) -> Optional[str]:
             if lf.module is not None:
                 mods.add(lf.module)
         i -= 1
-    if not mods:
+    if not mods or frame is None:
         return None
-    parts = [m.split(".") for m in mods]
-    common = os.path.commonprefix(parts)
-    return ".".join(common)
+    common = ".".join(os.path.commonprefix([m.split(".") for m in mods]))
+    if log.lib[idx]:
+        return common
+    for chain in _SELF_CALL.findall(linecache.getline(frame[0], frame[1])):
+        called = ".".join(p for p in re.split(r"[.\[\]]+", chain) if p)
+        if common == called or common.endswith("." + called):
+            return common[:len(common) - len(called)].rstrip(".")
+    return common.rsplit(".", 1)[0] if "." in common else ""
 
 
 def describe(rp: Replay, t: Taint, backward_ok: bool) -> Dict[str, Any]:
