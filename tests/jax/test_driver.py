@@ -1,0 +1,199 @@
+"""The JAX driver in-process (``nanguard.jax.watch``): steps counted as the JAX scenario format says (outermost
+optax updates), phases, the flag vector returned by the jitted step, the four step shapes, recovery, and a
+healthy jitted run trained bit-for-bit as without the guard."""
+from __future__ import annotations
+
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import nanguard.jax as ngjax  # noqa: E402
+from nanguard.core.events import NonFiniteError  # noqa: E402
+from nanguard.jax import hooks  # noqa: E402
+
+X = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)
+Y = (X @ np.array([0.5, -1.0, 0.3, 2.0], np.float32)).astype(np.float32)
+
+
+def _plain(loss_fn, tx, steps, batch=lambda i: (X, Y), params=None, jit=True):
+    """A plain JAX + optax loop; returns the params and the losses."""
+    params = params if params is not None else {"w": jnp.zeros(4), "b": jnp.array(0.0)}
+    opt_state = tx.init(params)
+
+    def train_step(params, opt_state, xb, yb):
+        loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    step = jax.jit(train_step) if jit else train_step
+    losses = []
+    for i in range(steps):
+        params, opt_state, loss = step(params, opt_state, *batch(i))
+        losses.append(float(loss))
+    return params, losses
+
+
+def mse(p, xb, yb):
+    return jnp.mean((xb @ p["w"] + p["b"] - yb) ** 2)
+
+
+def test_healthy_jitted_run_is_bit_for_bit_and_counts_every_update():
+    def tx():
+        return optax.chain(optax.clip_by_global_norm(1e6), optax.adam(1e-2))
+    ref, ref_losses = _plain(mse, tx(), 12)
+    with ngjax.watch(report=None, quiet=True) as drv:
+        got, losses = _plain(mse, tx(), 12)
+    assert hooks.HOST[0] is None and jax.jit is hooks._ORIG.get("jit", jax.jit)  # uninstalled
+    for k in ref:
+        assert np.asarray(ref[k]).tobytes() == np.asarray(got[k]).tobytes()
+    assert losses == ref_losses
+    rep = drv.report
+    assert rep.status == "clean" and rep.steps_watched == 12  # a chain's inner transforms are not counted
+    assert [h["loss"] for h in rep.history] == pytest.approx(losses)
+    assert all(h["grad_norm"] > 0 and h["param_norm"] is None or h["param_norm"] >= 0 for h in rep.history)
+
+
+def test_forward_failure_stops_at_the_next_call_with_the_step_and_the_origin():
+    def rate_nll(p, xb, yb):  # b: 1.0 -> 0.6 -> -0.07: the rate max(b, 0) reaches 0 at step 2
+        rate = jnp.maximum(p["b"] + 0.0 * xb[:, 0], 0.0)
+        return jnp.mean(jnp.log(rate)) + 0.0 * jnp.sum(p["w"])
+    params = {"w": jnp.zeros(4), "b": jnp.array(1.0)}
+    with pytest.raises(NonFiniteError) as ei:
+        with ngjax.watch(report=None, quiet=True):
+            _plain(rate_nll, optax.sgd(0.4), 6, params=params)
+    rep = ei.value.report
+    ev = rep.events[0]
+    assert (ev.step, ev.phase) == (2, "forward")
+    assert rep.steps_watched == 3  # the next update never ran
+    assert ev.cause["category"] == "log_domain"
+
+
+def test_nan_in_the_batch_is_the_data_phase_with_its_row():
+    xb_bad = X.copy()
+    xb_bad[5, 2] = np.nan
+    with pytest.raises(NonFiniteError) as ei:
+        with ngjax.watch(report=None, quiet=True):
+            _plain(mse, optax.adam(1e-2), 8, batch=lambda i: (xb_bad if i == 4 else X, Y))
+    ev = ei.value.report.events[0]
+    assert (ev.step, ev.phase) == (4, "data")
+    assert ev.detected["inputs"][0]["rows"] == [5]
+    assert ev.cause["category"] == "bad_input_data"
+
+
+def test_gradient_only_failure_is_backward_and_apply_if_finite_skips_are_not_failures():
+    def norm_loss(p, xb, yb):  # the norm of a zero vector: finite loss, NaN gradient
+        return jnp.linalg.norm(p["w"]) + jnp.mean((xb @ p["w"] - yb) ** 2) * 0.0
+    params = {"w": jnp.zeros(4), "b": jnp.array(0.0)}
+    with ngjax.watch(report=None, quiet=True, on_nonfinite="warn") as drv:
+        _plain(norm_loss, optax.sgd(0.1), 3, params=params)
+    assert (drv.report.events[0].step, drv.report.events[0].phase) == (0, "backward")
+    with ngjax.watch(report=None, quiet=True) as drv:
+        _plain(norm_loss, optax.apply_if_finite(optax.sgd(0.1), 10), 3, params=params)
+    assert drv.report.status == "clean" and drv.report.steps_watched == 3  # dropped updates still count
+    assert len(drv.report.info) == 3
+
+
+def test_eager_updates_are_checked_too():
+    xb_bad = X.copy()
+    xb_bad[0, 0] = np.inf
+    with ngjax.watch(report=None, quiet=True, on_nonfinite="warn") as drv:
+        _plain(mse, optax.adam(1e-2), 4, batch=lambda i: (xb_bad if i == 2 else X, Y), jit=False)
+    assert drv.report.steps_watched == 4
+    assert (drv.report.events[0].step, drv.report.events[0].phase) == (2, "forward")  # no step call kept: no rows
+
+
+def test_recover_skips_the_failing_update_in_the_graph():
+    xb_bad = X.copy()
+    xb_bad[3, 1] = np.nan
+    seen = {}
+
+    def batch(i):
+        return (xb_bad if i == 5 else X, Y)
+    ref, _ = _plain(mse, optax.adam(1e-2), 5)
+    with ngjax.watch(report=None, quiet=True, recover="auto") as drv:
+        params = {"w": jnp.zeros(4), "b": jnp.array(0.0)}
+        tx = optax.adam(1e-2)
+        opt_state = tx.init(params)
+
+        @jax.jit
+        def step(params, opt_state, xb, yb):
+            loss, grads = jax.value_and_grad(mse)(params, xb, yb)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+        for i in range(8):
+            params, opt_state, loss = step(params, opt_state, *batch(i))
+            seen[i] = params
+    rep = drv.report
+    assert rep.status == "recovered" and rep.events[0].step == 5 and "skip_step" in rep.events[0].recovery["action"]
+    for k in ref:  # step 5's update never reached the parameters; 0..4 are the unguarded run's
+        assert np.asarray(seen[5][k]).tobytes() == np.asarray(seen[4][k]).tobytes()
+        assert np.asarray(seen[4][k]).tobytes() == np.asarray(ref[k]).tobytes()
+        assert np.all(np.isfinite(np.asarray(params[k])))
+
+
+def test_nnx_equinox_and_linen_steps_are_counted_and_localized():
+    nnx = pytest.importorskip("flax.nnx")
+    eqx = pytest.importorskip("equinox")
+    xb_bad = X.copy()
+    xb_bad[7, 0] = np.nan
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(4, 8, rngs=rngs)
+            self.out = nnx.Linear(8, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.hidden(x)))[:, 0]
+
+    with pytest.raises(NonFiniteError) as ei:
+        with ngjax.watch(report=None, quiet=True):
+            model = Net(nnx.Rngs(0))
+            opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+            @nnx.jit
+            def nstep(model, opt, xb, yb):
+                loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(xb) - yb) ** 2))(model)
+                opt.update(model, grads)
+                return loss
+            for i in range(6):
+                nstep(model, opt, jnp.asarray(xb_bad if i == 3 else X), jnp.asarray(Y))
+    ev = ei.value.report.events[0]
+    assert (ev.step, ev.phase, ev.cause["category"]) == (3, "data", "bad_input_data")
+    assert ev.localization.get("reproduced") or ev.localization.get("method_kind") == "replay"
+
+    with ngjax.watch(report=None, quiet=True, on_nonfinite="warn") as drv:
+        mlp = eqx.nn.MLP(4, "scalar", 8, 1, key=jax.random.PRNGKey(0))
+        tx = optax.sgd(1e-2)
+        st = tx.init(eqx.filter(mlp, eqx.is_array))
+
+        @eqx.filter_jit
+        def estep(model, st, xb, yb):
+            loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean(jnp.sqrt(jax.vmap(m)(xb) - yb)))(model)
+            updates, st = tx.update(grads, st, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), st, loss
+        for _ in range(3):
+            mlp, st, _loss = estep(mlp, st, X, Y)
+    assert drv.report.steps_watched == 3 and drv.report.events[0].step == 0
+    assert drv.report.events[0].phase == "forward"
+
+
+def test_donated_buffers_stay_readable_and_results_match():
+    ref, _ = _plain(mse, optax.sgd(1e-2), 4)
+    with ngjax.watch(report=None, quiet=True) as drv:
+        params = {"w": jnp.zeros(4), "b": jnp.array(0.0)}
+        tx = optax.sgd(1e-2)
+        st = tx.init(params)
+
+        def train_step(params, st, xb, yb):
+            loss, grads = jax.value_and_grad(mse)(params, xb, yb)
+            updates, st = tx.update(grads, st, params)
+            return optax.apply_updates(params, updates), st, loss
+        step = jax.jit(train_step, donate_argnums=(0, 1))
+        for _ in range(4):
+            params, st, _loss = step(params, st, X, Y)
+    assert drv.report.steps_watched == 4
+    for k in ref:
+        assert np.asarray(ref[k]).tobytes() == np.asarray(params[k]).tobytes()
