@@ -15,10 +15,11 @@ from nanguard.core.capabilities import CAPABILITIES, ON_SPIKE_CAPS, RECOVERY_CAP
 from nanguard.core.recovery.table import ACTIONS
 from nanguard.pytorch import capabilities as torch_caps
 from nanguard.tensorflow import capabilities as tf_caps
+from nanguard.jax import capabilities as jax_caps
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "PARITY.md"
-BY_BACKEND = {"torch": torch_caps.DRIVERS, "tensorflow": tf_caps.DRIVERS}
-DRIVERS = {**torch_caps.DRIVERS, **tf_caps.DRIVERS}
+BY_BACKEND = {"torch": torch_caps.DRIVERS, "tensorflow": tf_caps.DRIVERS, "jax": jax_caps.DRIVERS}
+DRIVERS = {**torch_caps.DRIVERS, **tf_caps.DRIVERS, **jax_caps.DRIVERS}
 YES = re.compile(r"^yes( — \S.*)?$")
 NO = re.compile(r"^no — \S.{10,}$")  # a reason, not a shrug
 
@@ -88,7 +89,8 @@ def test_the_backend_registry_agrees_with_the_declared_sets():
 
 def test_the_parity_check_needs_no_framework():
     import subprocess
-    code = ("import sys, nanguard.pytorch.capabilities, nanguard.tensorflow.capabilities, nanguard.core.capabilities;"
-            "print(sorted(m for m in ('torch', 'tensorflow', 'keras') if m in sys.modules))")
+    code = ("import sys, nanguard.pytorch.capabilities, nanguard.tensorflow.capabilities, nanguard.core.capabilities,"
+            " nanguard.jax.capabilities;"
+            "print(sorted(m for m in ('torch', 'tensorflow', 'keras', 'jax', 'flax', 'optax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
