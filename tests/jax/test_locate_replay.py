@@ -16,16 +16,13 @@ from jax import lax  # noqa: E402
 from nanguard.core.diagnosis import diagnose  # noqa: E402
 from nanguard.jax.locate import localize  # noqa: E402
 
+import jax_helpers  # noqa: E402
+
 HERE = __file__
 
 
 def line_of(marker: str) -> int:
-    """The line of this file holding ``# <marker>``."""
-    with open(HERE) as f:
-        for n, text in enumerate(f, 1):
-            if text.rstrip().endswith(f"# {marker}"):
-                return n
-    raise AssertionError(marker)
+    return jax_helpers.line_of(HERE, marker)
 
 
 def adam_step(loss_fn, lr=0.05):
@@ -240,3 +237,23 @@ def test_the_where_trap_and_the_history_diagnoses_speak_jax():
     out = diagnose(None, [], phase="data", context={"framework": "jax"})
     assert out["category"] == "bad_input_data"
     assert not FOREIGN.search(" ".join(out["fixes"])) and "np.isfinite(x)" in out["fixes"][0], out["fixes"]
+
+
+def test_a_step_that_does_not_return_its_loss_names_the_gradient_of_its_log():
+    """jax.grad stages only what the gradient needs: log(0) itself is never computed, its derivative
+    1/x at 0 is, on the log's line."""
+    tx = optax.adam(0.05)
+
+    @jax.jit
+    def step(p, s, x, y):
+        g = jax.grad(poisson_nll)(p, x, y)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    p = {"w": jnp.array([1.0, -1.0]), "b": jnp.array(0.0)}
+    x, y = jnp.array([[3.0, 1.0], [1.0, 2.0]]), jnp.array([1.0, 2.0])
+    res, loc = run(step, (p, tx.init(p), x, y))
+    assert res.reproduced and loc["sink"]["kind"] == "grad"
+    o = loc["origin"]
+    assert (o["stage"], o["forward_op"], o["line"]) == ("backward", "log", line_of("log-of-zero"))
+    assert cause(loc, "backward")["category"] == "log_domain"

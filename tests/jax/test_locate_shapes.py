@@ -13,17 +13,15 @@ import numpy as np  # noqa: E402
 
 from nanguard.jax.locate import localize  # noqa: E402
 
+import jax_helpers  # noqa: E402
+
 HERE = __file__
 X = np.array([[1.0, 2.0, 3.0], [0.5, -1.0, 2.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]], np.float32)
 Y = np.array([1.0, 0.0, 2.0, 1.0], np.float32)
 
 
 def line_of(marker: str) -> int:
-    with open(HERE) as f:
-        for n, text in enumerate(f, 1):
-            if text.rstrip().endswith(f"# {marker}"):
-                return n
-    raise AssertionError(marker)
+    return jax_helpers.line_of(HERE, marker)
 
 
 def check(pure_fn, args, marker, module, names=None, op="log"):

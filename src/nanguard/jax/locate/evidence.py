@@ -145,14 +145,15 @@ def _eps(p: Probe) -> Optional[dict]:
 
 
 # ---------------------------------------------------------------------------- per family
-def _domain_of(p: Probe):
-    return p.family.domain_for(p.e_op) if p.family is not None else None
+def _domain_arg(p: Probe) -> tuple:
+    """The examined op's declared ``Domain`` and its argument as a float array ((None, None): none)."""
+    dom = p.family.domain_for(p.e_op) if p.family is not None else None
+    return (dom, p.arr(dom.arg)) if dom is not None else (None, None)
 
 
 @gatherer("log_domain")
 def _log_domain(p: Probe) -> Optional[dict]:
-    dom = _domain_of(p)
-    sa = p.arr(dom.arg) if dom is not None else None
+    dom, sa = _domain_arg(p)
     if sa is None:
         return None
     lim = float(dom.limit)
@@ -249,8 +250,7 @@ _CMP = {"le": np.less_equal, "lt": np.less, "ge": np.greater_equal, "gt": np.gre
 
 @gatherer("domain")
 def _domain(p: Probe) -> Optional[dict]:
-    dom = _domain_of(p)
-    src = p.arr(dom.arg) if dom is not None else None
+    dom, src = _domain_arg(p)
     if src is None:
         return None
     v = np.abs(src) if dom.abs else src

@@ -457,8 +457,9 @@ class Replay:
 
     # ------------------------------------------------------------------ after the run
     def derivative_only(self, op: int) -> bool:
-        """A forward op whose values reach the backward ops but never a forward output of the step:
-        JAX's derivative computation staged beside the primal ops (a JVP coefficient)."""
+        """A forward op whose values reach the backward ops but never a forward output of the step nor
+        a value nothing reads (the loss of a step that does not return it): JAX's derivative computation
+        staged beside the primal ops (a JVP coefficient)."""
         log = self.log
         seen, todo, reached_back = set(), [op], False
         while todo:
@@ -466,7 +467,7 @@ class Replay:
             if i in seen:
                 continue
             seen.add(i)
-            if i in self.loss_ops:
+            if i in self.loss_ops or not log.users.get(i):
                 return False
             for u in log.users.get(i, ()):
                 if log.stage[u] == "forward":
