@@ -59,6 +59,11 @@ def test_detects_locates_and_diagnoses(truth_file: pathlib.Path, tmp_path: pathl
     if truth.get("origin_param"):  # the variable non-finite before the step, named by the recorder
         assert o.get("tensor") == truth["origin_param"], o
         assert truth["origin_param"] in json.dumps(ev["cause"]), ev["cause"]["summary"]
+    if truth.get("dataset_rows"):  # the rows of the data given to training, not positions in the batch
+        assert o.get("source_rows") == truth["dataset_rows"], o
+        assert ev["cause"]["evidence"]["bad_samples"]["dataset_indices"] == truth["dataset_rows"], ev["cause"]
+    if truth.get("confirmed_by"):  # the replay proof
+        assert (ev["cause"].get("confirmed_by") or {}).get("kind") == truth["confirmed_by"], ev["cause"]
     assert ev["cause"]["summary"] and ev["fixes"]
     fixes = " ".join(ev["fixes"])
     assert "torch" not in fixes and "clip_grad_norm_" not in fixes, fixes   # Keras terms, not PyTorch's

@@ -42,8 +42,7 @@ class Backend:
 
 BACKENDS: Tuple[Backend, ...] = (
     Backend("tensorflow", "tensorflow", frozenset({"tensorflow", "keras", "tf_keras"}),
-            "nanguard.tensorflow.run:run_tf_script",
-            note="counterfactual experiments (--experiments) run on PyTorch only: see docs/PARITY.md"),
+            "nanguard.tensorflow.run:run_tf_script", options=COMMON | {"experiments"}),
     Backend("torch", "torch", frozenset({"torch"}), "nanguard.pytorch.run:run_torch_script",
             options=COMMON | {"experiments"}),
     Backend("jax", "jax", frozenset({"jax", "flax", "optax", "equinox"}), "nanguard.jax.run:run_jax_script",

@@ -13,7 +13,8 @@ from ..core.capabilities import ON_SPIKE_CAPS, recovery_cap
 
 __all__ = ["KERAS_FIT", "TAPE_LOOP", "DRIVERS"]
 
-_SHARED = frozenset({"early_warning", *ON_SPIKE_CAPS, "recurrences",
+_SHARED = frozenset({"early_warning", *ON_SPIKE_CAPS, "recurrences", "replay_proof", "drop_samples_experiment",
+                     "dataset_rows",
                      *(recovery_cap(a) for a in ("skip_step", "rollback", "lr_backoff", "clip", "upcast"))})
 
 KERAS_FIT = _SHARED | {"replay_localization", "rerun_localization"}

@@ -104,6 +104,7 @@ class StepCapture:
     detection: Any = None
     step_fn: Any = None             # kind "function": the tf.function; kind "fit": the model's train_step
     watcher: Any = None
+    row_source: Any = None          # where the batch rows came from (:class:`.rows.RowSource`), if known
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -121,6 +122,12 @@ class StepCapture:
                   seeds=[(g, np.array(s)) for g, s in info.get("seeds", [])], watcher=watcher)
         cap.variables = variables_of(models, opt)
         cap.values = {k: np.array(v.numpy()) for k, v in cap.variables.items()}
+        if batch is not None:
+            from .rows import fit_source
+            try:
+                cap.row_source = fit_source()
+            except Exception:  # dataset rows are best effort
+                cap.row_source = None
         if model is not None and batch is not None:
             cap.step_fn = getattr(model, "_nanguard_inner_train_step", None) or model.train_step
         return cap

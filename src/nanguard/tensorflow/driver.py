@@ -11,6 +11,7 @@ from ..core.config import GuardConfig
 from ..core.engine import FailurePipeline, Ports, RunFacts, assemble_report, info_rows
 from ..core.events import Detection, Event, Report
 from ..core.guarded import disabled_note
+from .context import run_context
 
 
 class RunDriver:
@@ -19,9 +20,10 @@ class RunDriver:
     def __init__(self, config: GuardConfig, script_abs: Optional[str] = None, args: Optional[List[str]] = None,
                  *, recover: Any = None, localize: bool = True, quiet: bool = False,
                  raise_on_stop: bool = True, on_spike: Optional[str] = None,
-                 observers: Sequence[Any] = ()) -> None:
-        """``on_spike``: what an early warning does (:mod:`.spikes`): ``"warn"``, ``"skip"`` or
-        ``"rollback"``; None: ``"rollback"`` with ``recover``, else ``"warn"``. ``observers``:
+                 observers: Sequence[Any] = (), experiments: Any = "auto") -> None:
+        """``experiments``: counterfactual replays of a failing step (:mod:`.experiments`; ``"auto"``,
+        ``"off"``, a budget in replays...). ``on_spike``: what an early warning does (:mod:`.spikes`):
+        ``"warn"``, ``"skip"`` or ``"rollback"``; None: ``"rollback"`` with ``recover``, else ``"warn"``. ``observers``:
         :class:`.observer.TFObserver` hooks on the watcher's steps."""
         from .spikes import TFSpikes
         from .watch import TFWatcher
@@ -36,8 +38,12 @@ class RunDriver:
         self.policy = None
         self.recover_unavailable: Optional[str] = None
         # the failures' events: diagnosed during the run for recovery, or when the report is made
+        from ..core.experiments import ExperimentConfig
+        from .experiments import FitExperiments
+        self.experiments = FitExperiments(self, ExperimentConfig.from_spec(experiments if localize else False))
         self.pipeline = FailurePipeline(Ports(context=self.context,
-                                              relocalize=lambda det, first: self.localize_detection(det)))
+                                              relocalize=lambda det, first: self.localize_detection(det),
+                                              annotate=self.experiments.annotate))
         if recover:
             from .recover import RecoveryUnavailable, TFRecovery
             try:
@@ -74,39 +80,22 @@ class RunDriver:
             self.captures[info["step"]] = e
 
     # ------------------------------------------------------------------ localization
-    def localize_detection(self, det: Detection) -> Optional[Dict[str, Any]]:
-        """The replay result (``loc_run``) for ``det``, or None when no replay was run."""
+    def localize_detection(self, det: Detection, in_process_only: bool = False) -> Optional[Dict[str, Any]]:
+        """The replay result (``loc_run``) for ``det``, or None when no replay was run (``in_process_only``:
+        none rather than a re-run of the script)."""
         if not self.localize or det.phase == "eval":
             return None
         if det.step in self.loc_runs:
             return self.loc_runs[det.step]
         from .replay import localize
-        loc_run = localize(self, det)
+        loc_run = localize(self, det, in_process_only)
         if loc_run is not None:
             self.loc_runs[det.step] = loc_run
         return loc_run
 
     # ------------------------------------------------------------------ report
     def context(self) -> Dict[str, Any]:
-        w = self.watcher
-        ctx: Dict[str, Any] = {"scaler": w.lso, "counting": "optimizer", "framework": "tensorflow"}
-        for opt in w.optimizers():
-            ctx.setdefault("optimizer", type(opt).__name__)
-            inner = getattr(opt, "inner_optimizer", None)
-            if inner is not None:
-                ctx["inner_optimizer"] = type(inner).__name__
-            last = w.history.last()
-            if last is not None and last.lr:
-                ctx.setdefault("lr", list(last.lr))
-            eps = getattr(inner or opt, "epsilon", None)
-            if isinstance(eps, (int, float)):
-                ctx.setdefault("eps", eps)
-        try:
-            import keras
-            ctx["dtype_policy"] = keras.config.dtype_policy().name
-        except Exception:
-            pass
-        return ctx
+        return run_context(self.watcher)
 
     def make_report(self, run_seconds: Optional[float] = None) -> Report:
         w = self.watcher

@@ -40,8 +40,9 @@ def recorder_factory() -> Optional[Callable[[Any], Any]]:
     return make_recorder
 
 
-def localize(driver: Any, det: Any) -> Optional[Dict[str, Any]]:
-    """``loc_run`` for ``det`` (what ``core.pipeline.build_event`` reads), or None when no replay ran."""
+def localize(driver: Any, det: Any, in_process_only: bool = False) -> Optional[Dict[str, Any]]:
+    """``loc_run`` for ``det`` (what ``core.pipeline.build_event`` reads), or None when no replay ran
+    (``in_process_only``: no re-run of the script)."""
     make = recorder_factory()
     if make is None:
         return None
@@ -50,8 +51,11 @@ def localize(driver: Any, det: Any) -> Optional[Dict[str, Any]]:
     if isinstance(cap, StepCapture) and cap.kind == "fit" and cap.step_fn is not None:
         cap.detection = det
         return replay_in_process(cap, make)
-    if driver.script:
-        return rerun_localize(driver.script, driver.args, det.step, child_config(driver.config))
+    if driver.script and not in_process_only:
+        cfg = child_config(driver.config)
+        exps = getattr(driver, "experiments", None)
+        cfg["experiments"] = bool(exps is not None and exps.config.enabled)
+        return rerun_localize(driver.script, driver.args, det.step, cfg)
     return None
 
 
@@ -63,6 +67,8 @@ def replay_in_process(cap: Any, make: Callable[[Any], Any]) -> Dict[str, Any]:
         rec.apply_update = getattr(cap.detection, "phase", None) == "optimizer"
         out = cap.run(rec)
         loc = rec.result()
+        from .rows import annotate_localization
+        annotate_localization(loc, cap.row_source, cap.inputs)
         res["localization"] = loc
         res["reproduced"] = bool((loc or {}).get("reproduced"))
         if out.error:
@@ -105,6 +111,7 @@ def _child_main(argv: List[str]) -> int:
     N = a.step
     cfg = json.loads(a.config)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import numpy as np
     import tensorflow as tf
 
     from ..core.config import GuardConfig
@@ -114,8 +121,16 @@ def _child_main(argv: List[str]) -> int:
 
     config = GuardConfig(on_nonfinite="warn", **{k: v for k, v in cfg.items() if k in (
         "min_loss_scale", "max_consecutive_skips", "warmup_loss_scale")})
-    state: Dict[str, Any] = {"rec": None, "t_arm": None}
+    state: Dict[str, Any] = {"rec": None, "t_arm": None, "cap": None}
     make = recorder_factory()
+    from .rerun_probe import RerunProbe
+
+    def pre_step() -> None:  # the armed step's tf.function call starts: its state, for the experiments
+        cap = state["cap"]
+        if cap is not None:
+            cap.values = {k: np.array(v.numpy()) for k, v in cap.variables.items()}
+
+    probe = RerunProbe(on_step_call=pre_step)
 
     def dump(payload: Dict[str, Any]) -> None:
         rec = state["rec"]
@@ -129,6 +144,8 @@ def _child_main(argv: List[str]) -> int:
             except Exception as e:
                 payload["localization"] = None
                 payload["error"] = f"recorder failed: {type(e).__name__}: {e}"
+            if payload.get("reproduced") and payload.get("localization"):
+                payload.update(probe_payload(payload))
         if state["t_arm"] is not None:
             payload["instrumented_seconds"] = round(time.time() - state["t_arm"], 3)
         tmp = a.out + ".tmp"
@@ -137,6 +154,25 @@ def _child_main(argv: List[str]) -> int:
         os.replace(tmp, a.out)
         sys.stdout.flush()
         os._exit(0)
+
+    def probe_payload(payload: Dict[str, Any]) -> Dict[str, Any]:
+        """The failing batch's dataset rows and the experiments on the kept step call (never raises)."""
+        out: Dict[str, Any] = {}
+        try:
+            probe.annotate(payload["localization"])
+        except Exception as e:
+            out["rows_error"] = f"{type(e).__name__}: {e}"
+        if cfg.get("experiments", True) and state["cap"] is not None:
+            from .context import run_context
+            try:
+                loc_run = {"method": "rerun", "reproduced": True, "localization": payload["localization"]}
+                phase = (payload.get("detection") or {}).get("phase") or "forward"
+                out["experiments"] = probe.experiments(
+                    watcher, state["cap"], loc_run, N, phase,
+                    lambda: run_context(watcher))
+            except Exception as e:
+                out["experiments"] = {"unavailable": f"the experiments failed: {type(e).__name__}: {e}"}
+        return out
 
     def arm() -> None:
         if make is None:
@@ -148,6 +184,8 @@ def _child_main(argv: List[str]) -> int:
             cap = StepCapture(step=N, kind="rerun", optimizer=opt, models=models,
                               model=models[-1] if models else None, watcher=watcher)
             cap.variables = variables_of(models, opt)
+            cap.values = {k: np.array(v.numpy()) for k, v in cap.variables.items()}
+            state["cap"], probe.armed = cap, True
             rec = make(cap)
             tf.config.run_functions_eagerly(True)  # step N's ops run one by one under the recorder
             rec.set_stage("forward")
@@ -183,6 +221,7 @@ def _child_main(argv: List[str]) -> int:
     sys.argv = [script] + list(args)
     sys.path.insert(0, os.path.dirname(script))
     watcher.install()
+    probe.install()
     if N == 0:
         arm()
     try:

@@ -80,10 +80,12 @@ class _ChainedLoader(importlib.abc.Loader):
 def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
                   on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
                   strict: bool = False, quiet: bool = False, bundle: Optional[str] = None,
-                  tensorboard: Optional[str] = None, html: Optional[str] = "auto", on_spike: Optional[str] = None) -> int:
+                  tensorboard: Optional[str] = None, html: Optional[str] = "auto", on_spike: Optional[str] = None,
+                  experiments: Any = "auto") -> int:
     """Run a TensorFlow/Keras ``script`` as ``__main__`` under the guard; write the report however it ends.
     ``on_spike``: what an early warning does (:mod:`nanguard.tensorflow.spikes`): ``"warn"``, ``"skip"``
-    or ``"rollback"``; None: ``"rollback"`` with ``recover``, else ``"warn"``."""
+    or ``"rollback"``; None: ``"rollback"`` with ``recover``, else ``"warn"``. ``experiments``: the
+    counterfactual replays of a failing step (:mod:`nanguard.tensorflow.experiments`)."""
     if not os.path.isfile(script):
         print(f"nanguard: no such script: {script}", file=sys.stderr)
         return EXIT_USAGE
@@ -103,7 +105,8 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
     def install() -> None:
         from .driver import RunDriver
         drv = RunDriver(config, script_abs, list(args), recover=recover, localize=localize, quiet=quiet,
-                        on_spike=on_spike, observers=[_RunningReport(sink)] if sink.active else [])
+                        on_spike=on_spike, observers=[_RunningReport(sink)] if sink.active else [],
+                        experiments=experiments)
         state["driver"] = drv
         drv.install()
 

@@ -8,11 +8,12 @@ the rest (scalars, lengths lists, strings) as it is.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 import torch
 
 from ...core.experiments.kinds import PER_SAMPLE
+from ...core.experiments.rows import bisect_rows, complement  # noqa: F401 (re-exported)
 
 
 def tensors_of(x: Any, out: List[torch.Tensor]) -> None:
@@ -72,52 +73,6 @@ def indices_at(indices: Optional[Sequence[Any]], rows: Sequence[int], size: int)
         v = indices[r]
         out.append((v.item() if v.numel() == 1 else v.tolist()) if isinstance(v, torch.Tensor) else v)
     return out
-
-
-def complement(rows: Sequence[int], size: int) -> List[int]:
-    drop = set(rows)
-    return [r for r in range(size) if r not in drop]
-
-
-def bisect_rows(fails: Callable[[List[int]], Optional[bool]], size: int, max_tests: int,
-                max_culprits: Optional[int] = None) -> Tuple[Optional[List[int]], int, str]:
-    """Find the batch rows that make the step fail on their own (group testing: a failing group is
-    split in halves, each half replayed alone). ``fails(rows)`` replays the step on ``rows`` only and
-    says whether it is non-finite (None: it could not run, e.g. BatchNorm on one row; that group is
-    then kept whole). Returns (rows or None, tests used, note)."""
-    max_culprits = max_culprits or max(1, size // 4)
-    culprits: List[int] = []
-    tests = 0
-    todo = [list(range(size))]  # groups known to fail
-    while todo:
-        g = todo.pop()
-        if len(g) == 1:
-            culprits += g
-        else:
-            half = len(g) // 2
-            parts = [g[:half], g[half:]]
-            failing = []
-            undecided = False
-            for part in parts:
-                if tests >= max_tests:
-                    return None, tests, f"stopped after {tests} replays (budget)"
-                tests += 1
-                r = fails(part)
-                if r is None:
-                    undecided = True
-                elif r:
-                    failing.append(part)
-            if failing:
-                todo.extend(reversed(failing))
-            elif undecided:
-                culprits += g  # the halves could not be replayed alone: keep the group
-            else:
-                return None, tests, ("each half of a failing group of rows is finite on its own: the failure "
-                                     "needs rows together (a batch statistic), not single samples")
-        if len(culprits) > max_culprits:
-            return None, tests, (f"more than {max_culprits} of {size} rows fail on their own: not a few bad "
-                                 "samples")
-    return sorted(culprits), tests, f"{tests} sub-batch replays"
 
 
 INDEX_KEYS = ("indices", "index")

@@ -1,0 +1,27 @@
+"""What the diagnosis knows about a TensorFlow run (``build_event``'s context): the optimizer, the
+learning rates, eps, the loss scaler, the dtype policy; read from a :class:`~.watch.TFWatcher`."""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+
+def run_context(w: Any) -> Dict[str, Any]:
+    """The diagnosis context of the run watched by ``w``."""
+    ctx: Dict[str, Any] = {"scaler": w.lso, "counting": "optimizer", "framework": "tensorflow"}
+    for opt in w.optimizers():
+        ctx.setdefault("optimizer", type(opt).__name__)
+        inner = getattr(opt, "inner_optimizer", None)
+        if inner is not None:
+            ctx["inner_optimizer"] = type(inner).__name__
+        last = w.history.last()
+        if last is not None and last.lr:
+            ctx.setdefault("lr", list(last.lr))
+        eps = getattr(inner or opt, "epsilon", None)
+        if isinstance(eps, (int, float)):
+            ctx.setdefault("eps", eps)
+    try:
+        import keras
+        ctx["dtype_policy"] = keras.config.dtype_policy().name
+    except Exception:
+        pass
+    return ctx

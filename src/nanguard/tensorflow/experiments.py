@@ -1,0 +1,384 @@
+"""Counterfactual replays of a failing Keras step: the experiments of :mod:`nanguard.core.experiments`
+("the NaN goes away when X") run on a captured ``model.fit`` step (:class:`~.capture.StepCapture`).
+
+The step is ``model.train_step(batch)`` run eagerly from the captured pre-step state (the failing
+update was skipped in-graph, so the variables are exactly pre-step; the seed generators are put back
+too, so dropout draws the same numbers). A :class:`_Probe` takes the recorder's place on the
+watcher's hooks: it sees the loss ``GradientTape.gradient`` differentiates and the gradients it
+returns, and the update is not applied. What the bench can change:
+
+* ``drop_samples``: the batch without some rows (every array whose first dimension is the batch's);
+  given rows or found by bisection (:func:`nanguard.core.experiments.rows.bisect_rows`); the dataset
+  rows of the dropped batch rows are named when :mod:`.rows` can trace them;
+* ``upcast_module``: one layer (the origin's, then its parents, then the whole model) computing in
+  float32 (its dtype policy for the length of the replay; the layers after it that compute in
+  float16/bfloat16 too, as the ``upcast`` recovery does);
+* ``float64_step``: every layer computing in float64 (the variables are read in float64);
+* ``determinism``: the same replay twice.
+
+History replays (``lr_replay``, ``clip_replay``) need the batches of earlier steps, which ``fit``
+does not keep: the report lists them as unavailable. Every experiment leaves the variables, the seed
+generators and the dtype policies as it found them.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from ..core.experiments import Bench, Experiment, ExperimentConfig, Spec, investigate
+from ..core.experiments.kinds import describe
+from ..core.experiments.rows import bisect_rows, complement
+from .recover import find_layer
+from .rows import trace_rows
+
+__all__ = ["FitExperiments", "KerasBench", "investigate_fit", "merge_child_experiments"]
+
+_MERGED = ("confirmed_by", "ruled_out", "confidence", "summary")
+_MERGED_EVIDENCE = ("experiments", "experiments_cost", "experiments_note", "experiments_unavailable", "bad_samples",
+                    "determinism")
+
+_LOW = ("float16", "bfloat16")
+
+
+class _Probe:
+    """A stand-in recorder: records whether the loss and the gradients of one replay are finite."""
+
+    apply_update = False
+
+    def __init__(self) -> None:
+        self.losses: List[float] = []
+        self.finite = True
+        self.seen = False
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def set_stage(self, stage: str) -> None: ...
+
+    def mark_loss(self, t: Any) -> None:
+        a = np.asarray(t.numpy() if hasattr(t, "numpy") else t, dtype=np.float64)
+        self.seen = True
+        self.losses.append(float(a.sum()))
+        self.finite = self.finite and bool(np.isfinite(a).all())
+
+    def mark_grads(self, grads: Any, sources: Any) -> None:
+        for g in tf.nest.flatten(grads):
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                g = g.values
+            if g.dtype.is_floating and not bool(tf.reduce_all(tf.math.is_finite(g)).numpy()):
+                self.finite = False
+
+
+def _rows_of(x: Any, keep: Sequence[int], size: int) -> Any:
+    idx = np.asarray(list(keep), dtype=np.int64)
+
+    def sel(a: Any) -> Any:
+        if isinstance(a, (np.ndarray, tf.Tensor)) and len(getattr(a, "shape", ())) >= 1 and a.shape[0] == size:
+            return a[idx] if isinstance(a, np.ndarray) else tf.gather(a, idx)
+        if isinstance(a, dict):
+            return {k: sel(v) for k, v in a.items()}
+        if isinstance(a, (list, tuple)):
+            return type(a)(sel(v) for v in a)
+        return a
+    return sel(x)
+
+
+def batch_size(x: Any) -> Optional[int]:
+    """The first dimension most arrays of a batch share."""
+    dims = [int(a.shape[0]) for a in tf.nest.flatten(x) if hasattr(a, "shape") and len(a.shape) >= 1]
+    if not dims:
+        return None
+    return max(set(dims), key=lambda d: (dims.count(d), -dims.index(d)))
+
+
+class KerasBench(Bench):
+    """Experiments on a captured ``fit`` step (see the module docstring). ``step_seconds``: one ordinary
+    step's wall time, if known (reported beside the cost)."""
+
+    def __init__(self, cap: Any, step_seconds: Optional[float] = None) -> None:
+        self.cap = cap
+        self._step_s = step_seconds
+        self.size = batch_size(cap.inputs)
+
+    # ------------------------------------------------------------------ what it can do
+    def step_seconds(self) -> Optional[float]:
+        return self._step_s
+
+    def capabilities(self, origin: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        origin = origin or {}
+        return {"batch_size": self.size if (self.size or 0) >= 2 else None,
+                "module_chain": self.module_chain(origin.get("layer") or origin.get("module")),
+                "float64": True, "op_patch": False, "compiled": False, "snapshots": [],
+                "lrs": _lrs(self.cap.optimizer)}
+
+    def module_chain(self, path: Optional[str]) -> List[str]:
+        """The origin's layer path, then its parents, then the whole model (``""``)."""
+        models = list(self.cap.models or ([self.cap.model] if self.cap.model is not None else []))
+        if not path or find_layer(models, path) is None:
+            return []
+        layer, _owner = find_layer(models, path)
+        parts = str(getattr(layer, "path", None) or path).split("/")
+        chain = ["/".join(parts[:i]) for i in range(len(parts), 0, -1)]
+        chain = [c for c in chain if find_layer(models, c) is not None]
+        return chain + [""]
+
+    # ------------------------------------------------------------------ one replay
+    def replay(self, batch: Any = None, policies: Optional[Dict[Any, str]] = None) -> _Probe:
+        """The step once, eagerly, from the captured state, without its update; the dtype policies in
+        ``policies`` (layer -> policy name) for its length."""
+        cap, w = self.cap, self.cap.watcher
+        probe = _Probe()
+        old = {layer: layer.dtype_policy for layer in (policies or {})}
+        prev_eager = tf.config.functions_run_eagerly()
+        reinstall = not w._installed
+        if reinstall:
+            w.install()
+        cap.restore()
+        w.replay_hooks = probe
+        try:
+            for layer, pol in (policies or {}).items():
+                layer.dtype_policy = pol
+            tf.config.run_functions_eagerly(True)
+            cap.step_fn(cap.inputs if batch is None else batch)
+        finally:
+            w.replay_hooks = None
+            for layer, pol in old.items():
+                layer.dtype_policy = pol
+            tf.config.run_functions_eagerly(prev_eager)
+            if reinstall:
+                w.uninstall()
+            cap.restore()
+        if not probe.seen:
+            raise RuntimeError("the replayed step differentiated no loss")
+        return probe
+
+    # ------------------------------------------------------------------ running one
+    def run(self, spec: Spec, replays_left: float = 0.0) -> Experiment:
+        e = Experiment(kind=spec.kind, change=describe(spec.kind, spec.params), params=dict(spec.params))
+        t0 = time.perf_counter()
+        try:
+            runner = _RUNNERS.get(spec.kind)
+            if runner is None:
+                raise ValueError(f"no Keras experiment of kind {spec.kind!r}")
+            runner(self, e, float(replays_left or 0.0))
+        except Exception as ex:  # never break the run for an experiment
+            e.finite, e.error = None, f"{type(ex).__name__}: {str(ex)[:200]}"
+        e.seconds = time.perf_counter() - t0
+        return e
+
+    def _once(self, e: Experiment, batch: Any = None, policies: Optional[Dict[Any, str]] = None) -> _Probe:
+        e.replays += 1
+        return self.replay(batch, policies)
+
+    def _drop_samples(self, e: Experiment, replays_left: float) -> None:
+        size = self.size
+        if not size:
+            e.error = "the batch has no row dimension"
+            return
+        rows = e.params.get("rows")
+        if e.params.get("bisect"):
+            def fails(keep: List[int]) -> Optional[bool]:
+                try:
+                    return not self._once(e, _rows_of(self.cap.inputs, keep, size)).finite
+                except Exception:  # e.g. a layer that needs more than one row
+                    return None
+
+            rows, _tests, note = bisect_rows(fails, size, max(2, int(replays_left) - 1))
+            e.details["bisection"] = note
+            if rows is None:
+                e.finite = False if ("needs rows together" in note or "more than" in note) else None
+                e.error = None if e.finite is not None else note
+                return
+        p = self._once(e, _rows_of(self.cap.inputs, complement(rows, size), size))
+        e.finite = p.finite
+        e.details["rows"] = list(rows)
+        traced = trace_rows(self.cap.row_source, self.cap.inputs, rows)
+        if traced.get("dataset_rows"):
+            e.details["dataset_indices"] = traced["dataset_rows"]
+        elif traced.get("note"):
+            e.details["dataset_rows_note"] = traced["note"]
+        e.change = describe("drop_samples", {"rows": list(rows)})
+        if e.details.get("dataset_indices"):
+            e.change += f" (dataset row(s) {e.details['dataset_indices']})"
+
+    def _upcast_module(self, e: Experiment, replays_left: float) -> None:
+        models = self._models()
+        path = e.params.get("module")
+        if not path:
+            layers = [l for m in models for l in _all_layers(m)]
+        else:
+            found = find_layer(models, path)
+            if found is None:
+                e.error = f"layer {path!r} not found"
+                return
+            layer, owner = found
+            layers = [l for l in _all_layers(layer)]
+            if owner is not None and layer in list(owner.layers):  # the layers after it compute in float32 too
+                later = list(owner.layers)[list(owner.layers).index(layer) + 1:]
+                down = [l for x in later for l in _all_layers(x) if _compute(l) in _LOW]
+                layers += down
+                if down:
+                    e.details["downstream"] = [str(getattr(l, "path", l.name)) for l in down]
+        pol = {l: "float32" for l in layers if _compute(l) in _LOW}
+        if not pol:
+            e.error = "no layer there computes in float16/bfloat16"
+            return
+        e.finite = self._once(e, policies=pol).finite
+
+    def _float64_step(self, e: Experiment, replays_left: float) -> None:
+        pol = {l: "float64" for m in self._models() for l in _all_layers(m)}
+        e.finite = self._once(e, batch=_cast(self.cap.inputs, np.float64), policies=pol).finite
+
+    def _determinism(self, e: Experiment, replays_left: float) -> None:
+        a, b = self._once(e), self._once(e)
+        e.details.update(first_finite=a.finite, second_finite=b.finite,
+                         identical=(a.losses == b.losses or (np.isnan(a.losses).all() and np.isnan(b.losses).all()
+                                                            and len(a.losses) == len(b.losses)))
+                         and a.finite == b.finite)
+        e.finite = bool(a.finite and b.finite)
+
+    def _models(self) -> List[Any]:
+        return list(self.cap.models or ([self.cap.model] if self.cap.model is not None else []))
+
+
+_RUNNERS: Dict[str, Callable[[KerasBench, Experiment, float], None]] = {
+    "drop_samples": KerasBench._drop_samples, "upcast_module": KerasBench._upcast_module,
+    "float64_step": KerasBench._float64_step, "determinism": KerasBench._determinism}
+
+
+def _all_layers(layer: Any) -> List[Any]:
+    out, stack = [], [layer]
+    while stack:
+        x = stack.pop()
+        out.append(x)
+        stack.extend(getattr(x, "layers", []) or [])
+    return out
+
+
+def _compute(layer: Any) -> str:
+    return str(getattr(layer, "compute_dtype", "") or "")
+
+
+def _cast(x: Any, dtype: Any) -> Any:
+    def c(a: Any) -> Any:
+        if isinstance(a, np.ndarray) and a.dtype.kind == "f":
+            return a.astype(dtype)
+        if isinstance(a, tf.Tensor) and a.dtype.is_floating:
+            return tf.cast(a, dtype)
+        return a
+    return tf.nest.map_structure(c, x)
+
+
+def _lrs(opt: Any) -> List[float]:
+    inner = getattr(opt, "inner_optimizer", None) or opt
+    try:
+        return [float(np.asarray(inner.learning_rate))]
+    except Exception:
+        return []
+
+
+def investigate_fit(event: Any, cap: Any, config: ExperimentConfig, *, step_seconds: Optional[float] = None,
+                    rediagnose: Optional[Callable[[Sequence[str]], Optional[tuple]]] = None,
+                    history: Sequence[dict] = (), recovering: bool = False) -> Optional[Dict[str, Any]]:
+    """Test ``event``'s cause by counterfactual replays of the captured ``fit`` step ``cap`` (the
+    event's cause is updated in place); the variables are left as they were before. None when the
+    step cannot be replayed in-process."""
+    if not config.enabled or cap is None or getattr(cap, "kind", None) != "fit" or cap.step_fn is None:
+        return None
+    now = {k: np.array(v.numpy()) for k, v in cap.variables.items()}
+    try:
+        return investigate(event, KerasBench(cap, step_seconds), config, rediagnose=rediagnose, history=history,
+                           recovering=recovering)
+    finally:
+        for k, v in cap.variables.items():
+            if k in now:
+                v.assign(now[k])
+
+
+class FitExperiments:
+    """A driver's experiments: the pipeline's ``annotate`` port, called with each diagnosed event of a
+    step whose ``fit`` capture can be replayed in-process (the first failure and its recurrences); the
+    re-diagnoses the investigation asks for go through the same pipeline (not investigated again)."""
+
+    def __init__(self, driver: Any, config: ExperimentConfig) -> None:
+        self.driver, self.config = driver, config
+        self._busy = False
+
+    def annotate(self, event: Any, run: Any) -> None:
+        if self._busy or not self.config.enabled or event.phase in ("eval", "params"):
+            return
+        from .capture import StepCapture
+        drv = self.driver
+        cap = drv.captures.get(event.step)
+        if not isinstance(cap, StepCapture) or cap.kind != "fit" or cap.step_fn is None:
+            child = (getattr(run, "extra", None) or {}).get("experiments")
+            if child is not None:  # a re-run child replayed the step's call (.rerun_probe)
+                merge_child_experiments(event, child)
+            name_rows(event)
+            return
+        from ..core.events import Detection
+        w = drv.watcher
+        det = next((d for d in w.detections if d.step == event.step and d.phase != "eval"), None) or \
+            Detection(event.step, event.phase, dict(event.detected or {}))
+        hist = [h for h in w.history.raw_dicts() if h["step"] < event.step]
+
+        def rediagnose(excluded: Sequence[str]) -> tuple:
+            ev = drv.pipeline.diagnose(det, hist, run, excluded)
+            return ev.cause, ev.fixes
+
+        self._busy = True
+        try:
+            investigate_fit(event, cap, self.config, rediagnose=rediagnose, history=hist,
+                            recovering=bool(getattr(drv.policy, "failures", False)))
+        finally:
+            self._busy = False
+        name_rows(event)
+
+
+def name_rows(event: Any) -> None:
+    """``cause.evidence.bad_samples`` of bad input data from the localization (batch rows and the dataset
+    rows :mod:`.rows` traced), when no ``drop_samples`` replay named them."""
+    cause = event.cause if isinstance(event.cause, dict) else None
+    o = event.origin or {}
+    if cause is None or cause.get("category") != "bad_input_data":
+        return
+    ev = cause.setdefault("evidence", {})
+    rows = [r for r in (o.get("samples") or []) if isinstance(r, int)]
+    s = ev.get("bad_samples")
+    if s is None and rows:
+        s = ev["bad_samples"] = {"batch_rows": rows[:10]}
+    if s is not None and o.get("source_rows") and "dataset_indices" not in s:
+        s["dataset_indices"] = list(o["source_rows"])
+    note = ((ev.get("preexisting") or {}).get("source_rows_note"))
+    if s is not None and note and "dataset_indices" not in s:
+        s["dataset_rows_note"] = note
+
+
+def merge_child_experiments(event: Any, child: Optional[Dict[str, Any]]) -> bool:
+    """Take the child's investigation into ``event`` (in place) when both diagnosed the same cause
+    first; else, or when none ran, record why as ``experiments_unavailable_reason``. True if merged."""
+    cause = event.cause if isinstance(event.cause, dict) else None
+    if cause is None or not isinstance(child, dict):
+        return False
+    ev = cause.setdefault("evidence", {})
+    if child.get("unavailable"):
+        ev["experiments_unavailable_reason"] = child["unavailable"]
+        return False
+    got = child.get("cause") or {}
+    if child.get("category") != cause.get("category") or not got:
+        return False
+    for k in _MERGED:
+        if k in got:
+            cause[k] = got[k]
+    if got.get("category") and got["category"] != cause.get("category"):
+        cause["category"] = got["category"]
+        event.fixes = list(child.get("fixes") or event.fixes or [])
+    gev = got.get("evidence") or {}
+    for k in _MERGED_EVIDENCE:
+        if k in gev:
+            ev[k] = gev[k]
+    return True

@@ -1,0 +1,142 @@
+"""What the re-run child (:mod:`.replay`) adds for a custom training loop: the failing step's dataset
+rows and its counterfactual experiments.
+
+An inline ``GradientTape`` loop's step is the script's own code, so the parent process cannot replay
+it; the child, which re-runs the script to the failing step, can:
+
+* **dataset rows**: while the script runs, :class:`RerunProbe` notes, for each ``tf.data`` iterator,
+  the dataset it iterates and the last element it delivered. At the failing step that element is the
+  batch; :mod:`.rows` traces its bad rows back through the dataset's chain (``from_tensor_slices``,
+  ``shuffle``, ``batch``...). Batches the script slices from arrays itself are said to be untraceable.
+* **experiments**: when the failing update ran inside one outermost ``tf.function`` call (the
+  usual ``train_step(xb, yb)``), that call is kept with its arguments; after the failure the child
+  puts the pre-step state back (taken when the step started) and replays the call with the changes of
+  :class:`~.experiments.KerasBench` (rows dropped from every argument with the batch's rows, layers in
+  float32 or float64), then diagnoses and investigates the failure as the parent would. The parent
+  takes the outcome (``confirmed_by``, ``ruled_out``, the experiments) when its own diagnosis names
+  the same cause (:func:`.experiments.merge_child_experiments`). An eager inline step has no call to replay: the experiments are then unavailable,
+  and the report says so.
+
+Only the child installs these hooks: the guarded run itself pays nothing.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+
+from .rows import RowSource, annotate_localization, dataset_source
+
+__all__ = ["RerunProbe"]
+
+
+
+class RerunProbe:
+    """The child's hooks on ``tf.data`` iterators and outermost ``tf.function`` calls (module doc)."""
+
+    def __init__(self, on_step_call: Optional[Callable[[], None]] = None) -> None:
+        self.on_step_call = on_step_call      # called when the armed step's call starts (the pre-step state)
+        self.last_batch: Any = None
+        self.last_ds: Optional[Callable[[], Any]] = None
+        self.call: Optional[tuple] = None     # (fn, args, kwargs) of the outermost call at the armed step
+        self.armed = False
+        self._depth = 0
+        self._undo: List[Callable[[], None]] = []
+
+    # ------------------------------------------------------------------ hooks
+    def install(self) -> None:
+        import tensorflow as tf
+        from tensorflow.python.data.ops import iterator_ops
+        from tensorflow.python.eager.polymorphic_function.polymorphic_function import Function
+
+        probe = self
+        ds_iter, it_next, fn_call = tf.data.Dataset.__iter__, iterator_ops.OwnedIterator.__next__, Function.__call__
+
+        def __iter__(ds):
+            it = ds_iter(ds)
+            try:
+                it._nanguard_ds = weakref.ref(ds)
+            except Exception:
+                pass
+            return it
+
+        def __next__(it):
+            el = it_next(it)
+            probe.last_batch, probe.last_ds = el, getattr(it, "_nanguard_ds", None)
+            return el
+
+        def __call__(fn, *args, **kwargs):
+            probe._depth += 1
+            try:
+                if probe._depth == 1 and probe.armed and probe.call is None:
+                    probe.call = (fn, args, kwargs)
+                    if probe.on_step_call is not None:
+                        probe.on_step_call()
+                return fn_call(fn, *args, **kwargs)
+            finally:
+                probe._depth -= 1
+
+        tf.data.Dataset.__iter__ = __iter__
+        iterator_ops.OwnedIterator.__next__ = __next__
+        Function.__call__ = __call__
+
+        def undo() -> None:
+            tf.data.Dataset.__iter__ = ds_iter
+            iterator_ops.OwnedIterator.__next__ = it_next
+            Function.__call__ = fn_call
+        self._undo.append(undo)
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    # ------------------------------------------------------------------ at the failure
+    def source(self) -> Optional[RowSource]:
+        ds = self.last_ds() if self.last_ds is not None else None
+        return dataset_source(ds) if ds is not None else None
+
+    def annotate(self, loc: Optional[Dict[str, Any]]) -> None:
+        """Name the dataset rows of the failing batch in the child's localization (in place)."""
+        annotate_localization(loc, self.source(), self.last_batch)
+
+    def experiments(self, watcher: Any, cap: Any, loc_run: Dict[str, Any], step: int, phase: str,
+                    context: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
+        """Diagnose the failure from ``loc_run`` and test the cause by replays of the kept call
+        (``cap``: the child's capture, its ``values`` the pre-step state). Returns what the parent
+        merges: ``{"category": first diagnosis, "cause": investigated cause, "fixes": [...]}``, or
+        ``{"unavailable": why}``."""
+        if self.call is None:
+            return {"unavailable": "the failing update did not run inside one tf.function call (an eager "
+                                   "inline step cannot be replayed)"}
+        from ..core.engine import FailurePipeline, Ports
+        from ..core.events import Detection
+        from ..core.experiments import ExperimentConfig
+        from .experiments import investigate_fit
+
+        fn, args, kwargs = self.call
+        cap.kind, cap.inputs = "fit", (tuple(args), dict(kwargs))
+        cap.step_fn = lambda inputs: fn(*inputs[0], **inputs[1])
+        cap.row_source = self.source()
+        pipe = FailurePipeline(Ports(context=context))
+        det = Detection(step, phase, {})
+        hist = [h for h in watcher.history.raw_dicts() if h["step"] < step]
+        event = pipe.diagnose(det, hist, loc_run)
+        first = (event.cause or {}).get("category")
+
+        def rediagnose(excluded):
+            ev = pipe.diagnose(det, hist, loc_run, excluded)
+            return ev.cause, ev.fixes
+
+        investigate_fit(event, cap, ExperimentConfig(), rediagnose=rediagnose, history=hist)
+        return {"category": first, "cause": _plain(event.cause), "fixes": list(event.fixes or [])}
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x

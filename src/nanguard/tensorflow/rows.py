@@ -1,0 +1,239 @@
+"""Dataset rows for TensorFlow/Keras: which row of the data given to training a bad batch row is.
+
+A failing batch names its bad rows by position in the batch ("row 21"); the user needs the row of
+their data ("row 1234 of ``x``"). Keras does not keep the indices it shuffles (``fit`` on arrays
+draws a permutation in-graph; ``tf.data`` shuffles inside its C++ runtime), so the row is traced by
+*value*, only after a failure: the batch row is looked up in the arrays the batches were sliced
+from, and a row whose values are all equal (NaN matching NaN) is its source.
+
+Where the arrays come from:
+
+* ``model.fit(x, y)`` on arrays: the arrays of fit's data adapter (found on the running ``fit``'s
+  frame, so the Keras callback and ``nanguard run`` both see them);
+* ``model.fit(dataset)`` or a loop over a ``tf.data.Dataset``: the dataset's chain of input
+  datasets is walked down to ``from_tensor_slices`` (its tensors are the arrays); the operations
+  passed through are listed. Row-preserving ones (shuffle, batch, prefetch, cache, repeat, take,
+  skip, filter, shard, rebatch, unbatch...) keep the values, so the match is exact; one that makes new
+  values (``map``) or rows from elsewhere (a generator, ``interleave``) may leave no match, and the
+  report then says ``"batch position 21; dataset row not traceable through map"``.
+
+A value that several rows share (duplicated data) names every candidate. Cost: nothing per step;
+at a failure, one comparison of a column of the source, then full rows of the few candidates.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["RowSource", "fit_source", "dataset_source", "trace_rows", "annotate_localization"]
+
+_MAX_ROWS = 10
+_MAX_CANDIDATES = 5   # rows sharing a batch row's values: more than this is no answer
+# tf.data operations whose elements are the input's rows unchanged (possibly reordered, regrouped or fewer)
+_ROW_PRESERVING = {"Shuffle", "Batch", "ParallelBatch", "PaddedBatch", "Prefetch", "Cache", "Repeat", "Take",
+                   "Skip", "Filter", "Shard", "Rebatch", "Unbatch", "Options", "AssertCardinality", "Snapshot",
+                   "IgnoreErrors", "TakeWhile", "slice", "shuffle", "batch"}
+
+# operations that make their rows from elsewhere: the trace stops there
+_MAKES_ROWS = {"FlatMap": "flat_map (e.g. from_generator)", "Interleave": "interleave",
+               "ParallelInterleave": "interleave", "Generator": "from_generator", "Window": "window",
+               "TextLine": "a file reader", "TFRecord": "a file reader", "FixedLengthRecord": "a file reader"}
+
+
+@dataclass
+class RowSource:
+    """The arrays batches were sliced from (``arrays``, flattened, each with the rows first), how
+    (``through``: the operations between them and the batch) and what it was (``what``); or, when no
+    array was found, why (``blocker``)."""
+
+    arrays: List[np.ndarray] = field(default_factory=list)
+    through: List[str] = field(default_factory=list)
+    what: str = ""
+    blocker: Optional[str] = None
+
+    @property
+    def altering(self) -> List[str]:
+        """The operations on the way that may change values (a match through them is not guaranteed)."""
+        return [t for t in self.through if t not in _ROW_PRESERVING]
+
+
+def _op_name(ds: Any) -> str:
+    n = type(ds).__name__.lstrip("_")
+    return n[:-len("Dataset")] if n.endswith("Dataset") else n
+
+
+def _np(x: Any) -> Optional[np.ndarray]:
+    try:
+        a = x.numpy() if hasattr(x, "numpy") else np.asarray(x)
+    except Exception:
+        return None
+    return a if isinstance(a, np.ndarray) and a.ndim >= 1 and a.dtype.kind in "fiub" else None
+
+
+def _flat_arrays(x: Any) -> List[np.ndarray]:
+    out: List[np.ndarray] = []
+    if x is None:
+        return out
+    if isinstance(x, dict):
+        for k in x:
+            out += _flat_arrays(x[k])
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            out += _flat_arrays(v)
+    else:
+        a = _np(x)
+        if a is not None:
+            out.append(a)
+    return out
+
+
+def dataset_source(ds: Any) -> RowSource:
+    """Walk a ``tf.data.Dataset`` down to the tensors of its ``from_tensor_slices`` (see module doc)."""
+    through: List[str] = []
+    seen = 0
+    while ds is not None and seen < 64:
+        seen += 1
+        name = _op_name(ds)
+        tensors = getattr(ds, "_tensors", None)
+        if name == "TensorSlice" and tensors is not None:
+            return RowSource(_flat_arrays(list(tensors)), list(reversed(through)), "the tensors of from_tensor_slices")
+        if name in _MAKES_ROWS or name in ("Zip", "Concatenate") or getattr(ds, "_input_dataset", None) is None:
+            what = _MAKES_ROWS.get(name) or {"Tensor": "from_tensors (one element, no rows)", "Zip": "zip",
+                                             "Concatenate": "concatenate", "Range": "range"}.get(name, name)
+            return RowSource([], list(reversed(through)), blocker=what or "an unknown source")
+        through.append(name)
+        ds = ds._input_dataset
+    return RowSource([], list(reversed(through)), blocker="a chain of datasets too long to follow")
+
+
+def fit_source() -> Optional[RowSource]:
+    """The data of the running ``model.fit`` (from its frame on a thread's stack), or None outside ``fit``.
+    (Two fits running at once in two threads: the first found.)"""
+    try:
+        from keras.src.backend.tensorflow import trainer
+        path = trainer.__file__.rsplit(".", 1)[0]
+    except Exception:
+        return None
+    f = None
+    # the in-graph capture runs in a py_function, on a thread of TensorFlow's: fit is on another stack
+    for top in [sys._getframe(1)] + list(sys._current_frames().values()):
+        f = top
+        while f is not None and not (f.f_code.co_name == "fit" and f.f_code.co_filename.rsplit(".", 1)[0] == path):
+            f = f.f_back
+        if f is not None:
+            break
+    if f is None:
+        return None
+    it = f.f_locals.get("epoch_iterator")
+    adapter = getattr(it, "data_adapter", None)
+    inputs = getattr(adapter, "_inputs", None)
+    if inputs is not None:
+        return RowSource(_flat_arrays(inputs), ["shuffle" if getattr(adapter, "_shuffle", False) else "slice",
+                                                "batch"], "the arrays given to fit")
+    ds = getattr(adapter, "_dataset", None)
+    if ds is not None:
+        return dataset_source(ds)
+    x = f.f_locals.get("x")
+    return RowSource([], [], blocker=type(x).__name__ if x is not None else "no data")
+
+
+def _equal_rows(src: np.ndarray, cand: np.ndarray, row: np.ndarray) -> np.ndarray:
+    """Which of the source rows ``cand`` equal ``row`` (NaN equals NaN), compared in ``row``'s dtype."""
+    s = src[cand].reshape(len(cand), -1)
+    if s.dtype != row.dtype:
+        s = s.astype(row.dtype)
+    r = row.reshape(-1)
+    eq = s == r
+    if r.dtype.kind == "f":
+        eq |= np.isnan(s) & np.isnan(r)
+    return eq.all(axis=1)
+
+
+def _candidates(src: np.ndarray, row: np.ndarray) -> np.ndarray:
+    """Rows of ``src`` equal to ``row``: one column narrows them, full rows decide."""
+    if src.shape[1:] != row.shape:
+        return np.zeros(0, dtype=np.int64)
+    flat = src.reshape(src.shape[0], -1)
+    r = row.reshape(-1)
+    if r.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    fin = np.nonzero(np.isfinite(r))[0] if r.dtype.kind == "f" else np.arange(r.size)
+    if fin.size:
+        j = int(fin[0])
+        col = flat[:, j] if flat.dtype == r.dtype else flat[:, j].astype(r.dtype)
+        cand = np.nonzero(col == r[j])[0]
+    else:
+        cand = np.arange(flat.shape[0])
+    return cand[_equal_rows(flat, cand, r)] if cand.size else cand
+
+
+def trace_rows(source: Optional[RowSource], batch: Sequence[Any], rows: Sequence[int]) -> Dict[str, Any]:
+    """The dataset rows of batch ``rows``. ``batch``: the batch's arrays (any nesting); the arrays of the
+    source are paired with the batch's by position when both have as many, else by row shape.
+    Returns ``{"dataset_rows": [...], "how": ...}`` or ``{"note": "batch position(s) ...; dataset row not
+    traceable through ..."}``."""
+    rows = [int(r) for r in rows][:_MAX_ROWS]
+    pos = f"batch position(s) {rows}"
+    if source is None:
+        return {"note": f"{pos}; dataset row not traceable: the batches come from the script's own code, not "
+                        "from fit's data or a tf.data pipeline"}
+    if not source.arrays:
+        return {"note": f"{pos}; dataset row not traceable through {source.blocker or 'the input pipeline'}"}
+    parts = _flat_arrays(list(batch) if isinstance(batch, (list, tuple)) else [batch])
+    b = max((p.shape[0] for p in parts), default=0)
+    parts = [p for p in parts if p.shape[0] == b]
+    pairs = list(zip(parts, source.arrays)) if len(parts) == len(source.arrays) else \
+        [(p, s) for p in parts for s in source.arrays if s.shape[1:] == p.shape[1:]]
+    found: List[int] = []
+    ambiguous = False
+    for r in rows:
+        cand: Optional[set] = None
+        for p, s in pairs:
+            if r >= p.shape[0] or s.shape[1:] != p.shape[1:]:
+                continue
+            c = set(int(i) for i in _candidates(s, p[r]))
+            if not c:
+                continue
+            cand = c if cand is None else (cand & c) or cand
+        if not cand:
+            via = ", ".join(source.altering) or ", ".join(source.through) or "the input pipeline"
+            return {"note": f"{pos}; dataset row not traceable through {via} (no row of {source.what} has "
+                            f"the values of batch row {r})"}
+        if len(cand) > _MAX_CANDIDATES:
+            return {"note": f"{pos}; dataset row not traceable: {len(cand)} rows of {source.what} have the "
+                            f"values of batch row {r}"}
+        ambiguous = ambiguous or len(cand) > 1
+        found += sorted(cand)
+    how = f"matched by value in {source.what}" + (f" (through {', '.join(source.through)})" if source.through else "")
+    out: Dict[str, Any] = {"dataset_rows": found, "how": how}
+    if ambiguous:
+        out["ambiguous"] = True
+    return out
+
+
+def annotate_localization(loc: Optional[Dict[str, Any]], source: Optional[RowSource], batch: Any) -> None:
+    """Name the dataset rows of a localization's bad input data (``preexisting.source_rows`` and its
+    ``first_use``), in place; or say why they cannot be named (``source_rows_note`` and a note)."""
+    pre = (loc or {}).get("preexisting") or {}
+    if pre.get("kind") != "data" or pre.get("source_rows"):
+        return
+    rows = [r for r in (pre.get("samples") or []) if isinstance(r, int)]
+    if not rows or batch is None:
+        return
+    t = trace_rows(source, batch, rows)
+    if t.get("dataset_rows"):
+        pre["source_rows"] = t["dataset_rows"]
+        pre["source_rows_from"] = t["how"]
+        if isinstance(pre.get("first_use"), dict):
+            pre["first_use"]["source_rows"] = t["dataset_rows"]
+        o = loc.get("origin")
+        if isinstance(o, dict) and o.get("kind") == "data":
+            o["source_rows"] = t["dataset_rows"]
+    elif t.get("note"):
+        pre["source_rows_note"] = t["note"]
+        notes = loc.setdefault("notes", [])
+        if isinstance(notes, list):
+            notes.append(t["note"])
