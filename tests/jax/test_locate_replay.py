@@ -257,3 +257,35 @@ def test_a_step_that_does_not_return_its_loss_names_the_gradient_of_its_log():
     o = loc["origin"]
     assert (o["stage"], o["forward_op"], o["line"]) == ("backward", "log", line_of("log-of-zero"))
     assert cause(loc, "backward")["category"] == "log_domain"
+
+
+# ---------------------------------------------------------------------------- op families
+@pytest.mark.parametrize("prim,family", [("log", "log"), ("log1p", "log1p"), ("div", "div"), ("rem", "div"),
+                                         ("exp", "exp"), ("exp2", "exp"), ("expm1", "exp"), ("sqrt", "sqrt"),
+                                         ("rsqrt", "sqrt"), ("integer_pow", "pow"), ("pow", "pow"),
+                                         ("acos", "trig"), ("asin", "trig"), ("atanh", "trig"), ("acosh", "acosh"),
+                                         ("lgamma", "log"), ("digamma", "log")])
+def test_lax_primitives_map_to_the_core_op_families(prim, family):
+    from nanguard.jax.locate import ops
+    assert ops.family_of(prim).name == family
+
+
+def test_a_float16_exp_that_float32_holds_is_a_low_precision_overflow():
+    def loss(p, x):
+        return jnp.mean(jnp.exp(x * p["a"]).astype(jnp.float32))   # f16-exp
+    p = {"a": jnp.array(2.0, jnp.float16)}
+    res, loc = run(jax.value_and_grad(loss), (p, jnp.array([1.0, 6.0], jnp.float16)))
+    assert res.reproduced and loc["origin"]["op"] == "exp" and loc["origin"]["line"] == line_of("f16-exp")
+    assert loc["facts"]["float32_check"]["direct_finite"] is True and loc["facts"]["exp_input_max"] == 12.0
+    assert cause(loc, "forward")["category"] == "low_precision_overflow"
+
+
+def test_arccos_of_a_cosine_above_one_is_a_trig_domain_error_in_the_forward():
+    def loss(p, a, b):
+        c = jnp.sum(a * b, -1) * p["s"]
+        return jnp.mean(jnp.arccos(c))   # arccos
+    p = {"s": jnp.array(1.5)}
+    res, loc = run(jax.value_and_grad(loss), (p, jnp.array([[1.0, 0.0], [0.6, 0.8]]), jnp.array([[1.0, 0.0], [0.0, 0.5]])))
+    assert res.reproduced and loc["origin"]["op"] == "acos" and loc["origin"]["samples"] == [0]
+    assert loc["facts"]["trig_domain"]["abs_gt_1"] == 1
+    assert cause(loc, "forward")["category"] == "trig_domain"

@@ -1,14 +1,13 @@
 """numpy statistics of JAX values for the replay (the fields of the other backends' numerics).
 
-Values are read as host numpy arrays (``np.asarray`` of a CPU array is a view); bfloat16/float8
-(``ml_dtypes``, a JAX dependency) are read in float32.
+Values are read as host numpy arrays (``np.asarray`` of a CPU array is a view); bfloat16/float8 are
+read in float32; dtype limits come from ``jnp.finfo`` (which knows them all).
 """
 from __future__ import annotations
 
 import math
 from typing import Any, Optional
 
-import ml_dtypes
 import numpy as np
 
 __all__ = ["LOW_PRECISION", "jnum", "host", "is_float", "flags", "counts", "bad_rows", "stats", "finfo_facts",
@@ -102,8 +101,14 @@ def stats(x: Optional[np.ndarray], dtype: Optional[str] = None) -> dict:
     return out
 
 
+def _dtype(name: str) -> Any:
+    import jax.numpy as jnp
+    return jnp.dtype(name)
+
+
 def _finfo(name: str) -> Any:
-    return ml_dtypes.finfo(np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name))
+    import jax.numpy as jnp
+    return jnp.finfo(_dtype(name))
 
 
 def finfo_facts(name: str) -> dict:
@@ -128,7 +133,7 @@ def eps_fact(c: float, name: str) -> dict:
     """A small additive constant in a dtype: does it survive (rounds to 0, absorbed next to 1)?"""
     try:
         fi = _finfo(name)
-        dt = np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+        dt = _dtype(name)
         stored = float(np.array(c, np.float64).astype(dt).astype(np.float64))
         one = np.array(1.0, dt)
         absorbed = bool((one.astype(np.float32) + np.float32(stored)).astype(dt) == one)
