@@ -11,7 +11,9 @@ Where did the size come from? :func:`dynamics` measures, over the trailing excur
   update (measured from the norms, and ``lr * |g| / |w|``);
 * the learning rate at the onset and whether a schedule raised it just before (a warm-up);
 * the step size of hand-written updates (``effective_lr``: no optimizer, no lr to read);
-* a batch far outside the data seen so far (``batch_max``: the largest |value| of each batch).
+* a batch far outside the data seen so far (``batch_max``: the largest |value| of each batch);
+* the last applied update on its own (``last_update_*``: how far it moved the weights, measured and
+  estimated, and whether its gradient was out of line): direct evidence that needs no long history.
 
 Numbers only: the rules (``rules/divergence.py``) turn them into a cause and its fixes.
 """
@@ -187,6 +189,7 @@ def dynamics(history: Sequence[dict]) -> Dict[str, Any]:
         if exc:
             out["update_ratio_excursion_max"] = max(exc)
     _lr(recs, onset, out)
+    _last_update(applied, grad, loss, out)
     _step_size(recs, out)
     _outlier(applied, loss, onset, out)
     return out
@@ -207,6 +210,33 @@ def _lr(recs: Sequence[dict], onset: Optional[int], out: Dict[str, Any]) -> None
     lo_step, lo = min(window, key=lambda x: x[1])
     if lo > 0 and at[-1] >= 1.5 * lo and lo_step < onset:
         out.update(lr_rose_from=lo, lr_rose_from_step=lo_step)
+
+
+def _last_update(applied: Sequence[dict], grad: Series, loss: Series, out: Dict[str, Any]) -> None:
+    """The last applied update (the one that made the weights the failing step used): its measured
+    relative change of the parameter norm (``|after - before| / before``, a lower bound of
+    ``|dw| / |w|``), its estimate ``lr * |g| / |w|``, its gradient relative to the weights and to the
+    gradients before it, and the loss it left against the run's start."""
+    if not applied:
+        return
+    last = applied[-1]
+    s = int(last.get("step", 0))
+    out["last_update_step"] = s
+    a, b = last.get("param_norm"), last.get("param_norm_after")
+    if fin(a) and a > 0 and fin(b):
+        out["last_update_change"] = abs(b - a) / a
+        out["last_update_growth"] = b / a
+    if fin(last.get("update_ratio")):
+        out["last_update_ratio_est"] = float(last["update_ratio"])
+    g = last.get("grad_norm")
+    if fin(g) and fin(a) and a > 0:
+        out["last_grad_to_weight"] = g / a
+    before = [v for st, v in grad if st < s]
+    if fin(g) and before and statistics.median(before) > 0:
+        out["last_grad_jump"] = g / statistics.median(before)
+    if loss and loss[0][1] > 0:
+        out["loss_start"] = loss[0][1]
+        out["loss_max_vs_start"] = max(v for _, v in loss) / loss[0][1]
 
 
 def _step_size(recs: Sequence[dict], out: Dict[str, Any]) -> None:

@@ -89,7 +89,7 @@ class StepMonitor:
         self._pending_step: Dict[int, int] = {}
         self._pending_slice: Dict[int, int] = {}  # which slice that pending check covers
         self._rot: Dict[int, int] = {}            # the slice the next update's check covers
-        self._psq: Dict[int, List[List[float]]] = {}  # squared norm per [group][slice], last read
+        self._psq: Dict[int, List[List[float]]] = {}  # norm per [group][slice], last read
         self._checked: Dict[int, bool] = {}
         self._consecutive_skips = 0
         self.names = TensorNames(self.roots, self.views)  # names for the report; the exact slow-path scans
@@ -284,11 +284,12 @@ class StepMonitor:
         self._data_marks, self._data_where = [], []
 
     def _group_param_norms(self, key: int, n_groups: int) -> Optional[List[float]]:
-        """Per group parameter L2 norm from the slices' last reads (each at most K updates old)."""
+        """Per group parameter L2 norm from the slices' last reads (each at most K updates old; ``_psq``
+        holds the slices' norms, combined with ``math.hypot``: no square of a float64 norm overflows)."""
         psq = self._psq.get(key)
         if psq is None or len(psq) != n_groups:
             return None
-        return [math.sqrt(sum(row)) for row in psq]
+        return [math.hypot(*row) for row in psq]
 
     def _dist_reducer(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
         """The distributed flag reducer, if any (cheap when not distributed: two calls)."""

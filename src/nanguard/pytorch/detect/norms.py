@@ -1,4 +1,4 @@
-"""Fused L2 norms of parameter/gradient lists, one float32 0-d tensor per list (no sync)."""
+"""Fused L2 norms of parameter/gradient lists, one 0-d tensor per list (no sync): float32, or float64 for float64 tensors."""
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -14,7 +14,7 @@ _ROW = 1024
 
 
 def _norm(tensors: List[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of a list of tensors as one float32 0-d tensor (fused; no sync).
+    """L2 norm of a list of tensors as one 0-d tensor (fused; no sync): float32, float64 when a tensor is float64.
 
     One fused ``_foreach_norm``. On CPU, ``_foreach_norm`` loops over a whole-tensor
     reduction kernel that runs at about half the memory bandwidth of an inner-dimension
@@ -85,7 +85,7 @@ def _reduce(tensors: Sequence[Optional[torch.Tensor]], plan: NormPlan, dev: torc
     if plan.sharded:
         tensors = [None if t is None else local(t) for t in tensors]
     parts: List[torch.Tensor] = []
-    rest = [t for t in (tensors[i] for i in plan.rest) if t is not None and t.layout is _STRIDED]
+    rest = [t for i in plan.rest if (t := tensors[i]) is not None and t.layout is _STRIDED]
     for i in plan.rows:
         t = tensors[i]
         if t is None or t.layout is not _STRIDED:
@@ -96,9 +96,10 @@ def _reduce(tensors: Sequence[Optional[torch.Tensor]], plan: NormPlan, dev: torc
             rest.append(t)
     if rest:
         norms = torch._foreach_norm(rest)
-        if any(n.device != dev for n in norms):
+        if {n.device for n in norms} != {dev}:  # (a comprehension: no per-tensor generator frame)
             norms = [n.to(dev) for n in norms]
-        parts.append(torch.stack(norms).float())
+        s = torch.stack(norms)  # float64 parameters keep float64 norms (a finite 1e300 stays finite)
+        parts.append(s if s.dtype is torch.float64 else s.float())
     if not parts:
         return torch.zeros((), device=dev)
     out = torch.linalg.vector_norm(parts[0] if len(parts) == 1 else torch.cat(parts))

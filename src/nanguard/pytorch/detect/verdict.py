@@ -71,12 +71,12 @@ def decode(mon: Any, p: Pending, vals: List[float]) -> Union[None, Detection, st
         if post_pn is not None:
             post_pn = glob[i:i + G]
     if pre_pn is not None:
-        mon._psq[key] = [[pre_pn[c * G + g] ** 2 for c in range(k)] for g in range(G)]
+        mon._psq[key] = [[pre_pn[c * G + g] for c in range(k)] for g in range(G)]
     elif post_pn is not None:
         psq = mon._psq.get(key)
         if psq is not None and len(psq) == G and p.post_slice < k:
             for g in range(G):
-                psq[g][p.post_slice] = post_pn[g] ** 2
+                psq[g][p.post_slice] = post_pn[g]
     mon._last = dict(loss=loss, gn=gn, pn=mon._group_param_norms(key, G), scale=scale, found_inf=found_inf,
                      groups=p.groups, opt=p.opt, batch_max=batch_max)
     mon._lasts[key] = mon._last
@@ -127,10 +127,11 @@ def after_update(mon: Any, key: int, step: Optional[int], pn: Optional[List[floa
 
 
 def total_norm(norms: Optional[Sequence[float]]) -> Optional[float]:
-    """The global L2 norm of per-group norms (inf when one is not finite; None when there are none)."""
+    """The global L2 norm of per-group norms (inf when one is not finite; None when there are none).
+    ``math.hypot``: a float64 norm of 1e300 stays finite (its square would not)."""
     if not norms:
         return None
-    return math.sqrt(sum(x * x for x in norms)) if all(finite(x) for x in norms) else float("inf")
+    return math.hypot(*norms) if all(finite(x) for x in norms) else float("inf")
 
 
 def dist_decide(mon: Any, p: Pending, det: Optional[Detection]) -> Optional[Detection]:
@@ -219,7 +220,7 @@ def step_record(last: Dict[str, Any], step: int, lrs: List[float], skipped: bool
     gn = last["gn"]
     total = total_norm(gn) if gn else 0.0
     pn = last["pn"]
-    ptotal = math.sqrt(sum(x * x for x in pn)) if pn and all(finite(x) for x in pn) else None
+    ptotal = math.hypot(*pn) if pn and all(finite(x) for x in pn) else None
     ratio = None
     if ptotal and lrs and finite(lrs[0]) and finite(total):
         ratio = lrs[0] * total / ptotal

@@ -10,7 +10,11 @@ Where did the size come from, in this order:
    schedule that raised it (warm-up), a momentum close to 1, Adam's ``beta2`` far below 0.999, or
    the measured step of hand-written updates; one single huge update right after a gradient jump is
    ``gradient_explosion`` instead;
-3. steady geometric growth of the loss or gradient norm -> ``lr_too_high``;
+3. the last update alone moved the weights by as much as their own norm or more (measured from the
+   parameter norm before and after it, or ``lr * |g| / |w|`` for plain gradient steps), with a
+   gradient in line with the ones before it -> ``lr_too_high``, without a long history (``--lr 1e25``,
+   a warm-up's first step);
+3b. steady geometric growth of the loss or gradient norm -> ``lr_too_high``;
 4. a sudden gradient-norm jump after a calm run -> ``gradient_explosion``;
 5. a loss excursion whose updates were >= 0.1 of the weights (the weights oscillate along the sharpest
    direction before their norm grows: the edge of stability) -> ``lr_too_high``; checked before 4.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+from .. import fixes as X
 from .. import text as T
 
 # The learning-rate factor (clamped to [1e-4, 0.1] for a first cut, ``lr_backoff_factor``; the
@@ -58,6 +63,9 @@ def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: floa
         single_jump = dy.get("param_growth_updates", 0) <= 1 and _grad_jump_at_onset(dy) >= 50
         if not single_jump:
             return params_grew(sig, dy, ev, method, conf, where, ctx)
+    big = one_update_ratio(dy, ev, ctx)
+    if big is not None:
+        return one_update(sig, dy, ev, method, conf, where, ctx, big)
     if sig.get("geometric_growth"):
         return steady_growth(sig, dy, ev, method, conf, where, ctx)
     calm_large = T.fin(dy.get("update_ratio_calm")) and dy["update_ratio_calm"] >= CALM_TOO_LARGE
@@ -186,8 +194,7 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
         why = (f"there is no optimizer object: the hand-written update's step size, measured from the "
                f"parameter change and the gradient, is {T.g(lr)}")
         fixes = [f"lower the step size of the hand-written update (p -= lr * p.grad) from {T.g(lr)} to about {new}",
-                 "or clip the gradient norm before the update: torch.nn.utils.clip_grad_norm_(model.parameters(), "
-                 "0.25)"]
+                 "or clip the gradient norm before the update: " + X.clip_grad_norm("0.25")]
         return why, fixes, None
     if T.fin(mom) and mom >= 0.95:
         eff = lr / (1 - mom) if lr else None
@@ -244,11 +251,88 @@ def params_grew(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: 
         fixes.append("check the initialisation: the activations should not grow through the layers (zero-init or "
                      "scale by 1/sqrt(depth) the last layer of each residual branch, or add normalisation layers)")
     summ = f"step size too large: {'; '.join(parts)}, {where}; {why}"
-    fixes += ["clip the gradient norm (torch.nn.utils.clip_grad_norm_) as a safety net, and add a warm-up"]
+    fixes += [f"clip the gradient norm ({X.clip_api()}) as a safety net, and add a warm-up"]
     return T.result("lr_too_high", summ, conf, ev, fixes, method)
 
 
-# ---------------------------------------------------------------------------- 3. steady growth
+# ---------------------------------------------------------------------------- 3. one update too large
+# The last update moved the weights by >= their own norm (100x the healthy ~1e-2): direct evidence.
+ONE_UPDATE_TOO_LARGE = 1.0
+# ... unless its gradient was out of line: >= 50x the gradients before it (a jump), or, with no
+# gradients before it, >= 100x the weights' own norm (a plain gradient step then scales a gradient
+# that something other than the learning rate made huge).
+GRAD_JUMP = 50.0
+GRAD_HUGE = 100.0
+
+
+def _plain_step(ctx: dict, dy: dict) -> bool:
+    """The update is lr * gradient (plain SGD, or a hand-written update): ``lr * |g| / |w|`` is its size."""
+    opt = str(ctx.get("optimizer") or "")
+    return opt.lower() == "sgd" or (not opt and T.fin(dy.get("effective_lr")))
+
+
+def one_update_ratio(dy: dict, ev: dict, ctx: dict) -> float | None:
+    """The size of the last update relative to the weights when it alone is evidence that the step size
+    is too large (see ``ONE_UPDATE_TOO_LARGE``), else None. Measured from the parameter norm before and
+    after it (for every optimizer), or ``lr * |g| / |w|`` for plain gradient steps. A norm that overflowed
+    while every weight stayed finite (the failing step read them finite: phase forward or backward, or an
+    early warning) counts as growth past the dtype's range."""
+    plain = _plain_step(ctx, dy)
+    sizes = []
+    if T.fin(dy.get("last_update_change")):
+        sizes.append(float(dy["last_update_change"]))
+    elif dy.get("param_norm_after_nonfinite") and ev.get("phase") not in ("params", "optimizer", "data"):
+        sizes.append(math.inf)
+    if plain and T.fin(dy.get("last_update_ratio_est")):
+        sizes.append(float(dy["last_update_ratio_est"]))
+    if not sizes or max(sizes) < ONE_UPDATE_TOO_LARGE:
+        return None
+    finite = [x for x in sizes if math.isfinite(x) and x >= ONE_UPDATE_TOO_LARGE]
+    jump = dy.get("last_grad_jump")
+    if T.fin(jump) and jump >= GRAD_JUMP:
+        return None  # the gradient jumped: its own rule (gradient_explosion) says where from
+    if plain and jump is None and T.fin(dy.get("last_grad_to_weight")) and dy["last_grad_to_weight"] >= GRAD_HUGE:
+        return None  # the gradient itself is huge from the start: not the step size's doing
+    return max(finite) if finite else math.inf
+
+
+def one_update(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: str, ctx: dict,
+               size: float) -> dict:
+    """``lr_too_high`` from the last update alone (the evidence of ``one_update_ratio``)."""
+    s = dy.get("last_update_step")
+    dy = dict(dy)
+    if isinstance(s, int):  # the update of s made the weights the next step saw: roll back to before it
+        dy["onset_step"] = min(s + 1, dy.get("onset_step", s + 1))
+        ev["onset_step"] = dy["onset_step"]
+    if T.fin(size):
+        dy.setdefault("update_ratio_at_onset", size)
+    lr, measured = _lr_ref(dy, ctx)
+    ev.update({k: dy.get(k) for k in ("last_update_step", "last_update_change", "last_update_ratio_est",
+                                      "last_grad_to_weight", "last_grad_jump", "loss_start", "loss_max_vs_start")
+               if dy.get(k) is not None})
+    ev["update_ratio_last_update"] = size if T.fin(size) else "overflow"
+    ev["lr_backoff_factor"] = backoff(dy, ctx, measured)
+    ev["lr_stable_factor"] = stable_factor(dy, ctx, measured)
+    if lr:
+        ev["lr"] = [lr] if measured else (sig.get("lr") or [lr])
+    why, fixes, unsound = _why_step(dy, ctx, lr, measured)
+    if unsound:
+        ev["recovery_unsound"] = unsound
+    if T.fin(size):
+        moved = (f"the update of step {s} alone moved the weights by {T.g(size, 2)}× their norm (update/weight "
+                 f"ratio; {HEALTHY_RATIO})")
+    else:
+        moved = (f"the update of step {s} alone threw the weights so far that their norm overflowed while every "
+                 f"weight stayed finite (update/weight ratio far above the {HEALTHY_RATIO})")
+    parts = [moved + (", with a gradient in line with the ones before it" if T.fin(dy.get("last_grad_jump")) else "")]
+    if T.fin(dy.get("loss_max_vs_start")) and dy["loss_max_vs_start"] >= 2:
+        parts.append(f"the loss rose to ×{T.g(dy['loss_max_vs_start'], 3)} its start ({T.g(dy.get('loss_start'))})")
+    summ = f"step size too large: {'; '.join(parts)}, {where}; {why}"
+    fixes += [f"clip the gradient norm ({X.clip_api()}) as a safety net, and add a warm-up"]
+    return T.result("lr_too_high", summ, conf, ev, fixes, method)
+
+
+# ---------------------------------------------------------------------------- 3b. steady growth
 def steady_growth(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: str, ctx: dict) -> dict:
     lr, measured = _lr_ref(dy, ctx)
     if lr is None:
@@ -270,7 +354,7 @@ def steady_growth(sig: dict, dy: dict, ev: dict, method: str, conf: float, where
         fixes.append("lower the learning rate by 10x or more")
     fixes += ["normalise the input features (zero mean, unit variance): unscaled features give a large "
               "curvature that makes the learning rate unstable",
-              "add a warm-up, or clip the gradient norm (torch.nn.utils.clip_grad_norm_) as a safety net"]
+              f"add a warm-up, or clip the gradient norm ({X.clip_api()}) as a safety net"]
     growth = f"the loss grew ×{T.g(lfac, 3)} per step for {lrun} consecutive steps" if lrun >= 3 else \
         f"the gradient norm grew ×{T.g(gfac, 3)} per step for {grun} consecutive steps"
     why = ""
@@ -292,8 +376,8 @@ def grad_jump(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: st
     lrs = sig.get("lr") or []
     lr0 = lrs[0] if lrs and T.fin(lrs[0]) else None
     mx = T.g(T.nice(p95), 2) if T.fin(p95) else "1.0"
-    fixes = [f"clip the gradient norm before optimizer.step(): torch.nn.utils.clip_grad_norm_("
-             f"model.parameters(), max_norm={mx}) (the 95th percentile of the healthy gradient norms)",
+    fixes = [f"clip the gradient norm before the update: {X.clip_grad_norm(mx)} (the 95th percentile of the "
+             "healthy gradient norms)",
              "roll back to the last finite state and skip or clip the step with the jump"]
     if lr0:
         fixes.append(f"if it recurs, lower the learning rate (e.g. {T.g(lr0)} -> {T.g(lr0 / 10)})")
@@ -314,7 +398,11 @@ def loss_scale(sig: dict, ev: dict, method: str, conf: float) -> dict:
                     f"with {sig.get('skipped_recent')} of the last 8 steps skipped: gradients are non-finite at "
                     "every scale", conf, ev,
                     ["the gradients overflow even at a tiny scale, so a real non-finite source exists: run one "
-                    "step in float32 (autocast disabled) to find it",
-                    "use bfloat16 autocast (float32 range, no loss scaling needed) instead of float16",
-                    "keep torch.amp.GradScaler but lower growth_factor / raise growth_interval, and keep "
-                    "numerically sensitive ops (softmax, log, norms, losses) in float32"], method)
+                     "step in float32 (" + X.say(pytorch="autocast disabled", tensorflow="the \"float32\" dtype "
+                                                 "policy", jax="x.astype(jnp.float32)") + ") to find it",
+                     X.say(pytorch="use bfloat16 autocast (float32 range, no loss scaling needed) instead of float16",
+                           tensorflow="use the \"mixed_bfloat16\" policy (float32's range, no loss scaling needed) "
+                           "instead of mixed_float16",
+                           jax="compute in bfloat16 (float32's range, no loss scaling needed) instead of float16"),
+                     f"keep {X.loss_scaler()} but let its scale grow more slowly, and keep numerically sensitive ops "
+                     "(softmax, log, norms, losses) in float32"], method)
