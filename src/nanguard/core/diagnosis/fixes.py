@@ -250,6 +250,15 @@ def clip_grad_norm(max_norm: str) -> str:
     return f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={max_norm})"
 
 
+def clip_api() -> str:
+    """The framework's global gradient-norm clipping, named without a value."""
+    if is_jax():
+        return "optax.clip_by_global_norm"
+    if is_tf():
+        return "global_clipnorm=... in the Keras optimizer"
+    return "torch.nn.utils.clip_grad_norm_"
+
+
 def set_lr(value: str) -> str:
     """Construct the optimizer with learning rate ``value`` (a formatted number)."""
     if is_jax():
