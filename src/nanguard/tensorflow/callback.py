@@ -65,6 +65,7 @@ class NanGuard(keras.callbacks.Callback):
                         raise_on_stop=False, on_spike=self.on_spike)
         drv.install()
         self._driver = drv
+        drv.watcher.fit_now = {"call": 0, "start": 0, "epoch": 0, "epoch_start": 0}
         try:
             drv.watcher._watch_fit(self.model)  # re-make the train function: traced with the check
         except Exception as e:
@@ -78,6 +79,10 @@ class NanGuard(keras.callbacks.Callback):
             mode = "recover" if self.recover else self.config.on_nonfinite
             spike = f"; on spike: {drv.on_spike}" if drv.on_spike != "warn" else ""
             print_line(f"guarding {type(self.model).__name__}.fit (on non-finite: {mode}{spike})")
+
+    def on_epoch_begin(self, epoch, logs=None) -> None:
+        if self._driver is not None and self._driver.watcher.fit_now is not None:
+            self._driver.watcher.fit_now.update(epoch=int(epoch), epoch_start=self._driver.watcher.steps_watched)
 
     def on_train_batch_end(self, batch, logs=None) -> None:
         w = self._driver.watcher if self._driver is not None else self._external

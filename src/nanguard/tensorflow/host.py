@@ -88,6 +88,9 @@ class HostReader:
     def detail(self, det: Detection, st: OptState, row: D.Row) -> None:
         """Slow path (a failure only): which variables / gradients are non-finite, by ``.path``."""
         d = det.detected
+        pos = self.w.fit_position(det.step)
+        if pos is not None:
+            d["fit"] = pos   # the model.fit call (0-based), its epoch and the step in that epoch
         if det.phase in ("params", "optimizer"):
             bad = [var_name(v) for v in st.tvars if not finite_var(v)]
             d["nonfinite_params" if det.phase == "params" else "nonfinite_params_after_update"] = bad[:20]

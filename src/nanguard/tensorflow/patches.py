@@ -26,6 +26,13 @@ from .state import active, tl_get, tl_set
 __all__ = ["install", "patch_apply"]
 
 
+def _with_callback(callbacks: Any, mark: Any) -> Any:
+    """The user's ``fit`` callbacks plus ``mark`` (a new list; a ``CallbackList`` is left as given)."""
+    if callbacks is not None and not isinstance(callbacks, (list, tuple)):
+        return callbacks
+    return list(callbacks or []) + [mark]
+
+
 def install(w: Any) -> List[Callable[[], None]]:
     """Install every hook for watcher ``w``; returns the undo callables (run them in reverse)."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
@@ -103,8 +110,17 @@ def install(w: Any) -> List[Callable[[], None]]:
         return orig["seed_next"](gen, *a, **k)
 
     def fit(model, *a, **k):
+        mark = w._guarded(w._fit_begin)
         w._guarded(lambda: w._watch_fit(model))
-        return orig["fit"](model, *a, **k)
+        if mark is not None:  # the fit's epochs, for the report (fit call, epoch, step in the epoch)
+            if len(a) > 5:
+                a = a[:5] + (_with_callback(a[5], mark),) + a[6:]
+            else:
+                k["callbacks"] = _with_callback(k.get("callbacks"), mark)
+        try:
+            return orig["fit"](model, *a, **k)
+        finally:
+            w.fit_now = None
 
     tf.GradientTape.gradient = gradient
     Layer.__call__ = layer_call

@@ -94,6 +94,7 @@ class TFSnapshot:
         self._finite: Optional[bool] = None
         self.n_model = 0  # the first n_model entries are model variables (the rest: optimizer, globals)
         self.n_seed = 0   # the last n_seed entries are the Keras seed generators' states
+        self.n_metric = 0  # before them, n_metric entries are compiled metrics' totals and counts
 
     def finite(self) -> bool:
         if self._finite is None:
@@ -167,10 +168,21 @@ class KerasActions(_ActionsBase):
         except Exception:
             return []
 
+    def metric_variables(self) -> List[Any]:
+        """The compiled metrics' state of the models (``model.fit``'s running loss mean included)."""
+        out, seen = [], set()
+        for m in self.models:
+            for v in getattr(m, "metrics_variables", None) or []:
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    out.append(v)
+        return out
+
     def _snap_vars(self):
-        """(model variables, everything a snapshot holds, how many seed-generator states end it)."""
-        mv, seeds = self.model_variables(), self._global_seed_vars()
-        return mv, mv + self.optimizer_variables() + seeds, len(seeds)
+        """(model variables, everything a snapshot holds, how many metric variables and seed-generator
+        states end it)."""
+        mv, metrics, seeds = self.model_variables(), self.metric_variables(), self._global_seed_vars()
+        return mv, mv + self.optimizer_variables() + metrics + seeds, len(metrics), len(seeds)
 
     # -------------------------------------------------------------- the state
     def state_finite(self, with_optimizers: bool = True) -> bool:
@@ -181,19 +193,27 @@ class KerasActions(_ActionsBase):
 
     # -------------------------------------------------------------- snapshots
     def take_snapshot(self, step: int, loss: Optional[float]) -> TFSnapshot:
-        mv, allv, n_seed = self._snap_vars()
+        mv, allv, n_metric, n_seed = self._snap_vars()
         s = TFSnapshot(step, allv, loss)
-        s.n_model, s.n_seed = len(mv), n_seed
+        s.n_model, s.n_metric, s.n_seed = len(mv), n_metric, n_seed
         return s
 
     def refill_snapshot(self, snap: TFSnapshot, step: int, loss: Optional[float]) -> bool:
-        mv, allv, n_seed = self._snap_vars()
-        return len(mv) == snap.n_model and n_seed == snap.n_seed and snap.refill(step, allv, loss)
+        mv, allv, n_metric, n_seed = self._snap_vars()
+        return (len(mv) == snap.n_model and n_metric == snap.n_metric and n_seed == snap.n_seed
+                and snap.refill(step, allv, loss))
 
     def restore(self, snap: TFSnapshot, rng: bool = True) -> None:
+        end = len(snap.vars) - snap.n_seed
+        metrics = range(end - snap.n_metric, end)
+        # the metrics' running means (fit's printed loss) go back too when the snapshot is of this epoch
+        # (Keras resets them when an epoch starts: an earlier epoch's totals would mix into this one)
+        fit = self.w.fit_now if self.w is not None else None
+        keep_metrics = fit is not None and snap.step < fit["epoch_start"]
         n = len(snap.vars) - (0 if rng else snap.n_seed)  # the seed generators' states come last
-        for v, a in zip(snap.vars[:n], snap.values[:n]):
-            v.assign(a)
+        for i, (v, a) in enumerate(zip(snap.vars[:n], snap.values[:n])):
+            if not (keep_metrics and i in metrics):
+                v.assign(a)
         if rng:
             random.setstate(snap.py_random)
             np.random.set_state(snap.np_random)
@@ -217,12 +237,18 @@ class KerasActions(_ActionsBase):
         return n
 
     def restore_buffers(self, snap: TFSnapshot) -> int:
-        """Non-trainable model variables (BatchNorm moving statistics; not the seed generators)."""
+        """Non-trainable model variables (BatchNorm moving statistics; not the seed generators) and the
+        compiled metrics (a skipped step's loss leaves ``fit``'s running mean: the next batches print
+        the mean of the steps that trained)."""
         n = 0
         for v, a in zip(snap.vars[:snap.n_model], snap.values[:snap.n_model]):
             if not getattr(v, "trainable", True) and "seed_generator" not in str(getattr(v, "path", "")):
                 v.assign(a)
                 n += 1
+        end = len(snap.vars) - snap.n_seed
+        for v, a in zip(snap.vars[end - snap.n_metric:end], snap.values[end - snap.n_metric:end]):
+            v.assign(a)
+            n += 1
         return n
 
     # -------------------------------------------------------------- actions on a failure

@@ -79,6 +79,8 @@ class TFWatcher:
         self.capture = capture        # the in-graph capture of failing fit steps (None: not built)
         self.capture_error: Optional[str] = None
         self.replay_hooks: Any = None  # set while a captured step is replayed (see .capture)
+        self.fit_calls = 0            # model.fit calls seen (nanguard run / watch())
+        self.fit_now: Optional[Dict[str, int]] = None  # the running fit: call, first step, epoch, its first step
 
     @property
     def recovering(self) -> bool:
@@ -266,6 +268,42 @@ class TFWatcher:
         model.make_train_function(force=True)  # traced with the check in it (at its first call)
         self._fit_models.add(model)
 
+    def _fit_begin(self) -> Any:
+        """A ``model.fit`` call starts: steps go on counting across calls (a second ``fit`` after
+        re-compiling with a new optimizer continues the script's count); returns the Keras callback that
+        marks its epochs, for the report's ``fit`` position (call, epoch, step in the epoch)."""
+        import keras
+        self.fit_calls += 1
+        start = self.steps_watched
+        self.fit_now = now = {"call": self.fit_calls - 1, "start": start, "epoch": 0, "epoch_start": start}
+        w = self
+
+        class _EpochMark(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                now["epoch"], now["epoch_start"] = int(epoch), w.steps_watched
+
+        return _EpochMark()
+
+    def fit_position(self, step: int) -> Optional[Dict[str, int]]:
+        """Where ``step`` falls in the running ``fit``: its call index (0-based), epoch and step in the
+        epoch and in the call; None outside a fit."""
+        now = self.fit_now
+        if now is None or step < now["start"]:
+            return None
+        return {"call": now["call"], "epoch": now["epoch"], "step_in_epoch": step - now["epoch_start"],
+                "step_in_fit": step - now["start"]}
+
+    def _first_step(self, tvars: Optional[List[Any]]) -> int:
+        """The script's step at which an optimizer new to this run starts counting: inside a ``fit``, the
+        fit's first step (optimizers of one fit step together, as in a GAN's custom train_step);
+        outside, after the steps of the earlier optimizers that trained the same variables (a new
+        optimizer taking over the weights: a fine-tuning stage); else 0 (optimizers in parallel)."""
+        if self.fit_now is not None:
+            return self.fit_now["start"]
+        ids = {id(v) for v in tvars or []}
+        return max((o.attempts - o.offset for o in self.states.values()
+                    if ids and ids.intersection(id(v) for v in o.tvars)), default=0)
+
     def _on_outside_write(self, var: Any) -> None:
         """An eager write of a trainable variable outside any update (a warm start, ``set_weights``, a
         hand-made re-initialisation): the next step checks the variables exactly."""
@@ -280,6 +318,11 @@ class TFWatcher:
         so what the script changes between steps is part of it)."""
         if self.policy is None or not (self.models or self.states):
             return  # nothing to snapshot yet: still due
+        from .recover import KerasActions
+        if not KerasActions(self).model_variables():
+            # a fit's first call comes before its model is called or its optimizer built: a snapshot now
+            # would hold no weight (a rollback to it restores nothing); the first update's trace takes it
+            return
         self._snap_due = False
         self.policy.step_start(self, self.steps_watched)
 
@@ -303,18 +346,20 @@ class TFWatcher:
             self.states[key] = self._earlier.pop(key)
         return ran
 
-    def _state(self, opt: Any, n_vars: int) -> OptState:
+    def _state(self, opt: Any, n_vars: int, tvars: Optional[List[Any]] = None) -> OptState:
         st = self.states.get(id(opt))
         if st is None or st.opt_ref() is not opt:
             st = self._earlier.pop(id(opt), None)
             if st is not None and st.opt_ref() is opt:  # adopted at install
                 self.states[id(opt)] = st
                 return st
+            first = self._first_step(tvars)
             st = STATES.get(id(opt))
             if st is None or st.opt_ref() is not opt:
                 st = STATES[id(opt)] = OptState(opt, n_vars, active=self.skip_bad, stop_mode=self.stop_mode)
             else:
                 st.adopt(active=self.skip_bad, stop_mode=self.stop_mode)
+            st.offset -= first  # the script's step = the raw count - offset
             self.states[id(opt)] = st
         return st
 
@@ -347,7 +392,7 @@ class TFWatcher:
         if first:
             self._prepared.add(id(opt))
             self.policy.prepare(opt)
-        st = self._state(opt, len(tvars))
+        st = self._state(opt, len(tvars), tvars)
         if first and self._snap_due:
             with tf.init_scope():  # traced before the first update runs: the state it starts from
                 self._take_due_snapshot()

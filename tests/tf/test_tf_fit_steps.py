@@ -1,0 +1,154 @@
+"""``model.fit`` under the guard (issue 23): recovery snapshots from a fit's first step, optimizer steps
+counted across the whole script (fit calls, fine-tuning stages) with the fit call / epoch / step in the
+event, a skipped step's loss kept out of fit's running mean, and the run-end line naming the first
+failure. In-process (``run_tf``: ``nanguard run``'s runner), a few seconds each."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+from tf_helpers import _tf_state, run_tf, write  # noqa: E402,F401
+
+# A fit on NumPy arrays whose SGD step size is far too large for an unscaled feature: the loss grows
+# ~1e10 per step from step 0 and overflows at step 4 (before any snapshot but the first one's).
+EARLY_DIVERGENCE = '''
+import numpy as np, keras
+keras.utils.set_random_seed(0)
+rng = np.random.default_rng(0)
+n = 512
+x = np.stack([rng.random(n) * 2, rng.random(n) * 2000], 1).astype("float32")
+y = (x @ np.array([[1.5], [0.001]]) + 2.0).astype("float32")
+model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05), loss="mse")
+losses = []
+cb = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: losses.append(float(logs["loss"])))
+model.fit(x, y, batch_size=64, epochs=4, verbose=0, shuffle=False, callbacks=[cb])
+print("final", sum(losses[-5:]) / 5)
+'''
+
+
+def test_a_fit_diverging_in_its_first_steps_rolls_back_to_its_first_weights(tmp_path, capsys):
+    code, rep = run_tf(tmp_path, write(tmp_path, EARLY_DIVERGENCE), recover="auto", localize=False)
+    assert code == 0, rep and rep["events"][:1]
+    rolls = [e["recovery"]["actions"]["rollback"] for e in rep["events"]
+             if (e.get("recovery") or {}).get("actions", {}).get("rollback")]
+    assert rolls, [e.get("recovery") for e in rep["events"]]
+    first = min(rolls, key=lambda r: r["to_step"])
+    assert first["to_step"] == 0
+    # the first snapshot of the fit holds the model's weights (kernel 2x1 + bias, float32), not only
+    # the optimizer's counter and the seed state
+    assert first["snapshot_bytes"] >= 12 + 8, first
+    final = float(capsys.readouterr().out.split("final")[1])
+    assert math.isfinite(final), final
+    assert rep["status"] == "recovered"
+
+
+# Transfer learning: a head trained in one fit (12 steps), then the whole model fine-tuned in a second
+# fit with a new optimizer; row 32 + 5 of the fine-tuning data holds a NaN (second batch: step 13).
+TWO_FITS = '''
+import numpy as np, keras
+keras.utils.set_random_seed(0)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(384, 8)).astype("float32")
+y = x[:, :1] * 0.5
+x_ft = x.copy()
+x_ft[37, 3] = np.nan
+base = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu")])
+model = keras.Sequential([base, keras.layers.Dense(1)])
+base.trainable = False
+model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+base.trainable = True
+model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+model.fit(x_ft, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+'''
+
+
+def test_steps_count_across_fit_calls_with_the_fit_position_in_the_event(tmp_path):
+    code, rep = run_tf(tmp_path, write(tmp_path, TWO_FITS), localize=False)
+    assert code == 3
+    ev = rep["events"][0]
+    assert (ev["step"], ev["phase"]) == (13, "data"), (ev["step"], ev["phase"])
+    assert ev["detected"]["fit"] == {"call": 1, "epoch": 0, "step_in_epoch": 1, "step_in_fit": 1}
+    assert rep["steps_watched"] == 14
+
+
+# Two hand-written stages: a GradientTape loop with one optimizer for 5 steps, then the same model with a
+# new optimizer (a fine-tuning stage); the second stage's third step sees a NaN batch.
+TWO_STAGES = '''
+import numpy as np, keras, tensorflow as tf
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+x = np.ones((8, 3), "float32")
+def stage(opt, steps, bad=-1):
+    for i in range(steps):
+        xb = x.copy()
+        if i == bad:
+            xb[0, 0] = np.nan
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb, training=True)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+stage(keras.optimizers.SGD(0.01), 5)
+stage(keras.optimizers.Adam(1e-3), 4, bad=2)
+'''
+
+
+def test_a_new_optimizer_on_the_same_weights_continues_the_count(tmp_path):
+    code, rep = run_tf(tmp_path, write(tmp_path, TWO_STAGES), localize=False)
+    assert code == 3
+    ev = rep["events"][0]
+    assert (ev["step"], ev["phase"]) == (7, "data"), (ev["step"], ev["phase"])
+    assert "fit" not in ev["detected"]
+
+
+# A NaN target in one batch of the first epoch: under recovery the step is skipped, and fit's printed
+# running mean must not carry that step's NaN to the end of the epoch.
+BAD_ROW = '''
+import numpy as np, keras
+keras.utils.set_random_seed(0)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(256, 4)).astype("float32")
+y = x[:, :1] * 0.5
+y[2 * 32 + 7, 0] = np.nan
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse")
+printed = []
+cb = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: printed.append(float(logs["loss"])))
+model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False, callbacks=[cb])
+import json
+print("printed", json.dumps(printed))
+'''
+
+
+def test_a_skipped_step_leaves_fits_running_mean(tmp_path, capsys):
+    code, rep = run_tf(tmp_path, write(tmp_path, BAD_ROW), recover="auto", localize=False)
+    assert code == 0 and rep["status"] == "recovered"
+    assert [e["step"] for e in rep["events"]] == [2]
+    printed = json.loads(capsys.readouterr().out.split("printed")[1])
+    assert math.isnan(printed[2])   # the failing batch's own log (computed in the step)
+    assert all(math.isfinite(v) for v in printed[3:]), printed  # the mean of the steps that trained
+
+
+def test_the_callback_keeps_fits_running_mean_clean_too():
+    from nanguard.keras import NanGuard
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 4)).astype("float32")
+    y = x[:, :1] * 0.5
+    y[2 * 32 + 7, 0] = np.nan
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse")
+    printed = []
+    log = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: printed.append(float(logs["loss"])))
+    guard = NanGuard(recover="auto", localize=False, quiet=True, report=None)
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False, callbacks=[guard, log])
+    assert guard.report is not None and guard.report.status == "recovered"
+    assert math.isnan(printed[2]) and all(math.isfinite(v) for v in printed[3:8]), printed
+    assert math.isnan(printed[10]) and all(math.isfinite(v) for v in printed[11:]), printed
