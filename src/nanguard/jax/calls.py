@@ -77,14 +77,20 @@ class Call:
     the inputs are kept (the outputs by identity): a chain of calls must not keep every step alive."""
 
     def __init__(self, jw: Any, args: tuple, kwargs: dict, out: Any, flags: Any, prev: Optional["Call"]) -> None:
-        self.jw, self.args, self.flags = jw, args, flags
-        paths, self.treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
-        self.paths = [jax.tree_util.keystr(p) for p, _ in paths]
-        self.leaves = [leaf for _, leaf in paths]
+        self.jw, self.args, self.kwargs, self.flags = jw, args, kwargs, flags
+        self.leaves, self.treedef = jax.tree_util.tree_flatten((args, kwargs))
+        self._paths: Optional[List[str]] = None  # built on a failure only (keystr is slow)
         prev_out = prev.out_ids if prev is not None and prev.jw is jw else None
         self.carried = [prev_out is not None and id(x) in prev_out for x in self.leaves]
         self.out_ids = {id(x) for x in jax.tree_util.tree_leaves(out)}
         self.prev_known = prev_out is not None
+
+    @property
+    def paths(self) -> List[str]:
+        if self._paths is None:
+            flat, _ = jax.tree_util.tree_flatten_with_path((self.args, self.kwargs))
+            self._paths = [jax.tree_util.keystr(p) for p, _ in flat]
+        return self._paths
 
     def fresh(self) -> List[int]:
         """Indices of the input leaves the loop did not carry over (the batch)."""
