@@ -84,3 +84,25 @@ def test_the_notice_says_the_tries_left():
     assert "1 more if the same failure comes back, 9 left in the budget" in notice(30, "gradient_explosion", recs[0])
     line = notice(40, "gradient_explosion", recs[1])
     assert "not drawn again" in line and "it stops if the same failure comes back" in line
+
+
+def test_a_cut_under_a_warmup_is_relative_to_the_coming_peak():
+    """Warm-up: the rate now is 0.0051, the schedule still rises to 0.06, the estimated limit is 0.0025.
+    A plain x0.1 of the base rates would put the new peak at 0.006, above the limit."""
+    from nanguard.core.recovery.estimates import peak_cut, peak_target
+
+    class Warmup(RngActions):
+        def learning_rate_peaks(self):
+            return [0.06]
+
+    p, a = RecoveryPolicy(quiet=True), Warmup(lrs=(0.0051,))
+    for s in range(16):
+        p.on_step_start(s, a)
+    ev = Event(step=16, phase="forward", cause={"category": "lr_too_high", "summary": "t", "confidence": 0.9,
+                                                 "evidence": {"estimated_stable_lr_limit": 0.0025, "onset_step": 11}})
+    rec = p.on_failure(ev, step=16, actions=a, history=hist([1.0] * 16))
+    peak = rec["actions"]["lr_backoff"]["schedule_peak"]
+    assert peak["before"] == 0.06 and abs(peak["after"] - 0.00125) < 1e-9  # half the estimated limit
+    assert peak_target(0.1, {}, [0.0051], [0.06]) == 0.1  # no estimate: x0.1 of the rate that diverged
+    assert abs(peak_cut(0.1, [0.0051], [0.06]) * 0.06 - 0.00051) < 1e-12
+    assert peak_cut(0.1, [0.5], [0.5]) == 0.1  # no warm-up ahead: the plain cut

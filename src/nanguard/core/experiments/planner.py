@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..diagnosis.text import LOW_DTYPES, opshort
-from ..recovery.estimates import backoff_factor, clip_max_norm
+from ..recovery.estimates import backoff_factor, clip_max_norm, peak_target
 from .kinds import DATA, DIVERGENCE, EXACT, PER_SAMPLE, PRECISION
 from .records import Spec
 
@@ -144,7 +144,11 @@ def nearest_snapshot(snapshots: Sequence[int], step: int, max_steps: float) -> O
 
 
 def lr_factor(s: Situation) -> float:
-    return float(backoff_factor(s.lr_factor, {"evidence": s.evidence}, s.caps.get("lrs") or []))
+    """The learning-rate cut to test: the recovery's (``backoff_factor``), or under a warm-up the rate its
+    new peak will sit at (``peak_target``), so the replay tests the highest rate the schedule will reach."""
+    cause, lrs = {"evidence": s.evidence}, s.caps.get("lrs") or []
+    f = backoff_factor(s.lr_factor, cause, lrs)
+    return float(peak_target(f, cause, lrs, s.caps.get("lr_peaks") or lrs))
 
 
 def clip_norm(s: Situation) -> float:

@@ -54,6 +54,19 @@ def backoff_factor(lr_factor: float, cause: Dict[str, Any], lrs: Sequence[float]
     return max(factor, 1e-4)
 
 
+def peak_target(factor: float, cause: Dict[str, Any], lrs: Sequence[float], peaks: Sequence[float]) -> float:
+    """The rate the schedule's new peak should sit at, relative to the rate now (``factor`` x now by
+    default). Under a warm-up (a peak above every rate now) the rate now is no reference for the new
+    peak: with the diagnosis' estimate of the stability limit, half of it."""
+    ev = (cause or {}).get("evidence") or {}
+    limit = ev.get("estimated_stable_lr_limit")
+    now = max([x for x in lrs if _positive(x)], default=0.0)
+    peak = max([x for x in peaks if _positive(x)], default=0.0)
+    if now > 0 and peak > now and _positive(limit) and limit < peak:
+        return min(0.5 * limit / now, 1.0)
+    return factor
+
+
 def peak_cut(factor: float, lrs: Sequence[float], peaks: Sequence[float]) -> float:
     """The factor for the schedule's base rates so that its coming peak lands on ``factor`` x the rate
     that diverged (``lrs``, now), not above it: under a warm-up a plain ``factor`` would put the new peak

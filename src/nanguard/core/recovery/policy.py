@@ -25,7 +25,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..render.terminal import print_line
 from .actions import RecoveryActions, Snapshot
 from .budget import DATA_CATEGORY, RecoveryBudget
-from .estimates import DynamicLossScale, backoff_factor, clip_max_norm, healthy_grad_norms, peak_cut, rollback_bound
+from .estimates import (DynamicLossScale, backoff_factor, clip_max_norm, healthy_grad_norms, peak_cut, peak_target,
+                        rollback_bound)
 from .records import notice, summary_line
 from .repeats import Repeats
 from .snapshots import SnapshotStore
@@ -333,16 +334,18 @@ class RecoveryPolicy:
         repeat = self._step_size_cut(step, done)
         factor = backoff_factor(self.lr_factor, cause, lrs, repeat=repeat)
         tested = ((proof or {}).get("params") or {}).get("factor")
-        if isinstance(tested, (int, float)) and 0 < tested < 1:
-            factor = float(tested)  # the rate a replay showed to be finite (recovery/verify.py)
         if lrs:
             peaks = actions.learning_rate_peaks()
+            if isinstance(tested, (int, float)) and 0 < tested <= 1:
+                factor = float(tested)  # the rate a replay showed to be finite (recovery/verify.py)
+            else:
+                factor = peak_target(factor, cause, lrs, peaks)
             cut = peak_cut(factor, lrs, peaks)  # under a warm-up: the coming peak lands on factor x now
             done["lr_backoff"] = actions.lr_backoff(cut)
             if cut < factor:
                 done["lr_backoff"]["schedule_peak"] = {"before": max(peaks), "after": max(peaks) * cut,
                                                        "why": f"the schedule still rises to {max(peaks):.3g}: "
-                                                       f"its peak is cut to x{factor:.3g} the rate that diverged"}
+                                                       f"its peak is cut to {max(peaks) * cut:.3g}"}
             if repeat:
                 done["lr_backoff"]["repeat"] = True
             return

@@ -8,6 +8,7 @@ import torch
 
 from ...core.experiments import Bench, Experiment, Spec
 from ...core.experiments.kinds import describe
+from ..recover.lr_backoff import schedule_peaks
 from ..recover.upcast import find_module
 from .history import consecutive, replay_history
 from .modes import UNARY, CaptureInput, DomainGuard, ExactInput, PromoteMode
@@ -49,7 +50,8 @@ class TorchBench(Bench):
                      if s.step < n and s.finite() and consecutive(kept, s.step, n) is not None]
         return {"batch_size": self.step.batch_size(), "module_chain": self.module_chain(origin.get("module")),
                 "float64": True, "op_patch": True, "compiled": self.compiled(), "snapshots": snaps,
-                "lrs": [float(g["lr"]) for o in self.step.optimizers for g in o.param_groups]}
+                "lrs": [float(g["lr"]) for o in self.step.optimizers for g in o.param_groups],
+                "lr_peaks": schedule_peaks(self.step.optimizers) if snaps else []}
 
     def module_chain(self, path: Optional[str]) -> List[str]:
         """The origin's module path, then its parents, up to the root model ("")."""
