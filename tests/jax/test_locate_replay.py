@@ -289,3 +289,17 @@ def test_arccos_of_a_cosine_above_one_is_a_trig_domain_error_in_the_forward():
     assert res.reproduced and loc["origin"]["op"] == "acos" and loc["origin"]["samples"] == [0]
     assert loc["facts"]["trig_domain"]["abs_gt_1"] == 1
     assert cause(loc, "forward")["category"] == "trig_domain"
+
+
+def test_a_minus_inf_mask_that_a_matmul_sums_with_plus_inf_is_a_mask_escape():
+    def loss(p, h, mask):
+        s = jnp.where(mask[..., None], h, -jnp.inf).max(axis=1)   # max-pool-mask
+        return jnp.mean((s @ p["w"]) ** 2)   # pooled-matmul
+    p = {"w": jnp.array([[1.0, -1.0], [2.0, 0.5]])}
+    h = jnp.ones((3, 4, 2))
+    mask = jnp.array([[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]], bool)   # row 1: every position masked
+    res, loc = run(jax.value_and_grad(loss), (p, h, mask))
+    o = loc["origin"]
+    assert res.reproduced and (o["jax_op"], o["line"], o["samples"]) == ("dot_general", line_of("pooled-matmul"), [1])
+    assert loc["facts"]["mask_escape"]["line"] == line_of("max-pool-mask")
+    assert cause(loc, "forward")["category"] == "masked_softmax"

@@ -42,7 +42,7 @@ PASS = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "tran
 SELECT = frozenset({"select_n", "clamp", "max", "min", "gather", "dynamic_slice", "slice", "select_and_scatter_add",
                     "argmax", "argmin"})
 # canonical names of ops that write a scalar into some positions (a -inf mask written on purpose)
-MASK_WRITERS = frozenset({"where", "expand", "full"})
+MASK_WRITERS = frozenset({"where", "expand", "full", "_to_copy"})   # a scalar fill, materialised or selected
 # reductions that can carry a masked -inf into their result
 MASK_SINKS = frozenset({"reduce_sum", "dot_general"})
 # counts and sums (a denominator from them is 0 for an empty set)

@@ -29,7 +29,7 @@ import numpy as np
 
 from ...core.locate.oplog import OpGraph
 from ...core.locate.result import Sinks, constant_detail
-from ...core.locate.taint import CONST, NEW, Taint, Taints
+from ...core.locate.taint import CONST, NEW, Taint, Taints, escaped_mask
 from . import numerics as N
 from . import ops as O
 from .frames import Frame, FrameFinder, is_backward
@@ -268,7 +268,8 @@ class Replay:
         if not 0 <= at_op < len(log):
             return {"constant": True, "value": value}
         canon = log.canon[at_op]
-        return constant_detail(canon, canon, O.api_name(canon), None, log.stage[at_op], log.frame[at_op], [value])
+        api = O.api_name(canon) if canon == "where" else "a constant"   # materialised by a cast/broadcast
+        return constant_detail(canon, canon, api, None, log.stage[at_op], log.frame[at_op], [value])
 
     # ------------------------------------------------------------------ evaluation
     def eval_jaxpr(self, jaxpr: Any, env: Dict[Any, Rec], ctx: Ctx) -> List[Rec]:
@@ -348,15 +349,20 @@ class Replay:
         out_nan = any(o.flags[0] for o in bad)
         out_inf = any(o.flags[1] for o in bad)
 
-        def mask_sink() -> bool:
-            return (prim in O.MASK_SINKS and stage == "forward"
-                    and int(np.size(bad[0].val)) < max(int(np.size(r.val)) for r in ins))
+        def mask_sink() -> bool:   # a forward sum over entries (a matmul contracts a dimension)
+            if prim not in O.MASK_SINKS or stage != "forward":
+                return False
+            if prim == "dot_general":
+                return bool(eqn.params["dimension_numbers"][0][0])
+            return int(np.size(bad[0].val)) < max(int(np.size(r.val)) for r in ins)
         d = self.prov.decide(out_nan, out_inf, taints, in_nan, in_inf, mask_sink, O.MASK_WRITERS)
         if d is NEW:
+            mask = self.prov.take_escaped_mask()
+            if mask is None and in_inf and mask_sink():   # -inf * w summed with +inf: a mask a matmul kept
+                mask = escaped_mask([t for t in taints if t is not None], O.MASK_WRITERS)
             t = self.prov.add("op", False, idx, stage)
             self.births[t.seq] = {"op": idx, "eqn": eqn, "ins": [r.val for r in ins], "in_recs": ins,
-                                  "outs": [o.val for o in outs], "pos": outs.index(bad[0]),
-                                  "mask": self.prov.take_escaped_mask()}
+                                  "outs": [o.val for o in outs], "pos": outs.index(bad[0]), "mask": mask}
         elif d is CONST:
             t = self.prov.add("constant", True, idx, stage)
             t.detail = self._const_detail(idx, self._first(bad[0].val))
