@@ -19,6 +19,7 @@ from .errors import error_rules
 from .rules.divergence import divergence, history_words, loss_scale
 from .rules.generic import other
 from .rules.optimizer import optimizer_result
+from .rules.precision import lp_overflow
 from .rules.preexisting import preexisting
 from .signals import history_signals
 
@@ -130,7 +131,12 @@ def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
               f"{ {'loss': 'loss', 'grad': 'gradients', 'optimizer': 'parameters'}.get((loc.get('sink') or {}).get('kind'), 'sink')})"
     ev.update(origin_evidence(origin, facts))
     if sig.get("loss_scale_collapse") and phase != "forward":
-        return loss_scale(sig, ev, method, 0.6)
+        held = float32_holds(Case(origin, facts, sig, phase, ev, method, ctx))
+        if held is None:
+            return loss_scale(sig, ev, method, 0.6)
+        # the dtype check before the scale's reading: a float16 overflow that float32 holds is the cause the
+        # falling loss scale only reacted to (no scale brings a value above float16's max back in range)
+        return lp_overflow(origin, held, ev, method + "; the loss scale collapsed because float16 cannot hold it")
     if origin.get("stage") == "optimizer" or phase == "optimizer":
         return optimizer_result(loc, facts, ev, method, 0.85, ctx)
     if origin.get("kind") == "constant":
@@ -145,6 +151,23 @@ def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
                                "sure the masked entries never reach the loss (jnp.where after the op)")],
                         method)
     return mechanism(Case(origin, facts, sig, phase, ev, method, ctx))
+
+
+def float32_holds(c: Case) -> dict | None:
+    """The facts of a float16/bfloat16 origin that overflowed where float32 holds the value (its float32
+    re-run is finite, or its float64 re-run's magnitude is within float32's range: then the float32
+    check is stated from it), or None."""
+    if not (c.low and c.inf_only):
+        return None
+    if c.f32.get("direct_finite"):
+        return c.facts
+    mx = c.f64.get("max_abs")
+    if c.f64.get("finite") and isinstance(mx, (int, float)) and mx < _FLOAT32_MAX:
+        return {**c.facts, "float32_check": {"direct_finite": True, "max_abs": mx, "from": "float64_check"}}
+    return None
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def origin_evidence(origin: dict, facts: dict) -> dict:

@@ -1,6 +1,9 @@
 """exp-like overflow: exp(x) is inf above log(dtype max) (88.7 in float32)."""
 from __future__ import annotations
 
+import linecache
+import re
+
 from .. import families as F
 from .. import fixes as X
 from .. import text as T
@@ -33,7 +36,13 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     mx, thr = facts.get("exp_input_max"), facts.get("overflow_threshold")
     summ = (f"{api} overflowed at {where}: input max {T.g(mx)} > {T.g(thr)} = log({origin.get('dtype')} max), so "
             f"exp = inf (then inf/inf = NaN)")
-    fixes = [X.say(pytorch=f"replace the hand-written exp(z)/sum(exp(z)) at {where} by torch.softmax(z, dim) or, "
+    arg, softmax_like = exp_argument(origin)
+    bound = []
+    if arg and not softmax_like:  # exp of an unbounded quantity (a log-variance, a log-rate): bound the exponent
+        bound = [f"bound the exponent at {where}: {X.call('exp', X.clamp(arg, '-20.0', '20.0'))} (an exp of an "
+                 "unbounded quantity, e.g. a log-variance or log-rate a layer predicts: clamp it, or predict it "
+                 "through a bounded activation)"]
+    fixes = bound + [X.say(pytorch=f"replace the hand-written exp(z)/sum(exp(z)) at {where} by torch.softmax(z, dim) or, "
                    "for a loss, F.log_softmax / F.cross_entropy on the logits",
                    tensorflow=f"replace the hand-written exp(z)/sum(exp(z)) at {where} by tf.nn.softmax(z, axis) "
                    "or, for a loss, tf.nn.log_softmax / " + X.logits_loss() + " on the logits",
@@ -46,4 +55,33 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
                    jax="if you need exp itself, subtract the row max first: z - jnp.max(z, axis, keepdims=True), or "
                    "use jax.nn.logsumexp"),
              "keep the logits bounded (normalisation, weight decay) if they keep growing"]
+    if bound:   # no softmax rewrite for an exp that is no softmax
+        fixes = bound + ["keep what feeds the exponent bounded (normalised inputs, weight decay, a lower learning "
+                         "rate) if it keeps growing"]
     return T.result("exp_overflow", summ, 0.9, ev, fixes, method)
+
+
+_EXP_CALL = re.compile(r"(?:\b[\w.]*\bexp|\bExp)\s*\(")
+_EXP_METHOD = re.compile(r"([\w.\[\]]+)\.exp\(\)")
+
+
+def exp_argument(origin: dict) -> tuple:
+    """(the argument of the exp written on the origin's line, or None; whether the line is a hand-written
+    softmax: the exp's result divided by or summed on the same line). From the source line itself; a
+    built-in layer's construction line has no exp on it: (None, False)."""
+    f, n = origin.get("file"), origin.get("line")
+    text = linecache.getline(str(f), int(n)) if f and isinstance(n, int) else ""
+    m = _EXP_CALL.search(text)
+    if m is not None:
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        arg, rest = text[m.end():i - 1].strip(), text[:m.start()] + text[i:]
+    else:
+        mm = _EXP_METHOD.search(text)
+        if mm is None:
+            return None, False
+        arg, rest = mm.group(1), text[:mm.start()] + text[mm.end():]
+    softmax_like = "/" in rest or "sum" in rest
+    return (arg or None), softmax_like
