@@ -14,3 +14,17 @@ def test_a_stop_after_recoveries_names_the_first_failure_and_the_stop():
 def test_a_lone_failure_is_named_once():
     line = summary_line(Report(events=[Event(step=9, phase="data")], steps_watched=10))
     assert "first failure at step 9 (data)" in line and "stopped" not in line, line
+
+
+def test_an_origin_in_the_top_level_model_is_not_shown_as_module_quote_quote():
+    import io
+
+    from rich.console import Console
+
+    from nanguard.core.render.terminal import render
+    ev = Event(step=3, phase="forward", origin={"op": "div", "module": "", "dtype": "float32"},
+               cause={"category": "div_by_zero", "summary": "x / 0", "confidence": 0.9})
+    buf = io.StringIO()
+    render(Report(events=[ev], steps_watched=4), None, console=Console(file=buf, width=100))
+    out = buf.getvalue()
+    assert "top-level model" in out and "module ''" not in out, out

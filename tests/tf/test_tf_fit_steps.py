@@ -77,6 +77,8 @@ def test_steps_count_across_fit_calls_with_the_fit_position_in_the_event(tmp_pat
     assert (ev["step"], ev["phase"]) == (13, "data"), (ev["step"], ev["phase"])
     assert ev["detected"]["fit"] == {"call": 1, "epoch": 0, "step_in_epoch": 1, "step_in_fit": 1}
     assert rep["steps_watched"] == 14
+    env = rep["environment"]   # the HTML's environment section: framework and its version recorded
+    assert env["framework"] == "tensorflow" and env["framework_version"] == tf.__version__, env
 
 
 # Two hand-written stages: a GradientTape loop with one optimizer for 5 steps, then the same model with a

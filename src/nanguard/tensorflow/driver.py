@@ -111,7 +111,7 @@ class RunDriver:
                 continue
             hist = [r for r in history if r["step"] < det.step]
             events.append(pipe.explain(det, hist, self.loc_runs.get(det.step), relocalize=True))
-        extra: Dict[str, Any] = {"framework": "tensorflow"}
+        extra: Dict[str, Any] = {"framework": "tensorflow", "environment": environment()}
         if self.recover_unavailable:
             extra["recovery_unavailable"] = self.recover_unavailable
         lost = sum(st.lost_rows for st in w.states.values())
@@ -124,6 +124,28 @@ class RunDriver:
             history=h.as_dicts(), info=info_rows(w.info), events=events,
             warnings=list(w.warning_events), extra=extra,
             dropped_events=w.dropped_events, disabled=disabled_note(w)))
+
+
+def environment() -> Dict[str, Any]:
+    """The run's environment for the report (the HTML's environment section): Python, TensorFlow and
+    Keras versions, the devices TensorFlow sees, the dtype policy, the command line."""
+    import platform
+    import sys
+    env: Dict[str, Any] = {"python": platform.python_version(), "framework": "tensorflow"}
+    try:
+        import tensorflow as tf
+        env["framework_version"] = tf.__version__
+        env["device"] = ", ".join(d.name.replace("/physical_device:", "") for d in tf.config.list_physical_devices())
+    except Exception:
+        pass
+    try:
+        import keras
+        env["keras_version"] = keras.__version__
+        env["dtype_policy"] = keras.config.dtype_policy().name
+    except Exception:
+        pass
+    env["argv"] = " ".join(sys.argv)
+    return env
 
 
 def empty_report() -> Report:
