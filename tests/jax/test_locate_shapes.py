@@ -160,3 +160,11 @@ def test_linen_train_state_is_a_pytree_and_names_the_scope():
         return state.apply_gradients(grads=grads), loss
 
     check(lambda st, x, y: step(st, x, y), (state, X, Y), "linen-log", "")
+
+
+@pytest.mark.parametrize("name,module", [("blocks.0.lin.kernel", "blocks.0.lin"), ("args[0].encoder.kernel.value", "encoder"),
+                                         ("[0].layers[1].weight", "layers.1"),
+                                         ("args[0].blocks[0].mlp.kernel.value", "blocks.0.mlp"), ("w", "")])
+def test_a_parameter_name_or_tree_path_gives_its_module(name, module):
+    from nanguard.jax.locate import _module_of
+    assert _module_of(name) == module

@@ -37,6 +37,7 @@ read of every floating output; only the failing step pays it.
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
@@ -65,8 +66,21 @@ def _leaves(args: tuple, names: Optional[Dict[str, Any]]) -> tuple:
     return leaves, values
 
 
+_TOKEN = re.compile(r"\.(\w+)|\['([^']*)'\]|\[\"([^\"]*)\"\]|\[(\d+)\]|^(\w+)")
+
+
 def _module_of(name: str) -> Optional[str]:
-    return name.rsplit(".", 1)[0] if "." in name else ""
+    """The module path of a parameter from its name or tree path: ``blocks.0.lin.kernel`` -> ``blocks.0.lin``;
+    ``args[0].encoder.kernel.value`` (an NNX Variable in the call's first argument) -> ``encoder``;
+    ``[0].layers[1].weight`` (Equinox) -> ``layers.1``."""
+    toks = [next(g for g in groups if g) for groups in _TOKEN.findall(name)]
+    if toks and toks[0] in ("args", "kwargs"):
+        toks = toks[1:]
+    if toks and toks[0].isdigit() and (name.startswith("[") or name.startswith(("args", "kwargs"))):
+        toks = toks[1:]   # the argument's position
+    if toks and toks[-1] == "value":
+        toks = toks[:-1]
+    return ".".join(toks[:-1]) if toks else None
 
 
 def _batch_size(rp: Any, values: Sequence[Any]) -> Optional[int]:
