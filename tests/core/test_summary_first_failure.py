@@ -28,3 +28,16 @@ def test_an_origin_in_the_top_level_model_is_not_shown_as_module_quote_quote():
     render(Report(events=[ev], steps_watched=4), None, console=Console(file=buf, width=100))
     out = buf.getvalue()
     assert "top-level model" in out and "module ''" not in out, out
+
+
+def test_a_stop_on_per_sample_failures_of_finite_data_does_not_blame_the_data():
+    from nanguard.core.recovery.budget import RecoveryBudget
+    b = RecoveryBudget()
+    for s in range(8):
+        b.spend(s, "div_by_zero", data_skip=True)
+    why = b.exhausted(8, "div_by_zero", data=True)
+    assert why and "most of the data is bad" not in why and "data is finite" in why, why
+    b = RecoveryBudget()
+    for s in range(8):
+        b.spend(s, "bad_input_data", data_skip=True)
+    assert "most of the data is bad" in b.exhausted(8, "bad_input_data")

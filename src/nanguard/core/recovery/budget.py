@@ -44,10 +44,15 @@ class RecoveryBudget:
             run += 1
         limit = self.max_consecutive_data if data else self.max_consecutive
         if run > limit:
-            what = "batches in a row held non-finite data" if data else "the failure recurred"
-            return (f"{what} {run} steps in a row (limit {limit}): " +
-                    ("most of the data is bad, skipping would train on what is left" if data else
-                     "a deterministic bug, not a rare bad batch; recovery would only hide it"))
+            if category == DATA_CATEGORY:
+                return (f"batches in a row held non-finite data {run} steps in a row (limit {limit}): most of the "
+                        "data is bad, skipping would train on what is left")
+            if data:  # a few samples per batch, on finite data: the computation fails on them, not the data
+                return (f"the failure recurred on a few samples of each batch {run} steps in a row (limit {limit}): "
+                        f"the data is finite, the computation ({category}) fails on samples that are common, "
+                        "skipping them would train on what is left; fix the op")
+            return (f"the failure recurred {run} steps in a row (limit {limit}): a deterministic bug, not a rare "
+                    "bad batch; recovery would only hide it")
         return None
 
     def left(self, step: int, data: bool = False) -> int:
