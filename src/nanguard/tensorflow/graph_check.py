@@ -30,7 +30,7 @@ import tensorflow as tf
 from . import detect as D
 from .state import FN_STATES, OptState, Pending, active, tl_get, tl_set
 
-__all__ = ["apply_graph", "run_update", "loss_parts", "data_ok", "lr_scale"]
+__all__ = ["apply_graph", "run_update", "loss_parts", "data_ok", "lr_scale", "discarded_trace"]
 
 _TRUE = lambda: tf.constant(True)  # noqa: E731
 
@@ -100,8 +100,12 @@ def _clip(w: Any, grads: List[Any], st: OptState) -> List[Any]:
 
 def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_variables: Any,
                 tvars: List[Any], lso: bool) -> bool:
-    """Build the check and the guarded update into the graph being traced."""
+    """Build the check and the guarded update into the graph being traced (True), or, in a trace that
+    TensorFlow discards (:func:`discarded_trace`), only the update (False)."""
     p = w._take_pending()
+    if discarded_trace():
+        run_update(w, opt, grads, trainable_variables, st)
+        return False
     with tf.name_scope("nanguard_check"):
         step = st.counter.read_value()
         loss, loss_known, loss_ok = loss_parts(p)
@@ -118,11 +122,13 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
 
         def slow():   # a failing step (or the first after an outside write): exact checks, flags, capture
             st.force.assign(False)
-            grads_ok = D.all_finite(gts)
+            flags = _grad_flags(grads)   # one exact flag per float gradient, shared by both uses
+            known = [f for f in flags if f is not None]
+            grads_ok = tf.reduce_all(tf.stack(known)) if known else tf.constant(True)
             pre_ok = D.all_finite(D.float_tensors(tvars))
             if len(grads) == st.n_vars:
-                st.gbad.assign(tf.stack([tf.constant(0.0, tf.float64) if g is None else
-                                         D.f64(tf.logical_not(D.all_finite(D.float_tensors([g])))) for g in grads]))
+                st.gbad.assign(D.f64(tf.logical_not(tf.stack([tf.constant(True) if f is None else f
+                                                                for f in flags]))))
             ok = _ok(loss_ok, d_ok, pre_ok, grads_ok, lso)
             if w.capture is not None and p.batch is not None:
                 _build_capture(st, ok, step, p)
@@ -165,6 +171,41 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
     else:
         w._orphans.add(st)
     return True
+
+
+def discarded_trace() -> bool:
+    """Whether the graph being traced is a ``tf.function``'s first trace that has created variables (an
+    optimizer's slots built by this very step, a metric's state): TensorFlow then lifts their
+    initializers out and traces the function again, and never runs this graph (``Function._call``:
+    the variable-creation trace is kept only when it created no variable). The check is built into
+    the trace that runs; building it here too would double its share of the start-up. Read from the
+    variable creator the function installed for the trace being built (the innermost one on the
+    graph's creator stack); anything unexpected reads as "not discarded" (the check is built)."""
+    try:
+        stack = tf.compat.v1.get_default_graph()._variable_creator_stack
+    except Exception:
+        return False
+    for entry in reversed(list(stack or ())):
+        fn = entry[1] if isinstance(entry, tuple) else entry
+        if "polymorphic_function" not in str(getattr(fn, "__module__", "")):
+            continue
+        name = getattr(fn, "__name__", "")
+        if name == "invalid_creator_scope":     # a trace that may create no variable: it is kept
+            return False
+        if name == "variable_capturing_scope":  # the first trace: discarded once it created variables
+            cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+            created = cells.get("created_variables")
+            return created is not None and isinstance(created.cell_contents, list) and bool(created.cell_contents)
+    return False
+
+
+def _grad_flags(grads: List[Any]) -> List[Any]:
+    """Per gradient: a bool tensor, every element finite (exact); None for a missing or non-float one."""
+    out: List[Any] = []
+    for g in grads:
+        ts = D.float_tensors([g]) if g is not None else []
+        out.append(tf.reduce_all(tf.math.is_finite(ts[0])) if ts else None)
+    return out
 
 
 def _ok(loss_ok: tf.Tensor, d_ok: tf.Tensor, pre_ok: tf.Tensor, grads_ok: tf.Tensor, lso: bool) -> tf.Tensor:

@@ -12,6 +12,7 @@ clip reset), so nothing one run armed reaches the next.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -114,16 +115,19 @@ class OptState:
         self.offset = 0  # the raw step count when the current watcher adopted this state
         self.clip_host = float("inf")  # the clip variable's value, as last set from the host
         def make() -> tuple:
-            return (tf.Variable(np.full((D.RING, D.NCOL), -1.0), dtype=tf.float64, trainable=False,
-                                name="nanguard_stash"),
-                    tf.Variable(0, dtype=tf.int64, trainable=False, name="nanguard_step"),
-                    tf.Variable(False, trainable=False, name="nanguard_halt"),
-                    tf.Variable(active, trainable=False, name="nanguard_active"),
-                    tf.Variable(stop_mode, trainable=False, name="nanguard_stop_mode"),
-                    tf.Variable(np.zeros(max(n_vars, 1)), dtype=tf.float64, trainable=False,
-                                name="nanguard_bad_grads"),
-                    tf.Variable(float("inf"), dtype=tf.float32, trainable=False, name="nanguard_clip"),
-                    tf.Variable(False, trainable=False, name="nanguard_force_check"))
+            # not lifted by a tf.function being traced: the check's own variables never make TensorFlow
+            # trace the user's step twice (a first trace that creates variables is traced again)
+            var = functools.partial(tf.Variable, experimental_enable_variable_lifting=False)
+            return (var(np.full((D.RING, D.NCOL), -1.0), dtype=tf.float64, trainable=False,
+                        name="nanguard_stash"),
+                    var(0, dtype=tf.int64, trainable=False, name="nanguard_step"),
+                    var(False, trainable=False, name="nanguard_halt"),
+                    var(active, trainable=False, name="nanguard_active"),
+                    var(stop_mode, trainable=False, name="nanguard_stop_mode"),
+                    var(np.zeros(max(n_vars, 1)), dtype=tf.float64, trainable=False,
+                        name="nanguard_bad_grads"),
+                    var(float("inf"), dtype=tf.float32, trainable=False, name="nanguard_clip"),
+                    var(False, trainable=False, name="nanguard_force_check"))
         (self.stash, self.counter, self.halt, self.active, self.stop_mode, self.gbad, self.clip,
          self.force) = create_lifted(make)
         self.next_step = 0          # host: the first step not yet decided
