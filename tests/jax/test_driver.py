@@ -197,3 +197,25 @@ def test_donated_buffers_stay_readable_and_results_match():
     assert drv.report.steps_watched == 4
     for k in ref:
         assert np.asarray(ref[k]).tobytes() == np.asarray(params[k]).tobytes()
+
+
+def test_updates_inside_lax_scan_are_counted_through_a_callback():
+    xs = np.stack([X] * 5)
+    xs[2, 1, 1] = np.nan
+    with ngjax.watch(report=None, quiet=True, on_nonfinite="warn") as drv:
+        tx = optax.sgd(1e-2)
+        params = {"w": jnp.zeros(4), "b": jnp.array(0.0)}
+
+        @jax.jit
+        def many(params, st, xs):
+            def body(carry, xb):
+                p, s = carry
+                loss, g = jax.value_and_grad(mse)(p, xb, Y)
+                u, s = tx.update(g, s, p)
+                return (optax.apply_updates(p, u), s), loss
+            return jax.lax.scan(body, (params, st), xs)
+        (params, _st), losses = many(params, tx.init(params), xs)
+        np.asarray(losses)
+    rep = drv.report
+    assert rep.steps_watched == 5
+    assert (rep.events[0].step, rep.events[0].phase) == (2, "forward")  # the loss of the scan body is seen

@@ -180,7 +180,7 @@ class JaxDriver:
         ratio = lrs[0] * gn / pn if lrs and pn and math.isfinite(gn) else None
         return StepRecord(step=step, loss=float(row[C["loss"]]) if row[C["loss_known"]] >= 0.5 else None,
                           grad_norm=gn, group_grad_norms=[gn], param_norm=pn, update_ratio=ratio, lr=lrs,
-                          skipped=row[C["gated"]] >= 0.5 or (row[C["aif"]] >= 0.5 and row[C["grads_ok"]] < 0.5))
+                          skipped=bool(row[C["gated"]] >= 0.5 or (row[C["aif"]] >= 0.5 and row[C["grads_ok"]] < 0.5)))
 
     def _closure_lr(self) -> List[float]:
         for o in self.optimizers:
@@ -190,7 +190,7 @@ class JaxDriver:
         return []
 
     def _decide(self, step: int, row: np.ndarray, call: Optional[Call]) -> Optional[Detection]:
-        ok = {k: row[C[k]] >= 0.5 for k in ("loss_ok", "pre_ok", "grads_ok", "post_ok", "aif")}
+        ok = {k: bool(row[C[k]] >= 0.5) for k in ("loss_ok", "pre_ok", "grads_ok", "post_ok", "aif")}
         loss = _f(float(row[C["loss"]])) if row[C["loss_known"]] >= 0.5 else None
         d: Dict[str, Any] = {"loss": loss if loss is not None else (
             str(float(row[C["loss"]])) if row[C["loss_known"]] >= 0.5 else None)}

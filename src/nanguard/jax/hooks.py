@@ -32,17 +32,16 @@ from . import check
 HOST: List[Any] = [None]     # the installed driver
 _ORIG: Dict[str, Any] = {}   # what the patches replaced
 _DEPTH = [0]                 # optax update nesting (inner transforms of a chain)
-_EAGER_LOSS: List[Any] = [None]
+_LOSS: List[Any] = [None]   # (the trace it was computed in, the loss) of the last value_and_grad
 
 
 class _Ctx:
-    """One traced outermost function: its trace, the loss last differentiated, the flag vectors."""
+    """One traced outermost function: its trace and the flag vectors of the updates traced in it."""
 
-    __slots__ = ("trace", "loss", "flags")
+    __slots__ = ("trace", "flags")
 
     def __init__(self) -> None:
         self.trace = jcore.trace_ctx.trace
-        self.loss: Any = None
         self.flags: List[Any] = []
 
 
@@ -67,11 +66,15 @@ def _live(host: Any) -> bool:
 # --------------------------------------------------------------------------- the loss
 
 def _note_loss(value: Any) -> None:
-    ctx = _here()
-    if ctx is not None:
-        ctx.loss = value
-    elif not tracing():
-        _EAGER_LOSS[0] = value
+    _LOSS[0] = (jcore.trace_ctx.trace, value)
+
+
+def _take_loss() -> Any:
+    """The loss differentiated in the trace the update runs in (a jit, a scan body, eager), once."""
+    got, _LOSS[0] = _LOSS[0], None
+    if got is not None and got[0] is jcore.trace_ctx.trace:
+        return got[1]
+    return None
 
 
 def _value_and_grad(fun: Callable, *a: Any, **k: Any) -> Callable:
@@ -135,16 +138,14 @@ def _outer_update(host: Any, update: Callable, info: Dict[str, Any], grads: Any,
     try:
         ctx = _here()
         traced = tracing()
-        loss = ctx.loss if ctx is not None else (None if traced else _EAGER_LOSS[0])
+        loss = _take_loss()
         vec, ok = check.step_vector(loss, grads, params, out_u, new_state)
         if host.recovering:
             vec, out_u, new_state = check.gate(ok, vec, out_u, new_state, state, host.lr_scale)
         host.note_optimizer(info, state)
         if ctx is not None:
             ctx.flags.append(vec[None, :])
-            ctx.loss = None
         elif not traced:
-            _EAGER_LOSS[0] = None
             host.on_vectors(vec[None, :], None)
         else:
             jax.debug.callback(host.on_callback, vec, ordered=False)
