@@ -303,3 +303,13 @@ def test_a_minus_inf_mask_that_a_matmul_sums_with_plus_inf_is_a_mask_escape():
     assert res.reproduced and (o["jax_op"], o["line"], o["samples"]) == ("dot_general", line_of("pooled-matmul"), [1])
     assert loc["facts"]["mask_escape"]["line"] == line_of("max-pool-mask")
     assert cause(loc, "forward")["category"] == "masked_softmax"
+
+
+def test_the_replay_never_raises_and_gives_up_at_its_deadline():
+    tx, step = adam_step(poisson_nll)
+    p = {"w": jnp.array([1.0, -1.0]), "b": jnp.array(0.0)}
+    args = (p, tx.init(p), jnp.array([[3.0, 1.0], [1.0, 2.0]]), jnp.array([1.0, 2.0]))
+    res = localize(step, args, user_files=[HERE], max_seconds=0.0)
+    assert not res.reproduced and "ran out of time" in res.error
+    res = localize(lambda *a: 1 / 0, args, user_files=[HERE])
+    assert not res.reproduced and res.error.startswith("ZeroDivisionError")

@@ -91,9 +91,11 @@ def _batch_size(rp: Any, values: Sequence[Any]) -> Optional[int]:
 
 
 def localize(pure_fn: Callable[..., Any], args: tuple, *, user_files: Sequence[str] = (),
-             phase_hint: Optional[str] = None, names: Optional[Dict[str, Any]] = None) -> Localized:
+             phase_hint: Optional[str] = None, names: Optional[Dict[str, Any]] = None,
+             max_seconds: float = 300.0) -> Localized:
     """Replay ``pure_fn(*args)`` equation by equation and localize its first non-finite value (see the
-    module docstring). Never raises: a failure of the replay comes back as ``error``."""
+    module docstring). Never raises: a failure of the replay (or one past ``max_seconds``) comes back as
+    ``error``."""
     t0 = time.time()
     try:
         import jax
@@ -103,6 +105,7 @@ def localize(pure_fn: Callable[..., Any], args: tuple, *, user_files: Sequence[s
         leaves, values = _leaves(tuple(args), names)
         closed = jax.make_jaxpr(pure_fn)(*args)
         rp = Replay(FrameFinder(user_files), leaves)
+        rp.deadline = time.monotonic() + max_seconds
         rp.run(closed, values)
         rp.batch_size = _batch_size(rp, values)
         loc = build_result(rp)

@@ -22,6 +22,7 @@ values that reach none of them (an intentional ``-inf`` mask absorbed by a softm
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -34,7 +35,7 @@ from . import numerics as N
 from . import ops as O
 from .frames import Frame, FrameFinder, is_backward
 
-__all__ = ["Rec", "Leaf", "Replay", "bind", "EVAL_BUDGET", "KEEP_BUDGET"]
+__all__ = ["Rec", "Leaf", "Replay", "ReplayTimeout", "bind", "EVAL_BUDGET", "KEEP_BUDGET"]
 
 EVAL_BUDGET = 400_000      # equations evaluated one by one; loops beyond it are bound whole
 PRECOMPUTE_BUDGET = 200_000_000   # elements of intermediate values computed in one compiled run
@@ -103,6 +104,10 @@ def bind(eqn: Any, vals: Sequence[Any], params: Optional[dict] = None) -> List[A
     subfuns, bp = bp if isinstance(bp, tuple) else ((), bp)   # jax < 0.7 returns (subfuns, params)
     ans = eqn.primitive.bind(*subfuns, *vals, **(bp if params is None else {**bp, **params}))
     return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+class ReplayTimeout(RuntimeError):
+    """The replay ran past its deadline (``Replay.deadline``, a ``time.monotonic()`` value)."""
 
 
 class Rec:
@@ -187,6 +192,7 @@ class Replay:
         self.batch_size: Optional[int] = None
         self.loss_ops: set = set()
         self._grad_seen: set = set()
+        self.deadline: Optional[float] = None          # time.monotonic() after which the replay gives up
         self.pre: Optional[List[List[Any]]] = None   # precomputed outputs (see precompute), read in order
         self._cursor = 0
         self._in_loop = 0
@@ -275,6 +281,8 @@ class Replay:
     def eval_jaxpr(self, jaxpr: Any, env: Dict[Any, Rec], ctx: Ctx) -> List[Rec]:
         from jax._src.core import Literal
         for eqn in jaxpr.eqns:
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                raise ReplayTimeout(f"the replay ran out of time after {len(self.log)} equations")
             ins = [Rec(v.val, const=True) if isinstance(v, Literal) else env[v] for v in eqn.invars]
             tb = eqn.source_info.traceback
             frame = self.frames.frame(tb) or ctx.frame
