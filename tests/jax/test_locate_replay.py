@@ -313,3 +313,21 @@ def test_the_replay_never_raises_and_gives_up_at_its_deadline():
     assert not res.reproduced and "ran out of time" in res.error
     res = localize(lambda *a: 1 / 0, args, user_files=[HERE])
     assert not res.reproduced and res.error.startswith("ZeroDivisionError")
+
+
+def test_dense_labels_times_a_masked_log_probability_is_a_mask_escape_not_the_integer_label_loss():
+    def dense(p, logits, allowed, y):
+        z = jnp.where(allowed, logits * p["t"], -jnp.inf)   # class-mask
+        return jnp.mean(optax.softmax_cross_entropy(z, jax.nn.one_hot(y, 4)))   # dense-ce
+
+    def sparse(p, logits, allowed, y):
+        z = jnp.where(allowed, logits * p["t"], -jnp.inf)
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(z, y))
+    p = {"t": jnp.array(1.0)}
+    args = (p, jnp.ones((2, 4)), jnp.array([[1, 1, 0, 1], [1, 1, 1, 1]], bool), jnp.array([0, 2]))
+    res, loc = run(jax.value_and_grad(dense), args)
+    assert res.reproduced and loc["origin"]["line"] == line_of("dense-ce")
+    assert loc["facts"]["mask_escape"]["line"] == line_of("class-mask")
+    assert cause(loc, "forward")["category"] == "masked_softmax"
+    res, loc = run(jax.value_and_grad(sparse), args)
+    assert not res.reproduced

@@ -366,7 +366,9 @@ class Replay:
         d = self.prov.decide(out_nan, out_inf, taints, in_nan, in_inf, mask_sink, O.MASK_WRITERS)
         if d is NEW:
             mask = self.prov.take_escaped_mask()
-            if mask is None and in_inf and mask_sink():   # -inf * w summed with +inf: a mask a matmul kept
+            if mask is None and in_inf and (mask_sink() or (prim == "mul" and out_nan and not in_nan)):
+                # -inf * w summed with +inf (a mask a matmul kept), or 0 * -inf (a dense label times a
+                # masked log-probability)
                 mask = escaped_mask([t for t in taints if t is not None], O.MASK_WRITERS)
             t = self.prov.add("op", False, idx, stage)
             self.births[t.seq] = {"op": idx, "eqn": eqn, "ins": [r.val for r in ins], "in_recs": ins,
