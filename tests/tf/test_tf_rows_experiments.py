@@ -56,14 +56,18 @@ def test_trace_rows_by_value_through_shuffle_and_duplicates():
     assert out["dataset_rows"] == [other, 64] and out["ambiguous"]
 
 
+def _generated(x, y, batch):
+    """A tf.data pipeline over a Python generator (its rows have no array behind them)."""
+    def gen():
+        for i in range(len(x)):
+            yield x[i], y[i]
+    return tf.data.Dataset.from_generator(gen, output_signature=(tf.TensorSpec((8,), tf.float32),
+                                                                 tf.TensorSpec((1,), tf.float32))).batch(batch)
+
+
 def test_untraceable_pipelines_say_why():
     x, y = _data(64, bad=5)
-
-    def gen():
-        for i in range(64):
-            yield x[i], y[i]
-    g = tf.data.Dataset.from_generator(gen, output_signature=(tf.TensorSpec((8,), tf.float32),
-                                                              tf.TensorSpec((1,), tf.float32))).batch(8)
+    g = _generated(x, y, 8)
     note = trace_rows(dataset_source(g), (x[:8], y[:8]), [5])["note"]
     assert note.startswith("batch position(s) [5]; dataset row not traceable through") and "generator" in note
     mapped = tf.data.Dataset.from_tensor_slices((x, y)).map(lambda a, b: (a * 2.0, b + 1.0)).batch(8)
@@ -101,13 +105,7 @@ def test_fit_tf_data_shuffled_names_dataset_row():
 
 def test_fit_generator_pipeline_says_row_not_traceable():
     x, y = _data(512, bad=300)
-
-    def gen():
-        for i in range(512):
-            yield x[i], y[i]
-    ds = tf.data.Dataset.from_generator(gen, output_signature=(tf.TensorSpec((8,), tf.float32),
-                                                               tf.TensorSpec((1,), tf.float32))).batch(64)
-    ev = _fit((ds,))
+    ev = _fit((_generated(x, y, 64),))
     bs = ev.cause["evidence"]["bad_samples"]
     assert "dataset_indices" not in bs and ev.cause["confirmed_by"]["kind"] == "drop_samples"
     assert bs["batch_rows"] == [300 % 64]
@@ -139,3 +137,58 @@ def test_fit_float16_overflow_confirmed_by_a_layer_in_float32():
     # the replays left the model as it was: its policy and (skipped update) finite weights
     assert model.layers[0].dtype_policy.name == "mixed_float16"
     assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
+
+
+# ---------------------------------------------------------------------------------------- history replay
+
+def test_lr_replay_from_the_step_before_tells_a_too_high_rate():
+    """The re-run child's history replay, in-process: from the state at the start of step N-1, steps N-1
+    and N replayed with the learning rate lowered are finite; at the same rate they are not (the same
+    replay machinery, so a finite outcome is the rate's doing). The training state is left as it was."""
+    from nanguard.core.config import GuardConfig
+    from nanguard.core.experiments import Spec
+    from nanguard.tensorflow.capture import StepCapture, variables_of
+    from nanguard.tensorflow.experiments import KerasBench
+    from nanguard.tensorflow.watch import TFWatcher
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = (10.0 * rng.normal(size=(256, 4))).astype("float32")
+    y = (x @ np.array([[0.5], [-1.0], [2.0], [0.1]])).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    opt = keras.optimizers.SGD(learning_rate=0.1)
+
+    @tf.function
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    w = TFWatcher(GuardConfig(on_nonfinite="warn"), raise_on_stop=False)
+    calls, values = {}, {}
+    with w:
+        for s in range(40):
+            b = (tf.constant(x[(s * 64) % 256:(s * 64) % 256 + 64]), tf.constant(y[(s * 64) % 256:(s * 64) % 256 + 64]))
+            if s > 0:
+                values[s] = {k: np.array(v.numpy()) for k, v in variables_of([model], opt).items()}
+            calls[s] = (train_step, b, {})
+            if not np.isfinite(float(train_step(*b))):
+                break
+        n = s
+        assert 2 <= n < 39
+        cap = StepCapture(step=n, kind="fit", optimizer=opt, model=model, models=[model], watcher=w,
+                          variables=variables_of([model], opt), values=values[n], inputs=(calls[n][1], {}),
+                          step_fn=lambda i: train_step(*i[0], **i[1]))
+        bench = KerasBench(cap, history={"calls": calls, "values": values})
+        assert bench.capabilities({})["snapshots"] == list(range(1, n))
+        low = bench.run(Spec("lr_replay", {"factor": 0.01, "from_step": n - 1, "to_step": n}))
+        same = bench.run(Spec("lr_replay", {"factor": 1.0, "from_step": n - 1, "to_step": n}))
+    assert low.finite is True and low.replays == 2, low
+    assert same.finite is False, same
+    assert float(np.asarray(opt.learning_rate)) == pytest.approx(0.1)
+    # the replays leave the captured pre-step state (the bench's contract; investigate_fit then puts back
+    # what was there before the experiments)
+    for k, v in cap.variables.items():
+        assert np.array_equal(np.asarray(v.numpy()), cap.values[k], equal_nan=True), k

@@ -16,8 +16,10 @@ returns, and the update is not applied. What the bench can change:
 * ``float64_step``: every layer computing in float64 (the variables are read in float64);
 * ``determinism``: the same replay twice.
 
-History replays (``lr_replay``, ``clip_replay``) need the batches of earlier steps, which ``fit``
-does not keep: the report lists them as unavailable. Every experiment leaves the variables, the seed
+* ``lr_replay``: from the state at the start of an earlier step, the steps up to the failing one
+  replayed with their updates at a lower learning rate. It needs the earlier steps' calls, which only
+  the re-run child of a tape loop keeps (:mod:`.rerun_probe`); ``fit`` keeps no earlier batches, so the
+  report lists it as unavailable there. (``clip_replay`` is not on TensorFlow yet.) Every experiment leaves the variables, the seed
 generators and the dtype policies as it found them.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ import tensorflow as tf
 from ..core.experiments import Bench, Experiment, ExperimentConfig, Spec, investigate
 from ..core.experiments.kinds import describe
 from ..core.experiments.rows import bisect_rows, complement
-from .recover import find_layer
+from .recover import _finite, find_layer
 from .rows import trace_rows
 
 __all__ = ["FitExperiments", "KerasBench", "investigate_fit", "merge_child_experiments"]
@@ -99,10 +101,13 @@ class KerasBench(Bench):
     """Experiments on a captured ``fit`` step (see the module docstring). ``step_seconds``: one ordinary
     step's wall time, if known (reported beside the cost)."""
 
-    def __init__(self, cap: Any, step_seconds: Optional[float] = None) -> None:
+    def __init__(self, cap: Any, step_seconds: Optional[float] = None, history: Optional[Dict[str, Any]] = None) -> None:
+        """``history``: earlier steps to replay from (a re-run child's): ``{"calls": {step: (fn, args,
+        kwargs)}, "values": {step: {path: array}}}``, the state at the start of each kept step."""
         self.cap = cap
         self._step_s = step_seconds
         self.size = batch_size(cap.inputs)
+        self.history = history or {}
 
     # ------------------------------------------------------------------ what it can do
     def step_seconds(self) -> Optional[float]:
@@ -112,8 +117,14 @@ class KerasBench(Bench):
         origin = origin or {}
         return {"batch_size": self.size if (self.size or 0) >= 2 else None,
                 "module_chain": self.module_chain(origin.get("layer") or origin.get("module")),
-                "float64": True, "op_patch": False, "compiled": False, "snapshots": [],
+                "float64": True, "op_patch": False, "compiled": False, "snapshots": self.snapshots(),
                 "lrs": _lrs(self.cap.optimizer)}
+
+    def snapshots(self) -> List[int]:
+        """Kept steps whose state and call, and those of every step after them up to the failing one,
+        are there (history replays start from them)."""
+        calls, values, n = self.history.get("calls") or {}, self.history.get("values") or {}, self.cap.step
+        return [t for t in sorted(values) if t < n and all(s in calls for s in range(t, n + 1))]
 
     def module_chain(self, path: Optional[str]) -> List[str]:
         """The origin's layer path, then its parents, then the whole model (``""``)."""
@@ -233,6 +244,51 @@ class KerasBench(Bench):
         pol = {l: "float64" for m in self._models() for l in _all_layers(m)}
         e.finite = self._once(e, batch=_cast(self.cap.inputs, np.float64), policies=pol).finite
 
+    def _lr_replay(self, e: Experiment, replays_left: float) -> None:
+        """From the state at the start of ``from_step``, the kept calls up to the failing step, the updates
+        applied with the learning rate times ``factor``: finite when every step and update is."""
+        cap, start, factor = self.cap, int(e.params["from_step"]), float(e.params["factor"])
+        inner = getattr(cap.optimizer, "inner_optimizer", None) or cap.optimizer
+        lr = getattr(inner, "_learning_rate", None)
+        if lr is None or not hasattr(lr, "assign"):
+            e.error = "the learning rate is a schedule, not a variable: not replayed with another rate"
+            return
+        lr0 = np.array(lr.numpy())
+        w = cap.watcher
+        prev_eager = tf.config.functions_run_eagerly()
+        ok = True
+        try:
+            vals = self.history["values"][start]
+            for k, v in cap.variables.items():
+                if k in vals:
+                    v.assign(vals[k])
+            lr.assign(lr0 * factor)
+            tf.config.run_functions_eagerly(True)
+            for s in range(start, cap.step + 1):
+                fn, args, kwargs = self.history["calls"][s]
+                probe = _Probe()
+                probe.apply_update = s < cap.step
+                w.replay_hooks = probe
+                try:
+                    fn(*args, **kwargs)
+                finally:
+                    w.replay_hooks = None
+                e.replays += 1
+                ok = probe.seen and probe.finite and (s == cap.step or all(
+                    _finite(v) for v in cap.variables.values()))
+                if not ok:
+                    e.details["non_finite_at_step"] = s
+                    break
+        finally:
+            tf.config.run_functions_eagerly(prev_eager)
+            lr.assign(lr0)
+            cap.restore()
+        e.details["from_step"] = start
+        e.finite = bool(ok)
+
+    def _clip_replay(self, e: Experiment, replays_left: float) -> None:
+        e.error = "clipping inside a replayed update is not available on TensorFlow yet"
+
     def _determinism(self, e: Experiment, replays_left: float) -> None:
         a, b = self._once(e), self._once(e)
         e.details.update(first_finite=a.finite, second_finite=b.finite,
@@ -247,7 +303,8 @@ class KerasBench(Bench):
 
 _RUNNERS: Dict[str, Callable[[KerasBench, Experiment, float], None]] = {
     "drop_samples": KerasBench._drop_samples, "upcast_module": KerasBench._upcast_module,
-    "float64_step": KerasBench._float64_step, "determinism": KerasBench._determinism}
+    "float64_step": KerasBench._float64_step, "determinism": KerasBench._determinism,
+    "lr_replay": KerasBench._lr_replay, "clip_replay": KerasBench._clip_replay}
 
 
 def _all_layers(layer: Any) -> List[Any]:
@@ -283,7 +340,8 @@ def _lrs(opt: Any) -> List[float]:
 
 def investigate_fit(event: Any, cap: Any, config: ExperimentConfig, *, step_seconds: Optional[float] = None,
                     rediagnose: Optional[Callable[[Sequence[str]], Optional[tuple]]] = None,
-                    history: Sequence[dict] = (), recovering: bool = False) -> Optional[Dict[str, Any]]:
+                    history: Sequence[dict] = (), recovering: bool = False,
+                    kept: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
     """Test ``event``'s cause by counterfactual replays of the captured ``fit`` step ``cap`` (the
     event's cause is updated in place); the variables are left as they were before. None when the
     step cannot be replayed in-process."""
@@ -291,8 +349,8 @@ def investigate_fit(event: Any, cap: Any, config: ExperimentConfig, *, step_seco
         return None
     now = {k: np.array(v.numpy()) for k, v in cap.variables.items()}
     try:
-        return investigate(event, KerasBench(cap, step_seconds), config, rediagnose=rediagnose, history=history,
-                           recovering=recovering)
+        return investigate(event, KerasBench(cap, step_seconds, kept), config, rediagnose=rediagnose,
+                           history=history, recovering=recovering)
     finally:
         for k, v in cap.variables.items():
             if k in now:

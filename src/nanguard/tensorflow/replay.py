@@ -125,10 +125,10 @@ def _child_main(argv: List[str]) -> int:
     make = recorder_factory()
     from .rerun_probe import RerunProbe
 
-    def pre_step() -> None:  # the armed step's tf.function call starts: its state, for the experiments
-        cap = state["cap"]
-        if cap is not None:
-            cap.values = {k: np.array(v.numpy()) for k, v in cap.variables.items()}
+    def pre_step(step: int) -> Dict[str, Any]:  # a kept step's tf.function call starts: its state
+        opts = watcher.optimizers()
+        return {k: np.array(v.numpy()) for k, v in
+                variables_of(list(watcher.models), opts[0] if opts else None).items()}
 
     probe = RerunProbe(on_step_call=pre_step)
 
@@ -185,7 +185,8 @@ def _child_main(argv: List[str]) -> int:
                               model=models[-1] if models else None, watcher=watcher)
             cap.variables = variables_of(models, opt)
             cap.values = {k: np.array(v.numpy()) for k, v in cap.variables.items()}
-            state["cap"], probe.armed = cap, True
+            state["cap"] = cap
+            probe.begin(N)
             rec = make(cap)
             tf.config.run_functions_eagerly(True)  # step N's ops run one by one under the recorder
             rec.set_stage("forward")
@@ -202,6 +203,8 @@ def _child_main(argv: List[str]) -> int:
             return state["rec"]
 
         def update_done(self, w: Any, next_step: int) -> None:
+            if next_step == N - 1:
+                probe.begin(next_step)   # the step before is kept too (lr_replay starts from it)
             if next_step == N and state["rec"] is None:
                 arm()
             elif next_step > N + 1 and state["rec"] is not None:

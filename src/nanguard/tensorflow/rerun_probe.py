@@ -9,10 +9,11 @@ it; the child, which re-runs the script to the failing step, can:
   batch; :mod:`.rows` traces its bad rows back through the dataset's chain (``from_tensor_slices``,
   ``shuffle``, ``batch``...). Batches the script slices from arrays itself are said to be untraceable.
 * **experiments**: when the failing update ran inside one outermost ``tf.function`` call (the
-  usual ``train_step(xb, yb)``), that call is kept with its arguments; after the failure the child
-  puts the pre-step state back (taken when the step started) and replays the call with the changes of
-  :class:`~.experiments.KerasBench` (rows dropped from every argument with the batch's rows, layers in
-  float32 or float64), then diagnoses and investigates the failure as the parent would. The parent
+  usual ``train_step(xb, yb)``), that call is kept with its arguments, and so is the step before's
+  with the state when it started; after the failure the child puts the pre-step state back and
+  replays the call with the changes of :class:`~.experiments.KerasBench` (rows dropped from every
+  argument with the batch's rows, layers in float32 or float64; both steps at a lower learning rate
+  from the earlier state), then diagnoses and investigates the failure as the parent would. The parent
   takes the outcome (``confirmed_by``, ``ruled_out``, the experiments) when its own diagnosis names
   the same cause (:func:`.experiments.merge_child_experiments`). An eager inline step has no call to replay: the experiments are then unavailable,
   and the report says so.
@@ -35,14 +36,19 @@ __all__ = ["RerunProbe"]
 class RerunProbe:
     """The child's hooks on ``tf.data`` iterators and outermost ``tf.function`` calls (module doc)."""
 
-    def __init__(self, on_step_call: Optional[Callable[[], None]] = None) -> None:
-        self.on_step_call = on_step_call      # called when the armed step's call starts (the pre-step state)
+    def __init__(self, on_step_call: Optional[Callable[[int], Any]] = None) -> None:
+        self.on_step_call = on_step_call      # step -> the state when its call starts (kept in ``values``)
         self.last_batch: Any = None
         self.last_ds: Optional[Callable[[], Any]] = None
-        self.call: Optional[tuple] = None     # (fn, args, kwargs) of the outermost call at the armed step
-        self.armed = False
+        self.step: Optional[int] = None       # the step whose call is awaited (see begin)
+        self.calls: Dict[int, tuple] = {}     # step -> (fn, args, kwargs) of its outermost tf.function call
+        self.values: Dict[int, Any] = {}      # step -> the state at the start of that call
         self._depth = 0
         self._undo: List[Callable[[], None]] = []
+
+    def begin(self, step: int) -> None:
+        """Step ``step`` starts: its outermost ``tf.function`` call (and the state then) is kept."""
+        self.step = step
 
     # ------------------------------------------------------------------ hooks
     def install(self) -> None:
@@ -69,10 +75,11 @@ class RerunProbe:
         def __call__(fn, *args, **kwargs):
             probe._depth += 1
             try:
-                if probe._depth == 1 and probe.armed and probe.call is None:
-                    probe.call = (fn, args, kwargs)
+                n = probe.step
+                if probe._depth == 1 and n is not None and n not in probe.calls:
+                    probe.calls[n] = (fn, args, kwargs)
                     if probe.on_step_call is not None:
-                        probe.on_step_call()
+                        probe.values[n] = probe.on_step_call(n)
                 return fn_call(fn, *args, **kwargs)
             finally:
                 probe._depth -= 1
@@ -106,7 +113,8 @@ class RerunProbe:
         (``cap``: the child's capture, its ``values`` the pre-step state). Returns what the parent
         merges: ``{"category": first diagnosis, "cause": investigated cause, "fixes": [...]}``, or
         ``{"unavailable": why}``."""
-        if self.call is None:
+        call = self.calls.get(step)
+        if call is None:
             return {"unavailable": "the failing update did not run inside one tf.function call (an eager "
                                    "inline step cannot be replayed)"}
         from ..core.engine import FailurePipeline, Ports
@@ -114,7 +122,9 @@ class RerunProbe:
         from ..core.experiments import ExperimentConfig
         from .experiments import investigate_fit
 
-        fn, args, kwargs = self.call
+        fn, args, kwargs = call
+        if step in self.values:
+            cap.values = self.values[step]
         cap.kind, cap.inputs = "fit", (tuple(args), dict(kwargs))
         cap.step_fn = lambda inputs: fn(*inputs[0], **inputs[1])
         cap.row_source = self.source()
@@ -128,7 +138,8 @@ class RerunProbe:
             ev = pipe.diagnose(det, hist, loc_run, excluded)
             return ev.cause, ev.fixes
 
-        investigate_fit(event, cap, ExperimentConfig(), rediagnose=rediagnose, history=hist)
+        investigate_fit(event, cap, ExperimentConfig(), rediagnose=rediagnose, history=hist,
+                        kept={"calls": dict(self.calls), "values": dict(self.values)})
         return {"category": first, "cause": _plain(event.cause), "fixes": list(event.fixes or [])}
 
 
