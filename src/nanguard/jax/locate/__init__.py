@@ -96,7 +96,7 @@ def localize(pure_fn: Callable[..., Any], args: tuple, *, user_files: Sequence[s
     """Replay ``pure_fn(*args)`` equation by equation and localize its first non-finite value (see the
     module docstring). Never raises: a failure of the replay (or one past ``max_seconds``) comes back as
     ``error``."""
-    t0 = time.time()
+    t0 = time.monotonic()
     try:
         import jax
         from .frames import FrameFinder
@@ -104,18 +104,25 @@ def localize(pure_fn: Callable[..., Any], args: tuple, *, user_files: Sequence[s
         from .result import build_result
         leaves, values = _leaves(tuple(args), names)
         closed = jax.make_jaxpr(pure_fn)(*args)
-        rp = Replay(FrameFinder(user_files), leaves)
-        rp.deadline = time.monotonic() + max_seconds
-        rp.run(closed, values)
-        rp.batch_size = _batch_size(rp, values)
-        loc = build_result(rp)
+        frames = FrameFinder(user_files)
+        for fused in (False, True):   # unfused first (op by op semantics), then the compiled step's rounding
+            rp = Replay(frames, leaves if not fused else _leaves(tuple(args), names)[0])
+            rp.deadline = t0 + max_seconds
+            rp.run(closed, values, fused=fused)
+            rp.batch_size = _batch_size(rp, values)
+            loc = build_result(rp)
+            if loc.get("reproduced") or not phase_hint or rp.pre is None:
+                break
+        if fused:
+            loc.setdefault("notes", []).append("the unfused replay stayed finite; replayed again with XLA's "
+                                               "fusions (the compiled step's rounding)")
     except Exception as e:   # the guard's own errors never reach the user's training
-        return Localized(method="replay", reproduced=False, seconds=round(time.time() - t0, 3),
+        return Localized(method="replay", reproduced=False, seconds=round(time.monotonic() - t0, 3),
                          reason="the JAX replay failed", error=f"{type(e).__name__}: {str(e)[:300]}")
     if phase_hint and loc.get("reproduced") and loc.get("phase") != phase_hint:
         loc.setdefault("notes", []).append(f"the detector saw the {phase_hint} phase fail first; the replay's "
                                            f"first non-finite sink is in the {loc.get('phase')} phase")
-    loc["seconds"] = round(time.time() - t0, 3)
+    loc["seconds"] = round(time.monotonic() - t0, 3)
     reproduced = bool(loc.get("reproduced"))
     return Localized(method="replay", reproduced=reproduced, localization=loc, seconds=loc["seconds"],
                      reason=None if reproduced else "the replay of the step stayed finite at every sink")

@@ -51,11 +51,12 @@ def _body(eqn: Any) -> Any:
     return eqn.params.get(key) if key else None
 
 
-def precompute(closed: Any, args_flat: Sequence[Any]) -> Optional[List[List[Any]]]:
+def precompute(closed: Any, args_flat: Sequence[Any], fused: bool = False) -> Optional[List[List[Any]]]:
     """Every equation's outputs, in the replay's order, from ONE compiled run of the jaxpr (calls
     inlined; a loop or cond counts as one equation): the replay then reads values instead of compiling
     each primitive for an eager call (~30-80 ms each on CPU). None when they would not fit
-    :data:`PRECOMPUTE_BUDGET`."""
+    :data:`PRECOMPUTE_BUDGET`. ``fused``: XLA's default passes (fusion, algebraic simplification), the
+    rounding of the user's compiled step, for a failure the unfused evaluation did not reproduce."""
     import jax
 
     def size(jaxpr: Any) -> int:
@@ -92,7 +93,7 @@ def precompute(closed: Any, args_flat: Sequence[Any]) -> Optional[List[List[Any]
         return out
     lowered = jax.jit(all_values).lower(*args_flat)
     try:    # a big graph with every intermediate as an output: LLVM's expensive passes dominate
-        compiled = lowered.compile(compiler_options=_FAST_COMPILE)
+        compiled = lowered.compile() if fused else lowered.compile(compiler_options=_FAST_COMPILE)
     except Exception:
         compiled = lowered.compile()
     return compiled(*args_flat)
@@ -198,11 +199,12 @@ class Replay:
         self._in_loop = 0
 
     # ------------------------------------------------------------------ entry
-    def run(self, closed: Any, args_flat: Sequence[Any], fast: bool = True) -> List[Rec]:
-        """Replay ``closed`` on ``args_flat`` (``fast``: values from one compiled run where they fit)."""
+    def run(self, closed: Any, args_flat: Sequence[Any], fast: bool = True, fused: bool = False) -> List[Rec]:
+        """Replay ``closed`` on ``args_flat`` (``fast``: values from one compiled run where they fit;
+        ``fused``: that run with XLA's fusions, see :func:`precompute`)."""
         if fast:
             try:
-                self.pre = precompute(closed, args_flat)
+                self.pre = precompute(closed, args_flat, fused)
             except Exception as e:   # the eager path below still works
                 self.notes.append(f"values computed op by op ({type(e).__name__} in the compiled run)")
         jaxpr = closed.jaxpr
