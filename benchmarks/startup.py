@@ -5,10 +5,12 @@ Runs a short healthy PyTorch script and a short Keras script (written to a tempo
 so that a load change on the machine hits both alike, and prints the medians and the median of the
 paired differences (guarded - plain) per framework, in wall time and in CPU time (user + system of
 the process and its threads: steadier than wall time on a busy machine). The target (issue 25) is
-<= 0.5 s each.
+<= 0.5 s each. ``keras_cnn`` is a keras.io-style convnet trained for 3 epochs with ``fit`` (issue 23:
+``nanguard run`` <= 1.05x the plain script as a whole process): its line prints the ratio.
 
-    python -m benchmarks.startup                 # both frameworks, 15 pairs each
+    python -m benchmarks.startup                 # all three, 15 pairs each (5 for keras_cnn)
     python -m benchmarks.startup --repeats 25 --only torch
+    python -m benchmarks.startup --only keras_cnn --threads 1
     python -m benchmarks.startup --json out.json
 
 No framework is imported here: every run is a fresh process.
@@ -52,7 +54,25 @@ hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
 print(f"loss {hist.history['loss'][-1]:.4f}")
 """
 
-SCRIPTS = {"torch": ("train_torch.py", TORCH_SCRIPT), "keras": ("train_keras.py", KERAS_SCRIPT)}
+KERAS_CNN_SCRIPT = """\
+import numpy as np
+import keras
+keras.utils.set_random_seed(0)
+rng = np.random.default_rng(0)
+x = rng.random((2048, 28, 28, 1)).astype("float32")
+y = rng.integers(0, 10, 2048)
+L = keras.layers
+model = keras.Sequential([keras.Input((28, 28, 1)), L.Conv2D(32, 3, activation="relu"), L.MaxPooling2D(),
+                          L.Conv2D(64, 3, activation="relu"), L.MaxPooling2D(), L.Flatten(), L.Dropout(0.5),
+                          L.Dense(10, activation="softmax")])
+model.compile(loss="sparse_categorical_crossentropy", optimizer="adam", metrics=["accuracy"])
+hist = model.fit(x, y, batch_size=128, epochs=3, validation_split=0.1, verbose=0)
+print(f"loss {hist.history['loss'][-1]:.4f}")
+"""
+
+SCRIPTS = {"torch": ("train_torch.py", TORCH_SCRIPT), "keras": ("train_keras.py", KERAS_SCRIPT),
+           "keras_cnn": ("train_keras_cnn.py", KERAS_CNN_SCRIPT)}
+REPEATS = {"torch": 15, "keras": 15, "keras_cnn": 5}   # pairs per script by default
 
 
 def _cpu() -> float:
@@ -97,12 +117,13 @@ def measure(kind: str, repeats: int, folder: str, threads: int = 0) -> Dict[str,
         out[f"{what}_plain_median_s"] = round(statistics.median(p), 3)
         out[f"{what}_guarded_median_s"] = round(statistics.median(g), 3)
         out[f"{what}_overhead_median_s"] = round(statistics.median([b - a for a, b in zip(p, g)]), 3)
+        out[f"{what}_ratio_median"] = round(statistics.median([b / a for a, b in zip(p, g)]), 3)
     return out
 
 
 def main(argv: List[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=None, help="pairs per script (default: 15; 5 for keras_cnn)")
     ap.add_argument("--only", choices=sorted(SCRIPTS), default=None)
     ap.add_argument("--threads", type=int, default=0, help="compute threads of torch/TensorFlow in both runs "
                     "(0: their default); 1 makes the CPU time steady on a loaded machine")
@@ -111,12 +132,14 @@ def main(argv: List[str] | None = None) -> int:
     out = []
     with tempfile.TemporaryDirectory(prefix="nanguard-startup-") as folder:
         for kind in ([a.only] if a.only else list(SCRIPTS)):
-            r = measure(kind, a.repeats, folder, a.threads)
+            n = a.repeats or REPEATS[kind]
+            r = measure(kind, n, folder, a.threads)
             out.append(r)
             for what in ("wall", "cpu"):
                 print(f"{kind:6s} {what:4s} plain {r[what + '_plain_median_s']:.3f} s  nanguard run "
                       f"{r[what + '_guarded_median_s']:.3f} s  over the plain script: "
-                      f"{r[what + '_overhead_median_s']:+.3f} s (median of {a.repeats} pairs)", flush=True)
+                      f"{r[what + '_overhead_median_s']:+.3f} s, x{r[what + '_ratio_median']:.3f} "
+                      f"(median of {n} pairs; load {os.getloadavg()[0]:.1f})", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

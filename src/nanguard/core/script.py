@@ -28,7 +28,6 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from .diagnosis import diagnose_error
 from .exitcodes import EXIT_NONFINITE
 
 __all__ = ["ScriptOutcome", "Terminated", "run_as_main", "exit_code", "apply_outcome", "print_user_traceback",
@@ -285,6 +284,7 @@ def apply_outcome(report: Any, outcome: ScriptOutcome, step: Optional[int] = Non
         err = dict(outcome.error_info)
         if step is not None:
             err["step"] = step
+        from .diagnosis import diagnose_error  # only for a script that raised (start-up: not loaded)
         dx = diagnose_error(err)
         if dx is not None:
             err["diagnosis"] = dx
