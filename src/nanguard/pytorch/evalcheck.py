@@ -56,8 +56,11 @@ class EvalCheck:
 
             def read(t, *a, **k):
                 v = orig(t, *a, **k)
+                # finite first: optimizers read their step counters with .item() on every parameter
+                if (v.__class__ is float and math.isfinite(v)) or _all_finite(v):
+                    return v
                 if not check.busy and t.grad_fn is None and not t.requires_grad and t.is_floating_point() \
-                        and not torch.compiler.is_compiling() and not _all_finite(v):
+                        and not torch.compiler.is_compiling():
                     check.on_read(t, name, v)
                 return v
             read.__name__, read.__qualname__, read.__doc__ = orig.__name__, orig.__qualname__, orig.__doc__

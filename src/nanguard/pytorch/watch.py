@@ -53,7 +53,6 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 from torch.amp import grad_scaler as torch_grad_scaler
 from torch.amp.grad_scaler import OptState
-from torch.nn.modules import module as torch_module
 
 from ..core.config import GuardConfig
 from ..core.engine import FailurePipeline, Ports
@@ -72,6 +71,7 @@ from .evalcheck import EvalCheck
 from .gradscaler import scaler_enabled
 from .observer import WatchObserver, combine
 from .owners import StandAside, StopRun, in_guard_step
+from .roothooks import RootHooks
 from .stepreplay import StepReplay, replay_of
 from .tape import StepTape
 from .watch_recovery import WatcherRecovery
@@ -100,6 +100,7 @@ class Watcher:
         self._handles: list = []
         self._orig: dict = {}
         self._local = threading.local()
+        self.roots = RootHooks(self._root_pre, self._root_post, self._root_active)
         self._scaled: Optional[tuple] = None  # (weakref to scaler.scale's output, the scale)
         observers = list(observer) if isinstance(observer, (list, tuple)) else [observer]
         self.observer: WatchObserver = combine(Announcer() if announce else None, *observers)
@@ -180,9 +181,8 @@ class Watcher:
         self._handles = [
             torch_optimizer.register_optimizer_step_pre_hook(self._opt_pre),
             torch_optimizer.register_optimizer_step_post_hook(self._opt_post),
-            torch_module.register_module_forward_pre_hook(self._fwd_pre),
-            torch_module.register_module_forward_hook(self._fwd_post, always_call=True, with_kwargs=True),
         ]
+        self.roots.install()
         self.data.install()
         if self.tape is not None:
             self.tape.install()
@@ -201,6 +201,7 @@ class Watcher:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.roots.uninstall()
         self.data.uninstall()
         if self.tape is not None:
             self.tape.uninstall()
@@ -420,38 +421,29 @@ class Watcher:
 
     # ------------------------------------------------------------------ modules
     def _depth(self) -> int:
-        return getattr(self._local, "depth", 0)
+        return self.roots.depth
 
-    def _fwd_pre(self, module, args) -> None:
-        if self._replaying:
-            return
-        d = self._depth()
-        self._local.depth = d + 1
-        if d == 0 and not self.disabled and not _in_backward():
-            # (activation checkpointing re-runs blocks inside backward: not a new root, not a batch)
-            def pre():
-                if self.tape is not None:
-                    self.tape.root_pre(module, args)
-                self.evals.root_pre(module, args)
-                self.monitor.add_root(module)
-                if self.recovery.snap_due is not None and torch.is_grad_enabled() and module.training:
-                    self.recovery.take_due_snapshot()  # the state the next training step starts from
-                if torch.is_grad_enabled() and module.training:
-                    # Only tensors that do not come from parameters are "the batch".
-                    batch = [t for t in tensors_in(args) if not t.requires_grad]
-                    if batch:
-                        self.monitor.on_batch(batch, where=type(module).__name__ + " input")
-            self._guarded(pre)
+    def _root_active(self) -> bool:
+        return not self._replaying and not self.disabled
 
-    def _fwd_post(self, module, args, *rest) -> None:
-        # (module, args, kwargs, output); torch calls an always_call hook as (module, args, output)
-        # when the forward raised, even when it was registered with kwargs
-        kwargs, output = rest if len(rest) == 2 else ({}, rest[0] if rest else None)
-        if self._replaying:
-            return
-        self._local.depth = max(self._depth() - 1, 0)
-        if self._depth() != 0 or self.disabled or _in_backward():
-            return
+    def _root_pre(self, module, args) -> None:
+        """An outermost module call starts (:mod:`.roothooks`)."""
+        def pre():
+            if self.tape is not None:
+                self.tape.root_pre(module, args)
+            self.evals.root_pre(module, args)
+            self.monitor.add_root(module)
+            if self.recovery.snap_due is not None and torch.is_grad_enabled() and module.training:
+                self.recovery.take_due_snapshot()  # the state the next training step starts from
+            if torch.is_grad_enabled() and module.training:
+                # Only tensors that do not come from parameters are "the batch".
+                batch = [t for t in tensors_in(args) if not t.requires_grad]
+                if batch:
+                    self.monitor.on_batch(batch, where=type(module).__name__ + " input")
+        self._guarded(pre)
+
+    def _root_post(self, module, args, kwargs, output) -> None:
+        """An outermost module call returned (or raised: ``output`` None)."""
         if not torch.is_grad_enabled() or not module.training:
             det = self._guarded(lambda: self.evals.output(module, args, kwargs, output))
             self._handle(det, None)
@@ -466,13 +458,6 @@ class Watcher:
         if det is not None and not det.info_only and len(self.detections) < self.config.max_events:
             self.detections.append(det)
             self.observer.detection(self, det, None)
-
-
-def _in_backward() -> bool:
-    try:
-        return torch._C._current_autograd_node() is not None
-    except Exception:
-        return False
 
 
 def _backward_params(monitor: StepMonitor, ts: List[torch.Tensor]) -> List[List[torch.Tensor]]:

@@ -32,12 +32,13 @@ SGD's momentum buffer) that no mask can undo.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..gradscaler import scaler_enabled
-from .tensors import local
+from .tensors import local, locals_of
 
 
 def gate_kind(opt: Any, scaler: Any = None) -> str:
@@ -116,17 +117,13 @@ class UpdateGate:
     def _tensors(self, opt: Any, dev: torch.device) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """The live tensors the masked update guards (parameters with a gradient and their state on
         ``dev``), as local shards, with their shadows (reused while the set is unchanged)."""
-        live: List[torch.Tensor] = []
-        for g in opt.param_groups:
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                for t in [p] + [v for v in (opt.state.get(p) or {}).values() if isinstance(v, torch.Tensor)]:
-                    t = local(t)
-                    if t.device == dev and t.numel() and (t.is_floating_point() or t.is_complex()):
-                        live.append(t)
+        state, tensor = opt.state, torch.Tensor
+        # one comprehension, no per-tensor Python frame: this runs on every step
+        cand = locals_of([t for g in opt.param_groups for p in g["params"] if p.grad is not None
+                          for t in (p, *(state.get(p) or {}).values()) if isinstance(t, tensor)])
+        live = [t for t in cand if t.device == dev and t.numel() and (t.is_floating_point() or t.is_complex())]
         old = self._shadow.get(id(opt))
-        if old is not None and len(old[0]) == len(live) and all(a is b for a, b in zip(old[0], live)):
+        if old is not None and len(old[0]) == len(live) and all(map(operator.is_, old[0], live)):
             return old
         shadow = [torch.empty_like(t) for t in live]
         self._shadow[id(opt)] = (live, shadow)

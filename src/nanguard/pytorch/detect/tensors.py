@@ -28,6 +28,14 @@ def local(t: Any) -> Any:
     return t
 
 
+def locals_of(ts: Iterable[Any]) -> List[Any]:
+    """:func:`local` of each tensor, in one comprehension (the hot paths call it on every parameter)."""
+    dt = _DTensor
+    if dt is None:
+        return list(ts)
+    return [t._local_tensor if isinstance(t, dt) else t for t in ts]
+
+
 def replication(t: Any) -> int:
     """How many ranks hold the same shard of DTensor ``t`` (1 for a plain tensor): the product of
     the mesh sizes along which it is replicated. Summing ``|local|^2 / replication`` over the

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from ...core.recovery import RecoveryPolicy as _NeutralPolicy
-from ..detect.tensors import local
+from ..detect.tensors import locals_of
 from .actions import TorchActions
 from .forward import ForwardReplayer
 from .loss_scale import scale_loss
@@ -133,4 +133,4 @@ class RecoveryPolicy(_NeutralPolicy):
 
 
 def _versions(optimizers) -> List[int]:
-    return [local(p)._version for o in optimizers for g in o.param_groups for p in g["params"]]
+    return [t._version for t in locals_of([p for o in optimizers for g in o.param_groups for p in g["params"]])]

@@ -1,0 +1,199 @@
+"""Host cost on dispatch-bound steps: what nanguard adds per step when the kernels are cheap.
+
+On a GPU the kernels are fast and the host's Python dispatch sets the pace, so a fixed cost per module
+call or per op (hooks, wrappers, the step tape, bookkeeping) is what users see. This benchmark makes
+the kernels cheap on the CPU instead (one thread, tiny dimensions, many layers) and measures::
+
+    python -m benchmarks.dispatch                 # ~4 min: timings and counts
+    python -m benchmarks.dispatch --counts-only   # seconds: the noise-free counts only
+    python -m benchmarks.dispatch --models gpt --rounds 40
+
+* **Timing**: per model, the configurations (unguarded, Guard, Guard ``sync_free=True``, Guard
+  ``recover="auto"``, zero-code = ``nanguard.watch``, the hooks of ``nanguard run``) run in interleaved
+  blocks, a fresh random order every round; each block's CPU time per step (``time.process_time``:
+  one thread, so another process's load does not count, only cache and frequency effects do). The
+  headline is the median over rounds of the per-round ratio to the unguarded block of the same round,
+  with the interquartile range of those ratios.
+* **Counts** (independent of the machine's noise): for one healthy step of each configuration, the
+  Python function calls made (``sys.setprofile``): all of them, and those in nanguard's own code.
+
+Models (1 thread, ~5-20 ms a step):
+  gpt:  GPT 12 layers, 2 heads, 32 dims, context 16, batch 2 (nanoGPT shape, dispatch-bound);
+  cnn:  16 3x3 convolutions of 8 channels with BatchNorm+ReLU on 8x8 inputs, batch 4;
+  lstm: an LSTMCell loop over 32 time steps, hidden 32, batch 4, a linear head per step.
+
+Never used as a test: timings here are measurements, not assertions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import warnings
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .models import Bench, GPTConfig, make_gpt
+from .overhead import Runner
+
+CONFIGS = ["unguarded", "guard", "syncfree", "recover", "zerocode"]
+
+
+class ConvStack(nn.Module):
+    def __init__(self, depth: int = 16, ch: int = 8) -> None:
+        super().__init__()
+        layers: List[nn.Module] = [nn.Conv2d(3, ch, 3, padding=1)]
+        for _ in range(depth - 1):
+            layers += [nn.BatchNorm2d(ch), nn.ReLU(), nn.Conv2d(ch, ch, 3, padding=1)]
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(ch, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).mean(dim=(2, 3)))
+
+
+class CellLoop(nn.Module):
+    def __init__(self, d_in: int = 8, hidden: int = 32) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(d_in, hidden)
+        self.head = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.new_zeros(x.shape[0], self.cell.hidden_size)
+        c = torch.zeros_like(h)
+        outs = []
+        for t in range(x.shape[1]):
+            h, c = self.cell(x[:, t], (h, c))
+            outs.append(self.head(h))
+        return torch.cat(outs, dim=1)
+
+
+def make_tiny_gpt() -> Bench:
+    b = make_gpt(batch=2, cfg=GPTConfig(vocab_size=64, block_size=16, n_layer=12, n_head=2, n_embd=32))
+    b.name, b.desc = "gpt", "GPT 12L/2H/32d, vocab 64, ctx 16, batch 2"
+    return b
+
+
+def make_conv_stack() -> Bench:
+    torch.manual_seed(0)
+    model = ConvStack()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(4)]
+    return Bench("cnn", model, batches, lambda b: F.cross_entropy(model(b[0]), b[1]),
+                 "16 x (BN-ReLU-conv3x3, 8 ch), 8x8 input, batch 4")
+
+
+def make_cell_loop() -> Bench:
+    torch.manual_seed(0)
+    model = CellLoop()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 32, 8, generator=g), torch.randn(4, 32, generator=g)) for _ in range(4)]
+    return Bench("lstm", model, batches, lambda b: F.mse_loss(model(b[0]), b[1]),
+                 "LSTMCell loop, 32 steps, hidden 32, batch 4")
+
+
+MAKERS: Dict[str, Callable[[], Bench]] = {"gpt": make_tiny_gpt, "cnn": make_conv_stack, "lstm": make_cell_loop}
+
+
+def cpu_block(r: Runner, cfg: str, n: int) -> float:
+    """CPU seconds per step of ``n`` steps of ``cfg`` (after one untimed step)."""
+    step = r.steps[cfg]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with r.context(cfg):
+            step()
+            t0 = time.process_time()
+            for _ in range(n):
+                step()
+            return (time.process_time() - t0) / n
+
+
+def count_calls(r: Runner, cfg: str) -> Dict[str, int]:
+    """Python calls made by one healthy step of ``cfg`` (after two warm steps), all and nanguard's."""
+    step = r.steps[cfg]
+    counts = {"calls": 0, "nanguard_calls": 0}
+
+    def prof(frame, event, arg):
+        if event == "call":
+            counts["calls"] += 1
+            if "/nanguard/" in frame.f_code.co_filename:
+                counts["nanguard_calls"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with r.context(cfg):
+            step()
+            step()
+            sys.setprofile(prof)
+            try:
+                step()
+            finally:
+                sys.setprofile(None)
+    return counts
+
+
+def run_model(name: str, rounds: int, block: int, counts_only: bool) -> Dict[str, Any]:
+    r = Runner(MAKERS[name]())
+    out: Dict[str, Any] = {"model": name, "desc": r.bench.desc, "counts": {}, "ratios": {}}
+    for c in CONFIGS:
+        out["counts"][c] = count_calls(r, c)
+    if counts_only:
+        return out
+    for c in CONFIGS:  # warm every path (allocator, optimizer state, snapshots)
+        cpu_block(r, c, 3)
+    rng = random.Random(1234)
+    per: Dict[str, List[float]] = {c: [] for c in CONFIGS}
+    for _ in range(rounds):
+        order = CONFIGS[:]
+        rng.shuffle(order)
+        for c in order:
+            per[c].append(cpu_block(r, c, block))
+    base = per["unguarded"]
+    out["unguarded_ms"] = round(1e3 * statistics.median(base), 3)
+    for c in CONFIGS[1:]:
+        rs = sorted(x / b for x, b in zip(per[c], base))
+        q = statistics.quantiles(rs, n=4) if len(rs) >= 4 else [rs[0], statistics.median(rs), rs[-1]]
+        out["ratios"][c] = {"median": round(statistics.median(rs), 4), "iqr": [round(q[0], 4), round(q[2], 4)],
+                            "ms": round(1e3 * statistics.median(per[c]), 3)}
+    return out
+
+
+def main(argv: List[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.dispatch", description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="gpt,cnn,lstm")
+    ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--block", type=int, default=10, help="timed steps per block")
+    ap.add_argument("--counts-only", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON output path")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    res = {"load_before": os.getloadavg()[0], "torch": torch.__version__, "models": []}
+    for name in args.models.split(","):
+        m = run_model(name, args.rounds, args.block, args.counts_only)
+        res["models"].append(m)
+        print(f"\n{name}: {m['desc']}" + (f"; unguarded {m['unguarded_ms']} ms CPU/step" if "unguarded_ms" in m else ""))
+        base = m["counts"]["unguarded"]["calls"]
+        for c in CONFIGS:
+            k = m["counts"][c]
+            line = f"  {c:10s} python calls/step {k['calls']:6d} (+{k['calls'] - base:5d}; nanguard's {k['nanguard_calls']:5d})"
+            if c in m["ratios"]:
+                x = m["ratios"][c]
+                line += f"   CPU time {x['median']:.3f}x (IQR {x['iqr'][0]:.3f}-{x['iqr'][1]:.3f})"
+            print(line)
+    res["load_after"] = os.getloadavg()[0]
+    print(f"\nload average before/after: {res['load_before']:.2f} / {res['load_after']:.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
