@@ -70,8 +70,19 @@ model.fit(x_ft, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
 '''
 
 
-def test_steps_count_across_fit_calls_with_the_fit_position_in_the_event(tmp_path):
-    code, rep = run_tf(tmp_path, write(tmp_path, TWO_FITS), localize=False)
+# the fine-tuning fit as tf.data users write it, two batches per train-function call
+TF_DATA = ('model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse", steps_per_execution=2)\n'
+           'import tensorflow as tf\n'
+           'model.fit(tf.data.Dataset.from_tensor_slices((x_ft, y)).batch(32), epochs=2, verbose=0)\n')
+
+
+@pytest.mark.parametrize("shape", ["arrays", "tf.data+steps_per_execution"])
+def test_steps_count_across_fit_calls_with_the_fit_position_in_the_event(tmp_path, shape):
+    text = TWO_FITS
+    if shape != "arrays":
+        head, _, _ = text.partition('model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")')
+        text = head + TF_DATA
+    code, rep = run_tf(tmp_path, write(tmp_path, text), localize=False)
     assert code == 3
     ev = rep["events"][0]
     assert (ev["step"], ev["phase"]) == (13, "data"), (ev["step"], ev["phase"])
