@@ -54,10 +54,14 @@ class _Probe:
         self.losses: List[float] = []
         self.finite = True
         self.seen = False
+        self.updates = 0   # optimizer updates the replayed call reached
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
-    def set_stage(self, stage: str) -> None: ...
+
+    def set_stage(self, stage: str) -> None:
+        if stage == "optimizer":
+            self.updates += 1
 
     def mark_loss(self, t: Any) -> None:
         a = np.asarray(t.numpy() if hasattr(t, "numpy") else t, dtype=np.float64)
@@ -274,6 +278,10 @@ class KerasBench(Bench):
                 finally:
                     w.replay_hooks = None
                 e.replays += 1
+                if probe.updates != 1:
+                    e.error = (f"step {s}'s call reached {probe.updates} optimizer updates, not one: its update "
+                               "is not replayed with it")
+                    break
                 ok = probe.seen and probe.finite and (s == cap.step or all(
                     _finite(v) for v in cap.variables.values()))
                 if not ok:
@@ -284,7 +292,7 @@ class KerasBench(Bench):
             lr.assign(lr0)
             cap.restore()
         e.details["from_step"] = start
-        e.finite = bool(ok)
+        e.finite = None if e.error else bool(ok)
 
     def _clip_replay(self, e: Experiment, replays_left: float) -> None:
         e.error = "clipping inside a replayed update is not available on TensorFlow yet"
