@@ -102,7 +102,12 @@ def test_eager_updates_are_checked_too():
     with ngjax.watch(report=None, quiet=True, on_nonfinite="warn") as drv:
         _plain(mse, optax.adam(1e-2), 4, batch=lambda i: (xb_bad if i == 2 else X, Y), jit=False)
     assert drv.report.steps_watched == 4
-    assert (drv.report.events[0].step, drv.report.events[0].phase) == (2, "forward")  # no step call kept: no rows
+    ev = drv.report.events[0]
+    assert (ev.step, ev.phase, ev.detected["inputs"][0]["rows"]) == (2, "data", [0])  # the eager grad call's inputs
+    with pytest.raises(NonFiniteError) as ei:  # stop mode: the next eager update does not run
+        with ngjax.watch(report=None, quiet=True):
+            _plain(mse, optax.adam(1e-2), 6, batch=lambda i: (xb_bad if i == 2 else X, Y), jit=False)
+    assert ei.value.report.steps_watched == 3 and ei.value.report.events[0].step == 2
 
 
 def test_recover_skips_the_failing_update_in_the_graph():

@@ -119,9 +119,13 @@ class JaxDriver:
                 return self.recovery.substitute(jw, args, kwargs, self.last)
             return args, kwargs
         out = call_guarded(self, work, passthrough=StopRun)
+        self.check_stop()
+        return out if out is not None else (args, kwargs)
+
+    def check_stop(self) -> None:
+        """Raise :class:`StopRun` when a failure asked to stop (before the next step runs)."""
         if self.stop is not None and not self.suspended:
             raise StopRun(self.stop)
-        return out if out is not None else (args, kwargs)
 
     def after_call(self, jw: Any, args: tuple, kwargs: dict, out: Any, flags: Any) -> None:
         def work() -> None:
@@ -131,6 +135,17 @@ class JaxDriver:
             if self.recovery is not None:
                 self.recovery.step_start(call, self.steps + sum(int(f.shape[0]) for f, _ in self.pending) - 1)
         call_guarded(self, work, passthrough=StopRun)
+
+    def note_eager(self, fun: Any, args: tuple, kwargs: dict) -> None:
+        """An eager ``value_and_grad`` call: kept (by reference) as the step's replay until its update."""
+        self._eager = (fun, args, kwargs)
+
+    def take_eager(self) -> Optional[Call]:
+        got, self._eager = getattr(self, "_eager", None), None
+        if got is None:
+            return None
+        fun, args, kwargs = got
+        return Call(EagerFn(fun), args, kwargs, None, None, None)
 
     def on_vectors(self, vec: Any, call: Optional[Call]) -> None:
         """An eager update's vector: decided right away."""
@@ -292,6 +307,15 @@ class JaxDriver:
             counting="optimizer", steps_watched=self.steps, max_grad_norm=h.max_grad_norm if len(h) else None,
             history=h.as_dicts(), info=info_rows(self.info), events=events, extra=extra,
             dropped_events=self.dropped_events, disabled=disabled_note(self)))
+
+
+class EagerFn:
+    """The gradient function of an eager step, standing in for a jitted step in its :class:`Call`."""
+
+    donated = False
+
+    def __init__(self, fun: Any) -> None:
+        self._fun = fun
 
 
 def _ready(x: Any) -> bool:

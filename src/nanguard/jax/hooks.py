@@ -84,9 +84,12 @@ def _value_and_grad(fun: Callable, *a: Any, **k: Any) -> Callable:
     @functools.wraps(g)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         out = g(*args, **kwargs)
-        if _live(HOST[0]):
+        host = HOST[0]
+        if _live(host):
             try:
                 _note_loss(out[0][0] if has_aux else out[0])
+                if not tracing():  # an eager step: what its replay recomputes
+                    host.note_eager(g, args, kwargs)
             except Exception:
                 pass
         return out
@@ -119,6 +122,8 @@ def _wrap_update(update: Callable, info: Dict[str, Any]) -> Callable:
         host = HOST[0]
         if not _live(host) or _DEPTH[0] > 0:
             return update(updates, state, params, *a, **k)
+        if not tracing():
+            host.check_stop()  # an eager loop stops before its next update
         return _outer_update(host, update, info, updates, state, params, a, k)
     wrapped._nanguard = True  # type: ignore[attr-defined]
     wrapped._nanguard_info = info  # type: ignore[attr-defined]
@@ -146,7 +151,7 @@ def _outer_update(host: Any, update: Callable, info: Dict[str, Any], grads: Any,
         if ctx is not None:
             ctx.flags.append(vec[None, :])
         elif not traced:
-            host.on_vectors(vec[None, :], None)
+            host.on_vectors(vec[None, :], host.take_eager())
         else:
             jax.debug.callback(host.on_callback, vec, ordered=False)
     except Exception as e:  # the check must never break the user's step
