@@ -40,6 +40,8 @@ def test_one_step_blow_up_of_plain_sgd_is_lr_too_high():
     ev = d["evidence"]
     assert ev["onset_step"] == 1 and ev["update_ratio_last_update"] > 1e20
     assert "1e+25" in " ".join(d["fixes"]) and "alone" in d["summary"]
+    # the cut is read off the update itself (to ~3% of the weights), not another blind 10x
+    assert 0.01 < ev["estimated_stable_lr_limit"] < 1 and "to about 0.2" in d["fixes"][0]
 
 
 def test_adam_warmup_first_step_blow_up_is_lr_too_high():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from nanguard.core.spike import SpikeDetector
+from nanguard.core.spike import SpikeConfig, SpikeDetector
 
 
 def feed(losses, norms=None):
@@ -29,4 +29,8 @@ def test_a_real_spike_after_convergence_still_warns():
 def test_geometric_growth_warns_from_the_first_steps():
     losses = [3.4, 13.1, 4.1e3, 1.6e6]
     hits = feed(losses)
+    # the no-baseline rule sees 4.1e3 (x1200 the start, x300 every loss before it) one step before growth
+    assert hits and hits[0][0] == 2 and hits[0][1]["rule"] == "far"
+    d = SpikeDetector(SpikeConfig(far=math.inf))
+    hits = [(i, w) for i, l in enumerate(losses) if (w := d.observe(i, l, 1.0)) is not None]
     assert hits and hits[0][0] == 3 and hits[0][1]["rule"] == "growth"

@@ -30,6 +30,17 @@ gradient norm that grows while the loss falls, normal early in training, never w
   seen): geometric growth, the signature of a learning rate above the stability limit. Losses
   near 0 (a noisy run's 1e-7 -> 1e-3 -> 1) never reach 10x the earlier ceiling.
 
+* **no baseline** (from the second step on): the last update moved the weights by ``update`` >= 1
+  of their norm (the parameter norm before and after it, read by the same check: 100x the healthy
+  ~1e-2) while the loss is above ``update_loss`` = 1.5x its start (the stream's first loss); or the
+  loss is >= ``far`` = 100x its start and >= ``growth_total`` = 10x every loss before it: a blow-up in
+  the first steps, before the spread rules have their 8 values;
+* **dead** (once per stream): after an excursion to >= ``growth_total`` x its start, the loss has
+  stayed flat (within ``dead_flat`` = 10% of its median for ``dead_steps`` = 20 steps) no lower than
+  half its start, with gradient norms <= ``dead_grad`` = 0.1x the first steps': a network the
+  excursion killed (dead units, saturated activations), training at the chance-level loss for good
+  while every value stays finite. A run that starts at chance level and learns has no excursion.
+
 * **scale** (every rule): a loss below ``level_floor`` = 1e-3 of its starting level (the median of
   the stream's first ``min_values`` losses) is never a warning: a run that has converged to ~0 has a
   baseline of width ~0, so a loss of 1e-5 after a plateau at 1e-12 would otherwise be "10 million
@@ -71,6 +82,12 @@ class SpikeConfig:
     level_floor: float = 1e-3
     calm_steps: int = 20
     max_warnings: int = 10
+    update: float = 1.0
+    update_loss: float = 1.5
+    far: float = 100.0
+    dead_steps: int = 20
+    dead_flat: float = 0.1
+    dead_grad: float = 0.1
 
 
 class _Series:
@@ -112,6 +129,11 @@ class _Stream:
         self.level: Optional[float] = None  # their median: the loss's starting level
         self.calm = 0
         self.armed = True
+        self.start: Optional[float] = None  # the stream's first loss (the no-baseline rules' reference)
+        self.peak, self.peak_step = -math.inf, 0  # its largest loss so far, and its step
+        self.first_g: List[float] = []  # the first gradient norms, until there are min_values of them
+        self.tail: Deque[Tuple[float, Optional[float]]] = deque(maxlen=1)  # (loss, grad norm) of the last steps
+        self.dead_warned = False
 
 
 class SpikeDetector:
@@ -123,16 +145,19 @@ class SpikeDetector:
         self.warnings = 0
 
     def observe(self, step: int, loss: Optional[float], grad_norm: Optional[float], *, skipped: bool = False,
-                stream: Hashable = 0) -> Optional[Dict[str, Any]]:
+                stream: Hashable = 0, update: Optional[float] = None) -> Optional[Dict[str, Any]]:
         """Judge one step that passed the finiteness check; returns the warning (a dict of plain
         numbers: ``rule``, ``signal``, ``step``, the values and their baseline) or None.
 
-        ``skipped``: the update was skipped (a loss-scaler skip): the step is ignored.
+        ``skipped``: the update was skipped (a loss-scaler skip): the step is ignored. ``update``: how far
+        the last update moved the weights, ``|norm after - norm before| / norm before`` (None: not read;
+        inf: the norm overflowed while every weight stayed finite).
         """
         c = self.config
         st = self.streams.get(stream)
         if st is None:
             st = self.streams[stream] = _Stream(c.window)
+            st.tail = deque(maxlen=c.dead_steps)
         if skipped or not _fin(loss):
             return None
         g = grad_norm if _fin(grad_norm) else None
@@ -144,13 +169,25 @@ class SpikeDetector:
         if st.level is None and len(st.first) >= c.min_values:
             st.level = _quantile(sorted(st.first), 0.5)
         tiny = st.level is not None and abs(loss) < c.level_floor * abs(st.level)
-        hit = None if tiny else self._rules(st, step, loss, g, le, ge, lb, gb)
+        hit = None if tiny else self._rules(st, step, loss, g, le, ge, lb, gb, update)
         if st.level is None:
             st.first.append(loss)
+        if st.start is None:
+            st.start = loss
+        if g is not None and len(st.first_g) < c.min_values:
+            st.first_g.append(g)
+        if loss > st.peak:
+            st.peak, st.peak_step = loss, step
+        st.tail.append((loss, g))
         st.recent.append((step, loss, le))
         st.loss.add(step, loss)
         if g is not None:
             st.grad.add(step, g)
+        dead = None if st.dead_warned else _dead(c, st, step, loss, g)
+        if dead is not None and self.warnings < c.max_warnings:
+            st.dead_warned, st.armed, st.calm = True, False, 0
+            self.warnings += 1
+            return dead
         if not st.armed:
             st.calm = st.calm + 1 if le < c.high else 0
             if st.calm >= c.calm_steps:
@@ -163,7 +200,7 @@ class SpikeDetector:
         return hit
 
     def _rules(self, st: _Stream, step: int, loss: float, g: Optional[float], le: float, ge: float,
-               lb, gb) -> Optional[Dict[str, Any]]:
+               lb, gb, update: Optional[float] = None) -> Optional[Dict[str, Any]]:
         c = self.config
 
         def out(rule: str, signal: str, **kw: Any) -> Dict[str, Any]:
@@ -192,6 +229,14 @@ class SpikeDetector:
                 return out("growth", "loss", since_step=start_step, growth_steps=k,
                            growth_factor=loss / start_val, per_step=(loss / start_val) ** (1.0 / k),
                            loss_ceiling_before=ceiling if before else None)
+        start = st.start
+        if start is None or not start > 0:
+            return None
+        if update is not None and not update < c.update and loss >= c.update_loss * start:
+            return out("update", "update", update_ratio=update if _fin(update) else "overflow", loss_start=start,
+                       loss_vs_start=loss / start)
+        if lb and loss >= c.far * start and loss >= c.growth_total * lb[2]:
+            return out("far", "loss", loss_start=start, loss_vs_start=loss / start)
         return None
 
     def _growth(self, st: _Stream, loss: float) -> Optional[Tuple[int, float, int]]:
@@ -216,7 +261,27 @@ class SpikeDetector:
             for ser in (st.loss, st.grad):
                 ser.keep_before(to_step)
             st.recent.clear()
+            st.tail.clear()
             st.armed, st.calm = True, 0
+
+
+def _dead(c: SpikeConfig, st: _Stream, step: int, loss: float, g: Optional[float]) -> Optional[Dict[str, Any]]:
+    """The ``dead`` rule (see the module docstring): the warning, or None."""
+    start = st.start
+    if start is None or not start > 0 or st.peak < c.growth_total * start or len(st.tail) < c.dead_steps \
+            or len(st.first_g) < c.min_values:
+        return None
+    losses = [v for v, _ in st.tail]
+    grads = [x for _, x in st.tail]
+    med = _quantile(sorted(losses), 0.5)
+    g0 = _quantile(sorted(st.first_g), 0.5)
+    if med < 0.5 * start or max(losses) - min(losses) > c.dead_flat * med or not g0 > 0:
+        return None
+    if any(x is None or x > c.dead_grad * g0 for x in grads):
+        return None
+    return {"rule": "dead", "signal": "loss", "step": step, "loss": loss, "grad_norm": g, "loss_excess": 0.0,
+            "grad_norm_excess": 0.0, "since_step": step - c.dead_steps + 1, "loss_start": start,
+            "loss_peak": st.peak, "peak_step": st.peak_step, "grad_norm_start": g0, "grad_norm_max_recent": max(grads)}
 
 
 def _quantile(s: List[float], q: float) -> float:

@@ -220,6 +220,8 @@ def _last_update(applied: Sequence[dict], grad: Series, loss: Series, out: Dict[
     if not applied:
         return
     last = applied[-1]
+    if last.get("param_norm_after") is None and len(applied) > 1:
+        last = applied[-2]  # an early warning's own step: its update is not made yet; the one before it is
     s = int(last.get("step", 0))
     out["last_update_step"] = s
     a, b = last.get("param_norm"), last.get("param_norm_after")

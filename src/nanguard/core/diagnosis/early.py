@@ -10,7 +10,8 @@ from .signals import history_signals
 
 __all__ = ["warning_cause", "spike_words"]
 
-_RULE_WORDS = {"spike": "spiked", "rising": "kept rising far above its range", "growth": "grew geometrically"}
+_RULE_WORDS = {"spike": "spiked", "rising": "kept rising far above its range", "growth": "grew geometrically",
+               "far": "is far above its start"}
 
 
 def spike_words(hit: dict) -> str:
@@ -19,6 +20,20 @@ def spike_words(hit: dict) -> str:
     val = hit.get("grad_norm") if sig == "grad_norm" else hit.get("loss")
     name = "gradient norm" if sig == "grad_norm" else "loss"
     rule = hit.get("rule")
+    if rule == "update":
+        u = hit.get("update_ratio")
+        moved = f"{T.g(u, 2)}× their norm" if T.fin(u) else "so far that their norm overflowed"
+        return (f"the last update moved the weights by {moved} (update/weight ratio; healthy < 1e-2) and the loss "
+                f"{T.g(hit.get('loss'))} is ×{T.g(hit.get('loss_vs_start'), 3)} its start")
+    if rule == "far":
+        return (f"the loss {T.g(val)} {_RULE_WORDS['far']}: ×{T.g(hit.get('loss_vs_start'), 3)} its first value "
+                f"{T.g(hit.get('loss_start'))} and ×10 or more every loss before it")
+    if rule == "dead":
+        return (f"the loss has stayed flat at {T.g(val)} (its start: {T.g(hit.get('loss_start'))}) since step "
+                f"{hit.get('since_step')} with gradient norms of at most {T.g(hit.get('grad_norm_max_recent'))} "
+                f"(the first steps': {T.g(hit.get('grad_norm_start'))}) after an excursion to "
+                f"{T.g(hit.get('loss_peak'))} at step {hit.get('peak_step')}: the network stopped learning (dead "
+                "units or saturated activations), at the level of a constant prediction, with every value finite")
     s = f"the {name} {T.g(val)} {_RULE_WORDS.get(rule, 'spiked')}"
     if rule == "growth":
         s += f": ×{T.g(hit.get('growth_factor'), 3)} over {hit.get('growth_steps')} steps from step {hit.get('since_step')}"
@@ -33,22 +48,35 @@ def warning_cause(hit: dict, history: Sequence[dict], context: dict | None = Non
     """The cause dict (category, summary, confidence, evidence, fixes, method) of an early warning.
     ``history``: the step records up to and including the warning's step."""
     ctx = dict(context or {})
-    sig = history_signals(list(history or []))
+    history = list(history or [])
+    if hit.get("rule") == "dead" and isinstance(hit.get("peak_step"), int):
+        # what killed it: the excursion, read from the history up to its peak
+        history = [h for h in history if isinstance(h, dict) and h.get("step", 0) <= hit["peak_step"]] or history
+    sig = history_signals(history)
     method = ("early warning from the step history (loss and gradient norm of every step); no op-level "
               "replay: nothing is non-finite yet")
     ev: dict[str, Any] = {"warning": dict(hit)}
     dy = sig.get("dynamics") or {}
-    if dy.get("onset_step") is None and hit.get("since_step") is not None:
+    dead = hit.get("rule") == "dead"
+    if dy.get("onset_step") is None and hit.get("since_step") is not None and not dead:
         dy["onset_step"] = hit["since_step"]  # the detector saw the rise start there
     out = divergence(sig, None, ev, method, 0.6, ctx, outcome="so far (every value is still finite)")
-    if dy.get("onset_step") is not None:
-        out["evidence"].setdefault("onset_step", dy["onset_step"])
-    if out is None:
+    if out is None and dead:
+        out = T.result("other", "the history up to the excursion shows no parameter growth, update size, outlier "
+                       "batch or gradient jump that explains it", 0.3, ev,
+                       ["the network no longer learns: restart from a checkpoint from before the excursion",
+                        "lower the learning rate or clip the gradient norm so the excursion cannot recur"], method)
+    elif out is None:
         out = T.result("other", "the parameters, the update size "
                        "and the batches look normal: a hard or mislabelled batch, a change of the data (curriculum, "
                        "a new source), or the start of an instability", 0.3, ev,
                        ["look at the batch of this step (its labels and value ranges)",
                         "if the loss keeps spiking, lower the learning rate or clip the gradient norm"], method)
+    if dy.get("onset_step") is not None:
+        out["evidence"].setdefault("onset_step", dy["onset_step"])
+    if dead:
+        out["fixes"] = ["the network stopped learning for good: restart from a checkpoint from before the excursion "
+                        f"(step {hit.get('peak_step')}) with the fix below"] + list(out.get("fixes") or [])
     out["summary"] = f"early warning at step {hit.get('step')}: {spike_words(hit)}. {out['summary']}"
     out["evidence"].setdefault("history", {k: v for k, v in sig.items() if v not in (None, False, 0, [])})
     out["confidence"] = float(max(0.0, min(1.0, out["confidence"])))

@@ -106,8 +106,20 @@ def decode(mon: Any, p: Pending, vals: List[float]) -> Union[None, Detection, st
         det = _attribute_params(mon, det, p.opt, p.post_step, p.post_slice, k)
     det = dist_decide(mon, p, det)
     if det is None and mon.spikes is not None:  # early warning, on the numbers just read
-        mon.spike = mon.spikes.observe(p.step, mon._last["loss"], total_norm(gn), stream=key)
+        mon.spike = mon.spikes.observe(p.step, mon._last["loss"], total_norm(gn), stream=key,
+                                       update=last_update(mon, key, p.post_step) if p.has_post else None)
     return det
+
+
+def last_update(mon: Any, key: int, step: Optional[int]) -> Optional[float]:
+    """How far the update this check's post-update norms describe moved the weights: ``|after - before| /
+    before`` of the parameter norm (inf: the norm overflowed while the check read every weight finite)."""
+    rec = mon._records.get(key)
+    if rec is None or rec.step != step or not rec.param_norm or rec.param_norm_after is None:
+        return None
+    if not finite(rec.param_norm_after):
+        return math.inf
+    return abs(rec.param_norm_after - rec.param_norm) / rec.param_norm
 
 
 def after_update(mon: Any, key: int, step: Optional[int], pn: Optional[List[float]],

@@ -151,6 +151,10 @@ def _lr_ref(dy: dict, ctx: dict) -> tuple[float | None, bool]:
 def stable_factor(dy: dict, ctx: dict, measured: bool) -> float:
     """The learning-rate factor estimated to bring the step size to half its stability limit, uncapped
     (see ``TARGET_UPDATE_RATIO``; 0.1 when the history gives no estimate)."""
+    if T.fin(dy.get("one_update_ratio")) and dy["one_update_ratio"] > 0:
+        # one update measured against the weights: the step scales with the lr (plain or adaptive), so
+        # the factor that brings it to TARGET_UPDATE_RATIO is read off directly, however far it is
+        return max(1e-30, min(1.0, TARGET_UPDATE_RATIO / dy["one_update_ratio"]))
     opt = str(ctx.get("optimizer") or "")
     adaptive = bool(opt) and not measured and opt.lower() != "sgd"
     ratio, per = dy.get("update_ratio_at_onset"), dy.get("loss_ratio_per_step")
@@ -306,6 +310,7 @@ def one_update(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: s
         ev["onset_step"] = dy["onset_step"]
     if T.fin(size):
         dy.setdefault("update_ratio_at_onset", size)
+        dy["one_update_ratio"] = size
     lr, measured = _lr_ref(dy, ctx)
     ev.update({k: dy.get(k) for k in ("last_update_step", "last_update_change", "last_update_ratio_est",
                                       "last_grad_to_weight", "last_grad_jump", "loss_start", "loss_max_vs_start")
@@ -313,6 +318,8 @@ def one_update(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: s
     ev["update_ratio_last_update"] = size if T.fin(size) else "overflow"
     ev["lr_backoff_factor"] = backoff(dy, ctx, measured)
     ev["lr_stable_factor"] = stable_factor(dy, ctx, measured)
+    if lr and T.fin(size):  # the lr at which this update would have been 2x TARGET_UPDATE_RATIO of the weights
+        ev["estimated_stable_lr_limit"] = 2 * ev["lr_stable_factor"] * lr
     if lr:
         ev["lr"] = [lr] if measured else (sig.get("lr") or [lr])
     why, fixes, unsound = _why_step(dy, ctx, lr, measured)
