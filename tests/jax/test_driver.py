@@ -224,3 +224,26 @@ def test_updates_inside_lax_scan_are_counted_through_a_callback():
     rep = drv.report
     assert rep.steps_watched == 5
     assert (rep.events[0].step, rep.events[0].phase) == (2, "forward")  # the loss of the scan body is seen
+
+
+def test_lr_backoff_and_clip_act_in_the_retraced_step():
+    from nanguard.jax.recover import JaxActions
+    with ngjax.watch(report=None, quiet=True, recover="auto") as drv:
+        tx = optax.sgd(0.1)
+        params = {"w": jnp.ones(4), "b": jnp.array(0.0)}
+        st = tx.init(params)
+
+        @jax.jit
+        def step(params, st, xb, yb):
+            loss, grads = jax.value_and_grad(mse)(params, xb, yb)
+            updates, st = tx.update(grads, st, params)
+            return optax.apply_updates(params, updates), st, loss
+        d1 = np.asarray(step(params, st, X, Y)[0]["w"] - params["w"])
+        acts = JaxActions(drv.recovery)
+        rec = acts.lr_backoff(0.5)
+        d2 = np.asarray(step(params, st, X, Y)[0]["w"] - params["w"])
+        acts.clip_gradients(1e-3)
+        d3 = np.asarray(step(params, st, X, Y)[0]["w"] - params["w"])
+    assert rec["factor"] == 0.5 and rec["lr_after"] == [0.05]
+    np.testing.assert_allclose(d2, 0.5 * d1, rtol=1e-5)
+    assert np.linalg.norm(d3) == pytest.approx(0.05 * 1e-3, rel=1e-2)

@@ -80,7 +80,9 @@ class JaxActions(RecoveryActions):
 
     def learning_rates(self) -> List[float]:
         last = self.drv.history.last()
-        return list(last.lr) if last is not None and last.lr else []
+        if last is not None and last.lr:
+            return list(last.lr)
+        return [x * self.drv.lr_scale for x in self.drv._closure_lr()]  # no step read yet
 
     def lr_backoff(self, factor: float) -> Dict[str, Any]:
         before = self.learning_rates()
