@@ -22,7 +22,9 @@ Each block builds its optimizer and jitted step inside its configuration and com
 ``--warm`` untimed steps; a timed step is one call plus the loop's ``float(loss)`` (the script's
 own read). The headline is ``median(step time of config) / median(step time of plain)`` with a 95%
 interval from resampling whole rounds (:mod:`benchmarks.timing`); blocks during which other
-processes used >= 5% of the CPU are left out when enough quiet ones remain. Load is reported.
+processes used >= 5% of the CPU are left out when enough quiet ones remain. Load is reported, and the
+same ratios on this process's CPU time per step (XLA runs on one thread here), which a loaded machine
+disturbs far less than the wall time.
 
 Never used as a test: timings here are measurements, not assertions.
 """
@@ -171,19 +173,22 @@ def config(name: str):
     yield None
 
 
-def block(build: Callable, name: str, warm: int, steps: int) -> List[float]:
+def block(build: Callable, name: str, warm: int, steps: int) -> Tuple[List[float], List[float]]:
+    """(wall seconds, CPU seconds of this process) of each timed step."""
     times: List[float] = []
+    cpu: List[float] = []
     with config(name):
         one, _ = build()
         for _ in range(warm):
             one()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         for _ in range(steps):
             one()
-            now = time.perf_counter()
+            now, cnow = time.perf_counter(), time.process_time()
             times.append(now - t)
-            t = now
-    return times
+            cpu.append(cnow - c)
+            t, c = now, cnow
+    return times, cpu
 
 
 def main(argv: List[str] = None) -> int:
@@ -210,13 +215,16 @@ def main(argv: List[str] = None) -> int:
             rng.shuffle(order)
             for c in order:
                 s0 = meter.sample()
-                times = block(build, c, a.warm, a.steps)
-                blocks.append({"round": r, "config": c, "times": times,
+                times, cpu = block(build, c, a.warm, a.steps)
+                blocks.append({"round": r, "config": c, "times": times, "cpu": cpu,
                                "others_cpu": round(meter.others(s0, meter.sample()), 3)})
         quiet = [b for b in blocks if b["others_cpu"] < QUIET]
         use = quiet if len({b["round"] for b in quiet}) >= max(2, a.rounds // 2) else blocks
         res = ratios(use, CONFIGS)
         res["interval95"] = round_bootstrap(use, CONFIGS)
+        cpu_blocks = [dict(b, times=b["cpu"]) for b in use]
+        res["cpu"] = ratios(cpu_blocks, CONFIGS)
+        res["cpu"]["interval95"] = round_bootstrap(cpu_blocks, CONFIGS)
         res["blocks_used"] = len(use)
         res["blocks"] = len(blocks)
         res["mean_other_cpu"] = round(sum(b["others_cpu"] for b in blocks) / len(blocks), 3)
@@ -224,7 +232,9 @@ def main(argv: List[str] = None) -> int:
         ng = res["nanguard"]
         print(f"{m:12s} plain {res['plain']['median_ms']:.3f} ms/step  nanguard x{ng['ratio']} "
               f"(paired x{ng['ratio_paired']}, 95% {res['interval95'].get('nanguard')})  "
-              f"debug_nans x{res['debug_nans']['ratio']}  budget x{BUDGET}  "
+              f"debug_nans x{res['debug_nans']['ratio']}  budget x{BUDGET}; CPU time per step: plain "
+              f"{res['cpu']['plain']['median_ms']} ms, nanguard x{res['cpu']['nanguard']['ratio']} "
+              f"(95% {res['cpu']['interval95'].get('nanguard')})  "
               f"other load {res['mean_other_cpu']} ({len(use)}/{len(blocks)} blocks)", flush=True)
     try:
         results["loadavg"] = os.getloadavg()
