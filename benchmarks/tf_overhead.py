@@ -122,14 +122,15 @@ class Runner:
         cbs: List[Any] = [timer]
         if cfg == "nanguard":
             cbs.insert(0, nk.NanGuard(report=None, quiet=True))
+        if cfg not in self.graph_ops:  # counted before the callback's own on_train_end drops the function
+            cbs.insert(0, keras.callbacks.LambdaCallback(on_train_end=lambda logs: self.graph_ops.setdefault(
+                cfg, count_graph_ops(self.model.train_function))))
         self.model.train_function = None   # every block traces its own train step (untimed)
         if cfg == "check_numerics":
             tf.debugging.enable_check_numerics()
         try:
             self.model.fit(self.ds, epochs=1, steps_per_epoch=n_warm + n_timed + 1, verbose=0, callbacks=cbs,
                            shuffle=False)
-            if cfg not in self.graph_ops:
-                self.graph_ops[cfg] = count_graph_ops(self.model.train_function)
         finally:
             if cfg == "check_numerics":
                 tf.debugging.disable_check_numerics()
