@@ -109,8 +109,11 @@ class JaxDriver:
 
     # ------------------------------------------------------------------ hooks -> host
     def note_optimizer(self, info: Dict[str, Any], state: Any) -> None:
-        if info and info not in self.optimizers:
-            self.optimizers.append(info)
+        """An optax optimizer built (``state`` None) or updated (the outermost update's own info)."""
+        if info and info.get("alias"):
+            if info in self.optimizers:
+                self.optimizers.remove(info)
+            self.optimizers.append(info)  # the last one built or updated names the run's optimizer
 
     def before_call(self, jw: Any, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
         def work() -> Tuple[tuple, dict]:

@@ -103,13 +103,14 @@ def optimizer_info(frames_from: Any) -> Dict[str, Any]:
     and its numeric arguments: ``{"name": "adam", "hyperparams": {"learning_rate": 0.05, ...}}``."""
     info: Dict[str, Any] = {}
     f = frames_from
+    public = sys.modules.get("optax")
     while f is not None:
         mod = f.f_globals.get("__name__", "")
         name = f.f_code.co_name
-        if mod.startswith("optax") and not name.startswith("_") and "<" not in name \
+        if mod.startswith("optax") and hasattr(public, name) and name != "chain" \
                 and not mod.endswith("._src.base"):
             hp = {k: v for k, v in f.f_locals.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            info = {"name": name, "hyperparams": hp}
+            info = {"name": name, "hyperparams": hp, "alias": mod.endswith(".alias")}
         f = f.f_back
     return info
 
@@ -241,7 +242,10 @@ def install(host: Any) -> None:
 
         def new(c: Any, init: Any, update: Any, _orig: Any = orig_new) -> Any:
             try:
-                upd = _wrap_update(update, optimizer_info(sys._getframe(1)))
+                info = optimizer_info(sys._getframe(1))
+                upd = _wrap_update(update, info)
+                if info.get("alias") and HOST[0] is not None:
+                    HOST[0].note_optimizer(info, None)  # built: the context names it if no outer one is named
             except Exception:
                 upd = update
             return _orig(c, init, upd)
