@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from . import fixes as X
 from . import text as T
 from .rules.divergence import divergence
 from .signals import history_signals
@@ -48,7 +49,11 @@ def warning_cause(hit: dict, history: Sequence[dict], context: dict | None = Non
     """The cause dict (category, summary, confidence, evidence, fixes, method) of an early warning.
     ``history``: the step records up to and including the warning's step."""
     ctx = dict(context or {})
-    history = list(history or [])
+    with X.speaking(X.framework_of(ctx)):  # fix texts in the run's framework, as diagnose() does
+        return _warning_cause(hit, list(history or []), ctx)
+
+
+def _warning_cause(hit: dict, history: list, ctx: dict) -> dict:
     if hit.get("rule") == "dead" and isinstance(hit.get("peak_step"), int):
         # what killed it: the excursion, read from the history up to its peak
         history = [h for h in history if isinstance(h, dict) and h.get("step", 0) <= hit["peak_step"]] or history

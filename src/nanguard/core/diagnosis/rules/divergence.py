@@ -151,13 +151,15 @@ def _lr_ref(dy: dict, ctx: dict) -> tuple[float | None, bool]:
 def stable_factor(dy: dict, ctx: dict, measured: bool) -> float:
     """The learning-rate factor estimated to bring the step size to half its stability limit, uncapped
     (see ``TARGET_UPDATE_RATIO``; 0.1 when the history gives no estimate)."""
-    if T.fin(dy.get("one_update_ratio")) and dy["one_update_ratio"] > 0:
-        # one update measured against the weights: the step scales with the lr (plain or adaptive), so
-        # the factor that brings it to TARGET_UPDATE_RATIO is read off directly, however far it is
-        return max(1e-30, min(1.0, TARGET_UPDATE_RATIO / dy["one_update_ratio"]))
     opt = str(ctx.get("optimizer") or "")
     adaptive = bool(opt) and not measured and opt.lower() != "sgd"
     ratio, per = dy.get("update_ratio_at_onset"), dy.get("loss_ratio_per_step")
+    if T.fin(dy.get("one_update_ratio")) and dy["one_update_ratio"] > 0 and (adaptive or not (T.fin(per) and per > 1)):
+        # one update measured against the weights: the step scales with the lr (plain or adaptive), so
+        # the factor that brings it to TARGET_UPDATE_RATIO is read off directly, however far it is. A plain
+        # step whose loss growth was measured keeps the curvature estimate below: the update's size
+        # against the weights says nothing of the curvature (weights near 0 make any step look large).
+        return max(1e-30, min(1.0, TARGET_UPDATE_RATIO / dy["one_update_ratio"]))
     if adaptive and T.fin(ratio) and ratio > 0:
         f = TARGET_UPDATE_RATIO / ratio
     elif not adaptive and T.fin(per) and per > 1:
