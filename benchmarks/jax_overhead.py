@@ -219,7 +219,8 @@ def main(argv: List[str] = None) -> int:
                 blocks.append({"round": r, "config": c, "times": times, "cpu": cpu,
                                "others_cpu": round(meter.others(s0, meter.sample()), 3)})
         quiet = [b for b in blocks if b["others_cpu"] < QUIET]
-        use = quiet if len({b["round"] for b in quiet}) >= max(2, a.rounds // 2) else blocks
+        full = [r for r in {b["round"] for b in quiet} if {b["config"] for b in quiet if b["round"] == r} == set(CONFIGS)]
+        use = [b for b in quiet if b["round"] in full] if len(full) >= max(2, a.rounds // 2) else blocks
         res = ratios(use, CONFIGS)
         res["interval95"] = round_bootstrap(use, CONFIGS)
         cpu_blocks = [dict(b, times=b["cpu"]) for b in use]
