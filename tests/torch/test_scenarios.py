@@ -96,4 +96,7 @@ def test_recovers(truth_file: pathlib.Path, tmp_path: pathlib.Path) -> None:
     loss = float(final[-1].split("=", 1)[1])
     assert math.isfinite(loss) and loss <= truth["max_final_loss"], loss
     assert data["status"] == "recovered"
-    assert all(e["recovery"] and e["recovery"]["ok"] for e in data["events"])
+    # every failure was recovered; an early warning may be acted on (then it worked) or only reported (a
+    # warning that came back after its recoveries is left standing rather than looped on)
+    assert all(e["recovery"] and e["recovery"]["ok"] for e in data["events"] if e.get("kind") != "warning")
+    assert all(e["recovery"]["ok"] for e in data["events"] if e.get("kind") == "warning" and e["recovery"])
