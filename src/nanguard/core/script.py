@@ -306,3 +306,37 @@ def apply_late_signal(report: Any, outcome: ScriptOutcome, step: Optional[int] =
                           "during": "localization"}
     report.exit_code = code
     return code
+
+
+def close_run(build: Callable[[], Any], outcome: ScriptOutcome, *, sink: Any, report_path: Optional[str],
+              page_path: Optional[str], quiet: bool, strict: bool, show: Callable[[Any], None]) -> Optional[int]:
+    """The end of a ``nanguard run``, the same for every backend's runner: build the report (``build``),
+    settle its status with how the script ended (an error, a signal), write the JSON and the HTML page,
+    print it (``show``) and put the signal handlers back. The guard's own error here is a warning unless
+    strict. Returns the exit status a signal imposes, or None (the runner's own)."""
+    from .render.html import write_run_html
+    from .render.terminal import print_line
+    final = None
+    try:
+        report = build()
+        apply_outcome(report, outcome, step=report.steps_watched)  # script_error / interrupted
+        final = apply_late_signal(report, outcome, step=report.steps_watched)  # a signal wins over the stop
+        if report_path:
+            sink.finish(report)
+        page = write_run_html(report, report_path, page_path)
+        if not quiet:
+            show(report)
+            if page:
+                print_line(f"HTML report: {page}")
+    except Exception as e:
+        if strict:
+            raise
+        print(f"nanguard: could not build the report: {type(e).__name__}: {e}", file=sys.stderr)
+    finally:
+        late = pending_signal()
+        restore_signals()
+    if final is not None:  # a signal while nanguard localized the failure
+        return final
+    if outcome.signal is None and late is not None:  # a signal while the report was written
+        return 128 + int(late)
+    return None

@@ -16,10 +16,10 @@ from typing import Any, List, Optional
 from ..core.config import GuardConfig
 from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
 from ..core.outputs import absolute
-from ..core.render.html import html_target, write_run_html
+from ..core.render.html import html_target
 from ..core.render.terminal import print_line
 from ..core.reportsink import open_run_report
-from ..core.script import apply_late_signal, apply_outcome, pending_signal, restore_signals, run_as_main
+from ..core.script import close_run, run_as_main
 
 
 def run_jax_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
@@ -53,34 +53,19 @@ def run_jax_script(script: str, args: List[str], *, report_path: Optional[str] =
         drv.uninstall()
     if os.getpid() != owner:
         return outcome.code
-    code, stopped = outcome.code, outcome.stopped
-    final = None
-    try:
+
+    def build() -> Any:
         report = drv.make_report(run_seconds=time.time() - t0)
-        outcome.stopped = stopped = stopped or drv.stopped
-        apply_outcome(report, outcome, step=report.steps_watched)
-        final = apply_late_signal(report, outcome, step=report.steps_watched)
-        if report_path:
-            sink.finish(report)
-        page = write_run_html(report, report_path, page_path)
-        if not quiet:
-            _print_outcome(report, report_path, drv)
-            if page:
-                print_line(f"HTML report: {page}")
-    except Exception as e:
-        if strict:
-            raise
-        print(f"nanguard: could not build the report: {type(e).__name__}: {e}", file=sys.stderr)
-    finally:
-        late = pending_signal()
-        restore_signals()
-    if final is not None:
-        return final
-    if outcome.signal is None and late is not None:
-        return 128 + int(late)
-    if stopped or (drv.stopped and drv.recovery is None):
+        outcome.stopped = outcome.stopped or drv.stopped
+        return report
+
+    code = close_run(build, outcome, sink=sink, report_path=report_path, page_path=page_path, quiet=quiet,
+                     strict=strict, show=lambda report: _print_outcome(report, report_path, drv))
+    if code is not None:
+        return code
+    if outcome.stopped or (drv.stopped and drv.recovery is None):
         return EXIT_NONFINITE
-    return code
+    return outcome.code
 
 
 def _print_outcome(report: Any, report_path: Optional[str], drv: Any) -> None:

@@ -20,10 +20,10 @@ from typing import Any, List, Optional
 from ..core.config import GuardConfig
 from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
 from ..core.outputs import absolute
-from ..core.render.html import html_target, write_run_html
+from ..core.render.html import html_target
 from ..core.reportsink import interim_report, open_run_report
 from ..core.render.terminal import print_line
-from ..core.script import apply_late_signal, apply_outcome, pending_signal, restore_signals, run_as_main
+from ..core.script import close_run, run_as_main
 from .observer import TFObserver
 
 _TF_MODULES = ("tensorflow", "keras")
@@ -135,40 +135,27 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
             drv.uninstall()
     if os.getpid() != owner:  # a child the script forked (os.fork) ran on to the script's end: the
         return outcome.code   # parent reports, not the child
-    code, stopped = outcome.code, outcome.stopped
     drv = state["driver"]
-    final = None
-    try:
+
+    def build() -> Any:
         if drv is None:
             from .driver import empty_report
-            report = empty_report()
-        else:
-            report = drv.make_report(run_seconds=time.time() - t0)
-        outcome.stopped = stopped = stopped or (drv is not None and drv.stopped)
-        apply_outcome(report, outcome, step=report.steps_watched)  # script_error / interrupted (core.script)
-        final = apply_late_signal(report, outcome, step=report.steps_watched)  # a signal wins over the stop
-        if report_path:
-            sink.finish(report)
-        page = write_run_html(report, report_path, page_path)
-        if not quiet:
-            from .driver import print_outcome
-            print_outcome(report, report_path, drv)
-            if page:
-                print_line(f"HTML report: {page}")
-    except Exception as e:
-        if strict:
-            raise
-        print(f"nanguard: could not build the report: {type(e).__name__}: {e}", file=sys.stderr)
-    finally:
-        late = pending_signal()
-        restore_signals()
-    if final is not None:  # a signal while nanguard localized the failure
-        return final
-    if outcome.signal is None and late is not None:  # a signal while the report was written
-        return 128 + int(late)
-    if stopped or (drv is not None and drv.stopped):
+            return empty_report()
+        report = drv.make_report(run_seconds=time.time() - t0)
+        outcome.stopped = outcome.stopped or drv.stopped
+        return report
+
+    def show(report: Any) -> None:
+        from .driver import print_outcome
+        print_outcome(report, report_path, drv)
+
+    code = close_run(build, outcome, sink=sink, report_path=report_path, page_path=page_path, quiet=quiet,
+                     strict=strict, show=show)
+    if code is not None:
+        return code
+    if outcome.stopped or (drv is not None and drv.stopped):
         return EXIT_NONFINITE
-    return code
+    return outcome.code
 
 
 class _RunningReport(TFObserver):
