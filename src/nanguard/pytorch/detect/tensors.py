@@ -1,19 +1,28 @@
 """Which tensors can be checked, and exact finiteness flags that need no host sync."""
 from __future__ import annotations
 
+import sys
 from typing import Any, Iterable, List, Optional, Sequence
 
 import torch
 
+# torch.distributed tensors (FSDP2 parameters and gradients). Importing torch.distributed.tensor costs
+# ~0.8 s of start-up (it pulls in torch._dynamo), and a DTensor can only exist once the script imported
+# it: the class is looked up in sys.modules, never imported here.
+_DTensor: Any = None
 
-try:  # torch.distributed tensors (FSDP2 parameters and gradients); absent from some builds
-    from torch.distributed.tensor import DTensor as _DTensor
-except Exception:  # pragma: no cover - torch without distributed
-    _DTensor = None
+
+def _dtensor() -> Any:
+    global _DTensor
+    if _DTensor is None:
+        mod = sys.modules.get("torch.distributed.tensor")
+        _DTensor = getattr(mod, "DTensor", None) if mod is not None else None
+    return _DTensor
 
 
 def is_dtensor(t: Any) -> bool:
-    return _DTensor is not None and isinstance(t, _DTensor)
+    dt = _DTensor or _dtensor()
+    return dt is not None and isinstance(t, dt)
 
 
 def local(t: Any) -> Any:
@@ -23,14 +32,15 @@ def local(t: Any) -> Any:
     checks run on one rank at a time (a slow path that only some ranks take must not
     start a collective the others never join).
     """
-    if _DTensor is not None and isinstance(t, _DTensor):
+    dt = _DTensor or _dtensor()
+    if dt is not None and isinstance(t, dt):
         return t._local_tensor
     return t
 
 
 def locals_of(ts: Iterable[Any]) -> List[Any]:
     """:func:`local` of each tensor, in one comprehension (the hot paths call it on every parameter)."""
-    dt = _DTensor
+    dt = _DTensor or _dtensor()
     if dt is None:
         return list(ts)
     return [t._local_tensor if isinstance(t, dt) else t for t in ts]
@@ -40,7 +50,8 @@ def replication(t: Any) -> int:
     """How many ranks hold the same shard of DTensor ``t`` (1 for a plain tensor): the product of
     the mesh sizes along which it is replicated. Summing ``|local|^2 / replication`` over the
     ranks gives the global squared norm exactly."""
-    if _DTensor is None or not isinstance(t, _DTensor):
+    dt = _DTensor or _dtensor()
+    if dt is None or not isinstance(t, dt):
         return 1
     n = 1
     try:
