@@ -69,9 +69,5 @@ def run_jax_script(script: str, args: List[str], *, report_path: Optional[str] =
 
 
 def _print_outcome(report: Any, report_path: Optional[str], drv: Any) -> None:
-    from ..core.render.terminal import render, summary_line
-    if report.status != "clean":
-        render(report, report_path)
-    print_line(summary_line(report))
-    if drv.recovery is not None:
-        drv.recovery.print_summary()
+    from ..core.render.terminal import print_outcome
+    print_outcome(report, report_path, drv.recovery)

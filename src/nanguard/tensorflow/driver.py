@@ -157,9 +157,5 @@ def empty_report() -> Report:
 
 
 def print_outcome(report: Report, report_path: Optional[str], drv: Optional[RunDriver]) -> None:
-    from ..core.render.terminal import print_line, render, summary_line
-    if report.status != "clean":
-        render(report, report_path)
-    print_line(summary_line(report))
-    if drv is not None and drv.policy is not None:
-        drv.policy.print_summary()
+    from ..core.render.terminal import print_outcome as show
+    show(report, report_path, drv.policy if drv is not None else None)

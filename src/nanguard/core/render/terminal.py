@@ -5,7 +5,7 @@ import linecache
 import math
 import os
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from ..events import Report, one_line
 from ..text import listed, plural, strip_ansi
@@ -193,6 +193,16 @@ def _excerpt(path: Optional[str], line: Optional[int], context: int = 2):
     if not any(lines):
         return None
     return "".join(lines).rstrip("\n"), max(1, line - context)
+
+
+def print_outcome(report: Report, report_path: Optional[str], recovery: Any = None) -> None:
+    """The end of a run on the terminal: the panel unless clean, the summary line, and the recovery
+    summary of a run that recovered (``recovery``: anything with ``print_summary()``, or None)."""
+    if report.status != "clean":
+        render(report, report_path)
+    print_line(summary_line(report))
+    if recovery is not None:
+        recovery.print_summary()
 
 
 def summary_line(report: Report) -> str:
