@@ -77,6 +77,7 @@ def test_cpu_row_norm_propagates_non_finite(bad):
 
 def test_losses_and_batches_are_read_exactly_in_the_one_sync():
     from nanguard.pytorch.detect import StepMonitor
+    torch.manual_seed(0)  # unseeded, the output's mean square fell below 0.1 (loss under 1e299) in some runs
     m = torch.nn.Linear(3, 1).double()
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     mon = StepMonitor()
