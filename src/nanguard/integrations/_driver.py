@@ -173,9 +173,33 @@ class HookedGuard:
 
 
 class DriverResults:
-    """What both framework callbacks expose: the guard, its report, and why it stopped."""
+    """What both framework callbacks take and expose: the options, the guard, its report, why it stopped.
+
+    Args:
+        on_nonfinite: ``"stop"`` (drop the bad update, write the report, stop training)
+            or ``"warn"`` (report and go on).
+        recover: ``None``, ``"auto"``, a list of allowed actions or a RecoveryPolicy.
+        report: path of the JSON report (written at each failure and when training ends).
+        localize: replay the failing step under the op recorder.
+        tensorboard: a log directory or a ``SummaryWriter`` for nanguard's step history and events.
+        bundle: where to save a repro bundle of the first failure (default: none).
+        quiet: print nothing.
+        history_size: how many steps of history the report keeps.
+        strict: let nanguard's own errors raise instead of warning and carrying on.
+        check_data: check each batch for NaN/Inf (no host sync).
+    """
 
     driver: HookedGuard
+
+    def __init__(self, on_nonfinite: str = "stop", recover: Any = None, report: Optional[str] = None, *,
+                 localize: bool = True, tensorboard: Any = None, bundle: Optional[str] = None,
+                 quiet: bool = False, history_size: int = 200, strict: bool = False,
+                 check_data: bool = True) -> None:
+        super().__init__()  # the framework's callback base comes next in the MRO
+        self.driver = HookedGuard(on_nonfinite=on_nonfinite, recover=recover, report=report, localize=localize,
+                                  bundle=bundle, tensorboard=tensorboard, quiet=quiet,
+                                  history_size=history_size, strict=strict, check_data=check_data)
+        self._handles: list = []
 
     @property
     def guard(self):

@@ -54,7 +54,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("nanguard.integrations.hf needs transformers: pip install 'nanguard[transformers]'") from e
 
-from ._driver import DriverResults, HookedGuard
+from ._driver import DriverResults
 
 __all__ = ["NanGuardCallback"]
 
@@ -62,28 +62,11 @@ __all__ = ["NanGuardCallback"]
 class NanGuardCallback(DriverResults, _TrainerCallback):
     """Catch, localize, diagnose and (optionally) recover from the first NaN/Inf of a Trainer run.
 
-    Args:
-        on_nonfinite: ``"stop"`` (drop the bad update, write the report, stop training)
-            or ``"warn"`` (report and go on).
-        recover: ``None``, ``"auto"``, a list of allowed actions or a RecoveryPolicy.
-        report: path of the JSON report (written at each failure and when training ends).
-        localize: replay the failing step under the op recorder.
-        tensorboard: a log directory or a ``SummaryWriter`` for nanguard's step history and events.
-        bundle: where to save a repro bundle of the first failure (default: none).
-        quiet: print nothing.
+    Options: see :class:`~nanguard.integrations._driver.DriverResults`.
     """
 
-    def __init__(self, on_nonfinite: str = "stop", recover: Any = None, report: Optional[str] = None, *,
-                 localize: bool = True, tensorboard: Any = None, bundle: Optional[str] = None,
-                 quiet: bool = False, history_size: int = 200, strict: bool = False,
-                 check_data: bool = True) -> None:
-        self.driver = HookedGuard(on_nonfinite=on_nonfinite, recover=recover, report=report, localize=localize,
-                                  bundle=bundle, tensorboard=tensorboard, quiet=quiet,
-                                  history_size=history_size, strict=strict, check_data=check_data)
-        self.trainer: Any = None
-        self.model: Any = None
-        self._handles: list = []
-
+    trainer: Any = None
+    model: Any = None
 
     # ------------------------------------------------------------------ wiring
     def attach(self, trainer) -> "NanGuardCallback":

@@ -40,7 +40,7 @@ itself), so its events carry the detection and the history-based diagnosis.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 
@@ -52,7 +52,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     except ImportError as e:
         raise ImportError("nanguard.integrations.lightning needs Lightning: pip install 'nanguard[lightning]'") from e
 
-from ._driver import DriverResults, HookedGuard
+from ._driver import DriverResults
 
 __all__ = ["NanGuardCallback"]
 
@@ -60,28 +60,11 @@ __all__ = ["NanGuardCallback"]
 class NanGuardCallback(DriverResults, _Callback):
     """Catch, localize, diagnose and (optionally) recover from the first NaN/Inf of a Lightning run.
 
-    Args:
-        on_nonfinite: ``"stop"`` (drop the bad update, write the report, stop training)
-            or ``"warn"`` (report and go on).
-        recover: ``None``, ``"auto"``, a list of allowed actions or a RecoveryPolicy.
-        report: path of the JSON report (written at each failure and when training ends).
-        localize: replay the failing step under the op recorder.
-        tensorboard: a log directory or a ``SummaryWriter`` for nanguard's step history and events.
-        bundle: where to save a repro bundle of the first failure (default: none).
-        quiet: print nothing.
+    Options: see :class:`~nanguard.integrations._driver.DriverResults`.
     """
 
-    def __init__(self, on_nonfinite: str = "stop", recover: Any = None, report: Optional[str] = None, *,
-                 localize: bool = True, tensorboard: Any = None, bundle: Optional[str] = None,
-                 quiet: bool = False, history_size: int = 200, strict: bool = False,
-                 check_data: bool = True) -> None:
-        super().__init__()
-        self.driver = HookedGuard(on_nonfinite=on_nonfinite, recover=recover, report=report, localize=localize,
-                                  bundle=bundle, tensorboard=tensorboard, quiet=quiet,
-                                  history_size=history_size, strict=strict, check_data=check_data)
-        self._handles: list = []
-        self._module: Any = None
-        self._trainer: Any = None
+    _module: Any = None
+    _trainer: Any = None
 
     # ------------------------------------------------------------------ setup / teardown
     def on_train_start(self, trainer, pl_module) -> None:
