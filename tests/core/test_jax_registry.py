@@ -19,8 +19,8 @@ def test_a_script_importing_jax_flax_optax_or_equinox_goes_to_the_jax_backend(tm
 
 def test_the_jax_backend_names_the_options_it_does_not_take():
     taken, note = split_options(by_name("jax"), {"report_path": "r.json", "recover": "auto", "bundle": "b.zip",
-                                                 "on_spike": None})
-    assert taken == {"report_path": "r.json", "recover": "auto"}
+                                                 "on_spike": "skip"})
+    assert taken == {"report_path": "r.json", "recover": "auto", "on_spike": "skip"}  # early warnings are taken
     assert note and "bundle" in note and "jax" in note
 
 

@@ -29,13 +29,14 @@ __all__ = ["watch"]
 @contextlib.contextmanager
 def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "stop", *,
           recover: Any = None, localize: bool = True, strict: bool = False, quiet: bool = False,
-          user_files: Any = ()) -> Iterator[Any]:
+          user_files: Any = (), on_spike: Optional[str] = None) -> Iterator[Any]:
     """Guard the optax updates and jitted steps created inside the block (the hooks of ``nanguard run``).
 
     ``on_nonfinite="stop"``: the block ends with :class:`nanguard.NonFiniteError` (``err.report``) at the
     step call after the failing one; ``"warn"`` reports and carries on; ``recover="auto"``: the core
     recovery policy. ``user_files``: source files whose lines an origin may name (the caller's file is
-    added). Yields the driver (``.history``, ``.detections``); its ``.report`` is set at the end."""
+    added). ``on_spike``: what an early warning does (``"warn"``, ``"skip"``, ``"rollback"``: :mod:`.spikes`;
+    ``"warn"`` by default, with ``recover`` too). Yields the driver (``.history``, ``.detections``); its ``.report`` is set at the end."""
     import inspect
     import os
 
@@ -45,7 +46,8 @@ def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "s
 
     caller = inspect.stack()[2].filename
     drv = JaxDriver(GuardConfig(on_nonfinite=on_nonfinite, strict=strict), os.path.abspath(caller),
-                    recover=recover, localize=localize, quiet=quiet, user_files=list(user_files))
+                    recover=recover, localize=localize, quiet=quiet, user_files=list(user_files),
+                    on_spike=on_spike)
     drv.install()
     stopped = False
     try:

@@ -106,10 +106,15 @@ def gate(ok: jax.Array, vec: jax.Array, updates: Any, new_state: Any, old_state:
     and ``scale`` (a backed-off learning rate) multiplies the update (never when it is 1: bit-for-bit)."""
     zero = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
     if scale != 1.0:
-        zero = jax.tree_util.tree_map(lambda u: (u * scale).astype(u.dtype), zero)
+        zero = scale_tree(zero, scale)
     kept = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new_state, old_state)
     vec = vec.at[C["gated"]].set(jnp.where(ok, 0.0, 1.0))
     return vec, zero, kept
+
+
+def scale_tree(updates: Any, scale: float) -> Any:
+    """``updates`` times ``scale`` (a backed-off learning rate), each in its own dtype."""
+    return jax.tree_util.tree_map(lambda u: (u * scale).astype(u.dtype), updates)
 
 
 def clip_tree(grads: Any, max_norm: float) -> Any:

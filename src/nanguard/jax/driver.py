@@ -10,7 +10,8 @@ step (an outermost optax update, including those ``optax.apply_if_finite`` drops
 parameters non-finite before the update -> ``params``; the loss -> ``data`` when a fresh input of the
 step (one it did not carry over from the previous call) is non-finite, else ``forward``; the
 gradients -> ``backward`` (under ``apply_if_finite`` with a finite loss: its normal skip,
-information only); the update, the new optimizer state -> ``optimizer``.
+information only); the update, the new optimizer state -> ``optimizer``. A step that passed is
+judged by the early warning (:mod:`.spikes`) on the same vector.
 """
 from __future__ import annotations
 
@@ -51,7 +52,10 @@ class JaxDriver:
     LAG = 2  # calls a flag vector may wait before it is read anyway
 
     def __init__(self, config: GuardConfig, script_abs: Optional[str] = None, *, recover: Any = None,
-                 localize: bool = True, quiet: bool = False, user_files: Sequence[str] = ()) -> None:
+                 localize: bool = True, quiet: bool = False, user_files: Sequence[str] = (),
+                 on_spike: Optional[str] = None) -> None:
+        from ..core.alerts import check_on_spike
+        from .spikes import JaxSpikes
         self.config = config
         self.script = script_abs
         self.user_files = [f for f in ([script_abs] if script_abs else []) + list(user_files)]
@@ -75,16 +79,30 @@ class JaxDriver:
         self.clip_norm: Optional[float] = None
         self.lr_scale = 1.0
         self.dropped_events = 0
+        self._stream_last: Dict[Any, StepRecord] = {}  # update site -> its last record (its norm after)
         self._cb_lock = threading.Lock()
         self.pipeline = FailurePipeline(Ports(context=self.context))
         self.recovery = None
         self.recover_unavailable: Optional[str] = None
-        if recover:
+        # "warn" also under ``recover``: a rollback at the first warning acts on the warning's diagnosis
+        # from a few steps of history (crop_yield_eqx: step 1, a gradient 1e5x the weights -> clip, then a
+        # step-size cut of 4000x: final loss 15.8), the failure's recovery on the whole excursion (1.6)
+        self.on_spike = check_on_spike(on_spike or "warn")
+        self.spikes = JaxSpikes(self.on_spike, quiet, context=self.context)
+        self.finishing = False
+        if recover or self.on_spike != "warn":
             from .recover import JaxRecovery
-            self.recovery = JaxRecovery.from_spec(recover, driver=self, quiet=quiet)
+            self.recovery = JaxRecovery.from_spec(recover, driver=self, quiet=quiet) if recover else \
+                JaxRecovery.for_spikes(driver=self, quiet=quiet)  # snapshots for on_spike skip/rollback
 
     @property
     def recovering(self) -> bool:
+        """Failures are recovered (a failing update is dropped in the graph)."""
+        return self.recovery is not None and self.recovery.failures
+
+    @property
+    def read_each_call(self) -> bool:
+        """Every vector is read before the next call (recovery, on_spike skip/rollback act on it)."""
         return self.recovery is not None
 
     @property
@@ -117,7 +135,7 @@ class JaxDriver:
 
     def before_call(self, jw: Any, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
         def work() -> Tuple[tuple, dict]:
-            self.drain(force=self.recovering)
+            self.drain(force=self.read_each_call)
             if self.recovery is not None:
                 return self.recovery.substitute(jw, args, kwargs, self.last)
             return args, kwargs
@@ -171,12 +189,20 @@ class JaxDriver:
 
     # ------------------------------------------------------------------ decision
     def _rows(self, rows: np.ndarray, call: Optional[Call]) -> None:
-        for row in rows.reshape(-1, rows.shape[-1]):
+        for k, row in enumerate(rows.reshape(-1, rows.shape[-1])):
             step = self.steps
             self.steps += 1
-            self.history.append(self._record(step, row))
+            rec = self._record(step, row)
+            stream = (id(call.jw) if call is not None and hasattr(call.jw, "_inner") else None, k)
+            prev = self._stream_last.get(stream)
+            if prev is not None:  # the weights this update saw are the ones the previous update left
+                prev.param_norm_after = rec.param_norm
+            self._stream_last[stream] = rec
+            self.history.append(rec)
             det = self._decide(step, row, call)
             if det is None:
+                call_guarded(self, lambda: self.spikes.observe(self, rec, prev, call, stream, ended=self.finishing),
+                             passthrough=StopRun)
                 continue
             if det.info_only:
                 self.info.append(det)
@@ -285,6 +311,7 @@ class JaxDriver:
     def finish(self) -> None:
         def work() -> None:
             jax.effects_barrier()
+            self.finishing = True
             self.drain(force=True)
         call_guarded(self, work, passthrough=StopRun)
 
@@ -309,7 +336,7 @@ class JaxDriver:
         return assemble_report(RunFacts(
             counting="optimizer", steps_watched=self.steps, max_grad_norm=h.max_grad_norm if len(h) else None,
             history=h.as_dicts(), info=info_rows(self.info), events=events, extra=extra,
-            dropped_events=self.dropped_events, disabled=disabled_note(self)))
+            warnings=list(self.spikes.events), dropped_events=self.dropped_events, disabled=disabled_note(self)))
 
 
 class EagerFn:

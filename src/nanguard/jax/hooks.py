@@ -148,6 +148,8 @@ def _outer_update(host: Any, update: Callable, info: Dict[str, Any], grads: Any,
         vec, ok = check.step_vector(loss, grads, params, out_u, new_state)
         if host.recovering:
             vec, out_u, new_state = check.gate(ok, vec, out_u, new_state, state, host.lr_scale)
+        elif host.lr_scale != 1.0:  # an early warning's rollback lowered the step size (no failure recovery)
+            out_u = check.scale_tree(out_u, host.lr_scale)
         host.note_optimizer(info, state)
         if ctx is not None:
             ctx.flags.append(vec[None, :])

@@ -42,10 +42,11 @@ class JaxSnapshot:
 class JaxActions(RecoveryActions):
     """``RecoveryActions`` on the driver's guarded calls (see the module docstring)."""
 
-    def __init__(self, rec: "JaxRecovery", call: Optional[Call] = None) -> None:
+    def __init__(self, rec: "JaxRecovery", call: Optional[Call] = None, applied: bool = False) -> None:
         self.rec = rec
         self.drv = rec.driver
         self.call = call  # the call whose inputs a snapshot takes
+        self.applied = applied  # an early warning: the step's update ran before its vector was read
 
     def state_finite(self, with_optimizers: bool = True) -> bool:
         return self.rec.state_ok
@@ -76,6 +77,8 @@ class JaxActions(RecoveryActions):
         return 0
 
     def skip_step(self) -> Dict[str, Any]:
+        if self.applied:  # only the rollback (the snapshot's inputs in the next call) undoes the update
+            return {"update_applied_before_read": True}
         return {"grads_dropped": 1, "in_graph": True}
 
     def learning_rates(self) -> List[float]:
@@ -124,6 +127,24 @@ class JaxRecovery:
     @classmethod
     def from_spec(cls, spec: Any, *, driver: Any, quiet: bool = False) -> "JaxRecovery":
         return cls(RecoveryPolicy.from_spec(spec), driver, quiet)
+
+    @classmethod
+    def for_spikes(cls, *, driver: Any, quiet: bool = False) -> "JaxRecovery":
+        """Snapshots for the early warnings' skip and rollback only (failures are left to ``on_nonfinite``)."""
+        return cls(RecoveryPolicy(failures=False), driver, quiet)
+
+    @property
+    def failures(self) -> bool:
+        """Whether the policy acts on failures (False: snapshots for the early warnings only)."""
+        return self.policy.failures
+
+    def spike(self, event: Any, *, step: int, history: Any) -> Optional[Dict[str, Any]]:
+        """An early warning under on_spike="rollback": the core policy's ``on_spike`` (its update already ran)."""
+        actions = JaxActions(self, applied=True)
+        rec = self.policy.on_spike(event, step=step, actions=actions, history=history, rollback=True)
+        if rec is not None:
+            self.policy.on_update(actions)  # arms clipping for the next updates
+        return rec
 
     @property
     def events(self) -> list:

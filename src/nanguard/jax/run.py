@@ -40,10 +40,11 @@ def run_jax_script(script: str, args: List[str], *, report_path: Optional[str] =
         return EXIT_USAGE
     from .driver import JaxDriver, StopRun
     drv = JaxDriver(GuardConfig(on_nonfinite=on_nonfinite, strict=strict), script_abs, recover=recover,
-                    localize=localize, quiet=quiet)
+                    localize=localize, quiet=quiet, on_spike=on_spike)
     if not quiet:
         mode = "recover" if recover else on_nonfinite
-        print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}; report: {report_path})")
+        spike = f"; on spike: {drv.on_spike}" if drv.on_spike != "warn" else ""
+        print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}{spike}; report: {report_path})")
     drv.install()
     t0 = time.time()
     owner = os.getpid()
@@ -63,7 +64,7 @@ def run_jax_script(script: str, args: List[str], *, report_path: Optional[str] =
                      strict=strict, show=lambda report: _print_outcome(report, report_path, drv))
     if code is not None:
         return code
-    if outcome.stopped or (drv.stopped and drv.recovery is None):
+    if outcome.stopped or (drv.stopped and not drv.recovering):
         return EXIT_NONFINITE
     return outcome.code
 
