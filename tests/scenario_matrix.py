@@ -66,7 +66,9 @@ def post(opt, args, kwargs):
     if state["first"] is None:
         for g in opt.param_groups:
             for p in g["params"]:
-                if _bad(p.detach()):
+                st = opt.state.get(p) or {}  # or the optimizer state (an fp16 exp_avg_sq that overflowed)
+                if _bad(p.detach()) or any(isinstance(v, torch.Tensor) and v.is_floating_point() and _bad(v)
+                                           for v in st.values()):
                     state["first"], state["what"] = state["it"], "params_after"; break
     _count()
 import torch.optim.optimizer as _oo

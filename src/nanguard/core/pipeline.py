@@ -10,7 +10,6 @@ import dataclasses
 import warnings
 from typing import Any, Dict, Optional, Sequence
 
-from . import diagnosis
 from .events import PHASES, Detection, Event
 
 # The cheap check's phase is a fact for these; the replay refines the others
@@ -36,8 +35,10 @@ def build_event(det: Detection, loc_run: Optional[Dict[str, Any]], history: Sequ
         # the update merely carried them along.
         phase = "params"
     localization = _describe_localization(det, loc_run, reproduced)
+    from . import diagnosis  # loaded at the first failure, not at start-up
     try:
-        cause = diagnosis.diagnose(loc if reproduced else None, list(history), phase=phase, context=context or {})
+        cause = diagnosis.diagnose(loc if reproduced else None, list(history), phase=phase,
+                                   context=dict(context or {}, detected=det.detected or {}))
     except Exception as e:  # diagnosis is best effort; the detection stands on its own
         warnings.warn(f"nanguard: diagnosis failed: {type(e).__name__}: {e}", RuntimeWarning)
         cause = {"category": "other", "summary": f"non-finite value in phase {phase} at step {det.step}",

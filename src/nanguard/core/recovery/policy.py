@@ -157,6 +157,8 @@ class RecoveryPolicy:
         if self.repeats.exhausted(self._same):
             return self._stop(event, step, self.repeats.why_stop(step, cat, self._same))
         params_ok = actions.state_finite()
+        if params_ok and event.phase == "optimizer" and not actions.optimizer_state_finite():
+            params_ok = False  # finite weights over an overflowed optimizer state: only a snapshot's state is sound
         unsound = (cause.get("evidence") or {}).get("recovery_unsound")
         if unsound and params_ok:
             return self._stop(event, step, f"recovery cannot be sound: {unsound}")

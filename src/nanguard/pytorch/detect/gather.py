@@ -61,6 +61,7 @@ class Pending:
     counts: Optional[Dict[int, int]] = None  # the step counters at this check (a rewind goes back to them)
     backward_steps: int = 0
     skips0: int = 0            # the GradScaler skip streak before this check was decoded
+    n_state: int = 0           # after the post norms: the optimizer state norms per group (.optstate), when read
     post_saved: Optional[tuple] = None  # the previous update's pending norms it consumed (a rewind puts them back)
 
     @property
@@ -142,7 +143,7 @@ def gather(mon: Any, opt: Any, scaler: Any, params: Optional[List[List[torch.Ten
     p = Pending(key=key, opt=opt, step=step, groups=groups, k=k, scaler=scaler, scaled=scaled, dev=dev,
                 nl=len(lv), nlm=len(lm), nd=len(dm), n_pre=len(pre_pnorms or []), has_post=post is not None,
                 post_step=post_step, post_slice=post_slice, others=[(ok, t.numel()) for ok, t in others],
-                has_sz=sz is not None,
+                has_sz=sz is not None, n_state=post.numel() - len(groups) if post is not None else 0,
                 loss_n=mon._loss_n, data_where=list(mon._data_where), lazy=lazy, counts=dict(mon.counts),
                 backward_steps=mon.backward_steps)
     if lazy and post is not None:

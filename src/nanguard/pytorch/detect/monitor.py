@@ -27,6 +27,7 @@ from . import consensus
 from .gather import DEFERRED, gather
 from .lazy import LazyReads
 from .names import TensorNames
+from .optstate import StateWatch, state_norms
 from .norms import NormPlan, _norm, planned_norm, sharded_square
 from .slices import OptimizerView
 from .stepsize import StepSizeProbe
@@ -113,6 +114,7 @@ class StepMonitor:
         self.spikes: Any = None
         self.spike: Optional[Dict[str, Any]] = None
         self._records: Dict[int, StepRecord] = {}  # per optimizer: its last history record
+        self.state_watch = StateWatch()  # optimizer state read only when it could have overflowed (.optstate)
 
     # ------------------------------------------------------------------ registration
     def add_optimizer(self, opt: torch.optim.Optimizer, late: bool = False) -> None:
@@ -361,6 +363,8 @@ class StepMonitor:
         self._rot[key] = c + 1
         norms = [planned_norm(g, plan, dev) for g, plan in zip(slices[c], plans[c])]
         self._pending_post[key] = torch.stack(norms)
+        if self.state_watch.take(key) and not any(plan.sharded for plan in plans[c]):  # G more values
+            self._pending_post[key] = torch.cat([self._pending_post[key], state_norms(opt, groups, dev)])
         if any(plan.sharded for plan in plans[c]):
             self._pending_post_sq[key] = torch.stack(
                 [sharded_square(g, plan, n, dev) for g, plan, n in zip(slices[c], plans[c], norms)])

@@ -24,6 +24,7 @@ from ...core.history import StepRecord
 from .. import gradscaler
 from . import consensus
 from .gather import Pending, split_others
+from .optstate import nonfinite_state, overflowed
 from .slices import update_suspect
 from .stepsize import step_size
 from .tensors import nonfinite_tensors
@@ -61,6 +62,7 @@ def decode(mon: Any, p: Pending, vals: List[float]) -> Union[None, Detection, st
         pre_pn, off = vals[off:off + p.n_pre], off + p.n_pre
     if p.has_post:
         post_pn, off = vals[off:off + G], off + G
+    state_vals, off = vals[off:off + p.n_state], off + p.n_state
     others, off = split_others(p, vals, off)
     sz = vals[off:off + 3] if p.has_sz else None
     if p.n_contrib and dist_flags is not None:  # sharded: the global norms, the same on every rank
@@ -99,6 +101,11 @@ def decode(mon: Any, p: Pending, vals: List[float]) -> Union[None, Detection, st
             return dist_decide(mon, p, Detection(
                 ostep, "optimizer", {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)}))
 
+    if state_vals and (post_pn is None or all(finite(x) for x in post_pn)):
+        det = state_check(mon, p, state_vals)
+        if det is not None:
+            return dist_decide(mon, p, det)
+    mon.state_watch.observe(key, p.opt, p.groups, gn)
     det = _decide(mon, p, loss, loss_ok, data_ok, scale, found_inf, gn, pre_pn, post_pn)
     if isinstance(det, str):
         return det
@@ -109,6 +116,21 @@ def decode(mon: Any, p: Pending, vals: List[float]) -> Union[None, Detection, st
         mon.spike = mon.spikes.observe(p.step, mon._last["loss"], total_norm(gn), stream=key,
                                        update=last_update(mon, key, p.post_step) if p.has_post else None)
     return det
+
+
+def state_check(mon: Any, p: Pending, state_vals: List[float]) -> Optional[Detection]:
+    """The optimizer state norms read after the last update (:mod:`.optstate`): a non-finite one is a
+    failure of that update, even though every weight is finite (Adam's update over an inf
+    ``exp_avg_sq`` is 0)."""
+    mon.state_watch.read(p.key, state_vals)
+    if all(finite(x) for x in state_vals):
+        return None
+    bad = nonfinite_state(p.opt, p.groups, mon.names.name_of)
+    if not bad:
+        return None
+    return Detection(p.post_step if p.post_step is not None else max(p.step - 1, 0), "optimizer",
+                     dict({"nonfinite_optimizer_state": bad[:20], "n_bad_state": len(bad)},
+                          **overflowed(p.opt, p.groups, mon.names.name_of)))
 
 
 def last_update(mon: Any, key: int, step: Optional[int]) -> Optional[float]:

@@ -17,6 +17,17 @@ def optimizer_result(loc: dict | None, facts: dict, ev: dict, method: str, conf:
     ev["optimizer"] = opt
     if _scalar_in_update(origin):
         return _hyperparameter(origin, facts, opt, name, ev, method, conf)
+    if _state_overflow(origin, opt):
+        return _state_overflow_result(origin, facts, opt, name, ev, method, conf)
+    seen = (ctx.get("detected") or {}).get("state_overflow") or {}
+    if not origin and seen.get("dtype") in T.LOW_DTYPES and not seen.get("nan"):
+        # no replay named the op: the detector's own read of the state (an +-inf element, no NaN)
+        d = seen.get("decay")
+        return _state_overflow_result(
+            {"dtype": seen["dtype"], "stage": "optimizer"}, {"dtype_info": {"max": seen.get("dtype_max")}},
+            dict(opt, param=seen.get("param"), state=seen.get("state"),
+                 betas=[None, d] if T.fin(d) and d < 1 else []),
+            seen.get("optimizer") or name, ev, method, conf)
     parts = [f"{name}'s update made {'parameter ' + repr(param) if param else 'the parameters'} non-finite"]
     if origin:
         parts.append(f"at {T.opshort(origin.get('op'))} ({origin.get('dtype')})")
@@ -60,6 +71,56 @@ def optimizer_result(loc: dict | None, facts: dict, ev: dict, method: str, conf:
     if not origin:
         fixes.append("re-run the step with the recorder armed to name the op and state")
     return T.result("optimizer_numerics", ", ".join(parts), conf, ev, fixes, method)
+
+
+def _state_overflow(origin: dict, opt: dict) -> bool:
+    """A low-precision optimizer state (not the parameter) overflowed to +-inf from finite inputs, with
+    no NaN: Adam's ``exp_avg_sq`` past float16's 65504. The weights stay finite (Adam's update over an inf
+    second moment is 0), so this is the dtype's range, not the update's numerics."""
+    out = origin.get("output") or {}
+    after = opt.get("nonfinite_after_step") or []
+    state_only = bool(after) and all(":" in str(n) for n in after)
+    return bool(origin) and origin.get("stage") == "optimizer" and origin.get("dtype") in T.LOW_DTYPES \
+        and bool(opt.get("state")) and state_only and not out.get("nan") \
+        and bool(out.get("posinf") or out.get("neginf"))
+
+
+def _state_overflow_result(origin: dict, facts: dict, opt: dict, name: str, ev: dict, method: str,
+                           conf: float) -> dict:
+    dt = origin.get("dtype")
+    dmax = (facts.get("dtype_info") or {}).get("max")
+    param, state = opt.get("param"), opt.get("state")
+    gmax = max((float(i.get("max_abs")) for i in (origin.get("inputs") or [])[1:]
+                if T.fin(i.get("max_abs")) and not i.get("nonfinite")), default=None)
+    betas = opt.get("betas") or []
+    b2 = betas[1] if len(betas) > 1 and T.fin(betas[1]) else None
+    summ = (f"{name}'s optimizer state '{state}' of parameter {param!r} overflowed {dt}"
+            + (f" (largest value {T.g(dmax)})" if dmax else "")
+            + (f" at {T.opshort(origin.get('op'))}" if origin.get("op") else ""))
+    if gmax is not None:
+        summ += (f": a gradient element of {T.g(gmax)}, squared" + (f" x (1 - beta2) = {T.g(gmax * gmax * (1 - b2))}"
+                                                                      if b2 is not None and b2 < 1 else "")
+                 + ", is past its range")
+    summ += ("; the weights stay finite, but an update divided by sqrt(inf) is 0: those weights stop "
+             "training silently")
+    limit = None
+    if dmax and b2 is not None and b2 < 1:
+        limit = (float(dmax) / (1 - b2)) ** 0.5
+    fixes = [X.say(pytorch=f"keep the optimizer state in float32: float32 parameters (master weights) with "
+                   f"torch.autocast + torch.amp.GradScaler for the {dt} compute, instead of {dt} parameters",
+                   tensorflow="keep float32 variables and optimizer state: use "
+                   + X.mixed_precision(f"instead of {dt} variables"),
+                   jax="keep float32 parameters and optimizer state: use "
+                   + X.mixed_precision(f"instead of {dt} parameters")),
+             "clip the gradients before the update"
+             + (f" so that no element exceeds {T.g(limit, 2)} (sqrt({T.g(dmax)} / (1 - beta2))): "
+                if limit else ": ") + X.clip_grad_norm(T.g(T.nice(limit / 2), 2) if limit else "1.0"),
+             "find the batch that made the gradient this large (a unit mix-up, an outlier) if the run was calm "
+             "before"]
+    ev["optimizer"] = opt
+    ev["state_overflow"] = {"state": state, "param": param, "dtype": dt, "dtype_max": dmax, "grad_max_abs": gmax,
+                            "beta2": b2, "grad_limit": limit}
+    return T.result("low_precision_overflow", summ, conf, ev, fixes, method)
 
 
 def _scalar_in_update(origin: dict) -> bool:
