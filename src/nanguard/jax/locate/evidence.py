@@ -10,11 +10,11 @@ the generic ``domain``).
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, List, Optional
 
 import numpy as np
 
+from ... import array_facts as F
 from ...core.diagnosis import families
 from ...core.locate.evidence import Gatherers, ProbeBase
 from . import numerics as N
@@ -156,9 +156,7 @@ def _log_domain(p: Probe) -> Optional[dict]:
     dom, sa = _domain_arg(p)
     if sa is None:
         return None
-    lim = float(dom.limit)
-    return {"log_domain": {"le_limit": int((sa <= lim).sum()), "limit": lim, "zeros": int((sa == 0).sum()),
-                           "negatives": int((sa < 0).sum()), "min": N.stats(sa).get("min"), "numel": int(sa.size)}}
+    return F.log_domain(sa, dom.limit)
 
 
 @gatherer("sqrt_domain")
@@ -166,20 +164,10 @@ def _sqrt_domain(p: Probe) -> Optional[dict]:
     xf = p.arr(0)
     if xf is None:
         return None
-    d: dict = {"zeros": int((xf == 0).sum()), "negatives": int((xf < 0).sum()), "numel": int(xf.size)}
+    d = F.root_counts(xf)
     if p.in_family("pow"):
         y = p.e_eqn.params.get("y") if p.e_eqn is not None else None   # integer_pow's exponent
-        ex = np.asarray(float(y)) if y is not None else p.arr(1)
-        if ex is not None and ex.size == 1:
-            e = float(ex.reshape(-1)[0])
-            d["exponent"] = N.jnum(e)
-            d["fractional"] = bool(math.isfinite(e) and e != int(e))
-        elif ex is not None:
-            exb = np.broadcast_to(ex, np.broadcast_shapes(ex.shape, xf.shape))
-            xb = np.broadcast_to(xf, exb.shape)
-            d["neg_base_fractional_exp"] = int(((xb < 0) & (exb != np.floor(exb))).sum())
-            d["zero_base_negative_exp"] = int(((xb == 0) & (exb < 0)).sum())
-            d["fractional"] = d["neg_base_fractional_exp"] > 0
+        d.update(F.pow_exponent(xf, np.asarray(float(y)) if y is not None else p.arr(1)))
     if "forward_output" in p.facts:
         d["norm_zeros"] = p.facts["forward_output"].get("zeros")
     return {"sqrt_domain": d}
@@ -188,11 +176,7 @@ def _sqrt_domain(p: Probe) -> Optional[dict]:
 @gatherer("trig_domain")
 def _trig_domain(p: Probe) -> Optional[dict]:
     xf = p.arr(0)
-    if xf is None:
-        return None
-    ax = np.abs(xf)
-    return {"trig_domain": {"abs_ge_1": int((ax >= 1).sum()), "abs_gt_1": int((ax > 1).sum()), "lt_1": None,
-                            "max_abs": N.stats(xf).get("max_abs"), "numel": int(xf.size)}}
+    return F.trig_domain(xf) if xf is not None else None
 
 
 @gatherer("exp_input")
@@ -200,27 +184,15 @@ def _exp_input(p: Probe) -> Optional[dict]:
     src = p.arr(1) if p.in_family("pow") else p.arr(0)
     if src is None or (p.in_family("pow") and src.size <= 1):
         return None
-    return {"exp_input_max": N.stats(src).get("max"),
-            "overflow_threshold": N.jnum(math.log(N.dtype_max(str(src.dtype))))}
+    return F.exp_input(src, N.dtype_max(str(src.dtype)))
 
 
 @gatherer("zero_denominator")
 def _zero_denominator(p: Probe) -> Optional[dict]:
     num, den = p.arr(0), p.arr(1)
-    d: dict = {}
     if den is None:
-        return {"zero_denominator": d}
-    if den.size == 1:
-        d["scalar_denominator"] = N.jnum(float(den.reshape(-1)[0]))
-    dz = den == 0
-    d.update(zeros=int(dz.sum()), numel=int(den.size), min=N.stats(den).get("min"))
-    if num is not None:
-        try:
-            nb, db = np.broadcast_arrays(num, dz)
-            d["zero_over_zero"] = int((db & (nb == 0)).sum())
-            d["nonzero_over_zero"] = int((db & (nb != 0)).sum())
-        except ValueError:
-            pass
+        return {"zero_denominator": {}}
+    d = F.denominator_counts(num, den)
     log = p.rp.log
     idx = p.fwd if p.e_eqn is not p.eqn and p.fwd is not None else p.idx
     q = log.inprod[idx][1] if len(log.inprod[idx]) > 1 else -1
@@ -235,44 +207,23 @@ def _zero_denominator(p: Probe) -> Optional[dict]:
 @gatherer("softmax_all_masked_rows")
 def _softmax_rows(p: Probe) -> Optional[dict]:
     xf = p.arr(0)
-    if xf is None or xf.ndim < 1:
-        return None
-    allm = np.all(np.isneginf(xf), axis=-1)
-    rows = allm.reshape(allm.shape[0], -1).any(axis=1) if allm.ndim > 1 else allm
-    return {"softmax_all_masked_rows": {"count": int(allm.sum()),
-                                        "batch_rows": [int(i) for i in np.nonzero(rows)[0][:10]],
-                                        "rows_total": int(allm.size),
-                                        "rows_with_neginf": int(np.any(np.isneginf(xf), axis=-1).sum())}}
-
-
-_CMP = {"le": np.less_equal, "lt": np.less, "ge": np.greater_equal, "gt": np.greater}
+    return F.masked_softmax_rows(xf) if xf is not None else None
 
 
 @gatherer("domain")
 def _domain(p: Probe) -> Optional[dict]:
     dom, src = _domain_arg(p)
-    if src is None:
-        return None
-    v = np.abs(src) if dom.abs else src
-    st = N.stats(src)
-    return {"domain": {"condition": dom.text(), "grad_condition": dom.text(grad=True), "arg": dom.kwarg,
-                       "inside": int(_CMP[dom.cmp](v, dom.limit).sum()),
-                       "grad_inside": int(_CMP[dom.grad_cmp or dom.cmp](v, dom.limit).sum()),
-                       "numel": int(src.size), "min": st.get("min"), "max": st.get("max")}}
+    return F.domain(dom, src) if src is not None else None
 
 
 # ---------------------------------------------------------------------------- after the family's
 @gatherer("overflow", always=True)
 def _overflow(p: Probe) -> Optional[dict]:
     """Infinities only, from finite inputs, that a wider dtype holds."""
-    outc = N.counts(p.a0)
     range_ok = (p.facts.get("float64_check") or {}).get("finite") or \
         (p.facts.get("float32_check") or {}).get("direct_finite")
-    if (outc["posinf"] or outc["neginf"]) and not outc["nan"] and range_ok:
-        mx = [N.stats(N.host(v)).get("max_abs") for v in p.ins if N.is_float(v)]
-        return {"overflow": {"dtype_max": N.jnum(N.dtype_max(p.dtype)),
-                             "input_max_abs": max([m for m in mx if isinstance(m, float)], default=None)}}
-    return None
+    mx = (F.finite_range(N.host(v)).get("max_abs") for v in p.ins if N.is_float(v))
+    return F.overflow(N.counts(p.a0), range_ok, mx, N.dtype_max(p.dtype))
 
 
 @gatherer("where_trap", always=True)

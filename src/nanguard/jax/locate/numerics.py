@@ -10,25 +10,12 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ...array_facts import jnum
+
 __all__ = ["LOW_PRECISION", "jnum", "host", "is_float", "flags", "counts", "bad_rows", "stats", "finfo_facts",
            "dtype_max", "eps_fact"]
 
 LOW_PRECISION = {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
-
-
-def jnum(x: Any) -> Any:
-    """A JSON-safe number: finite floats stay, non-finite ones become "nan"/"inf"/"-inf"."""
-    if x is None or isinstance(x, (bool, np.bool_)):
-        return None if x is None else bool(x)
-    if isinstance(x, (int, np.integer)):
-        return int(x)
-    try:
-        f = float(x)
-    except (TypeError, ValueError):
-        return str(x)
-    if math.isnan(f):
-        return "nan"
-    return ("inf" if f > 0 else "-inf") if math.isinf(f) else f
 
 
 def is_float(a: Any) -> bool:

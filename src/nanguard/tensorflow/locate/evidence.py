@@ -15,17 +15,16 @@ from its kept inputs (``examined: forward_op``).
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional
 
 import numpy as np
 import tensorflow as tf
 
+from ... import array_facts as F
 from ...core.diagnosis import families
 from ...core.locate.evidence import Gatherers, ProbeBase
 from . import numerics as N
 from . import ops as O
-from .numerics import jnum
 from .oplog import OpLog, is_eager, numel
 from .provenance import Provenance, np_value
 from .opcheck import check_fact, recompute, recompute32
@@ -184,12 +183,7 @@ def _log_domain(p: Probe) -> Optional[dict]:
     if dom is None:
         return None
     sa = p.arr(dom.arg)
-    if sa is None:
-        return None
-    lim = float(dom.limit)
-    return {"log_domain": {"le_limit": int((sa <= lim).sum()), "limit": lim, "zeros": int((sa == 0).sum()),
-                           "negatives": int((sa < 0).sum()), "min": N.tensor_stats(sa).get("min"),
-                           "numel": int(sa.size)}}
+    return F.log_domain(sa, dom.limit) if sa is not None else None
 
 
 @gatherer("sqrt_domain")
@@ -198,23 +192,11 @@ def _sqrt_domain(p: Probe) -> Optional[dict]:
     xf = p.arr(0)
     if xf is None:
         return None
-    d: dict[str, Any] = {"zeros": int((xf == 0).sum()), "negatives": int((xf < 0).sum()), "numel": int(xf.size)}
+    d = F.root_counts(xf)
     if p.in_family("pow"):
         x1 = p.arg(1)
         ex = np_value(x1) if is_eager(x1) else None
-        if ex is not None and ex.size == 1:
-            e = float(N.as_float(ex).reshape(-1)[0])
-            d["exponent"] = jnum(e)
-            d["fractional"] = bool(math.isfinite(e) and e != int(e))
-        elif ex is not None and ex.dtype.kind in "fV":
-            exf = np.broadcast_to(N.as_float(ex), np.broadcast_shapes(ex.shape, xf.shape))
-            xb = np.broadcast_to(xf, exf.shape)
-            non_int = exf != np.floor(exf)
-            d["neg_base_fractional_exp"] = int(((xb < 0) & non_int).sum())
-            d["zero_base_negative_exp"] = int(((xb == 0) & (exf < 0)).sum())
-            d["fractional"] = d["neg_base_fractional_exp"] > 0
-            st = N.tensor_stats(exf)
-            d["exponent_range"] = [st.get("min"), st.get("max")]
+        d.update(F.pow_exponent(xf, N.as_float(ex) if ex is not None and ex.dtype.kind in "fV" else ex))
     if p.in_family("norm") and "forward_output" in p.facts:
         d["norm_zeros"] = p.facts["forward_output"].get("zeros")
     return {"sqrt_domain": d}
@@ -223,12 +205,7 @@ def _sqrt_domain(p: Probe) -> Optional[dict]:
 @gatherer("trig_domain")
 def _trig_domain(p: Probe) -> Optional[dict]:
     xf = p.arr(0)
-    if xf is None:
-        return None
-    ax = np.abs(xf)
-    # lt_1: acosh's count before acosh got its own family ("domain" evidence); kept for the fact's shape
-    return {"trig_domain": {"abs_ge_1": int((ax >= 1).sum()), "abs_gt_1": int((ax > 1).sum()), "lt_1": None,
-                            "max_abs": N.tensor_stats(xf).get("max_abs"), "numel": int(xf.size)}}
+    return F.trig_domain(xf) if xf is not None else None
 
 
 @gatherer("exp_input")
@@ -238,8 +215,7 @@ def _exp_input(p: Probe) -> Optional[dict]:
     x, src_t = p.arg(0), (p.arg(1) if pow_ else p.arg(0))
     if not is_eager(x) or not is_eager(src_t) or (pow_ and numel(src_t) <= 1):
         return None
-    st = N.tensor_stats(np_value(src_t))
-    return {"exp_input_max": st.get("max"), "overflow_threshold": jnum(math.log(N.dtype_max(src_t.dtype.name)))}
+    return F.exp_input(_widened(np_value(src_t)), N.dtype_max(src_t.dtype.name))
 
 
 @gatherer("zero_denominator")
@@ -250,26 +226,11 @@ def _zero_denominator(p: Probe) -> Optional[dict]:
     else:
         num = e_in[0] if e_in else None
         den = e_in[1] if len(e_in) > 1 else None
-    d: dict[str, Any] = {}
     da = np_value(den) if is_eager(den) else None
     if da is None:
-        return {"zero_denominator": d}
-    if da.size == 1:
-        d["scalar_denominator"] = jnum(float(N.as_float(da).reshape(-1)[0]))
-    daf = N.as_float(da) if da.dtype.kind in "fV" else da
-    dz = daf == 0
-    d["zeros"] = int(dz.sum())
-    d["numel"] = int(daf.size)
+        return {"zero_denominator": {}}
     na = np_value(num) if is_eager(num) else None
-    if na is not None:
-        try:
-            naf = N.as_float(na) if na.dtype.kind in "fV" else na
-            nb, db = np.broadcast_arrays(naf, dz)
-            nz = nb == 0
-            d["zero_over_zero"] = int((db & nz).sum())
-            d["nonzero_over_zero"] = int((db & ~nz).sum())
-        except Exception:
-            pass
+    d = F.denominator_counts(_widened(na), _widened(da))
     chain = producer_chain(p.log, p.prov, den, depth=3)
     names = [p.log.op_type[i] for i in chain]
     d["producer_chain"] = [p.log.op_canon[i] for i in chain][:6]
@@ -277,22 +238,18 @@ def _zero_denominator(p: Probe) -> Optional[dict]:
     real = [n for n in names if n not in O.PASS_OPS]
     d["from_reduction"] = bool(real) and real[0] in O.REDUCE_OPS
     d["from_std_var"] = _looks_like_variance(p.log, p.prov, den)
-    d["min"] = N.tensor_stats(daf).get("min")
     return {"zero_denominator": d}
+
+
+def _widened(a: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    """Floats read as numpy floats (bfloat16 and friends in float32); other arrays as they are."""
+    return N.as_float(a) if a is not None and a.dtype.kind in "fV" else a
 
 
 @gatherer("softmax_all_masked_rows")
 def _softmax_rows(p: Probe) -> Optional[dict]:
     xf = p.arr(0)
-    if xf is None or xf.ndim < 1:
-        return None
-    allm = np.all(np.isneginf(xf), axis=-1)
-    return {"softmax_all_masked_rows": {"count": int(allm.sum()), "batch_rows": N.mask_rows(allm),
-                                        "rows_total": int(allm.size),
-                                        "rows_with_neginf": int(np.any(np.isneginf(xf), axis=-1).sum())}}
-
-
-_CMP = {"le": np.less_equal, "lt": np.less, "ge": np.greater_equal, "gt": np.greater}
+    return F.masked_softmax_rows(xf) if xf is not None else None
 
 
 @gatherer("domain")
@@ -300,28 +257,17 @@ def _domain(p: Probe) -> Optional[dict]:
     """Generic: the inputs inside the family's declared ``Domain`` (value and gradient sets)."""
     dom = _domain_of(p)
     src = p.arr(dom.arg) if dom is not None else None
-    if src is None:
-        return None
-    v = np.abs(src) if dom.abs else src
-    st = N.tensor_stats(src)
-    return {"domain": {"condition": dom.text(), "grad_condition": dom.text(grad=True), "arg": dom.kwarg,
-                       "inside": int(_CMP[dom.cmp](v, dom.limit).sum()),
-                       "grad_inside": int(_CMP[dom.grad_cmp or dom.cmp](v, dom.limit).sum()),
-                       "numel": int(src.size), "min": st.get("min"), "max": st.get("max")}}
+    return F.domain(dom, src) if src is not None else None
 
 
 # ---------------------------------------------------------------------------- generic gatherers (after the family's)
 @gatherer("overflow", always=True)
 def _overflow(p: Probe) -> Optional[dict]:
     """Infinities only, from finite inputs, that a wider dtype holds."""
-    outc = N.nonfinite_counts(p.a0)
     range_ok = (p.facts.get("float64_check") or {}).get("finite") or \
         (p.facts.get("float32_check") or {}).get("direct_finite")
-    if (outc["posinf"] or outc["neginf"]) and not outc["nan"] and range_ok:
-        mx = [N.tensor_stats(np_value(i)).get("max_abs") for i in p.inputs if is_eager(i) and i.dtype.is_floating]
-        return {"overflow": {"dtype_max": jnum(N.dtype_max(p.t0.dtype.name)),
-                             "input_max_abs": max([m for m in mx if isinstance(m, float)], default=None)}}
-    return None
+    mx = (N.tensor_stats(np_value(i)).get("max_abs") for i in p.inputs if is_eager(i) and i.dtype.is_floating)
+    return F.overflow(N.nonfinite_counts(p.a0), range_ok, mx, N.dtype_max(p.t0.dtype.name))
 
 
 @gatherer("where_trap", always=True)

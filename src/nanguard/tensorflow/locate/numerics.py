@@ -10,29 +10,14 @@ from typing import Any
 
 import numpy as np
 
+from ...array_facts import jnum
+
 try:  # bfloat16 / float8 numpy types (a TensorFlow dependency)
     import ml_dtypes as _mld
 except Exception:  # pragma: no cover
     _mld = None
 
 LOW_PRECISION = {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
-
-
-def jnum(x: Any) -> Any:
-    """A JSON-safe number: finite floats stay, non-finite become "nan"/"inf"/"-inf"."""
-    if isinstance(x, (bool, np.bool_)) or x is None:
-        return bool(x) if x is not None else None
-    if isinstance(x, (int, np.integer)):
-        return int(x)
-    try:
-        f = float(x)
-    except (TypeError, ValueError):
-        return str(x)
-    if math.isnan(f):
-        return "nan"
-    if math.isinf(f):
-        return "inf" if f > 0 else "-inf"
-    return f
 
 
 def is_float_dtype(dt: Any) -> bool:
