@@ -51,7 +51,16 @@ def backoff_factor(lr_factor: float, cause: Dict[str, Any], lrs: Sequence[float]
         factor = min(factor, est)
     if _positive(limit) and lrs and max(lrs) > 0:
         factor = min(factor, 0.5 * limit / max(lrs))
-    return max(factor, 1e-4)
+    return max(factor, cut_floor(ev))
+
+
+def cut_floor(ev: Dict[str, Any]) -> float:
+    """The smallest cut: 1e-4 (an estimate from the history's growth is no reason to stall the run), or less
+    when one update was measured moving the weights by R times their norm (R = 1e24: a config's lr of 1e25):
+    no 1e-4 cut brings that update back in range (1e20 times the weights), so the cut may go down to the
+    one that makes it 3% of the weights, 0.03 / R (the one-update rule's own estimate)."""
+    r = ev.get("update_ratio_last_update")
+    return min(1e-4, 0.03 / r) if _positive(r) else 1e-4
 
 
 def peak_target(factor: float, cause: Dict[str, Any], lrs: Sequence[float], peaks: Sequence[float]) -> float:
