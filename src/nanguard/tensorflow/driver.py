@@ -48,7 +48,7 @@ class RunDriver:
             from .recover import RecoveryUnavailable, TFRecovery
             try:
                 self.policy = TFRecovery.from_spec(recover, pipeline=self.pipeline, localizer=self.localize_detection,
-                                                   quiet=quiet)
+                                                   quiet=quiet, captures=self.captures)
             except RecoveryUnavailable as e:
                 from ..core.render.terminal import print_line
                 print_line(f"{e}: detection only")
@@ -78,6 +78,11 @@ class RunDriver:
             self.captures[info["step"]] = StepCapture.from_fit_failure(self.watcher, info)
         except Exception as e:  # the capture is best effort: localization then says why
             self.captures[info["step"]] = e
+        # a loss scaler's skips are captured too (most never become a failure): keep the latest two and
+        # those of the detected steps
+        kept = {d.step for d in self.watcher.detections} | set(sorted(self.captures)[-2:])
+        for step in [s for s in self.captures if s not in kept]:
+            del self.captures[step]
 
     # ------------------------------------------------------------------ localization
     def localize_detection(self, det: Detection, in_process_only: bool = False) -> Optional[Dict[str, Any]]:

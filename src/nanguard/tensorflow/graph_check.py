@@ -131,7 +131,9 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
                                                                 for f in flags]))))
             ok = _ok(loss_ok, d_ok, pre_ok, grads_ok, lso)
             if w.capture is not None and p.batch is not None:
-                _build_capture(st, ok, step, p)
+                # a LossScaleOptimizer's skip past warm-up too: a loss-scale collapse is decided from one
+                _build_capture(st, tf.logical_and(ok, tf.logical_or(grads_ok, tf.logical_not(
+                    scale <= w.config.warmup_loss_scale))) if lso else ok, step, p)
             active = st.active.read_value()
             st.halt.assign(tf.logical_or(halted, tf.logical_and(tf.logical_not(ok),
                                                                 tf.logical_and(active, st.stop_mode.read_value()))))

@@ -90,6 +90,7 @@ def install(w: Any) -> List[Callable[[], None]]:
             return orig["fn_call"](fn, *args, **kwargs)
         tl_set("fn_depth", 1)
         tl_set("current_fn", fn)
+        w.step_call = (fn, args, kwargs)  # what recovery's drop_samples re-runs without some rows
         if w.policy is not None and w._snap_due:
             w._guarded(w._take_due_snapshot)
         try:
@@ -98,7 +99,8 @@ def install(w: Any) -> List[Callable[[], None]]:
             tl_set("fn_depth", 0)
             tl_set("current_fn", None)
         w.host.after_function(fn)
-        return out
+        rep, w.step_output, w.step_call = w.step_output, None, None  # recovery's drop_samples re-ran it
+        return out if rep is None else rep(out)
 
     def scale_loss(opt, loss):
         out = orig["scale_loss"](opt, loss)

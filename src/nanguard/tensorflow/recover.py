@@ -124,9 +124,13 @@ class TFSnapshot:
 class KerasActions(_ActionsBase):
     """``RecoveryActions`` on the Keras models and optimizers a :class:`~.watch.TFWatcher` has seen."""
 
-    def __init__(self, watcher: Any, applied: bool = False) -> None:
+    def __init__(self, watcher: Any, applied: bool = False,
+                 drop: Optional[Callable[[List[int]], Optional[Dict[str, Any]]]] = None) -> None:
+        """``drop``: re-runs the failing step without some batch rows, its update applied
+        (:func:`.recover_drop.drop_rows_rerun`), when the step can be re-run in-process."""
         self.w = watcher
         self.applied = applied  # the step's update already ran (a traced step read after its call)
+        self.drop = drop
         self.models = [m for m in list(watcher.models)]
         self.optimizers = watcher.optimizers()
 
@@ -258,6 +262,9 @@ class KerasActions(_ActionsBase):
         n = sum(len(getattr(o, "_trainable_variables", [])) for o in self.optimizers)
         return {"grads_dropped": n, "update_skipped_in_graph": True}
 
+    def drop_samples(self, rows: List[int]) -> Optional[Dict[str, Any]]:
+        return self.drop(rows) if self.drop is not None and not self.applied else None
+
     def learning_rates(self) -> List[float]:
         out = []
         for o in self.optimizers:
@@ -356,23 +363,27 @@ class TFRecovery:
     """Drives ``nanguard.core.recovery.RecoveryPolicy`` from the TF watcher: a snapshot when a step
     starts, the decision when a step fails (its update was already dropped in-graph)."""
 
-    def __init__(self, policy: Any, *, pipeline: Any, localizer: Callable[[Any], Any], quiet: bool = False) -> None:
+    def __init__(self, policy: Any, *, pipeline: Any, localizer: Callable[[Any], Any], quiet: bool = False,
+                 captures: Optional[Dict[int, Any]] = None) -> None:
         """``pipeline``: the run's :class:`~nanguard.core.engine.FailurePipeline` (the failure's event);
-        ``localizer``: the driver's localization of a detection (its replay result, or None)."""
+        ``localizer``: the driver's localization of a detection (its replay result, or None);
+        ``captures``: the driver's in-process captures of failing steps (step -> capture)."""
         self.policy = policy
         self.policy.quiet = policy.quiet or quiet
         self.pipeline = pipeline
         self.localizer = localizer
+        self.captures = captures
 
     @classmethod
     def from_spec(cls, spec: Any, *, pipeline: Any, localizer: Callable[[Any], Any],
-                  quiet: bool = False) -> "TFRecovery":
+                  quiet: bool = False, captures: Optional[Dict[int, Any]] = None) -> "TFRecovery":
         try:
             from ..core.recovery import RecoveryPolicy  # type: ignore[attr-defined]
         except ImportError as e:
             raise RecoveryUnavailable("recovery for TensorFlow needs nanguard.core.recovery, which is not in "
                                       "this build") from e
-        return cls(RecoveryPolicy.from_spec(spec), pipeline=pipeline, localizer=localizer, quiet=quiet)
+        return cls(RecoveryPolicy.from_spec(spec), pipeline=pipeline, localizer=localizer, quiet=quiet,
+                   captures=captures)
 
     @classmethod
     def for_spikes(cls, quiet: bool = False) -> "TFRecovery":
@@ -415,17 +426,46 @@ class TFRecovery:
     def handle(self, watcher: Any, det: Any, st: Any) -> bool:
         """Diagnose ``det`` and let the policy act. True when the run may go on."""
         hist = [h for h in watcher.history.raw_dicts() if h["step"] < det.step]
-        # a recurrence is replayed too when its step was captured in-process (a fit step: one eager step),
-        # so that recovery acts on what its own replay showed
+        cap, fit = self._step_capture(watcher, det, st)
+        # a recurrence is replayed too when its step was captured in-process (a fit step, or a tape loop's
+        # tf.function call: one eager step), so that recovery acts on what its own replay showed
         loc_run = self.localizer(det) if self.pipeline.first() is None else self.localizer(det, in_process_only=True)
         event = self.pipeline.explain(det, hist, loc_run)
         det.event = event
         actions = KerasActions(watcher)
-        rec = self.policy.on_failure(event, step=det.step, actions=actions, history=hist)
+        if cap is not None:
+            from .recover_drop import drop_rows_rerun
+            snap = self.policy.store.at(det.step)
+            actions.drop = lambda rows: drop_rows_rerun(watcher, cap, rows, snap, actions, fit=fit)
+        try:
+            rec = self.policy.on_failure(event, step=det.step, actions=actions, history=hist)
+        finally:
+            if not fit and self.captures is not None:
+                self.captures.pop(det.step, None)  # a tape call's copies: its event is made, not needed again
         if rec is None:
             return False
         self.policy.on_update(actions)  # arms clipping (an in-graph variable) for the next updates
         return True
+
+    def _step_capture(self, watcher: Any, det: Any, st: Any) -> tuple:
+        """(the failing step's in-process capture, whether it is a ``fit`` step): ``fit``'s in-graph one,
+        or, in a tape loop, one made of the ``tf.function`` call that ran it (kept for the localization of a
+        recurrence only: the first failure is localized and tested by the script's re-run, which also traces
+        ``tf.data`` rows)."""
+        from .capture import StepCapture
+        if self.captures is None:
+            return None, False
+        cap = self.captures.get(det.step)
+        if isinstance(cap, StepCapture):
+            return (cap, True) if cap.kind == "fit" and cap.step_fn is not None else (None, False)
+        if watcher.fit_now is not None:
+            return None, False
+        from .recover_drop import function_capture
+        cap = function_capture(watcher, det.step, watcher.step_call, st.opt_ref() if st is not None else None,
+                               self.policy.store.at(det.step))
+        if cap is not None and self.pipeline.first() is not None:
+            self.captures[det.step] = cap
+        return cap, False
 
     def print_summary(self) -> None:
         self.policy.print_summary()

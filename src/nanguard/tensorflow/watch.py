@@ -81,6 +81,8 @@ class TFWatcher:
         self.replay_hooks: Any = None  # set while a captured step is replayed (see .capture)
         self.fit_calls = 0            # model.fit calls seen (nanguard run / watch())
         self.fit_now: Optional[Dict[str, int]] = None  # the running fit: call, first step, epoch, its first step
+        # the outermost tf.function call running, (fn, args, kwargs), and its output -> what the script gets
+        self.step_call, self.step_output = None, None  # (recovery's drop_samples: .recover_drop)
 
     @property
     def recovering(self) -> bool:
