@@ -39,6 +39,8 @@ from typing import Any, Callable, Dict, List
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .models import Bench, GPTConfig, make_gpt
 from .overhead import Runner
@@ -115,16 +117,41 @@ def cpu_block(r: Runner, cfg: str, n: int) -> float:
             return (time.process_time() - t0) / n
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched, and the tensors (and bytes) they allocate: an output whose
+    storage is none of its inputs' is a new allocation (views and in-place ops allocate nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.tensors = self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        ins = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins:
+                self.tensors += 1
+                self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
 def count_calls(r: Runner, cfg: str) -> Dict[str, int]:
-    """Python calls made by one healthy step of ``cfg`` (after two warm steps), all and nanguard's."""
+    """What one healthy step of ``cfg`` does (after two warm steps), counted, not timed: the Python
+    calls made (all, and those in nanguard's code), the C functions nanguard's code calls
+    (``getstate``, ``Tensor.item``, torch functions...), and the aten ops dispatched with the
+    tensors and bytes they allocate (a second step, under a TorchDispatchMode)."""
     step = r.steps[cfg]
-    counts = {"calls": 0, "nanguard_calls": 0}
+    counts = {"calls": 0, "nanguard_calls": 0, "nanguard_c_calls": 0}
 
     def prof(frame, event, arg):
         if event == "call":
             counts["calls"] += 1
             if "/nanguard/" in frame.f_code.co_filename:
                 counts["nanguard_calls"] += 1
+        elif event == "c_call" and "/nanguard/" in frame.f_code.co_filename:
+            counts["nanguard_c_calls"] += 1
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -136,6 +163,10 @@ def count_calls(r: Runner, cfg: str) -> Dict[str, int]:
                 step()
             finally:
                 sys.setprofile(None)
+            mode = _OpCounter()
+            with mode:
+                step()
+    counts.update(ops=mode.ops, tensors=mode.tensors, bytes=mode.bytes)
     return counts
 
 
@@ -179,10 +210,12 @@ def main(argv: List[str] | None = None) -> int:
         m = run_model(name, args.rounds, args.block, args.counts_only)
         res["models"].append(m)
         print(f"\n{name}: {m['desc']}" + (f"; unguarded {m['unguarded_ms']} ms CPU/step" if "unguarded_ms" in m else ""))
-        base = m["counts"]["unguarded"]["calls"]
+        b = m["counts"]["unguarded"]
         for c in CONFIGS:
             k = m["counts"][c]
-            line = f"  {c:10s} python calls/step {k['calls']:6d} (+{k['calls'] - base:5d}; nanguard's {k['nanguard_calls']:5d})"
+            line = (f"  {c:10s} python calls {k['calls']:5d} (+{k['calls'] - b['calls']:4d}; nanguard's "
+                    f"{k['nanguard_calls']:4d}, +{k['nanguard_c_calls']:4d} C)  aten ops +{k['ops'] - b['ops']:4d}, "
+                    f"allocs +{k['tensors'] - b['tensors']:4d} / +{(k['bytes'] - b['bytes']) / 1024:7.1f} KiB")
             if c in m["ratios"]:
                 x = m["ratios"][c]
                 line += f"   CPU time {x['median']:.3f}x (IQR {x['iqr'][0]:.3f}-{x['iqr'][1]:.3f})"

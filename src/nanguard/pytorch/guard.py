@@ -39,7 +39,7 @@ from .guard_reports import ReportWriter
 from .owners import guard_step
 from .recover import RecoveryPolicy
 from .ring import StepRing
-from .rng import capture_rng
+from .rng import StepRng
 from .spikes import SpikeResponder, optimizer_context
 from .syncfree import LazyDriver, resolve_sync_free
 from .tensorboard import TensorBoardLogger
@@ -174,6 +174,7 @@ class Guard:
                                                       else experiments)
         self._step_start, self._step_indices = time.perf_counter(), None  # the current step's
         self._kept: Dict[int, GuardStep] = {}   # the last steps, for history replays (recovery only)
+        self.step_rng = StepRng()  # each step's RNG state for its replay (random/numpy only once steps draw from them)
         self._step_seconds: Optional[float] = None  # a running estimate: the experiments' time unit
         self._fail_seconds: Optional[float] = None  # the failing step's own time (no estimate at step 0)
 
@@ -206,7 +207,7 @@ class Guard:
     def _sync_step(self, batches: List[Any], loss_fn: LossFn, rng: Any = None) -> torch.Tensor:
         """One step with a synchronous check (the default, and the steps a sync-free rewind runs again)."""
         if rng is None:
-            rng = self._safe(_capture_rng) \
+            rng = self._safe(self.step_rng.capture) \
                 if (self.localize or self.bundle_path or self.policy or self.experiments.enabled) else None
         if rng is not None and self.policy is not None:
             self._size_ring()
@@ -215,6 +216,7 @@ class Guard:
         if self.closure_mode:
             return self.closure.step(batches, loss_fn, rng)
         loss = self._forward_backward(batches, loss_fn)
+        self.step_rng.after()
         if self.ring.entries and self.ring.entries[-1].step == self.monitor.steps_watched:
             self.ring.entries[-1].loss = loss.detach()
         return self._check_and_update(batches, loss_fn, rng, loss)
@@ -435,10 +437,6 @@ class Guard:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _capture_rng():
-    return capture_rng(plain=False)
 
 
 def _model_dtype(model: torch.nn.Module) -> Optional[str]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -11,23 +11,89 @@ import torch
 def capture_rng(plain: bool = True) -> Dict[str, Any]:
     """RNG state of torch (CPU, and CUDA when initialised), ``random`` and numpy if imported.
 
-    ``plain=False`` keeps Python's and numpy's native state objects (cheap: used
-    once per step by the Guard); :func:`plain_rng` turns them into what
+    ``plain=False`` keeps Python's and numpy's native state objects (what :class:`StepRng`
+    captures once per step for the Guard); :func:`plain_rng` turns them into what
     ``torch.load(weights_only=True)`` can read back.
     """
-    st: Dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
+    st = _torch_rng()
+    st["random"] = random.getstate()
+    _numpy_rng(st)
+    return plain_rng(st) if plain else st
+
+
+def _torch_rng() -> Dict[str, Any]:
+    st: Dict[str, Any] = {"torch": torch.get_rng_state()}
     try:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             st["cuda"] = torch.cuda.get_rng_state_all()
     except Exception:
         pass
+    return st
+
+
+def _numpy_rng(st: Dict[str, Any]) -> Any:
+    """numpy's global RNG state into ``st`` (when numpy is imported); returns numpy or None."""
     np = sys.modules.get("numpy")
     if np is not None:
         try:
             st["numpy"] = np.random.get_state()
         except Exception:
-            pass
-    return plain_rng(st) if plain else st
+            return None
+    return np
+
+
+class StepRng:
+    """The RNG state at the start of each step (for its replay), at a cost that fits every step.
+
+    torch's generator (and CUDA's, once initialised) is read every step: a 5 KB copy, ~7 us.
+    Python's ``random`` and numpy's global generator cost ~50 and ~170 us to read (their states
+    are rebuilt as Python objects: a third of a dispatch-bound 12 ms step's budget), so they are
+    read only once steps are seen drawing from them. A probe step (the first two, then one in
+    ``PROBE_EVERY``) reads them at its start and again after its forward and backward
+    (:meth:`after`; a driver that does not call it is answered at the next step's start, draws
+    between steps included); once either changed, it is read at every step's start from then on.
+    A step that draws from them before any probe saw it is replayed with its torch draws (its
+    replay may then not reproduce; the detection never depends on it).
+    """
+
+    PROBE_EVERY = 64
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.py = False   # steps draw from Python's random: read every step
+        self.np = False   # steps draw from numpy's global generator: read every step
+        self._probe: Optional[Dict[str, Any]] = None
+
+    def capture(self) -> Dict[str, Any]:
+        """This step's RNG state (the native form of :func:`capture_rng`, without what is not drawn)."""
+        if self._probe is not None:
+            self.after()
+        probe = self.n < 2 or self.n % self.PROBE_EVERY == 0
+        self.n += 1
+        st = _torch_rng()
+        if self.py or probe:
+            st["random"] = random.getstate()
+        if self.np or probe:
+            _numpy_rng(st)
+        if probe and not (self.py and self.np):
+            self._probe = st
+        return st
+
+    def after(self) -> None:
+        """After a probe step's forward and backward: did they draw from ``random`` or numpy?"""
+        st, self._probe = self._probe, None
+        if st is None:
+            return
+        if not self.py and "random" in st and random.getstate() != st["random"]:
+            self.py = True
+        if not self.np and "numpy" in st:
+            old, cur = st["numpy"], None
+            try:
+                cur = sys.modules["numpy"].random.get_state()
+            except Exception:
+                pass
+            if cur is None or cur[2:] != old[2:] or not (cur[1] == old[1]).all():
+                self.np = True
 
 
 def plain_rng(st: Dict[str, Any]) -> Dict[str, Any]:

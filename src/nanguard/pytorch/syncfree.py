@@ -75,13 +75,14 @@ class LazyDriver:
     def step(self, batches: List[Any], loss_fn) -> torch.Tensor:
         g = self.g
         mon = g.monitor
-        rng = capture_rng(plain=False)
+        rng = g.step_rng.capture()
         dev = self._device()
         g._size_ring()
         entry = g.ring.record(mon.steps_watched, batches, loss_fn, rng, g.optimizers, g.scaler,
                               UpdateGate.host_state(g.optimizers, dev))
         g._safe(lambda: self.latch.latch([g.model], self.gate.tripped))
         loss = g._forward_backward(batches, loss_fn)
+        g.step_rng.after()
         entry.loss = loss.detach()
         if g.disabled:  # an internal error turned the guard off: a plain update
             g._plain_update()

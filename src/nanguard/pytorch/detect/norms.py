@@ -16,10 +16,15 @@ _ROW = 1024
 def _norm(tensors: List[torch.Tensor]) -> torch.Tensor:
     """L2 norm of a list of tensors as one 0-d tensor (fused; no sync): float32, float64 when a tensor is float64.
 
-    One fused ``_foreach_norm``. On CPU, ``_foreach_norm`` loops over a whole-tensor
-    reduction kernel that runs at about half the memory bandwidth of an inner-dimension
-    reduction, so large contiguous float32 tensors are reduced as rows of 1024 (same
-    float32 accumulation and overflow behaviour, ~2x faster) and the row norms combined.
+    On a GPU one fused ``_foreach_norm`` (a multi-tensor kernel). On CPU, ``_foreach_norm``
+    loops over a whole-tensor reduction kernel per tensor: it runs at about half the memory
+    bandwidth of an inner-dimension reduction, so large contiguous float32 tensors are
+    reduced as rows of 1024 (same float32 accumulation and overflow behaviour, ~2x faster)
+    and the row norms combined; and its fixed cost per tensor (~2.5 us: a reduction set up
+    and an output allocated each) dominates on the many small tensors of a dispatch-bound
+    model, so the small CPU tensors are copied into one flat buffer (a copy costs ~0.5 us a
+    tensor) and reduced once (:meth:`NormPlan.flat_norm`: 148 tensors of a tiny GPT, 0.42 ms
+    -> 0.14 ms for gradients, 0.08 ms for parameters, whose flat views are cached).
     """
     return planned_norm(tensors, NormPlan(tensors), tensors[0].device)
 
@@ -38,15 +43,29 @@ class NormPlan:
     DTensors (FSDP2) are reduced as this rank's shards (``sharded``); ``rep`` is how many
     ranks hold each shard (one number for the whole list, or None when it is mixed), so
     ``norm ** 2 / rep`` summed over the ranks is the global squared norm.
+
+    ``flat``: the small CPU floating tensors reduced through one flat copy (:meth:`flat_norm`),
+    when there are at least two. ``stable``: the list is the same tensors every call (parameters,
+    not gradients that ``zero_grad(set_to_none=True)`` replaces), so their flat views are made once
+    and kept while every tensor keeps its storage (checked by address each call).
     """
 
-    __slots__ = ("rows", "rest", "sharded", "rep", "parts")
+    __slots__ = ("rows", "rest", "flat", "chunkable", "sharded", "rep", "parts", "stable", "_views", "_ptrs")
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], stable: bool = False) -> None:
         self.sharded = any(is_dtensor(t) for t in tensors)
         loc = [local(t) for t in tensors] if self.sharded else tensors
         self.rows = [i for i, t in enumerate(loc) if _rows_ok(t)]
-        self.rest = [i for i, t in enumerate(loc) if not _rows_ok(t)]
+        rest = [i for i, t in enumerate(loc) if not _rows_ok(t)]
+        flat = [i for i in rest if not self.sharded and _flat_ok(loc[i])]
+        self.flat = flat if len(flat) >= 2 else []
+        # _chunk_cat: one dtype, no 0-d tensor (gradients have their parameters' dtype and shape)
+        self.chunkable = bool(self.flat) and len({loc[i].dtype for i in self.flat}) == 1 and \
+            all(loc[i].dim() >= 1 for i in self.flat)
+        self.rest = [i for i in rest if i not in set(self.flat)] if self.flat else rest
+        self.stable = stable
+        self._views: Optional[List[torch.Tensor]] = None
+        self._ptrs: Optional[List[int]] = None
         self.rep: Optional[int] = 1
         self.parts: List[tuple] = []  # mixed replication: (rep, indices) per factor
         if self.sharded:
@@ -56,6 +75,37 @@ class NormPlan:
             else:
                 self.rep = None
                 self.parts = [(r, [i for i, x in enumerate(reps) if x == r]) for r in sorted(set(reps))]
+
+    def flat_norm(self, sel: List[torch.Tensor]) -> torch.Tensor:
+        """L2 norm of ``sel`` (CPU floating tensors, all present) from one flat copy: a stable
+        list's cached flat views concatenated, else ``_chunk_cat``/``flatten_dense_tensors`` (one C++ loop).
+        Mixed dtypes promote (a float16 tensor is read in float32: no overflow a per-tensor norm
+        would not have); the norm is float64 for float64 data, else float32."""
+        flat = None
+        if self.stable:
+            ptrs = list(map(_data_ptr, sel))
+            if ptrs == self._ptrs and self._views is not None and len(self._views) == len(sel):
+                flat = torch.cat(self._views)
+            elif all(map(_contiguous, sel)):
+                self._views, self._ptrs = [t.detach().view(-1) for t in sel], ptrs
+                flat = torch.cat(self._views)
+        if flat is None:
+            flat = _chunk_cat(sel, 0, 1).view(-1) if self.chunkable and _chunk_cat is not None else \
+                torch._C._nn.flatten_dense_tensors(sel)
+        if flat.dtype is torch.float32 or flat.dtype is torch.float64:  # BLAS dot: ~2x a vector_norm's speed
+            return torch.dot(flat, flat).sqrt()
+        return torch.linalg.vector_norm(flat, dtype=torch.float32)
+
+
+# One C++ loop that copies tensors of one dtype, at least 1-d, into one buffer (torch >= 2.4; FSDP2's).
+_chunk_cat = getattr(torch, "_chunk_cat", None)
+_data_ptr = torch.Tensor.data_ptr
+_contiguous = torch.Tensor.is_contiguous
+_FLAT_MAX_NUMEL = _ROWS_MIN_NUMEL
+
+
+def _flat_ok(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_floating_point() and not t.is_complex() and t.numel() < _FLAT_MAX_NUMEL
 
 
 _STRIDED = torch.strided
@@ -86,6 +136,17 @@ def _reduce(tensors: Sequence[Optional[torch.Tensor]], plan: NormPlan, dev: torc
         tensors = [None if t is None else local(t) for t in tensors]
     parts: List[torch.Tensor] = []
     rest = [t for i in plan.rest if (t := tensors[i]) is not None and t.layout is _STRIDED]
+    if plan.flat:
+        sel = [t for i in plan.flat if (t := tensors[i]) is not None and t.layout is _STRIDED]
+        if sel:
+            try:
+                n = plan.flat_norm(sel)
+                n = n if n.device == dev else n.to(dev)
+                if not rest and not plan.rows:
+                    return n
+                parts.append(n.reshape(1))
+            except RuntimeError:  # a tensor moved since the plan was made (another device): one by one
+                rest.extend(sel)
     for i in plan.rows:
         t = tensors[i]
         if t is None or t.layout is not _STRIDED:
