@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Union
 
-from .diagnosis.early import warning_cause
 from .events import Event
 from .render.terminal import print_line
 from .spike import ON_SPIKE, SpikeConfig, SpikeDetector
@@ -32,6 +31,7 @@ WARNING_PHASE = "any"  # a warning is about the run's dynamics, not one phase of
 
 def warning_event(hit: Dict[str, Any], history: Sequence[dict], context: Optional[Dict[str, Any]] = None,
                   rank: Optional[int] = None) -> Event:
+    from .diagnosis.early import warning_cause  # the diagnosis is loaded at the first warning, not at start-up
     cause = warning_cause(hit, history, context)
     fixes = list(cause.pop("fixes", []) or [])
     method = cause.pop("method", None)

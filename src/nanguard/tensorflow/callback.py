@@ -65,6 +65,9 @@ class NanGuard(keras.callbacks.Callback):
                         raise_on_stop=False, on_spike=self.on_spike)
         drv.install()
         self._driver = drv
+        # a stop ends fit's loop from the host read of the failing step itself: no on_train_batch_end, so
+        # Keras keeps converting each step's logs off the training thread (its async batch-end dispatch)
+        drv.watcher.on_stop = self._stop_fit
         drv.watcher.fit_now = {"call": 0, "start": 0, "epoch": 0, "epoch_start": 0}
         try:
             drv.watcher._watch_fit(self.model)  # re-make the train function: traced with the check
@@ -84,11 +87,9 @@ class NanGuard(keras.callbacks.Callback):
         if self._driver is not None and self._driver.watcher.fit_now is not None:
             self._driver.watcher.fit_now.update(epoch=int(epoch), epoch_start=self._driver.watcher.steps_watched)
 
-    def on_train_batch_end(self, batch, logs=None) -> None:
-        w = self._driver.watcher if self._driver is not None else self._external
-        if w is not None and w.stop_requested is not None and self._driver is not None:
-            self.model.stop_training = True
-            self.stopped = True
+    def _stop_fit(self) -> None:
+        self.model.stop_training = True
+        self.stopped = True
 
     def on_train_end(self, logs=None) -> None:
         drv, self._driver, self._external = self._driver, None, None

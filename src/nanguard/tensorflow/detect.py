@@ -105,6 +105,41 @@ def norm64(ts: Sequence[tf.Tensor]) -> tf.Tensor:
     return tf.sqrt(tf.add_n(sq) if len(sq) > 1 else sq[0])
 
 
+def sq64(ts: Sequence[tf.Tensor]) -> tuple:
+    """Exact finiteness and float64 squares of ``ts`` in about two ops per tensor (the slow paths):
+    ``(marks, halves)``, float64 scalars per tensor. ``halves[i]`` is half the sum of squares of
+    ``ts[i]`` in float64 (one Cast and one L2Loss); ``marks[i]`` is finite iff every element of
+    ``ts[i]`` is. For floats of 32 bits or fewer the mark is the half sum itself (their squares cannot
+    overflow float64: under 1.2e77 each), so one pass gives both the flag and the norm; a float64
+    tensor's squares can overflow with finite elements, so its mark is ``sum(t * 0)`` (0, or NaN at an
+    inf or a NaN)."""
+    marks, halves = [], []
+    for t in ts:
+        if t.dtype == tf.float64:
+            halves.append(tf.nn.l2_loss(t))
+            marks.append(tf.reduce_sum(t * tf.constant(0.0, tf.float64)))
+        else:
+            halves.append(tf.nn.l2_loss(tf.cast(t, tf.float64)))
+            marks.append(halves[-1])
+    return marks, halves
+
+
+def add_all(xs: Sequence[tf.Tensor]) -> tf.Tensor:
+    """The sum of a non-empty list of same-dtype tensors (one AddN, none for one tensor)."""
+    return tf.add_n(list(xs)) if len(xs) > 1 else xs[0]
+
+
+def exact64(ts: Sequence[tf.Tensor]) -> tuple:
+    """(every element of ``ts`` finite, exact; their global L2 norm in float64), from :func:`sq64`: the
+    marks' sum is finite iff every mark is (non-negative terms, each under 1e89: no overflow)."""
+    if not ts:
+        return tf.constant(True), tf.constant(0.0, tf.float64)
+    marks, halves = sq64(ts)
+    total = add_all(halves)
+    ok = tf.math.is_finite(total if all(m is h for m, h in zip(marks, halves)) else add_all(marks))
+    return ok, tf.sqrt(2.0 * total)
+
+
 def f64(x: Any) -> tf.Tensor:
     return tf.cast(x, tf.float64)
 

@@ -37,13 +37,15 @@ class RunDriver:
         self.loc_runs: Dict[int, Dict[str, Any]] = {}
         self.policy = None
         self.recover_unavailable: Optional[str] = None
-        # the failures' events: diagnosed during the run for recovery, or when the report is made
-        from ..core.experiments import ExperimentConfig
-        from .experiments import FitExperiments
-        self.experiments = FitExperiments(self, ExperimentConfig.from_spec(experiments if localize else False))
+        # the failures' events: diagnosed during the run for recovery, or when the report is made; the
+        # experiments' modules are loaded at the first failure (start-up), a spec other than auto/off is
+        # checked now
+        self._experiments_spec, self._experiments = (experiments if localize else False), None
+        if self._experiments_spec not in (None, False, True, "auto", "off"):
+            self.experiments  # noqa: B018
         self.pipeline = FailurePipeline(Ports(context=self.context,
                                               relocalize=lambda det, first: self.localize_detection(det),
-                                              annotate=self.experiments.annotate))
+                                              annotate=lambda event, run: self.experiments.annotate(event, run)))
         if recover:
             from .recover import RecoveryUnavailable, TFRecovery
             try:
@@ -60,6 +62,15 @@ class RunDriver:
                                  spikes=TFSpikes(self.on_spike, quiet, context=self.context), policy=self.policy,
                                  capture=self._on_capture if localize else None, observers=observers)
         self.t0 = time.time()
+
+    @property
+    def experiments(self) -> Any:
+        """The counterfactual experiments of a failing fit step (:class:`.experiments.FitExperiments`)."""
+        if self._experiments is None:
+            from ..core.experiments import ExperimentConfig
+            from .experiments import FitExperiments
+            self._experiments = FitExperiments(self, ExperimentConfig.from_spec(self._experiments_spec))
+        return self._experiments
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:

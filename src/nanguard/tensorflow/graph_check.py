@@ -32,8 +32,6 @@ from .state import FN_STATES, OptState, Pending, active, tl_get, tl_set
 
 __all__ = ["apply_graph", "run_update", "loss_parts", "data_ok", "lr_scale", "discarded_trace"]
 
-_TRUE = lambda: tf.constant(True)  # noqa: E731
-
 
 def loss_parts(p: Pending) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """(loss: float64 mean of the scalar losses or NaN, loss known, every loss element finite)."""
@@ -122,13 +120,10 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
 
         def slow():   # a failing step (or the first after an outside write): exact checks, flags, capture
             st.force.assign(False)
-            flags = _grad_flags(grads)   # one exact flag per float gradient, shared by both uses
-            known = [f for f in flags if f is not None]
-            grads_ok = tf.reduce_all(tf.stack(known)) if known else tf.constant(True)
+            grads_ok, gn, flags = _grad_checks(grads)   # exact, with the float64 norm, in one pass
             pre_ok = D.all_finite(D.float_tensors(tvars))
             if len(grads) == st.n_vars:
-                st.gbad.assign(D.f64(tf.logical_not(tf.stack([tf.constant(True) if f is None else f
-                                                                for f in flags]))))
+                st.gbad.assign(D.f64(tf.logical_not(flags)))
             ok = _ok(loss_ok, d_ok, pre_ok, grads_ok, lso)
             if w.capture is not None and p.batch is not None:
                 # a LossScaleOptimizer's skip past warm-up too: a loss-scale collapse is decided from one
@@ -138,7 +133,7 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
             st.halt.assign(tf.logical_or(halted, tf.logical_and(tf.logical_not(ok),
                                                                 tf.logical_and(active, st.stop_mode.read_value()))))
             do = tf.logical_and(tf.logical_or(ok, tf.logical_not(active)), tf.logical_not(halted))
-            return pre_ok, grads_ok, D.norm64(gts), do
+            return pre_ok, grads_ok, gn, do
 
         pre_ok, grads_ok, gn, do = tf.cond(quick, fast, slow)
 
@@ -156,7 +151,8 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
 
         def post_slow():
             ov = D.float_tensors(st.opt_variables())
-            return tf.logical_and(D.all_finite(tv), D.all_finite(ov)), D.norm64(tv)
+            tv_ok, pn = D.exact64(tv)
+            return tf.logical_and(tv_ok, D.all_finite(ov)), pn
 
         post_ok, pn = tf.cond(tf.logical_and(quick, tf.math.is_finite(psq)),
                               lambda: (tf.constant(True), D.f64(tf.sqrt(psq))), post_slow)
@@ -201,13 +197,23 @@ def discarded_trace() -> bool:
     return False
 
 
-def _grad_flags(grads: List[Any]) -> List[Any]:
-    """Per gradient: a bool tensor, every element finite (exact); None for a missing or non-float one."""
-    out: List[Any] = []
+def _grad_checks(grads: List[Any]) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(every gradient finite, their float64 norm, one exact flag per gradient: True for a missing or
+    non-float one), from one float64 sum of squares per gradient (:func:`.detect.sq64`)."""
+    zero = tf.constant(0.0, tf.float64)
+    per, halves = [], []
     for g in grads:
         ts = D.float_tensors([g]) if g is not None else []
-        out.append(tf.reduce_all(tf.math.is_finite(ts[0])) if ts else None)
-    return out
+        if ts:
+            marks, half = D.sq64(ts)
+            per.append(marks[0])
+            halves.append(half[0])
+        else:
+            per.append(zero)
+    if not halves:
+        return tf.constant(True), zero, tf.ones([len(grads)], tf.bool)
+    flags = tf.math.is_finite(tf.stack(per))
+    return tf.reduce_all(flags), tf.sqrt(2.0 * D.add_all(halves)), flags
 
 
 def _ok(loss_ok: tf.Tensor, d_ok: tf.Tensor, pre_ok: tf.Tensor, grads_ok: tf.Tensor, lso: bool) -> tf.Tensor:
@@ -228,7 +234,9 @@ def _build_capture(st: OptState, ok: tf.Tensor, step: tf.Tensor, p: Pending) -> 
     gens = [g for g, _ in p.seeds.values()]
     seeds = [s for _, s in p.seeds.values()]
 
-    def capture(step_t, *vals):
+    def capture(ok_t, step_t, *vals):
+        if bool(ok_t.numpy()):   # the slow path of a step that may update (after an outside write...)
+            return tf.constant(0)
         w = active()  # the watcher installed when the step runs (not necessarily the tracing one)
         if w is None or w.capture is None or not w._claim(st, ran=True):
             return tf.constant(0)
@@ -243,8 +251,5 @@ def _build_capture(st: OptState, ok: tf.Tensor, step: tf.Tensor, p: Pending) -> 
             w.capture_error = f"{type(e).__name__}: {e}"
         return tf.constant(0)
 
-    def bad():
-        tf.py_function(capture, [step] + flat + seeds, [tf.int32])
-        return tf.constant(True)
-
-    tf.cond(ok, _TRUE, bad)
+    # already inside the slow path's branch: the call itself decides (no cond of its own)
+    tf.py_function(capture, [ok, step] + flat + seeds, [tf.int32])

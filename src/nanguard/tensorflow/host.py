@@ -137,6 +137,8 @@ class HostReader:
         w = self.w
         if w.stop_requested is None:
             w.stop_requested = det
+            if w.on_stop is not None:  # the Keras callback: fit's loop ends after this step (no per-batch hook)
+                w._guarded(w.on_stop)
         for s in w.known_states():  # nothing more is applied, in this graph call or later ones
             try:
                 s.halt.assign(True)

@@ -61,6 +61,7 @@ class TFWatcher:
         self.disabled = False
         self.error: Optional[str] = None
         self.stop_requested: Optional[Detection] = None
+        self.on_stop: Optional[Callable[[], None]] = None  # called once, when a stop is first requested
         self.states: Dict[int, OptState] = {}   # the optimizers updated (or traced) under this watcher
         # states made under an earlier watcher (see install): this watcher's once an update runs under it
         self._earlier: Dict[int, OptState] = {}

@@ -70,17 +70,29 @@ the recorder's own hooks and restores every variable afterwards.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .naming import construction_hook_installed, construction_site, install_construction_hook
-from .recorder import TFRecorder
+
+if TYPE_CHECKING:
+    from .recorder import TFRecorder
 
 __all__ = ["TFRecorder", "make_recorder", "localize", "install_construction_hook", "construction_site",
            "construction_hook_installed"]
 
 
+def __getattr__(name: str) -> Any:
+    """``TFRecorder`` on first use: a healthy run installs the construction hook (``.naming``) and never
+    loads the recorder and its op hooks (start-up)."""
+    if name == "TFRecorder":
+        from .recorder import TFRecorder
+        return TFRecorder
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def make_recorder(capture: Any) -> TFRecorder:
     """The recorder for a :class:`nanguard.tensorflow.capture.StepCapture` (see the module doc)."""
+    from .recorder import TFRecorder
     models = list(getattr(capture, "models", None) or [])
     return TFRecorder(model=getattr(capture, "model", None), models=models,
                       optimizer=getattr(capture, "optimizer", None),
@@ -118,6 +130,7 @@ def localize(step: Callable[..., Any], *args: Any, model: Any = None, models: Se
     t0 = time.time()
     vs = _all_variables(model, models, optimizer, variables) if restore else []
     saved = [(v, v.numpy()) for v in vs]
+    from .recorder import TFRecorder
     rec = TFRecorder(model=model, models=models, optimizer=optimizer, variables=variables, hooks=True,
                      apply_update=apply_update)
     error = None
