@@ -105,16 +105,48 @@ MAKERS: Dict[str, Callable[[], Bench]] = {"gpt": make_tiny_gpt, "cnn": make_conv
 
 
 def cpu_block(r: Runner, cfg: str, n: int) -> float:
-    """CPU seconds per step of ``n`` steps of ``cfg`` (after one untimed step)."""
+    """CPU seconds per step of ``n`` steps of ``cfg`` (after one untimed step). On a GPU: wall seconds,
+    synchronized before and after the block only (the host's dispatch sets the pace; the process's
+    CPU time would count the driver's own threads)."""
+    step = r.steps[cfg]
+    cuda = r.bench.meta.get("device") == "cuda"
+    clock = time.perf_counter if cuda else time.process_time
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with r.context(cfg):
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = clock()
+            for _ in range(n):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+            return (clock() - t0) / n
+
+
+def host_syncs(r: Runner, cfg: str, n: int = 4) -> Dict[str, float]:
+    """Host reads per step (:class:`nanguard.pytorch.syncs.HostSyncCounter`: value-reading ops, and on
+    CUDA PyTorch's own synchronizing-call warnings)."""
+    from nanguard.pytorch.syncs import HostSyncCounter
     step = r.steps[cfg]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with r.context(cfg):
             step()
-            t0 = time.process_time()
-            for _ in range(n):
-                step()
-            return (time.process_time() - t0) / n
+            with HostSyncCounter() as c:
+                for _ in range(n):
+                    step()
+    return {"host_reads": c.count / n, "cuda_syncs": c.cuda_syncs / n}
+
+
+def on_device(b: Bench, dev: str) -> Bench:
+    """The same model and batches on ``dev`` (the loss functions close over the model object)."""
+    if dev != "cpu":
+        b.model.to(dev)
+        b.batches = [tuple(t.to(dev) for t in x) if isinstance(x, (tuple, list)) else x.to(dev) for x in b.batches]
+    b.meta["device"] = dev
+    return b
 
 
 class _OpCounter(TorchDispatchMode):
@@ -170,11 +202,12 @@ def count_calls(r: Runner, cfg: str) -> Dict[str, int]:
     return counts
 
 
-def run_model(name: str, rounds: int, block: int, counts_only: bool) -> Dict[str, Any]:
-    r = Runner(MAKERS[name]())
-    out: Dict[str, Any] = {"model": name, "desc": r.bench.desc, "counts": {}, "ratios": {}}
+def run_model(name: str, rounds: int, block: int, counts_only: bool, dev: str = "cpu") -> Dict[str, Any]:
+    r = Runner(on_device(MAKERS[name](), dev))
+    out: Dict[str, Any] = {"model": name, "desc": r.bench.desc, "counts": {}, "ratios": {}, "syncs": {}}
     for c in CONFIGS:
         out["counts"][c] = count_calls(r, c)
+        out["syncs"][c] = host_syncs(r, c)
     if counts_only:
         return out
     for c in CONFIGS:  # warm every path (allocator, optimizer state, snapshots)
@@ -192,7 +225,8 @@ def run_model(name: str, rounds: int, block: int, counts_only: bool) -> Dict[str
         rs = sorted(x / b for x, b in zip(per[c], base))
         q = statistics.quantiles(rs, n=4) if len(rs) >= 4 else [rs[0], statistics.median(rs), rs[-1]]
         out["ratios"][c] = {"median": round(statistics.median(rs), 4), "iqr": [round(q[0], 4), round(q[2], 4)],
-                            "ms": round(1e3 * statistics.median(per[c]), 3)}
+                            "ms": round(1e3 * statistics.median(per[c]), 3),
+                            "min_ratio": round(min(per[c]) / min(base), 4)}  # the least disturbed blocks
     return out
 
 
@@ -203,11 +237,12 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=10, help="timed steps per block")
     ap.add_argument("--counts-only", action="store_true")
     ap.add_argument("--out", default=None, help="JSON output path")
+    ap.add_argument("--device", default="cpu", help="cpu (kernels made cheap on the host) or cuda")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    res = {"load_before": os.getloadavg()[0], "torch": torch.__version__, "models": []}
+    res = {"load_before": os.getloadavg()[0], "torch": torch.__version__, "device": args.device, "models": []}
     for name in args.models.split(","):
-        m = run_model(name, args.rounds, args.block, args.counts_only)
+        m = run_model(name, args.rounds, args.block, args.counts_only, args.device)
         res["models"].append(m)
         print(f"\n{name}: {m['desc']}" + (f"; unguarded {m['unguarded_ms']} ms CPU/step" if "unguarded_ms" in m else ""))
         b = m["counts"]["unguarded"]
@@ -216,12 +251,16 @@ def main(argv: List[str] | None = None) -> int:
             line = (f"  {c:10s} python calls {k['calls']:5d} (+{k['calls'] - b['calls']:4d}; nanguard's "
                     f"{k['nanguard_calls']:4d}, +{k['nanguard_c_calls']:4d} C)  aten ops +{k['ops'] - b['ops']:4d}, "
                     f"allocs +{k['tensors'] - b['tensors']:4d} / +{(k['bytes'] - b['bytes']) / 1024:7.1f} KiB")
+            y = m["syncs"][c]
+            line += f"  host reads {y['host_reads']:.1f}" + (f" (cuda syncs {y['cuda_syncs']:.1f})" if args.device == "cuda" else "")
             if c in m["ratios"]:
                 x = m["ratios"][c]
-                line += f"   CPU time {x['median']:.3f}x (IQR {x['iqr'][0]:.3f}-{x['iqr'][1]:.3f})"
+                line += (f"   {'wall' if args.device == 'cuda' else 'CPU'} time {x['median']:.3f}x "
+                         f"(IQR {x['iqr'][0]:.3f}-{x['iqr'][1]:.3f}; fastest blocks {x['min_ratio']:.3f}x)")
             print(line)
     res["load_after"] = os.getloadavg()[0]
-    print(f"\nload average before/after: {res['load_before']:.2f} / {res['load_after']:.2f}")
+    print(f"\nload average before/after: {res['load_before']:.2f} / {res['load_after']:.2f} (timings under load "
+          "are noisy: the counts are the figure that does not depend on it)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -176,3 +176,36 @@ def test_step_rng_replays_a_step_that_draws_from_random():
     a = random.random()
     restore_rng(st)
     assert random.random() == a
+
+
+class _Probe(torch.optim.SGD):
+    """Records which ``Tensor.item`` is in place while it updates."""
+    seen: list = []
+
+    def step(self, closure=None):
+        _Probe.seen.append(torch.Tensor.item)
+        return super().step(closure)
+
+
+def test_zero_code_update_reads_with_torchs_own_item_and_eval_reads_stay_checked():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = _Probe(model.parameters(), lr=0.1)
+    own = torch.Tensor.item
+    with nanguard.watch(report=None, quiet=True, html=None) as w:
+        wrapped = torch.Tensor.item
+        assert wrapped is not own  # the value-read check is installed
+        for _ in range(2):
+            opt.zero_grad()
+            F.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 1)).backward()
+            opt.step()
+            assert torch.Tensor.item is wrapped  # back after the update
+        assert _Probe.seen == [own, own]  # the update's own reads skip the wrapper
+        with torch.no_grad():
+            torch.tensor(float("nan")).item()  # an evaluation value read: still an event
+        assert any(d.phase == "eval" for d in w.detections)
+        w.evals.suspend()  # as if an update raised (its post hook never ran): the next module call resumes
+        assert torch.Tensor.item is own
+        model(torch.randn(2, 3))
+        assert torch.Tensor.item is wrapped
+    assert torch.Tensor.item is own and "item" not in torch.Tensor.__dict__  # uninstalled at the end

@@ -44,6 +44,8 @@ class EvalCheck:
         self._last: Optional[Dict[str, Any]] = None   # the failing call (or value read), kept for its replay
         self._orig: Dict[str, Any] = {}
         self._had: Dict[str, bool] = {}
+        self._wrapped: Dict[str, Any] = {}
+        self._suspended: Any = False  # while an optimizer updates: the names put back (suspend)
 
     def install(self) -> None:
         """Wrap ``Tensor.item``, ``Tensor.tolist`` and ``Tensor.__float__`` (values read by the script)."""
@@ -69,10 +71,14 @@ class EvalCheck:
         for name in _READS:
             self._had[name] = name in torch.Tensor.__dict__
             orig, read = wrap(name)
-            self._orig[name] = orig
+            self._orig[name], self._wrapped[name] = orig, read
             setattr(torch.Tensor, name, read)
 
     def uninstall(self) -> None:
+        self._restore()
+        self._orig, self._wrapped, self._suspended = {}, {}, False
+
+    def _restore(self) -> None:
         for name, orig in self._orig.items():
             if self._had.get(name):
                 setattr(torch.Tensor, name, orig)
@@ -81,7 +87,26 @@ class EvalCheck:
                     delattr(torch.Tensor, name)
                 except AttributeError:
                     pass
-        self._orig = {}
+
+    def suspend(self) -> None:
+        """torch's own ``item``/``tolist``/``__float__`` while an optimizer updates: its reads are no
+        evaluation values, and a single-tensor optimizer reads each parameter's step counter with
+        ``.item()`` (148 wrapper calls a step on a 12-layer GPT). :meth:`resume` wraps them again
+        (after the update, or at the next module call or backward if the update raised)."""
+        if self._wrapped and not self._suspended:
+            d = torch.Tensor.__dict__
+            # only where the wrapper is still in place: a patch made over it (a sync counter's) stays
+            self._suspended = [n for n, read in self._wrapped.items() if d.get(n) is read]
+            for name in self._suspended:
+                setattr(torch.Tensor, name, self._orig[name])
+
+    def resume(self) -> None:
+        if self._suspended:
+            names, self._suspended = self._suspended, False
+            d = torch.Tensor.__dict__
+            for name in names:
+                if d.get(name) is self._orig[name]:
+                    setattr(torch.Tensor, name, self._wrapped[name])
 
     @property
     def busy(self) -> bool:

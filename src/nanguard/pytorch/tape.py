@@ -31,6 +31,7 @@ not give back the recorded loss bit for bit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import warnings
 import weakref
@@ -179,6 +180,7 @@ _RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "
            "random", "poisson", "cauchy", "geometric", "shuffle", "perm", "sample")
 
 
+@functools.lru_cache(maxsize=4096)  # per recorded call: a C-level cache hit, no generator frame
 def _random(name: str) -> bool:
     """A call that may draw from torch's RNG (its state is kept, so a replay draws the same numbers)."""
     return any(r in name for r in _RANDOM)

@@ -304,6 +304,7 @@ class Watcher:
                                       again=None if tape is None else lambda: tape.reset(self.monitor.step_of(opt)))
             return with_closure(args, kwargs, checked)
         self._pre_check(opt)
+        self.evals.suspend()  # the update's own .item() reads (resumed in _opt_post)
         return None
 
     def _pre_check(self, opt: Any) -> None:
@@ -322,6 +323,7 @@ class Watcher:
                 self._skip_current.add(id(opt))
 
     def _opt_post(self, opt, args, kwargs) -> None:
+        self.evals.resume()
         if self._in_scaler() or self._replaying:
             return
         skipped = id(opt) in self._skip_current
@@ -366,10 +368,12 @@ class Watcher:
             if self.policy is not None and not skipped:
                 self._guarded(lambda: self.policy.before_update([optimizer]))
             self._local.scaler_depth = getattr(self._local, "scaler_depth", 0) + 1
+            self.evals.suspend()
             try:
                 ret = orig(scaler, optimizer, *a, **k)
             finally:
                 self._local.scaler_depth -= 1
+                self.evals.resume()
         self._guarded(lambda: self.monitor.end_step(optimizer, skipped=skipped))
         self._guarded(lambda: self.recovery.after_update(optimizer))
         self._step_started(optimizer)
@@ -377,6 +381,7 @@ class Watcher:
 
     # ------------------------------------------------------------------ backward
     def _backward(self, orig, tensors, a, k):
+        self.evals.resume()  # (an update that raised left torch's own reads in place)
         if self.disabled or self._replaying:
             return orig(tensors, *a, **k)
         ts = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in (tensors or [])
@@ -428,6 +433,8 @@ class Watcher:
 
     def _root_pre(self, module, args) -> None:
         """An outermost module call starts (:mod:`.roothooks`)."""
+        self.evals.resume()  # (an update that raised left torch's own reads in place)
+
         def pre():
             if self.tape is not None:
                 self.tape.root_pre(module, args)
