@@ -60,7 +60,7 @@ def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: floa
     if _outlier(dy):
         return outlier_batch(dy, ev, method, conf, where)
     if dy.get("param_growth_significant"):
-        single_jump = dy.get("param_growth_updates", 0) <= 1 and _grad_jump_at_onset(dy) >= 50
+        single_jump = (dy.get("param_growth_updates", 0) <= 1 or _batch_spike(dy)) and _grad_jump_at_onset(dy) >= 50
         if not single_jump:
             return params_grew(sig, dy, ev, method, conf, where, ctx)
     big = one_update_ratio(dy, ev, ctx)
@@ -128,6 +128,15 @@ CALM_TOO_LARGE = 0.03
 def _updates_too_large(dy: dict) -> bool:
     return bool((dy.get("loss_growth_total") or 0) >= 10 and T.fin(dy.get("update_ratio_excursion_max"))
                 and dy["update_ratio_excursion_max"] >= UPDATES_TOO_LARGE)
+
+
+def _batch_spike(dy: dict) -> bool:
+    """The excursion's first loss jumped >= 1e3x over the step before while the update between them moved the
+    weights by a calm fraction (<= 1e-2): no step size explains that, the batch does (an outlier target the
+    input's batch_max cannot see). The weights' growth that follows (momentum carries the one huge
+    gradient over several updates) is its consequence, not the learning rate's."""
+    r, u = dy.get("loss_ratio_first"), dy.get("update_ratio_at_onset")
+    return T.fin(r) and r >= 1e3 and T.fin(u) and u <= 1e-2
 
 
 def _grad_jump_at_onset(dy: dict) -> float:
