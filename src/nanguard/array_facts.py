@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 __all__ = ["jnum", "CMP", "mask_rows", "finite_range", "log_domain", "root_counts", "pow_exponent", "trig_domain",
-           "exp_input", "domain", "masked_softmax_rows", "denominator_counts", "overflow"]
+           "exp_input", "domain", "masked_softmax_rows", "denominator_counts", "overflow", "kl_target"]
 
 CMP = {"le": np.less_equal, "lt": np.less, "ge": np.greater_equal, "gt": np.greater}
 
@@ -141,3 +141,22 @@ def overflow(out_counts: dict, range_ok: Any, input_max_abs: Iterable[Any], dtyp
         return {"overflow": {"dtype_max": jnum(dtype_max),
                              "input_max_abs": max([m for m in input_max_abs if isinstance(m, float)], default=None)}}
     return None
+
+
+def kl_target(tg: np.ndarray, log_target: bool) -> dict:
+    """The target a KL divergence was given: its range, its negatives, and whether its rows look like
+    log-probabilities (all <= 0, logsumexp 0) rather than probabilities (sum 1)."""
+    st = finite_range(tg)
+    mx = st.get("max")
+    d: dict = {"log_target": bool(log_target), "target_min": st.get("min"), "target_max": mx,
+               "target_negatives": int((tg < 0).sum()), "target_all_le_0": isinstance(mx, float) and mx <= 0}
+    if tg.ndim >= 1 and tg.dtype.kind == "f" and tg.size:
+        t64 = tg.astype(np.float64)
+        with np.errstate(all="ignore"):
+            m = np.max(t64, axis=-1, keepdims=True)
+            lse = np.log(np.sum(np.exp(t64 - m), axis=-1)) + m[..., 0]
+            dev = float(np.max(np.abs(lse)))
+            d["target_rows_logsumexp_max_abs"] = jnum(dev)
+            d["target_rows_sum_max_dev_from_1"] = jnum(float(np.max(np.abs(t64.sum(-1) - 1.0))))
+        d["target_looks_like_log_probs"] = bool(d["target_all_le_0"] and abs(dev) < 1e-3)
+    return d

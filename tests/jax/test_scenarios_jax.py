@@ -46,7 +46,10 @@ def test_detects_locates_and_diagnoses(truth_file: pathlib.Path, tmp_path: pathl
     if truth.get("origin_line"):
         assert o.get("line") == truth["origin_line"] and os.path.basename(str(o.get("file"))) == script.name, got
     fixes = " ".join(ev["fixes"])
-    assert "torch" not in fixes and "tf." not in fixes, fixes
+    assert "torch" not in fixes and "tf." not in fixes and "F.kl_div" not in fixes, fixes
+    if truth["category"] in ("lr_too_high", "gradient_explosion"):  # the early warning comes before the NaN
+        warned = [e["step"] for e in data["events"] if e.get("kind") == "warning"]
+        assert warned and min(warned) < truth["first_bad_step"], warned
 
 
 RECOVERABLE = [c for c in CASES if json.loads(c.read_text()).get("recoverable")]
@@ -61,4 +64,5 @@ def test_recovers(truth_file: pathlib.Path, tmp_path: pathlib.Path) -> None:
     loss = float(final[-1].split("=", 1)[1])
     assert math.isfinite(loss) and loss <= truth["max_final_loss"], loss
     assert data["status"] == "recovered"
-    assert all(e["recovery"] and e["recovery"]["ok"] for e in data["events"])
+    # failures are recovered; an early warning is information (--recover keeps --on-spike warn on JAX)
+    assert all(e["recovery"] and e["recovery"]["ok"] for e in data["events"] if e.get("kind") != "warning")

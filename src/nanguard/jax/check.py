@@ -5,7 +5,9 @@ the loss the step differentiated, the squared global gradient norm, the squared 
 (before the update), the learning rate when optax's ``inject_hyperparams`` state holds one, and the
 finiteness flags the host decides on. A sum (or sum of squares) is finite exactly when every element
 is, except when it overflows with finite elements (values ~1e19): a non-finite sum is confirmed by an
-exact ``isfinite`` pass under ``lax.cond``, which costs nothing on a healthy step.
+exact ``isfinite`` pass under one ``lax.cond`` for the three sums (gradients, parameters, update and
+state), which costs nothing on a healthy step (one conditional per update: 64 equations and 1 cond
+added to the jaxpr of a 2-layer MLP step with Adam, ``tests/jax/test_check_cost.py``).
 """
 from __future__ import annotations
 
@@ -48,11 +50,19 @@ def total(leaves: Sequence[Any], square: bool) -> jax.Array:
     return s
 
 
-def finite_from(s: jax.Array, leaves: Sequence[Any]) -> jax.Array:
-    """Every element of ``leaves`` is finite, given their sum ``s``: exact only when ``s`` is not finite."""
-    if not leaves:
-        return jnp.array(True)
-    return lax.cond(jnp.isfinite(s), lambda: jnp.array(True), lambda: _exact(leaves))
+def finite_from(sums: Sequence[jax.Array], groups: Sequence[Sequence[Any]]) -> Tuple[jax.Array, ...]:
+    """Per group, every element of its leaves is finite, given the groups' sums: one conditional for all
+    groups, whose exact pass runs only when some sum is not finite (a finite sum has finite elements)."""
+    live = [i for i, g in enumerate(groups) if g]
+    out: List[jax.Array] = [jnp.array(True) for _ in groups]
+    if not live:
+        return tuple(out)
+    healthy = jnp.all(jnp.stack([jnp.isfinite(sums[i]) for i in live]))
+    got = lax.cond(healthy, lambda: tuple(jnp.array(True) for _ in live),
+                   lambda: tuple(_exact(groups[i]) for i in live))
+    for i, v in zip(live, got):
+        out[i] = v
+    return tuple(out)
 
 
 def has_state(state: Any, name: str) -> bool:
@@ -79,12 +89,10 @@ def step_vector(loss: Any, grads: Any, params: Any, updates: Any, new_state: Any
     ``optax.apply_if_finite`` is skipping them itself)."""
     g = float_leaves(grads)
     gsq = total(g, True)
-    grads_ok = finite_from(gsq, g)
     p = float_leaves(params) if params is not None else []
     psq = total(p, True)
-    pre_ok = finite_from(psq, p)
     post = float_leaves(updates) + float_leaves(new_state)
-    post_ok = finite_from(total(post, False), post)
+    grads_ok, pre_ok, post_ok = finite_from((gsq, psq, total(post, False)), (g, p, post))
     if loss is not None:
         lv = jnp.asarray(loss).astype(jnp.float32).reshape(())
         loss_ok, known = jnp.isfinite(lv), 1.0

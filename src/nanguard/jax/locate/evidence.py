@@ -10,6 +10,7 @@ the generic ``domain``).
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, List, Optional
 
 import numpy as np
@@ -141,7 +142,33 @@ def _eps(p: Probe) -> Optional[dict]:
                     c = float(np.asarray(v.val))
                     if c != 0 and abs(c) < 1e-2:
                         out.append({**N.eps_fact(c, p.dtype), "op": log.canon[i]})
+                    elif c == 0 and log.names[i] in ("add", "sub"):
+                        out += [{**N.eps_fact(w, p.dtype), "op": log.canon[i], "written": True}
+                                for w in _rounded_away(log.frame[i], p.dtype)]
     return {"eps_constants": out[:10]} if out else None
+
+
+def _rounded_away(frame: Any, dtype: str) -> List[float]:
+    """The small constants written on the user's line of an ``x + 0`` equation that the dtype rounds to 0.
+
+    JAX converts a Python scalar to the array's dtype when it traces ``p + 1e-8``: in float16 the jaxpr
+    holds ``add p 0.0``, the constant already gone. The line's source (read, parsed, never run) still
+    has it; only a written non-zero float that is 0 in ``dtype`` is taken."""
+    if frame is None or dtype not in N.LOW_PRECISION:
+        return []
+    import ast
+    import linecache
+    text = linecache.getline(frame[0], frame[1]).strip()
+    try:
+        tree = ast.parse(text.rstrip(":") if text.endswith(":") else text)
+    except SyntaxError:
+        return []
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, float) and 0 < abs(node.value) < 1e-2:
+            if N.eps_fact(node.value, dtype).get("rounds_to_zero") and node.value not in out:
+                out.append(node.value)
+    return out
 
 
 # ---------------------------------------------------------------------------- per family
@@ -200,7 +227,9 @@ def _zero_denominator(p: Probe) -> Optional[dict]:
     d["producer_chain"] = [log.canon[i] for i in chain][:6]
     real = [log.names[i] for i in chain if log.names[i] not in O.PASS]
     d["from_reduction"] = bool(real) and real[0] in O.REDUCE
-    d["from_std_var"] = False
+    # jnp.var / jnp.std are jitted library functions: the division of jnp.var (by n - ddof) runs inside
+    # one, and a denominator jnp.std made was produced inside one
+    d["from_std_var"] = any(set(log.calls[i]) & O.STD_VAR_CALLS for i in [idx] + chain)
     return {"zero_denominator": d}
 
 
@@ -224,6 +253,22 @@ def _overflow(p: Probe) -> Optional[dict]:
         (p.facts.get("float32_check") or {}).get("direct_finite")
     mx = (F.finite_range(N.host(v)).get("max_abs") for v in p.ins if N.is_float(v))
     return F.overflow(N.counts(p.a0), range_ok, mx, N.dtype_max(p.dtype))
+
+
+@gatherer("kl_div", always=True)
+def _kl_div(p: Probe) -> Optional[dict]:
+    """The target of an enclosing ``optax.kl_divergence`` (probabilities expected): the examined ``log`` is
+    the log of the targets there (``kl_divergence_with_log_targets`` takes log-probabilities)."""
+    eqn = p.e_eqn
+    tb = getattr(getattr(eqn, "source_info", None), "traceback", None)
+    if tb is None or p.e_op != "log":
+        return None
+    sep = os.sep
+    calls = [f.function_name for f in tb.frames if f"{sep}optax{sep}" in f.file_name]
+    if "kl_divergence_with_log_targets" in calls:
+        return {"kl_div": {"log_target": True}}
+    tg = p.arr(0) if "kl_divergence" in calls else None
+    return {"kl_div": F.kl_target(tg, log_target=False)} if tg is not None else None
 
 
 @gatherer("where_trap", always=True)

@@ -14,7 +14,7 @@ from typing import Optional
 from ...core.diagnosis import families as F
 
 __all__ = ["CANONICAL", "canonical", "family_of", "api_name", "PASS", "SELECT", "MASK_WRITERS", "MASK_SINKS",
-           "REDUCE", "EPS_PRODUCERS", "CALLS", "NO_VALUE"]
+           "REDUCE", "EPS_PRODUCERS", "CALLS", "NO_VALUE", "STD_VAR_CALLS"]
 
 # lax primitive -> the aten name it is diagnosed under, where the two differ
 CANONICAL = {
@@ -49,6 +49,8 @@ MASK_SINKS = frozenset({"reduce_sum", "dot_general"})
 REDUCE = frozenset({"reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "dot_general", "cumsum"})
 # ops that add or clamp in a small constant (an eps)
 EPS_PRODUCERS = frozenset({"add", "sub", "max", "clamp", "add_any"})
+# the names of the jitted jnp functions that compute a variance or a standard deviation
+STD_VAR_CALLS = frozenset({"_var", "_std", "var", "std", "nanvar", "nanstd", "_nanvar", "_nanstd"})
 # higher-order primitives evaluated by recursion into their jaxprs (param name of the body)
 CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",

@@ -151,6 +151,7 @@ class Ctx:
     name_stack: str
     backward: bool
     lib: bool = False
+    calls: tuple = ()   # the names of the jitted library functions the op runs in (jnp.std -> "_std", "_var")
 
 
 class JaxOpLog(OpGraph):
@@ -164,6 +165,7 @@ class JaxOpLog(OpGraph):
         self.frame: List[Optional[Frame]] = []
         self.name_stack: List[str] = []
         self.lib: List[bool] = []             # the op runs inside a library call made on its user line
+        self.calls: List[tuple] = []          # the names of the jitted functions the op runs in (Ctx.calls)
         self.users: Dict[int, List[int]] = {}
         self.eqns: Dict[int, Any] = {}
         self.inputs: Dict[int, tuple] = {}      # op -> input values (kept within KEEP_BUDGET)
@@ -292,7 +294,7 @@ class Replay:
             ns = str(eqn.source_info.name_stack)
             ns = f"{ctx.name_stack}/{ns}" if ctx.name_stack and ns else (ctx.name_stack or ns)
             back = ctx.backward or is_backward(ns)
-            sub = Ctx(frame, ns, back, lib)
+            sub = Ctx(frame, ns, back, lib, ctx.calls)
             outs = self.higher_order(eqn, ins, sub)
             if outs is None:
                 outs = self.apply(eqn, ins, sub)
@@ -322,6 +324,7 @@ class Replay:
         log.frame.append(ctx.frame)
         log.name_stack.append(ctx.name_stack)
         log.lib.append(ctx.lib)
+        log.calls.append(ctx.calls)
         leaves_read = []
         for r in ins:
             if r.op >= 0:
@@ -394,7 +397,9 @@ class Replay:
         prim = eqn.primitive.name
         body = _body(eqn)
         if body is not None:
-            return self._call(body, ins, ctx)
+            name = eqn.params.get("name") if prim in ("pjit", "jit") else None
+            return self._call(body, ins, Ctx(ctx.frame, ctx.name_stack, ctx.backward, ctx.lib, ctx.calls + (name,))
+                              if isinstance(name, str) else ctx)
         if prim not in LOOPS or self.n_evals > EVAL_BUDGET:
             return None
         if self.pre is not None and not self._in_loop:
