@@ -22,7 +22,7 @@ non-finite momentum buffer makes the weights non-finite, which the parameter che
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 
@@ -100,15 +100,15 @@ class StateWatch:
             d.pop(key, None)
 
 
-def state_tensors(opt: Any, params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """The floating state tensors (not 0-d step counters) that ``opt`` keeps for ``params``."""
-    out = []
+def _states(opt: Any, groups: List[List[torch.Tensor]]) -> Iterator[Tuple[Dict[str, Any], torch.Tensor, str, torch.Tensor]]:
+    """``(param group, parameter, state key, state tensor)`` for every floating, non-0-d, strided state tensor
+    that ``opt`` keeps for the parameters of ``groups`` (not the 0-d step counters)."""
     state = getattr(opt, "state", {})
-    for p in params:
-        for v in (state.get(p) or {}).values():
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0 and v.layout is torch.strided:
-                out.append(v)
-    return out
+    for g, params in zip(getattr(opt, "param_groups", []), groups):
+        for p in params:
+            for k, v in (state.get(p) or {}).items():
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0 and v.layout is torch.strided:
+                    yield g, p, k, v
 
 
 def state_norms(opt: Any, groups: List[List[torch.Tensor]], dev: torch.device) -> torch.Tensor:
@@ -116,7 +116,7 @@ def state_norms(opt: Any, groups: List[List[torch.Tensor]], dev: torch.device) -
     out = []
     with torch.no_grad():
         for params in groups:
-            ts = state_tensors(opt, params)
+            ts = [v for _g, _p, _k, v in _states(opt, [params])]
             if not ts:
                 out.append(torch.zeros((), device=dev))
                 continue
@@ -128,29 +128,16 @@ def state_norms(opt: Any, groups: List[List[torch.Tensor]], dev: torch.device) -
 
 def nonfinite_state(opt: Any, groups: List[List[torch.Tensor]], name_of: Any) -> List[str]:
     """``param.state_key`` for each non-finite state tensor (the exact scan of the slow path)."""
-    out = []
-    state = getattr(opt, "state", {})
-    for params in groups:
-        for p in params:
-            for k, v in (state.get(p) or {}).items():
-                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0 \
-                        and not bool(torch.isfinite(v).all()):
-                    out.append(f"{name_of(p)}.{k}")
-    return out
+    return [f"{name_of(p)}.{k}" for _g, p, k, v in _states(opt, groups) if not bool(torch.isfinite(v).all())]
 
 
 def overflowed(opt: Any, groups: List[List[torch.Tensor]], name_of: Any) -> Dict[str, Any]:
     """The first state tensor holding +-inf (an overflow, not a NaN), with what the diagnosis needs when
     no replay names the op: its parameter, dtype and largest finite value, the optimizer and its decay."""
-    state = getattr(opt, "state", {})
-    for g, params in zip(getattr(opt, "param_groups", []), groups):
-        for p in params:
-            for k, v in (state.get(p) or {}).items():
-                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0 \
-                        and bool(torch.isinf(v).any()):
-                    return {"state_overflow": {
-                        "state": k, "param": name_of(p), "dtype": str(v.dtype).replace("torch.", ""),
-                        "dtype_max": float(torch.finfo(v.dtype).max), "optimizer": type(opt).__name__,
-                        "decay": _decay(g), "nan": bool(torch.isnan(v).any()),
-                        "n_inf": int(torch.isinf(v).sum())}}
+    for g, p, k, v in _states(opt, groups):
+        if bool(torch.isinf(v).any()):
+            return {"state_overflow": {
+                "state": k, "param": name_of(p), "dtype": str(v.dtype).replace("torch.", ""),
+                "dtype_max": float(torch.finfo(v.dtype).max), "optimizer": type(opt).__name__,
+                "decay": _decay(g), "nan": bool(torch.isnan(v).any()), "n_inf": int(torch.isinf(v).sum())}}
     return {}
