@@ -65,8 +65,9 @@ class NanGuard(keras.callbacks.Callback):
                         raise_on_stop=False, on_spike=self.on_spike)
         drv.install()
         self._driver = drv
-        # a stop ends fit's loop from the host read of the failing step itself: no on_train_batch_end, so
-        # Keras keeps converting each step's logs off the training thread (its async batch-end dispatch)
+        # a stop ends fit's loop from the host read of the failing step itself: the callback has no
+        # per-batch hook (no Python call per batch; Keras' batch-end dispatch is left as it is: off the
+        # training thread on the backends that allow it)
         drv.watcher.on_stop = self._stop_fit
         drv.watcher.fit_now = {"call": 0, "start": 0, "epoch": 0, "epoch_start": 0}
         try:
