@@ -209,3 +209,26 @@ def test_zero_code_update_reads_with_torchs_own_item_and_eval_reads_stay_checked
         model(torch.randn(2, 3))
         assert torch.Tensor.item is wrapped
     assert torch.Tensor.item is own and "item" not in torch.Tensor.__dict__  # uninstalled at the end
+
+
+def test_virtual_snapshot_buffer_walk_is_cached_and_follows_changes():
+    from nanguard.pytorch.recover.forward import ForwardReplayer
+    fr = ForwardReplayer(None)
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Sequential(nn.BatchNorm1d(2)))
+
+    def names():
+        return sorted((n, id(b)) for n, b in fr.named_buffers(model))
+
+    def truth():
+        return sorted((n, id(b)) for n, b in model.named_buffers())
+
+    assert names() == truth()
+    assert fr.named_buffers(model)[0][1] is model[1].running_mean  # cached: the same tensors
+    model[1].running_mean = torch.zeros(2)           # a buffer replaced (assignment)
+    assert names() == truth()
+    model[2][0].register_buffer("extra", torch.ones(3))  # a new buffer in a submodule
+    assert names() == truth() and any(n == "2.0.extra" for n, _ in fr.named_buffers(model))
+    model.append(nn.BatchNorm1d(2))                  # a new submodule
+    assert names() == truth()
+    model.double()                                    # buffers replaced without a registration hook
+    assert names() == truth()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from itertools import repeat
 from typing import Any, Iterable, List, Optional, Sequence
 
 import torch
@@ -41,8 +42,9 @@ def local(t: Any) -> Any:
 def locals_of(ts: Iterable[Any]) -> List[Any]:
     """:func:`local` of each tensor, in one comprehension (the hot paths call it on every parameter)."""
     dt = _DTensor or _dtensor()
-    if dt is None:
-        return list(ts)
+    ts = list(ts)
+    if dt is None or not any(map(isinstance, ts, repeat(dt))):  # (a C loop: no per-tensor bytecode)
+        return ts
     return [t._local_tensor if isinstance(t, dt) else t for t in ts]
 
 

@@ -65,6 +65,7 @@ class Frames:
         self.user_file_filter = user_file_filter
         self.is_user = UserFiles(excluded_dirs(), user_file_filter)   # fn -> the user's file?
         self._lib: dict[str, bool] = {}
+        self._kind: dict[Any, int] = {}  # code object -> 1 the user's, 2 a library's, 0 neither (site_of)
         self.boundary: Any = None
         self.site: tuple | None = None
 
@@ -94,15 +95,20 @@ class Frames:
         """(user frame, innermost library frame below it) walking out from frame ``f``."""
         lib = None
         b = self.boundary
+        kinds = self._kind  # per code object: one dict read a frame on the hot path, no call
         while f is not None:
-            if b is not None and f.f_code is b:
+            code = f.f_code
+            if b is not None and code is b:
                 site = self.site or (None, None)
                 return site[0], lib or site[1]
-            fn = f.f_code.co_filename
-            if self.is_user(fn):
-                return (fn, f.f_lineno, f.f_code.co_name), lib
-            if lib is None and self.is_library(fn):
-                lib = (fn, f.f_lineno, f.f_code.co_name)
+            k = kinds.get(code)
+            if k is None:
+                fn = code.co_filename
+                k = kinds[code] = 1 if self.is_user(fn) else 2 if self.is_library(fn) else 0
+            if k == 1:
+                return (code.co_filename, f.f_lineno, code.co_name), lib
+            if lib is None and k == 2:
+                lib = (code.co_filename, f.f_lineno, code.co_name)
             f = f.f_back
         return None, lib
 
