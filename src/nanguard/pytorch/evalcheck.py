@@ -92,7 +92,8 @@ class EvalCheck:
         """torch's own ``item``/``tolist``/``__float__`` while an optimizer updates: its reads are no
         evaluation values, and a single-tensor optimizer reads each parameter's step counter with
         ``.item()`` (148 wrapper calls a step on a 12-layer GPT). :meth:`resume` wraps them again
-        (after the update, or at the next module call or backward if the update raised)."""
+        (after the update, or at the next module call or backward if the update raised). The methods
+        are the class's: a value another thread reads during that update is not checked."""
         if self._wrapped and not self._suspended:
             d = torch.Tensor.__dict__
             # only where the wrapper is still in place: a patch made over it (a sync counter's) stays
