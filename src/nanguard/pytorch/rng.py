@@ -21,10 +21,11 @@ def capture_rng(plain: bool = True) -> Dict[str, Any]:
     return plain_rng(st) if plain else st
 
 
-def _torch_rng() -> Dict[str, Any]:
+def _torch_rng(cuda: Optional[bool] = None) -> Dict[str, Any]:
+    """torch's CPU RNG state, and CUDA's once initialised (``cuda``: whether CUDA is available, if known)."""
     st: Dict[str, Any] = {"torch": torch.get_rng_state()}
     try:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if (torch.cuda.is_available() if cuda is None else cuda) and torch.cuda.is_initialized():
             st["cuda"] = torch.cuda.get_rng_state_all()
     except Exception:
         pass
@@ -63,6 +64,10 @@ class StepRng:
         self.py = False   # steps draw from Python's random: read every step
         self.np = False   # steps draw from numpy's global generator: read every step
         self._probe: Optional[Dict[str, Any]] = None
+        try:
+            self._cuda = torch.cuda.is_available()  # asked once (a driver query), not every step
+        except Exception:
+            self._cuda = False
 
     def capture(self) -> Dict[str, Any]:
         """This step's RNG state (the native form of :func:`capture_rng`, without what is not drawn)."""
@@ -70,7 +75,7 @@ class StepRng:
             self.after()
         probe = self.n < 2 or self.n % self.PROBE_EVERY == 0
         self.n += 1
-        st = _torch_rng()
+        st = _torch_rng(self._cuda)
         if self.py or probe:
             st["random"] = random.getstate()
         if self.np or probe:
