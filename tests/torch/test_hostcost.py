@@ -81,13 +81,25 @@ def test_stable_plan_follows_a_parameter_given_new_storage():
     plan = NormPlan(ps, stable=True)
     planned_norm(ps, plan, CPU)
     planned_norm(ps, plan, CPU)
-    assert plan._views is not None
+    assert plan.flats[0]._views is not None
     with torch.no_grad():
         ps[3].data = torch.full_like(ps[3], float("nan"))  # new storage: the old views would miss it
     assert math.isnan(float(planned_norm(ps, plan, CPU)))
     with torch.no_grad():
         ps[3].data = torch.ones_like(ps[3])
     assert float(planned_norm(ps, plan, CPU)) == pytest.approx(ref_norm(ps), rel=1e-5)
+
+
+def test_flat_copies_are_chunked(monkeypatch):
+    """The transient flat copy stays bounded (many medium tensors: several copies, same norm)."""
+    import nanguard.pytorch.detect.norms as norms
+    monkeypatch.setattr(norms, "_FLAT_CHUNK", 100)
+    ts = [torch.randn(30) for _ in range(10)] + [torch.randn(150)]
+    for stable in (False, True):
+        plan = NormPlan(ts, stable=stable)
+        assert [len(f.idx) for f in plan.flats] == [3, 3, 3, 1, 1]
+        for _ in range(2):
+            assert float(planned_norm(ts, plan, CPU)) == pytest.approx(ref_norm(ts), rel=1e-5)
 
 
 def test_norms_of_many_small_tensors_allocate_no_tensor_per_tensor():
