@@ -15,7 +15,8 @@ __all__ = ["KERAS_FIT", "TAPE_LOOP", "DRIVERS"]
 
 _SHARED = frozenset({"early_warning", *ON_SPIKE_CAPS, "recurrences", "replay_proof", "drop_samples_experiment",
                      "dataset_rows",
-                     *(recovery_cap(a) for a in ("skip_step", "rollback", "lr_backoff", "clip", "upcast"))})
+                     *(recovery_cap(a) for a in ("skip_step", "rollback", "lr_backoff", "clip", "upcast",
+                                                 "drop_samples"))})
 
 KERAS_FIT = _SHARED | {"replay_localization", "rerun_localization"}
 TAPE_LOOP = _SHARED | {"rerun_localization"}

@@ -16,11 +16,15 @@ returns, and the update is not applied. What the bench can change:
 * ``float64_step``: every layer computing in float64 (the variables are read in float64);
 * ``determinism``: the same replay twice.
 
-* ``lr_replay``: from the state at the start of an earlier step, the steps up to the failing one
-  replayed with their updates at a lower learning rate. It needs the earlier steps' calls, which only
-  the re-run child of a tape loop keeps (:mod:`.rerun_probe`); ``fit`` keeps no earlier batches, so the
-  report lists it as unavailable there. (``clip_replay`` is not on TensorFlow yet.) Every experiment leaves the variables, the seed
-generators and the dtype policies as it found them.
+* ``lr_replay`` / ``clip_replay``: from the state at the start of an earlier step, the steps up to the
+  failing one replayed with their updates at a lower learning rate, or with the gradients' global norm
+  clipped (the optimizer's own ``global_clipnorm``, set for the replay). They need the earlier steps'
+  calls and states: the re-run child of a tape loop keeps them (:mod:`.rerun_probe`); a ``fit`` under
+  recovery keeps its last batches (:meth:`~.watch.TFWatcher._watch_fit`) beside the recovery snapshots
+  (:func:`fit_history`); without them the report lists both as unavailable.
+
+Every experiment leaves the variables, the seed generators, the dtype policies and the optimizer's
+clipping as it found them.
 """
 from __future__ import annotations
 
@@ -160,11 +164,15 @@ class KerasBench(Bench):
         traced = trace_rows(self.cap.row_source, self.cap.inputs, rows)
         if traced.get("dataset_rows"):
             e.details["dataset_indices"] = traced["dataset_rows"]
+            if traced.get("ambiguous"):  # rows with the same values: the batch rows are among them
+                e.details["dataset_rows_ambiguous"] = True
         elif traced.get("note"):
             e.details["dataset_rows_note"] = traced["note"]
         e.change = describe("drop_samples", {"rows": list(rows)})
         if e.details.get("dataset_indices"):
-            e.change += f" (dataset row(s) {e.details['dataset_indices']})"
+            e.change += (f" (dataset row(s) {e.details['dataset_indices']}"
+                         + (": rows with the same values, the batch's among them)"
+                            if e.details.get("dataset_rows_ambiguous") else ")"))
 
     def _upcast_module(self, e: Experiment, replays_left: float) -> None:
         models = self._models()
@@ -194,25 +202,30 @@ class KerasBench(Bench):
         pol = {l: "float64" for m in self._models() for l in _all_layers(m)}
         e.finite = self._once(e, batch=_cast(self.cap.inputs, np.float64), policies=pol).finite
 
-    def _lr_replay(self, e: Experiment, replays_left: float) -> None:
-        """From the state at the start of ``from_step``, the kept calls up to the failing step, the updates
-        applied with the learning rate times ``factor``: finite when every step and update is."""
-        cap, start, factor = self.cap, int(e.params["from_step"]), float(e.params["factor"])
+    def _history(self, e: Experiment, factor: Optional[float] = None, max_norm: Optional[float] = None) -> None:
+        """From the state at the start of ``from_step``, the kept calls up to the failing step, their updates
+        applied with the learning rate times ``factor`` or the gradients' global norm clipped at
+        ``max_norm`` (the optimizer's own ``global_clipnorm``): finite when every step and update is."""
+        cap, start = self.cap, int(e.params["from_step"])
         inner = getattr(cap.optimizer, "inner_optimizer", None) or cap.optimizer
         lr = getattr(inner, "_learning_rate", None)
-        if lr is None or not hasattr(lr, "assign"):
+        if factor is not None and (lr is None or not hasattr(lr, "assign")):
             e.error = "the learning rate is a schedule, not a variable: not replayed with another rate"
             return
-        lr0 = np.array(lr.numpy())
+        lr0 = np.array(lr.numpy()) if factor is not None else None
+        clips = {k: getattr(inner, k, None) for k in ("clipnorm", "clipvalue", "global_clipnorm")}
         w = cap.watcher
         prev_eager = tf.config.functions_run_eagerly()
-        ok = True
+        ok, losses = True, []
         try:
             vals = self.history["values"][start]
             for k, v in cap.variables.items():
                 if k in vals:
                     v.assign(vals[k])
-            lr.assign(lr0 * factor)
+            if factor is not None:
+                lr.assign(lr0 * factor)
+            if max_norm is not None:
+                inner.clipnorm, inner.clipvalue, inner.global_clipnorm = None, None, float(max_norm)
             tf.config.run_functions_eagerly(True)
             for s in range(start, cap.step + 1):
                 fn, args, kwargs = self.history["calls"][s]
@@ -224,6 +237,8 @@ class KerasBench(Bench):
                 finally:
                     w.replay_hooks = None
                 e.replays += 1
+                e.work += 1
+                losses += probe.losses[:1]
                 if probe.updates != 1:
                     e.error = (f"step {s}'s call reached {probe.updates} optimizer updates, not one: its update "
                                "is not replayed with it")
@@ -231,17 +246,28 @@ class KerasBench(Bench):
                 ok = probe.seen and probe.finite and (s == cap.step or all(
                     _finite(v) for v in cap.variables.values()))
                 if not ok:
-                    e.details["non_finite_at_step"] = s
+                    e.details["failed_at"] = e.details["non_finite_at_step"] = s
                     break
         finally:
             tf.config.run_functions_eagerly(prev_eager)
-            lr.assign(lr0)
+            if factor is not None:
+                lr.assign(lr0)
+            for k, v in clips.items():
+                setattr(inner, k, v)
             cap.restore()
         e.details["from_step"] = start
+        e.details["steps"] = e.replays
+        if losses and all(np.isfinite(losses)):
+            e.details["losses"] = [losses[0], losses[-1]]
         e.finite = None if e.error else bool(ok)
 
+    def _lr_replay(self, e: Experiment, replays_left: float) -> None:
+        factor = float(e.params["factor"])
+        self._history(e, factor=factor)
+        e.details["lr"] = [x * factor for x in _lrs(self.cap.optimizer)]
+
     def _clip_replay(self, e: Experiment, replays_left: float) -> None:
-        e.error = "clipping inside a replayed update is not available on TensorFlow yet"
+        self._history(e, max_norm=float(e.params.get("max_norm") or 1.0))
 
     def _determinism(self, e: Experiment, replays_left: float) -> None:
         a, b = self._once(e), self._once(e)
@@ -344,8 +370,10 @@ class FitExperiments:
 
         self._busy = True
         try:
+            from .recover_history import fit_history
             investigate_fit(event, cap, self.config, rediagnose=rediagnose, history=hist,
-                            recovering=bool(getattr(drv.policy, "failures", False)))
+                            recovering=bool(getattr(drv.policy, "failures", False)),
+                            kept=fit_history(drv.policy, cap))
         finally:
             self._busy = False
         name_rows(event)

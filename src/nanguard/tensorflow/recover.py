@@ -373,6 +373,8 @@ class TFRecovery:
         self.pipeline = pipeline
         self.localizer = localizer
         self.captures = captures
+        from .recover_history import BatchKeeper
+        self.batches = BatchKeeper() if policy.failures else None  # a fit's last batches (history replays)
 
     @classmethod
     def from_spec(cls, spec: Any, *, pipeline: Any, localizer: Callable[[Any], Any],

@@ -84,8 +84,8 @@ def drop_rows_rerun(watcher: Any, cap: Any, rows: List[int], snapshot: Any, acts
     """Re-run the captured step ``cap`` without batch ``rows``, apply its update and hand its output to
     the script (see the module doc); ``acts``: the step's :class:`~.recover.KerasActions`. The record,
     or None (nothing changed: the batch is then skipped)."""
-    if cap is None or cap.step_fn is None or not rows:
-        return None
+    if cap is None or cap.step_fn is None or not rows or watcher.step_call is None:
+        return None  # (no outermost tf.function call to hand the re-run's output to: the batch is skipped)
     size = batch_size(cap.inputs)
     if not size or any(not (0 <= r < size) for r in rows) or len(set(rows)) >= size:
         return None

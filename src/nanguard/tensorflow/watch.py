@@ -32,6 +32,7 @@ from .graph_check import apply_graph
 from .host import HostReader
 from .locate.naming import install_construction_hook
 from .observer import TFObserver, TFObservers
+from .recover_history import keep_batch
 from .state import STATES, OptState, Pending, StopRun, active, create_lifted, graph_key, set_active, tl_get, tl_set
 
 __all__ = ["TFWatcher", "StopRun", "OptState", "active"]
@@ -259,6 +260,8 @@ class TFWatcher:
         def train_step(data):
             if w is active() and not w.disabled and not tf.executing_eagerly():
                 w._guarded(lambda: setattr(w._pend(), "batch", data))
+                if w.recovering:  # its batch on the host too, for history replays (.recover_history)
+                    w._guarded(lambda: keep_batch(w, model, data))
             return inner(data)
 
         model._nanguard_train_step = train_step

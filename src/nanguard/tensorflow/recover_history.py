@@ -1,0 +1,85 @@
+"""History replays for ``model.fit`` under recovery: the last batches of a ``fit`` kept on the host, so
+that ``lr_replay`` and ``clip_replay`` (:mod:`.experiments`) can replay a diverging ``fit`` from a
+recovery snapshot with a lower learning rate or clipped gradients, as they do for a tape loop in the
+re-run child.
+
+A ``fit`` step's batch lives inside the traced train step; with recovery on (and one step per
+execution, no XLA), :func:`keep_batch` adds a ``tf.py_function`` to the step that hands its batch to
+the host, kept by step for the last ``ExperimentConfig.keep_steps`` steps (numpy copies of one batch
+each: small beside the snapshots recovery already takes). :func:`fit_history` pairs them with the
+recovery snapshots of the same steps (the state when each step started) in the form the bench reads:
+``{"calls": {step: (fn, args, kwargs)}, "values": {step: {path: array}}}``.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from .state import active
+
+__all__ = ["BatchKeeper", "keep_batch", "fit_history"]
+
+
+class BatchKeeper:
+    """The last ``n`` ``fit`` batches by step (numpy structures)."""
+
+    def __init__(self, n: int = 3) -> None:
+        self.n = max(int(n), 1)
+        self.batches: "OrderedDict[int, Any]" = OrderedDict()
+
+    def put(self, step: int, batch: Any) -> None:
+        self.batches[step] = batch
+        self.batches.move_to_end(step)
+        while len(self.batches) > self.n:
+            self.batches.popitem(last=False)
+
+
+def keep_batch(w: Any, model: Any, data: Any) -> None:
+    """While a ``fit`` train step is traced: hand its batch to the host when it runs (see the module doc).
+    Only with recovery on, one step per execution and no XLA; else nothing is added to the step."""
+    keeper = getattr(w.policy, "batches", None) if w.recovering else None
+    if keeper is None or int(getattr(model, "steps_per_execution", 1) or 1) != 1:
+        return
+    from tensorflow.python.ops import control_flow_util
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        return
+    leaves = tf.nest.flatten(data)
+    idx = [i for i, t in enumerate(leaves) if isinstance(t, tf.Tensor)]
+    if not idx:
+        return
+
+    def store(*vals):
+        if active() is w and not w.disabled:
+            out = list(leaves)
+            for i, v in zip(idx, vals):
+                out[i] = np.array(v.numpy())
+            keeper.put(w.steps_watched, tf.nest.pack_sequence_as(data, out))  # the step now running
+        return tf.constant(0)
+
+    tf.py_function(store, [leaves[i] for i in idx], [tf.int32])
+
+
+def fit_history(policy: Any, cap: Any) -> Optional[Dict[str, Any]]:
+    """The kept ``fit`` steps before the captured failing one, each with its batch and the recovery
+    snapshot of its start, as the bench's ``history`` (None when none is kept)."""
+    keeper = getattr(policy, "batches", None)
+    store = getattr(getattr(policy, "policy", None), "store", None)
+    if keeper is None or store is None or cap is None or cap.step_fn is None:
+        return None
+    path_of = {id(v): k for k, v in cap.variables.items()}
+    calls: Dict[int, tuple] = {cap.step: (cap.step_fn, (cap.inputs,), {})}
+    values: Dict[int, Dict[str, Any]] = {}
+    for snap in store.all():
+        if snap.step >= cap.step or not snap.finite():
+            continue
+        batch = keeper.batches.get(snap.step)
+        if batch is None:
+            continue
+        values[snap.step] = {path_of[id(v)]: a for v, a in zip(snap.vars, snap.values) if id(v) in path_of}
+    for step, batch in keeper.batches.items():
+        if step < cap.step:
+            calls[step] = (cap.step_fn, (batch,), {})
+    return {"calls": calls, "values": values} if values else None
