@@ -17,6 +17,12 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 tf = pytest.importorskip("tensorflow")  # the importing test module is skipped without it
 keras = pytest.importorskip("keras")
+try:  # the scripts the tests run in-process pin TensorFlow to one thread: its runtime starts that way (a
+    # test that starts it first with the defaults would make their set_*_parallelism_threads(1) raise)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+except RuntimeError:  # already started
+    pass
 
 from ngtest import load_report  # noqa: E402  (tests/ngtest.py)
 

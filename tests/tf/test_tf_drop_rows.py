@@ -1,7 +1,7 @@
 """The ``drop_samples`` recovery on TensorFlow (issue 23): a failure confined to a few rows of a tape
 loop's batch is recovered by re-running the step's ``tf.function`` call without those rows, its update
 applied and its real return value (the loss on the kept rows) handed to the script, instead of a skip
-that leaves the script's printed loss NaN."""
+that leaves the script's printed loss NaN; in ``model.fit`` its train step the same way."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,11 +9,6 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
-try:  # the scripts other tests run in-process pin TensorFlow to one thread: the runtime starts that way
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-except RuntimeError:  # already started
-    pass
 
 from tf_helpers import _tf_state  # noqa: E402,F401
 from nanguard.core.config import GuardConfig  # noqa: E402
@@ -102,3 +97,37 @@ def test_the_dropped_step_is_the_step_on_the_kept_rows():
     assert got == pytest.approx(want, rel=1e-6)
     for u, v in zip(after, model.trainable_variables):
         np.testing.assert_allclose(u, v.numpy(), rtol=1e-5, atol=1e-7)
+
+
+EMPTY = 2 * 32 + 7   # fit: the dataset row whose bag is empty: batch row 7 of step 2 (no shuffling)
+
+
+def test_fit_trains_on_the_good_rows_and_logs_their_loss():
+    """In model.fit, under the Keras callback: the failing train step re-run eagerly without the bad rows,
+    its update applied, and its logs what fit hands the callbacks (the running loss mean never takes the
+    NaN), instead of a skip whose logged loss is the NaN step's."""
+    import nanguard.keras
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    bags = rng.integers(1, 30, (160, 5)).astype("int32")
+    bags[EMPTY] = 0
+    target = rng.integers(0, 3, 160)
+    ids = keras.Input((5,), dtype="int32")
+    pooled = _MeanOverItems()(keras.layers.Embedding(30, 4)(ids), ids)
+    model = keras.Model(ids, keras.layers.Dense(3)(keras.layers.Dense(8, activation="tanh")(pooled)))
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    logged = []
+    cb = nanguard.keras.NanGuard(report=None, quiet=True, recover="auto")
+    model.fit(bags, target, batch_size=32, epochs=1, shuffle=False, verbose=0,
+              callbacks=[cb, keras.callbacks.LambdaCallback(
+                  on_train_batch_end=lambda b, logs: logged.append(float(logs["loss"])))])
+    assert len(logged) == 5 and all(np.isfinite(logged)), logged     # the running mean never took the NaN
+    rep = cb.report
+    assert rep.status == "recovered", rep.status
+    ev = rep.events[0]
+    assert ev.step == 2 and ev.recovery["action"] == "drop_samples", ev.recovery
+    rec = ev.recovery["actions"]["drop_samples"]
+    assert rec["rows"] == [7] and rec["kept_rows"] == 31 and "train_step" in rec["how"]
+    assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
+    assert int(model.optimizer.iterations.numpy()) == 5               # the dropped step's update counted

@@ -9,11 +9,6 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
-try:  # the scripts other tests run in-process pin TensorFlow to one thread: the runtime starts that way
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-except RuntimeError:  # already started
-    pass
 
 from tf_helpers import _tf_state  # noqa: E402,F401
 from nanguard.core.config import GuardConfig  # noqa: E402
