@@ -63,6 +63,28 @@ def _graph_names(args: tuple) -> Dict[int, Dict[str, Any]]:
     return out
 
 
+def _eqx_names(args: tuple) -> Dict[int, str]:
+    """Equinox: ``id(leaf)`` -> its path in the step's own arguments (``args[0].layers[1].weight``).
+
+    ``eqx.filter_jit`` calls its inner jit with ``(dynamic_donate, dynamic_nodonate, static)``: the arrays
+    as flat lists under ``"first"`` (the first argument) and ``"rest"`` (the others and the keywords), the
+    tree structure in ``static``. Combined again (as Equinox's own wrapper does), the leaves get the paths
+    the user's code sees, from which the module of a parameter is read."""
+    if len(args) != 3 or not all(isinstance(a, dict) for a in args[:2]) or \
+            not (isinstance(args[2], tuple) and len(args[2]) == 3):
+        return {}
+    try:
+        from equinox._compile_utils import hashable_combine
+        dyn = {**args[0], **args[1]}
+        first = hashable_combine(dyn["first"], args[2][1])
+        rest, kwargs = hashable_combine(dyn["rest"], args[2][2])
+        tree = ((first,) + tuple(rest)[:-1], kwargs)  # the last positional is Equinox's own dummy (None)
+    except Exception:
+        return {}
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {id(x): _short(jax.tree_util.keystr(p)) for p, x in flat}
+
+
 def _short(path: str) -> str:
     """A leaf's path in ``(args, kwargs)`` as a path in the call: ``[0][2]`` -> ``args[2]``."""
     if path.startswith("[0]"):
@@ -132,8 +154,10 @@ class Call:
             with _context_of(fun):
                 return fun(*a, **k)
         graph = _graph_names(self.args)
+        eqx = _eqx_names(self.args) if not graph else {}
         names = {f"[{n}]": graph.get(id(self.leaves[i])) or {
-            "name": _short(self.paths[i]), "kind": "data" if self.prev_known and not self.carried[i] else None}
+            "name": eqx.get(id(self.leaves[i])) or _short(self.paths[i]),
+            "kind": "data" if self.prev_known and not self.carried[i] else None}
             for n, i in enumerate(dyn)}
         return pure_fn, tuple(self.leaves[i] for i in dyn), names
 
