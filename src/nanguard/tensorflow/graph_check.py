@@ -15,10 +15,13 @@ once after the outermost ``tf.function`` call returns, see :mod:`.host`):
 * one row of the stash (``scatter_nd_update``) and the step counter.
 
 Two ``tf.cond`` slow paths hold everything else and run only on a failing step: before the update
-(exact per-element checks of the variables and gradients, the per-gradient flags, the float64 norm
-of an overflowed sum, the halt flag, and for ``model.fit`` the capture of the batch for the replay)
-and after it (exact checks of what the update wrote, optimizer state included). A healthy step adds
-about ``2 x (variables) + 30`` small ops and three ``tf.cond`` (lowered to switch/merge).
+(exact per-element checks of the variables; of the gradients one float64 sum of squares each, which
+is at once its exact flag and the float64 norm of an overflowed sum (:func:`.detect.sq64`); the halt
+flag, and for ``model.fit`` the capture of the batch for the replay, a ``py_function`` that returns
+at once when the step may update) and after it (exact checks of what the update wrote, optimizer
+state included). A healthy step adds about ``2 x (variables) + 30`` small ops and three ``tf.cond``
+(lowered to switch/merge); the slow paths are built with few ops because every op of a traced step
+costs start-up (built in Python, then optimized and given a kernel when the step first runs).
 """
 from __future__ import annotations
 
