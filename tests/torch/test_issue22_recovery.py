@@ -45,3 +45,13 @@ def test_float16_adam_state_overflow_recovers_from_the_failure(tmp_path):
     assert fail[0]["cause"]["category"] == "low_precision_overflow"
     assert fail[0]["recovery"]["action"].startswith("rollback")
     assert final <= truth["max_final_loss"]
+
+
+def test_a_run_left_at_the_chance_level_after_its_blowup_is_warned_dead(tmp_path):
+    p, rep, final, truth = _run("relu_lr_spike_dead", tmp_path)
+    assert p.returncode == 0 and rep["status"] == "warning", (rep["status"], rep["events"][:1])
+    assert all(e.get("kind") == "warning" for e in rep["events"])
+    assert rep["events"][0]["cause"]["category"] in truth["accept"] and rep["events"][0]["step"] <= truth["warn_by_step"]
+    dead = [e for e in rep["events"] if (e["cause"].get("evidence") or {}).get("warning", {}).get("rule") == "dead"]
+    assert dead and dead[0]["step"] <= truth["dead_by_step"], [e["step"] for e in rep["events"]]
+    assert "stopped learning" in dead[0]["cause"]["summary"] and final > 2.0
