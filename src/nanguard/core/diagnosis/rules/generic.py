@@ -66,7 +66,12 @@ def _range_ran_out_rule(c) -> dict | None:
 
 
 def other(c) -> dict:
-    """No rule matched: report the op, its output counts and the line."""
+    """No rule matched: the history's divergence, when it explains where the size came from (a fused op such as
+    torch.lstm, with no float64 check, ran out of range on weights one update threw to ~1e24: ``--lr 1e25`` on a
+    hand-written update); else report the op, its output counts and the line."""
+    dv = divergence(c.sig, c.origin, c.ev, c.method, 0.6, c.ctx)
+    if dv is not None:
+        return dv
     out = c.out
     return T.result("other", f"{c.api} produced {out.get('nan', 0)} NaN / {out.get('posinf', 0)} +Inf / "
                     f"{out.get('neginf', 0)} -Inf from finite inputs at {c.where} ({c.dtype})", 0.35, c.ev,
