@@ -16,8 +16,12 @@ CODE_CATEGORIES = {"log_domain", "div_by_zero", "sqrt_domain", "trig_domain", "e
                    "optimizer_numerics"}
 
 
+# the frameworks `nanguard lint` reads (README: PyTorch and TensorFlow/Keras; JAX code is not read yet)
+LINTED = ("scenarios", "scenarios_keras")
+
+
 def _scenarios():
-    for spec in sorted(ROOT.glob("scenarios*/*.json")):
+    for spec in sorted(p for d in LINTED for p in (ROOT / d).glob("*.json")):
         script = spec.with_suffix(".py")
         if script.exists():
             yield json.loads(spec.read_text()), script
