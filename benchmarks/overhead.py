@@ -313,7 +313,6 @@ def guard_alloc_count(r: Runner, steps: int = 3) -> Dict[str, Any]:
     """Bytes of every tensor the guard's own code allocates per step (a TorchDispatchMode that is
     active only inside the guard's hooks), and of the tensors it keeps between steps."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    import nanguard.pytorch.guard as G
 
     class Counter(TorchDispatchMode):
         def __init__(self):
@@ -339,7 +338,8 @@ def guard_alloc_count(r: Runner, steps: int = 3) -> Dict[str, Any]:
     mon = r.guard.monitor
     names = ["on_batch", "on_backward", "check", "end_step"]
     orig = {n: getattr(mon, n) for n in names}
-    orig_rng = G._capture_rng
+    step_rng = r.guard.step_rng
+    orig_rng = step_rng.capture
     rng_bytes = [0]
 
     def wrap(fn):
@@ -355,14 +355,14 @@ def guard_alloc_count(r: Runner, steps: int = 3) -> Dict[str, Any]:
 
     for n in names:
         setattr(mon, n, wrap(orig[n]))
-    G._capture_rng = rng_wrap
+    step_rng.capture = rng_wrap  # an instance attribute over the method
     try:
         for _ in range(steps):
             r.guarded()
     finally:
         for n in names:
             delattr(mon, n)  # back to the class methods
-        G._capture_rng = orig_rng
+        del step_rng.capture
     retained = _nbytes_unique([t for t in mon._pending_post.values()])
     model_state = _nbytes_unique(list(r.model.parameters()) + list(r.model.buffers()))
     grads = _nbytes_unique([p.grad for p in r.params if p.grad is not None])
@@ -384,7 +384,6 @@ def guard_parts(r: Runner, steps: int = 24, meter: Optional["CpuMeter"] = None) 
     ``end_step``). Timers wrap the calls (a few us each); the first 4 steps are not counted."""
     import nanguard.pytorch.detect.monitor as D
     import nanguard.pytorch.detect.norms as DN
-    import nanguard.pytorch.guard as G
 
     clock = time.perf_counter
     acc: Dict[str, List[float]] = {}
@@ -392,7 +391,8 @@ def guard_parts(r: Runner, steps: int = 24, meter: Optional["CpuMeter"] = None) 
     mon = r.guard.monitor
     names = ["on_batch", "on_backward", "check", "end_step"]
     orig = {n: getattr(mon, n) for n in names}
-    orig_rng, orig_norm = G._capture_rng, D.planned_norm
+    rng = r.guard.step_rng
+    orig_norm = D.planned_norm
 
     def timed(label, fn):
         def w(*a, **k):
@@ -421,7 +421,7 @@ def guard_parts(r: Runner, steps: int = 24, meter: Optional["CpuMeter"] = None) 
 
     for n in names:
         setattr(mon, n, hook(n))
-    G._capture_rng = timed("rng capture (replay)", orig_rng)
+    rng.capture = timed("rng capture (replay)", rng.capture)  # an instance attribute over the method
     D.planned_norm = DN.planned_norm = norm  # the monitor's own calls, and _norm's
     try:
         if meter is not None:
@@ -436,7 +436,8 @@ def guard_parts(r: Runner, steps: int = 24, meter: Optional["CpuMeter"] = None) 
     finally:
         for n in names:
             delattr(mon, n)
-        G._capture_rng, D.planned_norm, DN.planned_norm = orig_rng, orig_norm, orig_norm
+        del rng.capture
+        D.planned_norm = DN.planned_norm = orig_norm
     return {k: round(1e3 * statistics.median(v), 3) for k, v in per_step.items()}
 
 
