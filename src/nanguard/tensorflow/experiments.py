@@ -39,7 +39,7 @@ from ..core.experiments.kinds import describe
 from ..core.experiments.rows import bisect_rows, complement
 from .probe import Probe as _Probe
 from .probe import batch_size, rows_of as _rows_of
-from .recover import _finite, find_layer
+from .recover import _finite, _sublayers, find_layer
 from .rows import trace_rows
 
 __all__ = ["FitExperiments", "KerasBench", "investigate_fit", "merge_child_experiments"]
@@ -288,12 +288,9 @@ _RUNNERS: Dict[str, Callable[[KerasBench, Experiment, float], None]] = {
 
 
 def _all_layers(layer: Any) -> List[Any]:
-    out, stack = [], [layer]
-    while stack:
-        x = stack.pop()
-        out.append(x)
-        stack.extend(getattr(x, "layers", []) or [])
-    return out
+    # every tracked sublayer: an RNN's cell is no entry of a `.layers` list (an LSTM left its cell in
+    # float16 when "the whole model" was put in float32, and the experiment ruled float16 out wrongly)
+    return _sublayers(layer)
 
 
 def _compute(layer: Any) -> str:

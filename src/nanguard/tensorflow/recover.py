@@ -291,12 +291,24 @@ class KerasActions(_ActionsBase):
         return {"lr_before": before, "lr_after": self.learning_rates(), "factor": factor, "how": how}
 
     def upcast(self, module: Optional[str], on_downstream: Callable[[str], None]) -> Optional[Dict[str, Any]]:
+        if module == "" and self.models:  # the experiment that passed put the whole model in float32
+            low = [x for m in self.models for x in _sublayers(m)
+                   if str(getattr(x, "compute_dtype", "")) in ("float16", "bfloat16")]
+            if not low:
+                return None
+            before = str(low[0].dtype_policy.name)
+            for x in low:
+                x.dtype_policy = "float32"
+            return {"dtype_before": before, "dtype_after": "float32", "module": "", "layer": "the whole model",
+                    "downstream": [], "layers": len(low), "retraced": self._retrace()}
         found = find_layer(self.models, module)
         if found is None:
             return None
         layer, owner = found
         before = str(layer.dtype_policy.name)
-        layer.dtype_policy = "float32"
+        for x in _sublayers(layer):  # with its own sublayers (an RNN's cell computes the recurrence)
+            if str(getattr(x, "compute_dtype", "")) in ("float16", "bfloat16"):
+                x.dtype_policy = "float32"
         rec: Dict[str, Any] = {"dtype_before": before, "dtype_after": "float32", "module": module,
                                "layer": layer.name, "downstream": []}
         if owner is not None:
@@ -331,6 +343,12 @@ class KerasActions(_ActionsBase):
 
     def unscale_gradients(self, factor: float) -> None:  # never armed: can_loss_scale() is False
         return None
+
+
+def _sublayers(layer: Any) -> List[Any]:
+    """``layer`` and every layer it tracks (Keras' own walk: an RNN's cell too, which ``.layers`` omits)."""
+    flat = getattr(layer, "_flatten_layers", None)
+    return list(flat(include_self=True, recursive=True)) if callable(flat) else [layer]
 
 
 def find_layer(models: List[Any], path: Optional[str]):

@@ -32,7 +32,6 @@ from .graph_check import apply_graph
 from .host import HostReader
 from .locate.naming import install_construction_hook
 from .observer import TFObserver, TFObservers
-from .recover_history import keep_batch
 from .state import STATES, OptState, Pending, StopRun, active, create_lifted, graph_key, set_active, tl_get, tl_set
 
 __all__ = ["TFWatcher", "StopRun", "OptState", "active"]
@@ -261,6 +260,7 @@ class TFWatcher:
             if w is active() and not w.disabled and not tf.executing_eagerly():
                 w._guarded(lambda: setattr(w._pend(), "batch", data))
                 if w.recovering:  # its batch on the host too, for history replays (.recover_history)
+                    from .recover_history import keep_batch  # only under recovery: a healthy run never loads it
                     w._guarded(lambda: keep_batch(w, model, data))
             return inner(data)
 
