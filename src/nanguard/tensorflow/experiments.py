@@ -39,7 +39,7 @@ from ..core.experiments.kinds import describe
 from ..core.experiments.rows import bisect_rows, complement
 from .probe import Probe as _Probe
 from .probe import batch_size, rows_of as _rows_of
-from .recover import _finite, _sublayers, find_layer
+from .recover import _finite, sublayers, find_layer, low_precision
 from .rows import trace_rows
 
 __all__ = ["FitExperiments", "KerasBench", "investigate_fit", "merge_child_experiments"]
@@ -47,8 +47,6 @@ __all__ = ["FitExperiments", "KerasBench", "investigate_fit", "merge_child_exper
 _MERGED = ("confirmed_by", "ruled_out", "confidence", "summary")
 _MERGED_EVIDENCE = ("experiments", "experiments_cost", "experiments_note", "experiments_unavailable", "bad_samples",
                     "determinism")
-
-_LOW = ("float16", "bfloat16")
 
 
 class KerasBench(Bench):
@@ -178,28 +176,28 @@ class KerasBench(Bench):
         models = self._models()
         path = e.params.get("module")
         if not path:
-            layers = [l for m in models for l in _all_layers(m)]
+            layers = [l for m in models for l in sublayers(m)]
         else:
             found = find_layer(models, path)
             if found is None:
                 e.error = f"layer {path!r} not found"
                 return
             layer, owner = found
-            layers = [l for l in _all_layers(layer)]
+            layers = sublayers(layer)
             if owner is not None and layer in list(owner.layers):  # the layers after it compute in float32 too
                 later = list(owner.layers)[list(owner.layers).index(layer) + 1:]
-                down = [l for x in later for l in _all_layers(x) if _compute(l) in _LOW]
+                down = [l for x in later for l in sublayers(x) if low_precision(l)]
                 layers += down
                 if down:
                     e.details["downstream"] = [str(getattr(l, "path", l.name)) for l in down]
-        pol = {l: "float32" for l in layers if _compute(l) in _LOW}
+        pol = {l: "float32" for l in layers if low_precision(l)}
         if not pol:
             e.error = "no layer there computes in float16/bfloat16"
             return
         e.finite = self._once(e, policies=pol).finite
 
     def _float64_step(self, e: Experiment, replays_left: float) -> None:
-        pol = {l: "float64" for m in self._models() for l in _all_layers(m)}
+        pol = {l: "float64" for m in self._models() for l in sublayers(m)}
         e.finite = self._once(e, batch=_cast(self.cap.inputs, np.float64), policies=pol).finite
 
     def _history(self, e: Experiment, factor: Optional[float] = None, max_norm: Optional[float] = None) -> None:
@@ -285,16 +283,6 @@ _RUNNERS: Dict[str, Callable[[KerasBench, Experiment, float], None]] = {
     "drop_samples": KerasBench._drop_samples, "upcast_module": KerasBench._upcast_module,
     "float64_step": KerasBench._float64_step, "determinism": KerasBench._determinism,
     "lr_replay": KerasBench._lr_replay, "clip_replay": KerasBench._clip_replay}
-
-
-def _all_layers(layer: Any) -> List[Any]:
-    # every tracked sublayer: an RNN's cell is no entry of a `.layers` list (an LSTM left its cell in
-    # float16 when "the whole model" was put in float32, and the experiment ruled float16 out wrongly)
-    return _sublayers(layer)
-
-
-def _compute(layer: Any) -> str:
-    return str(getattr(layer, "compute_dtype", "") or "")
 
 
 def _cast(x: Any, dtype: Any) -> Any:

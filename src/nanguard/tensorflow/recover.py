@@ -292,8 +292,8 @@ class KerasActions(_ActionsBase):
 
     def upcast(self, module: Optional[str], on_downstream: Callable[[str], None]) -> Optional[Dict[str, Any]]:
         if module == "" and self.models:  # the experiment that passed put the whole model in float32
-            low = [x for m in self.models for x in _sublayers(m)
-                   if str(getattr(x, "compute_dtype", "")) in ("float16", "bfloat16")]
+            low = [x for m in self.models for x in sublayers(m)
+                   if low_precision(x)]
             if not low:
                 return None
             before = str(low[0].dtype_policy.name)
@@ -306,8 +306,8 @@ class KerasActions(_ActionsBase):
             return None
         layer, owner = found
         before = str(layer.dtype_policy.name)
-        for x in _sublayers(layer):  # with its own sublayers (an RNN's cell computes the recurrence)
-            if str(getattr(x, "compute_dtype", "")) in ("float16", "bfloat16"):
+        for x in sublayers(layer):  # with its own sublayers (an RNN's cell computes the recurrence)
+            if low_precision(x):
                 x.dtype_policy = "float32"
         rec: Dict[str, Any] = {"dtype_before": before, "dtype_after": "float32", "module": module,
                                "layer": layer.name, "downstream": []}
@@ -315,7 +315,7 @@ class KerasActions(_ActionsBase):
             layers = list(owner.layers)
             if layer in layers:
                 for later in layers[layers.index(layer) + 1:]:
-                    if str(getattr(later, "compute_dtype", "")) in ("float16", "bfloat16"):
+                    if low_precision(later):
                         later.dtype_policy = "float32"
                         name = str(getattr(later, "path", None) or later.name)
                         rec["downstream"].append(name)
@@ -345,7 +345,12 @@ class KerasActions(_ActionsBase):
         return None
 
 
-def _sublayers(layer: Any) -> List[Any]:
+def low_precision(layer: Any) -> bool:
+    """Whether ``layer`` computes in float16 or bfloat16 (its dtype policy's compute dtype)."""
+    return str(getattr(layer, "compute_dtype", "") or "") in ("float16", "bfloat16")
+
+
+def sublayers(layer: Any) -> List[Any]:
     """``layer`` and every layer it tracks (Keras' own walk: an RNN's cell too, which ``.layers`` omits)."""
     flat = getattr(layer, "_flatten_layers", None)
     return list(flat(include_self=True, recursive=True)) if callable(flat) else [layer]
