@@ -12,7 +12,7 @@ from ..rng import capture_rng, restore_rng
 from .clip import clip_grads
 from .loss_scale import unscale_grads
 from .loose import hand_params
-from .lr_backoff import learning_rates, lr_backoff, scale_grads, schedule_peaks
+from .lr_backoff import HeldRates, learning_rates, lr_backoff, scale_grads, schedule_peaks
 from .skip import skip_step
 from .snapshot import Snapshot
 from .state import optimizer_state_finite, state_finite
@@ -26,13 +26,16 @@ class TorchActions(RecoveryActions):
     ``roots``: where the origin module (a path as in ``named_modules()``) is looked up;
     ``hooks``: where the handles of the hooks an upcast installs are kept;
     ``drop``: re-runs the failing step without some batch rows, keeping its gradients (the driver's,
-    when it can replay the step: :meth:`nanguard.Guard.drop_samples_fn`).
+    when it can replay the step: :meth:`nanguard.Guard.drop_samples_fn`);
+    ``held``: where the learning-rate cuts are held against a script's own per-step rates.
     """
 
     def __init__(self, modules: Sequence[torch.nn.Module], optimizers: Sequence[Any], scaler: Any = None,
                  roots: Sequence[torch.nn.Module] = (), hooks: Optional[List[Any]] = None,
-                 drop: Optional[Callable[[List[int]], Optional[Dict[str, Any]]]] = None) -> None:
+                 drop: Optional[Callable[[List[int]], Optional[Dict[str, Any]]]] = None,
+                 held: Optional[HeldRates] = None) -> None:
         self.modules, self.optimizers, self.roots = list(modules), list(optimizers), list(roots)
+        self.held = held if held is not None else HeldRates()
         self.scaler = scaler
         self.hooks = hooks if hooks is not None else []
         self.drop = drop
@@ -74,7 +77,11 @@ class TorchActions(RecoveryActions):
         return schedule_peaks(self.optimizers)
 
     def lr_backoff(self, factor: float) -> Dict[str, Any]:
-        return lr_backoff(self.optimizers, factor)
+        rec = lr_backoff(self.optimizers, factor)
+        held = self.held.cut(self.optimizers, factor)
+        if held:
+            rec["held"] = held
+        return rec
 
     def upcast(self, module: Optional[str], on_downstream: Callable[[str], None]) -> Optional[Dict[str, Any]]:
         mod = find_module(self.roots, module)

@@ -3,13 +3,18 @@
 Hand-written updates (``p.data.add_(p.grad, alpha=-lr)``, no optimizer object) have no learning rate
 to lower: the policy scales their gradients instead (``grad_scale``), before every update,
 with :func:`scale_grads` on :func:`~nanguard.pytorch.recover.loose.hand_params`.
+
+A hand-written schedule (``for g in opt.param_groups: g["lr"] = get_lr(it)`` before every step, as in
+nanoGPT's warm-up) writes over a lowered rate at the next step: :class:`HeldRates` keeps the cut
+(every absolute rate the script writes is multiplied by it, right before the update).
 """
 from __future__ import annotations
 
 import copy
 import gc
+import math
 import warnings
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch.optim import lr_scheduler
@@ -54,6 +59,67 @@ def lr_backoff(optimizers: Sequence[Any], factor: float = 0.1) -> Dict[str, Any]
                 if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
                     setattr(sched, attr, [x * factor for x in v])
     return {"lr_before": before, "lr_after": after, "factor": factor}
+
+
+class HeldRates:
+    """The learning-rate cuts of a recovery, held against a script that sets its own rates every step.
+
+    After :meth:`cut`, :meth:`enforce` (right before each update) looks at every cut param group whose
+    optimizer has no LR scheduler (a scheduler's base rates are cut by :func:`lr_backoff` itself): a rate
+    that is not the one the cut left there was written by the script. A written rate nearer the
+    uncut scale (``left / factor``) than the cut one is an absolute schedule value (a warm-up's
+    ``lr = peak * it / warmup``): it is multiplied by the held factor and kept at most at the rate the
+    cut set (a warm-up still rising must not carry the cut rate back past the one found too high: its
+    peak lands on the cut rate, as :func:`~nanguard.core.recovery.estimates.peak_cut` does for a
+    scheduler); a decay below it goes on. One nearer the cut rate was computed from it
+    (``g["lr"] *= 0.99``): it already carries the cut and is left as written. Nothing is done on a step
+    the script writes nothing.
+    """
+
+    def __init__(self) -> None:
+        self._held: List[list] = []  # [param group, cumulative factor, the rate left in it, the cap]
+        self.rewrites = 0  # how many script-written rates were cut
+
+    def cut(self, optimizers: Sequence[Any], factor: float) -> Optional[str]:
+        """Note that every group of ``optimizers`` was just multiplied by ``factor``; returns what is
+        held (for the recovery record), or None when every optimizer has a scheduler."""
+        held = False
+        for o in optimizers:
+            if schedulers_of(o):
+                continue
+            for g in o.param_groups:
+                lr = g.get("lr")
+                if not isinstance(lr, (int, float)) or isinstance(lr, bool):
+                    continue
+                h = next((h for h in self._held if h[0] is g), None)
+                if h is None:
+                    self._held.append([g, factor, float(lr), float(lr)])
+                else:
+                    h[1], h[2], h[3] = h[1] * factor, float(lr), min(h[3], float(lr))
+                held = True
+        if not held:
+            return None
+        return (f"held: a rate the script writes from now on (a hand-written schedule) is multiplied by "
+                f"{self.factor():.3g}, at most {max(h[3] for h in self._held):.3g}")
+
+    def factor(self) -> float:
+        """The smallest cumulative factor held (for the record)."""
+        return min((h[1] for h in self._held), default=1.0)
+
+    def enforce(self, optimizers: Sequence[Any]) -> None:
+        """Right before an update of ``optimizers``: cut the rates the script wrote since the last one."""
+        if not self._held:
+            return
+        groups = {id(g) for o in optimizers for g in o.param_groups}
+        for h in self._held:
+            g, f, left, cap = h
+            lr = g.get("lr") if id(g) in groups else None
+            if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr == left or lr <= 0 or left <= 0:
+                continue
+            if abs(math.log(lr / (left / f))) < abs(math.log(lr / left)):  # an absolute (uncut) value
+                g["lr"] = min(lr * f, cap)
+                self.rewrites += 1
+            h[2] = float(g["lr"])
 
 
 def schedule_peaks(optimizers: Sequence[Any], horizon: int = 1000) -> List[float]:

@@ -20,6 +20,7 @@ import torch
 from ...core.recovery import RecoveryPolicy as _NeutralPolicy
 from ..detect.tensors import locals_of
 from .actions import TorchActions
+from .lr_backoff import HeldRates
 from .forward import ForwardReplayer
 from .loss_scale import scale_loss
 
@@ -37,11 +38,12 @@ class RecoveryPolicy(_NeutralPolicy):
         self._hooks: List[Any] = []  # handles of the hooks an upcast installed downstream
         self._watcher: Any = None
         self._versions: Optional[List[int]] = None  # the parameters' version counters after the last update
+        self._held = HeldRates()  # lr cuts held against the script's own per-step rates
 
     def actions(self, modules: Sequence[torch.nn.Module] = (), optimizers: Sequence[Any] = (), scaler: Any = None,
                 roots: Sequence[torch.nn.Module] = (), drop: Any = None) -> TorchActions:
         """The actions on these training objects (``drop``: the failing step's drop_samples, if any)."""
-        return TorchActions(modules, optimizers, scaler, roots, self._hooks, drop)
+        return TorchActions(modules, optimizers, scaler, roots, self._hooks, drop, self._held)
 
     def maybe_snapshot(self, step: int, modules, optimizers, scaler, loss: Optional[float] = None) -> None:
         """Take the snapshot of the state at the start of ``step`` if a tier wants it."""
@@ -73,6 +75,7 @@ class RecoveryPolicy(_NeutralPolicy):
             if w is not None:  # nanguard run: the state before the very first update
                 self.maybe_snapshot(w.monitor.step_of(optimizers[0] if optimizers else None),
                                     w.recovery.state_modules(), w.optimizers(), w.scalers[0] if w.scalers else None)
+        self._held.enforce(optimizers)
         return self.on_update(self.actions(modules, optimizers=optimizers))
 
     def spike(self, event, *, step: int, modules, optimizers, scaler, roots, history, rollback: bool):
