@@ -155,7 +155,7 @@ _EVENT: Dict[str, Optional[str]] = {
 }
 _CAUSE: Dict[str, Optional[str]] = {
     "category": _STR, "summary": _STR, "confidence": _NUM, "evidence": _DICT,
-    "title": _STR, "hypothesis": _STR,
+    "title": _STR, "hypothesis": _STR, "tested_fixes": _LIST, "untested_fixes": _LIST,
 }
 _ORIGIN: Dict[str, Optional[str]] = {
     "op": _STR, "module": _STR, "file": _STR, "line": _INT,

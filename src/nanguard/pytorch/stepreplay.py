@@ -18,7 +18,8 @@ tensor of the user's (an in-place write to a tensor the step did not make is not
 replay reads the written values).
 ``changes`` (a :class:`Changes`, all fields optional): ``inputs(t, i) -> t`` replaces external
 tensor ``i`` (the batch, targets, masks; never called for tensors that require grad), ``context()``
-returns a context manager entered around the whole replay (e.g. a module run in float32).
+returns a context manager entered around the whole replay (e.g. a module run in float32), ``keep_grads``
+leaves the replay's gradients in place (a history replay from a snapshot applies the update with them).
 It returns a dict: ``method`` ("replay-tape"), ``losses`` (the replayed tensors given to backward,
 detached), ``same_loss`` (bit-for-bit the recorded values, NaN where NaN; None under ``changes``),
 ``grads_finite``, ``error`` (None, or why the replay could not run), ``seconds``, and with a
@@ -53,6 +54,7 @@ class Changes:
     """What a counterfactual replay changes (see the module docstring)."""
     inputs: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None
     context: Optional[Callable[[], Any]] = None
+    keep_grads: bool = False  # leave the replay's gradients (a history replay applies an update with them)
 
 
 def _call(fn: Any, args: tuple, kwargs: dict) -> Any:
@@ -169,8 +171,9 @@ class StepReplay:
         except Exception as e:  # the caller falls back to another way to localize
             out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         finally:
-            for p, g in zip(params, saved_grads):
-                p.grad = g
+            if not (changes is not None and changes.keep_grads and out["error"] is None):
+                for p, g in zip(params, saved_grads):
+                    p.grad = g
             with torch.no_grad():
                 for b, s in zip(buffers, saved_buffers):
                     b.copy_(s)

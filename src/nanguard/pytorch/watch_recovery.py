@@ -9,11 +9,12 @@ and step tape, and drives the watcher's per-step state (the updates to skip, the
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from ..core.events import Detection
 from ..core.experiments import ExperimentConfig
 from .recover.loose import LooseTensors
+from .stepreplay import replay_of
 
 
 class WatcherRecovery:
@@ -26,6 +27,8 @@ class WatcherRecovery:
         self.step_seconds: Optional[float] = None  # a running estimate of one step's wall time
         self._t_update: Optional[float] = None
         self._loose: Optional[LooseTensors] = None
+        # the last steps' replays (recovery only), for history replays from a snapshot (lr_replay, clip_replay)
+        self.kept: Dict[int, Any] = {}  # step -> experiments.TapeStep
 
     def experiment(self, det: Detection, loc: Any, event: Any = None) -> None:
         """Counterfactual replays of the failing step (nanguard.core.experiments) from the step tape; the
@@ -45,10 +48,13 @@ class WatcherRecovery:
             ev = w.pipeline.diagnose(det, hist, loc, excluded)
             return ev.cause, ev.fixes
 
-        investigate_zero_code(event, replay, roots=list(w.monitor.roots), optimizers=w.optimizers(),
-                              scaler=w.scalers[0] if w.scalers else None, config=cfg,
-                              step_seconds=self.step_seconds, rediagnose=rediagnose,
-                              history=hist, indices=w.data.last)
+        with w.quiet():  # a history replay steps the optimizers: not the script's steps
+            investigate_zero_code(event, replay, roots=list(w.monitor.roots), optimizers=w.optimizers(),
+                                  scaler=w.scalers[0] if w.scalers else None, config=cfg,
+                                  step_seconds=self.step_seconds, rediagnose=rediagnose,
+                                  history=hist, indices=w.data.last, kept=self.kept,
+                                  snapshots=w.policy.all_snapshots() if w.policy is not None else (),
+                                  recovering=w.policy is not None and w.policy.failures)
         det.event = event
 
     def recover(self, det: Detection, opt: Any) -> bool:
@@ -95,8 +101,28 @@ class WatcherRecovery:
         w = self.w
         if w.policy is None:
             return
+        self._keep(opt)
         last = w.monitor.history.last()
         self.snap_due = (w.monitor.step_of(opt), last.loss if last else None)
+
+    def _keep(self, opt: Any) -> None:
+        """Keep the step that just updated (its tape, as a replay) for history replays from a snapshot: only
+        with recovery (which keeps the snapshots), experiments on and an optimizer whose update a replay
+        can apply (not hand-written updates, not under a GradScaler)."""
+        w, cfg = self.w, self.experiments
+        if cfg is None or not cfg.enabled or opt is None or w.tape is None or w.scalers:
+            return
+        step = w.tape.step
+        if step in self.kept:
+            return
+        rep, _why = replay_of(w, step=step)
+        if rep is None:
+            self.kept.clear()  # the steps kept are no longer consecutive
+            return
+        from .experiments.tapestep import TapeStep  # the experiments load with recovery only, not in a healthy run
+        self.kept[step] = TapeStep(rep, list(w.monitor.roots), w.optimizers(), None, step, w.data.last)
+        for k in [k for k in self.kept if k <= step - cfg.keep_steps]:
+            del self.kept[k]
 
     def state_modules(self) -> list:
         """The modules whose state recovery checks, snapshots and restores: the watched roots; for a

@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from ..core.experiments import Bench, Experiment, ExperimentConfig, Spec, investigate
 from ..core.experiments.kinds import describe
+from ..core.experiments.reconcile import reconcile
 from ..core.experiments.rows import bisect_rows, complement
 from .probe import Probe as _Probe
 from .probe import batch_size, rows_of as _rows_of
@@ -44,7 +45,7 @@ from .rows import trace_rows
 
 __all__ = ["FitExperiments", "KerasBench", "investigate_fit", "merge_child_experiments"]
 
-_MERGED = ("confirmed_by", "ruled_out", "confidence", "summary")
+_MERGED = ("confirmed_by", "ruled_out", "confidence", "summary", "tested_fixes")
 _MERGED_EVIDENCE = ("experiments", "experiments_cost", "experiments_note", "experiments_unavailable", "bad_samples",
                     "determinism")
 
@@ -52,6 +53,8 @@ _MERGED_EVIDENCE = ("experiments", "experiments_cost", "experiments_note", "expe
 class KerasBench(Bench):
     """Experiments on a captured ``fit`` step (see the module docstring). ``step_seconds``: one ordinary
     step's wall time, if known (reported beside the cost)."""
+
+    framework = "tensorflow"  # the fixes the experiments reword speak Keras
 
     def __init__(self, cap: Any, step_seconds: Optional[float] = None, history: Optional[Dict[str, Any]] = None) -> None:
         """``history``: earlier steps to replay from (a re-run child's): ``{"calls": {step: (fn, args,
@@ -402,8 +405,11 @@ def merge_child_experiments(event: Any, child: Optional[Dict[str, Any]]) -> bool
     if got.get("category") and got["category"] != cause.get("category"):
         cause["category"] = got["category"]
         event.fixes = list(child.get("fixes") or event.fixes or [])
+    elif got.get("tested_fixes") and child.get("fixes"):  # the child's fixes follow its replays
+        event.fixes = list(child["fixes"])
     gev = got.get("evidence") or {}
     for k in _MERGED_EVIDENCE:
         if k in gev:
             ev[k] = gev[k]
+    reconcile(event, KerasBench.framework)  # fix_index and untested_fixes for the fixes kept
     return True

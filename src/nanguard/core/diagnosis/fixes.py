@@ -31,7 +31,7 @@ __all__ = ["PYTORCH", "TENSORFLOW", "JAX", "framework_of", "is_jax", "speaking",
            "clamp_min", "clamp", "safe_where", "where_fn", "finite_filter", "finite_check", "nan_to_zero",
            "mask_fill_min", "detect_anomaly", "assert_finite_params", "float32_layer", "mixed_precision",
            "clip_grad_norm", "set_lr", "lr_warmup", "loss_scaler", "eps_kwarg", "logits_loss", "log_softmax",
-           "reinit", "norm_hint", "unit", "drop_last", "layer_name", "layer_word"]
+           "reinit", "norm_hint", "unit", "drop_last", "layer_name", "layer_word", "float32_model", "scale_step"]
 
 PYTORCH = "pytorch"
 TENSORFLOW = "tensorflow"
@@ -227,6 +227,29 @@ def float32_layer(origin: dict, where: str) -> str:
         return (f"run {layer_name(origin)} in float32: e.g. model.get_submodule('{mod}').float() and feed it "
                 "x.float(), or wrap it in torch.autocast(device_type, enabled=False)")
     return f"compute the op at {where} in float32 (cast its inputs with .float())"
+
+
+def float32_model() -> str:
+    """Run the whole model in float32 (the scope a replay showed finite when a module alone was not)."""
+    if is_jax():
+        return ("run the whole model in float32: construct its modules with dtype=jnp.float32 and "
+                "param_dtype=jnp.float32 (Flax) and feed it x.astype(jnp.float32)")
+    if is_tf():
+        return ("run the whole model in float32: keras.mixed_precision.set_global_policy(\"float32\") before "
+                "building it (or construct every layer with dtype=\"float32\")")
+    return ("run the whole model in float32: model.float() and feed it x.float() (or leave torch.autocast off "
+            "around it)")
+
+
+def scale_step(before: str, factor: str, after: str) -> str:
+    """A hand-written update (no optimizer object): scale its step (``p -= lr * p.grad``) by ``factor``."""
+    if is_jax():
+        return (f"scale the step by {factor} in the hand-written update (params - lr * grads: lr {before} -> "
+                f"about {after})")
+    if is_tf():
+        return (f"scale the step by {factor} in the hand-written update (v.assign_sub(lr * g): lr {before} -> "
+                f"about {after})")
+    return f"scale the step by {factor} in the hand-written update (p -= lr * p.grad: lr {before} -> about {after})"
 
 
 def mixed_precision(what: str = "instead of casting the whole model") -> str:

@@ -15,6 +15,8 @@ and what they mean; a backend executes them on its replayable step.
 * :mod:`.implied` - the cause an experiment proves when it refutes the leading one;
 * :mod:`.verdict` - the report fields (``cause.confirmed_by``, ``cause.ruled_out``,
   ``cause.evidence.experiments``) and the confidence;
+* :mod:`.tested` - ``cause.tested_fixes``: the numeric fixes the replays tried, and what they gave;
+* :mod:`.reconcile` - the numbered fixes reworded, ordered and marked by what the replays showed;
 * :mod:`.calibration` - the calibration table (confidence bucket -> share right);
 * :mod:`.config` - :class:`ExperimentConfig` (``experiments=``).
 

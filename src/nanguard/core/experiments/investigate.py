@@ -31,7 +31,10 @@ MAX_HYPOTHESES = 4
 
 
 class Bench(abc.ABC):
-    """A backend's replayable failing step, able to run experiments on it."""
+    """A backend's replayable failing step, able to run experiments on it. ``framework``: the words of the
+    fixes the experiments reword (``nanguard.core.diagnosis.fixes``)."""
+
+    framework: str = "pytorch"
 
     @abc.abstractmethod
     def capabilities(self, origin: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -105,11 +108,15 @@ class _Investigation:
                 break
             cat = nxt
         self._verify_for_recovery()
-        finalize(self.event, self.experiments, self.confirmed, self.ruled_out, self._cost(), self.original,
-                 self.implied)
         unavailable = self._unavailable()
         if unavailable:  # recovery may take these actions unverified (recovery/verify.py)
-            self.event.cause.setdefault("evidence", {})["experiments_unavailable"] = unavailable
+            ev = self.event.cause.setdefault("evidence", {})
+            ev["experiments_unavailable"] = unavailable
+            why = self._unavailable_why(unavailable)
+            if why:
+                ev["experiments_unavailable_why"] = why
+        finalize(self.event, self.experiments, self.confirmed, self.ruled_out, self._cost(), self.original,
+                 self.implied, framework=getattr(self.bench, "framework", None))
 
     def _unavailable(self) -> List[str]:
         """The experiment kinds this step cannot run at all (not the ones left out by the config or
@@ -120,6 +127,14 @@ class _Investigation:
         if not self.caps.get("module_chain"):
             out.append("upcast_module")
         return out
+
+    def _unavailable_why(self, kinds: List[str]) -> Dict[str, str]:
+        """Why a history replay cannot run, where the step says more than "no snapshot"."""
+        if "lr_replay" in kinds and "lrs" in self.caps and not self.caps.get("lrs"):
+            why = ("the script updates the weights by hand (no optimizer object): nanguard cannot replay the "
+                   "update with another step size")
+            return {"lr_replay": why, "clip_replay": why}
+        return {}
 
     def _situation(self, cat: str) -> Situation:
         ev = (self.event.cause or {}).get("evidence") or {}

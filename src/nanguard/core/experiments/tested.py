@@ -8,12 +8,16 @@ Each entry of ``cause.tested_fixes`` (report schema ``nanguard.report/1``, an op
 of older reports see none)::
 
     {"fix": "lr 0.004", "kind": "lr_replay", "passed": true, "steps": 20,
-     "loss": [2.3, 1.1], "text": "lr 0.004: 20 steps finite, loss 2.3 -> 1.1"}
+     "loss": [2.3, 1.1], "text": "lr 0.004: 20 steps finite, loss 2.3 -> 1.1", "lr": [0.004]}
+
+The value each entry tried (optional fields, for :mod:`.reconcile`, which words the numbered fixes
+after them): ``lr`` (the learning rates replayed, per parameter group), ``max_norm`` (the clip),
+``module`` (the module put in float32; ``""``: the whole model), ``op`` (the guarded op); and, once
+reconciled, ``fix_index``: the position in ``event.fixes`` of the fix this replay tested.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
-
 
 
 def g(x: Any) -> str:
@@ -51,6 +55,14 @@ def _entry(e: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         ("still non-finite" + (f" at step {d['failed_at']}" if d.get("failed_at") is not None else ""))
     loss = d.get("losses")
     t: Dict[str, Any] = {"fix": fix, "kind": kind, "passed": passed, "steps": steps}
+    if kind == "lr_replay" and d.get("lr"):
+        t["lr"] = list(d["lr"])
+    elif kind == "clip_replay" and isinstance(p.get("max_norm"), (int, float)):
+        t["max_norm"] = p["max_norm"]
+    elif kind == "upcast_module":
+        t["module"] = p.get("module") or ""
+    elif kind == "domain_guard" and p.get("op"):
+        t["op"] = p["op"]
     if isinstance(loss, list) and len(loss) == 2 and passed:
         t["loss"] = list(loss)
         what += f", loss {g(loss[0])} -> {g(loss[1])}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from .kinds import DIVERGENCE, PER_SAMPLE, PRECISION
+from .reconcile import reconcile
 from .records import Experiment, confirmed_record
 from .tested import tested_fixes
 
@@ -30,9 +31,10 @@ assert not (set(NEEDS_PROOF) - PRECISION - DIVERGENCE - PER_SAMPLE)
 
 def finalize(event: Any, experiments: List[Experiment], confirmed: Optional[Experiment],
              ruled_out: List[Dict[str, Any]], cost: Dict[str, Any], original: Optional[str],
-             implied: bool = False) -> None:
-    """Write the experiments' outcome into ``event.cause`` (in place). ``implied``: the cause was written
-    from the confirming experiment (its summary already says what the replay showed)."""
+             implied: bool = False, framework: Optional[str] = None) -> None:
+    """Write the experiments' outcome into ``event.cause`` (in place), and reconcile ``event.fixes`` with
+    the fixes the replays tested (:mod:`.reconcile`, in ``framework``'s words). ``implied``: the cause was
+    written from the confirming experiment (its summary already says what the replay showed)."""
     cause = event.cause if isinstance(event.cause, dict) else {}
     event.cause = cause
     ev = cause.setdefault("evidence", {})
@@ -66,6 +68,7 @@ def finalize(event: Any, experiments: List[Experiment], confirmed: Optional[Expe
     tested = tested_fixes(ev["experiments"])
     if tested:
         cause["tested_fixes"] = tested
+    reconcile(event, framework)
     if experiments:
         n_ok = sum(1 for e in experiments if e.finite)
         ev["experiments_note"] = (f"{len(experiments)} counterfactual replay(s), {n_ok} finite, "

@@ -182,7 +182,7 @@ class RecoveryPolicy:
                                       "began: rolling back to weights that are already diverging is not sound"
                                       + (f"; fix: {event.fixes[0]}" if getattr(event, "fixes", None) else ""))
             elif a == "clip":
-                self._clip(history, done, step)
+                self._clip(history, done, step, proofs.get("clip"))
             elif a == "lr_backoff":
                 self._lr_backoff(cause, actions, done, step, proofs.get("lr_backoff"))
             elif a == "upcast":
@@ -362,11 +362,15 @@ class RecoveryPolicy:
             rec["repeat"] = True
         done["grad_scale"] = rec
 
-    def _clip(self, history: Sequence[dict], done: Dict[str, Any], step: int) -> None:
+    def _clip(self, history: Sequence[dict], done: Dict[str, Any], step: int, proof: Optional[dict] = None) -> None:
         self._step_size_cut(step, done)
+        tested = ((proof or {}).get("params") or {}).get("max_norm")
         if self.clip_norm is not None:  # clipping did not prevent it: tighten
             self.clip_norm = self.clip_norm / 2
             done["clip"] = {"max_norm": self.clip_norm, "tightened": True}
+        elif isinstance(tested, (int, float)) and tested > 0:
+            self.clip_norm = float(tested)  # the clip a replay showed to be finite (recovery/verify.py)
+            done["clip"] = {"max_norm": self.clip_norm, "from": "the clip_replay that passed"}
         else:
             self.clip_norm = clip_max_norm(history, quantile=self.clip_quantile)
             done["clip"] = {"max_norm": self.clip_norm, "from": f"{self.clip_quantile:.0%} quantile of "

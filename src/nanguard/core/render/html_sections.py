@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..text import plural, plural_word
 from .html_blocks import css_slug, e, inline_html, kv_table, prose_html, value_html
 from .html_evidence import evidence_section  # noqa: F401  (the page's sections are imported from here)
-from .values import fmt, is_recovery, is_warning, num
+from .values import fix_notes, fmt, tested_line, is_recovery, is_warning, num
 
 # Keys of the report that the environment section shows in its own rows; anything else top-level
 # that is not one of these is listed there as it is.
@@ -177,11 +177,15 @@ def _history_table(hist: List[Dict[str, Any]], rows: int = 12) -> str:
 # --------------------------------------------------------------------------- evidence, fixes
 
 def fixes_section(ev: Dict[str, Any]) -> str:
-    fixes = [f for f in ev.get("fixes") or [] if f]
-    if not fixes:
-        return '<section id="fixes"><h2>What to do</h2><p class="muted">No fix suggested.</p></section>'
-    items = "".join(f"<li>{prose_html(str(f))}</li>" for f in fixes)
-    return f'<section id="fixes"><h2>What to do</h2><ol class="fixes">{items}</ol></section>'
+    fixes = list(enumerate(ev.get("fixes") or []))
+    tested = tested_line((ev.get("cause") or {}).get("tested_fixes") if isinstance(ev.get("cause"), dict) else None)
+    head = f"<p>{e(tested)}</p>" if tested else ""  # the replays of the numeric fixes (experiments/tested.py)
+    if not any(f for _, f in fixes):
+        return f'<section id="fixes"><h2>What to do</h2>{head}<p class="muted">No fix suggested.</p></section>'
+    notes = fix_notes(ev.get("cause"))  # what the replays said of each fix (experiments/reconcile.py)
+    items = "".join(f"<li>{prose_html(str(f))}" + (f' <span class="muted">({e(notes[i])})</span>' if i in notes else "")
+                    + "</li>" for i, f in fixes if f)
+    return f'<section id="fixes"><h2>What to do</h2>{head}<ol class="fixes">{items}</ol></section>'
 
 
 # --------------------------------------------------------------------------- events

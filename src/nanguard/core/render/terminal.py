@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from ..events import Report, one_line
 from ..text import listed, plural, strip_ansi
+from .values import fix_notes, tested_line
 
 
 def _console():
@@ -117,8 +118,10 @@ def _render(report: Report, json_path: Optional[str], console=None) -> None:
         fx.add_column()
         if tested:  # a fix a replay from the snapshot showed to work, first (experiments/tested.py)
             fx.add_row("[bold green]>[/]", _escape(tested))
+        notes = fix_notes(cause)  # what the replays said of each fix (experiments/reconcile.py)
         for i, f in enumerate(ev.fixes or [], 1):
-            fx.add_row(f"[bold green]{i}.[/]", _escape(f))
+            note = notes.get(i - 1)
+            fx.add_row(f"[bold green]{i}.[/]", _escape(f) + (f" [dim]({_escape(note)})[/]" if note else ""))
         parts.append("[bold]What to do[/]")
         parts.append(fx)
     more = len(report.events) - 1
@@ -131,17 +134,6 @@ def _render(report: Report, json_path: Optional[str], console=None) -> None:
         parts.append("[dim]" + _escape("; ".join(tail)) + "[/]")
     con.print(Panel(Group(*parts), title=f"[bold {'yellow' if ev.is_warning else 'red'}]nanguard: {panel_title(ev)}[/]",
                     expand=False))
-
-
-def tested_line(tested) -> Optional[str]:
-    """The line the fixes start with (``cause.tested_fixes``, passed ones first): a fix that passed, with
-    what happened, or that none of the tested ones passed."""
-    tested = [t for t in tested or () if isinstance(t, dict) and t.get("text")]
-    if not tested:
-        return None
-    if tested[0].get("passed"):
-        return f"tested: {tested[0]['text']}"
-    return "tested, none passed: " + "; ".join(t["text"] for t in tested[:3])
 
 
 def panel_title(ev) -> str:

@@ -109,3 +109,31 @@ def choose_scale(values: Sequence[float]) -> Tuple[str, Optional[float]]:
     if any(v == 0 for v in fin):
         return "symlog", min(pos)
     return "log", None
+
+
+def fix_notes(cause: Any) -> Dict[int, str]:
+    """What the replays said of each numbered fix (``cause.tested_fixes[].fix_index``,
+    ``cause.untested_fixes``), by its position in ``event.fixes``: "replay: passed" or "not tested by
+    replay: why". A fix whose replay failed says so in its own text."""
+    cause = cause if isinstance(cause, dict) else {}
+    out: Dict[int, str] = {}
+    for t in cause.get("tested_fixes") or []:
+        if isinstance(t, dict) and t.get("passed") is True and isinstance(t.get("fix_index"), int):
+            out.setdefault(t["fix_index"], "replay: passed")
+    for u in cause.get("untested_fixes") or []:
+        if isinstance(u, dict) and isinstance(u.get("fix_index"), int):
+            why = u.get("why")
+            out.setdefault(u["fix_index"], "not tested by replay" + (f": {why}" if isinstance(why, str) and why
+                                                                     else ""))
+    return out
+
+
+def tested_line(tested: Any) -> Optional[str]:
+    """The line the fixes start with (``cause.tested_fixes``, passed ones first): a fix that passed, with
+    what happened, or that none of the tested ones passed."""
+    tested = [t for t in tested or () if isinstance(t, dict) and t.get("text")]
+    if not tested:
+        return None
+    if tested[0].get("passed"):
+        return f"tested: {tested[0]['text']}"
+    return "tested, none passed: " + "; ".join(t["text"] for t in tested[:3])

@@ -49,16 +49,21 @@ def investigate_failure(event: Any, step: ReplayableStep, *, roots: Sequence[tor
 def investigate_zero_code(event: Any, replay: Any, *, roots: Sequence[torch.nn.Module], optimizers: Sequence[Any],
                           scaler: Any, config: ExperimentConfig, step_seconds: Optional[float],
                           rediagnose: Optional[Callable[[Sequence[str]], Optional[tuple]]] = None,
-                          history: Sequence[dict] = (), indices: Optional[Sequence[Any]] = None) -> Optional[Dict[str, Any]]:
+                          history: Sequence[dict] = (), indices: Optional[Sequence[Any]] = None,
+                          kept: Optional[Dict[int, ReplayableStep]] = None, snapshots: Sequence[Any] = (),
+                          recovering: bool = False) -> Optional[Dict[str, Any]]:
     """``nanguard run``'s hook: test ``event``'s cause on the in-process step replay ``replay`` (the
     watcher's ``step_replay(step)``). ``step_seconds``: one ordinary step's wall time; ``indices``: the
-    dataset row of every batch row (the DataLoader hooks'). None when experiments are off."""
+    dataset row of every batch row (the DataLoader hooks'); ``kept`` (earlier steps' replays, by step) and
+    ``snapshots`` (the recovery's): history replays from a snapshot (``lr_replay``, ``clip_replay``). None
+    when experiments are off."""
     if not config.enabled or replay is None:
         return None
     shape = (event.origin or {}).get("shape") or [None]
     step = TapeStep(replay, roots, optimizers, scaler, event.step, indices, rows_hint=shape[0])
     return investigate_failure(event, step, roots=roots, config=config, step_seconds=step_seconds,
-                               rediagnose=rediagnose, history=history)
+                               rediagnose=rediagnose, history=history, kept=kept, snapshots=snapshots,
+                               recovering=recovering)
 
 
 def drop_rows_and_regrad(step: ReplayableStep, rows: List[int]) -> Optional[Dict[str, Any]]:

@@ -9,9 +9,10 @@ returns ``{"losses", "grads_finite", "error", "seconds", ...}``. This adapter tu
 dimension is the batch size, a cast applies to every floating external tensor. It is duck-typed
 (nothing here imports the tape), so it works with any object that has that ``run``.
 
-Not supported through a step replay (yet): ``keep_grads`` (it always puts the gradients back), so
-history replays (``lr_replay``/``clip_replay``) and the ``drop_samples`` recovery are not offered
-under ``nanguard run``; the other experiments are.
+``keep_grads`` (history replays: ``lr_replay``/``clip_replay`` from a recovery snapshot, over the steps
+the watcher kept since, :meth:`TapeStep.intact`) is passed on as the step replay's ``keep_grads``, for a
+replay of the step as recorded (not with rows dropped or a cast). The ``drop_samples`` recovery is not
+offered under ``nanguard run``.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
+from ..numerics import version
 from .step import Outcome, ReplayableStep, StepChanges, check
 
 
@@ -31,6 +33,7 @@ class TapeChanges:
 
     inputs: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None
     context: Optional[Callable[[], Any]] = None
+    keep_grads: bool = False
 
 
 class TapeStep(ReplayableStep):
@@ -46,6 +49,8 @@ class TapeStep(ReplayableStep):
         self.step = step if step is not None else getattr(replay, "step", None)
         self.indices = list(indices) if indices is not None else None
         self.rows_hint = rows_hint  # the first dimension of the origin's output (the event's origin.shape[0])
+        # the inputs as the step read them (a kept earlier step is replayed only if they were not written since)
+        self._versions = [(t, version(t)) for t in self._externals() if not t.requires_grad]
 
     def _externals(self) -> List[torch.Tensor]:
         return [t for t in (getattr(self.replay, "ext", None) or []) if isinstance(t, torch.Tensor)]
@@ -76,11 +81,16 @@ class TapeStep(ReplayableStep):
     def dataset_indices(self) -> Optional[List[Any]]:
         return self.indices
 
+    def intact(self) -> bool:
+        """The step's inputs (the batch, targets, masks) were not written in place since it ran."""
+        return getattr(self.replay, "problem", None) is None and all(version(t) == v for t, v in self._versions)
+
     def run(self, recorder: Any = None, changes: Optional[StepChanges] = None) -> Outcome:
         ch = changes or StepChanges()
         t0 = time.perf_counter()
-        if ch.keep_grads:
-            return Outcome(finite=None, seconds=0.0, error="a step replay always puts the gradients back")
+        if ch.keep_grads and (ch.keep_rows is not None or ch.cast is not None):
+            return Outcome(finite=None, seconds=0.0, error="a step replay keeps the gradients of the step as recorded "
+                           "only")
         size = self.batch_size()
         keep = None if ch.keep_rows is None else torch.as_tensor(list(ch.keep_rows), dtype=torch.long)
         dropped = []
@@ -95,8 +105,8 @@ class TapeStep(ReplayableStep):
                 t = t.to(ch.cast)
             return t
 
-        tc = TapeChanges(inputs=inputs if (keep is not None or ch.cast is not None) else None)
-        res = self.replay.run(recorder=recorder, changes=tc if tc.inputs is not None else None)
+        tc = TapeChanges(inputs=inputs if (keep is not None or ch.cast is not None) else None, keep_grads=ch.keep_grads)
+        res = self.replay.run(recorder=recorder, changes=tc if (tc.inputs is not None or tc.keep_grads) else None)
         if res.get("error"):
             return Outcome(finite=None, seconds=time.perf_counter() - t0, error=str(res["error"]))
         if keep is not None and not dropped:  # the batch is cut from a larger tensor inside the step: not tested

@@ -208,7 +208,7 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
     if measured:
         why = (f"there is no optimizer object: the hand-written update's step size, measured from the "
                f"parameter change and the gradient, is {T.g(lr)}")
-        fixes = [f"lower the step size of the hand-written update (p -= lr * p.grad) from {T.g(lr)} to about {new}",
+        fixes = [X.scale_step(T.g(lr), T.g(factor, 2), new),  # untested: a hand-written update is not replayed
                  "or clip the gradient norm before the update: " + X.clip_grad_norm("0.25")]
         return why, fixes, None
     if T.fin(mom) and mom >= 0.95:
