@@ -23,7 +23,7 @@ from torch.amp.grad_scaler import OptState
 from ..core.config import GuardConfig
 from ..core.engine import FailurePipeline, Ports
 from ..core.events import Detection, Event, NonFiniteError, Report
-from ..core.guarded import call_guarded, disabled_note
+from ..core.guarded import disabled_note, internal_error
 from ..core.experiments import ExperimentConfig
 from ..core.render.terminal import print_line, summary_line
 from .bundle import default_bundle_path
@@ -36,7 +36,7 @@ from .distributed import accumulation, is_main, share_event
 from .guard_failures import FailureHandler, annotate_replay
 from .guard_closure import ClosureSteps
 from .guard_reports import ReportWriter
-from .owners import guard_step
+from .owners import GUARD_STEP
 from .recover import RecoveryPolicy
 from .ring import StepRing
 from .rng import StepRng
@@ -199,7 +199,7 @@ class Guard:
                        f"{'; sync-free' if self.sync_free else ''})")
         batches = list(batch) if micro_batches else [batch]
         self._step_start, self._step_indices = t_start, indices
-        with guard_step():  # a nanguard.watch() / nanguard run around this guard leaves its steps to it
+        with GUARD_STEP:  # a nanguard.watch() / nanguard run around this guard leaves its steps to it
             if self._lazy is not None and not self.disabled:
                 return self._lazy.step(batches, loss_fn)
             return self._sync_step(batches, loss_fn)
@@ -216,7 +216,8 @@ class Guard:
         if self.closure_mode:
             return self.closure.step(batches, loss_fn, rng)
         loss = self._forward_backward(batches, loss_fn)
-        self.step_rng.after()
+        if self.step_rng.probing is not None:  # a probe step: did it draw from random / numpy?
+            self.step_rng.after()
         if self.ring.entries and self.ring.entries[-1].step == self.monitor.steps_watched:
             self.ring.entries[-1].loss = loss.detach()
         return self._check_and_update(batches, loss_fn, rng, loss)
@@ -238,27 +239,37 @@ class Guard:
             o.zero_grad(set_to_none=True)
         loss = None
         n = len(batches)
-        for i, b in enumerate(batches):
-            with accumulation(self.model, last=i == n - 1, mode=self.no_sync):
-                self._safe(lambda: self.monitor.on_batch(b))
-                loss = loss_fn(b)
-                self._safe(lambda: self.monitor.on_backward([loss]))
-                if self.scaler is not None:
-                    self.scaler.scale(loss).backward()
-                else:  # recovery's own loss scale, once the loss_scale action turned it on
-                    (self.policy.scale_loss(loss) if self.policy is not None else loss).backward()
+        if n == 1 and self.no_sync is not True:  # accumulation() is a null context then: none entered
+            loss = self._micro_batch(batches[0], loss_fn)
+        else:
+            for i, b in enumerate(batches):
+                with accumulation(self.model, last=i == n - 1, mode=self.no_sync):
+                    loss = self._micro_batch(b, loss_fn)
         if self.policy is not None:
             self._safe(lambda: self.policy.before_check(self.optimizers))
+        return loss
+
+    def _micro_batch(self, b: Any, loss_fn: LossFn) -> torch.Tensor:
+        """One micro-batch's forward + loss + backward, its batch and loss checked (no sync)."""
+        mon = self.monitor
+        self._safe(mon.on_batch, b)
+        loss = loss_fn(b)
+        self._safe(mon.on_backward, (loss,))
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:  # recovery's own loss scale, once the loss_scale action turned it on
+            (self.policy.scale_loss(loss) if self.policy is not None else loss).backward()
         return loss
 
     def _check_and_update(self, batches: List[Any], loss_fn: LossFn, rng: Any, loss: torch.Tensor) -> torch.Tensor:
         skipped = {}
         spiked = False
         for o in self.optimizers:
-            det = self._safe(lambda: self._check(o))
+            det = self._safe(self._check, o)
             skipped[id(o)] = False
             if det is None:
-                spiked = bool(self._safe(lambda: self._spike(o))) or spiked
+                if self.monitor.spike is not None:  # the check raised an early warning
+                    spiked = bool(self._safe(self._spike, o)) or spiked
                 continue
             if det.info_only:
                 self.report.info.append({"step": det.step, "phase": det.phase, **det.detected})
@@ -336,15 +347,13 @@ class Guard:
             self.scaler.update()
         if self._lazy is not None:
             self._lazy.mark_seen()
+        end = self.monitor.end_step
         for o in self.optimizers:
-            self._safe(lambda: self.monitor.end_step(o, skipped=skipped.get(id(o), False)))
+            self._safe(end, o, skipped.get(id(o), False))
         if self.policy is not None:
             self.policy.after_step(self)
-        self._timed(time.perf_counter() - self._step_start)
-
-    def _timed(self, seconds: float) -> None:
-        """A running estimate of one ordinary step's wall time (the experiments' budget unit)."""
-        s = self._step_seconds
+        # a running estimate of one ordinary step's wall time (the experiments' budget unit); inline: no call
+        seconds, s = time.perf_counter() - self._step_start, self._step_seconds
         self._step_seconds = seconds if s is None else (0.8 * s + 0.2 * seconds if seconds < 10 * s else s)
 
     def _keep(self, batches, loss_fn, rng, indices) -> None:
@@ -403,9 +412,17 @@ class Guard:
             pass
 
     # ------------------------------------------------------------------ housekeeping
-    def _safe(self, fn: Callable[[], Any]) -> Any:
-        """Guard code never kills training (unless strict)."""
-        return call_guarded(self, fn, NonFiniteError)
+    def _safe(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``: guard code never kills training (unless strict). The ``try`` is inline (it runs a
+        few times every step): no lambda and no ``call_guarded`` frame on the healthy path."""
+        if self.disabled:
+            return None
+        try:
+            return fn(*args)
+        except NonFiniteError:
+            raise
+        except Exception as e:  # never kill the user's training for a guard bug
+            return internal_error(self, e)
 
     def close(self) -> Report:
         """Finish: read the last pending check, write the report, print the one-line summary."""

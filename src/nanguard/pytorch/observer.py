@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, List, Sequence
 
-__all__ = ["WatchObserver", "Observers", "combine"]
+__all__ = ["WatchObserver", "Observers", "combine", "hook"]
 
 
 class WatchObserver:
@@ -98,6 +98,14 @@ class Observers(WatchObserver):
     @property
     def recorder(self) -> Any:
         return next((r for r in (o.recorder for o in self.observers) if r is not None), None)
+
+
+def hook(observer: WatchObserver, name: str) -> Any:
+    """``observer``'s bound hook ``name``, or None when it is the base class's no-op: the Watcher then
+    makes no call for it (its per-step hooks run every step)."""
+    if getattr(type(observer), name, None) is getattr(WatchObserver, name):
+        return None
+    return getattr(observer, name)
 
 
 def combine(*observers: Any) -> WatchObserver:

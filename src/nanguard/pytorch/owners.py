@@ -16,15 +16,17 @@ and the fork flag; the Watcher's ``_replaying`` reads them in every hook).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import weakref
-from typing import Any, Iterator
+from typing import Any
 
 from ..core.script import ThreadStops
 
 _local = threading.local()
+# per thread: ``guard_depth``, the Guard steps open in this thread (read as
+# ``getattr(guard_state, "guard_depth", 0)``: the watcher's hooks test it inline, with no call)
+guard_state = _local
 
 
 class StopRun(BaseException):
@@ -36,14 +38,20 @@ class StopRun(BaseException):
 _watchers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-@contextlib.contextmanager
-def guard_step() -> Iterator[None]:
-    """The calling thread runs a Guard's own step: watchers stand aside inside."""
-    _local.guard_depth = getattr(_local, "guard_depth", 0) + 1
-    try:
-        yield
-    finally:
+class _GuardStep:
+    """``with GUARD_STEP:`` the calling thread runs a Guard's own step: watchers stand aside inside
+    (a class, not a generator context manager: two Python calls a step instead of nine)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _local.guard_depth = getattr(_local, "guard_depth", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
         _local.guard_depth -= 1
+
+
+GUARD_STEP = _GuardStep()  # ``with GUARD_STEP:`` around a Guard's step
 
 
 def in_guard_step() -> bool:

@@ -23,13 +23,21 @@ def capture_rng(plain: bool = True) -> Dict[str, Any]:
 
 def _torch_rng(cuda: Optional[bool] = None) -> Dict[str, Any]:
     """torch's CPU RNG state, and CUDA's once initialised (``cuda``: whether CUDA is available, if known)."""
-    st: Dict[str, Any] = {"torch": torch.get_rng_state()}
+    st: Dict[str, Any] = {"torch": _CPU_GEN.get_state()}  # what torch.get_rng_state() returns, without its frame
+    if cuda is not False:
+        _cuda_rng(st, cuda)
+    return st
+
+
+def _cuda_rng(st: Dict[str, Any], cuda: Optional[bool]) -> None:
     try:
         if (torch.cuda.is_available() if cuda is None else cuda) and torch.cuda.is_initialized():
             st["cuda"] = torch.cuda.get_rng_state_all()
     except Exception:
         pass
-    return st
+
+
+_CPU_GEN = torch.default_generator
 
 
 def _numpy_rng(st: Dict[str, Any]) -> Any:
@@ -63,7 +71,9 @@ class StepRng:
         self.n = 0
         self.py = False   # steps draw from Python's random: read every step
         self.np = False   # steps draw from numpy's global generator: read every step
-        self._probe: Optional[Dict[str, Any]] = None
+        # the state a probe step captured, until after() compared it (None: no probe pending; a driver
+        # tests this attribute before calling after(), so an ordinary step makes no call)
+        self.probing: Optional[Dict[str, Any]] = None
         try:
             self._cuda = torch.cuda.is_available()  # asked once (a driver query), not every step
         except Exception:
@@ -71,22 +81,24 @@ class StepRng:
 
     def capture(self) -> Dict[str, Any]:
         """This step's RNG state (the native form of :func:`capture_rng`, without what is not drawn)."""
-        if self._probe is not None:
+        if self.probing is not None:
             self.after()
         probe = self.n < 2 or self.n % self.PROBE_EVERY == 0
         self.n += 1
-        st = _torch_rng(self._cuda)
+        st = {"torch": _CPU_GEN.get_state()}  # (_torch_rng inline: one call less every step)
+        if self._cuda:
+            _cuda_rng(st, True)
         if self.py or probe:
             st["random"] = random.getstate()
         if self.np or probe:
             _numpy_rng(st)
         if probe and not (self.py and self.np):
-            self._probe = st
+            self.probing = st
         return st
 
     def after(self) -> None:
         """After a probe step's forward and backward: did they draw from ``random`` or numpy?"""
-        st, self._probe = self._probe, None
+        st, self.probing = self.probing, None
         if st is None:
             return
         if not self.py and "random" in st and random.getstate() != st["random"]:

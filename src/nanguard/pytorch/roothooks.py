@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 from torch.nn.modules import module as torch_module
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["RootHooks"]
 
@@ -60,7 +61,7 @@ class RootHooks:
         loc = self._local
         d = getattr(loc, "depth", 0)
         loc.depth = d + 1
-        if d or _in_backward() or not self._active():
+        if d or (_node is not None and _node() is not None) or not self._active():  # (_in_backward(), inline)
             return
         self._pre_cb(module, args)
         self._take_out(module)
@@ -71,7 +72,7 @@ class RootHooks:
         loc = self._local
         d = getattr(loc, "depth", 1) - 1
         loc.depth = d if d > 0 else 0
-        if d > 0 or _in_backward() or not self._active():
+        if d > 0 or (_node is not None and _node() is not None) or not self._active():
             return
         kwargs, output = rest if len(rest) == 2 else ({}, rest[0] if rest else None)
         self._post_cb(module, args, kwargs, output)
@@ -88,7 +89,7 @@ class RootHooks:
                 or getattr(module, "_compiled_call_impl", None) is not None:
             return
         try:
-            self._out = module.register_forward_hook(self._root_return, always_call=True, with_kwargs=True)
+            self._out = _add_return_hook(module, self._root_return)
         except Exception:  # a module that takes no hooks: keep the global ones
             return
         torch_module._global_forward_pre_hooks.pop(self._handles[0].id, None)
@@ -102,14 +103,33 @@ class RootHooks:
         out, self._out = self._out, None
         if out is None:
             return
-        out.remove()
+        if isinstance(out, tuple):
+            hid, dicts = out
+            for d in dicts:
+                d.pop(hid, None)
+        else:
+            out.remove()
         # the ids stay in torch's always-called / with-kwargs tables: putting the function back is enough
         torch_module._global_forward_pre_hooks[self._handles[0].id] = self._pre
         torch_module._global_forward_hooks[self._handles[1].id] = self._post
 
 
-def _in_backward() -> bool:
-    try:
-        return torch._C._current_autograd_node() is not None
-    except Exception:
-        return False
+_node = getattr(torch._C, "_current_autograd_node", None)  # not None inside backward (checkpointing)
+
+
+def _add_return_hook(module: torch.nn.Module, fn: Callable[..., None]) -> Any:
+    """``module.register_forward_hook(fn, always_call=True, with_kwargs=True)``, written into the
+    module's hook tables directly, as that method does, under a fresh handle id: (id, tables) to pop
+    it from. Once per outermost call, so without the handle object (its constructor and ``remove()``
+    cost six Python calls); a module without those tables gets the public call (its handle)."""
+    hooks = module.__dict__.get("_forward_hooks")
+    kw = module.__dict__.get("_forward_hooks_with_kwargs")
+    always = module.__dict__.get("_forward_hooks_always_called")
+    if hooks is None or kw is None or always is None:
+        return module.register_forward_hook(fn, always_call=True, with_kwargs=True)
+    hid = RemovableHandle.next_id
+    RemovableHandle.next_id = hid + 1
+    hooks[hid] = fn
+    kw[hid] = True
+    always[hid] = True
+    return hid, (hooks, kw, always)

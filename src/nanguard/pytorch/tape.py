@@ -69,6 +69,10 @@ class Ext:
         self.i = i
 
 
+_new = object.__new__  # Ref/Ext on the hot path: made without an __init__ frame
+_detach = torch.Tensor.detach
+
+
 class Entry:
     """One recorded call. ``kind``: 'module' | 'call' | 'backward'; ``fn``: the module, the torch
     callable, or None for backward; ``args``/``kwargs``: templates; ``site``: (user frame, library
@@ -98,13 +102,23 @@ def _autocast_state() -> Optional[Tuple]:
 
 def rng_now() -> Tuple[torch.Tensor, Any]:
     """torch's CPU RNG state, and the current CUDA device's when CUDA is initialised (no sync)."""
+    global _cuda_available
     cuda = None
-    if torch.cuda.is_initialized():
+    if _cuda_available is None:
+        try:
+            _cuda_available = torch.cuda.is_available()  # asked once (a driver query), not every call
+        except Exception:
+            _cuda_available = False
+    if _cuda_available and torch.cuda.is_initialized():
         try:
             cuda = (torch.cuda.current_device(), torch.cuda.get_rng_state())
         except Exception:
             cuda = None
-    return torch.get_rng_state(), cuda
+    return _CPU_GEN.get_state(), cuda  # (what torch.get_rng_state() returns, without its Python frame)
+
+
+_cuda_available: Optional[bool] = None
+_CPU_GEN = torch.default_generator
 
 
 def set_rng(st: Tuple[torch.Tensor, Any]) -> None:
@@ -136,18 +150,20 @@ def tensor_leaves(obj: Any, out: Optional[list] = None, depth: int = 0) -> list:
     return out
 
 
-def _inplace(fn: Any, kwargs: dict) -> bool:
-    name = getattr(fn, "__name__", "")
+@functools.lru_cache(maxsize=4096)  # per recorded call: a C-level cache hit, no Python frame
+def _inplace_name(name: str) -> bool:
+    """A call of this name writes its first argument in place (``add_``, ``__iadd__``, ``__setitem__``);
+    a call given ``out=`` writes that (tested apart)."""
     return (name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
             or (name.startswith("__i") and name.endswith("__") and name not in ("__init__", "__iter__",
-                                                                                   "__index__", "__int__"))
-            or kwargs.get("out") is not None)
+                                                                                   "__index__", "__int__")))
 
 
 class _UserWarnings:
     """While a recorded call runs, a warning it raises (``std(): degrees of freedom is <= 0``) is shown
     at the user's line that made the call, as without nanguard, not at the mode handler's frame: the
-    warning machinery's ``showwarning`` is swapped for the call (one attribute write each way)."""
+    warning machinery's ``showwarning`` is swapped for the call (one attribute write each way, inline in
+    :meth:`StepTape.call`: ``orig`` is the one it replaced, ``show`` the replacement)."""
 
     def __init__(self, frames: Frames) -> None:
         self.frames = frames
@@ -167,13 +183,6 @@ class _UserWarnings:
             warnings.warn_explicit(message, category, user[0], user[1], registry=registry)
         finally:
             warnings.showwarning = self.show
-
-    def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        self.orig, warnings.showwarning = warnings.showwarning, self.show
-        try:
-            return func(*args, **kwargs)
-        finally:
-            warnings.showwarning = self.orig
 
 
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "exponential", "gumbel",
@@ -246,7 +255,7 @@ class StepTape:
         self.writers: Dict[tuple, List[int]] = {}    # (entry, slot) -> calls that wrote that output in place
         self.param_writes: Dict[int, dict] = {}      # id(parameter) -> the last recorded in-place write to it
         self._ext_ids: Dict[int, int] = {}
-        self._prod: Dict[int, Tuple[Ref, Any]] = {}  # id(tensor) -> (its Ref, weakref)
+        self._prod: Dict[int, Tuple[int, int, Any]] = {}  # id(tensor) -> (entry, slot, weakref)
         self._calls = 0
         self._rng_dirty = True
         self.incomplete = None
@@ -284,7 +293,7 @@ class StepTape:
     def open(self) -> None:
         if self._stale:
             self._remove()
-        if not self._pushed and self.recording:
+        if not self._pushed and self.enabled and self.incomplete is None:  # (self.recording, inline)
             torch._C._push_on_torch_function_stack(self.mode)
             self._pushed = True
 
@@ -336,16 +345,29 @@ class StepTape:
             self.open()
 
     # ------------------------------------------------------------------ templates
+    # (The hot path: a handful of these run for every recorded call of every step. Tensors are looked up
+    # inline and Ref/Ext objects made with object.__new__, so a template costs one Python call per
+    # container, none per tensor or plain value.)
     def _tensor(self, t: torch.Tensor, new: Dict[int, tuple]) -> Any:
         p = self._prod.get(id(t))
-        if p is not None and p[1]() is t:
-            return p[0]
+        if p is not None and p[2]() is t:
+            r = _new(Ref)
+            r.entry, r.slot = p[0], p[1]
+            return r
         i = self._ext_ids.get(id(t))
         if i is not None:
-            return Ext(i)
+            x = _new(Ext)
+            x.i = i
+            return x
         n = new.get(id(t))
         if n is None:  # provisional: registered only if the call is recorded
-            n = new[id(t)] = (Ext(len(self.ext) + len(new)), t, version(t))
+            x = _new(Ext)
+            x.i = len(self.ext) + len(new)
+            try:
+                ver = t._version
+            except Exception:  # inference tensors have no version counter
+                ver = None
+            n = new[id(t)] = (x, t, ver)
         return n[0]
 
     def _template(self, obj: Any, new: Dict[int, tuple], depth: int = 0) -> Any:
@@ -357,9 +379,25 @@ class StepTape:
         if depth >= _MAX_DEPTH:
             return obj
         if t is tuple or t is list:
-            return t([self._template(o, new, depth + 1) for o in obj])
+            out = []
+            for o in obj:
+                if type(o) in _PLAIN:
+                    out.append(o)
+                elif isinstance(o, torch.Tensor):
+                    out.append(self._tensor(o, new))
+                else:
+                    out.append(self._template(o, new, depth + 1))
+            return out if t is list else tuple(out)
         if t is dict:
-            return {k: self._template(v, new, depth + 1) for k, v in obj.items()}
+            d = {}
+            for k, v in obj.items():
+                if type(v) in _PLAIN:
+                    d[k] = v
+                elif isinstance(v, torch.Tensor):
+                    d[k] = self._tensor(v, new)
+                else:
+                    d[k] = self._template(v, new, depth + 1)
+            return d
         return obj
 
     def _commit(self, new: Dict[int, tuple]) -> None:
@@ -370,8 +408,11 @@ class StepTape:
             self.ext_ver.append(ver)
 
     def _register(self, idx: int, leaves: list) -> None:
+        """The outputs of entry ``idx``: (entry, slot, weak reference) by identity (a Ref is made only
+        when a later call reads one)."""
+        prod = self._prod
         for j, t in enumerate(leaves):
-            self._prod[id(t)] = (Ref(idx, j), weakref.ref(t))
+            prod[id(t)] = (idx, j, weakref.ref(t))
 
     def _add(self, e: Entry) -> Optional[int]:
         if len(self.entries) >= self.max_entries:
@@ -384,16 +425,17 @@ class StepTape:
     # ------------------------------------------------------------------ hooks (called by the watcher)
     def root_pre(self, module: torch.nn.Module, args: tuple) -> None:
         """An outermost module call starts. Always ends the region; records with grad enabled."""
-        self.close()
+        if self._pushed or self._stale:
+            self.close()
         self._pending = None
-        if not self.recording:
+        if not self.enabled or self.incomplete is not None:  # (self.recording, inline)
             return
         if not torch.is_grad_enabled():
             if self.trained:  # e.g. a frozen teacher inside a training step: its output is data
                 return
             self.eval_reset()  # evaluation: the tape keeps this call and what follows it
         new: Dict[int, tuple] = {}
-        e = Entry("module", module, self._template(args, new), None, self.frames.site_of(sys._getframe(2)))
+        e = Entry("module", module, self._template(args, new), None, self.frames.site_of(sys._getframe(1)))
         e.rng = rng_now()
         self._pending = e
         self._pending_new = new
@@ -401,23 +443,29 @@ class StepTape:
     def root_post(self, module: torch.nn.Module, kwargs: dict, output: Any) -> None:
         """The outermost module call returned: record it and open the loss region."""
         e, self._pending = self._pending, None
-        if e is None or e.fn is not module or not self.recording:
+        if e is None or e.fn is not module or not self.enabled or self.incomplete is not None:
             return
         new = self._pending_new
         e.kwargs = self._template(kwargs, new) if kwargs else {}
-        if len(self.entries) < self.max_entries:
+        entries = self.entries
+        if len(entries) >= self.max_entries:
+            self._add(e)  # over budget: marked, the region closed
+            return
+        if new:
             self._commit(new)
-        idx = self._add(e)
-        if idx is not None:
-            self.trained = self.trained or e.grad
-            self._register(idx, tensor_leaves(output))
-            self._rng_dirty = False   # the replayed module call draws what the call drew
-            self.open()
+        entries.append(e)
+        self.trained = self.trained or e.grad
+        self._register(len(entries) - 1, [output] if isinstance(output, torch.Tensor) else tensor_leaves(output))
+        self._rng_dirty = False   # the replayed module call draws what the call drew
+        self.open()
 
     def call(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """The mode handler: run the call, record it when it makes or writes a tensor."""
+        """The mode handler: run the call, record it when it makes or writes a tensor. (Every recorded
+        call of every step runs this: the budget test, the in-place test (cached per name), the warning
+        swap, the leaves, the commit and the entry are inline.)"""
         name = getattr(func, "__name__", "")
-        if not self._pushed or not self.recording or name in _NOT_RECORDED or name.startswith("_record_function"):
+        if not self._pushed or not self.enabled or self.incomplete is not None or name in _NOT_RECORDED \
+                or name.startswith("_record_function"):
             return func(*args, **kwargs)
         self._calls += 1  # every call the handler sees counts against the budget (its cost is ours)
         if self.trained:
@@ -434,28 +482,38 @@ class StepTape:
                 self.pre_truncated = True  # the batch's own making is not all recorded: it is data from here
                 self.close()
                 return func(*args, **kwargs)
-        inplace = _inplace(func, kwargs)
+        inplace = _inplace_name(name) or (kwargs.get("out") is not None if kwargs else False)
         new: Dict[int, tuple] = {}
         targs, tkw = self._template(args, new), (self._template(kwargs, new) if kwargs else {})
         # the RNG state before the first call of a region, and before any call that may draw from it
         rng = rng_now() if (self._rng_dirty or _random(name)) else None
-        out = self._warn.run(func, args, kwargs)
-        leaves = tensor_leaves(out)
+        w = self._warn  # (_UserWarnings.run, inline)
+        w.orig, warnings.showwarning = warnings.showwarning, w.show
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            warnings.showwarning = w.orig
+        leaves = [out] if isinstance(out, torch.Tensor) else tensor_leaves(out)
         if not leaves and not inplace:
             return out
         target = (tkw.get("out") if tkw.get("out") is not None else targs[0] if targs else None) if inplace else None
-        self._commit(new)
+        if new:
+            self._commit(new)
         if isinstance(target, Ext):
             self._written(target.i, func)   # not re-executed: the replay reads the written values
             return out
         e = Entry("call", func, targs, tkw, self.frames.site_of(sys._getframe(1)))
         e.rng = rng
         self._rng_dirty = False
-        idx = self._add(e)
-        if idx is not None:
-            if isinstance(target, Ref):  # x[mask] = 0: readers of x need this call too
-                self.writers.setdefault((target.entry, target.slot), []).append(idx)
-            self._register(idx, leaves)
+        entries = self.entries
+        if len(entries) >= self.max_entries:
+            self._add(e)  # over budget: marked, the region closed
+            return out
+        entries.append(e)
+        idx = len(entries) - 1
+        if isinstance(target, Ref):  # x[mask] = 0: readers of x need this call too
+            self.writers.setdefault((target.entry, target.slot), []).append(idx)
+        self._register(idx, leaves)
         return out
 
     def _written(self, i: int, func: Any) -> None:
@@ -473,19 +531,29 @@ class StepTape:
 
     def before_backward(self, tensors: List[torch.Tensor], a: tuple, k: dict) -> None:
         """``torch.autograd.backward(tensors, *a, **k)`` is about to run: end the region, record it."""
-        self.close()
+        if self._pushed or self._stale:
+            self.close()
         self.trained = self.ever_trained = True
-        if not self.recording:
+        if not self.enabled or self.incomplete is not None:
             return
-        if not tensors or any(self._prod.get(id(t)) is None or self._prod[id(t)][1]() is not t for t in tensors):
+        made = bool(tensors)
+        prod = self._prod
+        for t in tensors:  # (a loop, not any(genexpr): no generator frame every step)
+            p = prod.get(id(t))
+            if p is None or p[2]() is not t:
+                made = False
+                break
+        if not made:
             self._mark("the loss was not made by recorded calls (a model without module calls, or a loss "
                        "computed before the model's first call)")
             return
         new: Dict[int, tuple] = {}
         e = Entry("backward", None, self._template(list(tensors), new),
-                  (self._template(a, new), self._template(k, new)), self.frames.site_of(sys._getframe(1)))
-        e.loss = [t.detach() for t in tensors]
-        self._commit(new)
+                  (self._template(a, new) if a else (), self._template(k, new) if k else {}),
+                  self.frames.site_of(sys._getframe(1)))
+        e.loss = list(map(_detach, tensors))
+        if new:
+            self._commit(new)
         self._add(e)
 
     # ------------------------------------------------------------------ patches
@@ -502,16 +570,28 @@ class StepTape:
         self._orig = {"backward": orig_bw, "opt_zero": orig_opt_zero, "mod_zero": orig_mod_zero}
 
         def backward(self, *a, **k):
-            tape.close()
+            if tape._pushed or tape._stale:
+                tape.close()
             return orig_bw(self, *a, **k)
 
+        # tape.paused(), inline (every step: a generator context manager costs six Python calls more)
         def opt_zero(self, *a, **k):
-            with tape.paused():
+            if not tape._pushed:
                 return orig_opt_zero(self, *a, **k)
+            tape.close()
+            try:
+                return orig_opt_zero(self, *a, **k)
+            finally:
+                tape.resume(True)
 
         def mod_zero(self, *a, **k):
-            with tape.paused():
+            if not tape._pushed:
                 return orig_mod_zero(self, *a, **k)
+            tape.close()
+            try:
+                return orig_mod_zero(self, *a, **k)
+            finally:
+                tape.resume(True)
 
         torch.Tensor.backward = backward
         torch.optim.Optimizer.zero_grad = opt_zero
@@ -530,7 +610,7 @@ class StepTape:
     def ref_of(self, t: torch.Tensor) -> Optional[Ref]:
         """The recorded call output ``t`` is, if any."""
         p = self._prod.get(id(t))
-        return p[0] if p is not None and p[1]() is t else None
+        return Ref(p[0], p[1]) if p is not None and p[2]() is t else None
 
     def why_not(self, step: int) -> Optional[str]:
         """None when the tape can replay step ``step``; else the reason in words."""

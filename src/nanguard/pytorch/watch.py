@@ -47,6 +47,8 @@ import contextlib
 import threading
 import warnings
 import weakref
+from itertools import filterfalse
+from operator import attrgetter
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import torch
@@ -58,7 +60,7 @@ from ..core.config import GuardConfig
 from ..core.engine import FailurePipeline, Ports
 from ..core.events import Detection
 from ..core.experiments import ExperimentConfig
-from ..core.guarded import call_guarded
+from ..core.guarded import internal_error
 from ..core.outputs import check_output
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
@@ -69,8 +71,8 @@ from .detect.closure import checked_closure, closure_of, recheck, with_closure
 from .distributed import share_event
 from .evalcheck import EvalCheck
 from .gradscaler import scaler_enabled
-from .observer import WatchObserver, combine
-from .owners import StandAside, StopRun, in_guard_step
+from .observer import WatchObserver, combine, hook
+from .owners import StandAside, StopRun, guard_state
 from .roothooks import RootHooks
 from .stepreplay import StepReplay, replay_of
 from .tape import StepTape
@@ -104,6 +106,11 @@ class Watcher:
         self._scaled: Optional[tuple] = None  # (weakref to scaler.scale's output, the scale)
         observers = list(observer) if isinstance(observer, (list, tuple)) else [observer]
         self.observer: WatchObserver = combine(Announcer() if announce else None, *observers)
+        # the observer's per-step hooks, None where it keeps the base class's no-op (no call made then)
+        ob = self.observer
+        self._ob_step_start, self._ob_opt_begin, self._ob_opt_end, self._ob_bw_begin, self._ob_bw_end = (
+            hook(ob, n) for n in ("step_start", "optimizer_begin", "optimizer_end", "backward_begin", "backward_end"))
+        self._root_seen: Any = None  # a weak reference to the last outermost module given to the monitor
         # Recovery (nanguard run --recover): a RecoveryPolicy, and how to localize a failure.
         self.policy: Any = policy
         self.localizer: Optional[Localizer] = Localizer(self, localize) if localize is not None else None
@@ -221,16 +228,24 @@ class Watcher:
         in this thread, or this process is a forked child. A stop raised in another thread is raised
         here too (the run is stopping; :mod:`.owners`)."""
         own = self.owner
+        in_guard = getattr(guard_state, "guard_depth", 0) > 0  # (owners.in_guard_step(), inline)
         if own.stopping is not None and not own.forked and not self._replay_on and not self._busy \
-                and self._installed and not in_guard_step():
+                and self._installed and not in_guard:
             raise StopRun(own.stopping)
-        return self._replay_on or own.forked or in_guard_step()
+        return self._replay_on or own.forked or in_guard
 
-    def _guarded(self, fn: Callable[[], Any]) -> Any:
-        """Run guard code; on an internal error warn once and disable (unless strict)."""
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run guard code ``fn(*args)``; on an internal error warn once and disable (unless strict). The
+        ``try`` is inline (several run every step): no lambda and no ``call_guarded`` frame."""
+        if self.disabled:
+            return None
         self._busy += 1
         try:
-            return call_guarded(self, fn, StopRun)
+            return fn(*args)
+        except StopRun:
+            raise
+        except Exception as e:  # never kill the user's training for a guard bug
+            return internal_error(self, e)
         finally:
             self._busy -= 1
 
@@ -289,11 +304,12 @@ class Watcher:
         return getattr(self._local, "scaler_depth", 0) > 0
 
     def _opt_pre(self, opt, args, kwargs) -> Optional[tuple]:
-        if self._in_scaler() or self._replaying:
+        if getattr(self._local, "scaler_depth", 0) > 0 or self._replaying:  # (self._in_scaler(), inline)
             return None
-        if self.tape is not None:
-            self.tape.close()
-        closure = closure_of(args, kwargs)
+        tape = self.tape
+        if tape is not None and (tape._pushed or tape._stale):
+            tape.close()
+        closure = closure_of(args, kwargs) if len(args) > 1 or kwargs else None  # (args[0]: the optimizer)
         if closure is not None and not self.disabled:
             # optimizer.step(closure) (LBFGS): the loss and gradients are made inside step; the check
             # runs inside the closure, after each evaluation, before the optimizer uses them
@@ -311,32 +327,38 @@ class Watcher:
         """The step's check before ``opt`` updates (a closure step's: after the closure's first evaluation)."""
         if self.recovery.snap_due is not None:  # a step with no module forward and no backward
             self._guarded(self.recovery.take_due_snapshot)
-        self.observer.optimizer_begin(self)
+        if self._ob_opt_begin is not None:
+            self._ob_opt_begin(self)
         if self.policy is not None:  # recovery's loss scale (if on): unscale before the check
-            self._guarded(lambda: self.policy.before_check([opt]))
-        det = self._guarded(lambda: self.monitor.check(opt))
-        self._handle(det, opt)
-        if self.recovery.spike(opt):
+            self._guarded(self.policy.before_check, [opt])
+        det = self._guarded(self.monitor.check, opt)
+        if det is not None:
+            self._handle(det, opt)
+        if self.monitor.spike is not None and self.recovery.spike(opt):  # the check raised an early warning
             self._skip_current.add(id(opt))
         if self.policy is not None and id(opt) not in self._skip_current:
             if not self._guarded(lambda: self.policy.before_update([opt])):
                 self._skip_current.add(id(opt))
 
     def _opt_post(self, opt, args, kwargs) -> None:
-        self.evals.resume()
-        if self._in_scaler() or self._replaying:
+        if self.evals._suspended:
+            self.evals.resume()
+        if getattr(self._local, "scaler_depth", 0) > 0 or self._replaying:
             return
         skipped = id(opt) in self._skip_current
         self._skip_current.discard(id(opt))
-        self._guarded(lambda: self.monitor.end_step(opt, skipped=skipped))
-        self._guarded(lambda: self.recovery.after_update(opt))
+        self._guarded(self.monitor.end_step, opt, skipped)
+        self._guarded(self.recovery.after_update, opt)
         self._step_started(opt)
 
     def _step_started(self, opt: Any) -> None:
+        step = self.monitor.step_of(opt)
         if self.tape is not None:
-            self.tape.reset(self.monitor.step_of(opt))
-        self.observer.optimizer_end(self)  # e.g. a GAN: the other model's forward comes next
-        self.observer.step_start(self, self.monitor.step_of(opt))
+            self.tape.reset(step)
+        if self._ob_opt_end is not None:
+            self._ob_opt_end(self)  # e.g. a GAN: the other model's forward comes next
+        if self._ob_step_start is not None:
+            self._ob_step_start(self, step)
 
     def _scaler_step(self, orig, scaler, optimizer, a, k):
         if self.disabled or self._replaying or not scaler_enabled(scaler):
@@ -381,29 +403,31 @@ class Watcher:
 
     # ------------------------------------------------------------------ backward
     def _backward(self, orig, tensors, a, k):
-        self.evals.resume()  # (an update that raised left torch's own reads in place)
+        if self.evals._suspended:
+            self.evals.resume()  # (an update that raised left torch's own reads in place)
         if self.disabled or self._replaying:
             return orig(tensors, *a, **k)
         ts = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in (tensors or [])
                                                                     if isinstance(t, torch.Tensor)]
         if self.tape is not None:
-            tape = self.tape
-            self._guarded(lambda: tape.before_backward(ts, a, k))
+            self._guarded(self.tape.before_backward, ts, a, k)
         if self.recovery.snap_due is not None:
             self._guarded(self.recovery.take_due_snapshot)
-        self._guarded(lambda: self.monitor.on_backward(self._unscaled(ts)))
+        self._guarded(self.monitor.on_backward, ts if self._scaled is None else self._unscaled(ts))
         by_backward = not self.monitor.views
         groups = None
         if by_backward:
-            groups = self._guarded(lambda: _backward_params(self.monitor, ts))
-        self.observer.backward_begin(self, ts)
+            groups = self._guarded(_backward_params, self.monitor, ts)
+        if self._ob_bw_begin is not None:
+            self._ob_bw_begin(self, ts)
         if self.policy is not None and not by_backward and (a[0] if a else k.get("grad_tensors")) is None:
             scaled = self._guarded(lambda: self.policy.scale_loss(tensors))  # recovery's loss scale, if on
             tensors = tensors if scaled is None else scaled
         try:
             out = orig(tensors, *a, **k)
         finally:
-            self.observer.backward_end(self)
+            if self._ob_bw_end is not None:
+                self._ob_bw_end(self)
         if by_backward and groups is not None:
             # No optimizer: each backward pass is a step (hand-written updates follow it).
             det = self._guarded(lambda: self.monitor.check(None, params=groups))
@@ -429,34 +453,39 @@ class Watcher:
         return self.roots.depth
 
     def _root_active(self) -> bool:
-        return not self._replaying and not self.disabled
+        return not self.disabled and not self._replaying
 
     def _root_pre(self, module, args) -> None:
         """An outermost module call starts (:mod:`.roothooks`)."""
-        self.evals.resume()  # (an update that raised left torch's own reads in place)
+        if self.evals._suspended:
+            self.evals.resume()  # (an update that raised left torch's own reads in place)
+        self._guarded(self._root_start, module, args)
 
-        def pre():
-            if self.tape is not None:
-                self.tape.root_pre(module, args)
+    def _root_start(self, module, args) -> None:
+        if self.tape is not None:
+            self.tape.root_pre(module, args)
+        training = torch.is_grad_enabled() and module.training
+        if not training:
             self.evals.root_pre(module, args)
+        seen = self._root_seen
+        if seen is None or seen() is not module:  # (add_root's WeakSet test, once per new root)
             self.monitor.add_root(module)
-            if self.recovery.snap_due is not None and torch.is_grad_enabled() and module.training:
+            self._root_seen = weakref.ref(module)
+        if training:
+            if self.recovery.snap_due is not None:
                 self.recovery.take_due_snapshot()  # the state the next training step starts from
-            if torch.is_grad_enabled() and module.training:
-                # Only tensors that do not come from parameters are "the batch".
-                batch = [t for t in tensors_in(args) if not t.requires_grad]
-                if batch:
-                    self.monitor.on_batch(batch, where=type(module).__name__ + " input")
-        self._guarded(pre)
+            # Only tensors that do not come from parameters are "the batch".
+            batch = list(filterfalse(_REQUIRES_GRAD, tensors_in(args)))
+            if batch:
+                self.monitor.on_batch(batch, where=type(module).__name__ + " input")
 
     def _root_post(self, module, args, kwargs, output) -> None:
         """An outermost module call returned (or raised: ``output`` None)."""
         if not torch.is_grad_enabled() or not module.training:
-            det = self._guarded(lambda: self.evals.output(module, args, kwargs, output))
+            det = self._guarded(self.evals.output, module, args, kwargs, output)
             self._handle(det, None)
         if self.tape is not None:
-            tape = self.tape
-            self._guarded(lambda: tape.root_post(module, kwargs, output))
+            self._guarded(self.tape.root_post, module, kwargs, output)
 
     # ------------------------------------------------------------------ end of run
     def finish(self) -> None:
@@ -465,6 +494,9 @@ class Watcher:
         if det is not None and not det.info_only and len(self.detections) < self.config.max_events:
             self.detections.append(det)
             self.observer.detection(self, det, None)
+
+
+_REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 def _backward_params(monitor: StepMonitor, ts: List[torch.Tensor]) -> List[List[torch.Tensor]]:

@@ -15,6 +15,8 @@ device flag (1.0 when the step must not be applied) with no read at all.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -22,6 +24,10 @@ import torch
 from .. import gradscaler
 from . import consensus
 from .norms import NormPlan, _norm, planned_norm, sharded_square
+
+_GRAD = attrgetter("grad")
+_SHARDED = attrgetter("sharded")
+_DEVICE = attrgetter("device")
 
 # Backward counting (hand-written updates): the update comes after the step's end, so the
 # post-update parameter norms are computed at the next check instead (still in its one vector).
@@ -85,14 +91,20 @@ def gather(mon: Any, opt: Any, scaler: Any, params: Optional[List[List[torch.Ten
         k, slices, plans = 1, [groups], [NormPlan(g) for g in groups]
     step = mon.step_of(opt)
 
-    dev = next((g[0].device for g in groups if g), None)
-    lv, lm, dm = mon._loss_vals, mon._loss_marks, mon._data_marks
+    dev = None
+    for g in groups:  # (a loop, not next(genexpr): no generator frame every step)
+        if g:
+            dev = g[0].device
+            break
+    pt = mon._per_thread  # this thread's step inputs (the monitor's _PerThread attributes, read directly)
+    lv, lm, dm = pt._loss_vals, pt._loss_marks, pt._data_marks
     if dev is None:
         dev = lv[0].device if lv else torch.device("cpu")
 
-    grads = [[p.grad for p in g] for g in groups]
-    gnorms = [planned_norm(gs, plan, dev) for gs, plan in zip(grads, plans)]
-    sharded = any(plan.sharded for plan in plans)
+    # map/attrgetter (C) over the tensors: no comprehension or generator frame per group every step
+    grads = [list(map(_GRAD, g)) for g in groups]
+    gnorms = list(map(planned_norm, grads, plans, repeat(dev)))
+    sharded = any(map(_SHARDED, plans))
     contrib: List[torch.Tensor] = []
     if sharded:
         contrib = [sharded_square(gs, plan, n, dev) for gs, plan, n in zip(grads, plans, gnorms)]
@@ -105,7 +117,7 @@ def gather(mon: Any, opt: Any, scaler: Any, params: Optional[List[List[torch.Ten
     sz = mon.step_size.measure(dev) if opt is None else None
     pre_pnorms = None
     psq = mon._psq.get(key)
-    fresh = psq is not None and len(psq) == len(groups) and all(len(r) == k for r in psq)
+    fresh = psq is not None and len(psq) == len(groups) and all(map(k.__eq__, map(len, psq)))
     # First check (parameters never read yet), or new parameters/slices: read all of them once.
     if key not in mon._pending_post or not fresh:
         pre_pnorms = []
@@ -125,9 +137,10 @@ def gather(mon: Any, opt: Any, scaler: Any, params: Optional[List[List[torch.Ten
     # Other optimizers' last updates not read yet (e.g. a GAN's generator update made the
     # discriminator's batch non-finite): read them in the same vector, so the failure is
     # blamed on the update that made it, not on this step.
-    others = [(ok, t) for ok, t in mon._pending_post.items() if ok != key and t is not DEFERRED]
+    others = [(ok, t) for ok, t in mon._pending_post.items() if ok != key and t is not DEFERRED] \
+        if mon._pending_post else []
     inputs = lv + lm + dm
-    if inputs and any(t.device != dev for t in inputs):
+    if inputs and any(map(dev.__ne__, map(_DEVICE, inputs))):
         inputs = [t.to(dev) for t in inputs]
     scaled = scaler is not None and gradscaler.scaler_enabled(scaler)
     sc = [gradscaler.scale_tensor(scaler, dev), gradscaler.found_inf(scaler, opt, dev)] if scaled else []
@@ -136,15 +149,16 @@ def gather(mon: Any, opt: Any, scaler: Any, params: Optional[List[List[torch.Ten
     # their dtype until read (stack/cat promote), so the finiteness read is exact. Backward
     # counting: the step size probe's 3 numbers after them (not part of the failure flag).
     flat = inputs + sc + gnorms + (pre_pnorms or [])
-    tail = ([post.to(dev)] if post is not None else []) + [t.to(dev) for _, t in others]
+    tail = ([post.to(dev)] if post is not None else []) + ([t.to(dev) for _, t in others] if others else [])
     checked_tail = list(tail)
     if sz is not None:
         tail.append(sz)
     p = Pending(key=key, opt=opt, step=step, groups=groups, k=k, scaler=scaler, scaled=scaled, dev=dev,
                 nl=len(lv), nlm=len(lm), nd=len(dm), n_pre=len(pre_pnorms or []), has_post=post is not None,
-                post_step=post_step, post_slice=post_slice, others=[(ok, t.numel()) for ok, t in others],
+                post_step=post_step, post_slice=post_slice,
+                others=[(ok, t.numel()) for ok, t in others] if others else [],
                 has_sz=sz is not None, n_state=post.numel() - len(groups) if post is not None else 0,
-                loss_n=mon._loss_n, data_where=list(mon._data_where), lazy=lazy, counts=dict(mon.counts),
+                loss_n=pt._loss_n, data_where=list(pt._data_where), lazy=lazy, counts=dict(mon.counts),
                 backward_steps=mon.backward_steps)
     if lazy and post is not None:
         p.post_saved = (post, post_sq, post_step, post_slice)
@@ -155,7 +169,7 @@ def gather(mon: Any, opt: Any, scaler: Any, params: Optional[List[List[torch.Ten
         fail = norms if not scaled else (pre_pnorms or []) + ([post] if post is not None else []) + \
             [t for _, t in others]  # with a GradScaler, non-finite gradients are its skips
         table = consensus.flag_table(reducer, dev, *consensus.rank_inputs(lv, lm, dm, dev, sc), norms,
-                                     mon._loss_n > 0, fail_norms=fail, contrib=contrib)
+                                     pt._loss_n > 0, fail_norms=fail, contrib=contrib)
         tail.append(table)
         checked_tail.append(table)
         p.reducer, p.n_table, p.n_contrib = reducer, table.numel(), len(contrib)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from itertools import repeat
+from operator import attrgetter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -33,6 +35,17 @@ from .slices import OptimizerView
 from .stepsize import StepSizeProbe
 from .tensors import finite_markers, is_checkable, tensors_in
 from .verdict import REWIND, decode, step_record
+
+
+def _lr_of(g: dict) -> float:
+    """A param group's learning rate as a float for the history (NaN: none, or a tensor: not read)."""
+    lr = g.get("lr", _NAN)
+    return _NAN if isinstance(lr, torch.Tensor) else float(lr)
+
+
+_NAN = float("nan")
+_CPU = torch.device("cpu")
+_SHARDED = attrgetter("sharded")
 
 
 class _PerThread:
@@ -60,6 +73,24 @@ class _PerThread:
         setattr(obj._per_thread, self.name, value)
 
 
+class _StepInputs(threading.local):
+    """The per-thread values behind the :class:`_PerThread` attributes, set in each thread on first use.
+    The hot path (every step) reads and resets them on this object directly: an attribute of a
+    ``threading.local`` costs no Python call, a descriptor's ``__get__``/``__set__`` one each."""
+
+    def __init__(self) -> None:
+        # This step's inputs, as 0-d tensors read in the check's one sync (no per-input flag ops):
+        self._loss_vals: List[torch.Tensor] = []   # scalar losses passed to backward
+        self._loss_marks: List[torch.Tensor] = []  # finite_markers of non-scalar backward tensors
+        self._loss_n = 0
+        self._data_marks: List[torch.Tensor] = []  # finite_markers of the batch tensors
+        self._data_where: List[str] = []
+
+    def reset(self) -> None:
+        self._loss_vals, self._loss_marks, self._loss_n = [], [], 0
+        self._data_marks, self._data_where = [], []
+
+
 class StepMonitor:
     """Per-step finiteness checks and step history, shared by every driver."""
 
@@ -71,19 +102,13 @@ class StepMonitor:
 
     def __init__(self, config: Optional[GuardConfig] = None) -> None:
         self.config = config or GuardConfig()
-        self._per_thread = threading.local()
+        self._per_thread = _StepInputs()
         self.history = StepHistory(self.config.history_size)
         self.views: Dict[int, OptimizerView] = {}
         self.counts: Dict[int, int] = {}          # step attempts per optimizer
         self.backward_steps = 0                    # used when no optimizer exists
         self.roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self.extra_params: List[torch.Tensor] = []  # backward-counting mode without modules
-        # This step's inputs, as 0-d tensors read in the check's one sync (no per-input flag ops):
-        self._loss_vals: List[torch.Tensor] = []   # scalar losses passed to backward
-        self._loss_marks: List[torch.Tensor] = []  # finite_markers of non-scalar backward tensors
-        self._loss_n = 0
-        self._data_marks: List[torch.Tensor] = []  # finite_markers of the batch tensors
-        self._data_where: List[str] = []
         # optimizer -> post-update param norms per group (backward counting: DEFERRED until the next check)
         self._pending_post: Dict[int, Any] = {}
         self._pending_post_sq: Dict[int, torch.Tensor] = {}  # sharded: this rank's shares of their squares
@@ -160,22 +185,24 @@ class StepMonitor:
         ts = tensors_in(batch)
         if not ts:
             return
+        pt = self._per_thread
         for t in ts:
-            self._data_marks.extend(finite_markers(t))
-        if where not in self._data_where:
-            self._data_where.append(where)
+            pt._data_marks.extend(finite_markers(t))
+        if where not in pt._data_where:
+            pt._data_where.append(where)
 
     def on_backward(self, tensors: Sequence[torch.Tensor]) -> None:
         """Record the loss(es) that ``backward`` is called on (no sync)."""
+        pt = self._per_thread
         for t in tensors:
             if not is_checkable(t):
                 continue
             t = t.detach()
             if t.numel() == 1:  # its value, read at the check, says whether it is finite
-                self._loss_vals.append(t if t.dim() == 0 else t.reshape(()))
-                self._loss_n += 1
+                pt._loss_vals.append(t if t.dim() == 0 else t.reshape(()))
+                pt._loss_n += 1
             else:
-                self._loss_marks.extend(finite_markers(t))
+                pt._loss_marks.extend(finite_markers(t))
 
     # ------------------------------------------------------------------ the check
     def check(self, opt: Optional[torch.optim.Optimizer], scaler: Any = None,
@@ -244,8 +271,7 @@ class StepMonitor:
         for d in (self._pending_post, self._pending_post_sq, self._pending_step, self._pending_slice, self._lasts):
             d.clear()
         self._checked = {k: False for k in self._checked}
-        self._loss_vals, self._loss_marks, self._loss_n = [], [], 0
-        self._data_marks, self._data_where = [], []
+        self._per_thread.reset()
 
     def _flush_held(self, before: Optional[int]) -> None:
         keep = []
@@ -282,8 +308,7 @@ class StepMonitor:
         self._checked = {k: False for k in self._checked}
         self._consecutive_skips = p.skips0
         self._lasts.clear()
-        self._loss_vals, self._loss_marks, self._loss_n = [], [], 0
-        self._data_marks, self._data_where = [], []
+        self._per_thread.reset()
 
     def _group_param_norms(self, key: int, n_groups: int) -> Optional[List[float]]:
         """Per group parameter L2 norm from the slices' last reads (each at most K updates old; ``_psq``
@@ -314,19 +339,19 @@ class StepMonitor:
         if opt is not None:
             step = self.counts.get(key, 0)
             groups = self.views[key].groups if key in self.views else []
-            lrs = [float(g.get("lr", float("nan"))) if not isinstance(g.get("lr"), torch.Tensor)
-                   else float("nan") for g in opt.param_groups]
+            lrs = list(map(_lr_of, opt.param_groups))
         else:
             step = self.backward_steps
             groups = params or []
             lrs = []
         pending = self._lazy_last.pop(key, None)
+        pt = self._per_thread
         if pending is not None and pending.step == step:  # sync-free: recorded when its values are read
             pending.end = (lrs, skipped)
         else:
             last = self._lasts.pop(key, None)  # per optimizer: several may check before any steps
             if last is not None and last.get("opt") is opt:
-                self._record(key, step_record(last, step, lrs, skipped, self._loss_n))
+                self._record(key, step_record(last, step, lrs, skipped, pt._loss_n))
         if groups and not skipped:
             self._post_norms(key, opt, groups, step)
         if opt is not None:
@@ -334,8 +359,8 @@ class StepMonitor:
         else:
             self.backward_steps += 1
         self._checked[key] = False
-        self._loss_vals, self._loss_marks, self._loss_n = [], [], 0
-        self._data_marks, self._data_where = [], []
+        pt._loss_vals, pt._loss_marks, pt._loss_n = [], [], 0  # (pt.reset() inline: no call)
+        pt._data_marks, pt._data_where = [], []
         self._last = None
 
     def _record(self, key: int, rec: StepRecord) -> None:
@@ -353,7 +378,11 @@ class StepMonitor:
             self._pending_step[key] = step
             self._pending_slice[key] = 0
             return
-        dev = next((g[0].device for g in groups if g), torch.device("cpu"))
+        dev = _CPU
+        for g in groups:  # (a loop, not next(genexpr): no generator frame every step)
+            if g:
+                dev = g[0].device
+                break
         view = self.views.get(key) if opt is not None else None
         if view is not None:
             k, slices, plans = view.k, view.slices, view.slice_plans
@@ -361,11 +390,12 @@ class StepMonitor:
             k, slices, plans = 1, [groups], [[NormPlan(g) for g in groups]]
         c = self._rot.get(key, 0) % k
         self._rot[key] = c + 1
-        norms = [planned_norm(g, plan, dev) for g, plan in zip(slices[c], plans[c])]
+        norms = list(map(planned_norm, slices[c], plans[c], repeat(dev)))
         self._pending_post[key] = torch.stack(norms)
-        if self.state_watch.take(key) and not any(plan.sharded for plan in plans[c]):  # G more values
+        sharded = any(map(_SHARDED, plans[c]))
+        if self.state_watch.due.pop(key, False) and not sharded:  # (state_watch.take inline) G more values
             self._pending_post[key] = torch.cat([self._pending_post[key], state_norms(opt, groups, dev)])
-        if any(plan.sharded for plan in plans[c]):
+        if sharded:
             self._pending_post_sq[key] = torch.stack(
                 [sharded_square(g, plan, n, dev) for g, plan, n in zip(slices[c], plans[c], norms)])
         self._pending_step[key] = step
@@ -396,5 +426,4 @@ class StepMonitor:
         self._checked[key] = False
         self._lasts.pop(key, None)
         self._lazy_last.pop(key, None)
-        self._loss_vals, self._loss_marks, self._loss_n = [], [], 0
-        self._data_marks, self._data_where = [], []
+        self._per_thread.reset()

@@ -74,7 +74,8 @@ class StateWatch:
         and mark the state due for reading after that update when it could have overflowed."""
         if opt is None or len(gn) != len(groups):
             return
-        rows = self._group_plan(key, opt, groups)
+        plan = self._plan.get(key)  # (every step: the plan made once, read without a call)
+        rows = plan[1] if plan is not None and plan[0] == len(groups) else self._group_plan(key, opt, groups)
         b = self.bound[key]
         for i, ((watched, decay, limit), g) in enumerate(zip(rows, gn)):
             if not watched or not math.isfinite(g):
@@ -84,6 +85,8 @@ class StateWatch:
                 self.due[key] = True
 
     def take(self, key: int) -> bool:
+        """Whether the state is due for reading after ``key``'s update (and no longer due); the monitor's
+        hot path pops ``due`` inline."""
         return self.due.pop(key, False)
 
     def read(self, key: int, values: Sequence[float]) -> None:

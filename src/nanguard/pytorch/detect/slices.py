@@ -64,7 +64,9 @@ class OptimizerView:
         self.refresh(opt)
 
     def refresh(self, opt: torch.optim.Optimizer) -> None:
-        n = sum(len(g["params"]) for g in opt.param_groups)
+        n = 0
+        for g in opt.param_groups:  # (every step: a loop, no generator frame)
+            n += len(g["params"])
         if n == self.n_params and len(self.groups) == len(opt.param_groups):
             return
         self.groups = [[p for p in g["params"] if is_checkable(p)] for g in opt.param_groups]

@@ -48,10 +48,10 @@ def decode(mon: Any, p: Pending, vals: List[float]) -> Union[None, Detection, st
         mon._dist_flags, mon._dist_width = dist_flags, p.width
     nl, nlm, nd = p.nl, p.nlm, p.nd
     loss = sum(vals[:nl]) / nl if nl else float("nan")
-    loss_ok = 1.0 if all(finite(x) for x in vals[:nl + nlm]) else 0.0
+    loss_ok = 1.0 if all(map(finite, vals[:nl + nlm])) else 0.0
     off = nl + nlm
-    data_ok = 1.0 if all(finite(x) for x in vals[off:off + nd]) else 0.0
-    batch_max = max((abs(x) for x in vals[off:off + nd]), default=None) if data_ok and nd else None
+    data_ok = 1.0 if all(map(finite, vals[off:off + nd])) else 0.0
+    batch_max = max(map(abs, vals[off:off + nd]), default=None) if data_ok and nd else None
     off += nd
     scale, found_inf = (vals[off], vals[off + 1]) if p.scaled else (float("nan"), 0.0)
     off += 2 if p.scaled else 0
@@ -90,7 +90,7 @@ def decode(mon: Any, p: Pending, vals: List[float]) -> Union[None, Detection, st
             mon._last["loss"] = gl
 
     for ok, ovals in others.items():
-        if all(finite(x) for x in ovals):
+        if all(map(finite, ovals)):
             continue
         ogroups = mon.views[ok].groups if ok in mon.views else []
         bad = mon.names.nonfinite_params(ogroups, roots=False)
@@ -101,7 +101,7 @@ def decode(mon: Any, p: Pending, vals: List[float]) -> Union[None, Detection, st
             return dist_decide(mon, p, Detection(
                 ostep, "optimizer", {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)}))
 
-    if state_vals and (post_pn is None or all(finite(x) for x in post_pn)):
+    if state_vals and (post_pn is None or all(map(finite, post_pn))):
         det = state_check(mon, p, state_vals)
         if det is not None:
             return dist_decide(mon, p, det)
@@ -123,7 +123,7 @@ def state_check(mon: Any, p: Pending, state_vals: List[float]) -> Optional[Detec
     failure of that update, even though every weight is finite (Adam's update over an inf
     ``exp_avg_sq`` is 0)."""
     mon.state_watch.read(p.key, state_vals)
-    if all(finite(x) for x in state_vals):
+    if all(map(finite, state_vals)):
         return None
     bad = nonfinite_state(p.opt, p.groups, mon.names.name_of)
     if not bad:
@@ -165,7 +165,7 @@ def total_norm(norms: Optional[Sequence[float]]) -> Optional[float]:
     ``math.hypot``: a float64 norm of 1e300 stays finite (its square would not)."""
     if not norms:
         return None
-    return math.hypot(*norms) if all(finite(x) for x in norms) else float("inf")
+    return math.hypot(*norms) if all(map(finite, norms)) else float("inf")
 
 
 def dist_decide(mon: Any, p: Pending, det: Optional[Detection]) -> Optional[Detection]:
@@ -180,20 +180,20 @@ def dist_decide(mon: Any, p: Pending, det: Optional[Detection]) -> Optional[Dete
 def _decide(mon, p: Pending, loss, loss_ok, data_ok, scale, found_inf, gn, pre_pn, post_pn) -> Optional[Detection]:
     step, groups, scaler = p.step, p.groups, p.scaler
     # 1. the previous update made parameters non-finite (read one check late, no extra sync)
-    if post_pn is not None and not all(finite(x) for x in post_pn):
+    if post_pn is not None and not all(map(finite, post_pn)):
         bad = mon.names.nonfinite_params(groups, roots=False)
         if bad:
             return Detection(p.post_step if p.post_step is not None else max(step - 1, 0), "optimizer",
                              {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)})
-    suspicious = (loss_ok < 1 or data_ok < 1 or not all(finite(x) for x in gn)
-                  or (pre_pn is not None and not all(finite(x) for x in pre_pn)))
+    suspicious = (loss_ok < 1 or data_ok < 1 or not all(map(finite, gn))
+                  or (pre_pn is not None and not all(map(finite, pre_pn))))
     if not suspicious:
         if found_inf > 0:  # a GradScaler skip with finite unscaled... cannot happen; be safe
             return scaler_skip(mon, step, scale, {})
         mon._consecutive_skips = 0
         return None
     if p.lazy:  # read late: only a GradScaler overflow is decided from the values alone
-        if p.scaled and loss_ok == 1 and data_ok == 1 and (pre_pn is None or all(finite(x) for x in pre_pn)):
+        if p.scaled and loss_ok == 1 and data_ok == 1 and (pre_pn is None or all(map(finite, pre_pn))):
             return scaler_skip(mon, step, scale, {"nonfinite_grads": "not named (read late, sync-free)"})
         return REWIND
     # Slow path: exact checks, only when something already looks wrong.
@@ -254,7 +254,7 @@ def step_record(last: Dict[str, Any], step: int, lrs: List[float], skipped: bool
     gn = last["gn"]
     total = total_norm(gn) if gn else 0.0
     pn = last["pn"]
-    ptotal = math.hypot(*pn) if pn and all(finite(x) for x in pn) else None
+    ptotal = math.hypot(*pn) if pn and all(map(finite, pn)) else None
     ratio = None
     if ptotal and lrs and finite(lrs[0]) and finite(total):
         ratio = lrs[0] * total / ptotal
