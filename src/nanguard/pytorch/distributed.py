@@ -19,10 +19,21 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 def is_initialized() -> bool:
+    """A default process group exists (``dist.is_initialized()``). The checks ask every step, so c10d's
+    world state is read directly where it can be (one Python call instead of four)."""
+    w = getattr(_C10D, "_world", None)
+    if w is not None:
+        try:
+            return w._default_pg is not None
+        except AttributeError:
+            pass
     try:
         return dist.is_available() and dist.is_initialized()
     except Exception:
         return False
+
+
+_C10D = getattr(dist, "distributed_c10d", None) if dist.is_available() else None
 
 
 def is_distributed() -> bool:

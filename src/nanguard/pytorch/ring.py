@@ -48,7 +48,16 @@ class StepEntry:
 
 
 def hyperparameters(optimizers) -> List[List[Dict[str, Any]]]:
-    return [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in optimizers]
+    """Per optimizer, per param group: the group's entries but ``params`` (loops: it runs every step)."""
+    out = []
+    for o in optimizers:
+        hs = []
+        for g in o.param_groups:
+            h = dict(g)
+            h.pop("params", None)
+            hs.append(h)
+        out.append(hs)
+    return out
 
 
 def set_hyperparameters(optimizers, hyper: List[List[Dict[str, Any]]], lr_ratio=None) -> None:
@@ -100,11 +109,18 @@ class StepRing:
     def record(self, step: int, batches: List[Any], loss_fn, rng, optimizers, scaler=None,
                host=None) -> StepEntry:
         ts = _tensors(batches)
+        versions, nbytes = [], 0
+        for t in ts:  # (a loop: no comprehension or generator frame every step)
+            try:
+                v = t._version
+            except Exception:  # inference tensors have no version counter (numerics.version)
+                v = None
+            versions.append((t, v))
+            nbytes += t.numel() * t.element_size()
         e = StepEntry(step=step, batches=list(batches), loss_fn=loss_fn, rng=rng,
                       hyper=hyperparameters(optimizers),
                       scaler=scaler_state(scaler) if scaler is not None else None,
-                      host=list(host or []), versions=[(t, version(t)) for t in ts],
-                      nbytes=sum(t.numel() * t.element_size() for t in ts))
+                      host=list(host or []), versions=versions, nbytes=nbytes)
         while self.entries and self.entries[-1].step >= step:  # a step run again replaces its entry
             self.entries.pop()
         self.entries.append(e)

@@ -80,9 +80,10 @@ class LazyDriver:
         g._size_ring()
         entry = g.ring.record(mon.steps_watched, batches, loss_fn, rng, g.optimizers, g.scaler,
                               UpdateGate.host_state(g.optimizers, dev))
-        g._safe(lambda: self.latch.latch([g.model], self.gate.tripped))
+        g._safe(self.latch.latch, [g.model], self.gate.tripped)
         loss = g._forward_backward(batches, loss_fn)
-        g.step_rng.after()
+        if g.step_rng.probing is not None:
+            g.step_rng.after()
         entry.loss = loss.detach()
         if g.disabled:  # an internal error turned the guard off: a plain update
             g._plain_update()
@@ -95,7 +96,7 @@ class LazyDriver:
             self.sync_steps += 1
             return g._check_and_update(batches, loss_fn, rng, loss)
         for o in g.optimizers:
-            bad = g._safe(lambda: self._check(o))
+            bad = g._safe(self._check, o)
             if bad is not None:
                 self.gate.trip(bad)
         if g.policy is not None and not g.policy.before_update(g.optimizers):
@@ -112,7 +113,7 @@ class LazyDriver:
         if g.scaler is not None:
             g.scaler.update()
         for o in g.optimizers:
-            g._safe(lambda: mon.end_step(o))
+            g._safe(mon.end_step, o)
         if g.policy is not None:
             g.policy.after_step(g)
         if mon.lazy.due(is_distributed()) and self.drain(force=False):
@@ -128,6 +129,11 @@ class LazyDriver:
         return g.monitor.check_lazy(o, g.scaler)
 
     def _device(self) -> torch.device:
+        """The device of the model's first parameter (its optimizers', read without a module walk)."""
+        for o in self.g.optimizers:
+            for grp in o.param_groups:
+                for p in grp["params"]:
+                    return p.device
         p = next(iter(self.g.model.parameters()), None)
         return p.device if p is not None else torch.device("cpu")
 

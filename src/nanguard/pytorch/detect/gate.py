@@ -37,8 +37,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..buffers import BufferCache
 from ..gradscaler import scaler_enabled
 from .tensors import local, locals_of
+
+
+_TENSOR = torch.Tensor  # a plain tensor is its own local shard: local() not called for it
 
 
 def gate_kind(opt: Any, scaler: Any = None) -> str:
@@ -117,10 +121,12 @@ class UpdateGate:
     def _tensors(self, opt: Any, dev: torch.device) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """The live tensors the masked update guards (parameters with a gradient and their state on
         ``dev``), as local shards, with their shadows (reused while the set is unchanged)."""
-        state, tensor = opt.state, torch.Tensor
-        # one comprehension, no per-tensor Python frame: this runs on every step
+        tensor = torch.Tensor
+        # one comprehension, no per-tensor Python frame: this runs on every step (the state by id:
+        # opt.state.get(p) would call Tensor.__hash__, a Python function, once per parameter)
+        state = {id(p): st for p, st in opt.state.items()}
         cand = locals_of([t for g in opt.param_groups for p in g["params"] if p.grad is not None
-                          for t in (p, *(state.get(p) or {}).values()) if isinstance(t, tensor)])
+                          for t in (p, *(state.get(id(p)) or {}).values()) if isinstance(t, tensor)])
         live = [t for t in cand if t.device == dev and t.numel() and (t.is_floating_point() or t.is_complex())]
         old = self._shadow.get(id(opt))
         if old is not None and len(old[0]) == len(live) and all(map(operator.is_, old[0], live)):
@@ -139,7 +145,7 @@ class UpdateGate:
         for o in optimizers:
             for st in o.state.values():
                 for v in (st.values() if isinstance(st, dict) else ()):
-                    if isinstance(v, torch.Tensor) and local(v).device != dev:
+                    if isinstance(v, torch.Tensor) and (v if type(v) is _TENSOR else local(v)).device != dev:
                         out.append((v, v.detach().clone()))
         return out
 
@@ -158,20 +164,23 @@ class BufferLatch:
 
     def __init__(self) -> None:
         self._saved: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (buffer, copy)
+        self._bufs = BufferCache()  # each step: the buffers listed without walking the module tree
 
     def latch(self, modules: Sequence[torch.nn.Module], tripped: Optional[torch.Tensor]) -> None:
+        bufs = [b for m in modules for _, b in self._bufs.named(m)]  # integer ones too (num_batches_tracked)
+        if not bufs:
+            return
         with torch.no_grad():
-            for m in modules:
-                for b in m.buffers():  # integer ones too (BatchNorm's num_batches_tracked)
-                    if not b.numel():
-                        continue
-                    got = self._saved.get(id(b))
-                    if got is None or got[0] is not b or got[1].shape != b.shape:
-                        self._saved[id(b)] = (b, b.detach().clone())
-                    elif tripped is None:
-                        got[1].copy_(b)
-                    else:
-                        torch.where(tripped.to(b.device).bool(), got[1], b, out=got[1])
+            for b in bufs:
+                if not b.numel():
+                    continue
+                got = self._saved.get(id(b))
+                if got is None or got[0] is not b or got[1].shape != b.shape:
+                    self._saved[id(b)] = (b, b.detach().clone())
+                elif tripped is None:
+                    got[1].copy_(b)
+                else:
+                    torch.where(tripped.to(b.device).bool(), got[1], b, out=got[1])
 
     def restore(self) -> int:
         with torch.no_grad():

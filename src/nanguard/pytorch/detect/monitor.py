@@ -25,6 +25,7 @@ import torch
 from ...core.config import GuardConfig
 from ...core.events import Detection
 from ...core.history import StepHistory, StepRecord
+from ..distributed import is_initialized as dist_initialized
 from . import consensus
 from .gather import DEFERRED, gather
 from .lazy import LazyReads
@@ -322,10 +323,10 @@ class StepMonitor:
         """The distributed flag reducer, if any (cheap when not distributed: two calls)."""
         r = self.dist_reduce
         if r is not None:
-            if getattr(r, "auto", False) and not torch.distributed.is_initialized():
+            if getattr(r, "auto", False) and not dist_initialized():
                 self.dist_reduce = r = None  # the process group is gone
             return r
-        if self.dist_auto and torch.distributed.is_available() and torch.distributed.is_initialized():
+        if self.dist_auto and dist_initialized():
             self.dist_reduce = consensus.auto_reducer()
             if self.dist_reduce is None:
                 self.dist_auto = False  # one rank, or NANGUARD_DIST=0

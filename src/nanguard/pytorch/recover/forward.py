@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from ..buffers import BufferCache
 from ..ring import hyperparameters, set_hyperparameters
 from ..rng import capture_rng, restore_rng
 from .snapshot import Snapshot
@@ -78,23 +79,12 @@ class ForwardReplayer:
 
     def __init__(self, guard: Any) -> None:
         self.g = guard
-        self._bufs: Dict[int, tuple] = {}  # id(module) -> (tree version, [(name, owner's _buffers, key, tensor)])
-        _watch_tree()
+        self._bufs = BufferCache()
 
     def named_buffers(self, m: torch.nn.Module) -> List[tuple]:
         """``m.named_buffers()`` for the per-step virtual snapshot, walked once (a conv stack's walk is
-        ~400 Python calls a step) and reused while no module or buffer was registered anywhere since
-        (torch's global registration hooks count them) and each buffer is still its owner's (a
-        ``module.to()`` replaces them without a hook)."""
-        c = self._bufs.get(id(m))
-        if c is not None and c[0] == _TREE[0] and all([d.get(k) is b for _, d, k, b in c[1]]):
-            return [(n, b) for n, _, _, b in c[1]]
-        items = []
-        for name, b in m.named_buffers():
-            path, _, key = name.rpartition(".")
-            items.append((name, (m.get_submodule(path) if path else m)._buffers, key, b))
-        self._bufs[id(m)] = (_TREE[0] if _HOOKS else None, items)  # no hooks (old torch): walked every step
-        return [(n, b) for n, _, _, b in items]
+        ~400 Python calls a step) and reused while the module tree is unchanged (:mod:`..buffers`)."""
+        return self._bufs.named(m)
 
     def virtual(self, step: int, base: Any) -> Optional[VirtualSnapshot]:
         """The per-step tier's snapshot of ``step`` (None when it could not be replayed)."""
@@ -141,26 +131,6 @@ class ForwardReplayer:
             return None
         finally:
             here.restore([g.model], g.optimizers, g.scaler)
-
-
-_TREE = [0]        # registrations of modules and buffers seen by torch's global hooks (a module tree changed)
-_HOOKS: list = []
-
-
-def _watch_tree() -> None:
-    """Count module and buffer registrations (installed once per process: a counter, nothing else)."""
-    if _HOOKS:
-        return
-    try:
-        from torch.nn.modules.module import (register_module_buffer_registration_hook,
-                                             register_module_module_registration_hook)
-    except ImportError:
-        return
-
-    def bump(*_: Any) -> None:
-        _TREE[0] += 1
-
-    _HOOKS.extend([register_module_buffer_registration_hook(bump), register_module_module_registration_hook(bump)])
 
 
 def replayed_steps(snaps: List[Any]) -> Optional[Dict[str, Any]]:
