@@ -85,7 +85,8 @@ class SpikeResponder(SpikeResponse):
 
 def optimizer_context(optimizers: Sequence[Any]) -> Dict[str, Any]:
     """The optimizer facts the diagnosis reads (first optimizer, first group): its name, the learning
-    rates, eps, betas, momentum."""
+    rates, eps, betas, momentum; for an optimizer that makes several inner updates per step (LBFGS),
+    ``max_iter`` and ``line_search_fn`` (None: each inner update is taken at the full lr)."""
     ctx: Dict[str, Any] = {}
     for opt in optimizers:
         if opt is None:
@@ -98,5 +99,9 @@ def optimizer_context(optimizers: Sequence[Any]) -> Dict[str, Any]:
             if isinstance(v, (int, float)) or (isinstance(v, (tuple, list)) and all(isinstance(x, (int, float))
                                                                                    for x in v)):
                 ctx[k] = list(v) if isinstance(v, (tuple, list)) else v
+        if isinstance(g.get("max_iter"), int) and "line_search_fn" in g:
+            ctx["max_iter"] = g["max_iter"]
+            ls = g.get("line_search_fn")
+            ctx["line_search_fn"] = ls if isinstance(ls, str) else None
         break
     return ctx

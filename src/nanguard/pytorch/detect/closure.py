@@ -97,19 +97,23 @@ def later_evaluation(monitor: Any) -> Iterator[None]:
 
 def recheck(monitor: Any, opt: Any, loss: Any, scaler: Any = None) -> Optional[Detection]:
     """A later evaluation's loss and gradients: None when all are finite (one small sync), else the
-    full check's detection (which names the phase)."""
-    parts = []
+    full check's detection (which names the phase).
+
+    Finiteness is judged in each tensor's own precision: a float64 run's loss or gradient norm past
+    float32's range (1e69 in an LBFGS line search that is diverging) is finite, and the full check
+    must not run on it (it would record this evaluation's values as the step's)."""
+    flags = []
     if isinstance(loss, torch.Tensor) and is_checkable(loss):
-        parts.append(loss.detach().float().sum().reshape(1))
+        flags.append(torch.isfinite(loss.detach().sum()).reshape(1))
     grads = [p.grad for g in opt.param_groups for p in g["params"]
              if isinstance(p.grad, torch.Tensor) and is_checkable(p.grad)]
     by_dev: Dict[Any, list] = {}
     for g in grads:
         by_dev.setdefault((g.device, g.dtype), []).append(g)
     for gs in by_dev.values():
-        parts.append(torch.stack(torch._foreach_norm(gs)).float().sum().reshape(1).to(parts[0].device
-                                                                                      if parts else gs[0].device))
-    if not parts or bool(torch.isfinite(torch.cat(parts)).all()):
+        f = torch.isfinite(torch.stack(torch._foreach_norm(gs)).sum()).reshape(1)
+        flags.append(f.to(flags[0].device) if flags else f)
+    if not flags or bool(torch.cat(flags).all()):
         return None
     monitor._checked[id(opt)] = False  # the full check, on this evaluation's values
     return monitor.check(opt, scaler)

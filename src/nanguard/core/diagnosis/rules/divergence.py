@@ -157,6 +157,16 @@ def _lr_ref(dy: dict, ctx: dict) -> tuple[float | None, bool]:
     return (float(lrs[0]), False) if lrs else (None, False)
 
 
+def inner_steps(ctx: dict) -> int:
+    """How many updates one optimizer step may compound without a line search to bound them: LBFGS's
+    ``max_iter`` inner iterations, each taken at the full lr along its direction (1 for any other
+    optimizer, or with ``line_search_fn`` set)."""
+    n = ctx.get("max_iter")
+    if isinstance(n, int) and n > 1 and "line_search_fn" in ctx and ctx.get("line_search_fn") is None:
+        return n
+    return 1
+
+
 def stable_factor(dy: dict, ctx: dict, measured: bool) -> float:
     """The learning-rate factor estimated to bring the step size to half its stability limit, uncapped
     (see ``TARGET_UPDATE_RATIO``; 0.1 when the history gives no estimate)."""
@@ -168,7 +178,12 @@ def stable_factor(dy: dict, ctx: dict, measured: bool) -> float:
         # the factor that brings it to TARGET_UPDATE_RATIO is read off directly, however far it is. A plain
         # step whose loss growth was measured keeps the curvature estimate below: the update's size
         # against the weights says nothing of the curvature (weights near 0 make any step look large).
-        return max(1e-30, min(1.0, TARGET_UPDATE_RATIO / dy["one_update_ratio"]))
+        # A step of n inner updates (LBFGS without a line search) compounds them: the weights grew by
+        # (1 + r)^n for a per-update ratio r, and it is r that scales with the lr.
+        r, n = float(dy["one_update_ratio"]), inner_steps(ctx)
+        if n > 1:
+            r = math.expm1(math.log1p(r) / n)
+        return max(1e-30, min(1.0, TARGET_UPDATE_RATIO / r))
     if adaptive and T.fin(ratio) and ratio > 0:
         f = TARGET_UPDATE_RATIO / ratio
     elif not adaptive and T.fin(per) and per > 1:
@@ -205,6 +220,15 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
         unsound = (f"lowering the learning rate does not fix beta2 = {T.g(b2)} (the update stays unnormalised and "
                    "grows again): change betas")
         return why, fixes, unsound
+    n = inner_steps(ctx)
+    if n > 1 and lr:
+        why = (f"{opt or 'the optimizer'} without a line search takes each of its up to {n} inner iterations per "
+               f"step at the full learning rate {T.g(lr)} along its quasi-Newton direction, so a step size past "
+               "the stable one compounds within one optimizer step")
+        fixes = [f"use line_search_fn='strong_wolfe' in {opt or 'the optimizer'}(...): the line search sizes each "
+                 "inner step (lr=1, the default, is then the first trial step)",
+                 f"or lower the learning rate from {T.g(lr)} to about {new}"]
+        return why, fixes, None
     if measured:
         why = (f"there is no optimizer object: the hand-written update's step size, measured from the "
                f"parameter change and the gradient, is {T.g(lr)}")
