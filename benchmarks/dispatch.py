@@ -6,6 +6,7 @@ the kernels cheap on the CPU instead (one thread, tiny dimensions, many layers) 
 
     python -m benchmarks.dispatch                 # ~4 min: timings and counts
     python -m benchmarks.dispatch --counts-only   # seconds: the noise-free counts only
+    python -m benchmarks.dispatch --counts-only --profile --models gpt   # + calls added per function
     python -m benchmarks.dispatch --models gpt --rounds 40
 
 * **Timing**: per model, the configurations (unguarded, Guard, Guard ``sync_free=True``, Guard
@@ -169,11 +170,12 @@ class _OpCounter(TorchDispatchMode):
         return out
 
 
-def count_calls(r: Runner, cfg: str) -> Dict[str, int]:
+def count_calls(r: Runner, cfg: str, by_function: Dict[str, int] | None = None) -> Dict[str, int]:
     """What one healthy step of ``cfg`` does (after two warm steps), counted, not timed: the Python
     calls made (all, and those in nanguard's code), the C functions nanguard's code calls
     (``getstate``, ``Tensor.item``, torch functions...), and the aten ops dispatched with the
-    tensors and bytes they allocate (a second step, under a TorchDispatchMode)."""
+    tensors and bytes they allocate (a second step, under a TorchDispatchMode). ``by_function``: filled
+    with the Python calls per function (``file:name``, nanguard's and torch's paths shortened)."""
     step = r.steps[cfg]
     counts = {"calls": 0, "nanguard_calls": 0, "nanguard_c_calls": 0}
 
@@ -182,6 +184,9 @@ def count_calls(r: Runner, cfg: str) -> Dict[str, int]:
             counts["calls"] += 1
             if "/nanguard/" in frame.f_code.co_filename:
                 counts["nanguard_calls"] += 1
+            if by_function is not None:
+                key = _where(frame.f_code)
+                by_function[key] = by_function.get(key, 0) + 1
         elif event == "c_call" and "/nanguard/" in frame.f_code.co_filename:
             counts["nanguard_c_calls"] += 1
 
@@ -202,12 +207,29 @@ def count_calls(r: Runner, cfg: str) -> Dict[str, int]:
     return counts
 
 
-def run_model(name: str, rounds: int, block: int, counts_only: bool, dev: str = "cpu") -> Dict[str, Any]:
+def _where(code: Any) -> str:
+    fn = code.co_filename
+    for root, short in (("/nanguard/", ""), ("/torch/", "torch/")):
+        if root in fn:
+            return f"{short}{fn.rsplit(root, 1)[-1]}:{code.co_name}"
+    return f"{fn.rsplit('/', 1)[-1]}:{code.co_name}"
+
+
+def run_model(name: str, rounds: int, block: int, counts_only: bool, dev: str = "cpu",
+              profile: bool = False) -> Dict[str, Any]:
     r = Runner(on_device(MAKERS[name](), dev))
-    out: Dict[str, Any] = {"model": name, "desc": r.bench.desc, "counts": {}, "ratios": {}, "syncs": {}}
+    out: Dict[str, Any] = {"model": name, "desc": r.bench.desc, "counts": {}, "ratios": {}, "syncs": {},
+                           "by_function": {}}
     for c in CONFIGS:
-        out["counts"][c] = count_calls(r, c)
+        per: Dict[str, int] | None = {} if profile else None
+        out["counts"][c] = count_calls(r, c, per)
         out["syncs"][c] = host_syncs(r, c)
+        if per is not None:
+            out["by_function"][c] = per
+    if profile:  # the Python calls each configuration adds per function, over the unguarded step
+        base = out["by_function"]["unguarded"]
+        out["by_function"] = {c: {k: v - base.get(k, 0) for k, v in per.items() if v != base.get(k, 0)}
+                              for c, per in out["by_function"].items() if c != "unguarded"}
     if counts_only:
         return out
     for c in CONFIGS:  # warm every path (allocator, optimizer state, snapshots)
@@ -238,11 +260,13 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--counts-only", action="store_true")
     ap.add_argument("--out", default=None, help="JSON output path")
     ap.add_argument("--device", default="cpu", help="cpu (kernels made cheap on the host) or cuda")
+    ap.add_argument("--profile", action="store_true",
+                    help="also list the Python calls each configuration adds per function (in --out too)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     res = {"load_before": os.getloadavg()[0], "torch": torch.__version__, "device": args.device, "models": []}
     for name in args.models.split(","):
-        m = run_model(name, args.rounds, args.block, args.counts_only, args.device)
+        m = run_model(name, args.rounds, args.block, args.counts_only, args.device, args.profile)
         res["models"].append(m)
         print(f"\n{name}: {m['desc']}" + (f"; unguarded {m['unguarded_ms']} ms CPU/step" if "unguarded_ms" in m else ""))
         b = m["counts"]["unguarded"]
@@ -258,6 +282,8 @@ def main(argv: List[str] | None = None) -> int:
                 line += (f"   {'wall' if args.device == 'cuda' else 'CPU'} time {x['median']:.3f}x "
                          f"(IQR {x['iqr'][0]:.3f}-{x['iqr'][1]:.3f}; fastest blocks {x['min_ratio']:.3f}x)")
             print(line)
+            for fn, n in sorted(m["by_function"].get(c, {}).items(), key=lambda kv: -abs(kv[1]))[:25]:
+                print(f"      {n:+5d}  {fn}")
     res["load_after"] = os.getloadavg()[0]
     print(f"\nload average before/after: {res['load_before']:.2f} / {res['load_after']:.2f} (timings under load "
           "are noisy: the counts are the figure that does not depend on it)")

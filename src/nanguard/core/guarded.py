@@ -20,11 +20,33 @@ def call_guarded(owner: Any, fn: Callable[[], Any],
         return internal_error(owner, e, stacklevel=5)
 
 
+def guarded_method(passthrough: Union[Type[BaseException], Tuple[Type[BaseException], ...]] = (),
+                   busy: bool = False) -> Callable[..., Any]:
+    """A driver's method ``safe(self, fn, *args)``: :func:`call_guarded` for ``fn(*args)``, with the
+    ``try`` in the method itself (drivers run several a step: no lambda and no ``call_guarded`` frame on
+    the healthy path). ``busy``: the driver's ``_busy`` counter is raised while ``fn`` runs (its hooks
+    then know the values they see are the guard's own)."""
+    def safe(self: Any, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.disabled:
+            return None
+        if busy:
+            self._busy += 1
+        try:
+            return fn(*args)
+        except passthrough:
+            raise
+        except Exception as e:  # never kill the user's training for a guard bug
+            return internal_error(self, e)
+        finally:
+            if busy:
+                self._busy -= 1
+    return safe
+
+
 def internal_error(owner: Any, e: Exception, stacklevel: int = 4) -> None:
     """What :func:`call_guarded` does with guard code's error ``e`` (raised on when strict; else the
-    owner is disabled, with a warning). For drivers that inline the ``try`` on their hot path (one
-    Python call less per guarded call than ``call_guarded(owner, lambda: ...)``). Call it from the
-    ``except`` block: it re-raises the error being handled when strict."""
+    owner is disabled, with a warning). Call it from the ``except`` block: it re-raises the error being
+    handled when strict."""
     if owner.config.strict:
         raise e
     owner.disabled = True

@@ -23,7 +23,7 @@ from torch.amp.grad_scaler import OptState
 from ..core.config import GuardConfig
 from ..core.engine import FailurePipeline, Ports
 from ..core.events import Detection, Event, NonFiniteError, Report
-from ..core.guarded import disabled_note, internal_error
+from ..core.guarded import disabled_note, guarded_method
 from ..core.experiments import ExperimentConfig
 from ..core.render.terminal import print_line, summary_line
 from .bundle import default_bundle_path
@@ -412,17 +412,8 @@ class Guard:
             pass
 
     # ------------------------------------------------------------------ housekeeping
-    def _safe(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``: guard code never kills training (unless strict). The ``try`` is inline (it runs a
-        few times every step): no lambda and no ``call_guarded`` frame on the healthy path."""
-        if self.disabled:
-            return None
-        try:
-            return fn(*args)
-        except NonFiniteError:
-            raise
-        except Exception as e:  # never kill the user's training for a guard bug
-            return internal_error(self, e)
+    # ``self._safe(fn, *args)``: guard code never kills training (unless strict); a NonFiniteError goes through
+    _safe = guarded_method(NonFiniteError)
 
     def close(self) -> Report:
         """Finish: read the last pending check, write the report, print the one-line summary."""

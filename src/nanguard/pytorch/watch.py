@@ -49,7 +49,7 @@ import warnings
 import weakref
 from itertools import filterfalse
 from operator import attrgetter
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Iterator, List, Optional, Sequence, Union
 
 import torch
 import torch.optim.optimizer as torch_optimizer
@@ -60,7 +60,7 @@ from ..core.config import GuardConfig
 from ..core.engine import FailurePipeline, Ports
 from ..core.events import Detection
 from ..core.experiments import ExperimentConfig
-from ..core.guarded import internal_error
+from ..core.guarded import guarded_method
 from ..core.outputs import check_output
 from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
@@ -120,8 +120,9 @@ class Watcher:
                                               share=lambda ev, det: share_event(ev, det.rank)))
         # The step tape (in-process replay), the DataLoader hooks, the evaluation checks.
         self.tape: Optional[StepTape] = StepTape() if tape else None
-        obs = self.observer
-        self.data = DataHooks(self.tape, on_begin=lambda: obs.data_begin(self), on_end=lambda: obs.data_end(self))
+        begin, end = hook(ob, "data_begin"), hook(ob, "data_end")  # (None: no call per batch fetched)
+        self.data = DataHooks(self.tape, on_begin=None if begin is None else lambda: begin(self),
+                              on_end=None if end is None else lambda: end(self))
         self.evals = EvalCheck(self)
         self.loc_runs: dict = {}        # id(detection) -> how it was localized (at the failing step)
         self._replay_on = False
@@ -234,20 +235,8 @@ class Watcher:
             raise StopRun(own.stopping)
         return self._replay_on or own.forked or in_guard
 
-    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run guard code ``fn(*args)``; on an internal error warn once and disable (unless strict). The
-        ``try`` is inline (several run every step): no lambda and no ``call_guarded`` frame."""
-        if self.disabled:
-            return None
-        self._busy += 1
-        try:
-            return fn(*args)
-        except StopRun:
-            raise
-        except Exception as e:  # never kill the user's training for a guard bug
-            return internal_error(self, e)
-        finally:
-            self._busy -= 1
+    # ``self._guarded(fn, *args)``: run guard code; on an internal error warn once and disable (unless strict)
+    _guarded = guarded_method(StopRun, busy=True)
 
     def _handle(self, det: Optional[Detection], opt: Any) -> None:
         if det is None:
