@@ -14,7 +14,18 @@ from typing import Any, Dict, Optional
 from ..core.events import Detection
 from ..core.experiments import ExperimentConfig
 from .recover.loose import LooseTensors
-from .stepreplay import replay_of
+from .distributed import is_distributed
+from .stepreplay import StepReplay
+
+
+class _Recorded:
+    """What the tape recorded of one finished step, as :class:`~.stepreplay.StepReplay` reads it."""
+
+    __slots__ = ("step", "entries", "ext", "ext_ver", "ext_written", "writers", "param_writes", "pre_truncated")
+
+    def __init__(self, tape: Any) -> None:
+        for k in self.__slots__:
+            setattr(self, k, getattr(tape, k))
 
 
 class WatcherRecovery:
@@ -28,7 +39,7 @@ class WatcherRecovery:
         self._t_update: Optional[float] = None
         self._loose: Optional[LooseTensors] = None
         # the last steps' replays (recovery only), for history replays from a snapshot (lr_replay, clip_replay)
-        self.kept: Dict[int, Any] = {}  # step -> experiments.TapeStep
+        self.kept: Dict[int, tuple] = {}  # step -> (_Recorded, its dataset rows)
 
     def experiment(self, det: Detection, loc: Any, event: Any = None) -> None:
         """Counterfactual replays of the failing step (nanguard.core.experiments) from the step tape; the
@@ -52,7 +63,7 @@ class WatcherRecovery:
             investigate_zero_code(event, replay, roots=list(w.monitor.roots), optimizers=w.optimizers(),
                                   scaler=w.scalers[0] if w.scalers else None, config=cfg,
                                   step_seconds=self.step_seconds, rediagnose=rediagnose,
-                                  history=hist, indices=w.data.last, kept=self.kept,
+                                  history=hist, indices=w.data.last, kept=self.kept_steps(),
                                   snapshots=w.policy.all_snapshots() if w.policy is not None else (),
                                   recovering=w.policy is not None and w.policy.failures)
         det.event = event
@@ -106,23 +117,37 @@ class WatcherRecovery:
         self.snap_due = (w.monitor.step_of(opt), last.loss if last else None)
 
     def _keep(self, opt: Any) -> None:
-        """Keep the step that just updated (its tape, as a replay) for history replays from a snapshot: only
+        """Keep the step that just updated (what its tape recorded) for history replays from a snapshot: only
         with recovery (which keeps the snapshots), experiments on and an optimizer whose update a replay
-        can apply (not hand-written updates, not under a GradScaler)."""
+        can apply (not hand-written updates, not under a GradScaler). References only: the tape starts new
+        containers at each step, and the replay is built at a failure (:meth:`kept_steps`)."""
         w, cfg = self.w, self.experiments
         if cfg is None or not cfg.enabled or opt is None or w.tape is None or w.scalers:
             return
         step = w.tape.step
         if step in self.kept:
             return
-        rep, _why = replay_of(w, step=step)
-        if rep is None:
+        if w.tape.why_not(step) is not None:
             self.kept.clear()  # the steps kept are no longer consecutive
             return
-        from .experiments.tapestep import TapeStep  # the experiments load with recovery only, not in a healthy run
-        self.kept[step] = TapeStep(rep, list(w.monitor.roots), w.optimizers(), None, step, w.data.last)
+        self.kept[step] = (_Recorded(w.tape), w.data.last)
         for k in [k for k in self.kept if k <= step - cfg.keep_steps]:
             del self.kept[k]
+
+    def kept_steps(self) -> dict:
+        """The kept steps as replayable steps (``experiments.TapeStep``), by step: those that can still be
+        replayed as recorded."""
+        if not self.kept or is_distributed():
+            return {}
+        from .experiments.tapestep import TapeStep  # the experiments load at a failure, not in a healthy run
+        w = self.w
+        roots, opts = list(w.monitor.roots), w.optimizers()
+        out = {}
+        for k, (rec, indices) in self.kept.items():
+            rep = StepReplay(rec, roots, opts, w._orig["backward"], w.quiet)
+            if rep.problem is None:
+                out[k] = TapeStep(rep, roots, opts, None, k, indices)
+        return out
 
     def state_modules(self) -> list:
         """The modules whose state recovery checks, snapshots and restores: the watched roots; for a
