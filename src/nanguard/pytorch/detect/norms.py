@@ -166,7 +166,7 @@ def _reduce(tensors: Sequence[Optional[torch.Tensor]], plan: NormPlan, dev: torc
     if plan.sharded:
         tensors = [None if t is None else local(t) for t in tensors]
     parts: List[torch.Tensor] = []
-    rest = [t for i in plan.rest if (t := tensors[i]) is not None and t.layout is _STRIDED]
+    rest = [t for i in plan.rest if (t := tensors[i]) is not None and t.layout is _STRIDED] if plan.rest else []
     for fl in plan.flats:
         sel = [t for i in fl.idx if (t := tensors[i]) is not None and t.layout is _STRIDED]
         if sel:
