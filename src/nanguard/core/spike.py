@@ -34,12 +34,18 @@ gradient norm that grows while the loss falls, normal early in training, never w
   of their norm (the parameter norm before and after it, read by the same check: 100x the healthy
   ~1e-2) while the loss is above ``update_loss`` = 1.5x its start (the stream's first loss); or the
   loss is >= ``far`` = 100x its start and >= ``growth_total`` = 10x every loss before it: a blow-up in
-  the first steps, before the spread rules have their 8 values;
+  the first steps, before the spread rules have their 8 values. The start counts as no lower than
+  ``start_floor`` = 1e-6 (about 10 float32 epsilons of an O(1) loss): a first loss near 0 is a model
+  that already fits its batch to rounding (converged), not a level a blow-up is measured from; the
+  next batch's loss is noise around 0 at any ratio to it (measured: a JAX regression whose initial
+  parameters are the exact solution starts at 4.5e-15 and its next batches read 1e-6..5.6e-6,
+  "x1.2e9 its start"). A loss that does blow up from there passes 1e-4 and still warns;
 * **dead** (once per stream): after an excursion to >= ``growth_total`` x its start, the loss has
   stayed flat (within ``dead_flat`` = 10% of its median for ``dead_steps`` = 20 steps) no lower than
   half its start, with gradient norms <= ``dead_grad`` = 0.1x the first steps': a network the
   excursion killed (dead units, saturated activations), training at the chance-level loss for good
-  while every value stays finite. A run that starts at chance level and learns has no excursion.
+  while every value stays finite. A run that starts at chance level and learns has no excursion (the
+  excursion is measured from the floored start, as ``far``).
 
 * **scale** (every rule): a loss below ``level_floor`` = 1e-3 of its starting level (the median of
   the stream's first ``min_values`` losses) is never a warning: a run that has converged to ~0 has a
@@ -85,6 +91,7 @@ class SpikeConfig:
     update: float = 1.0
     update_loss: float = 1.5
     far: float = 100.0
+    start_floor: float = 1e-6
     dead_steps: int = 20
     dead_flat: float = 0.1
     dead_grad: float = 0.1
@@ -235,7 +242,7 @@ class SpikeDetector:
         if update is not None and not update < c.update and loss >= c.update_loss * start:
             return out("update", "update", update_ratio=update if _fin(update) else "overflow", loss_start=start,
                        loss_vs_start=loss / start)
-        if lb and loss >= c.far * start and loss >= c.growth_total * lb[2]:
+        if lb and loss >= c.far * max(start, c.start_floor) and loss >= c.growth_total * lb[2]:
             return out("far", "loss", loss_start=start, loss_vs_start=loss / start)
         return None
 
@@ -268,7 +275,8 @@ class SpikeDetector:
 def _dead(c: SpikeConfig, st: _Stream, step: int, loss: float, g: Optional[float]) -> Optional[Dict[str, Any]]:
     """The ``dead`` rule (see the module docstring): the warning, or None."""
     start = st.start
-    if start is None or not start > 0 or st.peak < c.growth_total * start or len(st.tail) < c.dead_steps \
+    if start is None or not start > 0 or st.peak < c.growth_total * max(start, c.start_floor) \
+            or len(st.tail) < c.dead_steps \
             or len(st.first_g) < c.min_values:
         return None
     losses = [v for v, _ in st.tail]
