@@ -122,8 +122,8 @@ class _Series:
         if not self.vals:
             return None
         s = self.ordered
-        med = _quantile(s, 0.5)
-        width = max(_quantile(s, 0.9) - _quantile(s, 0.1), floor * abs(med), 1e-12)
+        med, q10, q90 = _quantiles(s)
+        width = max(q90 - q10, floor * abs(med), 1e-12)
         return med, width, s[-1]
 
 
@@ -165,9 +165,11 @@ class SpikeDetector:
         if st is None:
             st = self.streams[stream] = _Stream(c.window)
             st.tail = deque(maxlen=c.dead_steps)
-        if skipped or not _fin(loss):
+        # (_fin inline, twice: this runs every step of every driver)
+        if skipped or not (isinstance(loss, _NUM) and not isinstance(loss, bool) and math.isfinite(loss)):
             return None
-        g = grad_norm if _fin(grad_norm) else None
+        g = grad_norm if (isinstance(grad_norm, _NUM) and not isinstance(grad_norm, bool)
+                          and math.isfinite(grad_norm)) else None
         lb = st.loss.baseline(c.width_floor)
         gb = st.grad.baseline(c.width_floor)
         n = len(st.loss.vals)
@@ -251,9 +253,8 @@ class SpikeDetector:
         ``growth_steps`` long or more and its geometric mean factor is >= ``growth_ratio``:
         (its first step, its first value, its length)."""
         c = self.config
-        seq = [(s, v) for s, v, _e in st.recent]
         k, cur, best = 0, loss, None
-        for s, v in reversed(seq):
+        for s, v, _e in reversed(st.recent):
             if not (v > 0 and cur >= c.rise * v):
                 break
             k, cur = k + 1, v
@@ -295,9 +296,22 @@ def _dead(c: SpikeConfig, st: _Stream, step: int, loss: float, g: Optional[float
 def _quantile(s: List[float], q: float) -> float:
     if not s:
         return float("nan")
-    k = (len(s) - 1) * q
-    lo, hi = int(math.floor(k)), int(math.ceil(k))
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    return _quantiles(s, (q,))[0]
+
+
+def _quantiles(s: List[float], qs: Tuple[float, ...] = (0.5, 0.1, 0.9)) -> List[float]:
+    """The linear-interpolation quantiles ``qs`` of the sorted, non-empty ``s`` (the baseline's three in one
+    call: it runs every step)."""
+    n1 = len(s) - 1
+    out = []
+    for q in qs:
+        k = n1 * q
+        lo, hi = int(math.floor(k)), int(math.ceil(k))
+        out.append(s[lo] + (s[hi] - s[lo]) * (k - lo))
+    return out
+
+
+_NUM = (int, float)
 
 
 def _fin(x: Any) -> bool:
