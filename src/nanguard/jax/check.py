@@ -23,6 +23,12 @@ COLS = ("loss", "grad_sumsq", "param_sumsq", "lr", "loss_known", "loss_ok", "pre
 C = {name: i for i, name in enumerate(COLS)}
 NCOL = len(COLS)
 
+# the name scope of the outermost optax update in the replay's trace of a failing step (:mod:`.hooks`):
+# it tells the update's equations from the script's own gradient processing before it (locate.replay);
+# REPLAY_TRACE[0] is True while the localization traces the step (set by locate.localize)
+UPDATE_SCOPE = "nanguard_optax_update"
+REPLAY_TRACE = [False]
+
 
 def float_leaves(tree: Any) -> List[Any]:
     """The floating-point array leaves of a pytree (ints, None and Python objects left out)."""

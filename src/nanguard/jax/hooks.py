@@ -121,6 +121,8 @@ def _wrap_update(update: Callable, info: Dict[str, Any]) -> Callable:
 
     def wrapped(updates: Any, state: Any, params: Any = None, *a: Any, **k: Any) -> Any:
         host = HOST[0]
+        if check.REPLAY_TRACE[0] and _DEPTH[0] == 0 and tracing():
+            return _scoped_update(update, updates, state, params, a, k)
         if not _live(host) or _DEPTH[0] > 0:
             return update(updates, state, params, *a, **k)
         if not tracing():
@@ -129,6 +131,18 @@ def _wrap_update(update: Callable, info: Dict[str, Any]) -> Callable:
     wrapped._nanguard = True  # type: ignore[attr-defined]
     wrapped._nanguard_info = info  # type: ignore[attr-defined]
     return wrapped
+
+
+def _scoped_update(update: Callable, grads: Any, state: Any, params: Any, a: tuple, k: dict) -> Any:
+    """The outermost update traced for the replay of a failing step (``check.REPLAY_TRACE``): under
+    :data:`.check.UPDATE_SCOPE`, so that the replay tells the update's equations from the script's own
+    processing of the gradients before it (a name scope is metadata: the values are the same)."""
+    _DEPTH[0] += 1
+    try:
+        with jax.named_scope(check.UPDATE_SCOPE):
+            return update(grads, state, params, *a, **k)
+    finally:
+        _DEPTH[0] -= 1
 
 
 def _outer_update(host: Any, update: Callable, info: Dict[str, Any], grads: Any, state: Any, params: Any,

@@ -103,7 +103,12 @@ def localize(pure_fn: Callable[..., Any], args: tuple, *, user_files: Sequence[s
         from .replay import Replay
         from .result import build_result
         leaves, values = _leaves(tuple(args), names)
-        closed = jax.make_jaxpr(pure_fn)(*args)
+        from ..check import REPLAY_TRACE
+        REPLAY_TRACE[0] = True   # the guard's optax hook marks the update (locate.replay's stages)
+        try:
+            closed = jax.make_jaxpr(pure_fn)(*args)
+        finally:
+            REPLAY_TRACE[0] = False
         frames = FrameFinder(user_files)
         for fused in (False, True):   # unfused first (op by op semantics), then the compiled step's rounding
             rp = Replay(frames, leaves if not fused else _leaves(tuple(args), names)[0])

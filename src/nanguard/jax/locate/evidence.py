@@ -105,11 +105,41 @@ def _float64(p: Probe) -> dict:
 
 @gatherer("float32_check", always=True)
 def _float32(p: Probe) -> Optional[dict]:
+    """The origin op re-run in float32 on its low-precision inputs (``direct_finite``), and again on its
+    inputs recomputed in float32 from their low-precision producers (up to 4 ops back, where the replay
+    kept their inputs): ``chain_finite`` says the producers' rounding made the value (``1 - sigmoid(z)``
+    that is exactly 0 in bfloat16 and 1e-3 in float32 before a log)."""
     if p.dtype not in N.LOW_PRECISION or p.stage == "backward":
         return None
     direct = check_fact(p.eqn, p.ins, np.float32, p.pos)
-    return {"float32_check": {"direct_finite": direct.get("finite"), "chain_finite": None, "chain_ops": [],
-                              "max_abs": direct.get("max_abs")}}
+    chain_ops: List[str] = []
+    prods = p.rp.log.inprod[p.idx] if 0 <= p.idx < len(p.rp.log.inprod) else ()
+    ins = [_recompute32(p.rp.log, v, prods[i] if i < len(prods) else -1, 4, chain_ops) for i, v in enumerate(p.ins)]
+    chain = check_fact(p.eqn, ins, np.float32, p.pos) if chain_ops else {}
+    return {"float32_check": {"direct_finite": direct.get("finite"), "chain_finite": chain.get("finite"),
+                              "chain_ops": chain_ops[:10], "max_abs": direct.get("max_abs")}}
+
+
+def _recompute32(log: Any, val: Any, op: int, depth: int, chain_ops: List[str]) -> Any:
+    """``val`` (an output of op ``op``) in float32, recomputed from its producers while they are
+    low-precision ops whose inputs the replay kept; a float32 cast of ``val`` where the chain stops."""
+    if not N.is_float(val) or str(val.dtype) not in N.LOW_PRECISION:
+        return val
+    x32 = N.host(val).astype(np.float32)
+    if depth <= 0 or op < 0 or op not in log.inputs:
+        return x32
+    prods = log.inprod[op]
+    ins = [_recompute32(log, v, prods[i] if i < len(prods) else -1, depth - (log.names[op] not in log.pass_ops),
+                        chain_ops) for i, v in enumerate(log.inputs[op])]
+    try:
+        outs = recompute(log.eqns[op], ins, np.float32)
+    except Exception:
+        return x32
+    match = [o for o in outs if o is not None and o.shape == x32.shape]
+    if len(match) != 1:
+        return x32
+    chain_ops.append(log.canon[op])
+    return match[0]
 
 
 @gatherer("dtype_info", always=True)

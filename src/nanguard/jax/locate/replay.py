@@ -12,7 +12,11 @@ where an op makes NaN/Inf from finite inputs, a soft one for a non-finite consta
 
 Stages: an equation is ``backward`` when its name stack holds ``transpose(`` (the transposed linear
 part of a gradient), ``optimizer`` when it reads a backward or optimizer value (the update after the
-gradient), else ``forward``. A forward origin that only JAX's derivative computation reads (the JVP
+gradient), else ``forward``. When the step's optax update is marked (its trace under ``nanguard run``
+puts it in the name scope :data:`..check.UPDATE_SCOPE`), an equation outside it that reads backward
+values and no optimizer value is the script's own processing of the gradients before the update
+(per-example clipping or normalization, a hand-written weight decay): ``backward``, as the gradients
+the update is given. A forward origin that only JAX's derivative computation reads (the JVP
 coefficient ``0.5 / sqrt(x)`` staged beside the primal ops) is reported as a backward origin of its
 forward op (:meth:`Replay.derivative_only`).
 
@@ -31,6 +35,7 @@ import numpy as np
 from ...core.locate.oplog import OpGraph
 from ...core.locate.result import Sinks, constant_detail
 from ...core.locate.taint import CONST, NEW, Taint, Taints, escaped_mask
+from ..check import UPDATE_SCOPE
 from . import numerics as N
 from . import ops as O
 from .frames import Frame, FrameFinder, is_backward
@@ -97,6 +102,19 @@ def precompute(closed: Any, args_flat: Sequence[Any], fused: bool = False) -> Op
     except Exception:
         compiled = lowered.compile()
     return compiled(*args_flat)
+
+
+def _holds_scope(jaxpr: Any, scope: str) -> bool:
+    """Some equation of ``jaxpr`` or of a jaxpr nested in it has ``scope`` in its name stack."""
+    from jax._src import core as jcore
+    todo = [jaxpr]
+    while todo:
+        j = todo.pop()
+        for e in j.eqns:
+            if scope in str(e.source_info.name_stack):
+                return True
+        todo.extend(jcore.subjaxprs(j))
+    return False
 
 
 def bind(eqn: Any, vals: Sequence[Any], params: Optional[dict] = None) -> List[Any]:
@@ -199,6 +217,7 @@ class Replay:
         self.pre: Optional[List[List[Any]]] = None   # precomputed outputs (see precompute), read in order
         self._cursor = 0
         self._in_loop = 0
+        self.update_scoped = False   # the trace holds the marked optax update (see the module docstring)
 
     # ------------------------------------------------------------------ entry
     def run(self, closed: Any, args_flat: Sequence[Any], fast: bool = True, fused: bool = False) -> List[Rec]:
@@ -210,6 +229,7 @@ class Replay:
             except Exception as e:   # the eager path below still works
                 self.notes.append(f"values computed op by op ({type(e).__name__} in the compiled run)")
         jaxpr = closed.jaxpr
+        self.update_scoped = _holds_scope(jaxpr, UPDATE_SCOPE)
         env: Dict[Any, Rec] = {}
         for v, c in zip(jaxpr.constvars, closed.consts):
             env[v] = Rec(c, const=True)
@@ -305,8 +325,12 @@ class Replay:
     def _stage(self, ins: List[Rec], ctx: Ctx) -> str:
         if ctx.backward:
             return "backward"
-        if any(r.stage in ("backward", "optimizer") for r in ins):
+        if self.update_scoped and UPDATE_SCOPE in ctx.name_stack:
             return "optimizer"
+        if any(r.stage == "optimizer" for r in ins):
+            return "optimizer"
+        if any(r.stage == "backward" for r in ins):
+            return "backward" if self.update_scoped else "optimizer"
         return "forward"
 
     def apply(self, eqn: Any, ins: List[Rec], ctx: Ctx) -> List[Rec]:
@@ -342,7 +366,8 @@ class Replay:
                 self._grad_sink(r, f"gradient read by {O.canonical(prim)}")
         if leaves_read:
             log.params_read[idx] = leaves_read
-        if O.family_of(prim) is not None or prim in O.EPS_PRODUCERS or prim in ("sub", "reduce_max", "mul"):
+        if O.family_of(prim) is not None or prim in O.EPS_PRODUCERS or prim in ("sub", "reduce_max", "mul") \
+                or any(str(getattr(v, "dtype", "")) in N.LOW_PRECISION for v in outs_v):  # float32 chain re-runs
             log.keep_inputs(idx, eqn, vals)
         outs = [Rec(v, op=idx, stage=stage) for v in outs_v]
         bad = [o for o in outs if N.is_float(o.val) and o.nonfinite]
