@@ -30,12 +30,11 @@ not give back the recorded loss bit for bit.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 import warnings
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -67,6 +66,29 @@ class Ext:
 
     def __init__(self, i: int) -> None:
         self.i = i
+
+
+def _region_closing(tape: "StepTape", orig: Any) -> Any:
+    """``Tensor.backward`` that ends the tape's region first (torch's dispatch must not see it)."""
+    def backward(self, *a, **k):
+        if tape._pushed or tape._stale:
+            tape.close()
+        return orig(self, *a, **k)
+    return backward
+
+
+def _unrecorded(tape: "StepTape", orig: Any) -> Any:
+    """A ``zero_grad`` run outside the tape's region (pause/resume inline: a generator context manager
+    would cost six Python calls more, every step)."""
+    def zero_grad(self, *a, **k):
+        if not tape._pushed:
+            return orig(self, *a, **k)
+        tape.close()
+        try:
+            return orig(self, *a, **k)
+        finally:
+            tape.resume(True)
+    return zero_grad
 
 
 _new = object.__new__  # Ref/Ext on the hot path: made without an __init__ frame
@@ -324,15 +346,6 @@ class StepTape:
             torch._C._push_on_torch_function_stack(m)
         self._stale = False
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Run code unrecorded (zero_grad, the DataLoader) inside the region."""
-        was = self.pause()
-        try:
-            yield
-        finally:
-            self.resume(was)
-
     def pause(self) -> bool:
         was = self._pushed
         if was:
@@ -563,39 +576,11 @@ class StepTape:
         if self._installed:
             return
         self._installed = True
-        tape = self
-        orig_bw = torch.Tensor.backward
-        orig_opt_zero = torch.optim.Optimizer.zero_grad
-        orig_mod_zero = torch.nn.Module.zero_grad
-        self._orig = {"backward": orig_bw, "opt_zero": orig_opt_zero, "mod_zero": orig_mod_zero}
-
-        def backward(self, *a, **k):
-            if tape._pushed or tape._stale:
-                tape.close()
-            return orig_bw(self, *a, **k)
-
-        # tape.paused(), inline (every step: a generator context manager costs six Python calls more)
-        def opt_zero(self, *a, **k):
-            if not tape._pushed:
-                return orig_opt_zero(self, *a, **k)
-            tape.close()
-            try:
-                return orig_opt_zero(self, *a, **k)
-            finally:
-                tape.resume(True)
-
-        def mod_zero(self, *a, **k):
-            if not tape._pushed:
-                return orig_mod_zero(self, *a, **k)
-            tape.close()
-            try:
-                return orig_mod_zero(self, *a, **k)
-            finally:
-                tape.resume(True)
-
-        torch.Tensor.backward = backward
-        torch.optim.Optimizer.zero_grad = opt_zero
-        torch.nn.Module.zero_grad = mod_zero
+        self._orig = {"backward": torch.Tensor.backward, "opt_zero": torch.optim.Optimizer.zero_grad,
+                      "mod_zero": torch.nn.Module.zero_grad}
+        torch.Tensor.backward = _region_closing(self, self._orig["backward"])
+        torch.optim.Optimizer.zero_grad = _unrecorded(self, self._orig["opt_zero"])
+        torch.nn.Module.zero_grad = _unrecorded(self, self._orig["mod_zero"])
 
     def uninstall(self) -> None:
         self.close()

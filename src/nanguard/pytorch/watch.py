@@ -289,9 +289,6 @@ class Watcher:
         return [v.opt_ref() for v in self.monitor.views.values() if v.opt_ref() is not None]
 
     # ------------------------------------------------------------------ optimizer
-    def _in_scaler(self) -> bool:
-        return getattr(self._local, "scaler_depth", 0) > 0
-
     def _opt_pre(self, opt, args, kwargs) -> Optional[tuple]:
         if getattr(self._local, "scaler_depth", 0) > 0 or self._replaying:  # (self._in_scaler(), inline)
             return None
