@@ -196,3 +196,26 @@ def test_the_report_marks_the_numeric_fixes_of_a_warning_and_of_an_uninvestigate
     f = next(e for e in r.events if not e.is_warning)
     assert f.cause["untested_fixes"][0]["why"] == "no replay ran on this failure"
     assert w.fixes[0] == "lower the learning rate from 0.1 to about 0.01"
+
+
+def test_a_history_replay_from_weights_already_diverging_decides_nothing():
+    """The growth began at step 3; the only snapshot the budget reaches is step 8: a lower rate from there
+    staying non-finite neither refutes lr_too_high nor blocks the rollback's cut, and the fix is untested."""
+    from nanguard.core.experiments import Situation, plan
+    from nanguard.core.experiments.kinds import judge
+    from nanguard.core.recovery.verify import verified_plan
+    s = Situation("lr_too_high", step=9, caps={"snapshots": [8], "lrs": [0.1]}, evidence={"onset_step": 4})
+    spec = next(sp for sp in plan("lr_too_high", s) if sp.kind == "lr_replay")
+    assert spec.params["after_onset"] is True and spec.params["from_step"] == 8
+    e = Experiment("lr_replay", "lr", params=dict(spec.params), finite=False, replays=3, details={"lr": [0.01]})
+    assert judge("lr_too_high", e) is None
+    ev = _event(["lower the learning rate from 0.1 to about 0.01"], [e.as_dict()], onset_step=4)
+    assert ev.cause["tested_fixes"][0]["inconclusive"] is True
+    reconcile(ev, "pytorch")
+    assert ev.fixes == ["lower the learning rate from 0.1 to about 0.01"]
+    assert "after the growth began" in ev.cause["untested_fixes"][0]["why"]
+    acts, proofs, notes = verified_plan(ev.cause, ["rollback", "lr_backoff"], ["rollback", "lr_backoff"], "forward")
+    assert acts == ["rollback", "lr_backoff"] and "applied unverified" in notes[0]
+    early = Situation("lr_too_high", step=9, caps={"snapshots": [2, 8], "lrs": [0.1]}, evidence={"onset_step": 4},
+                      max_replay_steps=10)
+    assert "after_onset" not in next(sp for sp in plan("lr_too_high", early) if sp.kind == "lr_replay").params

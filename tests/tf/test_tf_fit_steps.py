@@ -203,5 +203,10 @@ def test_a_float16_overflow_behind_an_lstm_is_named_and_recovered_by_a_float32_l
     want = "out" if any(f.endswith("out' in float32") and ok for f, ok in tested.items()) else "the whole model"
     assert ups and ups[0]["layer"] == want and ups[0]["dtype_after"] == "float32", (tested, [
         e.get("recovery") for e in rep["events"]])
+    # the first fix names the scope that passed (core/experiments/reconcile.py), in Keras words
+    passed = [t for t in ev["cause"]["tested_fixes"] if t["passed"] and t["kind"] == "upcast_module"]
+    assert passed and passed[0]["fix_index"] == 0, ev["cause"]["tested_fixes"]
+    scope = "run the whole model in float32" if want == "the whole model" else "run layer"
+    assert ev["fixes"][0].startswith(scope) and "torch" not in ev["fixes"][0], ev["fixes"]
     last, dtype = capsys.readouterr().out.split("last")[1].split()
     assert code == 0 and rep["status"] == "recovered" and math.isfinite(float(last)) and dtype == "float32"

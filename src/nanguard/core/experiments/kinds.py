@@ -24,7 +24,9 @@ origin_input_f64   replay with the origin op's inputs computed in        finite:
 domain_guard       replay with the origin op's inputs kept inside its    finite: confirms the domain error is
                    domain (clamped; zero denominators -> 1)              the whole story
 lr_replay          from an earlier snapshot, replay the steps up to the  finite: confirms lr_too_high;
-                   failing one with the learning rate lowered            non-finite: refutes it
+                   failing one with the learning rate lowered            non-finite: refutes it (from a
+                                                                         snapshot after the growth began:
+                                                                         nothing)
 clip_replay        the same, clipping the gradient norm                  finite: confirms gradient_explosion;
                                                                          non-finite: refutes it
 determinism        replay the step twice, unchanged                      different results: nondeterminism
@@ -101,13 +103,20 @@ def _guard(cat: str, e: Experiment, ctx: dict) -> Optional[str]:
 def _lr(cat: str, e: Experiment, ctx: dict) -> Optional[str]:
     if cat != "lr_too_high":
         return None
-    return CONFIRMS if e.finite else REFUTES
+    return CONFIRMS if e.finite else _refutes_history(e)
 
 
 def _clip(cat: str, e: Experiment, ctx: dict) -> Optional[str]:
     if cat != "gradient_explosion":
         return None
-    return CONFIRMS if e.finite else REFUTES
+    return CONFIRMS if e.finite else _refutes_history(e)
+
+
+def _refutes_history(e: Experiment) -> Optional[str]:
+    """A history replay that stayed non-finite refutes its cause, unless it started from a snapshot taken
+    after the growth began (``after_onset``: weights already diverging, which no lower rate or clip
+    brings back in a few steps): that decides nothing."""
+    return None if e.params.get("after_onset") else REFUTES
 
 
 def _determinism(cat: str, e: Experiment, ctx: dict) -> Optional[str]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..diagnosis.text import LOW_DTYPES, opshort
-from ..recovery.estimates import backoff_factor, clip_max_norm, peak_target
+from ..recovery.estimates import backoff_factor, clip_max_norm, peak_target, rollback_bound
 from .kinds import DATA, DIVERGENCE, EXACT, PER_SAMPLE, PRECISION
 from .records import Spec
 
@@ -123,14 +123,23 @@ def _precision_specs(category: str, s: Situation) -> List[Spec]:
 def _history_specs(category: str, s: Situation) -> List[Spec]:
     """lr_replay / clip_replay from the nearest snapshot whose replay fits the budget."""
     caps = s.caps
-    start = nearest_snapshot(caps.get("snapshots") or [], s.step, s.max_replay_steps)
+    snaps = caps.get("snapshots") or []
+    # from before the growth began (the state recovery rolls back to) when the budget reaches it; else the
+    # nearest: a snapshot after the update that began the growth holds weights already diverging, and a
+    # replay from it that stays non-finite does not show that the change fails from before the growth, so
+    # it decides nothing (kinds.py)
+    bound = rollback_bound({"evidence": s.evidence})
+    start = nearest_snapshot([t for t in snaps if bound is None or t <= bound], s.step, s.max_replay_steps)
+    if start is None:
+        start = nearest_snapshot(snaps, s.step, s.max_replay_steps)
     if start is None:
         return []
     n = s.step - start + 1.5  # + saving, restoring and checking the state
+    late = {"after_onset": True} if bound is not None and start > bound else {}
     out: List[Spec] = []
-    lr = Spec("lr_replay", {"factor": lr_factor(s), "from_step": start, "to_step": s.step, "deeper": True},
+    lr = Spec("lr_replay", {"factor": lr_factor(s), "from_step": start, "to_step": s.step, "deeper": True, **late},
               category, n)
-    clip = Spec("clip_replay", {"max_norm": clip_norm(s), "from_step": start, "to_step": s.step}, category,
+    clip = Spec("clip_replay", {"max_norm": clip_norm(s), "from_step": start, "to_step": s.step, **late}, category,
                 n + 0.01)
     out += [lr, clip] if category == "lr_too_high" else [clip, lr]
     return out

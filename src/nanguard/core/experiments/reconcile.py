@@ -92,7 +92,7 @@ class _Reconciler:
     # ------------------------------------------------------------------ per kind
     def run(self) -> None:
         for kind in ("lr", "clip", "dtype", "eps"):
-            entries = [t for t in self.tested if TESTS[t["kind"]] == kind]
+            entries = [t for t in self.tested if TESTS[t["kind"]] == kind and not t.get("inconclusive")]
             if not entries:
                 continue
             ok = next((t for t in entries if t.get("passed")), None)
@@ -219,6 +219,11 @@ def why_untested(kind: str, cause: Dict[str, Any], warning: bool = False) -> str
             return ("no snapshot from before the failing step to replay from; recovery keeps them "
                     "(--recover auto, or recover=\"auto\")")
         return "the origin's module could not be found to run it in float32"
+    late = next((t for t in cause.get("tested_fixes") or [] if isinstance(t, dict) and t.get("kind") == tester
+                 and t.get("inconclusive")), None)
+    if late is not None:
+        return ("its replay started from a snapshot taken after the growth began (weights already diverging) and "
+                "stayed non-finite, which does not test it")
     if tester in ((ev.get("experiments_cost") or {}).get("not_run_for_budget") or ()):
         return "its replay did not fit in the experiments' budget"
     if any(isinstance(e, dict) and e.get("kind") == tester for e in ev.get("experiments") or ()):

@@ -12,8 +12,9 @@ of older reports see none)::
 
 The value each entry tried (optional fields, for :mod:`.reconcile`, which words the numbered fixes
 after them): ``lr`` (the learning rates replayed, per parameter group), ``max_norm`` (the clip),
-``module`` (the module put in float32; ``""``: the whole model), ``op`` (the guarded op); and, once
-reconciled, ``fix_index``: the position in ``event.fixes`` of the fix this replay tested.
+``module`` (the module put in float32; ``""``: the whole model), ``op`` (the guarded op);
+``inconclusive``: a failed history replay that started after the growth began (it tests nothing); and,
+once reconciled, ``fix_index``: the position in ``event.fixes`` of the fix this replay tested.
 """
 from __future__ import annotations
 
@@ -53,8 +54,13 @@ def _entry(e: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         steps = 1  # one replay of the failing step
     what = f"{steps} step{'s' if steps != 1 else ''} finite" if passed else \
         ("still non-finite" + (f" at step {d['failed_at']}" if d.get("failed_at") is not None else ""))
+    late = not passed and bool(p.get("after_onset"))  # from weights already diverging: no verdict on the fix
+    if late:
+        what += f" from the snapshot of step {p.get('from_step')}, after the growth began (inconclusive)"
     loss = d.get("losses")
     t: Dict[str, Any] = {"fix": fix, "kind": kind, "passed": passed, "steps": steps}
+    if late:
+        t["inconclusive"] = True
     if kind == "lr_replay" and d.get("lr"):
         t["lr"] = list(d["lr"])
     elif kind == "clip_replay" and isinstance(p.get("max_norm"), (int, float)):

@@ -53,9 +53,22 @@ def proof(cause: Dict[str, Any], action: str) -> Optional[dict]:
 
 
 def refuted(cause: Dict[str, Any], action: str) -> bool:
-    """An experiment of ``action``'s kind ran and the step stayed non-finite."""
+    """An experiment of ``action``'s kind ran and the step stayed non-finite (from a snapshot after the
+    growth began, ``params.after_onset``, that is no verdict: :func:`inconclusive`)."""
     kind = PROOF_KIND.get(action)
-    return any(e.get("kind") == kind and e.get("finite") is False for e in experiments(cause) or [])
+    return any(e.get("kind") == kind and e.get("finite") is False and not _late(e) for e in experiments(cause) or [])
+
+
+def inconclusive(cause: Dict[str, Any], action: str) -> bool:
+    """Every replay of ``action``'s kind started from weights already diverging and stayed non-finite: the
+    rollback's own state was not tested."""
+    kind = PROOF_KIND.get(action)
+    runs = [e for e in experiments(cause) or [] if e.get("kind") == kind and e.get("finite") is not None]
+    return bool(runs) and all(e.get("finite") is False and _late(e) for e in runs)
+
+
+def _late(e: dict) -> bool:
+    return bool((e.get("params") or {}).get("after_onset"))
 
 
 def verified_plan(cause: Dict[str, Any], acts: Sequence[str], allowed: Sequence[str],
@@ -80,6 +93,10 @@ def verified_plan(cause: Dict[str, Any], acts: Sequence[str], allowed: Sequence[
             out.append(a)
             notes.append(f"{a} applied unverified: this step cannot be replayed with it ({PROOF_KIND[a]} needs "
                          + ("a snapshot before the step)" if a in ("lr_backoff", "clip") else "the origin's module)"))
+        elif inconclusive(cause, a):
+            out.append(a)
+            notes.append(f"{a} applied unverified: its replay ({PROOF_KIND[a]}) started from a snapshot taken after "
+                         "the growth began, whose weights were already diverging")
         else:
             notes.append(f"{a} not applied: no replay showed that it makes the failing step finite")
     drop = proof(cause, "drop_samples")
