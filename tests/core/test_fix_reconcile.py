@@ -219,3 +219,13 @@ def test_a_history_replay_from_weights_already_diverging_decides_nothing():
     early = Situation("lr_too_high", step=9, caps={"snapshots": [2, 8], "lrs": [0.1]}, evidence={"onset_step": 4},
                       max_replay_steps=10)
     assert "after_onset" not in next(sp for sp in plan("lr_too_high", early) if sp.kind == "lr_replay").params
+
+
+def test_every_fix_of_the_kind_that_passed_follows_it():
+    exp = _lr_exp([0.001], True, factor=0.01)
+    ev = _event(["lower the momentum to 0.9 (effective step 1) or the learning rate to about 0.01", "check the data",
+                 "if it recurs, lower the learning rate (e.g. 0.1 -> 0.01)"], [exp])
+    reconcile(ev, "pytorch")
+    assert ev.fixes == ["lower the momentum to 0.9 (effective step 1) or the learning rate to 0.001",
+                        "if it recurs, lower the learning rate (e.g. 0.1 -> 0.001)", "check the data"]
+    assert "untested_fixes" not in ev.cause and ev.cause["tested_fixes"][0]["fix_index"] == 0

@@ -165,9 +165,8 @@ class _Reconciler:
 
     # ------------------------------------------------------------------ outcome
     def _pass(self, i: int, t: dict) -> None:
-        if id(t) not in self.matched:  # the first fix of its kind is the one the replay tested
-            self.passed[i] = t
-            self.matched[id(t)] = i
+        self.passed[i] = t
+        self.matched.setdefault(id(t), i)  # fix_index: the first fix of its kind
 
     def _fail(self, i: int, t: dict, what: Optional[str]) -> None:
         note = f"(replay: {what} still non-finite)" if what else STILL
