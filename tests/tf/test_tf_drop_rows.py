@@ -106,24 +106,8 @@ def test_fit_trains_on_the_good_rows_and_logs_their_loss():
     """In model.fit, under the Keras callback: the failing train step re-run eagerly without the bad rows,
     its update applied, and its logs what fit hands the callbacks (the running loss mean never takes the
     NaN), instead of a skip whose logged loss is the NaN step's."""
-    import nanguard.keras
-    keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(0)
-    bags = rng.integers(1, 30, (160, 5)).astype("int32")
-    bags[EMPTY] = 0
-    target = rng.integers(0, 3, 160)
-    ids = keras.Input((5,), dtype="int32")
-    pooled = _MeanOverItems()(keras.layers.Embedding(30, 4)(ids), ids)
-    model = keras.Model(ids, keras.layers.Dense(3)(keras.layers.Dense(8, activation="tanh")(pooled)))
-    model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    logged = []
-    cb = nanguard.keras.NanGuard(report=None, quiet=True, recover="auto")
-    model.fit(bags, target, batch_size=32, epochs=1, shuffle=False, verbose=0,
-              callbacks=[cb, keras.callbacks.LambdaCallback(
-                  on_train_batch_end=lambda b, logs: logged.append(float(logs["loss"])))])
+    model, rep, logged = fit_bags(160, (EMPTY,))
     assert len(logged) == 5 and all(np.isfinite(logged)), logged     # the running mean never took the NaN
-    rep = cb.report
     assert rep.status == "recovered", rep.status
     ev = rep.events[0]
     assert ev.step == 2 and ev.recovery["action"] == "drop_samples", ev.recovery
@@ -131,3 +115,26 @@ def test_fit_trains_on_the_good_rows_and_logs_their_loss():
     assert rec["rows"] == [7] and rec["kept_rows"] == 31 and "train_step" in rec["how"]
     assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
     assert int(model.optimizer.iterations.numpy()) == 5               # the dropped step's update counted
+
+
+def fit_bags(n: int, empty, spe: int = 1):
+    """model.fit (one epoch of batches of 32, not shuffled) of the bag model on ``n`` bags, those in ``empty``
+    empty, under the Keras callback with recovery; (model, report, the losses fit logged)."""
+    import nanguard.keras
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    bags = rng.integers(1, 30, (n, 5)).astype("int32")
+    for r in empty:
+        bags[r] = 0
+    target = rng.integers(0, 3, n)
+    ids = keras.Input((5,), dtype="int32")
+    pooled = _MeanOverItems()(keras.layers.Embedding(30, 4)(ids), ids)
+    model = keras.Model(ids, keras.layers.Dense(3)(keras.layers.Dense(8, activation="tanh")(pooled)))
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), steps_per_execution=spe,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    logged = []
+    cb = nanguard.keras.NanGuard(report=None, quiet=True, recover="auto")
+    model.fit(bags, target, batch_size=32, epochs=1, shuffle=False, verbose=0,
+              callbacks=[cb, keras.callbacks.LambdaCallback(
+                  on_train_batch_end=lambda b, logs: logged.append(float(logs["loss"])))])
+    return model, cb.report, logged

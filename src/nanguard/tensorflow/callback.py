@@ -10,6 +10,22 @@ from ..core.config import GuardConfig
 from ..core.events import Report
 
 
+def _record_construction_lines() -> None:
+    """From this import on, remember the user line that constructs each Keras layer and loss (one frame walk
+    per construction, nothing per step; never uninstalled): the callback is installed when ``fit`` starts,
+    after the model was built, and an origin inside a built-in layer is named by that line, as under
+    ``nanguard run``. A model built before ``nanguard.keras`` was imported falls back on
+    :mod:`.locate.naming`'s source scan, or says the line is not known."""
+    try:
+        from .locate.naming import install_construction_hook
+        install_construction_hook()
+    except Exception as e:  # best effort: the origin's line then comes from the fallback
+        warnings.warn(f"nanguard: could not record layer construction lines: {type(e).__name__}: {e}", RuntimeWarning)
+
+
+_record_construction_lines()
+
+
 class NanGuard(keras.callbacks.Callback):
     """Guard ``model.fit`` against NaN/Inf: ``model.fit(..., callbacks=[nanguard.keras.NanGuard()])``.
 

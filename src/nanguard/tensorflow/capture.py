@@ -105,6 +105,9 @@ class StepCapture:
     step_fn: Any = None             # kind "function": the tf.function; kind "fit": the model's train_step
     watcher: Any = None
     row_source: Any = None          # where the batch rows came from (:class:`.rows.RowSource`), if known
+    # [(variable, value)]: metrics and non-trainable variables when the step started (a fit step of a call
+    # of several steps under recovery, :mod:`.recover_held`: the step-start snapshot is the call's)
+    buffers: List[Tuple[Any, np.ndarray]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -116,16 +119,21 @@ class StepCapture:
             batch = tf.nest.pack_sequence_as(info["batch_structure"], list(info["batch_flat"]),
                                              expand_composites=False)
         models = [m for m in list(watcher.models)]
-        model = _model_for(models, opt)
+        # the model being fit runs the step (a custom train_step may call sub-models, never the model itself)
+        fitting = getattr(watcher, "fitting", lambda: None)()
+        model = fitting if fitting is not None else _model_for(models, opt)
+        models = models + ([fitting] if fitting is not None and fitting not in models else [])
         cap = cls(step=int(info["step"]), kind="fit" if batch is not None else "function", optimizer=opt,
                   model=model, models=models, inputs=batch,
-                  seeds=[(g, np.array(s)) for g, s in info.get("seeds", [])], watcher=watcher)
+                  seeds=[(g, np.array(s)) for g, s in info.get("seeds", [])], watcher=watcher,
+                  buffers=list(info.get("buffers") or []))
         cap.variables = variables_of(models, opt)
         cap.values = {k: np.array(v.numpy()) for k, v in cap.variables.items()}
         if batch is not None:
             from .rows import fit_source
             try:
-                cap.row_source = fit_source()
+                pos = watcher.fit_position(cap.step) if hasattr(watcher, "fit_position") else None
+                cap.row_source = fit_source(pos["step_in_epoch"] if pos else None)
             except Exception:  # dataset rows are best effort
                 cap.row_source = None
         if model is not None and batch is not None:

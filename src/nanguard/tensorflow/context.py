@@ -1,5 +1,6 @@
-"""What the diagnosis knows about a TensorFlow run (``build_event``'s context): the optimizer, the
-learning rates, eps, the loss scaler, the dtype policy; read from a :class:`~.watch.TFWatcher`."""
+"""What the diagnosis knows about a TensorFlow run (``build_event``'s context): the optimizer (the one that
+made the latest step), the learning rates, eps, the loss scaler, the dtype policy; read from a
+:class:`~.watch.TFWatcher`."""
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -8,7 +9,7 @@ from typing import Any, Dict
 def run_context(w: Any) -> Dict[str, Any]:
     """The diagnosis context of the run watched by ``w``."""
     ctx: Dict[str, Any] = {"scaler": w.lso, "counting": "optimizer", "framework": "tensorflow"}
-    for opt in w.optimizers():
+    for opt in latest_first(w):
         ctx.setdefault("optimizer", type(opt).__name__)
         inner = getattr(opt, "inner_optimizer", None)
         if inner is not None:
@@ -25,3 +26,11 @@ def run_context(w: Any) -> Dict[str, Any]:
     except Exception:
         pass
     return ctx
+
+
+def latest_first(w: Any) -> list:
+    """The run's optimizers, the one that made the latest step first (a fine-tuning stage's new optimizer,
+    not the first stage's, names the failing update; optimizers stepping together keep their order)."""
+    sts = [st for st in w.states.values() if st.opt_ref() is not None]
+    order = sorted(range(len(sts)), key=lambda i: (-(sts[i].attempts - sts[i].offset), i))
+    return [sts[i].opt_ref() for i in order]

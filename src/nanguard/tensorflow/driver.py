@@ -85,6 +85,11 @@ class RunDriver:
 
     def _on_capture(self, info: Dict[str, Any]) -> None:
         from .capture import StepCapture
+        if info.get("held"):  # a step held behind a failure of its call: re-run after the recovery
+            held = getattr(self.policy, "held", None)
+            if held is not None:
+                held[info["step"]] = info
+            return
         try:
             self.captures[info["step"]] = StepCapture.from_fit_failure(self.watcher, info)
         except Exception as e:  # the capture is best effort: localization then says why

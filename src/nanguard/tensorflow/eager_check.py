@@ -10,11 +10,12 @@ from typing import Any, List
 
 import tensorflow as tf
 
+from ..core.events import Detection
 from . import detect as D
 from .graph_check import data_ok, loss_parts, lr_scale, run_update
 from .state import OptState
 
-__all__ = ["apply_eager"]
+__all__ = ["apply_eager", "check_eval"]
 
 
 def apply_eager(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_variables: Any, tvars: List[Any],
@@ -95,3 +96,20 @@ def _post(st: OptState, opt: Any, row: List[float], tvars: List[Any]) -> None:
     ov = D.float_tensors(list(getattr(opt, "variables", [])))
     fin = tf.math.is_finite(D.sum32(ov)) if ov else tf.constant(True)
     st.eager_post = (row, tf.stack([D.f64(pn), D.f64(fin)]))
+
+
+def check_eval(w: Any, layer: Any, out: Any) -> None:
+    """An eager outermost call outside any recording tape (validation, inference) of watcher ``w``: its
+    outputs are checked (one host read); a non-finite one is an ``eval`` detection (reported, no stop)."""
+    from tensorflow.python.eager import record
+    if record.could_possibly_record():
+        return   # inside a training step: the loss check covers it
+    ts = [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor) and t.dtype.is_floating]
+    if not ts or bool(D.all_finite(ts).numpy()):
+        return
+    nan = sum(int(tf.reduce_sum(tf.cast(tf.math.is_nan(t), tf.int64))) for t in ts)
+    inf = sum(int(tf.reduce_sum(tf.cast(tf.math.is_inf(t), tf.int64))) for t in ts)
+    bad = [v.path for v in getattr(layer, "trainable_variables", []) if not bool(D.all_finite([v.value]).numpy())]
+    det = Detection(w.steps_watched, "eval", {"module": type(layer).__name__, "output_nan": nan,
+                                              "output_inf": inf, "nonfinite_params": bad[:20], "training": False})
+    w.host.handle(det, None)

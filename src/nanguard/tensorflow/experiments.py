@@ -263,9 +263,42 @@ class KerasBench(Bench):
         e.finite = None if e.error else bool(ok)
 
     def _lr_replay(self, e: Experiment, replays_left: float) -> None:
+        """From ``from_step`` at the lower rate; when that replay still fails and the spec allows going
+        ``deeper``, once more from the earliest kept step the budget allows: a divergence that started
+        before ``from_step`` (its state already too far gone for any rate) is tested from before it."""
         factor = float(e.params["factor"])
         self._history(e, factor=factor)
+        start = int(e.params["from_step"])
+        if e.finite is False and e.params.get("deeper"):
+            room = float(replays_left) - e.replays
+            earlier = [t for t in self.snapshots() if t < start and self.cap.step - t + 1 <= room]
+            if earlier:
+                e.details["first_try"] = {"from_step": start, "non_finite_at_step": e.details.get("failed_at")}
+                e.details.pop("failed_at", None)
+                e.details.pop("non_finite_at_step", None)
+                e.params["from_step"] = min(earlier)
+                e.change = describe(e.kind, e.params)
+                self._history(e, factor=factor)
+            else:
+                late = self._diverged_before(start)
+                if late:   # too late to tell: no verdict rather than a wrong "ruled out"
+                    e.finite, e.error = None, late
         e.details["lr"] = [x * factor for x in _lrs(self.cap.optimizer)]
+
+    def _diverged_before(self, start: int) -> Optional[str]:
+        """Why a lower-rate replay from ``start`` proves nothing, when the run had already diverged there: the
+        loss at ``start`` (the step history) is 10x above every loss before it, the mark of a divergence
+        that the updates before ``start`` made (an earlier start is beyond the budget)."""
+        w = getattr(self.cap, "watcher", None)
+        rows = w.history.raw_dicts() if w is not None and getattr(w, "history", None) is not None else []
+        losses = {int(r["step"]): float(r["loss"]) for r in rows
+                  if isinstance(r.get("loss"), (int, float)) and np.isfinite(r["loss"])}
+        before = [abs(v) for t, v in losses.items() if t < start]
+        at = losses.get(start)
+        if at is None or not before or abs(at) < 10 * max(before):
+            return None
+        return (f"the run had already diverged at step {start} (loss {at:.3g}, above 10x every loss before it, max "
+                f"{max(before):.3g}): a lower rate from there cannot tell; an earlier start is beyond the budget")
 
     def _clip_replay(self, e: Experiment, replays_left: float) -> None:
         self._history(e, max_norm=float(e.params.get("max_norm") or 1.0))

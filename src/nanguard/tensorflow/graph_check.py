@@ -107,6 +107,9 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
     if discarded_trace():
         run_update(w, opt, grads, trainable_variables, st)
         return False
+    # fit, steps_per_execution > 1, under recovery: a failing step holds the rest of its call, each held step
+    # captured (slow path) for its re-run after the recovery (.recover_held); never where no capture can be made
+    hold = p.hold and w.capture is not None and p.batch is not None and not _in_xla()
     with tf.name_scope("nanguard_check"):
         step = st.counter.read_value()
         loss, loss_known, loss_ok = loss_parts(p)
@@ -117,6 +120,8 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
         quick = tf.logical_and(tf.logical_and(loss_ok, d_ok), tf.math.is_finite(gsq))
         quick = tf.logical_and(quick, tf.logical_not(st.force.read_value()))   # set after an outside write
         halted = st.halt.read_value()
+        if hold:
+            quick = tf.logical_and(quick, tf.logical_not(halted))
 
         def fast():   # a healthy step: nothing more to compute
             return tf.constant(True), tf.constant(True), D.f64(tf.sqrt(gsq)), tf.logical_not(halted)
@@ -130,11 +135,13 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
             ok = _ok(loss_ok, d_ok, pre_ok, grads_ok, lso)
             if w.capture is not None and p.batch is not None:
                 # a LossScaleOptimizer's skip past warm-up too: a loss-scale collapse is decided from one
-                _build_capture(st, tf.logical_and(ok, tf.logical_or(grads_ok, tf.logical_not(
-                    scale <= w.config.warmup_loss_scale))) if lso else ok, step, p)
+                may = tf.logical_and(ok, tf.logical_or(grads_ok, tf.logical_not(
+                    scale <= w.config.warmup_loss_scale))) if lso else ok
+                _build_capture(st, tf.logical_and(may, tf.logical_not(halted)) if hold else may, step, p,
+                               halted if hold else None)
             active = st.active.read_value()
-            st.halt.assign(tf.logical_or(halted, tf.logical_and(tf.logical_not(ok),
-                                                                tf.logical_and(active, st.stop_mode.read_value()))))
+            stopping = tf.constant(True) if hold else st.stop_mode.read_value()
+            st.halt.assign(tf.logical_or(halted, tf.logical_and(tf.logical_not(ok), tf.logical_and(active, stopping))))
             do = tf.logical_and(tf.logical_or(ok, tf.logical_not(active)), tf.logical_not(halted))
             return pre_ok, grads_ok, gn, do
 
@@ -226,16 +233,25 @@ def _ok(loss_ok: tf.Tensor, d_ok: tf.Tensor, pre_ok: tf.Tensor, grads_ok: tf.Ten
     return ok if lso else tf.logical_and(ok, grads_ok)
 
 
-def _build_capture(st: OptState, ok: tf.Tensor, step: tf.Tensor, p: Pending) -> None:
-    """model.fit: in a failing step only, hand the batch and the seed states before the step to
-    the host (one ``tf.py_function`` inside ``tf.cond``)."""
+def _in_xla() -> bool:
+    """Whether the graph being traced is XLA-compiled (it cannot call back into Python)."""
     from tensorflow.python.ops import control_flow_util
-    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def _build_capture(st: OptState, ok: tf.Tensor, step: tf.Tensor, p: Pending, held: Any = None) -> None:
+    """model.fit: in a failing step only, hand the batch and the seed states before the step to
+    the host (one ``tf.py_function`` inside ``tf.cond``). ``held``: the step is held (a tensor; see
+    :mod:`.recover_held`), with the buffers' values at its start (``p.buffers``)."""
+    if _in_xla():
         return  # XLA-compiled steps cannot call back into Python: the re-run fallback is used
     flat = [t for t in tf.nest.flatten(p.batch) if isinstance(t, tf.Tensor)]
-    struct = tf.nest.map_structure(lambda t: None, p.batch)
+    struct = tf.nest.map_structure(lambda t: 0, p.batch)   # not None: a batch of one tensor (no y) is one leaf
     gens = [g for g, _ in p.seeds.values()]
     seeds = [s for _, s in p.seeds.values()]
+    bvars = [v for v, _ in p.buffers] if held is not None else []
+    bvals = [t for _, t in p.buffers] if held is not None else []
+    extra = [held] if held is not None else []
 
     def capture(ok_t, step_t, *vals):
         if bool(ok_t.numpy()):   # the slow path of a step that may update (after an outside write...)
@@ -244,15 +260,18 @@ def _build_capture(st: OptState, ok: tf.Tensor, step: tf.Tensor, p: Pending) -> 
         if w is None or w.capture is None or not w._claim(st, ran=True):
             return tf.constant(0)
         try:  # never raise inside the graph: the step would fail
-            n = len(flat)
+            n, k = len(flat), len(seeds)
             batch = [np.array(v.numpy()) for v in vals[:n]]
-            seed_vals = [np.array(v.numpy()) for v in vals[n:]]
-            w.capture({"step": int(step_t.numpy()) - st.offset, "optimizer": st.opt_ref(),
-                                  "batch_flat": batch, "batch_structure": struct,
-                                  "seeds": list(zip(gens, seed_vals))})
+            seed_vals = [np.array(v.numpy()) for v in vals[n:n + k]]
+            info = {"step": int(step_t.numpy()) - st.offset, "optimizer": st.opt_ref(),
+                    "batch_flat": batch, "batch_structure": struct, "seeds": list(zip(gens, seed_vals))}
+            if extra:
+                info["held"] = bool(vals[n + k].numpy())
+                info["buffers"] = [(v, np.array(t.numpy())) for v, t in zip(bvars, vals[n + k + 1:])]
+            w.capture(info)
         except Exception as e:
             w.capture_error = f"{type(e).__name__}: {e}"
         return tf.constant(0)
 
     # already inside the slow path's branch: the call itself decides (no cond of its own)
-    tf.py_function(capture, [ok, step] + flat + seeds, [tf.int32])
+    tf.py_function(capture, [ok, step] + flat + seeds + extra + bvals, [tf.int32])

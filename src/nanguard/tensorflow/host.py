@@ -35,6 +35,7 @@ class HostReader:
 
     def __init__(self, w: Any) -> None:
         self.w = w
+        self._released = False   # the states released after the guard disabled itself
 
     def after_function(self, fn: Any) -> None:
         """The outermost ``tf.function`` call ``fn`` returned: read the stashes of the updates it ran."""
@@ -47,6 +48,13 @@ class HostReader:
                 w._guarded(lambda st=st: self.read_stash(st))
             w._snap_due = True
             w.observers.update_done(w, w.steps_watched)
+        if w.disabled and not self._released:   # a guard error: the traced checks skip and hold nothing more
+            self._released = True
+            for s in w.known_states():
+                try:
+                    s.release()
+                except Exception:
+                    pass
         self.raise_if_stopped()
 
     def read_stash(self, st: OptState) -> None:
@@ -70,8 +78,10 @@ class HostReader:
         else:
             st.next_step = max(st.next_step, int(row.step) + st.offset + 1)
         step = int(row.step)
-        if row.flag("halted"):
-            return  # after a stop inside the same graph call: nothing was applied
+        if row.flag("halted"):  # after a stop inside the same graph call: nothing was applied
+            if w.recovering and w.stop_requested is None:  # held behind a recovered failure: re-run now
+                w._guarded(lambda: w.policy.resume_held(w, st, step))
+            return
         if not row.flag("post_ok") and math.isinf(row.param_norm):
             # the post-update norm overflowed: confirm element-wise (slow path, a failure only)
             row.vals[D.C["post_ok"]] = float(all(finite_var(v) for v in st.tvars) and

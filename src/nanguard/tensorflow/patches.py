@@ -6,7 +6,8 @@ hands the call to the watcher:
 * ``keras.optimizers.Optimizer.apply`` (``apply_gradients`` calls it) and the subclasses that
   override it (``LossScaleOptimizer``): the outermost call of each update is one step attempt;
 * ``keras.Layer.__call__``: the inputs of the outermost layer call under a recording tape are the
-  batch (``data`` phase); an eager outermost call with no tape recording is an evaluation, whose
+  batch (``data`` phase), except what another outermost call returned in the same step (a custom
+  train step's ``decoder(z)``); an eager outermost call with no tape recording is an evaluation, whose
   outputs are checked (``eval`` phase: one host read per such call, never a stop);
 * ``LossScaleOptimizer.scale_loss``: the history and the loss check see the unscaled loss;
 * ``tf.function`` calls (``Function.__call__``): after the outermost call returns, the stash is read;
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List
 
 import tensorflow as tf
+from tensorflow.python.eager import record
 
 from .state import active, tl_get, tl_set
 
@@ -83,6 +85,8 @@ def install(w: Any) -> List[Callable[[], None]]:
             tl_set("layer_depth", 0)
         if tf.executing_eagerly() and w.replay_hooks is None and w.observers.recorder is None:
             w._guarded(lambda: w._on_eval_output(layer, out))
+        if kwargs.get("training") is not False and record.could_possibly_record():
+            w._guarded(lambda: w._on_outer_output(out))
         return out
 
     def fn_call(fn, *args, **kwargs):

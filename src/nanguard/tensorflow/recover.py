@@ -132,6 +132,10 @@ class KerasActions(_ActionsBase):
         self.applied = applied  # the step's update already ran (a traced step read after its call)
         self.drop = drop
         self.models = [m for m in list(watcher.models)]
+        # a model being fit whose custom train_step calls sub-models only: its metrics (fit's logs) are its own
+        fitting = getattr(watcher, "fitting", lambda: None)()
+        if fitting is not None and fitting not in self.models:
+            self.models.append(fitting)
         self.optimizers = watcher.optimizers()
 
     # -------------------------------------------------------------- variables
@@ -218,9 +222,25 @@ class KerasActions(_ActionsBase):
         for i, (v, a) in enumerate(zip(snap.vars[:n], snap.values[:n])):
             if not (keep_metrics and i in metrics):
                 v.assign(a)
+        self.reset_newer_optimizers(snap)
         if rng:
             random.setstate(snap.py_random)
             np.random.set_state(snap.np_random)
+
+    def reset_newer_optimizers(self, snap: TFSnapshot) -> int:
+        """An optimizer first used after ``snap`` (a fine-tuning stage's, re-compiled after the snapshot's
+        step) has no state in it: its variables go back to their values before its first update (zero
+        momentum, step count 0; recorded by :meth:`TFRecovery.prepare`), else the rolled-back weights would
+        meet the diverged momentum of the steps undone. How many variables were reset."""
+        births = getattr(getattr(self.w, "policy", None), "births", None) or {}
+        held = {id(v) for v in snap.vars}
+        n = 0
+        for o in self.optimizers:
+            for v, a in births.get(id(o)) or ():
+                if id(v) not in held:
+                    v.assign(np.full(tuple(v.shape), a, dtype=np.asarray(a).dtype) if np.ndim(a) == 0 else a)
+                    n += 1
+        return n
 
     def repair_nonfinite(self, snap: TFSnapshot) -> int:
         n, plan = 0, []
@@ -372,6 +392,24 @@ def find_layer(models: List[Any], path: Optional[str]):
     return None
 
 
+def _birth_values(opt: Any) -> list:
+    """[(variable, first value)] of an optimizer that has not stepped yet (its learning rate left out: a
+    rollback keeps the current rate); [] once it has. A constant value is kept as one number."""
+    try:
+        if int(np.asarray(opt.iterations.numpy())) != 0:
+            return []
+    except Exception:
+        return []
+    skip = {id(getattr(x, "_learning_rate", None)) for x in (opt, getattr(opt, "inner_optimizer", None)) if x is not None}
+    out = []
+    for v in getattr(opt, "variables", []):
+        if id(v) in skip:
+            continue
+        a = np.array(v.numpy())
+        out.append((v, a.flat[0] if a.size and (a == a.flat[0]).all() else a))
+    return out
+
+
 def _finite(v: Any) -> bool:
     try:
         a = np.asarray(v.numpy())
@@ -398,6 +436,9 @@ class TFRecovery:
         self.captures = captures
         from .recover_history import BatchKeeper
         self.batches = BatchKeeper() if policy.failures else None  # a fit's last batches (history replays)
+        self.births: Dict[int, list] = {}  # id(optimizer) -> [(variable, value before its first update)]
+        self.held: Dict[int, Any] = {}     # fit, several steps per call: step -> capture of a held step
+        self.resumed: List[int] = []       # held steps re-run and applied (.recover_held)
 
     @classmethod
     def from_spec(cls, spec: Any, *, pipeline: Any, localizer: Callable[[Any], Any],
@@ -441,8 +482,13 @@ class TFRecovery:
         return rec
 
     def prepare(self, opt: Any) -> None:
-        """Before the update is traced (first apply): schedules get a scalable factor."""
+        """Before the update is traced (first apply): schedules get a scalable factor; the state of an
+        optimizer that never stepped is kept (its variables' first values, one number each when constant),
+        for a rollback to a snapshot older than it (:meth:`KerasActions.reset_newer_optimizers`)."""
         make_schedule_scalable(opt)
+        if id(opt) not in self.births:
+            with tf.init_scope():
+                self.births[id(opt)] = _birth_values(opt)
 
     def step_start(self, watcher: Any, step: int) -> None:
         last = watcher.history.last()
@@ -470,7 +516,24 @@ class TFRecovery:
         if rec is None:
             return False
         self.policy.on_update(actions)  # arms clipping (an in-graph variable) for the next updates
+        if cap is not None and cap.buffers:  # a step of a fit call of several steps (.recover_held)
+            done = str(rec.get("action") or "")
+            if "drop_samples" not in done and "rollback" not in done:
+                from .recover_drop import put_back
+                put_back(cap.buffers)   # its metrics and statistics before its forward and the held ones
+            if watcher.stop_requested is None:
+                for s in watcher.known_states():  # the steps it held run again (resume_held), later ones too
+                    s.halt.assign(False)
         return True
+
+    def resume_held(self, watcher: Any, st: Any, step: int) -> bool:
+        """A step held behind a recovered failure of its fit call: re-run it now (:mod:`.recover_held`)."""
+        if not self.held or watcher.stop_requested is not None:
+            return False
+        from .recover_held import resume_held
+        first = max((d.step for d in watcher.detections), default=step)
+        ev = self.policy.events[-1] if self.policy.events else None
+        return resume_held(self, watcher, st, step, ev.step if ev is not None else first, KerasActions(watcher))
 
     def _step_capture(self, watcher: Any, det: Any, st: Any) -> tuple:
         """(the failing step's in-process capture, whether it is a ``fit`` step): ``fit``'s in-graph one,

@@ -10,14 +10,16 @@ was dropped in-graph), on the batch without those rows:
 * a tape loop's step: the outermost ``tf.function`` call that ran the failing update, called again with
   every argument whose first dimension is the batch's cut to the kept rows (:func:`function_capture`
   makes it an in-process capture, so a recurrence is also localized and tested in-process);
-* a ``model.fit`` step: ``model.train_step`` on the captured batch without those rows (one step per
-  execution only: with ``steps_per_execution > 1`` the later steps of the call already ran).
+* a ``model.fit`` step: ``model.train_step`` on the captured batch without those rows; with
+  ``steps_per_execution > 1`` the later steps of its call were held in-graph and are re-run after it
+  (:mod:`.recover_held`).
 
 Its loss and gradients are checked before its update is applied (a non-finite re-run applies nothing and
 the batch is skipped), and the variables after it; what the call returns (the loss on the kept rows, or
 ``fit``'s logs) is what the script gets (:meth:`~.watch.TFWatcher.call_output`). Buffers the failing
 forward moved (BatchNorm statistics, ``fit``'s running metrics) are put back from the step's snapshot
-first; without one a ``fit`` step is skipped instead (its printed mean would count the NaN).
+first (a later step of a fit call of several: from the values its capture read when it started); without
+them a ``fit`` step is skipped instead (its printed mean would count the NaN).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from .capture import StepCapture, variables_of
 from .probe import Probe, batch_size, rows_of
 from .state import tl_get, tl_set
 
-__all__ = ["function_capture", "drop_rows_rerun"]
+__all__ = ["function_capture", "drop_rows_rerun", "rerun_step", "put_back"]
 
 
 def _call_plain(fn: Any, inputs: Any) -> Any:
@@ -89,14 +91,37 @@ def drop_rows_rerun(watcher: Any, cap: Any, rows: List[int], snapshot: Any, acts
     size = batch_size(cap.inputs)
     if not size or any(not (0 <= r < size) for r in rows) or len(set(rows)) >= size:
         return None
-    if fit and int(getattr(cap.model, "steps_per_execution", 1) or 1) != 1:
-        return None
     have = snapshot is not None and snapshot.finite() and getattr(snapshot, "step", None) == cap.step
-    if fit and not have:
+    if fit and not have and not cap.buffers:
         return None
-    if have:
+    if cap.buffers:   # a later step of a fit call of several: its own start (the snapshot is the call's)
+        put_back(cap.buffers)
+    elif have:
         acts.restore_buffers(snapshot)  # the failing forward's BatchNorm statistics, fit's running metrics
     keep = [i for i in range(size) if i not in set(rows)]
+    probe = rerun_step(watcher, cap, rows_of(cap.inputs, keep, size), acts)
+    if not probe.applied:
+        return None
+    rec: Dict[str, Any] = {"rows": sorted(rows), "kept_rows": len(keep),
+                           "loss": probe.losses[0] if len(probe.losses) == 1 else probe.losses,
+                           "how": ("model.train_step re-run eagerly on the batch without those rows; its update "
+                                   "applied and its logs returned to fit" if fit else
+                                   "the step's tf.function call re-run eagerly on the batch without those rows; "
+                                   "its update applied and its return value returned to the script")}
+    return rec
+
+
+def put_back(values: List[Any]) -> None:
+    """Assign ``[(variable, value)]``."""
+    for v, a in values:
+        v.assign(a)
+
+
+def rerun_step(watcher: Any, cap: Any, inputs: Any, acts: Any) -> Probe:
+    """Run ``cap.step_fn(inputs)`` eagerly, past nanguard's own hooks; its update is applied when its loss
+    and gradients are finite and so are the variables after it, and what it returns becomes the output
+    of the outermost call the script gets. The re-run's probe (its losses; ``applied`` False: nothing
+    applied, the variables as they were)."""
     live = acts.model_variables() + acts.optimizer_variables()
     before = [np.array(v.numpy()) for v in live]
     probe = _Applier()
@@ -106,7 +131,7 @@ def drop_rows_rerun(watcher: Any, cap: Any, rows: List[int], snapshot: Any, acts
     tl_set("fn_depth", depth + 1)  # nanguard's tf.function hook and step-start snapshot stay out of it
     try:
         tf.config.run_functions_eagerly(True)
-        out = cap.step_fn(rows_of(cap.inputs, keep, size))
+        out = cap.step_fn(inputs)
     except Exception:
         out, probe.finite = None, False
     finally:
@@ -116,18 +141,13 @@ def drop_rows_rerun(watcher: Any, cap: Any, rows: List[int], snapshot: Any, acts
     applied = probe.updates == 1 and probe.seen and probe.finite
     if applied and not all(_finite_np(v) for v in live):
         applied = False
+    probe.applied = applied
     if not applied:  # put back whatever the re-run changed; the caller skips the batch
         for v, a in zip(live, before):
             v.assign(a)
-        return None
+        return probe
     watcher.step_output = lambda orig: _like(orig, out)
-    rec: Dict[str, Any] = {"rows": sorted(rows), "kept_rows": len(keep),
-                           "loss": probe.losses[0] if len(probe.losses) == 1 else probe.losses,
-                           "how": ("model.train_step re-run eagerly on the batch without those rows; its update "
-                                   "applied and its logs returned to fit" if fit else
-                                   "the step's tf.function call re-run eagerly on the batch without those rows; "
-                                   "its update applied and its return value returned to the script")}
-    return rec
+    return probe
 
 
 def _finite_np(v: Any) -> bool:

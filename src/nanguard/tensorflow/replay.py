@@ -26,6 +26,11 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ..core.childrun import CHILD_TIMEOUT_S, run_child
 
+# the re-run child keeps this many steps before the failing one (their calls and the state when each
+# started): a history replay at a lower learning rate can start before a divergence that already made
+# the step before the failure unrecoverable (.experiments: KerasBench._lr_replay goes deeper)
+KEPT_BEFORE = 4
+
 
 def recorder_factory() -> Optional[Callable[[Any], Any]]:
     """The op-level recorder factory, or None when ``nanguard.tensorflow.locate`` is not there."""
@@ -203,8 +208,8 @@ def _child_main(argv: List[str]) -> int:
             return state["rec"]
 
         def update_done(self, w: Any, next_step: int) -> None:
-            if next_step == N - 1:
-                probe.begin(next_step)   # the step before is kept too (lr_replay starts from it)
+            if N - KEPT_BEFORE <= next_step < N:
+                probe.begin(next_step)   # the steps before are kept too (lr_replay/clip_replay start from them)
             if next_step == N and state["rec"] is None:
                 arm()
             elif next_step > N + 1 and state["rec"] is not None:

@@ -17,8 +17,13 @@ Where the arrays come from:
   values (``map``) or rows from elsewhere (a generator, ``interleave``) may leave no match, and the
   report then says ``"batch position 21; dataset row not traceable through map"``.
 
-A value that several rows share (duplicated data) names every candidate. Cost: nothing per step;
-at a failure, one comparison of a column of the source, then full rows of the few candidates.
+Arrays given to ``fit`` without shuffling are sliced in order (batch ``k`` of an epoch holds rows
+``k * batch_size`` onwards), so there the row is known by its position, not guessed from its values
+(the value match only confirms it): duplicated rows are then no ambiguity. Elsewhere a value that
+several rows share (duplicated data) names every candidate and says the match is ambiguous
+(``ambiguous``; a localization's ``source_rows_ambiguous`` and a note), never one of them alone.
+Cost: nothing per step; at a failure, one comparison of a column of the source, then full rows of
+the few candidates.
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ class RowSource:
     through: List[str] = field(default_factory=list)
     what: str = ""
     blocker: Optional[str] = None
+    first_row: Optional[int] = None   # the row of batch row 0, when known from the order (unshuffled fit)
 
     @property
     def altering(self) -> List[str]:
@@ -109,9 +115,10 @@ def dataset_source(ds: Any) -> RowSource:
     return RowSource([], list(reversed(through)), blocker="a chain of datasets too long to follow")
 
 
-def fit_source() -> Optional[RowSource]:
+def fit_source(step_in_epoch: Optional[int] = None) -> Optional[RowSource]:
     """The data of the running ``model.fit`` (from its frame on a thread's stack), or None outside ``fit``.
-    (Two fits running at once in two threads: the first found.)"""
+    (Two fits running at once in two threads: the first found.) ``step_in_epoch``: the failing batch's
+    place in its epoch (arrays given unshuffled: its first row is known)."""
     try:
         from keras.src.backend.tensorflow import trainer
         path = trainer.__file__.rsplit(".", 1)[0]
@@ -131,8 +138,12 @@ def fit_source() -> Optional[RowSource]:
     adapter = getattr(it, "data_adapter", None)
     inputs = getattr(adapter, "_inputs", None)
     if inputs is not None:
-        return RowSource(_flat_arrays(inputs), ["shuffle" if getattr(adapter, "_shuffle", False) else "slice",
-                                                "batch"], "the arrays given to fit")
+        shuffled = getattr(adapter, "_shuffle", False)
+        bs = getattr(adapter, "_batch_size", None)
+        first = step_in_epoch * int(bs) if shuffled is False and isinstance(bs, int) and step_in_epoch is not None \
+            else None
+        return RowSource(_flat_arrays(inputs), ["shuffle" if shuffled else "slice", "batch"], "the arrays given to fit",
+                         first_row=first)
     ds = getattr(adapter, "_dataset", None)
     if ds is not None:
         return dataset_source(ds)
@@ -189,6 +200,7 @@ def trace_rows(source: Optional[RowSource], batch: Sequence[Any], rows: Sequence
         [(p, s) for p in parts for s in source.arrays if s.shape[1:] == p.shape[1:]]
     found: List[int] = []
     ambiguous = False
+    by_order = source.first_row is not None
     for r in rows:
         cand: Optional[set] = None
         for p, s in pairs:
@@ -198,6 +210,10 @@ def trace_rows(source: Optional[RowSource], batch: Sequence[Any], rows: Sequence
             if not c:
                 continue
             cand = c if cand is None else (cand & c) or cand
+        if by_order and cand and source.first_row + r in cand:
+            found.append(source.first_row + r)   # its place in the unshuffled arrays, confirmed by its values
+            continue
+        by_order = False
         if not cand:
             via = ", ".join(source.altering) or ", ".join(source.through) or "the input pipeline"
             return {"note": f"{pos}; dataset row not traceable through {via} (no row of {source.what} has "
@@ -207,7 +223,8 @@ def trace_rows(source: Optional[RowSource], batch: Sequence[Any], rows: Sequence
                             f"values of batch row {r}"}
         ambiguous = ambiguous or len(cand) > 1
         found += sorted(cand)
-    how = f"matched by value in {source.what}" + (f" (through {', '.join(source.through)})" if source.through else "")
+    how = (f"the batch's place in {source.what}, not shuffled (its values match)" if by_order else
+           f"matched by value in {source.what}" + (f" (through {', '.join(source.through)})" if source.through else ""))
     out: Dict[str, Any] = {"dataset_rows": found, "how": how}
     if ambiguous:
         out["ambiguous"] = True
@@ -227,6 +244,12 @@ def annotate_localization(loc: Optional[Dict[str, Any]], source: Optional[RowSou
     if t.get("dataset_rows"):
         pre["source_rows"] = t["dataset_rows"]
         pre["source_rows_from"] = t["how"]
+        if t.get("ambiguous"):  # rows with the same values: the bad one is among them, which is not known
+            pre["source_rows_ambiguous"] = True
+            notes = loc.setdefault("notes", [])
+            if isinstance(notes, list):
+                notes.append(f"dataset rows {t['dataset_rows']} have the same values as the bad batch row(s) "
+                             f"{rows}: which of them the batch held is not known")
         if isinstance(pre.get("first_use"), dict):
             pre["first_use"]["source_rows"] = t["dataset_rows"]
         o = loc.get("origin")

@@ -94,7 +94,7 @@ def create_lifted(make: Callable[[], Any]) -> Any:
 class Pending:
     """What one graph (or eager code) saw since its last update: losses, batch flags, seeds, batch."""
 
-    __slots__ = ("losses", "data_flags", "data_host_ok", "scaled", "seeds", "batch")
+    __slots__ = ("losses", "data_flags", "data_host_ok", "scaled", "seeds", "batch", "hold", "buffers", "made")
 
     def __init__(self) -> None:
         self.losses: List[tf.Tensor] = []
@@ -103,6 +103,15 @@ class Pending:
         self.scaled: List[Tuple[tf.Tensor, tf.Tensor]] = []  # (scaled loss, loss)
         self.seeds: Dict[int, Tuple[Any, tf.Tensor]] = {}     # id(generator) -> (generator, state before)
         self.batch: Any = None                                  # model.fit: train_step's data
+        # model.fit with steps_per_execution > 1 under recovery: a failing step holds the rest of its call
+        # (they are captured and re-run after the recovery, see .recover_held), and the values of the
+        # buffers (metrics, non-trainable variables) when the step starts
+        self.hold = False
+        # ids of what an outermost layer call returned in this step (kept alive in the list): a later
+        # outermost call given one of them (a VAE's decoder(z), a GAN's discriminator(generator(noise)))
+        # is given no data of the batch
+        self.made: List[Any] = []
+        self.buffers: List[Tuple[Any, tf.Tensor]] = []
 
 
 class OptState:

@@ -27,7 +27,7 @@ from ..core.guarded import call_guarded
 from ..core.history import StepHistory
 from . import detect as D
 from . import patches
-from .eager_check import apply_eager
+from .eager_check import apply_eager, check_eval
 from .graph_check import apply_graph
 from .host import HostReader
 from .locate.naming import install_construction_hook
@@ -71,6 +71,7 @@ class TFWatcher:
         self._pending: "weakref.WeakKeyDictionary[Any, Pending]" = weakref.WeakKeyDictionary()
         self._orphans: set = set()
         self._fit_models: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.fitting: Callable[[], Any] = lambda: None   # weak reference to the model of the latest fit
         self._snap_due = True  # recovery: the state at the start of the next step is to be snapshot
         self.outside_write = False  # the program wrote a trainable variable between steps (eager steps)
         self._installed = False
@@ -217,29 +218,24 @@ class TFWatcher:
         if not self.config.check_data or self.replay_hooks is not None:
             return
         p = self._pend()
+        made = {id(t) for t in p.made}
         for x in tf.nest.flatten((args, kwargs)):
+            if id(x) in made:
+                continue   # another outermost call's output in this step (a sub-model's), not the batch
             if isinstance(x, np.ndarray):
                 if x.dtype.kind == "f" and x.size and not bool(np.isfinite(x).all()):
                     p.data_host_ok = False
             elif isinstance(x, tf.Tensor) and x.dtype.is_floating:
                 p.data_flags.append(tf.reduce_all(tf.math.is_finite(x)))
 
+    def _on_outer_output(self, out: Any) -> None:
+        """What an outermost training call returned (a tensor another outermost call may be given)."""
+        if self.config.check_data and self.replay_hooks is None:
+            self._pend().made.extend(t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor))
+
     def _on_eval_output(self, layer: Any, out: Any) -> None:
-        """An eager outermost call outside any recording tape (validation, inference): its outputs
-        are checked (one host read); a non-finite one is an ``eval`` detection (reported, no stop)."""
-        from tensorflow.python.eager import record
-        if record.could_possibly_record():
-            return   # inside a training step: the loss check covers it
-        ts = [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor) and t.dtype.is_floating]
-        if not ts or bool(D.all_finite(ts).numpy()):
-            return
-        nan = sum(int(tf.reduce_sum(tf.cast(tf.math.is_nan(t), tf.int64))) for t in ts)
-        inf = sum(int(tf.reduce_sum(tf.cast(tf.math.is_inf(t), tf.int64))) for t in ts)
-        bad = [v.path for v in getattr(layer, "trainable_variables", []) if not bool(D.all_finite([v.value]).numpy())]
-        det = Detection(self.steps_watched, "eval", {"module": type(layer).__name__, "output_nan": nan,
-                                                     "output_inf": inf, "nonfinite_params": bad[:20],
-                                                     "training": False})
-        self.host.handle(det, None)
+        """An eager outermost call outside any recording tape: its outputs checked (:func:`.eager_check.check_eval`)."""
+        check_eval(self, layer, out)
 
     def _on_seed(self, gen: Any) -> None:
         """The state of a Keras SeedGenerator before its first draw of this step (no read: a tensor)."""
@@ -251,6 +247,7 @@ class TFWatcher:
 
     def _watch_fit(self, model: Any) -> None:
         """``model.fit``: keep each train_step's batch (a graph tensor, read only if the step fails)."""
+        self.fitting = weakref.ref(model)   # the model of the latest fit (its train_step runs the steps)
         if getattr(model, "_nanguard_train_step", None) is not None:
             return
         inner = model.train_step
@@ -259,6 +256,9 @@ class TFWatcher:
         def train_step(data):
             if w is active() and not w.disabled and not tf.executing_eagerly():
                 w._guarded(lambda: setattr(w._pend(), "batch", data))
+                if w.recovering and int(getattr(model, "steps_per_execution", 1) or 1) > 1:
+                    from .recover_held import hold_steps  # several steps per call: see its module doc
+                    w._guarded(lambda: hold_steps(w._pend(), model))
                 if w.recovering:  # its batch on the host too, for history replays (.recover_history)
                     from .recover_history import keep_batch  # only under recovery: a healthy run never loads it
                     w._guarded(lambda: keep_batch(w, model, data))

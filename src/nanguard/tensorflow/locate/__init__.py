@@ -48,7 +48,7 @@ Contract with part A (``nanguard.tensorflow.capture``)
 ``phase`` (``forward``/``backward``/``optimizer``/``data``/``params``), ``sink`` ({kind: loss | grad |
 optimizer, names}), ``origin`` ({op (canonical: ``div``), tf_op (``RealDiv``), api, layer (Keras layer
 name), module (layer path, "" for the model itself), module_type, layer_stack, file, line, function,
-line_source (``op`` | ``constructor`` | ``constructor_scan`` | ``call_site``), dtype, shape, stage,
+line_source (``op`` | ``constructor`` | ``constructor_scan`` | ``call_site`` | ``not_known``), dtype, shape, stage,
 inputs (stats), output (counts), samples (batch rows), scalars; for a backward origin also
 autograd_node (``LogGrad``), backward_op, forward_op / forward_tf_op and the forward op's layer and
 line in file/line}), ``facts``, ``preexisting`` ({kind: data | param | buffer | optimizer_state, name:

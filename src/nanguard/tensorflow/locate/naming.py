@@ -16,7 +16,11 @@ The construction line needs :func:`install_construction_hook` (wraps ``Layer.__n
 the model is built (``nanguard run`` installs it before the script's first line). Without it the
 fallback is a scan of the user's source for the layer's constructor call when it is unambiguous
 (one call of that class, or one with that explicit ``name=``), else the user line that called the
-model (``line_source`` says which).
+layer (a custom layer's ``call``, a train step's ``model(x)``), else no line: a model that Keras itself
+called (``fit``'s train step) has no user line of its own, and the ``fit`` line would name nothing
+(``line_source`` says which: ``constructor``, ``constructor_scan``, ``call_site``, ``not_known``).
+Importing ``nanguard.keras`` installs the hook for the rest of the process (the callback's users
+build their model after that import).
 
 While the recorder is armed, :class:`ComponentStack` wraps ``Layer.__call__`` and ``Loss.__call__``
 to know which layers/losses are running, with the Python frame of each call, so that each op's
@@ -410,12 +414,27 @@ def resolve(frame: Any, comps: ComponentStack, users: UserFiles) -> Location:
             decided = scan_construction(best.obj, files)
             how = "constructor_scan" if decided is not None else "call_site"
             if decided is None:
-                decided = user_seg or first_user
+                # the user line that called the layer (a custom layer's call, a train step's model call); a
+                # model that Keras called (fit's train step) has none: the fit line would say nothing
+                decided = user_seg or _user_caller(stack[0], users) if stack else user_seg
+                if decided is None:
+                    how = "not_known"
     loc.op_frame = first_user
     if decided is not None:
         loc.file, loc.line, loc.function = decided
     loc.line_source = how if decided is not None else None
     return loc
+
+
+def _user_caller(c: _Comp, users: UserFiles) -> Optional[tuple]:
+    """The user frame that called component ``c`` (nanguard's own wrappers between them skipped), or None
+    when library code called it (``fit``'s train step calling the model, Keras calling a compiled loss)."""
+    f = c.frame.f_back
+    while f is not None and os.path.realpath(f.f_code.co_filename).startswith(PACKAGE_DIR + os.sep):
+        f = f.f_back
+    if f is not None and users(f.f_code.co_filename):
+        return (f.f_code.co_filename, f.f_lineno, f.f_code.co_name)
+    return None
 
 
 def _ctor_of(c: _Comp, loc: Location) -> Optional[tuple]:

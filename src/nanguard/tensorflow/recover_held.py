@@ -1,0 +1,99 @@
+"""The held steps of a ``model.fit`` call of several steps (``steps_per_execution > 1``) under recovery.
+
+``fit`` then runs N train steps in one graph call, and the host reads them after it returns. A failing
+step's recovery (skip it, re-run it without its bad rows, lower the learning rate...) happens on the
+host, after the call: without holding, the later steps of the call would already have trained on the
+state that the recovery is about to change (a re-run of the failing step without its bad rows would
+come after them, on weights they moved). So, under recovery, a failing step *holds* the rest of its
+call in-graph (the ``halt`` flag, set by the failure and cleared by the host once it has recovered:
+nothing of the held steps is applied), and each held step's batch is captured in its slow path. After
+the failing step is recovered, the host re-runs each held step in order, eagerly, as
+``model.train_step(batch)``: its loss and gradients checked, its update applied when they are finite,
+``fit``'s logs the last re-run's. That is the sequence of updates of one step per call. A held step
+that fails again on its re-run is a failure of its own: detected there, localized in-process from its
+capture and recovered (or stopped at) like the first.
+
+The re-run of the failing step without its rows starts from the buffers (compiled metrics such as
+``fit``'s running loss mean, non-trainable variables) as they were when that step started: each step
+of such a call reads them at its start (:func:`hold_steps`), and only a failing step's capture keeps
+them (the recovery snapshot is the call's, taken before its first step).
+
+What it costs: only under recovery, only for ``steps_per_execution > 1``: the reads of those buffers
+(a few scalars for the metrics) in each traced step, and a slow path for the held steps of a failing
+call. An XLA-compiled step (no capture possible) holds nothing: the later steps of its call stay
+applied, and the failing one is skipped.
+"""
+from __future__ import annotations
+
+from typing import Any, List
+
+import numpy as np
+import tensorflow as tf
+
+from ..core.events import Detection
+from .capture import StepCapture
+from .probe import batch_size
+from .recover_drop import put_back, rerun_step
+
+__all__ = ["hold_steps", "buffer_variables", "resume_held"]
+
+
+def buffer_variables(model: Any) -> List[Any]:
+    """The compiled metrics' variables and the model's non-trainable ones, seed-generator states left out
+    (the capture keeps those on its own)."""
+    out, seen = [], set()
+    for v in list(getattr(model, "metrics_variables", None) or []) + \
+            [v for v in getattr(model, "variables", []) if not getattr(v, "trainable", True)]:
+        if id(v) in seen or "seed_generator" in str(getattr(v, "path", "")):
+            continue
+        seen.add(id(v))
+        out.append(v)
+    return out
+
+
+def hold_steps(p: Any, model: Any) -> None:
+    """In fit's train step being traced (several steps per call, recovery on): this step holds the rest of
+    its call when it fails, and reads the buffers' values at its start (for its capture)."""
+    p.hold = True
+    if not p.buffers:
+        p.buffers = [(v, tf.identity(v.value if hasattr(v, "value") else v)) for v in buffer_variables(model)]
+
+
+def _phase(cap: StepCapture, probe: Any) -> str:
+    for a in tf.nest.flatten(cap.inputs):
+        x = np.asarray(a)
+        if x.dtype.kind == "f" and not np.isfinite(x).all():
+            return "data"
+    if not probe.seen or not all(np.isfinite(probe.losses)):
+        return "forward"
+    return "backward"
+
+
+def resume_held(rec: Any, w: Any, st: Any, step: int, first: int, actions: Any) -> bool:
+    """Re-run held step ``step`` (held behind the failure at step ``first`` of the same call) from the
+    state now; ``rec``: the run's :class:`~.recover.TFRecovery`, ``actions`` its
+    :class:`~.recover.KerasActions` now. False when it was not captured."""
+    info = rec.held.pop(step, None)
+    if info is None:
+        return False
+    cap = StepCapture.from_fit_failure(w, info)   # the variables now: the state the re-run starts from
+    if cap.step_fn is None or not batch_size(cap.inputs):
+        return False
+    cap.buffers = [(v, np.array(v.numpy())) for v, _ in cap.buffers]   # now, not when it was held
+    probe = rerun_step(w, cap, cap.inputs, actions)
+    if probe.applied:
+        rec.resumed.append(step)
+        return True
+    put_back(cap.buffers)   # the failed re-run's forward moved the metrics
+    loss = probe.losses[0] if len(probe.losses) == 1 else None
+    det = Detection(step, _phase(cap, probe), {"loss": loss, "held": (
+        f"held in-graph behind the failure at step {first} of the same fit call (steps_per_execution > 1) "
+        "and re-run after its recovery: non-finite again")})
+    pos = w.fit_position(step)
+    if pos is not None:
+        det.detected["fit"] = pos
+    cap.detection = det
+    if rec.captures is not None:
+        rec.captures[step] = cap   # localized and recovered in-process, like any fit step
+    w.host.handle(det, st)
+    return True
