@@ -90,6 +90,9 @@ def history_signals(history: Sequence[dict]) -> dict:
             sig["grad_jump"] = gn[-1] / med >= 50 and not _steady(e_run, e_fac, e_spread)
     if len(gn) >= 2 and gn[-2] > 0:
         sig["grad_norm_prev"] = gn[-2]
+    ceiling = clip_ceiling(history)
+    if ceiling is not None:
+        sig["grad_clip_ceiling"] = ceiling
     ur = _trailing_finite(_series(history, "update_ratio"))
     if ur:
         sig["update_ratio_last"] = ur[-1]
@@ -119,6 +122,23 @@ def history_signals(history: Sequence[dict]) -> dict:
         sig["loss_scale_collapse"] = False
     sig["dynamics"] = dynamics(history)
     return sig
+
+
+def clip_ceiling(history: Sequence[dict]) -> float | None:
+    """The max_norm the script already clips its gradients at, when the history shows it: the checks read
+    the gradients the update uses (after the script's own ``clip_grad_norm_``), and a clipped norm comes
+    out as max_norm * n / (n + 1e-6), the same value to ~1e-6 whatever the raw norm n. So: the largest
+    recorded gradient norm, reached (to 1e-5) by at least 3 steps of different losses (different batches
+    or weights: a rollback replaying one step twice is one step), none above it. None otherwise."""
+    recs = [(h.get("grad_norm"), h.get("loss")) for h in history or () if isinstance(h, dict)
+            and not h.get("skipped") and fin(h.get("grad_norm")) and fin(h.get("loss"))]
+    if len(recs) < 3:
+        return None
+    top = max(g for g, _ in recs)
+    if not top > 0:
+        return None
+    losses = {lo for g, lo in recs if abs(g - top) <= 1e-5 * top}
+    return float(top) if len(losses) >= 3 else None
 
 
 def _percentile(vals: list[float], q: float) -> float:

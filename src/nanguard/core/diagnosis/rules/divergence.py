@@ -57,6 +57,8 @@ def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: floa
     for k in ("onset_step", "regime_onset_step"):
         if dy.get(k) is not None:
             ev[k] = dy[k]
+    if T.fin(sig.get("grad_clip_ceiling")):
+        ev["grad_clip_ceiling"] = sig["grad_clip_ceiling"]
     if _outlier(dy):
         return outlier_batch(dy, ev, method, conf, where)
     if dy.get("param_growth_significant"):
@@ -257,6 +259,16 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
     return why, fixes, None
 
 
+def clip_fix(sig: dict, also: str = "add a warm-up") -> str:
+    """The clipping fix: clip as a safety net; or, when the script already clips (``grad_clip_ceiling``:
+    the recorded norms sit at its max_norm), say that clipping bounds the gradient, not the step."""
+    c = sig.get("grad_clip_ceiling")
+    if T.fin(c):
+        return (f"the gradients are already clipped (their recorded norms sit at {T.g(c)}, the script's max_norm): "
+                f"clipping bounds the gradient, not the step size, so it cannot stop this; {also}")
+    return f"clip the gradient norm ({X.clip_api()}) as a safety net, and {also}"
+
+
 def params_grew(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: str, ctx: dict) -> dict:
     lr, measured = _lr_ref(dy, ctx)
     ratio = dy.get("update_ratio_at_onset")
@@ -290,7 +302,7 @@ def params_grew(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: 
         fixes.append("check the initialisation: the activations should not grow through the layers (zero-init or "
                      "scale by 1/sqrt(depth) the last layer of each residual branch, or add normalisation layers)")
     summ = f"step size too large: {'; '.join(parts)}, {where}; {why}"
-    fixes += [f"clip the gradient norm ({X.clip_api()}) as a safety net, and add a warm-up"]
+    fixes += [clip_fix(sig)]
     return T.result("lr_too_high", summ, conf, ev, fixes, method)
 
 
@@ -370,7 +382,7 @@ def one_update(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: s
     if T.fin(dy.get("loss_max_vs_start")) and dy["loss_max_vs_start"] >= 2:
         parts.append(f"the loss rose to ×{T.g(dy['loss_max_vs_start'], 3)} its start ({T.g(dy.get('loss_start'))})")
     summ = f"step size too large: {'; '.join(parts)}, {where}; {why}"
-    fixes += [f"clip the gradient norm ({X.clip_api()}) as a safety net, and add a warm-up"]
+    fixes += [clip_fix(sig)]
     return T.result("lr_too_high", summ, conf, ev, fixes, method)
 
 
@@ -396,7 +408,7 @@ def steady_growth(sig: dict, dy: dict, ev: dict, method: str, conf: float, where
         fixes.append("lower the learning rate by 10x or more")
     fixes += ["normalise the input features (zero mean, unit variance): unscaled features give a large "
               "curvature that makes the learning rate unstable",
-              f"add a warm-up, or clip the gradient norm ({X.clip_api()}) as a safety net"]
+              clip_fix(sig)]
     growth = f"the loss grew ×{T.g(lfac, 3)} per step for {lrun} consecutive steps" if lrun >= 3 else \
         f"the gradient norm grew ×{T.g(gfac, 3)} per step for {grun} consecutive steps"
     why = ""
