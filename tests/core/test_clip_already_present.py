@@ -40,3 +40,17 @@ def test_a_divergence_under_clipping_does_not_advise_clipping():
                                        for s in range(6)], phase="backward",
                  context={"optimizer": "AdamW", "lr": [50.0], "betas": [0.9, 0.95]})
     assert "as a safety net" in " ".join(d["fixes"]), d["fixes"]
+
+
+def test_a_warmup_still_rising_at_the_failure_says_to_lower_the_schedule_as_a_whole():
+    # nanoGPT --learning_rate=1000: a hand-written warm-up wrote 90.9 for step 0 (the update that
+    # diverged) and 182 for step 1 (the failing step): cutting only "90.9" leaves the peak where it was
+    from test_divergence_direct import ran_out as _ran_out
+    h = [rec(0, 4.17, 0.79, 22.0, 3.6e4, 90.9)]
+    d = diagnose(_ran_out("backward"), h, phase="backward",
+                 context={"optimizer": "AdamW", "lr": [181.8, 181.8], "betas": [0.9, 0.99]})
+    assert d["category"] == "lr_too_high", d["summary"]
+    assert "still rising" in d["summary"] and "as a whole" in d["fixes"][0] and "multiply the base lr by" in d["fixes"][0], d["fixes"]
+    d = diagnose(_ran_out("backward"), h, phase="backward",
+                 context={"optimizer": "AdamW", "lr": [90.9], "betas": [0.9, 0.99]})
+    assert "still rising" not in d["summary"] and d["fixes"][0].startswith("lower the learning rate from 90.9")

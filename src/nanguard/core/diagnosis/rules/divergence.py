@@ -256,6 +256,13 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
     why = f"the learning rate {T.g(lr)} is too high for {name} here" if lr else "the step size is too large"
     fixes = [f"lower the learning rate from {T.g(lr)} to about {new}" if lr else "lower the learning rate by 10x "
              "or more"]
+    now = [x for x in (ctx.get("lr") or []) if T.fin(x)]
+    if lr and now and max(now) >= 1.5 * lr:  # the schedule went on rising after the update that diverged
+        why += (f"; the schedule is still rising (a warm-up: {T.g(lr)} at the update that diverged, {T.g(max(now))} "
+                "at the failing step)")
+        fixes = [f"lower the schedule as a whole: the learning rate {T.g(lr)} -> about {new} at this step, and its "
+                 f"peak no higher (multiply the base lr by {T.g(factor, 2)}, or by less if the warm-up still rises well "
+                 f"past {T.g(lr)}), or lengthen the warm-up"]
     return why, fixes, None
 
 
