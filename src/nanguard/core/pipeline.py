@@ -89,6 +89,10 @@ def _describe_localization(det: Detection, loc_run: Optional[Dict[str, Any]], re
     if reproduced:
         verb = _VERBS.get(how, "replayed step {step}").format(step=det.step)
         d["method"] = f"{verb} under op-level instrumentation (forward, backward and optimizer ops), reproduced"
+        if loc_run.get("partial_step"):  # the script raised inside the step (pytorch/raised.py)
+            d["partial_step"] = True
+            d["method"] = (f"{verb} up to the call that raised, under op-level instrumentation: a non-finite value "
+                           f"was born before the script raised")
         if (loc_run.get("fallback_from") or {}).get("reason"):
             d["method"] += f"; the in-process replay was not used: {loc_run['fallback_from']['reason']}"
     elif loc_run.get("interrupted"):  # a signal cut the localization short: nothing to conclude from it

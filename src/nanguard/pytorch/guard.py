@@ -215,7 +215,8 @@ class Guard:
             self._keep(batches, loss_fn, rng, self._step_indices)
         if self.closure_mode:
             return self.closure.step(batches, loss_fn, rng)
-        loss = self._forward_backward(batches, loss_fn)
+        with self.failures.raising(batches, loss_fn, rng):  # a NaN born before a raise is a failure
+            loss = self._forward_backward(batches, loss_fn)
         if self.step_rng.probing is not None:  # a probe step: did it draw from random / numpy?
             self.step_rng.after()
         if self.ring.entries and self.ring.entries[-1].step == self.monitor.steps_watched:

@@ -15,11 +15,13 @@ from ..core.engine import Localized
 from ..core.events import Detection, Event, NonFiniteError
 from ..core.experiments import Spec
 from ..core.render.terminal import render
+from ..core.script import block_outcome
 from .bundle import save_bundle
 from .compiled import INDUCTOR_FIX, annotate_compiled, eager, unwrap_compiled, uses_compile
 from .experiments import GuardStep, TorchBench, drop_rows_and_regrad, investigate_failure
 from .experiments.samples import batch_indices, name_samples
 from .distributed import barrier, is_distributed, is_origin, replays_here
+from .raised import raise_detection, replay_raise
 from .replay import replay_step
 from .rng import plain_rng
 
@@ -42,6 +44,7 @@ class FailureHandler:
         self.bundle_saved: Optional[str] = None
         self.safe_replay = safe_replay
         self.failing: Optional[GuardStep] = None  # the failing step, while its failure is handled
+        self._raising: Optional[tuple] = None      # the step inside raising(): (batches, loss_fn, rng)
 
     def handle(self, det: Detection, batches, loss_fn, rng, indices=None) -> str:
         """A failure at this step: "skip" (recovered: the update is dropped), "apply" (recovered: the
@@ -103,6 +106,43 @@ class FailureHandler:
                 barrier()
             raise NonFiniteError(g.report, event)
         return "continue"
+
+    def raising(self, batches, loss_fn, rng) -> "FailureHandler":
+        """``with handler.raising(batches, loss_fn, rng):`` around the step's forward and backward: an
+        exception leaving it goes through :meth:`on_raise` first (a context manager of plain methods:
+        nothing but two attribute writes on a healthy step)."""
+        self._raising = (batches, loss_fn, rng)
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, etype, error, tb) -> bool:
+        step, self._raising = self._raising, None
+        if isinstance(error, Exception) and step is not None:
+            self.g._safe(lambda: self.on_raise(error, *step))
+        return False  # the error goes on to the caller
+
+    def on_raise(self, error: BaseException, batches, loss_fn, rng) -> None:
+        """The step's ``loss_fn`` raised ``error``: a non-finite value born in the step before the raise
+        (:mod:`nanguard.pytorch.raised`) is reported as the step's failure, the error kept beside it
+        (``script_error``); the error then goes on to the caller."""
+        g = self.g
+        if not g.localize or g.disabled or isinstance(error, NonFiniteError):
+            return
+        loc_run = replay_raise(g.model, g.optimizers, batches, loss_fn, rng, type(error))
+        if loc_run is None:
+            return
+        det = raise_detection(g.monitor.steps_watched, error)
+        event = self.explain(det, loc_run)
+        if g.report.script_error is None:
+            g.report.script_error = dict(block_outcome(error).error_info or {}, step=det.step)
+        g.reports.tb_event(event)
+        g.report.events.append(event)
+        g.reports.write_json()
+        if not g.quiet:
+            render(g.report, g.report_path)
+        g.reports.write_html()
 
     def save_bundle(self, det: Detection, batches, rng) -> str:
         g = self.g

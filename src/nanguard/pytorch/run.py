@@ -34,6 +34,7 @@ from .rng import capture_rng
 from .tensorboard import TensorBoardLogger
 from .watch import StopRun, Watcher
 from .observer import WatchObserver
+from .raised import record_raise
 from .zerocode import LocalizeSpec, make_report
 
 
@@ -120,6 +121,8 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
     final = None
     try:
         watcher.finish()
+        if isinstance(outcome.error, Exception) and localize:
+            record_raise(watcher, outcome.error)  # a NaN born before the raise: the step's failure
         report = make_report(watcher, localizer, policy, localize=localize and outcome.signal is None)
         apply_outcome(report, outcome, step=watcher.monitor.steps_watched)
         final = apply_late_signal(report, outcome, step=watcher.monitor.steps_watched)  # it wins over the stop

@@ -72,6 +72,7 @@ from .distributed import share_event
 from .evalcheck import EvalCheck
 from .gradscaler import scaler_enabled
 from .observer import WatchObserver, combine, hook
+from .raised import record_raise
 from .owners import StandAside, StopRun, guard_state
 from .roothooks import RootHooks
 from .stepreplay import StepReplay, replay_of
@@ -537,6 +538,8 @@ def watch(report: Optional[str] = None, on_nonfinite: str = "warn",
     finally:
         w.uninstall()
         w.finish()
+        if isinstance(error, Exception):  # (nanguard's own stop is a BaseException)
+            record_raise(w, error)  # a NaN born in the step before the raise: its failure (pytorch/raised.py)
         rep = make_report(w, w.localizer)
         if error is not None and not isinstance(error, (StopRun, GeneratorExit)):
             apply_outcome(rep, block_outcome(error), step=w.monitor.steps_watched)
