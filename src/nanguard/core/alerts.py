@@ -13,11 +13,14 @@ warning's training objects):
 * ``"rollback"``: back to a snapshot from before the excursion began, with what the warning's
   diagnosis calls for (:meth:`SpikePort.rollback`: the recovery policy's ``on_spike``), and the step
   dropped; the detector then forgets the excursion (it is not the baseline of the replayed run).
+  After a recovered non-finite failure (:meth:`SpikeResponse.after_recovery`) the detector is rewound
+  the same way, and a warning that the run diverges again is answered with ``"rollback"``.
 
 :meth:`SpikeResponse.respond` returns True when the driver must treat the step as skipped.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Union
 
 from .events import Event
@@ -27,6 +30,8 @@ from .spike import ON_SPIKE, SpikeConfig, SpikeDetector
 __all__ = ["warning_event", "warning_line", "WARNING_PHASE", "SpikePort", "SpikeResponse", "check_on_spike"]
 
 WARNING_PHASE = "any"  # a warning is about the run's dynamics, not one phase of a step
+# warnings that, after a recovered failure, get the recovery's response whatever on_spike says (after_recovery)
+RECOVERED_RESPONSE = frozenset({"lr_too_high", "gradient_explosion"})
 
 
 def warning_event(hit: Dict[str, Any], history: Sequence[dict], context: Optional[Dict[str, Any]] = None,
@@ -85,6 +90,20 @@ class SpikeResponse:
         self.quiet = quiet
         self.detector = SpikeDetector(config)
         self.events: List[Event] = []
+        self.recovered = False  # a non-finite failure of this run was recovered (:meth:`after_recovery`)
+
+    def after_recovery(self, rec: Optional[Dict[str, Any]]) -> None:
+        """A non-finite failure was recovered (``rec``: the recovery policy's record). After a rollback the
+        detector forgets what it saw from the snapshot's step on and is armed at once (the excursion that
+        ended in the failure is not the baseline of the resumed run, and a warning before it must not keep
+        it silent); and from now on a warning that the run diverges again (``RECOVERED_RESPONSE``
+        categories) gets the recovery's response, ``rollback`` (the policy cuts further: a repeated cut
+        takes the new excursion's own estimate), even where ``on_spike`` is "warn": a recovery that left
+        the run finite but still diverging is not the end."""
+        self.recovered = True
+        back = ((rec or {}).get("actions") or {}).get("rollback")
+        if isinstance(back, dict) and isinstance(back.get("to_step"), int) and not back.get("elements_only"):
+            rewind_all(self.detector, back["to_step"])
 
     def respond(self, hit: Dict[str, Any], history: Sequence[dict], context: Optional[Dict[str, Any]],
                 port: SpikePort, *, late: bool = False) -> bool:
@@ -96,8 +115,11 @@ class SpikeResponse:
         ev = warning_event(hit, hist, context)
         self.events.append(ev)
         act: Optional[str] = None
-        skip = self.on_spike != "warn"
-        if self.on_spike == "rollback" and port.can_rollback:
+        mode = self.on_spike
+        if mode == "warn" and self.recovered and (ev.cause or {}).get("category") in RECOVERED_RESPONSE:
+            mode = "rollback"
+        skip = mode != "warn"
+        if mode == "rollback" and port.can_rollback:
             rec = port.rollback(ev, step, hist[:-1], late)
             if rec is None:  # no sound action (e.g. Adam's beta2): the warning stands, the step is applied
                 skip, act = False, "no action: " + str((ev.cause.get("evidence") or {}).get("recovery_unsound"))
@@ -120,3 +142,20 @@ class SpikeResponse:
         if not self.quiet:
             print_line(warning_line(ev, act))
         return skip
+
+
+def rewind_all(detector: SpikeDetector, to_step: int) -> None:
+    """``detector.rewind(to_step)``, and forget as well the starting level's samples (the first losses: the
+    scale rule's reference) and the peak (the dead rule's excursion) taken from ``to_step`` on: a rollback
+    to the run's first steps would otherwise judge the resumed run against the excursion's levels (measured:
+    a Flax run whose first 8 losses were 0.79, 1.8e6, ... 1e30 had a level ~1e12, and its resumed run at
+    loss 1128 read as "below 1e-3 of its level": never a warning)."""
+    for st in detector.streams.values():
+        vals = list(st.loss.vals)
+        if vals and len(vals) < (st.loss.vals.maxlen or 0):  # the window still holds the stream's first steps
+            keep = sum(1 for s, _ in vals[:len(st.first)] if s < to_step)
+            if keep < len(st.first):
+                st.first, st.level = st.first[:keep], None
+        if st.peak_step >= to_step:
+            st.peak, st.peak_step = max(((v, s) for s, v in vals if s < to_step), default=(-math.inf, 0))
+    detector.rewind(to_step)

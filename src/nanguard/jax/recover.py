@@ -168,6 +168,8 @@ class JaxRecovery:
         if rec is None:
             return False
         self.policy.on_update(actions)  # arms clipping for the next updates
+        if drv.spikes is not None:  # the warnings watch the resumed run afresh (core.alerts)
+            drv.spikes.after_recovery(rec)
         return True
 
     def substitute(self, jw: Any, args: tuple, kwargs: dict, last: Optional[Call]) -> Tuple[tuple, dict]:

@@ -86,6 +86,8 @@ class WatcherRecovery:
         if rec is None:
             return False
         w._skip_current.update(id(o) for o in opts)
+        if w.spikes is not None:  # the warnings watch the resumed run afresh (core.alerts)
+            w.spikes.after_recovery(rec)
         return True
 
     def spike(self, opt: Any) -> bool:

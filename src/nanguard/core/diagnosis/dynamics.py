@@ -154,6 +154,8 @@ def dynamics(history: Sequence[dict]) -> Dict[str, Any]:
         if ratios:  # the typical per-step factor (a median: one last overflowing step does not dominate)
             out["loss_ratio_per_step"] = statistics.median(ratios)
             out["loss_ratio_first"] = ratios[0]  # the excursion's first step: the nearest to linear
+            # its update was the run's first recorded one (an optimizer's momentum had nothing to carry yet)
+            out["loss_ratio_first_at_start"] = bool(loss and lon - 1 <= loss[0][0])
     if gon is not None:
         before = [v for s, v in grad if s < gon]
         out.update(grad_onset_step=gon, grad_norm_before=statistics.median(before) if before else None,

@@ -25,6 +25,7 @@ from .implied import implied_cause
 from .kinds import KINDS, judge
 from .planner import Situation, plan
 from .records import CONFIRMS, Experiment, Spec, confirmed_record, ruled_out_record
+from .tested import passes
 from .verdict import NEEDS_PROOF, finalize
 
 MAX_HYPOTHESES = 4
@@ -214,7 +215,8 @@ class _Investigation:
         if cat in {r["category"] for r in self.ruled_out}:
             return
         action = NEEDS_PROOF.get(cat)
-        if action is None or any(e.finite and KINDS[e.kind].verifies == action for e in self.experiments):
+        if action is None or any(passes(e.finite, e.details) and KINDS[e.kind].verifies == action
+                                 for e in self.experiments):
             return
         # The action is applied only if verified: its replay may use a second budget (the alternative
         # is to skip the step and, if it recurs, stop the run).
@@ -227,7 +229,7 @@ class _Investigation:
                 return
             if e is not _NOT_ALLOWED:
                 judge(cat, e, self._ctx())
-            if e is not _NOT_ALLOWED and e.finite:
+            if e is not _NOT_ALLOWED and passes(e.finite, e.details):
                 if self.confirmed is None and e.verdicts.get(cat) == CONFIRMS:
                     self.confirmed = e
                 return

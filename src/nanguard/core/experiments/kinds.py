@@ -23,10 +23,11 @@ origin_input_f64   replay with the origin op's inputs computed in        finite:
                    float64 upstream                                      only by rounding (confirms underflow)
 domain_guard       replay with the origin op's inputs kept inside its    finite: confirms the domain error is
                    domain (clamped; zero denominators -> 1)              the whole story
-lr_replay          from an earlier snapshot, replay the steps up to the  finite: confirms lr_too_high;
-                   failing one with the learning rate lowered            non-finite: refutes it (from a
-                                                                         snapshot after the growth began:
-                                                                         nothing)
+lr_replay          from an earlier snapshot, replay the steps up to the  finite: confirms lr_too_high (not
+                   failing one with the learning rate lowered            while its loss still grows 10x:
+                                                                         nothing); non-finite: refutes it
+                                                                         (from a snapshot after the growth
+                                                                         began: nothing)
 clip_replay        the same, clipping the gradient norm                  finite: confirms gradient_explosion;
                                                                          non-finite: refutes it
 determinism        replay the step twice, unchanged                      different results: nondeterminism
@@ -41,6 +42,7 @@ from typing import Callable, Dict, Optional
 
 from ..diagnosis.confidence import EXACT
 from .records import CONFIRMS, REFUTES, Experiment
+from .tested import still_diverging
 
 PRECISION = frozenset({"low_precision_overflow", "low_precision_underflow"})
 # EXACT: failures that are non-finite whatever the precision (log(0), x/0, sqrt(<0), an all-masked row...)
@@ -101,15 +103,21 @@ def _guard(cat: str, e: Experiment, ctx: dict) -> Optional[str]:
 
 
 def _lr(cat: str, e: Experiment, ctx: dict) -> Optional[str]:
-    if cat != "lr_too_high":
-        return None
-    return CONFIRMS if e.finite else _refutes_history(e)
+    return _history(cat == "lr_too_high", e)
 
 
 def _clip(cat: str, e: Experiment, ctx: dict) -> Optional[str]:
-    if cat != "gradient_explosion":
+    return _history(cat == "gradient_explosion", e)
+
+
+def _history(mine: bool, e: Experiment) -> Optional[str]:
+    """A history replay's verdict on its own category: finite and no longer diverging confirms it; finite
+    but with the loss still growing (``tested.still_diverging``) says nothing; non-finite refutes it."""
+    if not mine:
         return None
-    return CONFIRMS if e.finite else _refutes_history(e)
+    if e.finite:
+        return None if still_diverging(e.details) else CONFIRMS
+    return _refutes_history(e)
 
 
 def _refutes_history(e: Experiment) -> Optional[str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..diagnosis.confidence import EXACT
+from ..experiments.tested import passes
 
 # action -> the experiment kind whose finite outcome verifies it
 PROOF_KIND = {"upcast": "upcast_module", "lr_backoff": "lr_replay", "clip": "clip_replay",
@@ -47,7 +48,7 @@ def proof(cause: Dict[str, Any], action: str) -> Optional[dict]:
     """The finite experiment that verifies ``action``, if any."""
     kind = PROOF_KIND.get(action)
     for e in experiments(cause) or []:
-        if e.get("kind") == kind and e.get("finite") is True:
+        if e.get("kind") == kind and passes(e.get("finite"), e.get("details")):
             return e
     return None
 

@@ -8,6 +8,7 @@ import torch
 
 from ...core.experiments import Bench, Experiment, Spec
 from ...core.experiments.kinds import describe
+from ...core.experiments.tested import still_diverging
 from ..recover.lr_backoff import schedule_peaks
 from ..recover.upcast import find_module
 from .history import consecutive, replay_history
@@ -261,7 +262,10 @@ class TorchBench(Bench):
             self._history(e, lr_factor=factor)
             tried.append({"factor": factor, "finite": e.finite, **({"failed_at": e.details["failed_at"]}
                                                                     if "failed_at" in e.details else {})})
-            if e.finite is not False or not e.params.get("deeper") or len(tried) >= 2 or factor * 0.1 < 1e-4 or \
+            growing = e.finite is True and still_diverging(e.details)  # finite, but not passed
+            if growing:
+                tried[-1]["still_diverging"] = True
+            if (e.finite is not False and not growing) or not e.params.get("deeper") or len(tried) >= 2 or factor * 0.1 < 1e-4 or \
                     e.work + (e.work - before) > replays_left:
                 break
             factor *= 0.1

@@ -35,15 +35,21 @@ from .. import text as T
 # uncapped estimate is ``lr_stable_factor``, which recovery uses when a cut already made proved too small):
 # * plain gradient steps (SGD, hand-written updates): half the stability limit. On a quadratic, a step
 #   size past 2/lambda amplifies the deviation along the sharpest direction by amp = |1 - lr lambda|
-#   per step, and the loss (its square) by amp^2: amp = sqrt(the loss's typical per-step factor),
-#   limit = 2 lr / (amp + 1), factor = 1 / (amp + 1). An accelerating excursion (each step's factor
-#   larger than the last: a deep net, whose loss grows as a power of the weights, past the linear
-#   regime) is read from its first step, the nearest to that model: its median would give a rate too
-#   small to train (a cut too small cannot be undone, one too large is cut again by recovery);
+#   per step, and the loss (its square) by amp^2: amp = sqrt(the loss's per-step factor),
+#   limit = 2 lr / (amp + 1), factor = 1 / (amp + 1); momentum b moves the limit to 2 (1 + b) / lambda
+#   (``_curvature_factor``). The factor is read from the excursion's first step, the nearest to that
+#   model: an accelerating excursion (a deep net, whose loss grows as a power of the weights) would give
+#   a rate too small to train from its median, a decelerating one (the growth slows as units die or
+#   saturate, the first step >= ``DECELERATING`` x the median: measured, a Flax SGD+momentum MLP at lr 10
+#   grew x2.3e6 at its first step, then ~x300 per step) a rate still unstable that never overflows again
+#   (lr 0.5: a finite run at loss 1128, where the first step's 0.0125 trains like the clean lr 0.01);
 # * adaptive optimizers (Adam...: the step is ~lr per element whatever the gradient): aim the first
 #   update of the excursion at 3% of the weights (healthy training moves them ~1e-3 per step): a run
 #   whose first diverging update was R times its weights gets 0.03 / R.
 TARGET_UPDATE_RATIO = 0.03
+# A first step's loss factor >= 10x the excursion's median: a decelerating excursion (below that, a steady
+# one whose first step is batch noise around its median: x12 then x9 per step).
+DECELERATING = 10.0
 HEALTHY_RATIO = "healthy < 1e-2"
 
 
@@ -190,12 +196,34 @@ def stable_factor(dy: dict, ctx: dict, measured: bool) -> float:
         f = TARGET_UPDATE_RATIO / ratio
     elif not adaptive and T.fin(per) and per > 1:
         first = dy.get("loss_ratio_first")
-        if T.fin(first) and 1 < first < per:  # accelerating: the later steps are past the linear regime
+        at_start = T.fin(first) and (1 < first < per or first >= DECELERATING * per)
+        if at_start:  # the excursion's first step is the linear regime (accelerating or decelerating after it)
             per = first
-        f = 1.0 / (math.sqrt(per) + 1.0)
+        f = _curvature_factor(math.sqrt(per), ctx, carried=not (at_start and dy.get("loss_ratio_first_at_start")))
     else:
         f = 0.1
     return max(1e-4, min(1.0, f))
+
+
+def momentum(ctx: dict) -> tuple[float, bool]:
+    """(the optimizer's momentum coefficient, whether it is Nesterov's), from the context (PyTorch and Keras
+    give ``momentum``; JAX its optax ``hyperparams``); (0.0, False) when it has none."""
+    hp = ctx.get("hyperparams") if isinstance(ctx.get("hyperparams"), dict) else {}
+    b = ctx.get("momentum", hp.get("momentum"))
+    nest = bool(ctx.get("nesterov", hp.get("nesterov")))
+    return (float(b), nest) if T.fin(b) and 0 < b < 1 else (0.0, False)
+
+
+def _curvature_factor(amp: float, ctx: dict, carried: bool) -> float:
+    """The factor that puts the step size at half its stability limit, from the per-step amplification
+    ``amp`` = |1 - lr lambda| of a plain step along the sharpest direction (lr lambda = amp + 1). Heavy-ball
+    momentum b raises the limit from lr lambda < 2 to < 2 (1 + b) (Nesterov's: 2 (1 + b) / (1 + 2b)); a
+    growth measured once momentum carries the steps (``carried``) amplifies by ~lr lambda - (1 + b) per step,
+    one measured on the run's first update (no momentum yet) by lr lambda - 1."""
+    b, nest = momentum(ctx)
+    lam = amp + 1.0 + (b if carried else 0.0)  # lr * lambda
+    half_limit = (1.0 + b) / (1.0 + 2.0 * b) if nest else 1.0 + b
+    return half_limit / lam
 
 
 def backoff(dy: dict, ctx: dict, measured: bool) -> float:
