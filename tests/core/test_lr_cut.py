@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from nanguard.core.diagnosis.dynamics import dynamics
 from nanguard.core.diagnosis.rules.divergence import backoff, momentum, stable_factor
 from nanguard.core.experiments.kinds import judge
@@ -138,3 +140,46 @@ def test_a_recovery_that_leaves_the_run_diverging_is_warned_again_and_cut_furthe
         else:  # armed again at once, and the warning of a run diverging again gets the recovery's rollback
             assert hits and hits[0] <= 20, hits
             assert port.rollbacks == hits  # (this fake rollback cuts nothing: each step warns again)
+
+
+class _PolicyPort(_Port):
+    """The on-spike rollback through the core recovery policy (as the JAX and PyTorch ports do)."""
+
+    def __init__(self, policy, actions):
+        super().__init__()
+        self.policy, self.actions = policy, actions
+
+    def rollback(self, event, step, history, late):
+        self.rollbacks.append(step)
+        return self.policy.on_spike(event, step=step, actions=self.actions, history=history)
+
+
+def test_after_a_recovered_failure_the_policy_cuts_further_on_the_second_divergence():
+    from test_recovery_policy import FakeActions
+
+    from nanguard.core.alerts import SpikeResponse
+    from nanguard.core.events import Event
+    from nanguard.core.recovery import RecoveryPolicy
+    p, a = RecoveryPolicy(snapshot_every=5, quiet=True), FakeActions(lrs=(10.0,))
+    resp, hist = SpikeResponse("warn", quiet=True), []
+    for s in range(3):
+        p.on_step_start(s, a)
+    _feed(resp, _Port(), [(0, 0.788, 3.0, None), (1, 1.8e6, 5e3, 9.3), (2, 5e8, 9e4, 20.0)], hist)
+    fail = Event(step=3, phase="forward", origin=None, cause={
+        "category": "lr_too_high", "summary": "t", "confidence": 0.9,
+        "evidence": {"onset_step": 1, "lr_backoff_factor": 0.05, "lr_stable_factor": 0.05}})
+    rec = p.on_failure(fail, step=3, actions=a, history=hist[:3])
+    assert rec["actions"]["rollback"]["to_step"] == 0 and a.lrs == [pytest.approx(0.5)]
+    resp.after_recovery(rec)
+    port = _PolicyPort(p, a)
+    for s in range(4, 6):
+        p.on_step_start(s, a)
+    hits = []
+    for i in range(6):  # the resumed run at lr 0.5, finite, rising far above its start: until it warns
+        hits = _feed(resp, port, [(4 + i, 0.9 * 2.2 ** i, 4.0 * 1.5 ** i, 1.5)], hist)
+        if hits:
+            break
+    assert hits and port.rollbacks == hits, (hits, port.rollbacks)
+    second = resp.events[-1].recovery
+    assert second["actions"]["lr_backoff"]["repeat"] is True
+    assert a.lrs[0] <= 0.25  # cut further: at least halved again
