@@ -11,7 +11,8 @@ Here the partial step is replayed under the op recorder, the same recorder a fai
   exception's traceback): values the step recorded (:class:`~nanguard.pytorch.tape.StepTape`
   outputs) are marked where the replay makes them again; a call that raised inside a recorded call
   (a module's forward) raises again in the replay, and the replay's own traceback gives the held
-  tensors. When the raising code held none, every non-finite output of the replayed calls is a sink.
+  tensors. When the raising code held none, every non-finite output of the replayed calls that no later
+  recorded call read is a sink (one that was read may have been masked: ``torch.where(m, log(x), 0)``).
 * **a failure** is reported only when a sink is non-finite and its taint is a real origin (an op that
   made it from finite inputs, or a value non-finite before the step), not a constant the program wrote
   (``masked_fill(-inf)``): the event then has the origin op, module, line, the phase and the
@@ -34,7 +35,7 @@ from ..core.events import Detection
 from .distributed import is_distributed
 from .replay import make_recorder
 from .rng import capture_rng, restore_rng
-from .stepreplay import BOUNDARY, StepReplay, _call, _modes
+from .stepreplay import BOUNDARY, StepReplay, _call, _modes, _refs
 from .tape import set_rng, tensor_leaves
 
 __all__ = ["held_nonfinite", "record_raise", "localize_raise", "replay_raise", "raise_detection", "accept"]
@@ -117,6 +118,8 @@ class PartialReplay(StepReplay):
         self.problem = self._check(tape.ext_ver)
         refs = [tape.ref_of(t) for t in held]
         self.sinks = {(r.entry, r.slot) for r in refs if r is not None}
+        # outputs a later recorded call read (a where/masked_fill may have masked their non-finite values)
+        self.read = {(r.entry, r.slot) for e in self.entries for r in _refs((e.args, e.kwargs))}
         self.raised_again: Optional[str] = None
         self.error_type = error_type
 
@@ -149,13 +152,13 @@ class PartialReplay(StepReplay):
                 if (i, j) in self.sinks:
                     rec.mark_loss(t)
                     marked += 1
-                elif isinstance(t, torch.Tensor):
+                elif isinstance(t, torch.Tensor) and (i, j) not in self.read:
                     produced.append(t)
         return self._raised(rec, None, marked, produced)
 
     def _raised(self, rec: Any, err: Optional[BaseException], marked: int, produced: List[torch.Tensor]) -> list:
         """The replay raised ``err`` again (or ended, None): what its frames held is the sink; with no
-        held value marked, every non-finite output of the replayed calls is."""
+        held value marked, every non-finite output of the replayed calls that no later call read is."""
         if err is not None:
             self.raised_again = type(err).__name__
             if self.error_type is None or type(err) is self.error_type:  # not another error (e.g. a keyword
