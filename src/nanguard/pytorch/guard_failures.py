@@ -87,6 +87,8 @@ class FailureHandler:
         if g.policy is not None:
             decision = g.policy.decide(g, event)
             if decision is not None:
+                if getattr(g, "spikes", None) is not None and event.recovery:  # warnings watch the resumed run afresh
+                    g._safe(lambda: g.spikes.after_recovery(event.recovery))
                 g.reports.tb_event(event)
                 return decision
         g.reports.tb_event(event)
