@@ -67,6 +67,7 @@ class NanGuard(keras.callbacks.Callback):
         self.report: Optional[Report] = None
         self.stopped = False
         self._driver = None
+        self._run = None  # the run this callback's fits share (kept after each fit's end)
         self._external = None
 
     def on_train_begin(self, logs=None) -> None:
@@ -77,15 +78,20 @@ class NanGuard(keras.callbacks.Callback):
         if ext is not None:  # nanguard run / nanguard.keras.watch() already watches everything
             self._external = ext
             return
-        drv = RunDriver(self.config, recover=self.recover, localize=self.localize, quiet=self.quiet,
-                        raise_on_stop=False, on_spike=self.on_spike)
+        drv = self._run
+        if drv is None or drv.stopped:
+            drv = RunDriver(self.config, recover=self.recover, localize=self.localize, quiet=self.quiet,
+                            raise_on_stop=False, on_spike=self.on_spike)
+        # the same callback in a later fit (a fine-tune after training the head) goes on with the same
+        # run: steps count across the fit calls and the report covers them all, as under nanguard run
+        self._run = drv
         drv.install()
         self._driver = drv
         # a stop ends fit's loop from the host read of the failing step itself: the callback has no
         # per-batch hook (no Python call per batch; Keras' batch-end dispatch is left as it is: off the
         # training thread on the backends that allow it)
         drv.watcher.on_stop = self._stop_fit
-        drv.watcher.fit_now = {"call": 0, "start": 0, "epoch": 0, "epoch_start": 0}
+        drv.watcher._fit_begin()  # the report's fit position (call, epoch); epochs are marked below
         try:
             drv.watcher._watch_fit(self.model)  # re-make the train function: traced with the check
         except Exception as e:
