@@ -51,3 +51,12 @@ def test_a_healthy_start_with_the_same_first_steps_but_learning_does_not_warn():
     # a healthy run: small updates, loss falling
     rows = [(2.3 * 0.98 ** k, 1.0 / (1 + k), 10.0 * (1 + 0.005 * k)) for k in range(40)]
     assert run(rows) == []
+
+
+def test_a_tiny_healthy_model_moving_a_tenth_of_its_norm_on_noisy_batches_does_not_warn():
+    # tests/torch/test_guard.py's sparse model: a 12 -> 1 head of norm 0.6 under SGD(0.05); its batches'
+    # losses 0.6 -> 1.67 are noise, and step 2 moved the head by 0.127 of its norm
+    d = SpikeDetector()
+    rows = [(0.5987, 2.486, None), (1.3144, 3.066, 0.064), (1.5122, 2.855, 0.0027), (1.6672, 4.819, 0.1266),
+            (0.9446, 2.194, 0.0076)]
+    assert [d.observe(i, loss, g, update=u) for i, (loss, g, u) in enumerate(rows)] == [None] * 5

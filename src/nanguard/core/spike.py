@@ -30,10 +30,13 @@ gradient norm that grows while the loss falls, normal early in training, never w
   seen): geometric growth, the signature of a learning rate above the stability limit. Losses
   near 0 (a noisy run's 1e-7 -> 1e-3 -> 1) never reach 10x the earlier ceiling.
 
-* **no baseline** (from the second step on): the last update moved the weights by ``update`` >= 0.1
+* **no baseline** (from the second step on): the last update moved the weights by ``update`` >= 1
   of their norm (the parameter norm before and after it, read by the same check: a lower bound of the
-  update's size, 10x the healthy ~1e-2; the healthy scenarios' largest is 0.017, an MNIST convnet whose
-  OneCycle rate reached 7.7 moved 0.23 at step 0 and then sat dead at chance) while the loss is above ``update_loss`` = 1.5x its start (the stream's first loss); or the
+  update's size, 100x the healthy ~1e-2) while the loss is above ``update_loss`` = 1.5x its start (the
+  stream's first loss), or by ``update_low`` >= 0.1 while the loss is >= ``update_low_loss`` = 4x its
+  start (a tiny healthy model's noisy first batches move its 0.6-norm head by 0.13 at 2.8x its start;
+  an MNIST convnet whose OneCycle rate reached 7.7 moved 0.23 at step 0, its loss x8, then sat dead at
+  chance); or the
   loss is >= ``far`` = 100x its start and >= ``growth_total`` = 10x every loss before it: a blow-up in
   the first steps, before the spread rules have their 8 values. The start counts as no lower than
   ``start_floor`` = 1e-6 (about 10 float32 epsilons of an O(1) loss): a first loss near 0 is a model
@@ -92,8 +95,10 @@ class SpikeConfig:
     level_floor: float = 1e-3
     calm_steps: int = 20
     max_warnings: int = 10
-    update: float = 0.1
+    update: float = 1.0
     update_loss: float = 1.5
+    update_low: float = 0.1
+    update_low_loss: float = 4.0
     far: float = 100.0
     start_floor: float = 1e-6
     dead_peak: float = 4.0
@@ -246,7 +251,8 @@ class SpikeDetector:
         start = st.start
         if start is None or not start > 0:
             return None
-        if update is not None and not update < c.update and loss >= c.update_loss * start:
+        if update is not None and (not update < c.update and loss >= c.update_loss * start
+                                   or not update < c.update_low and loss >= c.update_low_loss * start):
             return out("update", "update", update_ratio=update if _fin(update) else "overflow", loss_start=start,
                        loss_vs_start=loss / start)
         if lb and loss >= c.far * max(start, c.start_floor) and loss >= c.growth_total * lb[2]:
