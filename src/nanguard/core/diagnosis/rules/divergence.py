@@ -40,15 +40,18 @@ from .. import text as T
 #   (``_curvature_factor``). The factor is read from the excursion's first step, the nearest to that
 #   model: an accelerating excursion (a deep net, whose loss grows as a power of the weights) would give
 #   a rate too small to train from its median, a decelerating one (the growth slows as units die or
-#   saturate, the first step >= ``DECELERATING`` x the median: measured, a Flax SGD+momentum MLP at lr 10
+#   saturate, the run's first update >= ``DECELERATING`` x the median: measured, a Flax SGD+momentum MLP at lr 10
 #   grew x2.3e6 at its first step, then ~x300 per step) a rate still unstable that never overflows again
 #   (lr 0.5: a finite run at loss 1128, where the first step's 0.0125 trains like the clean lr 0.01);
 # * adaptive optimizers (Adam...: the step is ~lr per element whatever the gradient): aim the first
 #   update of the excursion at 3% of the weights (healthy training moves them ~1e-3 per step): a run
 #   whose first diverging update was R times its weights gets 0.03 / R.
 TARGET_UPDATE_RATIO = 0.03
-# A first step's loss factor >= 10x the excursion's median: a decelerating excursion (below that, a steady
-# one whose first step is batch noise around its median: x12 then x9 per step).
+# A first step's loss factor >= 10x the excursion's median, on the run's first update (a plain gradient step
+# from the initial weights, no momentum yet): a decelerating excursion (below that, a steady one whose first
+# step is batch noise around its median: x12 then x9 per step). Later in a run the first step of an
+# excursion is no such model (measured: an Equinox SGD+momentum run on unscaled features whose loss went
+# 4.1e4, 8.2e11, 6.2e5, 1.2e17 had a first excursion step of x1.9e11 then x2.8: its 1e-4 cut stalls the run).
 DECELERATING = 10.0
 HEALTHY_RATIO = "healthy < 1e-2"
 
@@ -196,10 +199,11 @@ def stable_factor(dy: dict, ctx: dict, measured: bool) -> float:
         f = TARGET_UPDATE_RATIO / ratio
     elif not adaptive and T.fin(per) and per > 1:
         first = dy.get("loss_ratio_first")
-        at_start = T.fin(first) and (1 < first < per or first >= DECELERATING * per)
-        if at_start:  # the excursion's first step is the linear regime (accelerating or decelerating after it)
+        run_start = bool(dy.get("loss_ratio_first_at_start"))
+        use_first = T.fin(first) and (1 < first < per or (run_start and first >= DECELERATING * per))
+        if use_first:  # the excursion's first step is the linear regime (accelerating or decelerating after it)
             per = first
-        f = _curvature_factor(math.sqrt(per), ctx, carried=not (at_start and dy.get("loss_ratio_first_at_start")))
+        f = _curvature_factor(math.sqrt(per), ctx, carried=not (use_first and run_start))
     else:
         f = 0.1
     return max(1e-4, min(1.0, f))
