@@ -22,11 +22,20 @@ def _tf_state(request):
         pass
     keras.backend.clear_session()
     keras.utils.set_random_seed(0)
-    uninstall = (lambda: None) if request.node.get_closest_marker("no_ctor_hook") else install_construction_hook()
+    from nanguard.tensorflow.locate import naming
+    off = request.node.get_closest_marker("no_ctor_hook")
+    # `import nanguard.keras` (an earlier test in this worker) leaves the hook installed for good: a test
+    # of the fallback names switches it off for its own duration
+    count = naming._hook_count
+    if off:
+        naming._hook_count = 0
+    uninstall = (lambda: None) if off else install_construction_hook()
     try:
         yield
     finally:
         uninstall()
+        if off:
+            naming._hook_count = count
         keras.mixed_precision.set_global_policy("float32")
         tf.config.run_functions_eagerly(False)
 
