@@ -33,7 +33,7 @@ import torch
 
 from ..core.events import Detection
 from .distributed import is_distributed
-from .replay import make_recorder
+from .replay import make_recorder, put_back
 from .rng import capture_rng, restore_rng
 from .stepreplay import BOUNDARY, StepReplay, _call, _modes, _refs
 from .tape import set_rng, tensor_leaves
@@ -215,13 +215,9 @@ def replay_raise(model: torch.nn.Module, optimizers: List[Any], batches: List[An
     (forward only) from the step's RNG state ``rng`` under the op recorder until it raises again; the
     sinks are the non-finite tensors its frames held then. Gradients, buffers and the RNG are put
     back. None: nothing non-finite was born (or it did not raise the same way again)."""
-    params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
-    saved_grads = [p.grad for p in params]
-    saved_buffers = [b.detach().clone() for b in model.buffers()]
-    after = capture_rng(plain=False)
     rec = make_recorder([model], optimizers)
     raised = False
-    try:
+    with put_back(model, optimizers):
         if rng is not None:
             restore_rng(rng)
         rec.start()
@@ -236,12 +232,5 @@ def replay_raise(model: torch.nn.Module, optimizers: List[Any], batches: List[An
                     rec.mark_loss(t)
         finally:
             rec.stop()
-    finally:
-        for p, g in zip(params, saved_grads):
-            p.grad = g
-        with torch.no_grad():
-            for b, s in zip(model.buffers(), saved_buffers):
-                b.copy_(s)
-        restore_rng(after)
     out = {"method": "replay", "reproduced": True, "localization": rec.result(), "partial_step": True}
     return out if raised and accept(out) else None

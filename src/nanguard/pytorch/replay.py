@@ -18,9 +18,10 @@ Two ways, one recorder (:class:`nanguard.pytorch.locate.OpRecorder`):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -63,6 +64,25 @@ def fill_names(params: Dict[str, torch.Tensor], buffers: Dict[str, torch.Tensor]
 
 # --------------------------------------------------------------------------- in-process (Guard)
 
+@contextlib.contextmanager
+def put_back(model: torch.nn.Module, optimizers: Sequence[Any]) -> Iterator[List[torch.Tensor]]:
+    """``with put_back(model, optimizers) as params:`` a replay inside the block leaves the step as it
+    found it: the parameters' gradients, the model's buffers and the RNG are put back when it ends."""
+    params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+    saved_grads = [p.grad for p in params]
+    saved_buffers = [b.detach().clone() for b in model.buffers()]
+    after = capture_rng(plain=False)
+    try:
+        yield params
+    finally:
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), saved_buffers):
+                b.copy_(saved)
+        restore_rng(after)
+
+
 def replay_step(model: torch.nn.Module, optimizers: Sequence[Any], scaler: Any, batches: Sequence[Any],
                 loss_fn: Callable[[Any], torch.Tensor], rng: Dict[str, Any]) -> Dict[str, Any]:
     """Re-run a failing step's forward and backward under the op recorder (params unchanged).
@@ -71,12 +91,8 @@ def replay_step(model: torch.nn.Module, optimizers: Sequence[Any], scaler: Any, 
     are put back afterwards, so the caller carries on as if nothing was replayed.
     """
     t0 = time.time()
-    params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
-    saved_grads = [p.grad for p in params]
-    saved_buffers = [b.detach().clone() for b in model.buffers()]
-    after_rng = capture_rng(plain=False)
     rec = make_recorder([model], optimizers)
-    try:
+    with put_back(model, optimizers) as params:
         for p in params:
             p.grad = None
         restore_rng(rng)
@@ -93,13 +109,6 @@ def replay_step(model: torch.nn.Module, optimizers: Sequence[Any], scaler: Any, 
         finally:
             rec.stop()
         res = rec.result()
-    finally:
-        for p, g in zip(params, saved_grads):
-            p.grad = g
-        with torch.no_grad():
-            for b, s in zip(model.buffers(), saved_buffers):
-                b.copy_(s)
-        restore_rng(after_rng)
     return {"method": "replay", "reproduced": bool(res.get("reproduced")), "localization": res,
             "seconds": round(time.time() - t0, 3)}
 
