@@ -20,7 +20,6 @@ warning's training objects):
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Union
 
 from .events import Event
@@ -150,12 +149,4 @@ def rewind_all(detector: SpikeDetector, to_step: int) -> None:
     to the run's first steps would otherwise judge the resumed run against the excursion's levels (measured:
     a Flax run whose first 8 losses were 0.79, 1.8e6, ... 1e30 had a level ~1e12, and its resumed run at
     loss 1128 read as "below 1e-3 of its level": never a warning)."""
-    for st in detector.streams.values():
-        vals = list(st.loss.vals)
-        if vals and len(vals) < (st.loss.vals.maxlen or 0):  # the window still holds the stream's first steps
-            keep = sum(1 for s, _ in vals[:len(st.first)] if s < to_step)
-            if keep < len(st.first):
-                st.first, st.level = st.first[:keep], None
-        if st.peak_step >= to_step:
-            st.peak, st.peak_step = max(((v, s) for s, v in vals if s < to_step), default=(-math.inf, 0))
-    detector.rewind(to_step)
+    detector.rewind(to_step, levels=True)

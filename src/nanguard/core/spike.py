@@ -270,10 +270,19 @@ class SpikeDetector:
                 best = (s, v, k)
         return best
 
-    def rewind(self, to_step: int) -> None:
+    def rewind(self, to_step: int, levels: bool = False) -> None:
         """After a rollback to the state of ``to_step``: forget what every stream saw from that step on
-        (the excursion is not the baseline of the replayed run) and watch again at once."""
+        (the excursion is not the baseline of the replayed run) and watch again at once. ``levels``: forget
+        as well the starting level's samples and the peak taken from ``to_step`` on (a recovered failure:
+        see :func:`nanguard.core.alerts.rewind_all`)."""
         for st in self.streams.values():
+            vals = list(st.loss.vals)
+            if levels and vals and len(vals) < (st.loss.vals.maxlen or 0):  # the window holds the first steps
+                keep = sum(1 for s, _ in vals[:len(st.first)] if s < to_step)
+                if keep < len(st.first):
+                    st.first, st.level = st.first[:keep], None
+            if levels and st.peak_step >= to_step:
+                st.peak, st.peak_step = max(((v, s) for s, v in vals if s < to_step), default=(-math.inf, 0))
             for ser in (st.loss, st.grad):
                 ser.keep_before(to_step)
             st.recent.clear()
