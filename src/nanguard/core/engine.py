@@ -24,7 +24,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from .events import Detection, Event, Report
-from .experiments.reconcile import reconcile
 from .pipeline import (as_recurrence, build_event, consequence_event, fold_recurrences, recurrence_event,
                        same_cause)
 
@@ -207,6 +206,7 @@ def assemble_report(facts: RunFacts, report: Optional[Report] = None) -> Report:
     r.events = fold_recurrences(failures) + [w for w in facts.warnings if id(w) not in seen]
     for e in r.events:  # a numeric fix no replay tested says so (the investigated ones were reconciled then)
         if isinstance(e.cause, dict) and not e.cause.get("tested_fixes"):
+            from .experiments.reconcile import reconcile  # only a failure's report needs it: a healthy run stays light
             reconcile(e)
     r.extra.update(facts.extra)
     if facts.dropped_events:
