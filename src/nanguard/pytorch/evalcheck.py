@@ -16,6 +16,11 @@
   on a small ring (:class:`~nanguard.pytorch.tape.StepTape` in inference mode, at most
   ``_RING_CALLS`` calls per module call), so the event of a value read is replayed from the
   calls that made it: the op and line where NaN/Inf appeared outside any module.
+* **reads inside a training step**: a value read (no autograd history) while grad is on, after a
+  training forward and before the step's check, is often a term of the loss being built (REINFORCE's
+  normalized returns turned into a target with ``torch.tensor([R])``: the target's ``float()``). Its
+  event is held until the step's check: a step that fails is the training event (its phase, op and
+  line), and the held read is dropped; a step that passes lets the read through as an ``eval`` event.
 
 Events are counted by evaluation call (``detected.eval_call``) and keep the training step count.
 """
@@ -46,6 +51,8 @@ class EvalCheck:
         self._had: Dict[str, bool] = {}
         self._wrapped: Dict[str, Any] = {}
         self._suspended: Any = False  # while an optimizer updates: the names put back (suspend)
+        self.train_open = False       # a training forward ran since the last step's check
+        self._held: Optional[tuple] = None  # (detection, tensor) of a read inside an open training step
 
     def install(self) -> None:
         """Wrap ``Tensor.item``, ``Tensor.tolist`` and ``Tensor.__float__`` (values read by the script)."""
@@ -124,6 +131,23 @@ class EvalCheck:
                         {"read": f"Tensor.{how}", "value": _first_bad(value), "shape": list(t.shape),
                          "file": user[0] if user else None, "line": user[1] if user else None,
                          "eval_call": max(self.calls - 1, 0)})
+        if self.train_open and torch.is_grad_enabled():
+            if self._held is None:  # the first read of the step: settled by the step's check
+                self._held = (det, t)
+            return
+        self._last = {"read": t}
+        w._handle(det, None)
+
+    def settle(self) -> None:
+        """The step's check is done (or the run ends): a read held in the step (see the module docstring)
+        is dropped when the step failed (a training event at its step), else reported now."""
+        held, self._held, self.train_open = self._held, None, False
+        if held is None:
+            return
+        det, t = held
+        w = self.w
+        if any(d.step == det.step and d.phase != "eval" for d in w.detections):
+            return
         self._last = {"read": t}
         w._handle(det, None)
 
