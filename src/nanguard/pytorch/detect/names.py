@@ -43,16 +43,17 @@ class TensorNames:
     def name_of(self, t: torch.Tensor) -> str:
         return self.param_names().get(id(t), f"tensor{tuple(t.shape)}")
 
-    def nonfinite_params(self, groups: Iterable[List[torch.Tensor]], roots: bool = True) -> List[str]:
+    def nonfinite_params(self, groups: Iterable[List[torch.Tensor]], roots: bool = True,
+                         buffers: bool = True) -> List[str]:
         """Names of non-finite tensors among ``groups`` and (with ``roots``) the watched modules'
-        parameters outside the optimizers (frozen ones, another model's) and buffers."""
+        parameters outside the optimizers (frozen ones, another model's) and (with ``buffers``) buffers."""
         groups = [list(g) for g in groups]
         out = [self.name_of(p) for p in nonfinite_tensors(groups)]
         seen = {id(p) for g in groups for p in g}
         if not roots:
             return out
         for root in list(self.roots):
-            for n, t in list(root.named_parameters()) + list(root.named_buffers()):
+            for n, t in list(root.named_parameters()) + (list(root.named_buffers()) if buffers else []):
                 if id(t) in seen:
                     continue
                 seen.add(id(t))

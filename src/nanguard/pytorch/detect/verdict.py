@@ -198,11 +198,16 @@ def _decide(mon, p: Pending, loss, loss_ok, data_ok, scale, found_inf, gn, pre_p
         return REWIND
     # Slow path: exact checks, only when something already looks wrong.
     bad_params = mon.names.nonfinite_params(groups)
-    if bad_params:
+    # Only buffers non-finite while this step's batch is: the training forward wrote them from the
+    # batch (BatchNorm's running statistics of a NaN batch); the batch is the phase, the buffers are
+    # listed. (With a finite batch, a non-finite buffer stays 'params': one written between steps.)
+    made = data_ok < 1 and not mon.names.nonfinite_params(groups, buffers=False)
+    if bad_params and not made:
         return Detection(step, "params", {"nonfinite_params": bad_params[:20],
                                           "n_bad_params": len(bad_params), "loss": loss})
     if data_ok < 1:
-        return Detection(step, "data", {"nonfinite_in": list(p.data_where), "loss": loss})
+        written = {"nonfinite_buffers": bad_params[:20]} if bad_params else {}
+        return Detection(step, "data", {"nonfinite_in": list(p.data_where), "loss": loss, **written})
     if loss_ok < 1:
         return Detection(step, "forward", {"loss": loss})
     bad_grads = mon.names.nonfinite_grads(groups)
