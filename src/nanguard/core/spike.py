@@ -52,7 +52,13 @@ gradient norm that grows while the loss falls, normal early in training, never w
   excursion killed (dead units, saturated activations), training at the chance-level loss for good
   while every value stays finite. A run that starts at chance level and learns has no excursion (the
   excursion is measured from the floored start, as ``far``); a flat loss within 10x of that floor is a
-  converged model's noise, not a chance level.
+  converged model's noise, not a chance level. The excursion may also be a **ruinous update** (one that
+  moved the weights by >= ``update`` = 1x their norm, read from a non-zero norm): then the loss need
+  only be flat (within 10% of its median's magnitude, or of ``level_floor`` x its start: a policy-gradient
+  surrogate of a saturated policy reads 0 +- 1e-13) with the same gradient bound against the gradients before that update. Measured:
+  pytorch/examples REINFORCE at lr 10 (Adam) moves its weights 7 -> 241 in step 0, then every gradient
+  is exactly 0 (a deterministic policy at a chance-level reward, "clean" before); a healthy run never
+  moves by 1x its norm (the healthy ratio is ~1e-2), and a zero-initialised model has no ratio.
 
 * **scale** (every rule): a loss below ``level_floor`` = 1e-3 of its starting level (the median of
   the stream's first ``min_values`` losses) is never a warning: a run that has converged to ~0 has a
@@ -149,6 +155,7 @@ class _Stream:
         self.first_g: List[Tuple[int, float]] = []  # (step, norm) of the first gradient norms, min_values of them
         self.tail: Deque[Tuple[float, Optional[float]]] = deque(maxlen=1)  # (loss, grad norm) of the last steps
         self.dead_warned = False
+        self.ruin: Optional[int] = None  # the first step observed after an update of >= ``update`` x the norm
 
 
 class SpikeDetector:
@@ -196,6 +203,8 @@ class SpikeDetector:
         if loss > st.peak:
             st.peak, st.peak_step = loss, step
         st.tail.append((loss, g))
+        if st.ruin is None and update is not None and not update < c.update:
+            st.ruin = step
         st.recent.append((step, loss, le))
         st.loss.add(step, loss)
         if g is not None:
@@ -281,6 +290,8 @@ class SpikeDetector:
                 keep = sum(1 for s, _ in vals[:len(st.first)] if s < to_step)
                 if keep < len(st.first):
                     st.first, st.level = st.first[:keep], None
+            if st.ruin is not None and st.ruin - 1 >= to_step:  # the ruinous update was taken back
+                st.ruin = None
             if levels and st.peak_step >= to_step:
                 st.peak, st.peak_step = max(((v, s) for s, v in vals if s < to_step), default=(-math.inf, 0))
             for ser in (st.loss, st.grad):
@@ -293,22 +304,29 @@ class SpikeDetector:
 def _dead(c: SpikeConfig, st: _Stream, step: int, loss: float, g: Optional[float]) -> Optional[Dict[str, Any]]:
     """The ``dead`` rule (see the module docstring): the warning, or None."""
     start = st.start
-    if start is None or not start > 0 or st.peak < c.dead_peak * max(start, c.start_floor) \
-            or len(st.tail) < c.dead_steps \
-            or len(st.first_g) < c.min_values:
+    if start is None or len(st.tail) < c.dead_steps or len(st.first_g) < c.min_values:
         return None
     losses = [v for v, _ in st.tail]
     grads = [x for _, x in st.tail]
     med = _quantile(sorted(losses), 0.5)
-    before = [x for s, x in st.first_g if s < st.peak_step]
-    g0 = _quantile(sorted(before or [x for _, x in st.first_g]), 0.5)
-    if med < max(0.5 * start, 10 * c.start_floor) or max(losses) - min(losses) > c.dead_flat * med or not g0 > 0:
+    if start > 0 and st.peak >= c.dead_peak * max(start, c.start_floor):  # after a loss excursion
+        peak, peak_step, by = st.peak, st.peak_step, {}
+        before = [x for s, x in st.first_g if s < peak_step]
+        if med < max(0.5 * start, 10 * c.start_floor) or max(losses) - min(losses) > c.dead_flat * med:
+            return None
+    elif st.ruin is not None and step - st.ruin + 1 >= c.dead_steps:  # after a ruinous update
+        peak, peak_step, by = max(losses), st.ruin - 1, {"after_update_of_step": st.ruin - 1}
+        before = [x for s, x in st.first_g if s < st.ruin]
+        if max(losses) - min(losses) > c.dead_flat * max(abs(med), c.level_floor * abs(start)):
+            return None
+    else:
         return None
-    if any(x is None or x > c.dead_grad * g0 for x in grads):
+    g0 = _quantile(sorted(before or [x for _, x in st.first_g]), 0.5)
+    if not g0 > 0 or any(x is None or x > c.dead_grad * g0 for x in grads):
         return None
     return {"rule": "dead", "signal": "loss", "step": step, "loss": loss, "grad_norm": g, "loss_excess": 0.0,
             "grad_norm_excess": 0.0, "since_step": step - c.dead_steps + 1, "loss_start": start,
-            "loss_peak": st.peak, "peak_step": st.peak_step, "grad_norm_start": g0, "grad_norm_max_recent": max(grads)}
+            "loss_peak": peak, "peak_step": peak_step, "grad_norm_start": g0, "grad_norm_max_recent": max(grads), **by}
 
 
 def _quantile(s: List[float], q: float) -> float:

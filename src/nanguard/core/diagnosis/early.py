@@ -29,6 +29,11 @@ def spike_words(hit: dict) -> str:
     if rule == "far":
         return (f"the loss {T.g(val)} {_RULE_WORDS['far']}: ×{T.g(hit.get('loss_vs_start'), 3)} its first value "
                 f"{T.g(hit.get('loss_start'))} and ×10 or more every loss before it")
+    if rule == "dead" and hit.get("after_update_of_step") is not None:
+        return (f"the gradient norms have stayed at most {T.g(hit.get('grad_norm_max_recent'))} (before: "
+                f"{T.g(hit.get('grad_norm_start'))}) and the loss flat at {T.g(val)} since step {hit.get('since_step')}, "
+                f"after the update of step {hit.get('after_update_of_step')} moved the weights by 1× their norm or "
+                "more: the network stopped learning (saturated outputs or dead units), with every value finite")
     if rule == "dead":
         return (f"the loss has stayed flat at {T.g(val)} (its start: {T.g(hit.get('loss_start'))}) since step "
                 f"{hit.get('since_step')} with gradient norms of at most {T.g(hit.get('grad_norm_max_recent'))} "
@@ -50,7 +55,10 @@ def warning_cause(hit: dict, history: Sequence[dict], context: dict | None = Non
     ``history``: the step records up to and including the warning's step."""
     ctx = dict(context or {})
     with X.speaking(X.framework_of(ctx)):  # fix texts in the run's framework, as diagnose() does
-        return _warning_cause(hit, list(history or []), ctx)
+        out = _warning_cause(hit, list(history or []), ctx)
+        if isinstance(out, dict) and out.get("fixes"):
+            out["fixes"] = X.bind(out["fixes"])  # structured: what a replay can test (fixes.Fix)
+        return out
 
 
 def _warning_cause(hit: dict, history: list, ctx: dict) -> dict:
