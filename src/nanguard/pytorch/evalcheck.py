@@ -16,11 +16,12 @@
   on a small ring (:class:`~nanguard.pytorch.tape.StepTape` in inference mode, at most
   ``_RING_CALLS`` calls per module call), so the event of a value read is replayed from the
   calls that made it: the op and line where NaN/Inf appeared outside any module.
-* **reads inside a training step**: a value read (no autograd history) while grad is on, after a
-  training forward and before the step's check, is often a term of the loss being built (REINFORCE's
-  normalized returns turned into a target with ``torch.tensor([R])``: the target's ``float()``). Its
-  event is held until the step's check: a step that fails is the training event (its phase, op and
-  line), and the held read is dropped; a step that passes lets the read through as an ``eval`` event.
+* **reads inside a training step**: a value read (no autograd history) while grad is on and the step
+  has inputs the check has not read yet (a training forward's batch, a loss) is often a term of the
+  loss being built (actor-critic's normalized returns turned into a target with ``torch.tensor([R])``:
+  the target's ``float()``). Its event is held until the step's check: a step that fails is the
+  training event (its phase, op and line) and the held read is dropped; a step that passes lets the
+  read through as an ``eval`` event (at the update, :meth:`suspend`, or at the next read of a later step).
 
 Events are counted by evaluation call (``detected.eval_call``) and keep the training step count.
 """
@@ -51,7 +52,6 @@ class EvalCheck:
         self._had: Dict[str, bool] = {}
         self._wrapped: Dict[str, Any] = {}
         self._suspended: Any = False  # while an optimizer updates: the names put back (suspend)
-        self.train_open = False       # a training forward ran since the last step's check
         self._held: Optional[tuple] = None  # (detection, tensor) of a read inside an open training step
 
     def install(self) -> None:
@@ -101,6 +101,8 @@ class EvalCheck:
         ``.item()`` (148 wrapper calls a step on a 12-layer GPT). :meth:`resume` wraps them again
         (after the update, or at the next module call or backward if the update raised). The methods
         are the class's: a value another thread reads during that update is not checked."""
+        if self._held is not None:  # the step's check passed (a failing one stopped or recovered before)
+            self.settle()
         if self._wrapped and not self._suspended:
             d = torch.Tensor.__dict__
             # only where the wrapper is still in place: a patch made over it (a sync counter's) stays
@@ -131,7 +133,9 @@ class EvalCheck:
                         {"read": f"Tensor.{how}", "value": _first_bad(value), "shape": list(t.shape),
                          "file": user[0] if user else None, "line": user[1] if user else None,
                          "eval_call": max(self.calls - 1, 0)})
-        if self.train_open and torch.is_grad_enabled():
+        if self._held is not None and self._held[0].step != det.step:
+            self.settle()  # held in an earlier step (one with no optimizer update to settle it)
+        if torch.is_grad_enabled() and w.monitor.step_open():
             if self._held is None:  # the first read of the step: settled by the step's check
                 self._held = (det, t)
             return
@@ -141,7 +145,7 @@ class EvalCheck:
     def settle(self) -> None:
         """The step's check is done (or the run ends): a read held in the step (see the module docstring)
         is dropped when the step failed (a training event at its step), else reported now."""
-        held, self._held, self.train_open = self._held, None, False
+        held, self._held = self._held, None
         if held is None:
             return
         det, t = held

@@ -339,8 +339,6 @@ class Watcher:
         self._step_started(opt)
 
     def _step_started(self, opt: Any) -> None:
-        if self.evals.train_open:
-            self._guarded(self.evals.settle)
         step = self.monitor.step_of(opt)
         if self.tape is not None:
             self.tape.reset(step)
@@ -461,7 +459,6 @@ class Watcher:
             self.monitor.add_root(module)
             self._root_seen = weakref.ref(module)
         if training:
-            self.evals.train_open = True
             if self.recovery.snap_due is not None:
                 self.recovery.take_due_snapshot()  # the state the next training step starts from
             # Only tensors that do not come from parameters are "the batch".
@@ -484,8 +481,6 @@ class Watcher:
         if det is not None and not det.info_only and len(self.detections) < self.config.max_events:
             self.detections.append(det)
             self.observer.detection(self, det, None)
-        if self.evals.train_open:
-            self._guarded(self.evals.settle)
 
 
 _REQUIRES_GRAD = attrgetter("requires_grad")

@@ -192,6 +192,12 @@ class StepMonitor:
         if where not in pt._data_where:
             pt._data_where.append(where)
 
+    def step_open(self) -> bool:
+        """This thread's step has inputs the check has not read yet (a training forward's batch, a loss
+        passed to backward): a training step is being built."""
+        pt = self._per_thread
+        return bool(pt._data_marks or pt._loss_vals or pt._loss_marks)
+
     def on_backward(self, tensors: Sequence[torch.Tensor]) -> None:
         """Record the loss(es) that ``backward`` is called on (no sync)."""
         pt = self._per_thread
