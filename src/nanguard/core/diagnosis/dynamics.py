@@ -13,7 +13,9 @@ Where did the size come from? :func:`dynamics` measures, over the trailing excur
 * the step size of hand-written updates (``effective_lr``: no optimizer, no lr to read);
 * a batch far outside the data seen so far (``batch_max``: the largest |value| of each batch);
 * the last applied update on its own (``last_update_*``: how far it moved the weights, measured and
-  estimated, and whether its gradient was out of line): direct evidence that needs no long history.
+  estimated, and whether its gradient was out of line): direct evidence that needs no long history;
+* the run's first ruinous update (``ruin_*``: one that moved the weights by >= ``RUINOUS`` = 1x their
+  norm), however long ago, and how far the weights are from where they were before it now.
 
 Numbers only: the rules (``rules/divergence.py``) turn them into a cause and its fixes.
 """
@@ -35,6 +37,9 @@ OUTLIER_FACTOR = 10.0
 OUTLIER_MIN_BEFORE = 5
 # Parameter growth worth naming: x3 in all, or x1.5 with >= 1.2x per update over >= 2 updates.
 PARAM_GROWTH = 3.0
+# An update that moved the weights by their own norm or more (100x the healthy ~1e-2; the same bound as
+# rules/divergence.ONE_UPDATE_TOO_LARGE).
+RUINOUS = 1.0
 
 
 def _series(recs: Sequence[dict], key: str, positive: bool = False) -> Series:
@@ -192,6 +197,7 @@ def dynamics(history: Sequence[dict]) -> Dict[str, Any]:
             out["update_ratio_excursion_max"] = max(exc)
     _lr(recs, onset, out)
     _last_update(applied, grad, loss, out)
+    _ruin(applied, pser, loss, out)
     _step_size(recs, out)
     _outlier(applied, loss, onset, out)
     return out
@@ -241,6 +247,21 @@ def _last_update(applied: Sequence[dict], grad: Series, loss: Series, out: Dict[
     if loss and loss[0][1] > 0:
         out["loss_start"] = loss[0][1]
         out["loss_max_vs_start"] = max(v for _, v in loss) / loss[0][1]
+
+
+def _ruin(applied: Sequence[dict], pser: Series, loss: Series, out: Dict[str, Any]) -> None:
+    """The run's first update that moved the weights by >= ``RUINOUS`` x their norm (measured from the norm
+    before and after it), the weights' norm now against the norm before it, and the last loss against the
+    run's first (has the run come back from it?)."""
+    for h in applied:
+        a, b = h.get("param_norm"), h.get("param_norm_after")
+        if fin(a) and a > 0 and fin(b) and abs(b - a) / a >= RUINOUS:
+            out.update(ruin_step=int(h.get("step", 0)), ruin_change=abs(b - a) / a, ruin_norm_before=a)
+            if pser and pser[-1][0] > out["ruin_step"]:
+                out["ruin_norm_now_vs_before"] = pser[-1][1] / a
+            if loss and loss[0][1] > 0:
+                out["ruin_loss_now_vs_start"] = loss[-1][1] / loss[0][1]
+            return
 
 
 def _step_size(recs: Sequence[dict], out: Dict[str, Any]) -> None:

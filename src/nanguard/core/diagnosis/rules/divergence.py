@@ -18,7 +18,17 @@ Where did the size come from, in this order:
 4. a sudden gradient-norm jump after a calm run -> ``gradient_explosion``;
 5. a loss excursion whose updates were >= 0.1 of the weights (the weights oscillate along the sharpest
    direction before their norm grows: the edge of stability) -> ``lr_too_high``; checked before 4.
-   when the updates were >= 3% of the weights already before the excursion.
+   when the updates were >= 3% of the weights already before the excursion;
+6. (last) a ruinous update earlier in the run (>= 1x the weights' norm) that the run never came back from:
+   the weights are still >= 3x the norm before it and the loss >= 2x its start -> ``lr_too_high``, onset
+   before that update. pytorch/examples vae at lr 1 (Adam): step 0 moves the weights 23 -> 574, the loss
+   plateaus at 14x its start, and 16 steps later the evaluation's ``exp(0.5 * logvar)`` overflows on
+   weights 157x their start: the exp is where it surfaced, the learning rate is why (it was exp_overflow,
+   whose fixes, bounding the exponent, leave the ruined weights).
+
+Each result carries the numbers, the step where the growth began (``evidence.onset_step``: recovery
+rolls back to a snapshot from before it) and, for ``lr_too_high``, the learning-rate factor that
+recovery applies (``evidence.lr_backoff_factor``).
 
 Each result carries the numbers, the step where the growth began (``evidence.onset_step``: recovery
 rolls back to a snapshot from before it) and, for ``lr_too_high``, the learning-rate factor that
@@ -86,6 +96,8 @@ def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: floa
         return grad_jump(sig, dy, ev, method, conf, where)
     if _updates_too_large(dy):
         return params_grew(sig, dy, ev, method, conf, where, ctx)
+    if _lasting_ruin(dy):
+        return lasting_ruin(sig, dy, ev, method, conf, where, ctx)
     return None
 
 
@@ -423,6 +435,28 @@ def one_update(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: s
     summ = f"step size too large: {'; '.join(parts)}, {where}; {why}"
     fixes += [clip_fix(sig)]
     return T.result("lr_too_high", summ, conf, ev, fixes, method)
+
+
+# ---------------------------------------------------------------------------- 6. a lasting ruin
+RUIN_NORM_KEPT = 3.0   # the weights' norm still >= 3x (PARAM_GROWTH) what it was before the ruinous update
+RUIN_LOSS_KEPT = 2.0   # and the loss >= 2x the run's first: the run never came back from it
+
+
+def _lasting_ruin(dy: dict) -> bool:
+    return bool(dy.get("ruin_step") is not None and T.fin(dy.get("ruin_norm_now_vs_before"))
+                and dy["ruin_norm_now_vs_before"] >= RUIN_NORM_KEPT and T.fin(dy.get("ruin_loss_now_vs_start"))
+                and dy["ruin_loss_now_vs_start"] >= RUIN_LOSS_KEPT)
+
+
+def lasting_ruin(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: str, ctx: dict) -> dict:
+    """``lr_too_high`` from a ruinous update the run never came back from (rule 6): ``one_update`` on it."""
+    s = dy["ruin_step"]
+    one = {k: v for k, v in dy.items() if not k.startswith("last_")}
+    one.update(last_update_step=s, last_update_change=dy["ruin_change"], onset_step=s + 1)
+    ev["ruin_norm_now_vs_before"] = dy["ruin_norm_now_vs_before"]
+    where = (f"and the run never came back from it (the weights are still ×{T.g(dy['ruin_norm_now_vs_before'], 3)} "
+             f"their norm before it, the loss ×{T.g(dy['ruin_loss_now_vs_start'], 3)} its start), {where}")
+    return one_update(sig, one, ev, method, conf, where, ctx, float(dy["ruin_change"]))
 
 
 # ---------------------------------------------------------------------------- 3b. steady growth
