@@ -15,6 +15,21 @@ from nanguard.core.experiments import tested as tested_mod
 from nanguard.core.render.html_sections import fixes_section
 
 
+def _lr(template="lower the learning rate from 0.1 to {about}", value="0.01", factor=None):
+    """A learning-rate fix as the rules write it (structured: fixes.lr_sentence)."""
+    return X.lr_sentence(template, value, factor)
+
+
+def _bound(*texts, fw="pytorch"):
+    """Fix sentences built with the builders (``texts``: callables run while speaking ``fw``), bound as the
+    diagnosis binds them."""
+    with X.speaking(fw):
+        return X.bind([t() if callable(t) else t for t in texts])
+
+
+LR = "lower the learning rate from 0.1 to about 0.01"
+
+
 def _event(fixes, experiments, category="lr_too_high", origin=None, **evidence):
     cause = {"category": category, "summary": "s", "confidence": 0.8,
              "evidence": {"experiments": experiments, "experiments_cost": {"replays": 3}, **evidence}}
@@ -38,7 +53,7 @@ def test_an_lr_fix_is_reworded_to_the_rate_that_passed_and_printed_first():
     # the rule guessed 0.01; the replay found 0.01 still diverging and 0.001 finite
     exp = _lr_exp([0.001], True, tried=[{"factor": 0.1, "finite": False}, {"factor": 0.01, "finite": True}],
                   factor=0.01)
-    ev = _event(["use betas=(0.9, 0.999)", "lower the learning rate from 0.1 to about 0.01",
+    ev = _event(["use betas=(0.9, 0.999)", _lr(),
                  "clip the gradient norm (torch.nn.utils.clip_grad_norm_) as a safety net, and add a warm-up"], [exp])
     reconcile(ev, "pytorch")
     assert ev.fixes[0] == "lower the learning rate from 0.1 to 0.001"
@@ -48,15 +63,15 @@ def test_an_lr_fix_is_reworded_to_the_rate_that_passed_and_printed_first():
 
 
 def test_a_fix_the_replay_agrees_with_keeps_its_words():
-    ev = _event(["lower the learning rate from 0.1 to about 0.01", "check the data"], [_lr_exp([0.01], True)])
+    ev = _event([_lr(), "check the data"], [_lr_exp([0.01], True)])
     reconcile(ev, "pytorch")
     assert ev.fixes == ["lower the learning rate from 0.1 to about 0.01", "check the data"]
 
 
 def test_a_warmup_fix_moves_its_factor_with_the_rate():
     exp = _lr_exp([0.0005], True, factor=0.005)
-    ev = _event(["lower the schedule's peak learning rate to about 0.01 (multiply the base lr by 0.1), or lengthen "
-                 "the warm-up"], [exp])
+    ev = _event([_lr("lower the schedule's peak learning rate to {about} (multiply the base lr by {factor}), or "
+                     "lengthen the warm-up", "0.01", "0.1")], [exp])
     reconcile(ev, "pytorch")
     assert ev.fixes[0].startswith("lower the schedule's peak learning rate to 0.0005 (multiply the base lr "
                                   "by 0.005)")
@@ -66,7 +81,7 @@ def test_an_lr_fix_whose_replay_failed_is_marked_and_moved_after_the_others():
     exp = _lr_exp([0.01], False, tried=[{"factor": 0.1, "finite": False}, {"factor": 0.01, "finite": False}],
                   factor=0.01)
     exp["details"]["lr"] = [0.001]
-    ev = _event(["lower the learning rate from 0.1 to about 0.01", "check the data loader"], [exp])
+    ev = _event([_lr(), "check the data loader"], [exp])
     reconcile(ev, "pytorch")
     assert ev.fixes[0] == "check the data loader"
     assert ev.fixes[1].startswith("lower the learning rate from 0.1 to about 0.01 (replay: lr 0.001 still "
@@ -102,9 +117,8 @@ def test_an_upcast_fix_whose_scope_and_every_wider_one_failed_is_marked():
 
 
 def test_a_numeric_fix_no_replay_tested_is_listed_untested_with_why():
-    ev = _event(["lower the learning rate from 0.1 to about 0.01",
-                 "or clip the gradient norm before the update: "
-                 "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.25)", "check the data"], [],
+    ev = _event([_lr(), *_bound(lambda: "or clip the gradient norm before the update: " + X.clip_grad_norm("0.25")),
+                 "check the data"], [],
                 experiments_unavailable=["lr_replay", "clip_replay"])
     reconcile(ev, "pytorch")
     un = {u["fix_index"]: u for u in ev.cause["untested_fixes"]}
@@ -114,13 +128,15 @@ def test_a_numeric_fix_no_replay_tested_is_listed_untested_with_why():
 
 
 def test_fix_kinds_follow_the_builders():
-    with X.speaking("tensorflow"):
-        clip = "clip: " + X.clip_grad_norm("1.5")
-        f32 = X.float32_layer({"module": "dense_1"}, "t.py:3")
+    clip, f32 = _bound(lambda: "clip: " + X.clip_grad_norm("1.5"), lambda: X.float32_layer({"module": "dense_1"},
+                                                                                               "t.py:3"), fw="tensorflow")
     assert fix_kind(clip) == "clip" and fix_kind(f32) == "dtype" and fix_kind(X.float32_model()) == "dtype"
+    assert clip.value == 1.5 and f32.scope == "dense_1" and X.float32_model().scope == ""
     assert fix_kind(X.scale_step("10", "0.1", "1")) == "lr"
-    assert fix_kind("lower the momentum to 0.9 (effective step 1) or the learning rate to about 0.01") == "lr"
-    assert fix_kind("torch.log(x.clamp(min=1e-12))") == "eps"
+    mom, log = _bound(lambda: f"lower the momentum to 0.9 (effective step 1) or the learning rate to {X.lr_about('0.01')}",
+                      lambda: X.call("log", X.clamp_min("x", "1e-12")))
+    assert fix_kind(mom) == "lr" and mom.value == 0.01
+    assert fix_kind(log) == "eps" and log == "torch.log(x.clamp(min=1e-12))"
     assert fix_kind("check the data loader for rows with NaN") is None
     assert fix_kind("add a warm-up, or clip the gradient norm (torch.nn.utils.clip_grad_norm_) as a safety net") \
         is None
@@ -128,7 +144,7 @@ def test_fix_kinds_follow_the_builders():
 
 def test_reconcile_is_idempotent():
     exp = _lr_exp([0.01], False)
-    ev = _event(["lower the learning rate from 0.1 to about 0.01", "a"], [exp])
+    ev = _event([_lr(), "a"], [exp])
     reconcile(ev, "pytorch")
     once = (list(ev.fixes), json.dumps(ev.cause, sort_keys=True))
     reconcile(ev, "pytorch")
@@ -161,8 +177,8 @@ def test_investigate_reconciles_the_fixes_and_the_report_says_so(tmp_path):
     ev = Event(step=9, phase="forward", origin=None,
                cause={"category": "lr_too_high", "summary": "lr", "confidence": 0.6,
                       "evidence": {"lr": [0.1], "lr_backoff_factor": 0.1}},
-               fixes=["lower the learning rate from 0.1 to about 0.01",
-                      "use eps=1e-6 in Adam(..., eps=1e-6)"], localization={"reproduced": True})
+               fixes=[_lr(), *_bound(lambda: f"use eps=1e-6 in {X.eps_kwarg('Adam', '1e-6')}")],
+               localization={"reproduced": True})
     investigate(ev, _LrBench(), ExperimentConfig(budget_steps=8.0), recovering=True)
     assert ev.fixes[0] == "lower the learning rate from 0.1 to 0.001", ev.fixes
     assert ev.cause["untested_fixes"] == [{"fix_index": 1, "kind": "eps", "why": "no replay tries this value"}]
@@ -185,10 +201,10 @@ def test_the_report_marks_the_numeric_fixes_of_a_warning_and_of_an_uninvestigate
     warn = Event(step=1, phase="any", origin=None, kind="warning",
                  cause={"category": "lr_too_high", "summary": "early warning at step 1", "confidence": 0.6,
                         "evidence": {}},
-                 fixes=["lower the learning rate from 0.1 to about 0.01", "add a warm-up"])
+                 fixes=[_lr(), "add a warm-up"])
     fail = Event(step=7, phase="forward", origin=None,
                  cause={"category": "log_domain", "summary": "log of 0", "confidence": 0.8, "evidence": {}},
-                 fixes=["torch.log(x.clamp(min=1e-12))"])
+                 fixes=_bound(lambda: X.call("log", X.clamp_min("x", "1e-12"))))
     r = assemble_report(RunFacts(events=[fail], warnings=[warn]))
     w = next(e for e in r.events if e.is_warning)
     assert w.cause["untested_fixes"] == [{"fix_index": 0, "kind": "lr", "why": "an early warning is not replayed: "
@@ -209,7 +225,7 @@ def test_a_history_replay_from_weights_already_diverging_decides_nothing():
     assert spec.params["after_onset"] is True and spec.params["from_step"] == 8
     e = Experiment("lr_replay", "lr", params=dict(spec.params), finite=False, replays=3, details={"lr": [0.01]})
     assert judge("lr_too_high", e) is None
-    ev = _event(["lower the learning rate from 0.1 to about 0.01"], [e.as_dict()], onset_step=4)
+    ev = _event([_lr()], [e.as_dict()], onset_step=4)
     assert ev.cause["tested_fixes"][0]["inconclusive"] is True
     reconcile(ev, "pytorch")
     assert ev.fixes == ["lower the learning rate from 0.1 to about 0.01"]
@@ -223,8 +239,9 @@ def test_a_history_replay_from_weights_already_diverging_decides_nothing():
 
 def test_every_fix_of_the_kind_that_passed_follows_it():
     exp = _lr_exp([0.001], True, factor=0.01)
-    ev = _event(["lower the momentum to 0.9 (effective step 1) or the learning rate to about 0.01", "check the data",
-                 "if it recurs, lower the learning rate (e.g. 0.1 -> 0.01)"], [exp])
+    ev = _event([*_bound(lambda: "lower the momentum to 0.9 (effective step 1) or the learning rate to "
+                         + X.lr_about("0.01")), "check the data",
+                 *_bound(lambda: f"if it recurs, lower the learning rate (e.g. 0.1 -> {X.lr_to('0.01')})")], [exp])
     reconcile(ev, "pytorch")
     assert ev.fixes == ["lower the momentum to 0.9 (effective step 1) or the learning rate to 0.001",
                         "if it recurs, lower the learning rate (e.g. 0.1 -> 0.001)", "check the data"]

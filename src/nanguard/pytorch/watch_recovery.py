@@ -151,6 +151,19 @@ class WatcherRecovery:
                 out[k] = TapeStep(rep, roots, opts, None, k, indices)
         return out
 
+    def warning_steps(self, step: int) -> dict:
+        """The kept steps and the early warning's own step ``step`` (its tape, read before its update), as
+        replayable steps by step: an early warning's change is replayed on them before it is applied."""
+        out = self.kept_steps()
+        cfg, w = self.experiments, self.w
+        if not out or cfg is None or not cfg.enabled or w.scalers:
+            return out
+        rep = w.step_replay(step)
+        if rep is not None:
+            from .experiments.tapestep import TapeStep
+            out[step] = TapeStep(rep, list(w.monitor.roots), w.optimizers(), None, step, w.data.last)
+        return out
+
     def state_modules(self) -> list:
         """The modules whose state recovery checks, snapshots and restores: the watched roots; for a
         script whose trained tensors belong to no module (updated by hand), one holder of them."""

@@ -45,7 +45,7 @@ from .rows import trace_rows
 
 __all__ = ["FitExperiments", "KerasBench", "investigate_fit", "merge_child_experiments"]
 
-_MERGED = ("confirmed_by", "ruled_out", "confidence", "summary", "tested_fixes")
+_MERGED = ("confirmed_by", "ruled_out", "confidence", "summary", "tested_fixes", "fix_specs")
 _MERGED_EVIDENCE = ("experiments", "experiments_cost", "experiments_note", "experiments_unavailable", "bad_samples",
                     "determinism")
 

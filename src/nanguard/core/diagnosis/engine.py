@@ -53,6 +53,7 @@ def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: 
             out = T.result("other", f"diagnosis failed ({type(e).__name__}: {e}); phase {phase}", 0.1,
                            {"error": str(e)[:200]}, [f"inspect the step manually with {X.detect_anomaly()}"],
                            "error while diagnosing")
+        out["fixes"] = X.bind(out.get("fixes") or [])  # structured: what a replay can test (fixes.Fix)
     out["evidence"].setdefault("history", {k: v for k, v in sig.items() if v not in (None, False, 0, [])})
     out["confidence"] = float(max(0.0, min(1.0, out["confidence"])))
     return T.jsonable(out)

@@ -2,7 +2,9 @@
 replay) reconciled with ``cause.tested_fixes`` (what the replays of the numeric fixes gave, :mod:`.tested`).
 
 For each numeric fix (a learning rate, a gradient-norm clip, a scope run in float32, an eps or clamp at
-the origin op: :func:`fix_kind`):
+the origin op): a structured fix (:class:`nanguard.core.diagnosis.fixes.Fix`, the text with its ``kind``,
+``value``, ``scope`` and where the value is written, from the builders that wrote it; after a JSON round
+trip, from ``cause.fix_specs``), never read back out of its text:
 
 * a replay of its kind passed: the fix is printed first; when its value or scope is not the one that
   passed (the rule guessed 0.01, the replay passed 0.001; the rule named module 'out', only the whole
@@ -13,13 +15,13 @@ the origin op: :func:`fix_kind`):
 * no replay of its kind tested it: it is listed in ``cause.untested_fixes`` (``{"fix_index", "kind",
   "why"}``) and the renderers say "not tested by replay".
 
-Each tested entry that matched a fix gets ``fix_index`` (its position in the reconciled ``event.fixes``).
-Both fields are optional in ``nanguard.report/1``. :func:`reconcile` is idempotent and framework-neutral.
+Each tested entry that matched a fix gets ``fix_index`` (its position in the reconciled ``event.fixes``);
+``cause.fix_specs`` holds each reconciled fix's fields (None for the others), so a report read back (a
+child process's event) reconciles the same. The three fields are optional in ``nanguard.report/1``. :func:`reconcile` is idempotent and framework-neutral.
 """
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Dict, List, Optional
 
 from ..diagnosis import fixes as X
@@ -34,36 +36,11 @@ SAME_VALUE = 1.05
 # their values to 1, 2 or 5 x 10^k)
 NEAR_FAILED = 1.6
 
-_NUM = r"(\d+(?:\.\d+)?(?:e[-+]?\d+)?)"
-_SCOPE = re.compile(r"^run (?:module|layer) '([^']*)'.*\bin float32\b")
-_OP_SCOPE = re.compile(r"^compute the op at .* in float32")
-_WHOLE = "run the whole model in float32"
-_CLIP = re.compile(r"(max_norm=|global_clipnorm=|clipnorm=|clip_by_global_norm\()" + _NUM)
-_LR_WORDS = ("learning rate", "learning_rate", "step size", "lr=", " lr ")
-# the value a learning-rate fix proposes, most specific wording first ("the momentum to 0.9 ... or the
-# learning rate to about 0.01": the learning rate's)
-_LR_VALUES = (re.compile(r"to about\s+" + _NUM), re.compile(r"->\s*(?:about\s+)?" + _NUM), re.compile(r"\bto\s+" + _NUM))
-_FACTOR = re.compile(r"(multiply the base lr by |scale the (?:hand-written update's )?step by )" + _NUM)
-# an eps or a clamp with its value: x.clamp(min=1e-12), tf.maximum(x, 1e-12), clip_by_value(x, lo, hi),
-# Adam(..., eps=1e-4), epsilon=1e-7, log(p + 1e-8)
-_EPS = re.compile(r"(?:clamp\((?:min\s*=\s*)?|clamp_min\(|maximum\([^,()]*,\s*|clip_by_value\([^,()]*,\s*|"
-                  r"jnp\.clip\([^,()]*,\s*|\beps\s*=\s*|epsilon\s*=\s*)-?" + _NUM + r"|\+\s*\d(?:\.\d+)?e-\d+")
-
-
-def fix_kind(fix: str) -> Optional[str]:
-    """``"dtype"``, ``"clip"``, ``"lr"``, ``"eps"``: the numeric fix a replay of nanguard could test; None
-    for the others (advice without a value to test: check the data, use betas=..., add a warm-up)."""
-    f = fix.strip()
-    if _SCOPE.match(f) or _OP_SCOPE.match(f) or f.startswith(_WHOLE):
-        return "dtype"
-    if _CLIP.search(f):
-        return "clip"
-    low = f.lower()
-    if any(w in low for w in _LR_WORDS) and (_lr_match(f) or _FACTOR.search(f) or "by 10x" in low):
-        return "lr"
-    if _EPS.search(f):
-        return "eps"
-    return None
+def fix_kind(fix: Any) -> Optional[str]:
+    """``"dtype"``, ``"clip"``, ``"lr"``, ``"eps"``: the numeric fix a replay of nanguard could test (a
+    structured fix's ``kind``); None for the others (advice without a value to test: check the data, use
+    betas=..., add a warm-up)."""
+    return fix.kind if isinstance(fix, X.Fix) else None
 
 
 def reconcile(event: Any, framework: Optional[str] = None) -> None:
@@ -72,13 +49,18 @@ def reconcile(event: Any, framework: Optional[str] = None) -> None:
     cause = event.cause if isinstance(event.cause, dict) else None
     if cause is None:
         return
-    fixes = [f for f in (event.fixes or []) if isinstance(f, str)]
+    fixes = X.restore([f for f in (event.fixes or []) if isinstance(f, str)], cause.get("fix_specs"))
     tested = [t for t in cause.get("tested_fixes") or [] if isinstance(t, dict) and t.get("kind") in TESTS]
     with X.speaking(framework or X.framework_of(None, {"backend": (event.localization or {}).get("backend")})):
         r = _Reconciler(event, cause, fixes, tested)
         r.run()
     event.fixes = r.ordered()
     r.index(cause)
+    saved = X.specs(event.fixes)
+    if any(saved):
+        cause["fix_specs"] = saved
+    else:
+        cause.pop("fix_specs", None)
 
 
 class _Reconciler:
@@ -102,17 +84,13 @@ class _Reconciler:
 
     def _lr(self, i: int, ok: Optional[dict], bad: List[dict]) -> None:
         f = self.fixes[i]
-        v = _lr_value(f)
+        v = f.value
         if ok is not None:
             lr = _first(ok.get("lr"))
-            m = _lr_match(f)
-            if lr is not None and m is not None and v is not None and not _same(v, lr):
-                # the tested rate, exactly ("to about 0.01" -> "to 0.001")
-                f = f[:m.start(0)] + f[m.start(0):m.start(1)].replace("about ", "") + T.g(lr) + f[m.end(1):]
-                fm = _FACTOR.search(f)
-                if fm:  # the cut stated as a factor follows the value
-                    f = f[:fm.start(2)] + T.g(float(fm.group(2)) * lr / v, 2) + f[fm.end(2):]
-                self.fixes[i] = f
+            if lr is not None and f.spans and v is not None and not _same(v, lr):
+                # the tested rate, exactly ("to about 0.01" -> "to 0.001"); a cut stated as a factor follows it
+                fac = f.factor * lr / v if f.factor is not None and f.factor_spans else None
+                self.fixes[i] = f.reworded(lr, T.g(lr), fac, T.g(fac, 2) if fac is not None else None)
             self._pass(i, ok)
             return
         tried = sorted(x for t in bad for x in _tried_lrs(t))
@@ -121,12 +99,11 @@ class _Reconciler:
 
     def _clip(self, i: int, ok: Optional[dict], bad: List[dict]) -> None:
         f = self.fixes[i]
-        m = _CLIP.search(f)
-        v = float(m.group(2)) if m else None
+        v = f.value
         if ok is not None:
             c = ok.get("max_norm")
-            if isinstance(c, (int, float)) and v is not None and not _same(v, c):
-                self.fixes[i] = _CLIP.sub(lambda mm: mm.group(1) + T.g(float(c), 2), f)
+            if isinstance(c, (int, float)) and v is not None and f.spans and not _same(v, c):
+                self.fixes[i] = f.reworded(float(c), T.g(float(c), 2))
             self._pass(i, ok)
             return
         tried = sorted(t["max_norm"] for t in bad if isinstance(t.get("max_norm"), (int, float)))
@@ -134,13 +111,14 @@ class _Reconciler:
             self._fail(i, bad[0], f"clip at {T.g(tried[0])}" if not _same(v, tried[0]) else None)
 
     def _dtype(self, i: int, ok: Optional[dict], bad: List[dict]) -> None:
-        scope = _scope(self.fixes[i])
+        scope = self.fixes[i].scope
         if ok is not None:
             p = ok.get("module") or ""
             if scope is None or not _same_scope(scope, p):
                 failed = scope is not None and any(_same_scope(scope, t.get("module") or "") for t in bad)
-                self.fixes[i] = _float32_fix(p, self.event.origin or {}) + (
-                    f" ({_scope_words(scope)} alone: replay still non-finite)" if failed else "")
+                fix = _float32_fix(p, self.event.origin or {})
+                tail = f" ({_scope_words(scope)} alone: replay still non-finite)" if failed else ""
+                self.fixes[i] = fix.plus(tail) if isinstance(fix, X.Fix) else fix + tail
             self._pass(i, ok)
             return
         if scope is None:
@@ -170,8 +148,9 @@ class _Reconciler:
 
     def _fail(self, i: int, t: dict, what: Optional[str]) -> None:
         note = f"(replay: {what} still non-finite)" if what else STILL
-        if "(replay:" not in self.fixes[i]:
-            self.fixes[i] = f"{self.fixes[i]} {note}"
+        f = self.fixes[i]
+        if "(replay:" not in f:
+            self.fixes[i] = f.plus(f" {note}") if isinstance(f, X.Fix) else f"{f} {note}"
         self.failed[i] = t
         self.matched.setdefault(id(t), i)
 
@@ -247,19 +226,6 @@ def _same(a: float, b: float) -> bool:
     return a > 0 and b > 0 and abs(math.log(a / b)) <= math.log(SAME_VALUE)
 
 
-def _lr_match(fix: str) -> Optional["re.Match[str]"]:
-    for rx in _LR_VALUES:
-        m = rx.search(fix)
-        if m:
-            return m
-    return None
-
-
-def _lr_value(fix: str) -> Optional[float]:
-    m = _lr_match(fix)
-    return float(m.group(1)) if m else None
-
-
 def _tried_lrs(t: dict) -> List[float]:
     """The first group's learning rates a failed lr_replay tried."""
     lr = _first(t.get("lr"))
@@ -269,14 +235,6 @@ def _tried_lrs(t: dict) -> List[float]:
     if lr is not None and last:
         out += [lr / last * x["factor"] for x in tried]
     return out
-
-
-def _scope(fix: str) -> Optional[str]:
-    """The module/layer a float32 fix names (``""``: the whole model), or None (an op)."""
-    m = _SCOPE.match(fix.strip())
-    if m:
-        return m.group(1)
-    return "" if fix.strip().startswith(_WHOLE) else None
 
 
 def _same_scope(a: str, b: str) -> bool:

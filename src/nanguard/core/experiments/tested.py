@@ -70,8 +70,10 @@ def _entry(e: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     p, d = e.get("params") or {}, e.get("details") or {}
     kind = e["kind"]
     if kind == "lr_replay":
-        lrs = d.get("lr") or []
+        lrs, before = d.get("lr") or [], d.get("lr_from") or []
         fix = f"lr {', '.join(g(x) for x in lrs[:3])}" if lrs else f"lr x{g(p.get('factor'))}"
+        if lrs and before:  # an early warning's candidate, tested before it is applied (recovery/tried.py)
+            fix = f"lr {', '.join(g(x) for x in before[:3])} -> {', '.join(g(x) for x in lrs[:3])}"
     elif kind == "clip_replay":
         fix = f"clip grad norm at {g(p.get('max_norm'))}"
     elif kind == "domain_guard":

@@ -99,6 +99,15 @@ class RecoveryActions(abc.ABC):
         ``{"rows": [...], "kept_rows": n, "loss": x}``."""
         return None
 
+    def replay_kept(self, from_step: int, to_step: int, *, steps: int, lr_factor: Optional[float] = None,
+                    max_norm: Optional[float] = None) -> Dict[str, Any]:
+        """Replay the kept steps ``from_step..to_step`` (cycled to ``steps`` steps, updates included) from the
+        state now (a snapshot of ``from_step`` just restored), every learning rate times ``lr_factor`` and the
+        gradient norm clipped at ``max_norm``, and put the state back (:mod:`.tried`). Returns ``{"finite":
+        bool | None, "replays": n, "losses": [...], "failed_at": step | None, "error": ...}``, or
+        ``{"unavailable": why}`` when this backend cannot."""
+        return {"unavailable": "this backend does not replay kept steps"}
+
     @abc.abstractmethod
     def can_loss_scale(self) -> bool:
         """The run has optimizers and no framework loss scaler of its own (GradScaler)."""

@@ -30,6 +30,7 @@ from .estimates import (DynamicLossScale, backoff_factor, clip_max_norm, healthy
 from .records import notice, summary_line
 from .repeats import Repeats
 from .snapshots import SnapshotStore
+from . import tried
 from .table import ACTIONS, AUTO, CHANGES_TRAINING, DIVERGENCE, actions_for, check_allowed, record_order
 from .verify import VERIFIED, per_sample, proof_record, verified_plan
 
@@ -250,12 +251,16 @@ class RecoveryPolicy:
                            max(step - 1, 0) if bound is None else min(bound, max(step - 1, 0)))
             if "rollback" in done:
                 names.append("rollback")
-                for a in self.choose(cat):
+                runs: List[dict] = []
+                for a in self.choose(cat):  # a cut or clip is replayed from the snapshot first (tried.py)
+                    proof, said = tried.before_applying(self, a, cause, actions, history, step, done, runs)
                     if a == "lr_backoff":
-                        self._lr_backoff(cause, actions, done, step)
+                        self._lr_backoff(cause, actions, done, step, proof)
                     elif a == "clip":
-                        self._clip(history, done, step)
+                        self._clip(history, done, step, proof)
+                    tried.note(done, a, said)
                     names += [n for n in (a, "grad_scale") if n in done and n not in names]
+                tried.record_on_event(event, runs)
         done["skip_step"] = actions.skip_step()
         names.append("skip_step")
         if notes:
@@ -292,7 +297,7 @@ class RecoveryPolicy:
                          f"no snapshot from before step {before + 1}, where the growth began")
             return params_ok
         if cat == "param_corruption" and event.phase == "params" and not params_ok \
-                and self._written_outside_update(event.cause) and actions.optimizer_state_finite():
+                and written_outside_update(event.cause, self._element_repairs) and actions.optimizer_state_finite():
             # Values made non-finite between updates (an in-place edit of the weights, not the
             # optimizer): put back only those elements, keeping the rest of the edit and the
             # training since the snapshot. Falls back to a full rollback if that is impossible.
@@ -365,12 +370,14 @@ class RecoveryPolicy:
     def _clip(self, history: Sequence[dict], done: Dict[str, Any], step: int, proof: Optional[dict] = None) -> None:
         self._step_size_cut(step, done)
         tested = ((proof or {}).get("params") or {}).get("max_norm")
-        if self.clip_norm is not None:  # clipping did not prevent it: tighten
-            self.clip_norm = self.clip_norm / 2
+        prev = self.clip_norm
+        if isinstance(tested, (int, float)) and tested > 0 and (prev is None or tested < prev):
+            self.clip_norm = float(tested)  # the clip a replay showed to be finite (recovery/verify.py, tried.py)
+            done["clip"] = {"max_norm": self.clip_norm, "from": "the clip_replay that passed",
+                            **({"tightened": True} if prev is not None else {})}
+        elif prev is not None:  # clipping did not prevent it: tighten
+            self.clip_norm = prev / 2
             done["clip"] = {"max_norm": self.clip_norm, "tightened": True}
-        elif isinstance(tested, (int, float)) and tested > 0:
-            self.clip_norm = float(tested)  # the clip a replay showed to be finite (recovery/verify.py)
-            done["clip"] = {"max_norm": self.clip_norm, "from": "the clip_replay that passed"}
         else:
             self.clip_norm = clip_max_norm(history, quantile=self.clip_quantile)
             done["clip"] = {"max_norm": self.clip_norm, "from": f"{self.clip_quantile:.0%} quantile of "
@@ -410,15 +417,6 @@ class RecoveryPolicy:
             print_line(notice(step, cat, rec))
         return rec
 
-    def _written_outside_update(self, cause: Dict[str, Any]) -> bool:
-        """The replay traced the corrupted parameter to a write by the program between updates (an
-        in-place edit under no_grad, not the optimizer), or this is a recurrence of such a failure."""
-        ev = cause.get("evidence") or {}
-        wb = (ev.get("preexisting") or {}).get("written_by") or {}
-        if wb.get("op") and wb.get("stage") != "optimizer":
-            return True
-        return ev.get("same_as_step") in self._element_repairs
-
     def _stop(self, event, step: int, why: str) -> None:
         cause = event.cause if isinstance(event.cause, dict) else {}
         cause.setdefault("evidence", {})["recovery_stopped"] = why
@@ -436,6 +434,17 @@ class RecoveryPolicy:
         line = self.summary()
         if line and not self.quiet:
             print_line(line)
+
+
+def written_outside_update(cause: Dict[str, Any], repaired: Any) -> bool:
+    """The replay traced the corrupted parameter to a write by the program between updates (an in-place
+    edit under no_grad, not the optimizer), or this is a recurrence of such a failure (``repaired``: the
+    steps whose corruption was repaired element-wise)."""
+    ev = cause.get("evidence") or {}
+    wb = (ev.get("preexisting") or {}).get("written_by") or {}
+    if wb.get("op") and wb.get("stage") != "optimizer":
+        return True
+    return ev.get("same_as_step") in repaired
 
 
 def quarantine(policy: RecoveryPolicy, event, done: Dict[str, Any]) -> None:

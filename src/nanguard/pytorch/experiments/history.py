@@ -9,8 +9,9 @@ and puts the current state, learning rates and gradients back, whatever happened
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 
@@ -80,3 +81,23 @@ def consecutive(steps: Dict[int, ReplayableStep], start: int, end: int) -> Optio
     place since (a reused input buffer)."""
     out = [steps.get(s) for s in range(start, end + 1)]
     return None if any(s is None or not s.intact() for s in out) else out  # type: ignore[return-value]
+
+
+def replay_kept(kept: Dict[int, ReplayableStep], modules: Sequence[torch.nn.Module], optimizers: Sequence[Any],
+                from_step: int, to_step: int, *, steps: int, lr_factor: Optional[float] = None,
+                max_norm: Optional[float] = None,
+                quiet: Optional[Callable[[], ContextManager[Any]]] = None) -> Dict[str, Any]:
+    """An early warning's candidate change (:mod:`nanguard.core.recovery.tried`): from the state now (the
+    rollback's snapshot of ``from_step``, just restored), replay the kept steps ``from_step..to_step``,
+    cycled to ``steps`` steps, with the change; the state is put back after. ``quiet``: the driver's
+    hooks off inside (a history replay steps the optimizers). ``{"unavailable": why}`` when a step of
+    the range is not kept."""
+    seq = consecutive(kept, from_step, to_step)
+    if seq is None:
+        have = sorted(kept)
+        return {"unavailable": f"steps {from_step}..{to_step} are not all kept to replay from the snapshot "
+                               f"(kept: {have[0]}..{have[-1]})" if have else "no steps kept to replay"}
+    start = Snapshot(from_step, modules, optimizers, None)
+    cycled = [seq[i % len(seq)] for i in range(max(int(steps), 1))]
+    with (quiet() if quiet is not None else contextlib.nullcontext()):
+        return replay_history(start, cycled, modules, optimizers, lr_factor=lr_factor, max_norm=max_norm)

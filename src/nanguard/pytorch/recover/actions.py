@@ -27,14 +27,17 @@ class TorchActions(RecoveryActions):
     ``hooks``: where the handles of the hooks an upcast installs are kept;
     ``drop``: re-runs the failing step without some batch rows, keeping its gradients (the driver's,
     when it can replay the step: :meth:`nanguard.Guard.drop_samples_fn`);
-    ``held``: where the learning-rate cuts are held against a script's own per-step rates.
+    ``held``: where the learning-rate cuts are held against a script's own per-step rates;
+    ``replayer``: replays the driver's kept steps (:meth:`replay_kept`; an early warning's, before its
+    change is applied), None where the driver keeps none.
     """
 
     def __init__(self, modules: Sequence[torch.nn.Module], optimizers: Sequence[Any], scaler: Any = None,
                  roots: Sequence[torch.nn.Module] = (), hooks: Optional[List[Any]] = None,
                  drop: Optional[Callable[[List[int]], Optional[Dict[str, Any]]]] = None,
-                 held: Optional[HeldRates] = None) -> None:
+                 held: Optional[HeldRates] = None, replayer: Optional[Callable[..., Dict[str, Any]]] = None) -> None:
         self.modules, self.optimizers, self.roots = list(modules), list(optimizers), list(roots)
+        self.replayer = replayer
         self.held = held if held is not None else HeldRates()
         self.scaler = scaler
         self.hooks = hooks if hooks is not None else []
@@ -91,6 +94,16 @@ class TorchActions(RecoveryActions):
         rec["downstream"] = []
         self.hooks.extend(upcast_downstream(self.roots, mod, self.optimizers, rec, on_downstream))
         return rec
+
+    def replay_kept(self, from_step: int, to_step: int, *, steps: int, lr_factor: Optional[float] = None,
+                    max_norm: Optional[float] = None) -> Dict[str, Any]:
+        if self.replayer is None:
+            return {"unavailable": "no steps kept to replay (experiments off)"}
+        if not self.optimizers:
+            return {"unavailable": "no optimizer to replay the updates with (hand-written updates)"}
+        if self.scaler is not None and scaler_enabled(self.scaler):
+            return {"unavailable": "a GradScaler's steps are not replayed"}
+        return self.replayer(from_step, to_step, steps=steps, lr_factor=lr_factor, max_norm=max_norm)
 
     def drop_samples(self, rows: List[int]) -> Optional[Dict[str, Any]]:
         return self.drop(rows) if self.drop is not None else None

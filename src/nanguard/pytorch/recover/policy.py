@@ -39,11 +39,13 @@ class RecoveryPolicy(_NeutralPolicy):
         self._watcher: Any = None
         self._versions: Optional[List[int]] = None  # the parameters' version counters after the last update
         self._held = HeldRates()  # lr cuts held against the script's own per-step rates
+        self._guard: Any = None  # a weak reference to the Guard built with this policy
 
     def actions(self, modules: Sequence[torch.nn.Module] = (), optimizers: Sequence[Any] = (), scaler: Any = None,
-                roots: Sequence[torch.nn.Module] = (), drop: Any = None) -> TorchActions:
-        """The actions on these training objects (``drop``: the failing step's drop_samples, if any)."""
-        return TorchActions(modules, optimizers, scaler, roots, self._hooks, drop, self._held)
+                roots: Sequence[torch.nn.Module] = (), drop: Any = None, replayer: Any = None) -> TorchActions:
+        """The actions on these training objects (``drop``: the failing step's drop_samples, if any;
+        ``replayer``: the driver's kept steps, replayed: :meth:`_replayer`)."""
+        return TorchActions(modules, optimizers, scaler, roots, self._hooks, drop, self._held, replayer)
 
     def maybe_snapshot(self, step: int, modules, optimizers, scaler, loss: Optional[float] = None) -> None:
         """Take the snapshot of the state at the start of ``step`` if a tier wants it."""
@@ -80,14 +82,28 @@ class RecoveryPolicy(_NeutralPolicy):
 
     def spike(self, event, *, step: int, modules, optimizers, scaler, roots, history, rollback: bool):
         """An early warning under on_spike="skip"/"rollback" (the core policy's ``on_spike``)."""
-        rec = self.on_spike(event, step=step, actions=self.actions(modules, optimizers, scaler, roots),
-                            history=history, rollback=rollback)
+        acts = self.actions(modules, optimizers, scaler, roots, replayer=self._replayer(step, modules, optimizers))
+        rec = self.on_spike(event, step=step, actions=acts, history=history, rollback=rollback)
         if rec and (rec.get("actions") or {}).get("rollback"):
             self._rolled_back(rec)
         return rec
 
+    def _replayer(self, step: int, modules, optimizers) -> Any:
+        """Replays of the driver's kept steps up to ``step`` (the Guard's ``_kept``; the Watcher's kept tapes
+        and the warning step's own), for an early warning's change before it is applied
+        (:mod:`nanguard.core.recovery.tried`); None when the driver keeps none."""
+        g = self._guard() if self._guard is not None else None
+        w = self._watcher() if self._watcher is not None and g is None else None
+        kept = dict(g._kept) if g is not None else (w.recovery.warning_steps(step) if w is not None else {})
+        if not kept:
+            return None
+        from ..experiments.history import replay_kept  # the experiments load at a warning, not in a healthy run
+        quiet = w.quiet if w is not None else None
+        return lambda frm, to, **kw: replay_kept(kept, list(modules), list(optimizers), frm, to, quiet=quiet, **kw)
+
     # ---------------------------------------------------------------- Guard adapter
     def bind_guard(self, guard) -> None:
+        self._guard = weakref.ref(guard)
         self.quiet = self.quiet or guard.quiet
         self.store.adapt(SNAPSHOT_BUDGET, virtual=ForwardReplayer(guard).virtual)
 

@@ -273,7 +273,7 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
                "the stable one compounds within one optimizer step")
         fixes = [f"use line_search_fn='strong_wolfe' in {opt or 'the optimizer'}(...): the line search sizes each "
                  "inner step (lr=1, the default, is then the first trial step)",
-                 f"or lower the learning rate from {T.g(lr)} to about {new}"]
+                 f"or lower the learning rate from {T.g(lr)} to {X.lr_about(new)}"]
         return why, fixes, None
     if measured:
         why = (f"there is no optimizer object: the hand-written update's step size, measured from the "
@@ -286,27 +286,27 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
         why = (f"with momentum {T.g(mom)} the effective step is lr / (1 - momentum) = {T.g(eff)}: "
                f"the learning rate {T.g(lr)} was tuned for a lower momentum")
         fixes = [f"lower the momentum to 0.9 (effective step {T.g(lr / 0.1) if lr else '?'}) or the learning rate to "
-                 f"about {new}"]
+                 f"{X.lr_about(new)}"]
         return why, fixes, None
     if dy.get("lr_rose_from") is not None and lr:
         why = (f"the learning-rate schedule raised it from {T.g(dy['lr_rose_from'])} (step {dy['lr_rose_from_step']}) "
                f"to {T.g(lr)} at step {dy.get('onset_step')}, where the growth began: the schedule's peak is past "
                "the stability limit")
-        fixes = [f"lower the schedule's peak learning rate to about {new} (multiply the base lr by {T.g(factor, 2)}), "
-                 "or lengthen the warm-up", "check the schedule itself: a warm-up factor must stop at 1 "
+        fixes = [X.lr_sentence("lower the schedule's peak learning rate to {about} (multiply the base lr by {factor}), "
+                               "or lengthen the warm-up", new, T.g(factor, 2)), "check the schedule itself: a warm-up factor must stop at 1 "
                  "(e.g. min(1, (step + 1) / warmup_steps))"]
         return why, fixes, None
     name = opt or "this optimizer"
     why = f"the learning rate {T.g(lr)} is too high for {name} here" if lr else "the step size is too large"
-    fixes = [f"lower the learning rate from {T.g(lr)} to about {new}" if lr else "lower the learning rate by 10x "
-             "or more"]
+    fixes = [f"lower the learning rate from {T.g(lr)} to {X.lr_about(new)}" if lr else
+             f"lower the learning rate {X.lr_by_10x()} or more"]
     now = [x for x in (ctx.get("lr") or []) if T.fin(x)]
     if lr and now and max(now) >= 1.5 * lr:  # the schedule went on rising after the update that diverged
         why += (f"; the schedule is still rising (a warm-up: {T.g(lr)} at the update that diverged, {T.g(max(now))} "
                 "at the failing step)")
-        fixes = [f"lower the schedule as a whole: the learning rate {T.g(lr)} -> about {new} at this step, and its "
-                 f"peak no higher (multiply the base lr by {T.g(factor, 2)}, or by less if the warm-up still rises well "
-                 f"past {T.g(lr)}), or lengthen the warm-up"]
+        fixes = [X.lr_sentence(f"lower the schedule as a whole: the learning rate {T.g(lr)} -> {{about}} at this step, and "
+                               "its peak no higher (multiply the base lr by {factor}, or by less if the warm-up still "
+                               f"rises well past {T.g(lr)}), or lengthen the warm-up", new, T.g(factor, 2))]
     return why, fixes, None
 
 
@@ -478,7 +478,7 @@ def steady_growth(sig: dict, dy: dict, ev: dict, method: str, conf: float, where
         fixes.append(f"lower the {what} from {T.g(lr)} to at most {T.g(limit, 2)} (the stability limit estimated "
                      f"from the ×{T.g(amp, 2)}/step amplification of the gradient); e.g. {T.g(T.nice(limit / 2), 2)}")
     else:
-        fixes.append("lower the learning rate by 10x or more")
+        fixes.append(f"lower the learning rate {X.lr_by_10x()} or more")
     fixes += ["normalise the input features (zero mean, unit variance): unscaled features give a large "
               "curvature that makes the learning rate unstable",
               clip_fix(sig)]
@@ -507,7 +507,7 @@ def grad_jump(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: st
              "healthy gradient norms)",
              "roll back to the last finite state and skip or clip the step with the jump"]
     if lr0:
-        fixes.append(f"if it recurs, lower the learning rate (e.g. {T.g(lr0)} -> {T.g(lr0 / 10)})")
+        fixes.append(f"if it recurs, lower the learning rate (e.g. {T.g(lr0)} -> {X.lr_to(T.g(lr0 / 10))})")
     fixes.append("for recurrent models keep the recurrent matrix's spectral radius below 1 (orthogonal "
                  "init with gain < 1, gating, a parametrisation that bounds it) and use truncated BPTT")
     onset = dy.get("grad_onset_step")

@@ -119,7 +119,7 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
                        "members",
                        tensorflow=f"guard the empty case at {where}: tf.reduce_sum(x, 0) / "
                        "tf.maximum(tf.cast(tf.shape(x)[0], x.dtype), 1.0), or skip groups with no members",
-                       jax=f"guard the empty case at {where}: jnp.sum(x, 0) / jnp.maximum(x.shape[0], 1) (or "
+                       jax=f"guard the empty case at {where}: jnp.sum(x, 0) / {X.eps_text('jnp.maximum(x.shape[0], 1)')} (or "
                        "jnp.sum(mask) with jnp.maximum(..., 1) for a masked count), or skip groups with no members")]
         return T.result("div_by_zero", summ, 0.85, ev, fixes, method)
     zz, xz = zd.get("zero_over_zero"), zd.get("nonzero_over_zero")

@@ -54,7 +54,7 @@ def optimizer_result(loc: dict | None, facts: dict, ev: dict, method: str, conf:
     if eps_cause and (eps is not None or not X.is_tf()):   # Keras optimizers without an epsilon (SGD): none
         fixes.append(X.say(
             pytorch=f"raise eps to a value the parameter dtype can hold (e.g. 1e-4 for float16; float16 tiny is "
-            f"6.1e-05, float32 tiny 1.2e-38), e.g. {name}(..., eps=1e-4)",
+            f"6.1e-05, float32 tiny 1.2e-38), e.g. {name}(..., {X.eps_text('eps=1e-4')})",
             tensorflow="raise epsilon to a value the variable dtype can hold (float16 tiny is 6.1e-05, float32 "
             "tiny 1.2e-38), e.g. " + X.eps_kwarg(name, "1e-4" if pdt in T.LOW_DTYPES else "1e-7")
             + (" (the Keras default)" if pdt not in T.LOW_DTYPES else ""),
@@ -144,10 +144,10 @@ def _hyperparameter(origin: dict, facts: dict, opt: dict, name: str, ev: dict, m
                    "denominator >= 1: max(remaining, 1)), or use a built-in one (torch.optim.lr_scheduler."
                    "LinearLR / CosineAnnealingLR)",
                    tensorflow=f"fix the schedule at {where} so it stays finite for every step of the run (e.g. keep "
-                   "a denominator >= 1: tf.maximum(remaining, 1.0)), or use a built-in one "
+                   f"a denominator >= 1: {X.eps_text('tf.maximum(remaining, 1.0)')}), or use a built-in one "
                    "(keras.optimizers.schedules.PolynomialDecay / CosineDecay)",
                    jax=f"fix the schedule at {where} so it stays finite for every step of the run (e.g. keep a "
-                   "denominator >= 1: jnp.maximum(remaining, 1.0)), or use a built-in one "
+                   f"denominator >= 1: {X.eps_text('jnp.maximum(remaining, 1.0)')}), or use a built-in one "
                    "(optax.linear_schedule / optax.cosine_decay_schedule)"),
              "check the schedule's value at every step up to the last one before training (a decay horizon "
              "shorter than the run gives a pole, then negative rates)"]

@@ -45,13 +45,15 @@ def lp_underflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     if f32.get("chain_finite"):
         parts.append("re-running the producer chain in float32 gives finite values")
     safe_eps = max(float(fi.get("tiny") or 6.1e-05) * 2, 1e-4) if dt == "float16" else 1e-6
-    fixes = [X.say(pytorch=f"compute {api} and the loss in float32 at {where}: e.g. torch.log(probs.float() + 1e-8), "
+    fixes = [X.say(pytorch=f"compute {api} and the loss in float32 at {where}: e.g. "
+                   f"{X.eps_text('torch.log(probs.float() + 1e-8)')}, "
                    "or better F.log_softmax(logits.float(), -1) / F.cross_entropy(logits.float(), y)",
                    tensorflow=f"compute {api} and the loss in float32 at {where}: e.g. "
-                   "tf.math.log(tf.cast(probs, tf.float32) + 1e-8), or better from float32 logits: give the last "
+                   f"{X.eps_text('tf.math.log(tf.cast(probs, tf.float32) + 1e-8)')}, or better from float32 logits: "
+                   "give the last "
                    f"layer dtype=\"float32\" and use {X.logits_loss()}",
-                   jax=f"compute {api} and the loss in float32 at {where}: e.g. jnp.log(probs.astype(jnp.float32) + "
-                   f"1e-8), or better jax.nn.log_softmax(logits.astype(jnp.float32)) / {X.logits_loss()}"),
+                   jax=f"compute {api} and the loss in float32 at {where}: e.g. "
+                   f"{X.eps_text('jnp.log(probs.astype(jnp.float32) + 1e-8)')}, or better jax.nn.log_softmax(logits.astype(jnp.float32)) / {X.logits_loss()}"),
              f"use an eps the dtype can hold ({dt} tiny {T.g(fi.get('tiny'))}, eps {T.g(fi.get('eps'))}): e.g. "
              f"{T.g(safe_eps)} instead of {T.g(eps[0].get('value')) if eps else 'the current value'}",
              X.say(pytorch="train with torch.autocast (float16/bfloat16 matmuls, float32 losses and reductions) and "

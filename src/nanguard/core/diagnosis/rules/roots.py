@@ -80,10 +80,10 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
                    "as 0) instead of sqrt(sum of squares)",
                    tensorflow=f"add a small eps inside the root at {where}: {X.norm_hint()}",
                    jax=f"add a small eps inside the root at {where}: {X.norm_hint()}"),
-             X.say(pytorch="or add a small eps inside the root: torch.sqrt(x + 1e-12) (float32) / "
+             X.say(pytorch=f"or add a small eps inside the root: {X.eps_text('torch.sqrt(x + 1e-12)')} (float32) / "
                    "x.clamp(min=1e-12).sqrt()",
-                   tensorflow="or clamp inside the root: tf.sqrt(tf.maximum(x, 1e-12)) (float32)",
-                   jax="or clamp inside the root: jnp.sqrt(jnp.maximum(x, 1e-12)) (float32)"),
+                   tensorflow=f"or clamp inside the root: tf.sqrt({X.eps_text('tf.maximum(x, 1e-12)')}) (float32)",
+                   jax=f"or clamp inside the root: jnp.sqrt({X.eps_text('jnp.maximum(x, 1e-12)')}) (float32)"),
              "if the zero distance comes from pairing a sample with itself, exclude those pairs"]
     is_pow = T.opshort(origin.get("forward_op") or origin.get("op")) in POW.ops or T.node_family(node).startswith("pow")
     if is_pow and backward:

@@ -39,11 +39,12 @@ def variance(origin: dict, facts: dict, ev: dict, method: str, backward: bool = 
     else:
         summ = f"{api} at {where}: the backward of std/var divides by a zero standard deviation"
     fixes = [X.say(pytorch="use the biased estimate where a group can have one element: x.std(dim, unbiased=False) "
-                   "/ correction=0, plus an eps: (x - mean) / (std + 1e-5)",
+                   f"/ correction=0, plus an eps: {X.eps_text('(x - mean) / (std + 1e-5)')}",
                    tensorflow="add an eps to the standard deviation: (x - mean) / (tf.math.reduce_std(x, axis, "
-                   "keepdims=True) + 1e-5) (a constant group has std 0), or use keras.layers.LayerNormalization "
+                   f"keepdims=True){X.eps_text(' + 1e-5')}) (a constant group has std 0), or use keras.layers.LayerNormalization "
                    "(epsilon inside the root)",
-                   jax="add an eps to the standard deviation: (x - mean) / (jnp.std(x, axis, keepdims=True) + 1e-5) "
+                   jax="add an eps to the standard deviation: "
+                   f"{X.eps_text('(x - mean) / (jnp.std(x, axis, keepdims=True) + 1e-5)')} "
                    "(a constant group has std 0), or use flax.nnx.LayerNorm / flax.linen.LayerNorm (epsilon inside "
                    "the root); jnp.std's gradient at std 0 is NaN too"),
              f"avoid batches of size 1: {X.drop_last()} or skip batches with fewer than 2 samples",

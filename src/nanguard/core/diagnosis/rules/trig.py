@@ -51,5 +51,5 @@ def trig_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
                    tensorflow="cosine similarities can exceed 1 by rounding: normalise with tf.math.l2_normalize "
                    "and clip",
                    jax="cosine similarities can exceed 1 by rounding: normalise with " + X.unit("x")
-                   + " and clip with jnp.clip(c, -1 + 1e-7, 1 - 1e-7)")]
+                   + " and clip with " + X.eps_text("jnp.clip(c, -1 + 1e-7, 1 - 1e-7)"))]
     return T.result("trig_domain", summ, 0.9, ev, fixes, method)

@@ -1,0 +1,174 @@
+"""An early warning's step-size change is replayed before it is applied: the learning-rate cut or the clip
+an early warning's recovery takes is one a replay from the rollback's snapshot showed to pass.
+
+Under ``on_spike="rollback"`` (the default with ``--recover``) a warning rolls back to a snapshot from
+before the excursion and applies what its diagnosis calls for (``lr_backoff``, ``clip``). Before applying
+it, the backend replays (:meth:`~nanguard.core.recovery.actions.RecoveryActions.replay_kept`) the steps it
+kept from the snapshot's step up to the warning's, cycled to ``REPLAY_STEPS`` steps, from the state just
+rolled back to, with the candidate change: the policy's own value first, then ``FURTHER`` x it, up to
+``MAX_CANDIDATES`` values. The first that passes (:func:`nanguard.core.experiments.tested.passes`: every
+value finite and the last loss at most 10x the first) is the one applied, and the recovery record and the
+warning's fixes say so (``"lr 50 -> 0.5: 8 steps finite, loss 3.1 -> 2.2"``). When none passes, the
+policy's own value is applied, marked untested (``untested``: why), as it is when no replay can run (no
+optimizer to replay, a GradScaler, the steps since the snapshot not kept).
+
+The budget is work, not seconds: at most ``REPLAY_STEPS`` x ``MAX_CANDIDATES`` step replays per warning,
+so the same run takes the same action whatever the machine's load. Nothing runs before a warning: a
+healthy run pays nothing.
+
+Each replay is recorded as an experiment dict (``cause.evidence.experiments``, the failure path's
+shape), so :mod:`nanguard.core.experiments.tested` and :mod:`~nanguard.core.experiments.reconcile` word
+the warning's fixes after them.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..experiments.tested import passes, tested_fixes
+from .estimates import backoff_factor, clip_max_norm, cut_floor, peak_target
+
+REPLAY_STEPS = 8     # steps each candidate is replayed for
+MAX_CANDIDATES = 3   # the policy's value, then FURTHER x it, FURTHER^2 x it
+FURTHER = 0.1
+# action -> the experiment kind that tests it, and the replay's keyword for its value
+KIND = {"lr_backoff": ("lr_replay", "lr_factor"), "clip": ("clip_replay", "max_norm")}
+
+
+def candidates(first: float, floor: float = 0.0, n: int = MAX_CANDIDATES) -> List[float]:
+    """``first``, then ``FURTHER`` x the last, ``n`` values at most, none below ``floor``."""
+    out = [float(first)]
+    while len(out) < n and out[-1] * FURTHER >= floor:
+        out.append(out[-1] * FURTHER)
+    return out
+
+
+def try_values(action: str, values: Sequence[float], replay: Callable[..., Dict[str, Any]], *, from_step: int,
+               to_step: int, lrs: Sequence[float] = ()) -> Tuple[Optional[float], List[Dict[str, Any]], Optional[str]]:
+    """Replay each of ``values`` for ``action`` (``lr_backoff``: the factor on every learning rate;
+    ``clip``: the max gradient norm) until one passes. ``replay(steps=, lr_factor= | max_norm=)`` returns
+    the backend's result (``finite``, ``replays``, ``losses``, ``failed_at``, ``error``) or
+    ``{"unavailable": why}``. Returns (the value that passed or None, the experiment dicts, why no replay
+    could run)."""
+    kind, key = KIND[action]
+    runs: List[Dict[str, Any]] = []
+    for v in values:
+        res = replay(steps=REPLAY_STEPS, **{key: v})
+        if res.get("unavailable"):
+            return None, runs, str(res["unavailable"])
+        e = _experiment(kind, key, v, res, from_step, to_step, lrs)
+        runs.append(e)
+        if passes(e["finite"], e.get("details")):
+            return v, runs, None
+        if e["finite"] is None:  # the replay could not run: another value would not either
+            return None, runs, f"its replay could not run ({res.get('error') or 'no result'})"
+    return None, runs, None
+
+
+def _experiment(kind: str, key: str, v: float, res: Dict[str, Any], from_step: int, to_step: int,
+                lrs: Sequence[float]) -> Dict[str, Any]:
+    params: Dict[str, Any] = {("factor" if key == "lr_factor" else key): v, "from_step": from_step,
+                              "to_step": to_step, "cycled_to": REPLAY_STEPS, "before_applying": True}
+    d: Dict[str, Any] = {"steps": int(res.get("replays") or 0)}
+    losses = [x for x in res.get("losses") or [] if isinstance(x, float)]
+    if losses:
+        d["losses"] = [losses[0], losses[-1]]
+    if res.get("failed_at") is not None:
+        d["failed_at"] = res["failed_at"]
+    if key == "lr_factor" and lrs:
+        d["lr_from"] = [float(x) for x in lrs]
+        d["lr"] = [float(x) * v for x in lrs]
+    from ..experiments.kinds import describe  # loaded at a warning's replay, not in a healthy run
+    e: Dict[str, Any] = {"kind": kind, "change": describe(kind, params), "finite": res.get("finite"),
+                         "seconds": round(float(res.get("seconds") or 0.0), 4), "replays": d["steps"],
+                         "params": params, "details": d}
+    if res.get("error"):
+        e["error"] = res["error"]
+    return e
+
+
+def tested_record(runs: Sequence[Dict[str, Any]], value: Optional[float], why_none: Optional[str]) -> Dict[str, Any]:
+    """What the recovery record says of the replays behind an action (``tested_by``/``untested``)."""
+    texts = [t["text"] for t in tested_fixes(list(runs))]
+    if value is not None:
+        ok = texts[0] if texts else ""
+        return {"tested_by": {"experiment": runs[-1]["kind"], "passed": True, "text": ok,
+                              "tried": len(runs), **({"failed": texts[1:]} if len(texts) > 1 else {})}}
+    if why_none is not None:
+        return {"untested": f"not tested by replay: {why_none}; the policy's value applied"}
+    if not runs:
+        return {"untested": "not tested by replay: no replay ran; the policy's value applied"}
+    return {"untested": "no value passed a replay (" + "; ".join(texts[:MAX_CANDIDATES]) +
+            "): the policy's value applied, untested", "tested_by": {"experiment": runs[-1]["kind"],
+                                                                   "passed": False, "tried": len(runs)}}
+
+
+def before_applying(policy: Any, action: str, cause: Dict[str, Any], actions: Any, history: Sequence[dict],
+                    step: int, done: Dict[str, Any], runs: List[Dict[str, Any]]) -> Tuple[Optional[dict], Dict[str, Any]]:
+    """Replay ``action``'s candidates (an early warning's, after its rollback: the state now is the
+    snapshot's) and return the proof the policy's action takes its value from (``{"params": {"factor"
+    | "max_norm": v}}``, or None: the policy's own value) and what to say of it on the action's record.
+    Every replay is appended to ``runs``; an action no replay can test adds ``{"unavailable": kind,
+    "why": ...}``."""
+    if action not in KIND or "rollback" not in done:
+        return None, {}
+    kind = KIND[action][0]
+    frm = done["rollback"]["to_step"]
+    lrs = actions.learning_rates() if action == "lr_backoff" else []
+    if action == "lr_backoff":
+        if not lrs:
+            why = "no optimizer learning rate to replay with (hand-written updates)"
+            runs.append({"unavailable": kind, "why": why})
+            return None, tested_record([], None, why)
+        last = policy._last_cut
+        repeat = last is not None and 0 < step - last <= policy.budget.window
+        first = backoff_factor(policy.lr_factor, cause, lrs, repeat=repeat)
+        first = peak_target(first, cause, lrs, actions.learning_rate_peaks())
+        values = candidates(first, floor=cut_floor(cause.get("evidence") or {}))
+        extra = {"max_norm": policy.clip_norm} if policy.clip_norm is not None else {}
+    else:
+        prev = policy.clip_norm
+        first = prev / 2 if prev is not None else clip_max_norm(history, quantile=policy.clip_quantile)
+        values, extra = candidates(first), {}
+
+    def replay(**change: Any) -> Dict[str, Any]:
+        return actions.replay_kept(frm, step, **{**extra, **change})
+
+    value, mine, why = try_values(action, values, replay, from_step=frm, to_step=step, lrs=lrs)
+    runs.extend(mine)
+    if why is not None:
+        runs.append({"unavailable": kind, "why": why})
+    said = tested_record(mine, value, why)
+    if value is None:
+        return None, said
+    key = "factor" if action == "lr_backoff" else "max_norm"
+    return {"kind": kind, "params": {key: value}}, said
+
+
+def note(done: Dict[str, Any], action: str, said: Dict[str, Any]) -> None:
+    """Add what the replays said to the action's record (``lr_backoff``, its ``grad_scale`` form, ``clip``)."""
+    for name in (action, "grad_scale"):
+        if said and isinstance(done.get(name), dict):
+            done[name].update(said)
+            return
+
+
+def record_on_event(event: Any, runs: Sequence[Dict[str, Any]]) -> None:
+    """Put the replays on the warning's cause (``evidence.experiments``, ``tested_fixes``; ``evidence.
+    experiments_unavailable_why`` for a kind none could run) and word its fixes after them
+    (:func:`~nanguard.core.experiments.reconcile.reconcile`)."""
+    cause = event.cause if isinstance(event.cause, dict) else None
+    if cause is None or not runs:
+        return
+    from ..experiments.reconcile import reconcile  # loaded at a warning's replay, not in a healthy run
+    ev = cause.setdefault("evidence", {})
+    ran = [r for r in runs if "unavailable" not in r]
+    gone = {r["unavailable"]: r["why"] for r in runs if "unavailable" in r}
+    if ran:
+        ev["experiments"] = list(ev.get("experiments") or []) + ran
+        ev.setdefault("experiments_cost", {"replays": sum(int(r.get("replays") or 0) for r in ran),
+                                           "budget_steps": REPLAY_STEPS * MAX_CANDIDATES,
+                                           "why": "an early warning's change, replayed before it is applied"})
+        cause["tested_fixes"] = tested_fixes(ev["experiments"])
+    if gone:
+        ev["experiments_unavailable_why"] = dict(ev.get("experiments_unavailable_why") or {}, **gone)
+    reconcile(event)
