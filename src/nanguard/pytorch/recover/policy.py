@@ -92,6 +92,9 @@ class RecoveryPolicy(_NeutralPolicy):
         """Replays of the driver's kept steps up to ``step`` (the Guard's ``_kept``; the Watcher's kept tapes
         and the warning step's own), for an early warning's change before it is applied
         (:mod:`nanguard.core.recovery.tried`); None when the driver keeps none."""
+        from ..distributed import is_distributed
+        if is_distributed():  # one rank replaying alone would hang the others' collectives
+            return lambda *a, **k: {"unavailable": "a distributed run's steps are not replayed on one rank"}
         g = self._guard() if self._guard is not None else None
         w = self._watcher() if self._watcher is not None and g is None else None
         kept = dict(g._kept) if g is not None else (w.recovery.warning_steps(step) if w is not None else {})
