@@ -71,8 +71,24 @@ def is_checkable(t: Any) -> bool:
             and t.device.type != "meta" and t.numel() > 0)
 
 
+_SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def sparse_values(t: Any) -> Optional[torch.Tensor]:
+    """The stored values of a floating sparse tensor (COO, CSR/CSC, BSR/BSC) as a dense tensor, or None:
+    a NaN a sparse batch holds (a graph's feature matrix, ``to_sparse()`` of rows scaled by 1/0) is one of
+    them (the implicit zeros are finite)."""
+    if not isinstance(t, torch.Tensor) or t.layout not in _SPARSE or not t.is_floating_point():
+        return None
+    try:
+        return t._values() if t.layout == torch.sparse_coo else t.values()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def tensors_in(obj: Any, limit: int = 64) -> List[torch.Tensor]:
-    """Floating tensors inside a (nested) batch: tensors, lists, tuples, dicts, dataclass-like."""
+    """Floating tensors inside a (nested) batch: tensors, lists, tuples, dicts, dataclass-like (a sparse
+    tensor: its stored values)."""
     out: List[torch.Tensor] = []
     stack = [obj]
     seen = 0
@@ -82,6 +98,10 @@ def tensors_in(obj: Any, limit: int = 64) -> List[torch.Tensor]:
         if isinstance(x, torch.Tensor):
             if is_checkable(x):
                 out.append(x)
+            elif x.layout != torch.strided:
+                v = sparse_values(x)
+                if v is not None and is_checkable(v):
+                    out.append(v)
         elif isinstance(x, dict):
             stack.extend(x.values())
         elif isinstance(x, (list, tuple)):

@@ -19,6 +19,7 @@ from ...core.locate.result import Sinks as _Sinks
 from ...core.locate.taint import CONST, Taint, Taints
 from .. import numerics as N
 from .naming import Names
+from ..detect.tensors import sparse_values
 from .ops import nonfinite_scalar
 
 aten = torch.ops.aten
@@ -64,7 +65,7 @@ class Provenance(Taints):
     def lookup(self, t: torch.Tensor) -> tuple[bool, bool, Origin | None, Info | None]:
         """Finiteness + taint of an input tensor, checking it if unseen or modified since."""
         if not N.is_checkable(t):
-            return False, False, None, None
+            return self._sparse(t)
         key = id(t)
         info = self.infos.get(key)
         ver = N.version(t)
@@ -87,6 +88,17 @@ class Provenance(Taints):
         self.infos[key] = info
         return nan, inf, taint, info
 
+    def _sparse(self, t: Any) -> tuple[bool, bool, Origin | None, Info | None]:
+        """A sparse input (a graph's feature or adjacency matrix): its stored values are checked; non-finite
+        ones are there before the step (a sparse tensor an op of the step makes is not tracked)."""
+        v = sparse_values(t) if isinstance(t, torch.Tensor) and t.layout != torch.strided else None
+        if v is None or not N.is_checkable(v) or v.numel() == 0:
+            return False, False, None, None
+        nan, inf = N.nonfinite_flags(v)
+        if not (nan or inf):
+            return False, False, None, None
+        return nan, inf, self._preexisting(t, nan, inf, values=v), None
+
     def storage_taint(self, t: torch.Tensor) -> Origin | None:
         if not self.by_storage:
             return None
@@ -105,17 +117,18 @@ class Provenance(Taints):
         DataLoader worker's batch is rebuilt): data that was non-finite before the step, not an op's output."""
         return self._preexisting(t, nan, inf)
 
-    def _preexisting(self, t: torch.Tensor, nan: bool, inf: bool) -> Origin:
+    def _preexisting(self, t: torch.Tensor, nan: bool, inf: bool, values: torch.Tensor | None = None) -> Origin:
         kind, name = self.names.kind_of(t)
         # A tensor that only holds -inf and is not a parameter is most likely an intentional mask.
         soft = False
+        dense = t if values is None else values
         if not nan and kind in ("data", "buffer"):
-            soft = not bool(N._scalar(aten.any.default(aten.isposinf.default(t))))
+            soft = not bool(N._scalar(aten.any.default(aten.isposinf.default(dense))))
         o = self._new("preexisting", soft)
         o.pre_kind, o.name = kind, name
         o.tref = weakref.ref(t)
-        st = N.tensor_stats(t)
-        st["bad_rows"] = N.bad_rows(t)
+        st = N.tensor_stats(dense)
+        st["bad_rows"] = N.bad_rows(dense) if values is None else _sparse_bad_rows(t, values)
         o.detail = {"stats": st}
         return o
 
@@ -254,3 +267,16 @@ class Sinks(_Sinks):
                         if isinstance(v, torch.Tensor) and N.is_checkable(v) and any(N.nonfinite_flags(v)):
                             res.append((pname, k, self.prov.taint_of(v)))
         self.opt = res
+
+
+def _sparse_bad_rows(t: torch.Tensor, values: torch.Tensor) -> list:
+    """The rows (first index) of a COO tensor's non-finite stored values (at most 20), else []."""
+    try:
+        if t.layout != torch.sparse_coo:
+            return []
+        bad = ~torch.isfinite(values)
+        while bad.dim() > 1:
+            bad = bad.any(-1)
+        return sorted({int(r) for r in t._indices()[0][bad].tolist()})[:20]
+    except Exception:
+        return []

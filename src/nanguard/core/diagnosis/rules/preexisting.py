@@ -20,8 +20,8 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
         fu = pre.get("first_use") or {}
         where = f" (it enters at {os.path.basename(str(fu.get('file')))}:{fu.get('line')})" if fu.get("file") else ""
         rows_s = f"dataset row(s) {src}" if src else f"row(s) {tr}" if tr else "some rows"
-        summ = (f"bad input data: {rows_s} of the input tensor hold {n_bad} {what} value(s) of {numel}; batch "
-                f"position(s) {rows} carry them into the loss{where}")
+        carry = f"; batch position(s) {rows} carry them into the loss" if rows else "; they reach the loss"
+        summ = f"bad input data: {rows_s} of the input tensor hold {n_bad} {what} value(s) of {numel}{carry}{where}"
         fixes = [f"clean or drop {rows_s} at the source (a blank field parsed as NaN?), e.g. "
                  + X.finite_filter(),
                  X.say(pytorch="validate batches in the data loader (assert torch.isfinite(batch).all()) or replace "
