@@ -48,3 +48,13 @@ def test_read_in_a_step_that_passes_is_still_an_eval_event(tmp_path):
     code, rep = run_ng(tmp_path, script)
     assert code == 0
     assert [(e["step"], e["phase"]) for e in rep["events"]] == [(3, "eval")]
+
+
+def test_a_recovered_step_drops_the_held_read(tmp_path):
+    # --recover auto: the step's failure is recovered (its update skipped); the read it held is that
+    # failure, not an evaluation event (old code: status 'nonfinite' from a second, 'eval' event)
+    script = write(tmp_path, AC.format(metric=""))
+    code, rep = run_ng(tmp_path, script, recover="auto")
+    assert code == 0
+    assert rep["status"] == "recovered"
+    assert [(e["step"], e["phase"]) for e in rep["events"]] == [(5, "forward")]
