@@ -151,6 +151,11 @@ class StepCapture:
             gen.state.assign(s)
 
     # ------------------------------------------------------------------ replay
+    def call_step(self, batch: Any = None) -> Any:
+        """``step_fn(batch)`` (the captured batch when None) with the batch's arrays as tensors, as fit
+        hands them to ``train_step`` (a custom step may ``tape.watch`` them, which a NumPy array refuses)."""
+        return self.step_fn(as_tensors(self.inputs if batch is None else batch))
+
     def run(self, recorder: Recorder) -> ReplayOutcome:
         """Run the step once, eagerly, with the hooks reporting to ``recorder`` (see module doc)."""
         if self.kind != "fit" or self.step_fn is None or self.watcher is None:
@@ -169,7 +174,7 @@ class StepCapture:
             recorder.set_stage("forward")
             recorder.start()
             try:
-                self.step_fn(self.inputs)
+                self.call_step()
                 out.ran = True
             finally:
                 recorder.stop()
@@ -183,6 +188,11 @@ class StepCapture:
             self.restore()
         out.seconds = round(time.time() - t0, 3)
         return out
+
+
+def as_tensors(batch: Any) -> Any:
+    """``batch`` with its NumPy leaves turned into tensors (other leaves as they are)."""
+    return tf.nest.map_structure(lambda x: tf.convert_to_tensor(x) if isinstance(x, np.ndarray) else x, batch)
 
 
 def variables_of(models: List[Any], opt: Any) -> Dict[str, Any]:

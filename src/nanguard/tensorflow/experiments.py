@@ -109,7 +109,7 @@ class KerasBench(Bench):
             for layer, pol in (policies or {}).items():
                 layer.dtype_policy = pol
             tf.config.run_functions_eagerly(True)
-            cap.step_fn(cap.inputs if batch is None else batch)
+            cap.call_step(batch)
         finally:
             w.replay_hooks = None
             for layer, pol in old.items():

@@ -131,7 +131,7 @@ def rerun_step(watcher: Any, cap: Any, inputs: Any, acts: Any) -> Probe:
     tl_set("fn_depth", depth + 1)  # nanguard's tf.function hook and step-start snapshot stay out of it
     try:
         tf.config.run_functions_eagerly(True)
-        out = cap.step_fn(inputs)
+        out = cap.call_step(inputs)
     except Exception:
         out, probe.finite = None, False
     finally:

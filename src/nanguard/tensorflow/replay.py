@@ -100,6 +100,39 @@ def rerun_localize(script: str, argv: List[str], step: int, config: Dict[str, An
                      step, timeout=timeout, extra_env=quiet_tf)
 
 
+def one_step_per_call(probe: Any) -> None:
+    """In the re-run child: every ``model.fit`` runs one step per graph call (``steps_per_execution`` 1),
+    and the batch of an eager ``train_step`` (step N, under the recorder) is kept as ``probe.last_batch``
+    (for its dataset rows).
+
+    The child arms the recorder when the host has read step N-1; with several steps per call (under
+    XLA no failing batch is captured in-graph) step N would already have run inside the call that
+    holds N-1. The same batches run in the same order, one per call."""
+    try:
+        import keras
+        import tensorflow as tf
+    except Exception:
+        return
+    fit = keras.Model.fit
+
+    def one_step_fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if int(getattr(self, "steps_per_execution", 1) or 1) > 1:
+            self.steps_per_execution = 1
+            self.train_function = None
+        if not getattr(self, "_nanguard_rerun_step", False):
+            inner = self.train_step
+
+            def train_step(data: Any) -> Any:
+                if tf.executing_eagerly():
+                    probe.last_batch = data
+                return inner(data)
+            self.train_step = train_step
+            self._nanguard_rerun_step = True
+        return fit(self, *args, **kwargs)
+
+    keras.Model.fit = one_step_fit
+
+
 def _child_main(argv: List[str]) -> int:
     """``python -m nanguard.tensorflow.replay --step N --out F [--config J] -- script args``"""
     import argparse
@@ -164,7 +197,7 @@ def _child_main(argv: List[str]) -> int:
         """The failing batch's dataset rows and the experiments on the kept step call (never raises)."""
         out: Dict[str, Any] = {}
         try:
-            probe.annotate(payload["localization"])
+            probe.annotate(payload["localization"], watcher.fit_position(N))
         except Exception as e:
             out["rows_error"] = f"{type(e).__name__}: {e}"
         if cfg.get("experiments", True) and state["cap"] is not None:
@@ -230,6 +263,7 @@ def _child_main(argv: List[str]) -> int:
     sys.path.insert(0, os.path.dirname(script))
     watcher.install()
     probe.install()
+    one_step_per_call(probe)
     if N == 0:
         arm()
     try:

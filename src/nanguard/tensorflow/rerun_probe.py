@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from .rows import RowSource, annotate_localization, dataset_source
+from .rows import RowSource, annotate_localization, dataset_source, fit_source
 
 __all__ = ["RerunProbe"]
 
@@ -99,13 +99,19 @@ class RerunProbe:
             self._undo.pop()()
 
     # ------------------------------------------------------------------ at the failure
-    def source(self) -> Optional[RowSource]:
+    def source(self, fit_pos: Optional[Dict[str, int]] = None) -> Optional[RowSource]:
+        """The data of the running ``model.fit`` (``fit_pos``: the step's place in it), else the dataset
+        of the latest batch drawn by the script."""
+        if fit_pos is not None:
+            src = fit_source(fit_pos.get("step_in_epoch"))
+            if src is not None:
+                return src
         ds = self.last_ds() if self.last_ds is not None else None
         return dataset_source(ds) if ds is not None else None
 
-    def annotate(self, loc: Optional[Dict[str, Any]]) -> None:
+    def annotate(self, loc: Optional[Dict[str, Any]], fit_pos: Optional[Dict[str, int]] = None) -> None:
         """Name the dataset rows of the failing batch in the child's localization (in place)."""
-        annotate_localization(loc, self.source(), self.last_batch)
+        annotate_localization(loc, self.source(fit_pos), self.last_batch)
 
     def experiments(self, watcher: Any, cap: Any, loc_run: Dict[str, Any], step: int, phase: str,
                     context: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
@@ -127,7 +133,7 @@ class RerunProbe:
             cap.values = self.values[step]
         cap.kind, cap.inputs = "fit", (tuple(args), dict(kwargs))
         cap.step_fn = lambda inputs: fn(*inputs[0], **inputs[1])
-        cap.row_source = self.source()
+        cap.row_source = self.source(watcher.fit_position(step) if hasattr(watcher, "fit_position") else None)
         pipe = FailurePipeline(Ports(context=context))
         det = Detection(step, phase, {})
         hist = [h for h in watcher.history.raw_dicts() if h["step"] < step]

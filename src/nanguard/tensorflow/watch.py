@@ -69,6 +69,7 @@ class TFWatcher:
         self.models: "weakref.WeakSet[Any]" = weakref.WeakSet()  # outermost layers called in training
         self.lso = False
         self._pending: "weakref.WeakKeyDictionary[Any, Pending]" = weakref.WeakKeyDictionary()
+        self._step_inputs: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
         self._orphans: set = set()
         self._fit_models: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self.fitting: Callable[[], Any] = lambda: None   # weak reference to the model of the latest fit
@@ -186,8 +187,16 @@ class TFWatcher:
         return p
 
     def _take_pending(self) -> Pending:
-        p = self._pending.pop(graph_key(), None)
-        return p if p is not None else Pending()
+        key = graph_key()
+        p = self._pending.pop(key, None)
+        p = p if p is not None else Pending()
+        # model.fit: the train_step's batch and seed states (taken before its first update) serve its
+        # later updates too (a GAN's second optimizer, a critic's extra steps): a replay re-runs it all
+        if p.batch is not None:
+            self._step_inputs[key] = (p.batch, p.seeds)
+        elif key in self._step_inputs:
+            p.batch, p.seeds = self._step_inputs[key]
+        return p
 
     def _on_target(self, target: Any) -> None:
         p = self._pend()
@@ -407,6 +416,9 @@ class TFWatcher:
 
     def _replay_apply(self, opt: Any, grads: List[Any], trainable_variables: Any) -> Any:
         hooks = self.replay_hooks
+        seen = getattr(hooks, "update_seen", None)
+        if seen is not None:
+            seen(opt)
         hooks.set_stage("optimizer")
         try:
             if getattr(hooks, "apply_update", False):

@@ -13,7 +13,7 @@ from ...core.diagnosis import families as F
 from ...core.diagnosis import roles as R
 
 __all__ = ["canonical", "op_type_str", "family_ops", "PASS_OPS", "WHERE_OPS", "REDUCE_OPS", "EPS_PRODUCERS",
-           "MASK_SINKS", "MASK_WRITERS", "KEEP_FWD", "DATA_OPS", "NO_VALUE_FLOW", "VAR_WRITES",
+           "MASK_SINKS", "MASK_WRITERS", "KEEP_FWD", "DATA_OPS", "NAN_DROPPERS", "NO_VALUE_FLOW", "VAR_WRITES",
            "VAR_WRITE_PREFIXES", "VAR_READS", "GATHER_OPS"]
 
 canonical = F.tf_canonical
@@ -34,6 +34,13 @@ KEEP_FWD = F.keep_forward_tf_ops() | {"Mean"}
 DATA_OPS = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue", "IteratorGetNextAsOptional",
                       "MultiDeviceIteratorGetNextFromShard", "DecodeCSV", "StringToNumber", "ParseExampleV2",
                       "ParseSingleExample", "DecodeRaw"})
+# ops whose kernels may drop a NaN that every output element should carry: a max-pool window of NaN
+# gives the dtype's lowest value, max/min/relu-like comparisons and oneDNN matmul/convolution kernels can
+# return a finite value; a later non-finite value made from finite inputs then descends from the NaN
+NAN_DROPPERS = frozenset({"MaxPool", "MaxPoolV2", "MaxPool3D", "MaxPoolWithArgmax", "Max", "Min", "Maximum",
+                          "Minimum", "Relu", "Relu6", "LeakyRelu", "ClipByValue", "TopKV2", "Conv2D", "Conv3D",
+                          "DepthwiseConv2dNative", "MatMul", "BatchMatMulV2", "BatchMatMulV3", "_FusedConv2D",
+                          "_FusedMatMul"})
 # ops whose outputs are not computed from their inputs' values (random draws, shapes, zeros)
 NO_VALUE_FLOW = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike", "BroadcastArgs",
                            "BroadcastGradientArgs"})

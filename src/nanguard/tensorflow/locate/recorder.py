@@ -94,6 +94,12 @@ class TFRecorder:
         self.vars = Variables(self.log, self.prov, self.paused)
         self.describer = Describer(self.log, self.prov, self.detail_limit)
         self.sinks = Sinks()
+        # the batch's own NaN/+inf (a hard pre-existing data taint) once an op of ops.NAN_DROPPERS read it
+        # and gave finite outputs (a max-pool window of NaN gives the lowest float): a later non-finite
+        # value made from finite inputs descends from it, so it inherits this taint
+        self.batch_taint: Optional[Origin] = None
+        self._laundered = False
+        self._own_update_seen = False
 
     def __enter__(self) -> "TFRecorder":
         self.start()
@@ -262,6 +268,8 @@ class TFRecorder:
         outputs = tuple(outputs or ())
         ins, handles, scal = self._inputs(t_op, idx, inputs, record)
         results, any_nf, low = self._outputs(outputs)
+        if self.batch_taint is None and not any_nf and t_op in O.NAN_DROPPERS and stage == "forward":
+            self._note_batch_read(t_op, ins, inputs, outputs, stage)
         loc = None
         if record:
             if stage == "forward" or (stage == "optimizer" and any_nf):
@@ -279,6 +287,8 @@ class TFRecorder:
                     taint = self.prov.preexisting(o, a, nan, "data", None, idx)
                 else:
                     taint = self.prov.decide(nan, inf, ins, t_op, o)
+                    if taint == "new" and self.batch_taint is not None:
+                        taint = self._from_batch(t_op)
                     if taint == "new":
                         if new_origin is None:
                             new_origin = self.prov.new_origin("op", False, idx, stage)
@@ -289,6 +299,45 @@ class TFRecorder:
             self.prov.set_info(o, nan, inf, taint, (idx, pos))
         if new_origin is not None:
             self.describer.origin(new_origin, t_op, idx, inputs, attrs, outputs, ins, results, stage, fwd, loc)
+
+    def update_seen(self, opt: Any) -> None:
+        """A replayed ``train_step`` reached an optimizer's update (not applied). Before the failing
+        optimizer's own update (``self.optimizer``), an update of another optimizer (a GAN's
+        discriminator, before its generator failed) closes a part of the step that is not the failing
+        update: its loss and gradients are no sinks (they ran from the variables as captured, after
+        that update had run in the original step)."""
+        mine = self.optimizer
+        if mine is None or self._own_update_seen:
+            return
+        if opt is mine or getattr(mine, "inner_optimizer", None) is opt or getattr(opt, "inner_optimizer", None) is mine:
+            self._own_update_seen = True
+            return
+        self.sinks = Sinks()
+        self.notes.append(f"the replayed step's update by {type(opt).__name__} before the failing optimizer's "
+                          "ran from the captured variables (after it, in the original step): its loss and "
+                          "gradients are not the failing update's")
+
+    def _note_batch_read(self, t_op: str, ins: list, inputs: tuple, outputs: tuple, stage: str) -> None:
+        """A forward op that may drop NaN read the batch's own NaN/+inf and gave finite outputs: keep that
+        taint (see ``batch_taint``; an intentional handler, ``tf.where``, a slice that leaves the bad
+        column out, is not such an op)."""
+        for _pos, _x, _nan, _inf, taint, _prod in ins:
+            if getattr(taint, "kind", None) != "preexisting" or taint.soft or taint.pre_kind != "data":
+                continue
+            self.batch_taint = taint
+            if taint.first_use is None and outputs:
+                taint.first_use = self.describer.first_use(t_op, inputs, outputs[0], None, stage, self._where(), taint)
+            return
+
+    def _from_batch(self, t_op: str) -> Origin:
+        """A non-finite value made from finite inputs after the batch's NaN/+inf was read."""
+        t = self.batch_taint
+        assert t is not None
+        if not self._laundered:
+            self._laundered = True
+            self.notes.append(f"{t_op} made a non-finite value from finite inputs after the batch's non-finite "
+                              "values were read (an op in between turned them finite): counted as the batch's")
+        return t
 
     def _inputs(self, t_op: str, idx: int, inputs: tuple, record: bool) -> tuple[list, list, list]:
         """(ins: (pos, tensor, nan, inf, taint, producer) of eager inputs, resource handles, float scalars)."""
