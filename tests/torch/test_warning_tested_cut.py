@@ -81,3 +81,32 @@ def test_nanguard_run_warning_cut_is_tested_before_it_is_applied(tmp_path):
     assert code == 0 and rep is not None
     w = _warning(rep["events"])
     _check(w["recovery"], w["cause"], w["fixes"], w["recovery"]["actions"]["lr_backoff"]["lr_after"][0])
+
+
+def test_a_history_replay_runs_each_step_at_its_own_rate_times_the_factor():
+    """Item 3 of issue 22's brief: a warm-up (or any per-step schedule the script writes) is replayed as the
+    schedule scaled by the factor ("scale your schedule by f"), not the rate now everywhere."""
+    from nanguard.pytorch.experiments.history import replay_history, step_rates
+    from nanguard.pytorch.experiments.step import Outcome
+    from nanguard.pytorch.recover.snapshot import Snapshot
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=4.0)  # the rate now (the failing step's)
+    seen = []
+
+    class Step:
+        def __init__(self, n):
+            self.step = n
+
+        def run(self, changes=None):
+            seen.append((self.step, opt.param_groups[0]["lr"]))
+            model(torch.ones(1, 2)).sum().backward()
+            return Outcome(finite=True, seconds=0.0, losses=[1.0])
+
+    rates = step_rates([{"step": 0, "lr": [1.0]}, {"step": 1, "lr": [8.0]}, {"step": 9, "lr": [float("nan")]}])
+    assert rates == {0: [1.0], 1: [8.0]}
+    out = replay_history(Snapshot(0, [model], [opt], None), [Step(0), Step(1), Step(2)], [model], [opt],
+                         lr_factor=0.1, rates=rates)
+    assert out["finite"] is True and out["schedule"] is True
+    assert seen == [(0, 0.1), (1, 0.4), (2, 0.4)]  # step 1 wrote 8 (above the rate now): capped at it
+    assert opt.param_groups[0]["lr"] == 4.0  # put back

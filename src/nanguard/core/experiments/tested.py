@@ -74,6 +74,8 @@ def _entry(e: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         fix = f"lr {', '.join(g(x) for x in lrs[:3])}" if lrs else f"lr x{g(p.get('factor'))}"
         if lrs and before:  # an early warning's candidate, tested before it is applied (recovery/tried.py)
             fix = f"lr {', '.join(g(x) for x in before[:3])} -> {', '.join(g(x) for x in lrs[:3])}"
+        if d.get("schedule"):  # each replayed step ran at its own rate times the factor (a warm-up...)
+            fix += f" (the schedule x{g(p.get('factor'))})"
     elif kind == "clip_replay":
         fix = f"clip grad norm at {g(p.get('max_norm'))}"
     elif kind == "domain_guard":

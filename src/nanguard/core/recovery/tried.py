@@ -74,6 +74,8 @@ def _experiment(kind: str, key: str, v: float, res: Dict[str, Any], from_step: i
         d["losses"] = [losses[0], losses[-1]]
     if res.get("failed_at") is not None:
         d["failed_at"] = res["failed_at"]
+    if res.get("schedule"):  # each replayed step at its own rate x the factor (the script's schedule)
+        d["schedule"] = True
     if key == "lr_factor" and lrs:
         d["lr_from"] = [float(x) for x in lrs]
         d["lr"] = [float(x) * v for x in lrs]

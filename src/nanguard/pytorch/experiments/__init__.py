@@ -23,6 +23,7 @@ import torch
 
 from ...core.experiments import ExperimentConfig, investigate
 from .bench import TorchBench
+from .history import step_rates
 from .samples import batch_size_of, complement, indices_at, select_rows
 from .step import GuardStep, Outcome, ReplayableStep, StepChanges
 from .tapestep import TapeStep
@@ -41,7 +42,7 @@ def investigate_failure(event: Any, step: ReplayableStep, *, roots: Sequence[tor
     the event's cause is updated in place. ``prior``: experiments already run on this step (the compiled
     one, before the op-level replay). Returns the investigation's summary."""
     bench = TorchBench(step, roots, step_seconds=step_seconds, kept=kept, snapshots=snapshots,
-                       origin=event.origin)
+                       origin=event.origin, rates=step_rates(history))
     return investigate(event, bench, config, rediagnose=rediagnose, history=history, recovering=recovering,
                        prior=prior)
 

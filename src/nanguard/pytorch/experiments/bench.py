@@ -24,12 +24,14 @@ class TorchBench(Bench):
     """Experiments on ``step`` (the failing step). ``roots``: the watched models; ``kept``: earlier
     steps by number and ``snapshots`` (objects with ``step`` and ``restore``) for history replays;
     ``step_seconds``: one ordinary training step's wall time (reported with the cost); ``origin``: the
-    event's origin (its source line for ``domain_guard``)."""
+    event's origin (its source line for ``domain_guard``); ``rates``: each earlier step's learning rates
+    (:func:`.history.step_rates`), a history replay's schedule."""
 
     def __init__(self, step: ReplayableStep, roots: Sequence[torch.nn.Module], *, step_seconds: Optional[float],
                  kept: Optional[Dict[int, ReplayableStep]] = None, snapshots: Sequence[Any] = (),
-                 origin: Optional[Dict[str, Any]] = None) -> None:
+                 origin: Optional[Dict[str, Any]] = None, rates: Optional[Dict[int, List[float]]] = None) -> None:
         self.step, self.roots = step, list(roots)
+        self.rates = dict(rates or {})
         self.origin = origin or {}
         self._step_s = step_seconds
         self.kept = dict(kept or {})
@@ -238,13 +240,15 @@ class TorchBench(Bench):
         if steps is None:
             e.error = f"no snapshot and kept batches from step {start}"
             return {}
-        res = replay_history(snap, steps, self.roots, self.step.optimizers, **change)
+        res = replay_history(snap, steps, self.roots, self.step.optimizers, rates=self.rates, **change)
         e.replays += res.get("replays", 0)
         e.work += res.get("replays", 0)
         e.finite, e.error = res.get("finite"), res.get("error")
         if res.get("failed_at") is not None:
             e.details["failed_at"] = res["failed_at"]
         e.details["steps"] = res.get("replays", 0)
+        if res.get("schedule"):
+            e.details["schedule"] = True
         losses = [x for x in res.get("losses") or [] if isinstance(x, float)]
         if losses:
             e.details["losses"] = [losses[0], losses[-1]]

@@ -10,6 +10,7 @@ and puts the current state, learning rates and gradients back, whatever happened
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 
@@ -23,10 +24,14 @@ from .step import ReplayableStep, StepChanges, params_of
 
 def replay_history(snapshot: Any, steps: Sequence[ReplayableStep], modules: Sequence[torch.nn.Module],
                    optimizers: Sequence[Any], *, lr_factor: Optional[float] = None,
-                   max_norm: Optional[float] = None) -> Dict[str, Any]:
+                   max_norm: Optional[float] = None, rates: Optional[Dict[int, List[float]]] = None) -> Dict[str, Any]:
     """Replay ``steps`` (consecutive, the first one starting at ``snapshot.step``) from ``snapshot``.
+    ``rates``: the learning rates each step ran at (the step history's, one per param group): with
+    ``lr_factor`` a step replays at its own rate times the factor (the script's schedule scaled, a warm-up
+    included: "scale your schedule by f"), at most the rate now times it (a held cut's cap: a spike the
+    script wrote is not replayed above it), a step without one at the rate now times it.
     Returns ``{"finite": bool | None, "failed_at": step | None, "replays": n, "losses": [each step's
-    loss], "error": ...}``."""
+    loss], "error": ...}`` (``"schedule": True`` when a step ran at a rate of its own)."""
     t0 = time.perf_counter()
     params = params_of(optimizers)
     saved_grads = [p.grad for p in params]
@@ -35,12 +40,18 @@ def replay_history(snapshot: Any, steps: Sequence[ReplayableStep], modules: Sequ
     out: Dict[str, Any] = {"finite": None, "failed_at": None, "replays": 0, "losses": []}
     try:
         snapshot.restore(modules, optimizers, None)
-        if lr_factor is not None:
-            for o in optimizers:
-                for g in o.param_groups:
-                    g["lr"] = g["lr"] * lr_factor
+        groups = [g for o in optimizers for g in o.param_groups]
+        now = [v for lr in lrs for v in lr]
         finite = True
         for st in steps:
+            if lr_factor is not None:
+                own = (rates or {}).get(getattr(st, "step", None))
+                use = now
+                if own is not None and len(own) == len(groups):  # at most the rate now (the held cut's cap)
+                    use = [min(float(a), float(b)) for a, b in zip(own, now)]
+                    out["schedule"] = out.get("schedule") or use != [float(x) for x in now]
+                for g, v in zip(groups, use):
+                    g["lr"] = v * lr_factor
             o = st.run(changes=StepChanges(keep_grads=True))
             out["replays"] += 1
             if o.losses:
@@ -85,8 +96,8 @@ def consecutive(steps: Dict[int, ReplayableStep], start: int, end: int) -> Optio
 
 def replay_kept(kept: Dict[int, ReplayableStep], modules: Sequence[torch.nn.Module], optimizers: Sequence[Any],
                 from_step: int, to_step: int, *, steps: int, lr_factor: Optional[float] = None,
-                max_norm: Optional[float] = None,
-                quiet: Optional[Callable[[], ContextManager[Any]]] = None) -> Dict[str, Any]:
+                max_norm: Optional[float] = None, quiet: Optional[Callable[[], ContextManager[Any]]] = None,
+                rates: Optional[Dict[int, List[float]]] = None) -> Dict[str, Any]:
     """An early warning's candidate change (:mod:`nanguard.core.recovery.tried`): from the state now (the
     rollback's snapshot of ``from_step``, just restored), replay the kept steps ``from_step..to_step``,
     cycled to ``steps`` steps, with the change; the state is put back after. ``quiet``: the driver's
@@ -100,4 +111,16 @@ def replay_kept(kept: Dict[int, ReplayableStep], modules: Sequence[torch.nn.Modu
     start = Snapshot(from_step, modules, optimizers, None)
     cycled = [seq[i % len(seq)] for i in range(max(int(steps), 1))]
     with (quiet() if quiet is not None else contextlib.nullcontext()):
-        return replay_history(start, cycled, modules, optimizers, lr_factor=lr_factor, max_norm=max_norm)
+        return replay_history(start, cycled, modules, optimizers, lr_factor=lr_factor, max_norm=max_norm,
+                              rates=rates)
+
+
+def step_rates(history: Sequence[dict]) -> Dict[int, List[float]]:
+    """Each recorded step's learning rates (one per param group), by step: the schedule the script ran."""
+    out: Dict[int, List[float]] = {}
+    for h in history:
+        lr = h.get("lr") if isinstance(h, dict) else None
+        if isinstance(h.get("step"), int) and isinstance(lr, (list, tuple)) and lr and \
+                all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in lr):
+            out[h["step"]] = [float(x) for x in lr]
+    return out

@@ -100,9 +100,11 @@ class RecoveryPolicy(_NeutralPolicy):
         kept = dict(g._kept) if g is not None else (w.recovery.warning_steps(step) if w is not None else {})
         if not kept:
             return None
-        from ..experiments.history import replay_kept  # the experiments load at a warning, not in a healthy run
+        from ..experiments.history import replay_kept, step_rates  # loaded at a warning, not in a healthy run
         quiet = w.quiet if w is not None else None
-        return lambda frm, to, **kw: replay_kept(kept, list(modules), list(optimizers), frm, to, quiet=quiet, **kw)
+        rates = step_rates((g or w).monitor.history.raw_dicts())
+        return lambda frm, to, **kw: replay_kept(kept, list(modules), list(optimizers), frm, to, quiet=quiet,
+                                                 rates=rates, **kw)
 
     # ---------------------------------------------------------------- Guard adapter
     def bind_guard(self, guard) -> None:
