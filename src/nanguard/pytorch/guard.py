@@ -72,8 +72,9 @@ class Guard:
         tensorboard: a log directory or a ``SummaryWriter``: the step history and the events are
             written as TensorBoard scalars/text (:mod:`nanguard.pytorch.tensorboard`).
         param_check_every: after each update, re-read about 1/K of the parameter bytes, every
-            parameter at least every K updates (``None``: 1 up to 2 MiB of parameters, else up
-            to 8). Parameters the next forward uses are caught at the next step whatever K is.
+            parameter at least every K updates (``None``: 1 up to 2 MiB and 64 tensors of
+            parameters, else up to 8). Parameters the next forward uses are caught at the next step
+            whatever K is.
         sync_free: no host read in a healthy step (:mod:`nanguard.pytorch.syncfree`): a flagged
             step's update is kept out of the weights on the device and the flags are read
             later, then the guard rewinds to the failing step. ``"auto"``: on when the model is

@@ -20,8 +20,8 @@ Cost model (why it is cheap):
 * the post-update parameter norms are computed right after the optimizer step
   but only *read* at the next step's sync, so catching an optimizer-made NaN
   costs no extra sync (it is reported one check later, with the right step);
-* on models above 2 MiB of parameters that post-update pass covers a rotating
-  slice of about 1/K of the parameter bytes (K up to 8, ``param_check_every``),
+* on models above 2 MiB or 64 tensors of parameters that post-update pass covers a
+  rotating slice of about 1/K of the parameters (K up to 8, ``param_check_every``),
   so every parameter is re-read at least every K updates. A parameter the next
   forward uses is caught by the next step's loss/gradient check anyway (the
   slow path then checks every parameter exactly); only parameters the loss

@@ -1,8 +1,11 @@
 """The post-update parameter check in rotating slices, and who to blame when it read a slice late.
 
-Above 2 MiB of parameters each update re-reads one of K slices of about equal
-bytes (K = ceil(bytes / 2 MiB), at most 8; ``param_check_every`` sets it), so
-every parameter is re-read at least every K updates. A parameter found
+Above 2 MiB of parameters, or 64 parameter tensors, each update re-reads one of K
+slices of about equal cost (K = ceil(max(bytes / 2 MiB, tensors / 64)), at most 8;
+``param_check_every`` sets it), so every parameter is re-read at least every K updates.
+A tensor's read costs about as much as 32 KiB of bytes on the CPU whatever its size (the
+flat copy and the norm's set-up), so many small tensors (a deep narrow model, whose steps are
+dispatch-bound) are sliced like a big model. A parameter found
 non-finite before a step whose last update's check did not read it was made
 either by that update or by code between steps: :func:`update_suspect` decides
 from the optimizer's own numerics.
@@ -20,9 +23,11 @@ from .norms import NormPlan
 from .tensors import is_checkable, local_finite
 
 
-# Auto param_check_every: parameters up to this many bytes are all re-read after every update;
-# above it, slices of about this size, in at most _MAX_SLICES slices.
+# Auto param_check_every: parameters up to this many bytes (and _SLICE_TENSORS tensors) are all
+# re-read after every update; above it, slices of about this cost, in at most _MAX_SLICES slices.
 _SLICE_BYTES = 2 << 20
+_SLICE_TENSORS = 64
+_TENSOR_COST = _SLICE_BYTES // _SLICE_TENSORS  # one tensor's fixed read cost, in bytes
 _MAX_SLICES = 8
 
 
@@ -31,18 +36,19 @@ def plan_slices(groups: List[List[torch.Tensor]], every: Optional[int]) -> "Tupl
 
     Returns ``(K, slices, slice_of)``: ``slices[c][g]`` are group ``g``'s parameters in
     slice ``c``; ``slice_of`` maps ``id(param)`` to its slice. Largest first, each into
-    the lightest slice so far (a greedy balance: one huge tensor stays one slice).
+    the lightest slice so far (a greedy balance of bytes plus a fixed cost per tensor: one
+    huge tensor stays one slice).
     """
     flat = [p for g in groups for p in g]
     if every is None:
         total = sum(p.numel() * p.element_size() for p in flat)
-        every = min(_MAX_SLICES, max(1, math.ceil(total / _SLICE_BYTES)))
+        every = min(_MAX_SLICES, max(1, math.ceil(total / _SLICE_BYTES), math.ceil(len(flat) / _SLICE_TENSORS)))
     k = max(1, min(every, len(flat)))
     loads = [0] * k
     slice_of: Dict[int, int] = {}
     for p in sorted(flat, key=lambda t: -t.numel() * t.element_size()):
         c = loads.index(min(loads))
-        loads[c] += p.numel() * p.element_size()
+        loads[c] += p.numel() * p.element_size() + _TENSOR_COST
         slice_of[id(p)] = c
     slices = [[[p for p in g if slice_of[id(p)] == c] for g in groups] for c in range(k)]
     return k, slices, slice_of

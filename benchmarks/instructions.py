@@ -1,0 +1,124 @@
+"""Instructions per healthy step (valgrind callgrind): the host-cost figure that other processes' load cannot move.
+
+``benchmarks.dispatch``'s CPU times swing 0.95-1.30x on a loaded 2-core machine; the instructions a
+step executes do not depend on the load (two runs agree within ~0.3 M of ~59 M on the tiny GPT).
+This runs the dispatch benchmark's models under callgrind with instrumentation switched on only
+around ``--steps`` healthy steps of each configuration (one process: the import and set-up run
+uninstrumented; the garbage collector off while counting), and prints the instructions per step and
+the ratio to the unguarded step::
+
+    python -m benchmarks.instructions                          # gpt: unguarded, guard, zerocode (~5 min)
+    python -m benchmarks.instructions --models gpt,cnn --configs unguarded,guard,zerocode,recover
+
+Instructions are not time: a memory-bound copy costs more time per instruction than Python does,
+so read this beside the timed benchmark, not instead of it. Needs ``valgrind`` and a C compiler
+(the client-request helper is compiled once into a temporary folder); never used as a test.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from typing import Dict, List
+
+_HELPER = r"""
+#include <valgrind/callgrind.h>
+void ng_start(void){ CALLGRIND_START_INSTRUMENTATION; }
+void ng_stop(void){ CALLGRIND_STOP_INSTRUMENTATION; }
+void ng_zero(void){ CALLGRIND_ZERO_STATS; }
+void ng_dump(const char* s){ CALLGRIND_DUMP_STATS_AT(s); }
+"""
+
+
+def _helper(folder: str) -> str:
+    src, lib = os.path.join(folder, "ngcg.c"), os.path.join(folder, "libngcg.so")
+    with open(src, "w") as f:
+        f.write(_HELPER)
+    subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", lib, src], check=True)
+    return lib
+
+
+def child(lib: str, model: str, configs: List[str], steps: int) -> None:
+    """Inside valgrind: run each configuration's warm steps uninstrumented, then ``steps`` counted ones."""
+    import torch
+    from .dispatch import MAKERS, on_device
+    from .overhead import Runner
+    cg = ctypes.CDLL(lib)
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    r = Runner(on_device(MAKERS[model](), "cpu"))
+    for c in configs:
+        with r.context(c):
+            for _ in range(3):
+                r.steps[c]()
+    cg.ng_start()
+    for c in configs:
+        with r.context(c):
+            s = r.steps[c]
+            s()
+            gc.collect()
+            gc.disable()  # a collection falling inside one configuration's few counted steps is noise
+            cg.ng_zero()
+            for _ in range(steps):
+                s()
+            cg.ng_dump(c.encode())
+            gc.enable()
+    cg.ng_stop()
+
+
+def measure(model: str, configs: List[str], steps: int, folder: str, lib: str) -> Dict[str, float]:
+    out = os.path.join(folder, f"cg.{model}")
+    subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+                    sys.executable, "-m", "benchmarks.instructions", "--child", lib, model, ",".join(configs),
+                    str(steps)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    per: Dict[str, float] = {}
+    for f in glob.glob(out + ".*"):
+        txt = open(f).read()
+        trig = re.search(r"^desc: Trigger: Client Request: (.*)$", txt, re.M)
+        total = re.search(r"^summary: (\d+)", txt, re.M)
+        if trig and total:
+            per[trig.group(1).strip()] = int(total.group(1)) / steps
+    return per
+
+
+def main(argv: List[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        child(argv[1], argv[2], argv[3].split(","), int(argv[4]))
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.instructions", description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="gpt")
+    ap.add_argument("--configs", default="unguarded,guard,zerocode", help="unguarded first (the ratios' base)")
+    ap.add_argument("--steps", type=int, default=6,
+                    help="counted steps per configuration (6: whole rotations of 1, 2 or 3 parameter slices)")
+    args = ap.parse_args(argv)
+    if shutil.which("valgrind") is None or shutil.which("cc") is None:
+        print("needs valgrind and a C compiler (cc)", file=sys.stderr)
+        return 2
+    configs = args.configs.split(",")
+    with tempfile.TemporaryDirectory(prefix="nanguard-cg-") as folder:
+        lib = _helper(folder)
+        for model in args.models.split(","):
+            per = measure(model, configs, args.steps, folder, lib)
+            base = per.get(configs[0])
+            print(f"\n{model}: instructions per healthy step (callgrind)")
+            for c in configs:
+                if c not in per:
+                    print(f"  {c:10s} (no count)")
+                    continue
+                ratio = f"  {per[c] / base:.4f}x  ({(per[c] - base) / 1e6:+.3f} M)" if base else ""
+                print(f"  {c:10s} {per[c] / 1e6:9.3f} M{ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
