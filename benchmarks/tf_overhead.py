@@ -35,6 +35,8 @@ import json
 import os
 import platform
 import random
+import resource
+import statistics
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -110,6 +112,7 @@ class Runner:
         self.ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(self.batch, drop_remainder=True).repeat()
         self.n_params = int(sum(int(v.shape.num_elements() or 0) for v in self.model.trainable_variables))
         self.graph_ops: Dict[str, Optional[int]] = {}
+        self.faults: List[float] = []   # minor page faults per timed step of the latest block
 
     def block(self, cfg: str, n_warm: int, n_timed: int) -> List[float]:
         """Step times (s) of one fit call: ``n_warm`` untimed steps, then ``n_timed`` timed ones."""
@@ -117,8 +120,13 @@ class Runner:
         import nanguard.keras as nk
         tf = self.tf
         ends: List[float] = []
+        flts: List[int] = []
         clock = time.perf_counter
-        timer = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: ends.append(clock()))
+
+        def mark(b, logs):
+            ends.append(clock())
+            flts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+        timer = keras.callbacks.LambdaCallback(on_train_batch_end=mark)
         cbs: List[Any] = [timer]
         if cfg == "nanguard":
             cbs.insert(0, nk.NanGuard(report=None, quiet=True))
@@ -135,6 +143,7 @@ class Runner:
             if cfg == "check_numerics":
                 tf.debugging.disable_check_numerics()
         diffs = [b - a for a, b in zip(ends, ends[1:])]
+        self.faults = [b - a for a, b in zip(flts, flts[1:])][n_warm:]
         return diffs[n_warm:]
 
 
@@ -175,6 +184,21 @@ def count_graph_ops(fn: Any) -> Optional[int]:
     return total
 
 
+def faults_by_config(blocks: List[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
+    """Minor page faults per timed step, per configuration: the median, and the share of steps above 1000
+    (~4 MB of fresh pages: a step whose large temporaries, e.g. a convolution's im2col buffer, were
+    mmap'ed anew by the C allocator). Measured (issue 23): the same fit, plain or guarded, runs for blocks at
+    ~5 faults per step and for others at 10-23k (10-20 ms of kernel time per step), depending on the
+    allocator's state, not on the configuration; a ratio taken over blocks in different states is not the
+    check's cost. Counts, not timings: free of the machine's noise."""
+    out: Dict[str, Dict[str, float]] = {}
+    for c in CONFIGS:
+        fs = [f for b in blocks if b["config"] == c for f in b.get("faults") or []]
+        if fs:
+            out[c] = {"median": float(statistics.median(fs)), "share_above_1000": round(sum(f > 1000 for f in fs) / len(fs), 3)}
+    return out
+
+
 def time_model(name: str, args, meter: CpuMeter) -> Dict[str, Any]:
     r = Runner(name)
     warm = {c: min(r.block(c, 1, 2) or [float("inf")]) for c in CONFIGS}
@@ -197,7 +221,8 @@ def time_model(name: str, args, meter: CpuMeter) -> Dict[str, Any]:
             waited += meter.wait_quiet(QUIET / 2, min(args.block_wait, args.max_wait - waited))
             a = meter.sample()
             ts = r.block(c, args.warm, args.block)
-            blocks.append({"round": rounds, "config": c, "times": ts, "others_cpu": meter.others(a, meter.sample())})
+            blocks.append({"round": rounds, "config": c, "times": ts, "others_cpu": meter.others(a, meter.sample()),
+                           "faults": list(r.faults)})
         rounds += 1
     blocks = [b for b in blocks if b["times"]]
     quiet = [b for b in blocks if b["others_cpu"] < QUIET]
@@ -218,7 +243,9 @@ def time_model(name: str, args, meter: CpuMeter) -> Dict[str, Any]:
         "ratio_ci95_by_round_bootstrap": round_bootstrap(chosen, CONFIGS),
         "nanguard_vs_check_numerics": round(ng / cn, 4) if ng and cn else None,
         "graph_ops": r.graph_ops,
+        "minor_faults_per_step": faults_by_config(chosen),
         "raw_blocks": [{"r": b["round"], "c": b["config"], "ms": [round(1e3 * t, 2) for t in b["times"]],
+                        "faults": b.get("faults"),
                         "others": round(b["others_cpu"], 3)} for b in blocks],
     }
 
@@ -259,7 +286,10 @@ def print_tables(res: Dict[str, Any]) -> None:
                 continue
             rng = f"  95% CI {ci[c][0]:.3f}-{ci[c][1]:.3f}" if c in ci else ""
             print(f"  {LABELS[c]:<46} {d['median_ms']:8.2f} ms  x{d['ratio']:.3f} (paired x{d['ratio_paired']:.3f},"
-                  f" p25 x{d['ratio_p25']:.3f}){rng}  graph ops {t['graph_ops'].get(c)}")
+                  f" p25 x{d['ratio_p25']:.3f}){rng}  graph ops {t['graph_ops'].get(c)}"
+                  + (f"  faults/step {t['minor_faults_per_step'][c]['median']:.0f}"
+                     f" ({100 * t['minor_faults_per_step'][c]['share_above_1000']:.0f}% > 1000)"
+                     if c in t.get("minor_faults_per_step", {}) else ""))
         if t.get("nanguard_vs_check_numerics") is not None:
             print(f"  nanguard / check_numerics: x{t['nanguard_vs_check_numerics']:.3f}")
 

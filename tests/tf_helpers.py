@@ -142,6 +142,20 @@ def run_plain(script_path: str, args: Sequence[Any] = ()) -> None:
         sys.argv = old
 
 
+def diverging_sgd_fit(callback: Any) -> Any:
+    """A regression ``model.fit`` at SGD(3.0) that diverges to a non-finite loss within its first batches (a
+    learning rate too high), run in this process with ``callback``; returns the model."""
+    import numpy as np
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(640, 8)).astype("float32")
+    y = (x @ rng.normal(size=(8, 1)) * 3).astype("float32")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(3.0), loss="mse")
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    return model
+
+
 def weights(path: str) -> list:
     import numpy as np
     with np.load(path) as z:

@@ -62,14 +62,9 @@ def test_clip_replay_clips_with_the_optimizers_own_global_clipnorm_and_leaves_it
 
 def test_fit_under_recovery_replays_a_lower_learning_rate_from_its_snapshot():
     import nanguard.keras
-    keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(640, 8)).astype("float32")
-    y = (x @ rng.normal(size=(8, 1)) * 3).astype("float32")
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.SGD(3.0), loss="mse")
+    from tf_helpers import diverging_sgd_fit
     cb = nanguard.keras.NanGuard(report=None, quiet=True, recover="auto", on_spike="warn")
-    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    diverging_sgd_fit(cb)
     ev = [e for e in cb.report.events if not e.is_warning][0]
     assert ev.cause["category"] == "lr_too_high"
     exps = ev.cause["evidence"]["experiments"]

@@ -45,6 +45,8 @@ COLS = VALUES + FLAGS
 C = {name: i for i, name in enumerate(COLS)}
 NCOL = len(COLS)
 RING = 64  # rows kept per optimizer between two host reads (steps of one tf.function call)
+(_STEP, _LOSS, _LOSS_KNOWN, _GN, _LSO_F, _PN, _LR, _SCALE, _LOSS_OK, _DATA_OK, _GRADS_OK, _PRE_OK, _SKIPPED,
+ _POST_OK, _LSO_FINITE, _HALTED) = range(NCOL)
 
 
 # --------------------------------------------------------------------------- tensor helpers
@@ -164,20 +166,26 @@ class Row:
 
 def record_of(row: Row, param_norm: Optional[float] = None) -> StepRecord:
     """The history record of one step's row (the gradient norm unscaled under a LossScaleOptimizer).
-    ``param_norm``: used when the row has none yet (an eager step read before its update)."""
-    gn = row.grad_norm
-    scale = row.loss_scale if row.flag("lso") and math.isfinite(row.loss_scale) else None
+    ``param_norm``: used when the row has none yet (an eager step read before its update). Reads the
+    row's list by index (this runs every step: no attribute look-up per value)."""
+    v = row.vals
+    gn, lso = v[_GN], v[_LSO_F] >= 0.5
+    scale = v[_SCALE] if lso and math.isfinite(v[_SCALE]) else None
     if scale and math.isfinite(gn):
         gn = gn / scale  # the history keeps the unscaled gradient norm
-    pn = row.param_norm if math.isfinite(row.param_norm) and row.param_norm > 0 else param_norm
-    lr = row.lr
+    pn = v[_PN] if math.isfinite(v[_PN]) and v[_PN] > 0 else param_norm
+    lr = v[_LR]
     ratio = None
     if pn and math.isfinite(lr) and math.isfinite(gn):
         ratio = lr * gn / pn
-    skipped = row.flag("guard_skipped") or (row.flag("lso") and not row.flag("lso_finite"))
-    return StepRecord(step=int(row.step), loss=row.loss if row.flag("loss_known") else None, grad_norm=gn,
+    skipped = v[_SKIPPED] >= 0.5 or (lso and v[_LSO_FINITE] < 0.5)
+    return StepRecord(step=int(v[_STEP]), loss=v[_LOSS] if v[_LOSS_KNOWN] >= 0.5 else None, grad_norm=gn,
                       group_grad_norms=[gn], param_norm=pn, update_ratio=ratio,
                       lr=[lr] if math.isfinite(lr) else [], loss_scale=scale, skipped=skipped)
+
+
+def _loss(v: List[float]) -> Optional[float]:
+    return v[_LOSS] if v[_LOSS_KNOWN] >= 0.5 else None
 
 
 class StepDecider:
@@ -195,20 +203,23 @@ class StepDecider:
         self.history = history
         self.consecutive_skips = 0
 
-    def record(self, row: Row) -> None:
-        self.history.append(record_of(row))
+    def record(self, row: Row) -> StepRecord:
+        rec = record_of(row)
+        self.history.append(rec)
+        return rec
 
     def decide(self, row: Row) -> Optional[Detection]:
-        step = int(row.step)
-        loss = row.loss if row.flag("loss_known") else None
-        if row.flag("halted"):
+        v = row.vals   # by index: this runs every step
+        if v[_HALTED] >= 0.5:
             return None  # a step after a stop inside the same graph call: its update was not applied
-        loss_ok, data_ok, grads_ok, pre_ok = (row.flag(k) for k in ("loss_ok", "data_ok", "grads_ok", "pre_ok"))
+        step = int(v[_STEP])
+        loss_ok, data_ok, grads_ok, pre_ok = v[_LOSS_OK] >= 0.5, v[_DATA_OK] >= 0.5, v[_GRADS_OK] >= 0.5, v[_PRE_OK] >= 0.5
         if loss_ok and data_ok and grads_ok and pre_ok:
             self.consecutive_skips = 0
-            if not row.flag("post_ok"):
-                return Detection(step, "optimizer", {"loss": loss})
+            if v[_POST_OK] < 0.5:
+                return Detection(step, "optimizer", {"loss": _loss(v)})
             return None
+        loss = _loss(v)
         if not pre_ok:
             return Detection(step, "params", {"loss": loss})
         if not data_ok:
@@ -216,8 +227,8 @@ class StepDecider:
         if not loss_ok:
             return Detection(step, "forward", {"loss": loss})
         d: Dict[str, Any] = {"loss": loss}
-        if row.flag("lso"):
-            return self._scaler_skip(step, row.loss_scale, d)
+        if v[_LSO_F] >= 0.5:
+            return self._scaler_skip(step, v[_SCALE], d)
         return Detection(step, "backward", d)
 
     def _scaler_skip(self, step: int, scale: float, d: Dict[str, Any]) -> Detection:

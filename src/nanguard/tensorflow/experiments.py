@@ -283,7 +283,28 @@ class KerasBench(Bench):
                 late = self._diverged_before(start)
                 if late:   # too late to tell: no verdict rather than a wrong "ruled out"
                     e.finite, e.error = None, late
+        factor = self._lr_deeper(e, factor, replays_left)
         e.details["lr"] = [x * factor for x in _lrs(self.cap.optimizer)]
+
+    def _lr_deeper(self, e: Experiment, factor: float, replays_left: float) -> float:
+        """A replay at the lower rate that stays finite but still diverges (its last loss > 10x its first,
+        :func:`~nanguard.core.experiments.tested.still_diverging`) has not passed: with ``deeper``, once
+        more x0.1 from the same start when the budget pays for it, as PyTorch's lr_replay does (a fix
+        printed, or applied by recovery, must be one that passed). Returns the factor last tried."""
+        from ..core.experiments.tested import still_diverging
+        steps = self.cap.step - int(e.params["from_step"]) + 1
+        if not (e.finite is True and e.params.get("deeper") and still_diverging(e.details)
+                and factor * 0.1 >= 1e-4 and e.replays + steps <= float(replays_left)):
+            return factor
+        tried = [{"factor": factor, "finite": True, "still_diverging": True, "losses": e.details.pop("losses")}]
+        factor *= 0.1
+        e.params["factor"] = factor
+        self._history(e, factor=factor)
+        tried.append({"factor": factor, "finite": e.finite, **({"still_diverging": True}
+                                                             if e.finite is True and still_diverging(e.details) else {})})
+        e.details["tried"] = tried
+        e.change = describe(e.kind, e.params)
+        return factor
 
     def _diverged_before(self, start: int) -> Optional[str]:
         """Why a lower-rate replay from ``start`` proves nothing, when the run had already diverged there: the

@@ -516,6 +516,8 @@ class TFRecovery:
         if rec is None:
             return False
         self.policy.on_update(actions)  # arms clipping (an in-graph variable) for the next updates
+        if watcher.spikes is not None:  # the warnings watch the resumed run afresh (core.alerts), as on PyTorch
+            watcher.spikes.after_recovery(rec)
         if cap is not None and cap.buffers:  # a step of a fit call of several steps (.recover_held)
             done = str(rec.get("action") or "")
             if "drop_samples" not in done and "rollback" not in done:

@@ -69,6 +69,16 @@ def _phase(cap: StepCapture, probe: Any) -> str:
     return "backward"
 
 
+def _history_row(w: Any, step: int, loss: Any, actions: Any, applied: bool) -> None:
+    """The re-run held step's row in the step history (its in-graph row was a halted one, never recorded):
+    its loss, the learning rate it ran at, skipped when its re-run failed. No gradient or parameter norm:
+    the eager re-run measures neither."""
+    from ..core.history import StepRecord
+    ok = loss is not None and bool(np.isfinite(loss))
+    w.history.append(StepRecord(step=step, loss=float(loss) if ok else None, lr=actions.learning_rates()[:1],
+                                skipped=not applied))
+
+
 def resume_held(rec: Any, w: Any, st: Any, step: int, first: int, actions: Any) -> bool:
     """Re-run held step ``step`` (held behind the failure at step ``first`` of the same call) from the
     state now; ``rec``: the run's :class:`~.recover.TFRecovery`, ``actions`` its
@@ -81,11 +91,12 @@ def resume_held(rec: Any, w: Any, st: Any, step: int, first: int, actions: Any) 
         return False
     cap.buffers = [(v, np.array(v.numpy())) for v, _ in cap.buffers]   # now, not when it was held
     probe = rerun_step(w, cap, cap.inputs, actions)
+    loss = probe.losses[0] if len(probe.losses) == 1 else None
+    _history_row(w, step, loss, actions, probe.applied)
     if probe.applied:
         rec.resumed.append(step)
         return True
     put_back(cap.buffers)   # the failed re-run's forward moved the metrics
-    loss = probe.losses[0] if len(probe.losses) == 1 else None
     det = Detection(step, _phase(cap, probe), {"loss": loss, "held": (
         f"held in-graph behind the failure at step {first} of the same fit call (steps_per_execution > 1) "
         "and re-run after its recovery: non-finite again")})

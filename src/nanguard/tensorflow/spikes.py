@@ -70,11 +70,13 @@ class TFSpikes(SpikeResponse):
         super().__init__(on_spike, quiet, config)
         self.context = context
 
-    def observe(self, w: Any, st: Any, row: "D.Row", *, late: bool) -> bool:
+    def observe(self, w: Any, st: Any, row: "D.Row", *, late: bool, rec: Any = None) -> bool:
         """Judge one step that passed the check (its row). True: the step is to be treated as skipped
-        (an eager step's update is then not run)."""
-        last = w.history.last()  # an eager row has no post-update norm yet: the previous step's
-        rec = D.record_of(row, last.param_norm if last is not None and last.step < int(row.step) else None)
+        (an eager step's update is then not run). ``rec``: the row's history record, when the host made
+        it already (a traced row has its post-update norm: the same record)."""
+        if rec is None or rec.param_norm is None:
+            last = w.history.last()  # an eager row has no post-update norm yet: the previous step's
+            rec = D.record_of(row, last.param_norm if last is not None and last.step < int(row.step) else None)
         if rec.skipped:
             return False
         hit = self.detector.observe(rec.step, rec.loss, rec.grad_norm, stream=id(st))
