@@ -58,8 +58,7 @@ class TFWatcher:
         self.detections: List[Detection] = []
         self.info: List[Detection] = []
         self.dropped_events = 0
-        self.disabled = False
-        self.error: Optional[str] = None
+        self.disabled, self.error = False, None   # an internal error disables the guard (error: what it was)
         self.stop_requested: Optional[Detection] = None
         self.on_stop: Optional[Callable[[], None]] = None  # called once, when a stop is first requested
         self.states: Dict[int, OptState] = {}   # the optimizers updated (or traced) under this watcher
@@ -308,17 +307,6 @@ class TFWatcher:
         return {"call": now["call"], "epoch": now["epoch"], "step_in_epoch": step - now["epoch_start"],
                 "step_in_fit": step - now["start"]}
 
-    def _first_step(self, tvars: Optional[List[Any]]) -> int:
-        """The script's step at which an optimizer new to this run starts counting: inside a ``fit``, the
-        fit's first step (optimizers of one fit step together, as in a GAN's custom train_step);
-        outside, after the steps of the earlier optimizers that trained the same variables (a new
-        optimizer taking over the weights: a fine-tuning stage); else 0 (optimizers in parallel)."""
-        if self.fit_now is not None:
-            return self.fit_now["start"]
-        ids = {id(v) for v in tvars or []}
-        return max((o.attempts - o.offset for o in self.states.values()
-                    if ids and ids.intersection(id(v) for v in o.tvars)), default=0)
-
     def _on_outside_write(self, var: Any) -> None:
         """An eager write of a trainable variable outside any update (a warm start, ``set_weights``, a
         hand-made re-initialisation): the next step checks the variables exactly."""
@@ -368,7 +356,7 @@ class TFWatcher:
             if st is not None and st.opt_ref() is opt:  # adopted at install
                 self.states[id(opt)] = st
                 return st
-            first = self._first_step(tvars)
+            first = first_step(self, tvars)
             st = STATES.get(id(opt))
             if st is None or st.opt_ref() is not opt:
                 st = STATES[id(opt)] = OptState(opt, n_vars, active=self.skip_bad, stop_mode=self.stop_mode)
@@ -449,3 +437,15 @@ class TFWatcher:
 
     def optimizers(self) -> list:
         return [st.opt_ref() for st in self.states.values() if st.opt_ref() is not None]
+
+
+def first_step(w: Any, tvars: Optional[List[Any]]) -> int:
+    """The script's step at which an optimizer new to watcher ``w``'s run starts counting: inside a ``fit``,
+    the fit's first step (optimizers of one fit step together, as in a GAN's custom train_step); outside,
+    after the steps of the earlier optimizers that trained the same variables (a new optimizer taking
+    over the weights: a fine-tuning stage); else 0 (optimizers in parallel)."""
+    if w.fit_now is not None:
+        return w.fit_now["start"]
+    ids = {id(v) for v in tvars or []}
+    return max((o.attempts - o.offset for o in w.states.values()
+                if ids and ids.intersection(id(v) for v in o.tvars)), default=0)
