@@ -23,6 +23,15 @@ detector's start floor). A replay that stayed finite while its loss went on grow
 at the end of an lr replay from a snapshot taken after the onset) is "still diverging", not passed;
 it decides nothing about its cause either (``kinds``: no verdict), and no recovery action is verified
 by it.
+
+An early warning's candidate (:mod:`nanguard.core.recovery.tried`) must show more: not what the warning
+warned of. :func:`warning_check` adds to its details ``growing`` (the loss still rises: the mean of its
+last losses above ``GROWTH_TOL`` more than the mean of its first ones; a replay of distinct batches must
+also have a least-squares trend rising by as much, so minibatch noise alone is not growth) and, for the dead rule,
+``dead`` (every replayed gradient norm at most ``DEAD_GRAD`` x the first steps': a dead network's replay
+passes anything, so it tests nothing), and for a learning-rate cut ``stalled`` (the same batches' mean
+loss moved by at most ``STALL_TOL`` of it: a rate so small that nothing trains passes anything too). :func:`still_diverging` honours ``growing``, so a replay's verdict
+is the same wherever it is read.
 """
 from __future__ import annotations
 
@@ -31,11 +40,16 @@ from typing import Any, Dict, List, Optional, Sequence
 
 STILL_GROWING = 10.0
 LOSS_FLOOR = 1e-6
+GROWTH_TOL = 0.1   # a warning's replay: the mean of the last losses at most 1.1x the first ones'
+DEAD_GRAD = 0.1    # ... and (dead rule) not every gradient norm <= 0.1x the first steps' (spike.dead_grad)
+STALL_TOL = 1e-3   # ... and (a learning-rate cut) the loss on the same batches moved by more than 0.1%
 
 
 def still_diverging(details: Any) -> bool:
     """The replay's loss kept growing: its last loss > ``STILL_GROWING`` x its first (see the module
     docstring); False when the replay recorded no pair of finite losses."""
+    if isinstance(details, dict) and details.get("growing") is True:  # a warning's replay (warning_check)
+        return True
     loss = details.get("losses") if isinstance(details, dict) else None
     if not (isinstance(loss, (list, tuple)) and len(loss) == 2
             and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in loss)):
@@ -47,8 +61,52 @@ def still_diverging(details: Any) -> bool:
 
 
 def passes(finite: Any, details: Any) -> bool:
-    """A replay passed: every value finite and not :func:`still_diverging`."""
-    return finite is True and not still_diverging(details)
+    """A replay passed: every value finite, not :func:`still_diverging` and not ``dead``."""
+    return finite is True and not still_diverging(details) and not (
+        isinstance(details, dict) and (details.get("dead") or details.get("stalled")))
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def warning_check(losses: Sequence[Any], grad_norms: Sequence[Any] = (), period: int = 0,
+                  grad_ref: Optional[float] = None, stall: bool = False) -> Dict[str, Any]:
+    """What an early warning's replay shows of what the warning warned of (fields for its ``details``).
+
+    ``losses``: each replayed step's; ``period``: how many distinct steps were cycled (the same batches
+    come back every ``period`` steps). The first k and the last k losses are compared by their means:
+    k a whole number of cycles when two fit (the same batches on both sides), else a third of the steps
+    (distinct batches: then the least-squares fit must rise by as much over the replay too). ``loss_means`` [first, last],
+    ``compared`` k, ``growing`` when the last mean exceeds the first by more than ``GROWTH_TOL`` of it.
+    ``grad_ref`` (the dead rule's first-steps gradient norm): ``dead`` when every replayed gradient norm
+    is at most ``DEAD_GRAD`` x it, with ``grad_norm_max``. ``stall`` (a learning-rate cut): ``stalled`` when
+    the same batches' means moved by at most ``STALL_TOL`` of the first."""
+    out: Dict[str, Any] = {}
+    ls = [float(x) for x in losses if _num(x)]
+    n = len(ls)
+    if n >= 2:
+        p = int(period or 0)
+        same = 0 < p and 2 * p <= n
+        k = p * (n // (2 * p)) if same else max(1, n // 3)
+        a, b = sum(ls[:k]) / k, sum(ls[-k:]) / k
+        out.update(loss_means=[a, b], compared=k)
+        rising = b - a > GROWTH_TOL * max(abs(a), LOSS_FLOOR)
+        if rising and not same:  # distinct batches: the fitted trend must rise too
+            xm = (n - 1) / 2.0
+            ym = sum(ls) / n
+            slope = sum((i - xm) * (y - ym) for i, y in enumerate(ls)) / sum((i - xm) ** 2 for i in range(n))
+            rising = slope * (n - 1) > GROWTH_TOL * max(abs(a), LOSS_FLOOR)
+        if rising:
+            out["growing"] = True
+        elif stall and same and abs(b - a) <= STALL_TOL * max(abs(a), LOSS_FLOOR):
+            out["stalled"] = True
+    gs = [float(x) for x in grad_norms if _num(x)]
+    if grad_ref is not None and _num(grad_ref) and grad_ref > 0 and gs and len(gs) == len(list(grad_norms)):
+        out["grad_norm_max"] = max(gs)
+        if max(gs) <= DEAD_GRAD * grad_ref:
+            out["dead"] = True
+    return out
 
 
 def g(x: Any) -> str:
@@ -65,8 +123,8 @@ def tested_fixes(experiments: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 def _entry(e: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    if e.get("finite") is None:  # could not run: nothing was tested
-        return None
+    if e.get("finite") is None or (e.get("details") or {}).get("dead"):  # could not run, or a dead replay:
+        return None                                                       # nothing was tested
     p, d = e.get("params") or {}, e.get("details") or {}
     kind = e["kind"]
     if kind == "lr_replay":
@@ -89,6 +147,8 @@ def _entry(e: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         steps = 1  # one replay of the failing step
     what = f"{steps} step{'s' if steps != 1 else ''} finite" if passed else \
         ("still non-finite" + (f" at step {d['failed_at']}" if d.get("failed_at") is not None else ""))
+    if e.get("finite") is True and d.get("stalled"):
+        what = f"stalled: {steps} steps finite, but the loss did not move (a rate too small to train)"
     if growing:
         what = f"still diverging: {steps} step{'s' if steps != 1 else ''} finite, but the loss kept growing"
     late = not passed and bool(p.get("after_onset"))  # from weights already diverging: no verdict on the fix
@@ -106,9 +166,12 @@ def _entry(e: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         t["module"] = p.get("module") or ""
     elif kind == "domain_guard" and p.get("op"):
         t["op"] = p["op"]
-    if isinstance(loss, list) and len(loss) == 2 and (passed or growing):
+    if isinstance(loss, list) and len(loss) == 2 and (passed or growing or d.get("stalled")):
         t["loss"] = list(loss)
         what += f", loss {g(loss[0])} -> {g(loss[1])}"
+        m, k = d.get("loss_means"), d.get("compared")
+        if (d.get("growing") or d.get("stalled")) and isinstance(m, list) and len(m) == 2 and k:
+            what += f" (mean of the last {k}: {g(m[1])}, of the first {k}: {g(m[0])})"
     if growing:
         t["still_diverging"] = True
     if d.get("tried"):

@@ -6,11 +6,15 @@ before the excursion and applies what its diagnosis calls for (``lr_backoff``, `
 it, the backend replays (:meth:`~nanguard.core.recovery.actions.RecoveryActions.replay_kept`) the steps it
 kept from the snapshot's step up to the warning's, cycled to ``REPLAY_STEPS`` steps, from the state just
 rolled back to, with the candidate change: the policy's own value first, then ``FURTHER`` x it, up to
-``MAX_CANDIDATES`` values. The first that passes (:func:`nanguard.core.experiments.tested.passes`: every
-value finite and the last loss at most 10x the first) is the one applied, and the recovery record and the
-warning's fixes say so (``"lr 50 -> 0.5: 8 steps finite, loss 3.1 -> 2.2"``). When none passes, the
-policy's own value is applied, marked untested (``untested``: why), as it is when no replay can run (no
-optimizer to replay, a GradScaler, the steps since the snapshot not kept).
+``MAX_CANDIDATES`` values. The first that passes is the one applied, and the recovery record and the
+warning's fixes say so (``"lr 50 -> 0.5: 8 steps finite, loss 3.1 -> 2.2"``). "Passes" means the replay
+does not show what the warning warned of (:func:`nanguard.core.experiments.tested.warning_check`): every
+value finite and the loss not growing (the mean of the last losses at most 1.1x the first ones'; "lr 50 ->
+5: 8 steps finite, loss 3.12 -> 12.1" has not passed). A warning of the dead rule replays a network the
+excursion may already have killed: a replay whose gradient norms all stay <= 0.1x the first steps' tests
+nothing (it "passes" any value), so no further value is tried and the action is said untested, with why.
+When none passes, the policy's own value is applied, marked untested (``untested``: why), as it is when
+no replay can run (no optimizer to replay, a GradScaler, the steps since the snapshot not kept).
 
 The budget is work, not seconds: at most ``REPLAY_STEPS`` x ``MAX_CANDIDATES`` step replays per warning,
 so the same run takes the same action whatever the machine's load. Nothing runs before a warning: a
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..experiments.tested import passes, tested_fixes
+from ..experiments.tested import g, passes, tested_fixes, warning_check
 from .estimates import backoff_factor, clip_max_norm, cut_floor, peak_target
 
 REPLAY_STEPS = 8     # steps each candidate is replayed for
@@ -43,11 +47,13 @@ def candidates(first: float, floor: float = 0.0, n: int = MAX_CANDIDATES) -> Lis
 
 
 def try_values(action: str, values: Sequence[float], replay: Callable[..., Dict[str, Any]], *, from_step: int,
-               to_step: int, lrs: Sequence[float] = ()) -> Tuple[Optional[float], List[Dict[str, Any]], Optional[str]]:
+               to_step: int, lrs: Sequence[float] = (), grad_ref: Optional[float] = None
+               ) -> Tuple[Optional[float], List[Dict[str, Any]], Optional[str]]:
     """Replay each of ``values`` for ``action`` (``lr_backoff``: the factor on every learning rate;
     ``clip``: the max gradient norm) until one passes. ``replay(steps=, lr_factor= | max_norm=)`` returns
-    the backend's result (``finite``, ``replays``, ``losses``, ``failed_at``, ``error``) or
-    ``{"unavailable": why}``. Returns (the value that passed or None, the experiment dicts, why no replay
+    the backend's result (``finite``, ``replays``, ``losses``, ``grad_norms``, ``period``, ``failed_at``,
+    ``error``) or ``{"unavailable": why}``. ``grad_ref``: the dead rule's first-steps gradient norm (a
+    replay with every gradient norm <= 0.1x it is a dead network's: nothing tested). Returns (the value that passed or None, the experiment dicts, why no replay
     could run)."""
     kind, key = KIND[action]
     runs: List[Dict[str, Any]] = []
@@ -55,23 +61,32 @@ def try_values(action: str, values: Sequence[float], replay: Callable[..., Dict[
         res = replay(steps=REPLAY_STEPS, **{key: v})
         if res.get("unavailable"):
             return None, runs, str(res["unavailable"])
-        e = _experiment(kind, key, v, res, from_step, to_step, lrs)
+        e = _experiment(kind, key, v, res, from_step, to_step, lrs, grad_ref)
         runs.append(e)
         if passes(e["finite"], e.get("details")):
             return v, runs, None
+        if e["details"].get("dead"):  # a dead network passes nothing and fails nothing: no value is testable
+            return None, runs, (f"the replay from the snapshot of step {from_step} trains a dead network (gradient "
+                                f"norms at most {g(e['details'].get('grad_norm_max'))}, the first steps': "
+                                f"{g(grad_ref)}): it cannot tell whether a value works")
+        if e["details"].get("stalled"):  # a smaller rate would not move either
+            return None, runs, None
         if e["finite"] is None:  # the replay could not run: another value would not either
             return None, runs, f"its replay could not run ({res.get('error') or 'no result'})"
     return None, runs, None
 
 
 def _experiment(kind: str, key: str, v: float, res: Dict[str, Any], from_step: int, to_step: int,
-                lrs: Sequence[float]) -> Dict[str, Any]:
+                lrs: Sequence[float], grad_ref: Optional[float] = None) -> Dict[str, Any]:
     params: Dict[str, Any] = {("factor" if key == "lr_factor" else key): v, "from_step": from_step,
                               "to_step": to_step, "cycled_to": REPLAY_STEPS, "before_applying": True}
     d: Dict[str, Any] = {"steps": int(res.get("replays") or 0)}
     losses = [x for x in res.get("losses") or [] if isinstance(x, float)]
     if losses:
         d["losses"] = [losses[0], losses[-1]]
+    if res.get("finite") is True:  # not what the warning warned of: the loss not growing, the network not dead
+        d.update(warning_check(losses, res.get("grad_norms") or (), int(res.get("period") or 0), grad_ref,
+                               stall=key == "lr_factor"))
     if res.get("failed_at") is not None:
         d["failed_at"] = res["failed_at"]
     if res.get("schedule"):  # each replayed step at its own rate x the factor (the script's schedule)
@@ -125,17 +140,25 @@ def before_applying(policy: Any, action: str, cause: Dict[str, Any], actions: An
         repeat = last is not None and 0 < step - last <= policy.budget.window
         first = backoff_factor(policy.lr_factor, cause, lrs, repeat=repeat)
         first = peak_target(first, cause, lrs, actions.learning_rate_peaks())
+        plain = 0.5 if repeat else policy.lr_factor  # the cut without the estimates
         values = candidates(first, floor=cut_floor(cause.get("evidence") or {}))
         extra = {"max_norm": policy.clip_norm} if policy.clip_norm is not None else {}
     else:
         prev = policy.clip_norm
         first = prev / 2 if prev is not None else clip_max_norm(history, quantile=policy.clip_quantile)
-        values, extra = candidates(first), {}
+        values, extra, plain = candidates(first), {}, first
 
     def replay(**change: Any) -> Dict[str, Any]:
         return actions.replay_kept(frm, step, **{**extra, **change})
 
-    value, mine, why = try_values(action, values, replay, from_step=frm, to_step=step, lrs=lrs)
+    value, mine, why = try_values(action, values, replay, from_step=frm, to_step=step, lrs=lrs,
+                                  grad_ref=dead_reference(cause))
+    if value is None and why is None and mine and mine[-1]["details"].get("stalled") and plain > first:
+        # the estimates' cut left a rate too small to train (an estimate made at another rate than the
+        # rate now): the plain cut, then FURTHER x it
+        value, more, why = try_values(action, candidates(plain, n=MAX_CANDIDATES - len(mine)), replay,
+                                      from_step=frm, to_step=step, lrs=lrs, grad_ref=dead_reference(cause))
+        mine += more
     runs.extend(mine)
     if why is not None:
         runs.append({"unavailable": kind, "why": why})
@@ -144,6 +167,15 @@ def before_applying(policy: Any, action: str, cause: Dict[str, Any], actions: An
         return None, said
     key = "factor" if action == "lr_backoff" else "max_norm"
     return {"kind": kind, "params": {key: value}}, said
+
+
+def dead_reference(cause: Dict[str, Any]) -> Optional[float]:
+    """The first steps' gradient norm of a dead-rule warning (``evidence.warning``), else None."""
+    hit = (cause.get("evidence") or {}).get("warning")
+    if isinstance(hit, dict) and hit.get("rule") == "dead":
+        ref = hit.get("grad_norm_start")
+        return float(ref) if isinstance(ref, (int, float)) and not isinstance(ref, bool) and ref > 0 else None
+    return None
 
 
 def note(done: Dict[str, Any], action: str, said: Dict[str, Any]) -> None:

@@ -31,13 +31,14 @@ def replay_history(snapshot: Any, steps: Sequence[ReplayableStep], modules: Sequ
     included: "scale your schedule by f"), at most the rate now times it (a held cut's cap: a spike the
     script wrote is not replayed above it), a step without one at the rate now times it.
     Returns ``{"finite": bool | None, "failed_at": step | None, "replays": n, "losses": [each step's
-    loss], "error": ...}`` (``"schedule": True`` when a step ran at a rate of its own)."""
+    loss], "grad_norms": [each finite step's total gradient norm, before a clip], "error": ...}``
+    (``"schedule": True`` when a step ran at a rate of its own)."""
     t0 = time.perf_counter()
     params = params_of(optimizers)
     saved_grads = [p.grad for p in params]
     current = Snapshot(-1, modules, optimizers, None)  # the state now (pre-update of the failing step)
     lrs = [[g["lr"] for g in o.param_groups] for o in optimizers]
-    out: Dict[str, Any] = {"finite": None, "failed_at": None, "replays": 0, "losses": []}
+    out: Dict[str, Any] = {"finite": None, "failed_at": None, "replays": 0, "losses": [], "grad_norms": []}
     try:
         snapshot.restore(modules, optimizers, None)
         groups = [g for o in optimizers for g in o.param_groups]
@@ -63,6 +64,7 @@ def replay_history(snapshot: Any, steps: Sequence[ReplayableStep], modules: Sequ
             if not o.finite:
                 finite, out["failed_at"] = False, getattr(st, "step", None)
                 break
+            out["grad_norms"].append(_grad_norm(params))
             if max_norm is not None:
                 clip_grads(optimizers, max_norm)
             for opt in optimizers:
@@ -87,6 +89,12 @@ def replay_history(snapshot: Any, steps: Sequence[ReplayableStep], modules: Sequ
     return out
 
 
+def _grad_norm(params: Sequence[torch.Tensor]) -> float:
+    """The total L2 norm of the parameters' gradients now (float64; 0 when none has one)."""
+    gs = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64) for p in params if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(gs))) if gs else 0.0
+
+
 def consecutive(steps: Dict[int, ReplayableStep], start: int, end: int) -> Optional[List[ReplayableStep]]:
     """The kept steps ``start..end`` (inclusive), or None when one is missing or its batch was written in
     place since (a reused input buffer)."""
@@ -100,8 +108,8 @@ def replay_kept(kept: Dict[int, ReplayableStep], modules: Sequence[torch.nn.Modu
                 rates: Optional[Dict[int, List[float]]] = None) -> Dict[str, Any]:
     """An early warning's candidate change (:mod:`nanguard.core.recovery.tried`): from the state now (the
     rollback's snapshot of ``from_step``, just restored), replay the kept steps ``from_step..to_step``,
-    cycled to ``steps`` steps, with the change; the state is put back after. ``quiet``: the driver's
-    hooks off inside (a history replay steps the optimizers). ``{"unavailable": why}`` when a step of
+    cycled to ``steps`` steps, with the change (``period``: how many distinct steps); the state is put back
+    after. ``quiet``: the driver's hooks off inside (a history replay steps the optimizers). ``{"unavailable": why}`` when a step of
     the range is not kept."""
     seq = consecutive(kept, from_step, to_step)
     if seq is None:
@@ -111,8 +119,10 @@ def replay_kept(kept: Dict[int, ReplayableStep], modules: Sequence[torch.nn.Modu
     start = Snapshot(from_step, modules, optimizers, None)
     cycled = [seq[i % len(seq)] for i in range(max(int(steps), 1))]
     with (quiet() if quiet is not None else contextlib.nullcontext()):
-        return replay_history(start, cycled, modules, optimizers, lr_factor=lr_factor, max_norm=max_norm,
-                              rates=rates)
+        out = replay_history(start, cycled, modules, optimizers, lr_factor=lr_factor, max_norm=max_norm,
+                             rates=rates)
+    out["period"] = min(len(seq), len(cycled))  # the same batches come back every period steps
+    return out
 
 
 def step_rates(history: Sequence[dict]) -> Dict[int, List[float]]:
