@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional
 from ..core.events import Detection
 from ..core.experiments import ExperimentConfig
 from .recover.loose import LooseTensors
+from .recover.versions import versions_kept
 from .distributed import is_distributed
 from .stepreplay import StepReplay
 
@@ -37,7 +38,7 @@ class WatcherRecovery:
         self.snap_due: Optional[tuple] = None  # (step, loss): the snapshot the next step starts from
         self.step_seconds: Optional[float] = None  # a running estimate of one step's wall time
         self._t_update: Optional[float] = None
-        self._loose: Optional[LooseTensors] = None
+        self._loose: Optional[tuple] = None  # (roots and optimizers it was built for, the holder or None)
         # the last steps' replays (recovery only), for history replays from a snapshot (lr_replay, clip_replay)
         self.kept: Dict[int, tuple] = {}  # step -> (_Recorded, its dataset rows)
 
@@ -76,13 +77,14 @@ class WatcherRecovery:
         first = w.pipeline.first() is None
         loc_run = w.localizer(det) if first and w.localizer is not None else None
         event = w.pipeline.explain(det, hist, loc_run)
-        if first:
-            w._guarded(lambda: self.experiment(det, loc_run, event))
-        det.event = event
         opts = w.optimizers()
-        rec = w.policy.apply(event, step=det.step, modules=self.state_modules(), optimizers=opts,
-                             scaler=w.scalers[0] if w.scalers else None, roots=list(mon.roots),
-                             history=hist)
+        with versions_kept(self.state_modules(), opts):  # the script may still backpropagate a graph of before
+            if first:  # (the experiments' replays step the optimizers too)
+                w._guarded(lambda: self.experiment(det, loc_run, event))
+            det.event = event
+            rec = w.policy.apply(event, step=det.step, modules=self.state_modules(), optimizers=opts,
+                                 scaler=w.scalers[0] if w.scalers else None, roots=list(mon.roots),
+                                 history=hist)
         if rec is None:
             return False
         w._skip_current.update(id(o) for o in opts)
@@ -95,9 +97,10 @@ class WatcherRecovery:
         w = self.w
         if w.spikes is None or w.monitor.spike is None:
             return False
-        return bool(w._guarded(lambda: w.spikes.after_check(
-            opt, modules=self.state_modules(), optimizers=w.optimizers(),
-            scaler=w.scalers[0] if w.scalers else None, policy=w.policy)))
+        mods, opts = self.state_modules(), w.optimizers()
+        with versions_kept(mods, opts):  # a rollback's copies and its replays: not the script's writes
+            return bool(w._guarded(lambda: w.spikes.after_check(
+                opt, modules=mods, optimizers=opts, scaler=w.scalers[0] if w.scalers else None, policy=w.policy)))
 
     def after_update(self, opt: Any) -> None:
         """End of a step: a recovery snapshot of the next step is due (only with a policy).
@@ -165,15 +168,21 @@ class WatcherRecovery:
         return out
 
     def state_modules(self) -> list:
-        """The modules whose state recovery checks, snapshots and restores: the watched roots; for a
-        script whose trained tensors belong to no module (updated by hand), one holder of them."""
+        """The modules whose state recovery checks, snapshots and restores: the watched roots, plus one
+        holder of the trained tensors no root owns (an optimizer's parameters of a layer the script
+        calls ``layer.forward(x)`` on, so no module hook sees it; bare tensors updated by hand)."""
         mon = self.w.monitor
         roots = list(mon.roots)
-        if roots or not mon.extra_params:
-            return roots
-        if self._loose is None:  # extra_params is found once, at the first backward
-            self._loose = LooseTensors(mon.extra_params)
-        return [self._loose]
+        opts = self.w.optimizers()
+        key = (tuple(map(id, roots)), tuple(map(id, opts)), len(mon.extra_params))
+        if self._loose is None or self._loose[0] != key:  # once per change of roots or optimizers
+            owned = {id(p) for r in roots for p in r.parameters()}
+            free = [p for o in opts for g in o.param_groups for p in g["params"] if id(p) not in owned]
+            free += [] if roots else [t for t in mon.extra_params if id(t) not in {id(p) for p in free}]
+            seen: set = set()
+            free = [t for t in free if not (id(t) in seen or seen.add(id(t)))]
+            self._loose = (key, LooseTensors(free) if free else None)
+        return roots + [self._loose[1]] if self._loose[1] is not None else roots
 
     def take_due_snapshot(self) -> None:
         due, self.snap_due = self.snap_due, None
