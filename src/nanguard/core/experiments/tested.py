@@ -112,6 +112,12 @@ def warning_check(losses: Sequence[Any], grad_norms: Sequence[Any] = (), period:
 def g(x: Any) -> str:
     return f"{x:.3g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
 
+
+def _rates(xs: Sequence[Any]) -> str:
+    """The rates of several param groups or optimizers: one value when they are all the same."""
+    return g(xs[0]) if len(set(map(g, xs))) == 1 else ", ".join(g(x) for x in xs[:3])
+
+
 _KINDS = ("lr_replay", "clip_replay", "domain_guard", "upcast_module")
 
 
@@ -129,9 +135,9 @@ def _entry(e: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     kind = e["kind"]
     if kind == "lr_replay":
         lrs, before = d.get("lr") or [], d.get("lr_from") or []
-        fix = f"lr {', '.join(g(x) for x in lrs[:3])}" if lrs else f"lr x{g(p.get('factor'))}"
+        fix = f"lr {_rates(lrs)}" if lrs else f"lr x{g(p.get('factor'))}"
         if lrs and before:  # an early warning's candidate, tested before it is applied (recovery/tried.py)
-            fix = f"lr {', '.join(g(x) for x in before[:3])} -> {', '.join(g(x) for x in lrs[:3])}"
+            fix = f"lr {_rates(before)} -> {_rates(lrs)}"
         if d.get("schedule"):  # each replayed step ran at its own rate times the factor (a warm-up...)
             fix += f" (the schedule x{g(p.get('factor'))})"
     elif kind == "clip_replay":
