@@ -29,10 +29,6 @@ Where did the size come from, in this order:
 Each result carries the numbers, the step where the growth began (``evidence.onset_step``: recovery
 rolls back to a snapshot from before it) and, for ``lr_too_high``, the learning-rate factor that
 recovery applies (``evidence.lr_backoff_factor``).
-
-Each result carries the numbers, the step where the growth began (``evidence.onset_step``: recovery
-rolls back to a snapshot from before it) and, for ``lr_too_high``, the learning-rate factor that
-recovery applies (``evidence.lr_backoff_factor``).
 """
 from __future__ import annotations
 
