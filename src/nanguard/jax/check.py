@@ -92,7 +92,8 @@ def learning_rate(state: Any) -> Optional[Any]:
 def step_vector(loss: Any, grads: Any, params: Any, updates: Any, new_state: Any) -> Tuple[jax.Array, jax.Array]:
     """(the flag vector, the step's ``ok``): ``ok`` is False when the update must not be applied
     (non-finite loss, parameters, update or state; non-finite gradients only when no
-    ``optax.apply_if_finite`` is skipping them itself)."""
+    ``optax.apply_if_finite`` is skipping them itself). ``updates`` may be the parameters the update
+    produced (``params + updates``, :mod:`.hooks`): with ``params`` finite, finite exactly when the update is."""
     g = float_leaves(grads)
     gsq = total(g, True)
     p = float_leaves(params) if params is not None else []

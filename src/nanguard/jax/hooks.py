@@ -6,6 +6,9 @@ JAX runs Python hooks once, when a step is traced, so the check is built into th
   ``inject_hyperparams``... all go through ``GradientTransformation.__new__``); the outermost
   ``update`` of a step (the inner transforms of a chain are not counted) computes the step's flag
   vector (:mod:`.check`) next to the update, and in recovery mode drops a failing update in the graph;
+* ``optax.apply_updates`` / ``eqx.apply_updates`` (the NNX ``Optimizer`` and Linen ``TrainState`` call
+  the first): in a jitted step, the check reads the parameters they produce in place of the update
+  (:class:`_Pending`), so the update stays fused into the new parameters' own kernels;
 * ``jax.value_and_grad`` (used by ``nnx.value_and_grad`` and ``eqx.filter_value_and_grad`` too) notes
   the loss it returns, so the check sees the loss the step differentiated;
 * ``jax.jit`` (used by ``nnx.jit`` and ``eqx.filter_jit`` too) compiles the user's function with the
@@ -35,14 +38,46 @@ _DEPTH = [0]                 # optax update nesting (inner transforms of a chain
 _LOSS: List[Any] = [None]   # (the trace it was computed in, the loss) of the last value_and_grad
 
 
+class _Pending:
+    """An update traced in a jitted step whose check is built when the step's trace ends: by then the
+    script has applied the update (``optax.apply_updates``), and the check reads the new parameters, an
+    output the step computes anyway, in place of the update itself (see :func:`_vector`)."""
+
+    __slots__ = ("loss", "grads", "params", "updates", "new_state", "applied", "u_ids", "p_ids")
+
+    def __init__(self, loss: Any, grads: Any, params: Any, updates: Any, new_state: Any) -> None:
+        self.loss, self.grads, self.params, self.updates, self.new_state = loss, grads, params, updates, new_state
+        self.applied: Any = None
+        self.u_ids = [id(x) for x in jax.tree_util.tree_leaves(updates)]
+        self.p_ids = [id(x) for x in check.float_leaves(params)] if params is not None else None
+
+    def vector(self) -> Any:
+        post = self.applied if self.applied is not None else self.updates
+        return check.step_vector(self.loss, self.grads, self.params, post, self.new_state)[0][None, :]
+
+
 class _Ctx:
-    """One traced outermost function: its trace and the flag vectors of the updates traced in it."""
+    """One traced outermost function: its trace and the flag vectors of the updates traced in it (a
+    :class:`_Pending` for an update whose vector is built at the end of the trace)."""
 
     __slots__ = ("trace", "flags")
 
     def __init__(self) -> None:
         self.trace = jcore.trace_ctx.trace
         self.flags: List[Any] = []
+
+    def applied(self, params: Any, updates: Any, new_params: Any) -> None:
+        """``new_params = apply_updates(params, updates)`` traced here: when ``updates`` is what an update
+        of this trace returned and ``params`` the parameters it was checked on, its check reads
+        ``new_params`` (finite exactly when the update is, the parameters being finite: the check's
+        pre-update flag) in place of the update. The update then stays fused into the parameters' own
+        new values: read apart, XLA computes it in kernels of its own (two per leaf on CPU)."""
+        ids = [id(x) for x in jax.tree_util.tree_leaves(updates)]
+        for p in reversed(self.flags):
+            if isinstance(p, _Pending) and p.applied is None and p.u_ids == ids:
+                if p.p_ids is not None and p.p_ids == [id(x) for x in check.float_leaves(params)]:
+                    p.applied = new_params
+                return
 
 
 _STACK: List[_Ctx] = []
@@ -127,6 +162,8 @@ def _wrap_update(update: Callable, info: Dict[str, Any]) -> Callable:
             return update(updates, state, params, *a, **k)
         if not tracing():
             host.check_stop()  # an eager loop stops before its next update
+        elif "apply:equinox" not in _ORIG:
+            _patch_apply()  # Equinox imported after the install
         return _outer_update(host, update, info, updates, state, params, a, k)
     wrapped._nanguard = True  # type: ignore[attr-defined]
     wrapped._nanguard_info = info  # type: ignore[attr-defined]
@@ -159,6 +196,12 @@ def _outer_update(host: Any, update: Callable, info: Dict[str, Any], grads: Any,
         ctx = _here()
         traced = tracing()
         loss = _take_loss()
+        if ctx is not None and not host.recovering:  # the vector is built when the step's trace ends
+            if host.lr_scale != 1.0:
+                out_u = check.scale_tree(out_u, host.lr_scale)
+            host.note_optimizer(info, state)
+            ctx.flags.append(_Pending(loss, grads, params, out_u, new_state))
+            return out_u, new_state
         vec, ok = check.step_vector(loss, grads, params, out_u, new_state)
         if host.recovering:
             vec, out_u, new_state = check.gate(ok, vec, out_u, new_state, state, host.lr_scale)
@@ -187,9 +230,47 @@ def _instrumented(fun: Callable) -> Callable:
             out = fun(*args, **kwargs)
         finally:
             _STACK.remove(ctx)
-        flags = jnp.concatenate(ctx.flags, 0) if ctx.flags else None
+        vecs = [v for v in (_vector(f) for f in ctx.flags) if v is not None]
+        flags = jnp.concatenate(vecs, 0) if vecs else None
         return out, flags
     return traced
+
+
+def _vector(f: Any) -> Any:
+    """A flag vector of the trace (a :class:`_Pending` one built now); None when building it failed."""
+    if not isinstance(f, _Pending):
+        return f
+    try:
+        return f.vector()
+    except Exception as e:  # the check must never break the user's step
+        if HOST[0] is not None:
+            HOST[0].internal_error(e)
+        return None
+
+
+def _apply_updates(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def wrapped(params: Any, updates: Any, *a: Any, **k: Any) -> Any:
+        new = orig(params, updates, *a, **k)
+        ctx = _here() if _STACK else None
+        if ctx is not None:
+            try:
+                ctx.applied(params, updates, new)
+            except Exception:
+                pass
+        return new
+    wrapped._nanguard = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _patch_apply() -> None:
+    """Wrap ``optax.apply_updates`` and ``equinox.apply_updates`` (once each, when imported)."""
+    for mod in ("optax", "equinox"):
+        m = sys.modules.get(mod)
+        fn = getattr(m, "apply_updates", None)
+        if fn is not None and not getattr(fn, "_nanguard", False):
+            _ORIG[f"apply:{mod}"] = (m, fn)
+            m.apply_updates = _apply_updates(fn)  # type: ignore[union-attr]
 
 
 class Jitted:
@@ -252,6 +333,7 @@ def install(host: Any) -> None:
     _ORIG["jit"], _ORIG["value_and_grad"] = jax.jit, jax.value_and_grad
     jax.jit = _jit
     jax.value_and_grad = _value_and_grad
+    _patch_apply()
     for cls in (base.GradientTransformation, base.GradientTransformationExtraArgs):
         orig_new = cls.__new__
         _ORIG[f"new:{cls.__name__}"] = (cls, orig_new)
@@ -278,3 +360,6 @@ def uninstall() -> None:
     for key in [k for k in _ORIG if k.startswith("new:")]:
         cls, orig_new = _ORIG.pop(key)
         cls.__new__ = orig_new
+    for key in [k for k in _ORIG if k.startswith("apply:")]:
+        mod, fn = _ORIG.pop(key)
+        mod.apply_updates = fn
