@@ -20,12 +20,14 @@ is at once its exact flag and the float64 norm of an overflowed sum (:func:`.det
 flag, and for ``model.fit`` the capture of the batch for the replay, a ``py_function`` that returns
 at once when the step may update) and after it (exact checks of what the update wrote, optimizer
 state included). A healthy step adds about ``2 x (variables) + 30`` small ops and three ``tf.cond``
-(lowered to switch/merge); the slow paths are built with few ops because every op of a traced step
-costs start-up (built in Python, then optimized and given a kernel when the step first runs).
+(functional If ops, not lowered to switch/merge: :func:`_unlowered`); the slow paths are built with
+few ops because every op of a traced step costs start-up (built in Python, then optimized and given a
+kernel when the step first runs).
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+import contextlib
+from typing import Any, Iterator, List, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -145,13 +147,15 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
             do = tf.logical_and(tf.logical_or(ok, tf.logical_not(active)), tf.logical_not(halted))
             return pre_ok, grads_ok, gn, do
 
-        pre_ok, grads_ok, gn, do = tf.cond(quick, fast, slow)
+        with _unlowered():
+            pre_ok, grads_ok, gn, do = tf.cond(quick, fast, slow)
 
     def update():
         run_update(w, opt, grads, trainable_variables, st)
         return tf.constant(True)
 
-    applied = tf.cond(do, update, lambda: tf.constant(False))
+    with _unlowered():
+        applied = tf.cond(do, update, lambda: tf.constant(False))
     with tf.name_scope("nanguard_check"):
         # after the update: the parameters' sum of squares (their norm); the optimizer state only when
         # the step was not clean (finite gradients keep a standard optimizer's moments finite; a state
@@ -164,8 +168,9 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
             tv_ok, pn = D.exact64(tv)
             return tf.logical_and(tv_ok, D.all_finite(ov)), pn
 
-        post_ok, pn = tf.cond(tf.logical_and(quick, tf.math.is_finite(psq)),
-                              lambda: (tf.constant(True), D.f64(tf.sqrt(psq))), post_slow)
+        with _unlowered():
+            post_ok, pn = tf.cond(tf.logical_and(quick, tf.math.is_finite(psq)),
+                                  lambda: (tf.constant(True), D.f64(tf.sqrt(psq))), post_slow)
         values = tf.stack([D.f64(step), loss, loss_known, gn, tf.constant(1.0 if lso else 0.0, tf.float64), pn, lr,
                            scale])
         flags = tf.cast(tf.stack([loss_ok, d_ok, grads_ok, pre_ok, tf.logical_not(applied), post_ok, grads_ok,
@@ -179,6 +184,25 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
     else:
         w._orphans.add(st)
     return True
+
+
+@contextlib.contextmanager
+def _unlowered() -> Iterator[None]:
+    """The ``tf.cond``s built within stay functional ``If`` ops. TensorFlow otherwise lowers each to a
+    Switch per captured input plus its branches' ops inline, every one scheduled on every step (dead on
+    the untaken side): the update's cond captures every gradient and variable, and the transformer of
+    ``benchmarks.tf_overhead`` ran x1.19 lowered against x0.97 unlowered (quick runs, one after the other)."""
+    try:
+        from tensorflow.python.ops import control_flow_util_v2 as cfu
+        old = cfu._DISABLE_LOWER_USING_SWITCH_MERGE
+    except (ImportError, AttributeError):  # another TensorFlow: its default lowering
+        yield
+        return
+    cfu._DISABLE_LOWER_USING_SWITCH_MERGE = True
+    try:
+        yield
+    finally:
+        cfu._DISABLE_LOWER_USING_SWITCH_MERGE = old
 
 
 def discarded_trace() -> bool:
