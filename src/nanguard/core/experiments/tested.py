@@ -36,6 +36,7 @@ is the same wherever it is read.
 from __future__ import annotations
 
 import math
+from statistics import fmean
 from typing import Any, Dict, List, Optional, Sequence
 
 STILL_GROWING = 10.0
@@ -89,7 +90,7 @@ def warning_check(losses: Sequence[Any], grad_norms: Sequence[Any] = (), period:
         p = int(period or 0)
         same = 0 < p and 2 * p <= n
         k = p * (n // (2 * p)) if same else max(1, n // 3)
-        a, b = sum(ls[:k]) / k, sum(ls[-k:]) / k
+        a, b = fmean(ls[:k]), fmean(ls[-k:])  # k >= 1
         out.update(loss_means=[a, b], compared=k)
         rising = b - a > GROWTH_TOL * max(abs(a), LOSS_FLOOR)
         if rising and not same:  # distinct batches: the fitted trend must rise too
