@@ -77,12 +77,12 @@ class WatcherRecovery:
         first = w.pipeline.first() is None
         loc_run = w.localizer(det) if first and w.localizer is not None else None
         event = w.pipeline.explain(det, hist, loc_run)
-        opts = w.optimizers()
-        with versions_kept(self.state_modules(), opts):  # the script may still backpropagate a graph of before
+        mods, opts = self.state_modules(), w.optimizers()
+        with versions_kept(mods, opts):  # the script may still backpropagate a graph of before
             if first:  # (the experiments' replays step the optimizers too)
                 w._guarded(lambda: self.experiment(det, loc_run, event))
             det.event = event
-            rec = w.policy.apply(event, step=det.step, modules=self.state_modules(), optimizers=opts,
+            rec = w.policy.apply(event, step=det.step, modules=mods, optimizers=opts,
                                  scaler=w.scalers[0] if w.scalers else None, roots=list(mon.roots),
                                  history=hist)
         if rec is None:
@@ -177,10 +177,9 @@ class WatcherRecovery:
         key = (tuple(map(id, roots)), tuple(map(id, opts)), len(mon.extra_params))
         if self._loose is None or self._loose[0] != key:  # once per change of roots or optimizers
             owned = {id(p) for r in roots for p in r.parameters()}
-            free = [p for o in opts for g in o.param_groups for p in g["params"] if id(p) not in owned]
-            free += [] if roots else [t for t in mon.extra_params if id(t) not in {id(p) for p in free}]
-            seen: set = set()
-            free = [t for t in free if not (id(t) in seen or seen.add(id(t)))]
+            free = [p for o in opts for g in o.param_groups for p in g["params"]]
+            free += [] if roots else list(mon.extra_params)
+            free = list({id(t): t for t in free if id(t) not in owned}.values())  # once each, in order
             self._loose = (key, LooseTensors(free) if free else None)
         return roots + [self._loose[1]] if self._loose[1] is not None else roots
 

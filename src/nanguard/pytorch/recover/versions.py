@@ -19,14 +19,9 @@ _set = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
 
 def trained_tensors(modules: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> List[torch.Tensor]:
     """The parameters and buffers of ``modules`` and the parameters of ``optimizers``, once each."""
-    seen, out = set(), []
     ts = [t for m in modules for t in m.parameters()] + [t for m in modules for t in m.buffers()]
     ts += [p for o in optimizers for g in getattr(o, "param_groups", ()) for p in g["params"]]
-    for t in ts:
-        if isinstance(t, torch.Tensor) and id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
+    return list({id(t): t for t in ts if isinstance(t, torch.Tensor)}.values())
 
 
 @contextmanager
