@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional
 
 from ..diagnosis import fixes as X
 from ..diagnosis import text as T
+from .tested import spike_fix
 
 STILL = "(replay: still non-finite)"
 # tested kind -> the fix kind it tests
@@ -85,6 +86,11 @@ class _Reconciler:
     def _lr(self, i: int, ok: Optional[dict], bad: List[dict]) -> None:
         f = self.fixes[i]
         v = f.value
+        if ok is not None and isinstance(ok.get("spike"), dict):  # the rate now kept: a spike in the schedule
+            if id(ok) not in self.matched:  # the first lr fix says so; the others stand as written
+                self.fixes[i] = X.Fix(spike_fix(ok["spike"]), "lr", _first(ok.get("lr")))
+                self._pass(i, ok)
+            return
         if ok is not None:
             lr = _first(ok.get("lr"))
             if lr is not None and f.spans and v is not None and not _same(v, lr):

@@ -141,6 +141,8 @@ def _entry(e: Dict[str, Any]) -> Optional[Dict[str, Any]]:
             fix = f"lr {_rates(before)} -> {_rates(lrs)}"
         if d.get("schedule"):  # each replayed step ran at its own rate times the factor (a warm-up...)
             fix += f" (the schedule x{g(p.get('factor'))})"
+        if isinstance(p.get("keep"), dict) and before:  # the rate now kept, a spike rolled back (rate_spike)
+            fix = f"lr {_rates(before)} kept, the rate {g(p['keep'].get('lr'))} of {_steps(p['keep'])} rolled back"
     elif kind == "clip_replay":
         fix = f"clip grad norm at {g(p.get('max_norm'))}"
     elif kind == "domain_guard":
@@ -167,6 +169,8 @@ def _entry(e: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         t["inconclusive"] = True
     if kind == "lr_replay" and d.get("lr"):
         t["lr"] = list(d["lr"])
+        if isinstance(p.get("keep"), dict):
+            t["spike"] = dict(p["keep"])
     elif kind == "clip_replay" and isinstance(p.get("max_norm"), (int, float)):
         t["max_norm"] = p["max_norm"]
     elif kind == "upcast_module":
@@ -188,3 +192,31 @@ def _entry(e: Dict[str, Any]) -> Optional[Dict[str, Any]]:
             what += f" (x{g(failed[0]['factor'])} still diverged)"
     t["text"] = f"{fix}: {what}"
     return t
+
+
+def _steps(spike: Dict[str, Any]) -> str:
+    st = [s for s in spike.get("steps") or [] if isinstance(s, int)]
+    return f"step {st[0]}" if len(st) == 1 else f"steps {st[0]}..{st[-1]}" if st else "the spike"
+
+
+def _times(r: Any) -> str:
+    """A ratio as "1e4" (>= 1000) or "25"."""
+    if not (isinstance(r, (int, float)) and math.isfinite(r)):
+        return str(r)
+    if r < 1000:
+        return f"{r:.2g}"
+    m, e = f"{r:.0e}".split("e")
+    return f"{m}e{int(e)}"
+
+
+def spike_fix(spike: Dict[str, Any]) -> str:
+    """The fix for a learning-rate spike in the schedule (:mod:`nanguard.core.recovery.rate_spike`) whose
+    replay at the rate now passed: the schedule's entry, not the rate."""
+    where = _steps(spike)
+    one = where.startswith("step ")
+    b, n = spike.get("before"), spike.get("now")
+    same = _num(b) and _num(n) and b > 0 and n > 0 and abs(math.log(b / n)) <= math.log(1.05)
+    around = (f"the rate before and after it ({g(n)})" if same else f"the rate before it ({g(b)}) and now ({g(n)})")
+    return (f"fix the schedule's {'entry' if one else 'entries'} for {where}: the rate of {where} was "
+            f"{g(spike.get('lr'))}, {_times(spike.get('ratio'))}x {around}, a rate that trains (rolled back past the "
+            f"spike and kept)")

@@ -253,12 +253,7 @@ class RecoveryPolicy:
                 names.append("rollback")
                 runs: List[dict] = []
                 for a in self.choose(cat):  # a cut or clip is replayed from the snapshot first (tried.py)
-                    proof, said = tried.before_applying(self, a, cause, actions, history, step, done, runs)
-                    if a == "lr_backoff":
-                        self._lr_backoff(cause, actions, done, step, proof)
-                    elif a == "clip":
-                        self._clip(history, done, step, proof)
-                    tried.note(done, a, said)
+                    tried.act(self, a, cause, actions, history, step, done, runs)
                     names += [n for n in (a, "grad_scale") if n in done and n not in names]
                 tried.record_on_event(event, runs)
         done["skip_step"] = actions.skip_step()

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..experiments.tested import g, passes, tested_fixes, warning_check
 from .estimates import backoff_factor, clip_max_norm, cut_floor, peak_target
+from .rate_spike import rate_spike
 
 REPLAY_STEPS = 8     # steps each candidate is replayed for
 MAX_CANDIDATES = 3   # the policy's value, then FURTHER x it, FURTHER^2 x it
@@ -47,14 +48,15 @@ def candidates(first: float, floor: float = 0.0, n: int = MAX_CANDIDATES) -> Lis
 
 
 def try_values(action: str, values: Sequence[float], replay: Callable[..., Dict[str, Any]], *, from_step: int,
-               to_step: int, lrs: Sequence[float] = (), grad_ref: Optional[float] = None
-               ) -> Tuple[Optional[float], List[Dict[str, Any]], Optional[str]]:
+               to_step: int, lrs: Sequence[float] = (), grad_ref: Optional[float] = None,
+               keep: Optional[Dict[str, Any]] = None) -> Tuple[Optional[float], List[Dict[str, Any]], Optional[str]]:
     """Replay each of ``values`` for ``action`` (``lr_backoff``: the factor on every learning rate;
     ``clip``: the max gradient norm) until one passes. ``replay(steps=, lr_factor= | max_norm=)`` returns
     the backend's result (``finite``, ``replays``, ``losses``, ``grad_norms``, ``period``, ``failed_at``,
     ``error``) or ``{"unavailable": why}``. ``grad_ref``: the dead rule's first-steps gradient norm (a
-    replay with every gradient norm <= 0.1x it is a dead network's: nothing tested). Returns (the value that passed or None, the experiment dicts, why no replay
-    could run)."""
+    replay with every gradient norm <= 0.1x it is a dead network's: nothing tested). ``keep``: the rate
+    spike (:mod:`.rate_spike`) a factor of 1 is tested against (on each experiment's ``params``). Returns
+    (the value that passed or None, the experiment dicts, why no replay could run)."""
     kind, key = KIND[action]
     runs: List[Dict[str, Any]] = []
     for v in values:
@@ -62,6 +64,8 @@ def try_values(action: str, values: Sequence[float], replay: Callable[..., Dict[
         if res.get("unavailable"):
             return None, runs, str(res["unavailable"])
         e = _experiment(kind, key, v, res, from_step, to_step, lrs, grad_ref)
+        if keep:
+            e["params"]["keep"] = dict(keep)
         runs.append(e)
         if passes(e["finite"], e.get("details")):
             return v, runs, None
@@ -151,6 +155,15 @@ def before_applying(policy: Any, action: str, cause: Dict[str, Any], actions: An
     def replay(**change: Any) -> Dict[str, Any]:
         return actions.replay_kept(frm, step, **{**extra, **change})
 
+    spike = rate_spike(history, lrs, frm, step) if action == "lr_backoff" else None
+    kept: List[Dict[str, Any]] = []
+    if spike is not None:  # the rate now, tested first: the rollback alone undoes the spike's update
+        value, kept, why = try_values(action, [1.0], replay, from_step=frm, to_step=step, lrs=lrs,
+                                      grad_ref=dead_reference(cause), keep=spike)
+        runs.extend(kept)
+        if value is not None:
+            return {"kind": kind, "params": {"factor": 1.0}, "spike": spike}, \
+                {"schedule_spike": dict(spike, **tested_record(kept, value, None))}
     value, mine, why = try_values(action, values, replay, from_step=frm, to_step=step, lrs=lrs,
                                   grad_ref=dead_reference(cause))
     if value is None and why is None and mine and mine[-1]["details"].get("stalled") and plain > first:
@@ -167,6 +180,23 @@ def before_applying(policy: Any, action: str, cause: Dict[str, Any], actions: An
         return None, said
     key = "factor" if action == "lr_backoff" else "max_norm"
     return {"kind": kind, "params": {key: value}}, said
+
+
+def act(policy: Any, action: str, cause: Dict[str, Any], actions: Any, history: Sequence[dict], step: int,
+        done: Dict[str, Any], runs: List[Dict[str, Any]]) -> None:
+    """An early warning's ``action`` after its rollback: its candidates replayed (:func:`before_applying`),
+    then the one that passed applied through the policy (``lr_backoff``, ``clip``). A rate spike whose
+    replay at the rate now passed cuts nothing: the rollback undid the spike's update, and the record says
+    so (``rollback.schedule_spike``)."""
+    proof, said = before_applying(policy, action, cause, actions, history, step, done, runs)
+    if proof is not None and proof.get("spike"):
+        done["rollback"].update(said)
+        return
+    if action == "lr_backoff":
+        policy._lr_backoff(cause, actions, done, step, proof)
+    elif action == "clip":
+        policy._clip(history, done, step, proof)
+    note(done, action, said)
 
 
 def dead_reference(cause: Dict[str, Any]) -> Optional[float]:
@@ -205,4 +235,9 @@ def record_on_event(event: Any, runs: Sequence[Dict[str, Any]]) -> None:
         cause["tested_fixes"] = tested_fixes(ev["experiments"])
     if gone:
         ev["experiments_unavailable_why"] = dict(ev.get("experiments_unavailable_why") or {}, **gone)
+    kept = next((t.get("spike") for t in cause.get("tested_fixes") or [] if t.get("passed") and t.get("spike")), None)
+    if kept and isinstance(cause.get("summary"), str) and "schedule's spike" not in cause["summary"]:
+        cause["summary"] += (f"; replayed from before it at the rate now ({g(kept.get('now'))}) the run trains: the "
+                             f"update that diverged ran at the schedule's spike ({g(kept.get('lr'))} at step "
+                             f"{(kept.get('steps') or ['?'])[0]}), not at the rate now")
     reconcile(event)
