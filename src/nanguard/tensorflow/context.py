@@ -20,6 +20,9 @@ def run_context(w: Any) -> Dict[str, Any]:
         eps = getattr(inner or opt, "epsilon", None)
         if isinstance(eps, (int, float)):
             ctx.setdefault("eps", eps)
+    switch = optimizer_switch(w)
+    if switch:
+        ctx["optimizer_switch"] = switch
     try:
         import keras
         ctx["dtype_policy"] = keras.config.dtype_policy().name
@@ -34,3 +37,19 @@ def latest_first(w: Any) -> list:
     sts = [st for st in w.states.values() if st.opt_ref() is not None]
     order = sorted(range(len(sts)), key=lambda i: (-(sts[i].attempts - sts[i].offset), i))
     return [sts[i].opt_ref() for i in order]
+
+
+def optimizer_switch(w: Any) -> Dict[str, Any]:
+    """When the optimizer that made the latest step took over from another one during the run (a second
+    ``compile`` + ``fit`` with a new optimizer, a fine-tuning stage): ``{"step", "from", "to"}``, the run's
+    step of its first update and the two class names; else ``{}``. Optimizers stepping together (a GAN's
+    two) are no switch: the earlier one must have made its last update before the new one's first."""
+    sts = sorted(w.states.values(), key=lambda st: -(st.attempts - st.offset))  # a replaced one may be freed
+    if len(sts) < 2 or not sts[0].first:
+        return {}
+    cur, start = sts[0], sts[0].first
+    before = [st for st in sts[1:] if 0 < st.attempts - st.offset <= start]
+    if not before:
+        return {}
+    prev = max(before, key=lambda st: st.attempts - st.offset)
+    return {"step": int(start), "from": prev.name, "to": cur.name}

@@ -122,6 +122,7 @@ class OptState:
         self.name = type(opt).__name__
         self.n_vars = n_vars
         self.offset = 0  # the raw step count when the current watcher adopted this state
+        self.first: Optional[int] = None  # the run's step of this optimizer's first update (None: adopted)
         self.clip_host = float("inf")  # the clip variable's value, as last set from the host
         def make() -> tuple:
             # not lifted by a tf.function being traced: the check's own variables never make TensorFlow

@@ -363,6 +363,7 @@ class TFWatcher:
             else:
                 st.adopt(active=self.skip_bad, stop_mode=self.stop_mode)
             st.offset -= first  # the script's step = the raw count - offset
+            st.first = first
             self.states[id(opt)] = st
         return st
 

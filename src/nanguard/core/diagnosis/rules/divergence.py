@@ -284,6 +284,17 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
         fixes = [f"lower the momentum to 0.9 (effective step {T.g(lr / 0.1) if lr else '?'}) or the learning rate to "
                  f"{X.lr_about(new)}"]
         return why, fixes, None
+    sw = ctx.get("optimizer_switch") if isinstance(ctx.get("optimizer_switch"), dict) else {}
+    if dy.get("lr_rose_from") is not None and lr and sw and T.fin(dy.get("onset_step")) \
+            and dy["lr_rose_from_step"] < sw.get("step", -1) <= dy["onset_step"]:
+        # not a schedule: a new optimizer took over (a fine-tuning stage, a second compile/fit)
+        why = (f"at step {sw['step']} the run switched from {sw.get('from') or 'one optimizer'} (learning rate "
+               f"{T.g(dy['lr_rose_from'])}) to a new optimizer, {sw.get('to') or 'another one'}, with learning rate "
+               f"{T.g(lr)}, and the growth began there: that learning rate is past the stability limit of this "
+               "stage (fine-tuning usually needs a lower rate than the first stage, not a higher one)")
+        fixes = [X.lr_sentence(f"lower the learning rate of the new {sw.get('to') or 'optimizer'} from {T.g(lr)} to "
+                               "{about} (multiply it by {factor})", new, T.g(factor, 2))]
+        return why, fixes, None
     if dy.get("lr_rose_from") is not None and lr:
         why = (f"the learning-rate schedule raised it from {T.g(dy['lr_rose_from'])} (step {dy['lr_rose_from_step']}) "
                f"to {T.g(lr)} at step {dy.get('onset_step')}, where the growth began: the schedule's peak is past "
