@@ -130,8 +130,8 @@ class WatcherRecovery:
         if cfg is None or not cfg.enabled or opt is None or w.tape is None or w.scalers:
             return
         step = w.tape.step
-        if step in self.kept:
-            return
+        if step in self.kept or w.monitor.step_of(opt) - 1 in self.kept:
+            return  # (a second optimizer of the step: the first one's update already kept it, and the tape moved on)
         if w.tape.why_not(step) is not None:
             self.kept.clear()  # the steps kept are no longer consecutive
             return
