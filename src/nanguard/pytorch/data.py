@@ -12,6 +12,12 @@ both the single-process and the worker-process kinds) while a zero-code run is i
   their values;
 * ``_reset``: a new epoch (persistent workers included) forgets the previous epoch's indices.
 
+Quarantine (recovery): dataset rows a drop-samples replay proved bad (:meth:`DataHooks.exclude`; rows of
+the dataset of the most recent batch, the failing one) are taken out of every later batch's indices from
+that dataset in ``_next_index``, before the dataset is read (a batch of nothing but excluded rows is passed
+over for the next one), and ``on_filter(rows)`` says so each time. Other datasets (an evaluation set's
+row of the same index) are left alone.
+
 After each batch, the batch's tensors whose first dimension is the number of indices are
 registered: :meth:`DataHooks.rows_of` gives the dataset indices of a tensor's rows. Only map-style
 datasets with automatic batching and in-order delivery have them (an ``IterableDataset`` has no
@@ -46,6 +52,48 @@ class DataHooks:
         self.last: Optional[List[int]] = None     # indices of the most recent batch
         self._orig: Dict[str, Any] = {}
         self._installed = False
+        self.excluded: Dict[int, tuple] = {}      # id(dataset) -> (its weakref, the rows kept out of its batches)
+        self._source: Any = None                  # a weakref to the dataset of the most recent batch
+        self.on_filter: Optional[Callable[[List[int]], None]] = None  # told each time rows are taken out
+
+    # ------------------------------------------------------------------ quarantine
+    def exclude(self, rows: List[int], on_filter: Optional[Callable[[List[int]], None]] = None) -> Optional[Dict[str, Any]]:
+        """Keep ``rows`` of the most recent batch's dataset out of every later batch from it;
+        ``on_filter(rows)`` is called each time some are taken out of one. None: no batch came from a
+        DataLoader with dataset indices."""
+        ds = self._source() if self._source is not None else None
+        if ds is None:
+            return None
+        ref, have = self.excluded.setdefault(id(ds), (self._source, set()))
+        have.update(int(r) for r in rows)
+        if on_filter is not None:
+            self.on_filter = on_filter
+        return {"rows": sorted(int(r) for r in rows), "dataset": type(ds).__name__,
+                "how": "taken out of each later batch's sampler indices before the dataset is read"}
+
+    def _filtered(self, it: Any, idx: Any, fetch: Callable[[], Any]) -> Any:
+        """``idx`` without the rows excluded from ``it``'s dataset (a batch of nothing else: the next
+        batch's); ``fetch`` draws the next batch's indices (its StopIteration ends the epoch)."""
+        ds = getattr(it, "_dataset", None)
+        ref, bad = self.excluded.get(id(ds), (None, None))
+        if ref is None or ref() is not ds:
+            return idx
+        while isinstance(idx, list) and idx:
+            try:
+                out = [i for i in idx if int(i) not in bad]
+            except (TypeError, ValueError):
+                return idx
+            if len(out) == len(idx):
+                return idx
+            if self.on_filter is not None:
+                try:
+                    self.on_filter([int(i) for i in idx if int(i) in bad])
+                except Exception:  # the record never stops the run
+                    pass
+            if out:
+                return out
+            idx = fetch()
+        return idx
 
     # ------------------------------------------------------------------ lookup
     def rows_of(self, t: torch.Tensor) -> Optional[List[int]]:
@@ -89,6 +137,8 @@ class DataHooks:
 
         def _next_index(it):
             idx = orig_index(it)
+            if hooks.excluded and _indexed(it):
+                idx = hooks._filtered(it, idx, lambda: orig_index(it))
             if _indexed(it):
                 key = getattr(it, "_send_idx", None) if it._num_workers > 0 else None
                 it.__dict__.setdefault("_nanguard_idx", {})[key] = idx
@@ -114,6 +164,7 @@ class DataHooks:
                     table = it.__dict__.get("_nanguard_idx") or {}
                     key = (it._rcvd_idx - 1) if it._num_workers > 0 else None
                     hooks._register(data, table.pop(key, None))
+                    hooks._source = _ref(it._dataset)
                 except Exception:
                     pass
             return data
@@ -128,6 +179,14 @@ class DataHooks:
         base.__next__ = self._orig["__next__"]
         base._next_index = self._orig["_next_index"]
         base._reset = self._orig["_reset"]
+
+
+def _ref(obj: Any) -> Callable[[], Any]:
+    """A weak reference to ``obj``, or (an object that takes none) a strong one."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def _indexed(it: Any) -> bool:

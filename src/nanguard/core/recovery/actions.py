@@ -99,6 +99,12 @@ class RecoveryActions(abc.ABC):
         ``{"rows": [...], "kept_rows": n, "loss": x}``."""
         return None
 
+    def exclude_rows(self, rows: List[int]) -> Optional[Dict[str, Any]]:
+        """Keep dataset ``rows`` (proven bad by a drop-samples replay) out of every later batch of the run,
+        each time saying so. Record: ``{"rows": [...], "how": ...}``; None where the backend cannot (the
+        rows are then only quarantined on the record, and a batch that draws one again fails again)."""
+        return None
+
     def replay_kept(self, from_step: int, to_step: int, *, steps: int, lr_factor: Optional[float] = None,
                     max_norm: Optional[float] = None) -> Dict[str, Any]:
         """Replay the kept steps ``from_step..to_step`` (cycled to ``steps`` steps, updates included) from the

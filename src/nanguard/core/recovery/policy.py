@@ -69,6 +69,7 @@ class RecoveryPolicy:
         self.loss_scaler: Optional[DynamicLossScale] = None  # armed by ``loss_scale``
         self.quarantined: List[int] = []      # dataset rows of bad input data
         self.quarantined_batch_rows: List[int] = []
+        self.row_filters: List[Dict[str, Any]] = []  # each later batch a quarantined row was taken out of
         self.upcast_modules: List[str] = []
         self.stopped: Optional[str] = None    # why recovery stopped the run
         self.stopped_step: Optional[int] = None
@@ -390,7 +391,7 @@ class RecoveryPolicy:
                     done["skip_step"]["buffers_restored"] = actions.restore_buffers(this)
             names.append("skip_step")
         if cat == DATA_CATEGORY or few_rows:
-            quarantine(self, event, done)
+            quarantine(self, event, done, actions)
         if notes:
             done["notes"] = notes
         if any(a in names for a in CHANGES_TRAINING):
@@ -442,9 +443,10 @@ def written_outside_update(cause: Dict[str, Any], repaired: Any) -> bool:
     return ev.get("same_as_step") in repaired
 
 
-def quarantine(policy: RecoveryPolicy, event, done: Dict[str, Any]) -> None:
+def quarantine(policy: RecoveryPolicy, event, done: Dict[str, Any], actions: Optional[RecoveryActions] = None) -> None:
     """Record the bad samples of a bad-data (or per-sample) recovery in ``done`` and in the policy's
-    quarantine lists."""
+    quarantine lists. Dataset rows a drop-samples replay proved bad (:func:`proven_rows`) are kept out of
+    every later batch where the backend can (``actions.exclude_rows``: ``quarantine.excluded``)."""
     origin = event.origin or {}
     ev = (event.cause or {}).get("evidence") or {}
     if ev.get("same_as_step") is not None:
@@ -463,5 +465,22 @@ def quarantine(policy: RecoveryPolicy, event, done: Dict[str, Any]) -> None:
         policy.quarantined_batch_rows.extend(batch_rows)
     if origin.get("tensor"):
         q["tensor"] = origin.get("tensor")
+    proven = [r for r in proven_rows(event, done) if r in rows]
+    ex = actions.exclude_rows(proven) if actions is not None and proven else None
+    if ex:
+        q["excluded"] = ex
     done["quarantine"] = q
     done["quarantined_samples"] = rows or batch_rows
+
+
+def proven_rows(event, done: Dict[str, Any]) -> List[int]:
+    """The dataset rows a drop-samples replay proved bad: the step without them was finite (the experiment
+    ``drop_samples`` of the investigation, or the recovery's own ``drop_samples`` re-run)."""
+    ev = (event.cause or {}).get("evidence") or {}
+    found: List[int] = []
+    tries = [e.get("details") or {} for e in ev.get("experiments") or []
+             if isinstance(e, dict) and e.get("kind") == "drop_samples" and e.get("finite") is True]
+    tries += [done["drop_samples"]] if isinstance(done.get("drop_samples"), dict) else []
+    for d in tries:
+        found += [int(r) for r in d.get("dataset_indices") or [] if isinstance(r, int) and int(r) not in found]
+    return found

@@ -28,6 +28,8 @@ def notice(step: int, category: str, record: Dict[str, Any]) -> str:
         extra += f", trained on the batch without {dropped or 'its bad rows'}"
     if "quarantine" in done and done["quarantine"].get("rows"):
         extra += f", quarantined {counted_list('row', done['quarantine']['rows'])}"
+        if done["quarantine"].get("excluded"):
+            extra += " (kept out of every later batch)"
     if record.get("verified"):
         extra += f", {record['verified']}"
     if (done.get("rollback") or {}).get("escalated"):
@@ -85,6 +87,8 @@ def summary_line(policy: Any) -> Optional[str]:
     s = f"recovery: {plural(n or 'no', 'recovery')}" + actions_tally(policy.events)
     if policy.quarantined:
         s += f"; quarantined dataset {counted_list('row', policy.quarantined)}"
+        if policy.row_filters:
+            s += f" (taken out of {plural(len(policy.row_filters), 'later batch')})"
     elif policy.quarantined_batch_rows:
         s += f"; bad batch {counted_list('row', sorted(set(policy.quarantined_batch_rows)))}"
     if policy.upcast_modules:

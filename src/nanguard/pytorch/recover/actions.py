@@ -29,14 +29,18 @@ class TorchActions(RecoveryActions):
     when it can replay the step: :meth:`nanguard.Guard.drop_samples_fn`);
     ``held``: where the learning-rate cuts are held against a script's own per-step rates;
     ``replayer``: replays the driver's kept steps (:meth:`replay_kept`; an early warning's, before its
-    change is applied), None where the driver keeps none.
+    change is applied), None where the driver keeps none;
+    ``exclude``: keeps dataset rows out of every later batch (``nanguard run``'s DataLoader hooks), None
+    where the driver has none.
     """
 
     def __init__(self, modules: Sequence[torch.nn.Module], optimizers: Sequence[Any], scaler: Any = None,
                  roots: Sequence[torch.nn.Module] = (), hooks: Optional[List[Any]] = None,
                  drop: Optional[Callable[[List[int]], Optional[Dict[str, Any]]]] = None,
-                 held: Optional[HeldRates] = None, replayer: Optional[Callable[..., Dict[str, Any]]] = None) -> None:
+                 held: Optional[HeldRates] = None, replayer: Optional[Callable[..., Dict[str, Any]]] = None,
+                 exclude: Optional[Callable[[List[int]], Optional[Dict[str, Any]]]] = None) -> None:
         self.modules, self.optimizers, self.roots = list(modules), list(optimizers), list(roots)
+        self.exclude = exclude
         self.replayer = replayer
         self.held = held if held is not None else HeldRates()
         self.scaler = scaler
@@ -107,6 +111,9 @@ class TorchActions(RecoveryActions):
 
     def drop_samples(self, rows: List[int]) -> Optional[Dict[str, Any]]:
         return self.drop(rows) if self.drop is not None else None
+
+    def exclude_rows(self, rows: List[int]) -> Optional[Dict[str, Any]]:
+        return self.exclude(rows) if self.exclude is not None else None
 
     def can_loss_scale(self) -> bool:
         return bool(self.optimizers) and not (self.scaler is not None and scaler_enabled(self.scaler))

@@ -17,12 +17,17 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from ...core.events import Detection
 from ...core.recovery import RecoveryPolicy as _NeutralPolicy
+from ...core.render.terminal import print_line
+from ...core.text import counted_list
 from ..detect.tensors import locals_of
 from .actions import TorchActions
 from .lr_backoff import HeldRates
 from .forward import ForwardReplayer
 from .loss_scale import scale_loss
+
+FILTER_LINES = 20  # a line on stderr for each of the first filters of quarantined rows (all are in the report)
 
 # Snapshots (cost-based, nanguard.core.recovery.snapshots): real copies cost at most this share of the
 # training time; the Guard's per-step tier is virtual (replayed forward from the last real one).
@@ -45,7 +50,8 @@ class RecoveryPolicy(_NeutralPolicy):
                 roots: Sequence[torch.nn.Module] = (), drop: Any = None, replayer: Any = None) -> TorchActions:
         """The actions on these training objects (``drop``: the failing step's drop_samples, if any;
         ``replayer``: the driver's kept steps, replayed: :meth:`_replayer`)."""
-        return TorchActions(modules, optimizers, scaler, roots, self._hooks, drop, self._held, replayer)
+        return TorchActions(modules, optimizers, scaler, roots, self._hooks, drop, self._held, replayer,
+                            self._exclude())
 
     def maybe_snapshot(self, step: int, modules, optimizers, scaler, loss: Optional[float] = None) -> None:
         """Take the snapshot of the state at the start of ``step`` if a tier wants it."""
@@ -105,6 +111,27 @@ class RecoveryPolicy(_NeutralPolicy):
         rates = step_rates((g or w).monitor.history.raw_dicts())
         return lambda frm, to, **kw: replay_kept(kept, list(modules), list(optimizers), frm, to, quiet=quiet,
                                                  rates=rates, **kw)
+
+    # ---------------------------------------------------------------- quarantined rows kept out
+    def _exclude(self) -> Any:
+        """``nanguard run``: keep proven-bad dataset rows out of the DataLoader's later batches (its hooks,
+        :meth:`nanguard.pytorch.data.DataHooks.exclude`); None under the Guard (it reads no DataLoader)."""
+        w = self._watcher() if self._watcher is not None else None
+        data = getattr(w, "data", None)
+        return None if data is None else (lambda rows: data.exclude(rows, self._filtered))
+
+    def _filtered(self, rows: List[int]) -> None:
+        """Rows were taken out of a batch: a record each time (the report's ``info``, a line, the count)."""
+        w = self._watcher() if self._watcher is not None else None
+        step = w.monitor.steps_watched if w is not None else None
+        self.row_filters.append({"step": step, "rows": list(rows)})
+        if w is not None:
+            w.info.append(Detection(step, "data", {"quarantine_filter": {
+                "rows": list(rows), "why": "dataset rows a drop-samples replay proved bad, quarantined earlier: "
+                "taken out of this batch before the dataset was read"}}, info_only=True))
+        if not self.quiet and len(self.row_filters) <= FILTER_LINES:
+            more = " (further ones are counted in the summary)" if len(self.row_filters) == FILTER_LINES else ""
+            print_line(f"step {step}: quarantined dataset {counted_list('row', rows)} taken out of the batch{more}")
 
     # ---------------------------------------------------------------- Guard adapter
     def bind_guard(self, guard) -> None:
