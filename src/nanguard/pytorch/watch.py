@@ -296,6 +296,8 @@ class Watcher:
         tape = self.tape
         if tape is not None and (tape._pushed or tape._stale):
             tape.close()
+        if tape is not None:  # what the tape holds since the last update is this optimizer's step: its number
+            tape.step = self.monitor.step_of(opt)  # (a second model's optimizer counts from 0: distillation)
         closure = closure_of(args, kwargs) if len(args) > 1 or kwargs else None  # (args[0]: the optimizer)
         if closure is not None and not self.disabled:
             # optimizer.step(closure) (LBFGS): the loss and gradients are made inside step; the check
