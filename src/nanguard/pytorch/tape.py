@@ -267,6 +267,14 @@ class StepTape:
         if open_region and not self.pre_off:
             self.open()  # the calls that build the batch, before the model's first call
 
+    def before_update(self, step: int) -> None:
+        """An optimizer is about to update: close an open region, and number what the tape holds since the
+        last update by that optimizer's count (a second model's optimizer, trained after the first one, counts
+        from 0: its failure must find its own step here)."""
+        if self._pushed or self._stale:
+            self.close()
+        self.step = step
+
     def _clear(self) -> None:
         self.entries = []
         self.ext: List[torch.Tensor] = []

@@ -294,10 +294,8 @@ class Watcher:
         if getattr(self._local, "scaler_depth", 0) > 0 or self._replaying:  # (self._in_scaler(), inline)
             return None
         tape = self.tape
-        if tape is not None and (tape._pushed or tape._stale):
-            tape.close()
-        if tape is not None:  # what the tape holds since the last update is this optimizer's step: its number
-            tape.step = self.monitor.step_of(opt)  # (a second model's optimizer counts from 0: distillation)
+        if tape is not None:
+            tape.before_update(self.monitor.step_of(opt))
         closure = closure_of(args, kwargs) if len(args) > 1 or kwargs else None  # (args[0]: the optimizer)
         if closure is not None and not self.disabled:
             # optimizer.step(closure) (LBFGS): the loss and gradients are made inside step; the check

@@ -57,6 +57,16 @@ def _nll_all_ignored(c) -> dict | None:
     return None
 
 
+@F.generic_rule(1250, categories=("div_by_zero",))
+def _empty_reduction(c) -> dict | None:
+    """Any op that reduces an empty input (0 rows) to a NaN: a mean-reduced loss (nll_loss, mse_loss,
+    binary_cross_entropy...) over a batch a mask or an index range left empty is sum/count = 0/0. (A sum
+    or a 'none' reduction of an empty input gives 0 or an empty result: only a mean makes the NaN.)"""
+    if c.out.get("nan") and c.origin.get("stage") != "backward" and _empty_input(c.origin):
+        return div_result(c.origin, c.facts, c.ev, c.method, c.low, empty_mean=True, empty_batch=True)
+    return None
+
+
 def zero_division_words(origin: dict) -> str:
     """What a division by 0 gave, read from the op's own output counts: ``"x/0 = +inf (2 elements)"``,
     ``"0/0 = NaN (3 elements)"``, both joined by "and"; ``"x/0"`` when the counts are not recorded.
@@ -90,7 +100,7 @@ def _all_targets_ignored(origin: dict) -> bool:
 
 
 def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empty_mean: bool = False,
-         pow_zero: bool = False, all_ignored: bool = False) -> dict:
+         pow_zero: bool = False, all_ignored: bool = False, empty_batch: bool = False) -> dict:
     zd = facts.get("zero_denominator") or {}
     where = T.where(origin)
     api = T.api_or_op(origin)
@@ -112,6 +122,19 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
                  f"if (target != {ign}).any(): ...",
                  "or use reduction='sum' and divide by the number of valid targets over the whole "
                  "accumulated batch, clamped to at least 1"]
+        return T.result("div_by_zero", summ, 0.9, ev, fixes, method)
+    if empty_batch:
+        shape = ((origin.get("inputs") or [{}])[0]).get("shape")
+        summ = (f"{api} at {where} reduced an empty input (shape {shape}): the mean over 0 elements is "
+                "sum/count = 0/0 = NaN; the mask, index range or split that selects its rows selected none")
+        fixes = [f"check what selects the rows reaching {where} (a boolean mask, an index range such as "
+                 "idx[n:] on a dataset with fewer than n rows, a filter): it came out empty",
+                 X.say(pytorch=f"skip the loss when nothing is selected: if mask.any(): loss = ... (or "
+                       "reduction='sum' divided by max(count, 1))",
+                       tensorflow="skip the loss when nothing is selected: tf.cond(tf.reduce_any(mask), ...) (or a "
+                       "sum divided by tf.maximum(count, 1))",
+                       jax="skip the loss when nothing is selected: jnp.where(mask.any(), loss, 0.0) (or a sum "
+                       "divided by jnp.maximum(count, 1))")]
         return T.result("div_by_zero", summ, 0.9, ev, fixes, method)
     if empty_mean:
         summ = f"{api} at {where} averaged an empty tensor: sum/count = 0/0 = NaN"
