@@ -109,7 +109,7 @@ class KerasBench(Bench):
             for layer, pol in (policies or {}).items():
                 layer.dtype_policy = pol
             tf.config.run_functions_eagerly(True)
-            cap.call_step(batch)
+            cross_replica(lambda: cap.call_step(batch))
         finally:
             w.replay_hooks = None
             for layer, pol in old.items():
@@ -192,7 +192,7 @@ class KerasBench(Bench):
                 down = [l for x in later for l in sublayers(x) if low_precision(l)]
                 layers += down
                 if down:
-                    e.details["downstream"] = [str(getattr(l, "path", l.name)) for l in down]
+                    e.details["downstream"] = [str(getattr(l, "path", None) or l.name) for l in down]
         pol = {l: "float32" for l in layers if low_precision(l)}
         if not pol:
             e.error = "no layer there computes in float16/bfloat16"
@@ -340,6 +340,19 @@ _RUNNERS: Dict[str, Callable[[KerasBench, Experiment, float], None]] = {
     "drop_samples": KerasBench._drop_samples, "upcast_module": KerasBench._upcast_module,
     "float64_step": KerasBench._float64_step, "determinism": KerasBench._determinism,
     "lr_replay": KerasBench._lr_replay, "clip_replay": KerasBench._clip_replay}
+
+
+def cross_replica(fn: Callable[[], Any]) -> Any:
+    """``fn()`` in the cross-replica context. The re-run child finds the failure inside the step it
+    re-runs (a ``jit_compile`` fit: inside ``distribute_strategy.run``, a replica context) and replays
+    from there; a replay that calls fit's train function there would call ``strategy.run`` within a
+    replica context, which TensorFlow refuses ("Method requires being in cross-replica context")."""
+    if tf.distribute.in_cross_replica_context():
+        return fn()
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None:
+        return fn()
+    return ctx.merge_call(lambda _strategy: fn())
 
 
 def _cast(x: Any, dtype: Any) -> Any:
