@@ -120,6 +120,8 @@ class NanGuard(keras.callbacks.Callback):
             return
         drv.uninstall()
         try:
+            from .watch import fit_ended
+            fit_ended(drv.watcher, logs)  # what the fit logged last (the report's status must not contradict it)
             self.report = drv.make_report()
             if self.report_path:
                 self.report.write(self.report_path)

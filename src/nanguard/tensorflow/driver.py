@@ -3,6 +3,7 @@ callback: a :class:`~.watch.TFWatcher`, the failing-step capture, localization, 
 report (the same ``nanguard.report/1`` as the PyTorch backend, via ``nanguard.core``)."""
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -140,11 +141,28 @@ class RunDriver:
             extra["history_rows_lost"] = lost
         if w.steps_watched == 0 and not w.states:
             extra["note"] = "no optimizer update was seen (keras Optimizer.apply never ran)"
-        return assemble_report(RunFacts(
+        rep = assemble_report(RunFacts(
             counting="optimizer", steps_watched=w.steps_watched, max_grad_norm=h.max_grad_norm if len(h) else None,
             history=h.as_dicts(), info=info_rows(w.info), events=events,
             warnings=list(w.warning_events), extra=extra,
             dropped_events=w.dropped_events, disabled=disabled_note(w)))
+        printed_nonfinite(rep, w.fit_end)
+        return rep
+
+
+def printed_nonfinite(rep: Report, end: Optional[Dict[str, Any]]) -> None:
+    """A run whose last ``fit`` ended logging a non-finite loss is not called recovered: the last recovery
+    before that end is marked not ok, with what ``fit`` printed (the status then follows the events)."""
+    loss = (end or {}).get("loss")
+    if loss is None or math.isfinite(loss) or rep.status != "recovered":
+        return
+    acted = [e for e in rep.events if isinstance(e.recovery, dict) and e.recovery.get("ok") and e.step <= end["step"]]
+    if not acted:
+        return
+    last = max(acted, key=lambda e: e.step)
+    last.recovery["ok"] = False
+    last.recovery["printed_nonfinite"] = (f"fit logged loss {loss} at its end (epoch {end['epoch']}, step "
+                                          f"{end['step']}): the script's printed loss is not finite")
 
 
 def environment() -> Dict[str, Any]:

@@ -54,6 +54,9 @@ class HostReader:
         w = self.w
         sts = FN_STATES.get(fn)
         if sts and not w.disabled:
+            keep = getattr(w.policy, "keep_call", None) if w.recovering else None
+            if keep is not None:  # the call as a step an early warning's change can be replayed on (.recover_tried)
+                w._guarded(lambda: keep(w, w.steps_watched))
             for st in list(sts):
                 if not w._claim(st):
                     continue  # an earlier watcher's that did not run here, or an unknown one

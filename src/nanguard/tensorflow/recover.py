@@ -137,6 +137,9 @@ class KerasActions(_ActionsBase):
         if fitting is not None and fitting not in self.models:
             self.models.append(fitting)
         self.optimizers = watcher.optimizers()
+        # replays the driver's kept steps (:meth:`replay_kept`; an early warning's change, before it is
+        # applied: .recover_tried), None where the driver keeps none
+        self.replayer: Optional[Callable[..., Dict[str, Any]]] = None
 
     # -------------------------------------------------------------- variables
     def model_variables(self) -> List[Any]:
@@ -214,18 +217,28 @@ class KerasActions(_ActionsBase):
     def restore(self, snap: TFSnapshot, rng: bool = True) -> None:
         end = len(snap.vars) - snap.n_seed
         metrics = range(end - snap.n_metric, end)
-        # the metrics' running means (fit's printed loss) go back too when the snapshot is of this epoch
-        # (Keras resets them when an epoch starts: an earlier epoch's totals would mix into this one)
+        # the metrics' running means (fit's printed loss) go back too when the snapshot is of this epoch;
+        # of an earlier one, every step of this epoch is undone: they restart as Keras starts an epoch
+        # (reset), else the undone steps' losses (a NaN) would stay in what fit prints to the epoch's end
         fit = self.w.fit_now if self.w is not None else None
-        keep_metrics = fit is not None and snap.step < fit["epoch_start"]
+        earlier = fit is not None and snap.step < fit["epoch_start"]
         n = len(snap.vars) - (0 if rng else snap.n_seed)  # the seed generators' states come last
         for i, (v, a) in enumerate(zip(snap.vars[:n], snap.values[:n])):
-            if not (keep_metrics and i in metrics):
+            if not (earlier and i in metrics):
                 v.assign(a)
+        if earlier:
+            self.reset_metrics()
         self.reset_newer_optimizers(snap)
         if rng:
             random.setstate(snap.py_random)
             np.random.set_state(snap.np_random)
+
+    def reset_metrics(self) -> None:
+        """The models' compiled metrics back to their state when an epoch starts (Keras' ``reset_metrics``)."""
+        for m in self.models:
+            reset = getattr(m, "reset_metrics", None)
+            if callable(reset):
+                reset()
 
     def reset_newer_optimizers(self, snap: TFSnapshot) -> int:
         """An optimizer first used after ``snap`` (a fine-tuning stage's, re-compiled after the snapshot's
@@ -352,6 +365,12 @@ class KerasActions(_ActionsBase):
                 done = True
         return done
 
+    def replay_kept(self, from_step: int, to_step: int, *, steps: int, lr_factor: Optional[float] = None,
+                    max_norm: Optional[float] = None) -> Dict[str, Any]:
+        if self.replayer is None:
+            return {"unavailable": "no steps kept to replay (recovery keeps them: --recover)"}
+        return self.replayer(self, from_step, to_step, steps=steps, lr_factor=lr_factor, max_norm=max_norm)
+
     def can_loss_scale(self) -> bool:
         return False
 
@@ -390,6 +409,27 @@ def find_layer(models: List[Any], path: Optional[str]):
             for sub in getattr(layer, "layers", []) or []:
                 stack.append((sub, layer))
     return None
+
+
+def fit_logs_after_recovery(watcher: Any) -> None:
+    """A ``fit`` step whose update recovery dropped or undid prints what its epoch's running mean is now
+    (the metrics as recovery left them: the steps that trained), not its own loss (a NaN that the next
+    steps' logs no longer hold): the step's logs are replaced (``watcher.step_output``). Left as they are
+    when no step of the epoch has trained yet (an empty mean would print 0), with several steps per call,
+    or when the step's output was already replaced (``drop_samples``)."""
+    model = watcher.fitting()
+    if model is None or watcher.fit_now is None or watcher.step_output is not None or \
+            int(getattr(model, "steps_per_execution", 1) or 1) != 1:
+        return
+    for m in getattr(model, "metrics", None) or []:
+        count = getattr(m, "count", None)
+        if hasattr(count, "numpy") and float(np.asarray(count.numpy())) == 0:
+            return
+    logs = model.get_metrics_result()
+    if not logs or not all(np.isfinite(np.asarray(v, dtype=np.float64)).all() for v in tf.nest.flatten(logs)):
+        return
+    from .recover_drop import _like
+    watcher.step_output = lambda orig: _like(orig, logs)
 
 
 def _birth_values(opt: Any) -> list:
@@ -436,6 +476,8 @@ class TFRecovery:
         self.captures = captures
         from .recover_history import BatchKeeper
         self.batches = BatchKeeper() if policy.failures else None  # a fit's last batches (history replays)
+        # a tape loop's last tf.function step calls, (fn, args, kwargs) by step (an early warning's replays)
+        self.calls = BatchKeeper() if policy.failures else None
         self.births: Dict[int, list] = {}  # id(optimizer) -> [(variable, value before its first update)]
         self.held: Dict[int, Any] = {}     # fit, several steps per call: step -> capture of a held step
         self.resumed: List[int] = []       # held steps re-run and applied (.recover_held)
@@ -476,10 +518,24 @@ class TFRecovery:
         """An early warning under on_spike="rollback" (the core policy's ``on_spike``). ``late``: the step's
         update already ran (a traced step)."""
         actions = KerasActions(watcher, applied=late)
+        if self.batches is not None:  # the kept steps, replayed with the warning's change before it is applied
+            from .recover_tried import replay_kept
+            actions.replayer = lambda acts, frm, to, **kw: replay_kept(watcher, acts, frm, to, **kw)
         rec = self.policy.on_spike(event, step=step, actions=actions, history=history, rollback=True)
         if rec is not None:
             self.policy.on_update(actions)  # arms clipping (an in-graph variable) for the next updates
+            fit_logs_after_recovery(watcher)
         return rec
+
+    def keep_call(self, watcher: Any, step: int) -> None:
+        """A tape loop's outermost ``tf.function`` call that ran guarded updates, as step ``step`` (its numpy
+        arguments copied: a script may refill its buffers), for an early warning's replays."""
+        call = watcher.step_call
+        if self.calls is None or call is None or watcher.fit_now is not None:
+            return
+        fn, args, kwargs = call
+        copy = lambda x: np.array(x) if isinstance(x, np.ndarray) else x  # noqa: E731
+        self.calls.put(step, (fn, tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}))
 
     def prepare(self, opt: Any) -> None:
         """Before the update is traced (first apply): schedules get a scalable factor; the state of an
@@ -518,6 +574,7 @@ class TFRecovery:
         self.policy.on_update(actions)  # arms clipping (an in-graph variable) for the next updates
         if watcher.spikes is not None:  # the warnings watch the resumed run afresh (core.alerts), as on PyTorch
             watcher.spikes.after_recovery(rec)
+        fit_logs_after_recovery(watcher)
         if cap is not None and cap.buffers:  # a step of a fit call of several steps (.recover_held)
             done = str(rec.get("action") or "")
             if "drop_samples" not in done and "rollback" not in done:

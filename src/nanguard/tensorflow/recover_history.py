@@ -5,9 +5,10 @@ re-run child.
 
 A ``fit`` step's batch lives inside the traced train step; with recovery on (and one step per
 execution, no XLA), :func:`keep_batch` adds a ``tf.py_function`` to the step that hands its batch to
-the host, kept by step for the last ``ExperimentConfig.keep_steps`` steps (numpy copies of one batch
-each: small beside the snapshots recovery already takes). :func:`fit_history` pairs them with the
-recovery snapshots of the same steps (the state when each step started) in the form the bench reads:
+the host, kept by step for the last ``BatchKeeper.KEEP`` steps (numpy copies of one batch each: small
+beside the snapshots recovery already takes; an early warning's replays use them all, :mod:`.recover_tried`).
+:func:`fit_history` pairs those of the last ``HISTORY_STEPS`` with the recovery snapshots of the same steps
+(the state when each step started) in the form the bench reads:
 ``{"calls": {step: (fn, args, kwargs)}, "values": {step: {path: array}}}``.
 """
 from __future__ import annotations
@@ -22,19 +23,48 @@ from .state import active
 
 __all__ = ["BatchKeeper", "keep_batch", "fit_history"]
 
+HISTORY_STEPS = 3  # the failing step and the two before it: what a failure's history replays start from
+
 
 class BatchKeeper:
-    """The last ``n`` ``fit`` batches by step (numpy structures)."""
+    """The last ``n`` steps' batches (numpy structures), or calls, by step. ``n``: ``KEEP`` (the warning step
+    and the steps an early warning's rollback may replay from, :mod:`.recover_tried`), fewer when one batch
+    is large (at most ``MAX_BYTES`` of arrays in all)."""
 
-    def __init__(self, n: int = 3) -> None:
+    KEEP = 32
+    MAX_BYTES = 64 << 20
+
+    def __init__(self, n: int = KEEP) -> None:
         self.n = max(int(n), 1)
         self.batches: "OrderedDict[int, Any]" = OrderedDict()
+        self._bytes: Dict[int, int] = {}
+        self.total = 0  # bytes of arrays held
 
     def put(self, step: int, batch: Any) -> None:
         self.batches[step] = batch
         self.batches.move_to_end(step)
-        while len(self.batches) > self.n:
-            self.batches.popitem(last=False)
+        self.total -= self._bytes.get(step, 0)
+        try:
+            self._bytes[step] = sum(_nbytes(a) for a in tf.nest.flatten(batch))
+        except Exception:  # a structure tf.nest cannot walk: its arrays are not counted
+            self._bytes[step] = 0
+        self.total += self._bytes[step]
+        while len(self.batches) > 1 and (len(self.batches) > self.n or self.total > self.MAX_BYTES):
+            old, _ = self.batches.popitem(last=False)
+            self.total -= self._bytes.pop(old, 0)
+
+    def recent(self, upto: int, n: int) -> Dict[int, Any]:
+        """The kept entries of the ``n`` steps up to ``upto`` (included)."""
+        return {s: b for s, b in self.batches.items() if upto - n < s <= upto}
+
+
+def _nbytes(a: Any) -> int:
+    """The bytes an array or tensor holds (0 for anything else)."""
+    if isinstance(a, np.ndarray):
+        return int(a.nbytes)
+    if isinstance(a, tf.Tensor) and a.shape.num_elements() is not None:
+        return int(a.shape.num_elements()) * int(a.dtype.size)
+    return 0
 
 
 def keep_batch(w: Any, model: Any, data: Any) -> None:
@@ -70,16 +100,17 @@ def fit_history(policy: Any, cap: Any) -> Optional[Dict[str, Any]]:
     if keeper is None or store is None or cap is None or cap.step_fn is None:
         return None
     path_of = {id(v): k for k, v in cap.variables.items()}
+    recent = keeper.recent(cap.step, HISTORY_STEPS)
     calls: Dict[int, tuple] = {cap.step: (cap.step_fn, (cap.inputs,), {})}
     values: Dict[int, Dict[str, Any]] = {}
     for snap in store.all():
         if snap.step >= cap.step or not snap.finite():
             continue
-        batch = keeper.batches.get(snap.step)
+        batch = recent.get(snap.step)
         if batch is None:
             continue
         values[snap.step] = {path_of[id(v)]: a for v, a in zip(snap.vars, snap.values) if id(v) in path_of}
-    for step, batch in keeper.batches.items():
+    for step, batch in recent.items():
         if step < cap.step:
             calls[step] = (cap.step_fn, (batch,), {})
     return {"calls": calls, "values": values} if values else None

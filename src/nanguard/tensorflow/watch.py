@@ -83,6 +83,7 @@ class TFWatcher:
         self.replay_hooks: Any = None  # set while a captured step is replayed (see .capture)
         self.fit_calls = 0            # model.fit calls seen (nanguard run / watch())
         self.fit_now: Optional[Dict[str, int]] = None  # the running fit: call, first step, epoch, its first step
+        self.fit_end: Optional[Dict[str, Any]] = None  # the last fit's end: its loss as fit logged it last
         # the outermost tf.function call running, (fn, args, kwargs), and its output -> what the script gets
         self.step_call, self.step_output = None, None  # (recovery's drop_samples: .recover_drop)
 
@@ -286,17 +287,10 @@ class TFWatcher:
         """A ``model.fit`` call starts: steps go on counting across calls (a second ``fit`` after
         re-compiling with a new optimizer continues the script's count); returns the Keras callback that
         marks its epochs, for the report's ``fit`` position (call, epoch, step in the epoch)."""
-        import keras
         self.fit_calls += 1
         start = self.steps_watched
         self.fit_now = now = {"call": self.fit_calls - 1, "start": start, "epoch": 0, "epoch_start": start}
-        w = self
-
-        class _EpochMark(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch, logs=None):
-                now["epoch"], now["epoch_start"] = int(epoch), w.steps_watched
-
-        return _EpochMark()
+        return epoch_mark(self, now)
 
     def fit_position(self, step: int) -> Optional[Dict[str, int]]:
         """Where ``step`` falls in the running ``fit``: its call index (0-based), epoch and step in the
@@ -438,6 +432,27 @@ class TFWatcher:
 
     def optimizers(self) -> list:
         return [st.opt_ref() for st in self.states.values() if st.opt_ref() is not None]
+
+
+def epoch_mark(w: Any, now: Dict[str, Any]) -> Any:
+    """The Keras callback that marks the running fit ``now``'s epochs and its end (:func:`fit_ended`)."""
+    import keras
+
+    class _EpochMark(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            now["epoch"], now["epoch_start"] = int(epoch), w.steps_watched
+
+        def on_train_end(self, logs=None):
+            fit_ended(w, logs)
+
+    return _EpochMark()
+
+
+def fit_ended(w: Any, logs: Optional[Dict[str, Any]]) -> None:
+    """Watcher ``w``'s running fit ended with ``logs`` (its last epoch's): its loss is what it logged last."""
+    now, loss = w.fit_now or {}, (logs or {}).get("loss")
+    w.fit_end = {"call": now.get("call"), "epoch": now.get("epoch"), "step": w.steps_watched - 1,
+                 "loss": float(np.asarray(loss)) if loss is not None else None}
 
 
 def first_step(w: Any, tvars: Optional[List[Any]]) -> int:
