@@ -72,3 +72,31 @@ def test_a_constant_rate_is_cut_as_before():
     rec = p.on_spike(_warning(step=7, lr=1e-3), step=7, actions=acts, history=_hist([1e-3] * 7), rollback=True)
     assert [round(r[3], 6) for r in acts.replays] == [0.1] and "lr_backoff" in rec["action"]
     assert tried.REPLAY_STEPS == acts.replays[0][2]
+
+
+def _failure(step=7, lr=10.0):
+    ev = _warning(step=step, lr=lr)
+    ev.kind = None
+    ev.phase = "forward"
+    ev.cause["evidence"]["onset_step"] = step
+    return ev
+
+
+def test_a_failure_past_a_spike_keeps_the_rate_now_when_its_replay_passes():
+    acts = Replaying(ok_lr=1e-3, lrs=(1e-3,))
+    p = _policy_with_snapshots(acts, upto=7)
+    ev = _failure()
+    rec = p.on_failure(ev, step=7, actions=acts, history=_hist(SPIKED))
+    assert rec["action"] == "rollback+skip_step" and rec["actions"]["rollback"]["to_step"] == 6
+    assert [r[3] for r in acts.replays] == [1.0] and not any(c[0] == "lr_backoff" for c in acts.calls)
+    assert rec["actions"]["rollback"]["schedule_spike"]["tested_by"]["passed"]
+    assert ev.fixes[0].startswith("fix the schedule's entry for step 6")
+
+
+def test_a_failure_past_a_spike_whose_rate_now_fails_too_is_cut():
+    acts = Replaying(ok_lr=1e-4, lrs=(1e-3,))
+    p = _policy_with_snapshots(acts, upto=7)
+    ev = _failure()
+    rec = p.on_failure(ev, step=7, actions=acts, history=_hist(SPIKED))
+    assert "lr_backoff" in rec["action"] and "schedule_spike" not in rec["actions"]["rollback"]
+    assert not ev.fixes[0].startswith("fix the schedule's entry")

@@ -78,7 +78,8 @@ class _Reconciler:
             entries = [t for t in self.tested if TESTS[t["kind"]] == kind and not t.get("inconclusive")]
             if not entries:
                 continue
-            ok = next((t for t in entries if t.get("passed")), None)
+            ok = next((t for t in entries if t.get("passed") and t.get("spike")), None) or \
+                next((t for t in entries if t.get("passed")), None)  # a kept rate past a schedule's spike first
             bad = [t for t in entries if not t.get("passed")]
             for i in [i for i, k in enumerate(self.kinds) if k == kind]:
                 getattr(self, f"_{kind}")(i, ok, bad)

@@ -185,8 +185,8 @@ class RecoveryPolicy:
                                       + (f"; fix: {event.fixes[0]}" if getattr(event, "fixes", None) else ""))
             elif a == "clip":
                 self._clip(history, done, step, proofs.get("clip"))
-            elif a == "lr_backoff":
-                self._lr_backoff(cause, actions, done, step, proofs.get("lr_backoff"))
+            elif a == "lr_backoff":  # past a rate spike of the schedule, the rate now is replayed first
+                tried.failure_cut(self, event, actions, history, step, done, proofs.get("lr_backoff"))
             elif a == "upcast":
                 o = event.origin or {}
                 path = (proofs.get("upcast") or {}).get("params", {}).get("module")  # "": the whole model

@@ -199,6 +199,26 @@ def act(policy: Any, action: str, cause: Dict[str, Any], actions: Any, history: 
     note(done, action, said)
 
 
+def failure_cut(policy: Any, event: Any, actions: Any, history: Sequence[dict], step: int, done: Dict[str, Any],
+                proof: Optional[dict]) -> None:
+    """A failure's ``lr_backoff`` after its rollback: when the steps rolled back hold a rate spike of the
+    schedule (:mod:`.rate_spike`), the rate now is replayed first, as for an early warning (:func:`act`),
+    and kept when it passes (``rollback.schedule_spike``; the event's fixes name the spike); else the
+    policy's cut (``proof``: the investigation's replay that verified one)."""
+    cause = event.cause if isinstance(event.cause, dict) else {}
+    lrs = actions.learning_rates() if isinstance(done.get("rollback"), dict) else []
+    frm = done["rollback"].get("to_step") if lrs else None
+    spike = rate_spike(history, lrs, frm, step) if isinstance(frm, int) else None
+    if spike is not None:
+        value, kept, why = try_values("lr_backoff", [1.0], lambda **c: actions.replay_kept(frm, step, **c),
+                                      from_step=frm, to_step=step, lrs=lrs, keep=spike)
+        record_on_event(event, kept)
+        if value is not None:
+            done["rollback"]["schedule_spike"] = dict(spike, **tested_record(kept, value, None))
+            return
+    policy._lr_backoff(cause, actions, done, step, proof)
+
+
 def dead_reference(cause: Dict[str, Any]) -> Optional[float]:
     """The first steps' gradient norm of a dead-rule warning (``evidence.warning``), else None."""
     hit = (cause.get("evidence") or {}).get("warning")

@@ -62,8 +62,9 @@ class RecoveryPolicy(_NeutralPolicy):
     def apply(self, event, *, step: int, modules, optimizers, scaler, roots, history,
               drop: Any = None) -> Optional[Dict[str, Any]]:
         """Apply the actions for ``event``. Returns the recovery record, or None to stop (budget/no action)."""
-        return self.on_failure(event, step=step, actions=self.actions(modules, optimizers, scaler, roots, drop),
-                               history=history)
+        acts = self.actions(modules, optimizers, scaler, roots, drop,
+                            replayer=self._replayer(step, modules, optimizers) if self.auto else None)
+        return self.on_failure(event, step=step, actions=acts, history=history)
 
     # ---------------------------------------------------------------- per-step hooks
     def scale_loss(self, loss):
