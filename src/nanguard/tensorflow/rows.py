@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["RowSource", "fit_source", "dataset_source", "trace_rows", "annotate_localization"]
+__all__ = ["RowSource", "fit_source", "dataset_source", "trace_rows", "annotate_localization", "bad_part"]
 
 _MAX_ROWS = 10
 _MAX_CANDIDATES = 5   # rows sharing a batch row's values: more than this is no answer
@@ -231,14 +231,44 @@ def trace_rows(source: Optional[RowSource], batch: Sequence[Any], rows: Sequence
     return out
 
 
+_PARTS = ("inputs", "targets", "sample_weight")   # Keras' (x, y, sample_weight) data convention
+
+
+def bad_part(batch: Any, rows: Sequence[int]) -> Optional[str]:
+    """Which part of a batch holds the non-finite values of batch ``rows``: ``"targets"`` or
+    ``"sample_weight"`` for the 2nd / 3rd element of an ``(x, y[, sample_weight])`` batch (what ``fit``
+    gives its train step, what a ``tf.data`` pipeline of (features, labels) yields), ``"inputs"`` for the
+    first; ``"inputs['key']"`` for a dict of inputs. None when unknown or when several parts hold them."""
+    parts: List[tuple] = []
+    if isinstance(batch, (list, tuple)) and 2 <= len(batch) <= 3:
+        named = [(_PARTS[i], b) for i, b in enumerate(batch)]
+    else:
+        named = [("inputs", batch)]
+    for role, b in named:
+        subs = [(f"{role}[{k!r}]", v) for k, v in b.items()] if isinstance(b, dict) else [(role, b)]
+        for name, v in subs:
+            for a in _flat_arrays(v):
+                if a.dtype.kind != "f":
+                    continue
+                r = [i for i in rows if 0 <= i < a.shape[0]]
+                if r and not np.isfinite(a[r]).all():
+                    parts.append(name)
+                    break
+    return parts[0] if len(parts) == 1 else None
+
+
 def annotate_localization(loc: Optional[Dict[str, Any]], source: Optional[RowSource], batch: Any) -> None:
     """Name the dataset rows of a localization's bad input data (``preexisting.source_rows`` and its
     ``first_use``), in place; or say why they cannot be named (``source_rows_note`` and a note)."""
     pre = (loc or {}).get("preexisting") or {}
-    if pre.get("kind") != "data" or pre.get("source_rows"):
+    if pre.get("kind") != "data":
         return
     rows = [r for r in (pre.get("samples") or []) if isinstance(r, int)]
-    if not rows or batch is None:
+    if rows and batch is not None and not pre.get("part"):
+        part = bad_part(batch, rows)
+        if part:
+            pre["part"] = part
+    if not rows or batch is None or pre.get("source_rows"):
         return
     t = trace_rows(source, batch, rows)
     if t.get("dataset_rows"):

@@ -21,6 +21,18 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
         where = f" (it enters at {os.path.basename(str(fu.get('file')))}:{fu.get('line')})" if fu.get("file") else ""
         rows_s = f"dataset row(s) {src}" if src else f"row(s) {tr}" if tr else "some rows"
         carry = f"; batch position(s) {rows} carry them into the loss" if rows else "; they reach the loss"
+        part = str(pre.get("part") or "")
+        if part in ("targets", "sample_weight"):   # not the features: the labels or the weights given with them
+            noun = "targets (y)" if part == "targets" else "sample weights"
+            summ = f"bad input data: the {noun} of {rows_s} hold {n_bad} {what} value(s) of {numel}{carry}{where}"
+            fixes = [(f"the sample weights of {rows_s} are {what}: check how they were computed (a weight of "
+                      "1 / count with a zero count, a class weight for a class with no samples) and make every "
+                      "weight finite, e.g. sw = np.where(np.isfinite(sw), sw, 0.0), or drop those rows")
+                     if part == "sample_weight" else
+                     (f"the targets of {rows_s} are {what} (a missing label?): drop those rows or fill the "
+                      "target before training, e.g. keep = np.isfinite(y).reshape(len(y), -1).all(axis=1); x, y = x[keep], y[keep]"),
+                     "validate the data once before training: every feature, target and weight finite"]
+            return T.result("bad_input_data", summ, 0.95, ev, fixes, method)
         summ = f"bad input data: {rows_s} of the input tensor hold {n_bad} {what} value(s) of {numel}{carry}{where}"
         fixes = [f"clean or drop {rows_s} at the source (a blank field parsed as NaN?), e.g. "
                  + X.finite_filter(),
