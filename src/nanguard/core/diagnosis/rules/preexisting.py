@@ -30,7 +30,8 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
                       "weight finite, e.g. sw = np.where(np.isfinite(sw), sw, 0.0), or drop those rows")
                      if part == "sample_weight" else
                      (f"the targets of {rows_s} are {what} (a missing label?): drop those rows or fill the "
-                      "target before training, e.g. keep = np.isfinite(y).reshape(len(y), -1).all(axis=1); x, y = x[keep], y[keep]"),
+                      "target before training, e.g. keep = np.isfinite(y).reshape(len(y), -1).all(axis=1); "
+                      "x, y = x[keep], y[keep]"),
                      "validate the data once before training: every feature, target and weight finite"]
             return T.result("bad_input_data", summ, 0.95, ev, fixes, method)
         summ = f"bad input data: {rows_s} of the input tensor hold {n_bad} {what} value(s) of {numel}{carry}{where}"
