@@ -130,10 +130,10 @@ class StepCapture:
         cap.variables = variables_of(models, opt)
         cap.values = {k: np.array(v.numpy()) for k, v in cap.variables.items()}
         if batch is not None:
-            from .rows import fit_source
+            from .rows import fit_source, loop_source
             try:
                 pos = watcher.fit_position(cap.step) if hasattr(watcher, "fit_position") else None
-                cap.row_source = fit_source(pos["step_in_epoch"] if pos else None)
+                cap.row_source = fit_source(pos["step_in_epoch"] if pos else None) or loop_source(batch)
             except Exception:  # dataset rows are best effort
                 cap.row_source = None
         if model is not None and batch is not None:

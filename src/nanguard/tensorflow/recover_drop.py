@@ -62,6 +62,11 @@ def function_capture(watcher: Any, step: int, call: Optional[tuple], opt: Any,
     cap = StepCapture(step=step, kind="fit", optimizer=opt, models=models,
                       model=models[-1] if models else None, inputs=inputs, watcher=watcher)
     cap.step_fn = lambda x: _call_plain(fn, x)
+    try:  # the dataset the loop iterates, for the rows of a dropped batch row (best effort)
+        from .rows import loop_source
+        cap.row_source = loop_source(inputs)
+    except Exception:
+        cap.row_source = None
     cap.variables = variables_of(models, opt)
     cap.values = {k: np.array(v.numpy()) for k, v in cap.variables.items()}
     if snapshot is not None and getattr(snapshot, "step", None) == step:

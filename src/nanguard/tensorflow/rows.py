@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["RowSource", "fit_source", "dataset_source", "trace_rows", "annotate_localization", "bad_part"]
+__all__ = ["RowSource", "fit_source", "dataset_source", "trace_rows", "annotate_localization", "bad_part", "loop_source"]
 
 _MAX_ROWS = 10
 _MAX_CANDIDATES = 5   # rows sharing a batch row's values: more than this is no answer
@@ -149,6 +149,34 @@ def fit_source(step_in_epoch: Optional[int] = None) -> Optional[RowSource]:
         return dataset_source(ds)
     x = f.f_locals.get("x")
     return RowSource([], [], blocker=type(x).__name__ if x is not None else "no data")
+
+
+def loop_source(batch: Any) -> Optional[RowSource]:
+    """Outside ``fit``: the ``tf.data.Dataset`` a training loop iterates (``for x, y in train_dataset:``
+    around a ``@tf.function`` step), found among the locals of the script's frames (a module's are its
+    globals), or an iterator's dataset there; of several (train and validation sets), the one whose
+    ``from_tensor_slices`` arrays hold the batch's first row. None when none does."""
+    try:
+        import tensorflow as tf
+    except Exception:
+        return None
+    here = __file__.rsplit("/", 2)[0]
+    seen: Dict[int, Any] = {}
+    for top in list(sys._current_frames().values()):
+        f = top
+        while f is not None:
+            fn = f.f_code.co_filename
+            if not fn.startswith(here) and "site-packages" not in fn and not fn.startswith("<"):
+                for v in list(f.f_locals.values()):
+                    ds = v if isinstance(v, tf.data.Dataset) else getattr(v, "_dataset", None)
+                    if isinstance(ds, tf.data.Dataset):
+                        seen.setdefault(id(ds), ds)
+            f = f.f_back
+    for ds in seen.values():
+        src = dataset_source(ds)
+        if src.arrays and trace_rows(src, batch, [0]).get("dataset_rows"):
+            return src
+    return None
 
 
 def _equal_rows(src: np.ndarray, cand: np.ndarray, row: np.ndarray) -> np.ndarray:
