@@ -154,8 +154,11 @@ class StepMonitor:
                 for d in (self._pending_post, self._pending_post_sq, self._pending_step, self._pending_slice,
                           self._rot, self._psq, self._checked, self._lasts, self._records):
                     d.pop(0, None)
+            # an optimizer created after others have stepped (a student after its teacher, a second
+            # training phase) counts on from them: steps are numbered across the whole script
+            start = max(self.counts.values(), default=0) if self.views else 0
             self.views[id(opt)] = OptimizerView(opt, self.config.param_check_every)
-            self.counts.setdefault(id(opt), 0)
+            self.counts.setdefault(id(opt), start)
             self.names.invalidate()
 
     def add_root(self, module: torch.nn.Module) -> None:
