@@ -40,9 +40,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Tuple
 
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
-
-from .timing import QUIET, CpuMeter, ratios, round_bootstrap  # noqa: E402
+from .timing import QUIET, CpuMeter, ratios, round_bootstrap
 
 CONFIGS = ["plain", "nanguard", "debug_nans"]
 BUDGET = 1.03  # issue 27: the guarded step time against the plain one
@@ -94,6 +92,37 @@ def cnn_loop(batch: int = 64) -> Callable[[], Tuple[Callable[[], float], Callabl
     return build
 
 
+def nnx_encoder(vocab: int, d: int, heads: int, blocks: int, classes: int, ff: int = 4, seed: int = 0) -> Any:
+    """A small Flax NNX transformer encoder (pre-norm blocks, mean-pooled) for sequence classification;
+    also the model of ``tests/jax/test_bitwise_healthy.py``."""
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=d, decode=False, rngs=rngs)
+            self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+            self.ff1 = nnx.Linear(d, ff * d, rngs=rngs)
+            self.ff2 = nnx.Linear(ff * d, d, rngs=rngs)
+
+        def __call__(self, x):
+            x = x + self.attn(self.ln1(x))
+            return x + self.ff2(nnx.gelu(self.ff1(self.ln2(x))))
+
+    class Encoder(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(vocab, d, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(blocks)])
+            self.head = nnx.Linear(d, classes, rngs=rngs)
+
+        def __call__(self, t):
+            x = self.embed(t)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x.mean(1))
+    return Encoder(nnx.Rngs(seed))
+
+
 def transformer_loop(batch: int = 32, seq: int = 32) -> Callable[[], Tuple[Callable[[], float], Callable[[], None]]]:
     """A small NNX transformer encoder (2 blocks, d=64, 4 heads) for sequence classification, Adam, nnx.jit."""
     import jax.numpy as jnp
@@ -106,32 +135,8 @@ def transformer_loop(batch: int = 32, seq: int = 32) -> Callable[[], Tuple[Calla
     toks = rng.integers(0, vocab, (8, batch, seq)).astype(np.int32)
     ys = rng.integers(0, 4, (8, batch)).astype(np.int32)
 
-    class Block(nnx.Module):
-        def __init__(self, rngs):
-            self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-            self.attn = nnx.MultiHeadAttention(num_heads=4, in_features=d, decode=False, rngs=rngs)
-            self.ln2 = nnx.LayerNorm(d, rngs=rngs)
-            self.ff1 = nnx.Linear(d, 4 * d, rngs=rngs)
-            self.ff2 = nnx.Linear(4 * d, d, rngs=rngs)
-
-        def __call__(self, x):
-            x = x + self.attn(self.ln1(x))
-            return x + self.ff2(nnx.gelu(self.ff1(self.ln2(x))))
-
-    class Encoder(nnx.Module):
-        def __init__(self, rngs):
-            self.embed = nnx.Embed(vocab, d, rngs=rngs)
-            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
-            self.head = nnx.Linear(d, 4, rngs=rngs)
-
-        def __call__(self, t):
-            x = self.embed(t)
-            for b in self.blocks:
-                x = b(x)
-            return self.head(x.mean(1))
-
     def build():
-        model = Encoder(nnx.Rngs(0))
+        model = nnx_encoder(vocab, d, heads=4, blocks=2, classes=4)
         opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
 
         @nnx.jit
@@ -192,6 +197,8 @@ def block(build: Callable, name: str, warm: int, steps: int) -> Tuple[List[float
 
 
 def main(argv: List[str] = None) -> int:
+    # one XLA thread, set before JAX starts its backend (here, not at import: the tests import nnx_encoder)
+    os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="cnn,transformer")
     ap.add_argument("--rounds", type=int, default=6)

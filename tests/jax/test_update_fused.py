@@ -96,9 +96,6 @@ def test_a_non_finite_update_with_finite_state_is_the_optimizer_phase(apply):
     assert (ev.step, ev.phase) == (0, "optimizer"), (ev.step, ev.phase)
 
 
-@pytest.mark.xfail(strict=True, reason="known, also before issue 27's change (HEAD 9b3b6ca): plain Adam on this "
-                   "MLP drifts by 1 ulp from step 2 on under the guard (the chain with a clip in test_driver does "
-                   "not); the check's reads change how XLA compiles the update; open")
 @pytest.mark.parametrize("apply", [optax.apply_updates, _by_hand], ids=["optax", "by_hand"])
 def test_a_healthy_guarded_step_matches_the_plain_one_bit_for_bit(apply):
     x = np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)

@@ -1,0 +1,163 @@
+"""A guarded healthy jitted step computes the user's values bit for bit like the plain one (issue 27), for
+several optimizers and model shapes: optax alone (Adam, AdamW, SGD with momentum, a chain with a clip),
+Flax NNX (``nnx.Optimizer``), Equinox and a small NNX transformer. Each loop runs a few steps plain, then
+the same inside ``nanguard.jax.watch``; every parameter and optimizer-state leaf must be equal.
+
+Before the check read its values through ``check.fenced`` (flat, behind an optimization barrier), XLA's
+simplifier merged the check's reads with the step's own arithmetic (a transposed gradient kept in its
+2-D shape for the check's extra read, a square shared with Adam's second moment), and LLVM then
+contracted the moment updates into FMAs the other way round: a 1-ulp drift from the second step on."""
+from __future__ import annotations
+
+from typing import Any, Callable, Tuple
+
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import nanguard.jax as ngjax  # noqa: E402
+
+STEPS = 5
+
+
+def _data(n: int = 8, d: int = 16) -> Tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, d)).astype(np.float32), rng.normal(size=(n, 1)).astype(np.float32)
+
+
+def _leaves(tree: Any) -> list:
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype")]
+
+
+def _same(run: Callable[[], Any]) -> None:
+    """``run()`` (build the loop, train STEPS steps, return the final state and the losses) plain and
+    guarded: equal bits."""
+    plain = _leaves(run())
+    with ngjax.watch(report=None, quiet=True) as w:
+        guarded = _leaves(run())
+    assert w.steps == STEPS, w.steps  # the check ran in every step
+    assert len(plain) == len(guarded)
+    bad = [i for i, (a, b) in enumerate(zip(plain, guarded)) if not np.array_equal(a, b)]
+    assert not bad, f"{len(bad)} of {len(plain)} leaves differ (first: #{bad[0]}, shape {plain[bad[0]].shape})"
+
+
+# --------------------------------------------------------------------------- optax on a plain-JAX MLP
+
+def _mlp_params():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    return {"w1": jax.random.normal(k1, (16, 64)), "b1": jnp.zeros(64), "w2": jax.random.normal(k2, (64, 1)),
+            "b2": jnp.zeros(1)}
+
+
+def _mlp_loss(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - y) ** 2)
+
+
+OPTAX = {  # plain Adam, applied by optax or by hand: tests/jax/test_update_fused.py
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "chain_clip_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+}
+
+
+@pytest.mark.parametrize("opt", sorted(OPTAX))
+def test_optax_mlp(opt):
+    x, y = _data()
+
+    def run():
+        tx = OPTAX[opt]()
+        p = _mlp_params()
+        s = tx.init(p)
+
+        @jax.jit
+        def step(p, s, x, y):
+            loss, g = jax.value_and_grad(_mlp_loss)(p, x, y)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, loss
+        losses = []
+        for _ in range(STEPS):
+            p, s, loss = step(p, s, x, y)
+            losses.append(loss)
+        return p, s, losses
+    _same(run)
+
+
+# --------------------------------------------------------------------------- Flax NNX
+
+def test_nnx_optimizer():
+    nnx = pytest.importorskip("flax.nnx")
+    x, y = _data()
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(16, 48, rngs=rngs)
+            self.l2 = nnx.Linear(48, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(nnx.relu(self.l1(x)))
+
+    def run():
+        model = MLP(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, opt, x, y):
+            loss, g = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+            opt.update(model, g)
+            return loss
+        losses = [step(model, opt, x, y) for _ in range(STEPS)]
+        return nnx.state(model), nnx.state(opt), losses
+    _same(run)
+
+
+@pytest.mark.slow  # ~15 s of CPU; equal on the old code too (a guard against a regression)
+def test_nnx_small_transformer():
+    nnx = pytest.importorskip("flax.nnx")
+    from benchmarks.jax_overhead import nnx_encoder  # the benchmark's model, smaller
+    rng = np.random.default_rng(1)
+    vocab, d, batch, seq = 50, 32, 8, 8
+    toks = rng.integers(0, vocab, (batch, seq)).astype(np.int32)
+    ys = rng.integers(0, 4, (batch,)).astype(np.int32)
+
+    def run():
+        model = nnx_encoder(vocab, d, heads=2, blocks=1, classes=4, ff=2)
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, opt, t, yb):
+            def loss_fn(m):
+                return optax.softmax_cross_entropy_with_integer_labels(m(t), yb).mean()
+            loss, g = nnx.value_and_grad(loss_fn)(model)
+            opt.update(model, g)
+            return loss
+        losses = [step(model, opt, toks, ys) for _ in range(STEPS)]
+        return nnx.state(model), nnx.state(opt), losses
+    _same(run)
+
+
+# --------------------------------------------------------------------------- Equinox
+
+def test_equinox_mlp():
+    eqx = pytest.importorskip("equinox")
+    x, y = _data()
+
+    def run():
+        model = eqx.nn.MLP(16, 1, 32, 2, key=jax.random.PRNGKey(0))
+        tx = optax.adam(1e-2)
+        s = tx.init(eqx.filter(model, eqx.is_array))
+
+        @eqx.filter_jit
+        def step(model, s, x, y):
+            loss, g = eqx.filter_value_and_grad(lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2))(model)
+            u, s = tx.update(g, s, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, u), s, loss
+        losses = []
+        for _ in range(STEPS):
+            model, s, loss = step(model, s, x, y)
+            losses.append(loss)
+        return eqx.filter(model, eqx.is_array), s, losses
+    _same(run)
