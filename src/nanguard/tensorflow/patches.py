@@ -104,7 +104,10 @@ def install(w: Any) -> List[Callable[[], None]]:
             tl_set("current_fn", None)
         w.host.after_function(fn)
         rep, w.step_output, w.step_call = w.step_output, None, None  # recovery's drop_samples re-ran it
-        return out if rep is None else rep(out)
+        out = out if rep is None else rep(out)
+        if w.fit_now is not None:  # a fit's train function: its logs, what the fit prints (read at its end only)
+            w.fit_last_logs = out
+        return out
 
     def scale_loss(opt, loss):
         out = orig["scale_loss"](opt, loss)

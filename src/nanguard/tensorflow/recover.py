@@ -411,27 +411,6 @@ def find_layer(models: List[Any], path: Optional[str]):
     return None
 
 
-def fit_logs_after_recovery(watcher: Any) -> None:
-    """A ``fit`` step whose update recovery dropped or undid prints what its epoch's running mean is now
-    (the metrics as recovery left them: the steps that trained), not its own loss (a NaN that the next
-    steps' logs no longer hold): the step's logs are replaced (``watcher.step_output``). Left as they are
-    when no step of the epoch has trained yet (an empty mean would print 0), with several steps per call,
-    or when the step's output was already replaced (``drop_samples``)."""
-    model = watcher.fitting()
-    if model is None or watcher.fit_now is None or watcher.step_output is not None or \
-            int(getattr(model, "steps_per_execution", 1) or 1) != 1:
-        return
-    for m in getattr(model, "metrics", None) or []:
-        count = getattr(m, "count", None)
-        if hasattr(count, "numpy") and float(np.asarray(count.numpy())) == 0:
-            return
-    logs = model.get_metrics_result()
-    if not logs or not all(np.isfinite(np.asarray(v, dtype=np.float64)).all() for v in tf.nest.flatten(logs)):
-        return
-    from .recover_drop import _like
-    watcher.step_output = lambda orig: _like(orig, logs)
-
-
 def _birth_values(opt: Any) -> list:
     """[(variable, first value)] of an optimizer that has not stepped yet (its learning rate left out: a
     rollback keeps the current rate); [] once it has. A constant value is kept as one number."""
@@ -524,7 +503,6 @@ class TFRecovery:
         rec = self.policy.on_spike(event, step=step, actions=actions, history=history, rollback=True)
         if rec is not None:
             self.policy.on_update(actions)  # arms clipping (an in-graph variable) for the next updates
-            fit_logs_after_recovery(watcher)
         return rec
 
     def keep_call(self, watcher: Any, step: int) -> None:
@@ -574,7 +552,6 @@ class TFRecovery:
         self.policy.on_update(actions)  # arms clipping (an in-graph variable) for the next updates
         if watcher.spikes is not None:  # the warnings watch the resumed run afresh (core.alerts), as on PyTorch
             watcher.spikes.after_recovery(rec)
-        fit_logs_after_recovery(watcher)
         if cap is not None and cap.buffers:  # a step of a fit call of several steps (.recover_held)
             done = str(rec.get("action") or "")
             if "drop_samples" not in done and "rollback" not in done:

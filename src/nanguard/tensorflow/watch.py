@@ -84,6 +84,7 @@ class TFWatcher:
         self.fit_calls = 0            # model.fit calls seen (nanguard run / watch())
         self.fit_now: Optional[Dict[str, int]] = None  # the running fit: call, first step, epoch, its first step
         self.fit_end: Optional[Dict[str, Any]] = None  # the last fit's end: its loss as fit logged it last
+        self.fit_last_logs: Any = None  # the running fit's last train-function output (its batch logs)
         # the outermost tf.function call running, (fn, args, kwargs), and its output -> what the script gets
         self.step_call, self.step_output = None, None  # (recovery's drop_samples: .recover_drop)
 
@@ -449,8 +450,12 @@ def epoch_mark(w: Any, now: Dict[str, Any]) -> Any:
 
 
 def fit_ended(w: Any, logs: Optional[Dict[str, Any]]) -> None:
-    """Watcher ``w``'s running fit ended with ``logs`` (its last epoch's): its loss is what it logged last."""
-    now, loss = w.fit_now or {}, (logs or {}).get("loss")
+    """Watcher ``w``'s running fit ended with ``logs`` (its last epoch's, which Keras takes from the metrics):
+    the loss its last batch logged (its last train-function output, read now) is what the fit printed last."""
+    now, last, w.fit_last_logs = w.fit_now or {}, w.fit_last_logs, None
+    if isinstance(last, tf.experimental.Optional):
+        last = last.get_value() if bool(last.has_value()) else None
+    loss = (last if isinstance(last, dict) else logs or {}).get("loss")
     w.fit_end = {"call": now.get("call"), "epoch": now.get("epoch"), "step": w.steps_watched - 1,
                  "loss": float(np.asarray(loss)) if loss is not None else None}
 
