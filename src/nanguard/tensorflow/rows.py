@@ -59,6 +59,7 @@ class RowSource:
     what: str = ""
     blocker: Optional[str] = None
     first_row: Optional[int] = None   # the row of batch row 0, when known from the order (unshuffled fit)
+    windowed: bool = False   # batch rows are windows of ``arrays[0]``'s rows (timeseries_dataset_from_array)
 
     @property
     def altering(self) -> List[str]:
@@ -106,6 +107,10 @@ def dataset_source(ds: Any) -> RowSource:
         tensors = getattr(ds, "_tensors", None)
         if name == "TensorSlice" and tensors is not None:
             return RowSource(_flat_arrays(list(tensors)), list(reversed(through)), "the tensors of from_tensor_slices")
+        pool = _window_pool(ds) if name == "Zip" else None
+        if pool is not None:
+            return RowSource([pool], list(reversed(through)) + ["window"],
+                             "the array windowed by timeseries_dataset_from_array", windowed=True)
         if name in _MAKES_ROWS or name in ("Zip", "Concatenate") or getattr(ds, "_input_dataset", None) is None:
             what = _MAKES_ROWS.get(name) or {"Tensor": "from_tensors (one element, no rows)", "Zip": "zip",
                                              "Concatenate": "concatenate", "Range": "range"}.get(name, name)
@@ -113,6 +118,54 @@ def dataset_source(ds: Any) -> RowSource:
         through.append(name)
         ds = ds._input_dataset
     return RowSource([], list(reversed(through)), blocker="a chain of datasets too long to follow")
+
+
+def _window_pool(zipped: Any) -> Optional[np.ndarray]:
+    """The array whose rows a window dataset gathers: Keras' ``timeseries_dataset_from_array`` zips
+    (windows, targets), each ``map(gather)`` over ``zip(from_tensors(array).repeat(), indices)``; the
+    inputs' array is the first component's ``from_tensors`` tensor with rows (2-D or more). None for any
+    other zip."""
+    parts = getattr(zipped, "_datasets", None)
+    first = parts[0] if isinstance(parts, (list, tuple)) and parts else None
+    for _ in range(3):   # map -> zip -> repeat -> from_tensors
+        if first is None or _op_name(first) not in ("Map", "ParallelMap"):
+            return None
+        inner = getattr(first, "_input_dataset", None)
+        comps = getattr(inner, "_datasets", None)
+        if not isinstance(comps, (list, tuple)) or not comps:
+            return None
+        src = comps[0]
+        while _op_name(src) in ("Repeat", "Prefetch"):
+            src = getattr(src, "_input_dataset", None)
+        tensors = getattr(src, "_tensors", None) if src is not None and _op_name(src) == "Tensor" else None
+        if tensors:
+            a = _np(tensors[0])
+            return a if a is not None and a.ndim >= 2 and a.dtype.kind == "f" else None
+        first = src
+    return None
+
+
+def _window_rows(source: RowSource, batch: Any, rows: Sequence[int]) -> Dict[str, Any]:
+    """Rows of the windowed array that the bad windows ``rows`` hold: each non-finite step of a window is
+    matched by value against the array's rows (NaN equals NaN)."""
+    pool = source.arrays[0]
+    parts = [p for p in _flat_arrays(list(batch) if isinstance(batch, (list, tuple)) else [batch])
+             if p.ndim == pool.ndim + 1 and p.shape[2:] == pool.shape[1:] and p.dtype.kind == "f"]
+    found: set = set()
+    for p in parts[:1]:
+        for r in rows:
+            if r >= p.shape[0]:
+                continue
+            win = p[r].reshape(p.shape[1], -1)
+            for i in np.nonzero(~np.isfinite(win).all(axis=1))[0]:
+                c = _candidates(pool, p[r][i])
+                if 0 < len(c) <= _MAX_CANDIDATES:
+                    found.update(int(j) for j in c)
+    if not found:
+        return {"note": f"batch position(s) {list(rows)}; dataset row not traceable: no row of {source.what} "
+                        "has the values of the bad windows' steps"}
+    return {"dataset_rows": sorted(found)[:_MAX_ROWS],
+            "how": f"the bad steps of window(s) {list(rows)} matched by value in {source.what}"}
 
 
 def fit_source(step_in_epoch: Optional[int] = None) -> Optional[RowSource]:
@@ -221,6 +274,8 @@ def trace_rows(source: Optional[RowSource], batch: Sequence[Any], rows: Sequence
                         "from fit's data or a tf.data pipeline"}
     if not source.arrays:
         return {"note": f"{pos}; dataset row not traceable through {source.blocker or 'the input pipeline'}"}
+    if source.windowed:
+        return _window_rows(source, batch, rows)
     parts = _flat_arrays(list(batch) if isinstance(batch, (list, tuple)) else [batch])
     b = max((p.shape[0] for p in parts), default=0)
     parts = [p for p in parts if p.shape[0] == b]
