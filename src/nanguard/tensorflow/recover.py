@@ -513,7 +513,8 @@ class TFRecovery:
             return
         fn, args, kwargs = call
         copy = lambda x: np.array(x) if isinstance(x, np.ndarray) else x  # noqa: E731
-        self.calls.put(step, (fn, tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}))
+        args, kwargs = tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}
+        self.calls.put(step, (fn, args, kwargs), args + tuple(kwargs.values()))
 
     def prepare(self, opt: Any) -> None:
         """Before the update is traced (first apply): schedules get a scalable factor; the state of an

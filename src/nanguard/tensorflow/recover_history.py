@@ -14,7 +14,7 @@ beside the snapshots recovery already takes; an early warning's replays use them
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -40,12 +40,14 @@ class BatchKeeper:
         self._bytes: Dict[int, int] = {}
         self.total = 0  # bytes of arrays held
 
-    def put(self, step: int, batch: Any) -> None:
+    def put(self, step: int, batch: Any, leaves: Optional[Sequence[Any]] = None) -> None:
+        """Keep ``batch`` as step ``step``'s; ``leaves``: its arrays, when the caller has them at hand (else
+        ``tf.nest`` finds them, to count their bytes)."""
         self.batches[step] = batch
         self.batches.move_to_end(step)
         self.total -= self._bytes.get(step, 0)
         try:
-            self._bytes[step] = sum(_nbytes(a) for a in tf.nest.flatten(batch))
+            self._bytes[step] = sum(_nbytes(a) for a in (tf.nest.flatten(batch) if leaves is None else leaves))
         except Exception:  # a structure tf.nest cannot walk: its arrays are not counted
             self._bytes[step] = 0
         self.total += self._bytes[step]
@@ -86,7 +88,7 @@ def keep_batch(w: Any, model: Any, data: Any) -> None:
             out = list(leaves)
             for i, v in zip(idx, vals):
                 out[i] = np.array(v.numpy())
-            keeper.put(w.steps_watched, tf.nest.pack_sequence_as(data, out))  # the step now running
+            keeper.put(w.steps_watched, tf.nest.pack_sequence_as(data, out), out)  # the step now running
         return tf.constant(0)
 
     tf.py_function(store, [leaves[i] for i in idx], [tf.int32])
