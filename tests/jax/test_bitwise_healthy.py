@@ -47,10 +47,10 @@ def _same(run: Callable[[], Any]) -> None:
 
 # --------------------------------------------------------------------------- optax on a plain-JAX MLP
 
-def _mlp_params():
+def _mlp_params(d: int = 16, hidden: int = 64, scale: float = 1.0):
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-    return {"w1": jax.random.normal(k1, (16, 64)), "b1": jnp.zeros(64), "w2": jax.random.normal(k2, (64, 1)),
-            "b2": jnp.zeros(1)}
+    return {"w1": jax.random.normal(k1, (d, hidden)) * scale, "b1": jnp.zeros(hidden),
+            "w2": jax.random.normal(k2, (hidden, 1)) * scale, "b2": jnp.zeros(1)}
 
 
 def _mlp_loss(p, x, y):
@@ -64,13 +64,15 @@ OPTAX = {  # plain Adam, applied by optax or by hand: tests/jax/test_update_fuse
 }
 
 
-@pytest.mark.parametrize("opt", sorted(OPTAX))
-def test_optax_mlp(opt):
-    x, y = _data()
+@pytest.mark.parametrize("opt,d,hidden", [(k, 16, 64) for k in sorted(OPTAX)] + [("adamw", 256, 512)],
+                         ids=sorted(OPTAX) + ["adamw_large_leaf"])
+def test_optax_mlp(opt, d, hidden):
+    """``adamw_large_leaf``: a 256x512 weight, over ``check.SMALL``, is read in place, not joined."""
+    x, y = _data(d=d)
 
     def run():
         tx = OPTAX[opt]()
-        p = _mlp_params()
+        p = _mlp_params(d, hidden, scale=1.0 if d == 16 else 0.05)
         s = tx.init(p)
 
         @jax.jit

@@ -12,8 +12,9 @@ added to the jaxpr of a 2-layer MLP step with Adam, ``tests/jax/test_check_cost.
 The check reads each group's leaves flat, joined into one vector and behind an optimization barrier
 (:func:`fenced`): the user's values are computed by the same kernels as without the guard (a healthy
 step is bit for bit the plain one, ``tests/jax/test_bitwise_healthy.py``), and the check adds a fixed
-number of kernels whatever the number of leaves (the benchmark transformer: 24 added to 324 where one
-reduction per leaf added 343, ``tests/jax/test_check_kernels.py``).
+number of kernels whatever the number of small leaves, one reduction per large leaf (the benchmark
+transformer: 24 added to 324 where one reduction per leaf added 343; its CNN: 23 added to 88, was 68;
+``tests/jax/test_check_kernels.py``).
 """
 from __future__ import annotations
 
@@ -46,14 +47,16 @@ def float_leaves(tree: Any) -> List[Any]:
     return out
 
 
-# the most elements one concatenated read copies (a larger leaf is read alone): bounds the check's
-# temporary memory on a large model while a small one's leaves are read by a few kernels in all
-BUCKET = 1 << 22
+# leaves under SMALL elements are read joined (copied into one vector per dtype, at most BUCKET
+# elements each): a small leaf's reduction costs one to three kernels for a few elements, a large one's
+# is read in place by one kernel of its own; the copies (alive until the check's conditional) stay small
+SMALL = 1 << 16
+BUCKET = 1 << 20
 
 
 def fenced(*groups: Sequence[Any]) -> Tuple[List[jax.Array], ...]:
     """The groups' leaves as the check reads them: flat vectors, the small leaves of a group (of one
-    dtype) concatenated (:data:`BUCKET`), behind one ``lax.optimization_barrier``.
+    dtype) concatenated (:data:`SMALL`), behind one ``lax.optimization_barrier``.
 
     * flat: a leaf that is a reshape of the step's own value (a transposed gradient) is read as that
       value, adding no user to the reshape (a reshape with a second user is not moved through the
@@ -70,11 +73,14 @@ def fenced(*groups: Sequence[Any]) -> Tuple[List[jax.Array], ...]:
 
 
 def _buckets(flat: Sequence[Any]) -> List[jax.Array]:
-    """The flat leaves joined per dtype (cast to float32 only when summed: the exact pass reads a
-    float64 value as it is), each join at most :data:`BUCKET` elements unless one leaf is larger."""
+    """The flat leaves as read: a large one alone, the small ones joined per dtype (cast to float32
+    only when summed: the exact pass reads a float64 value as it is), at most :data:`BUCKET` a join."""
     out: List[jax.Array] = []
     runs: Dict[Any, Tuple[List[Any], List[int]]] = {}
     for x in flat:
+        if x.size >= SMALL:
+            out.append(x)
+            continue
         run, size = runs.setdefault(x.dtype, ([], [0]))
         if run and size[0] + x.size > BUCKET:
             out.append(_join(run))
