@@ -238,6 +238,9 @@ def _last_update(applied: Sequence[dict], grad: Series, loss: Series, out: Dict[
         out["last_update_growth"] = b / a
     if fin(last.get("update_ratio")):
         out["last_update_ratio_est"] = float(last["update_ratio"])
+    lr = _series([last], "lr")
+    if lr:  # the rate that update was taken at (a schedule may have changed it since)
+        out["last_update_lr"] = lr[0][1]
     g = last.get("grad_norm")
     if fin(g) and fin(a) and a > 0:
         out["last_grad_to_weight"] = g / a

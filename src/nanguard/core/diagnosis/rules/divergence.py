@@ -413,6 +413,8 @@ def one_update(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: s
     if isinstance(s, int):  # the update of s made the weights the next step saw: roll back to before it
         dy["onset_step"] = min(s + 1, dy.get("onset_step", s + 1))
         ev["onset_step"] = dy["onset_step"]
+    if T.fin(dy.get("last_update_lr")) and dy["last_update_lr"] > 0:
+        dy["lr_at_onset"] = dy["last_update_lr"]  # the rate of the update that was too large, not the rate now
     if T.fin(size):
         dy.setdefault("update_ratio_at_onset", size)
         dy["one_update_ratio"] = size
