@@ -30,6 +30,10 @@ def notice(step: int, category: str, record: Dict[str, Any]) -> str:
         extra += f", quarantined {counted_list('row', done['quarantine']['rows'])}"
         if done["quarantine"].get("excluded"):
             extra += " (kept out of every later batch)"
+        elif "drop_samples" in done:
+            extra += " (dropped from this batch only: it may come back in a later batch and will be dropped again)"
+        else:
+            extra += " (not kept out of later batches: a batch that draws it again fails again)"
     if record.get("verified"):
         extra += f", {record['verified']}"
     if (done.get("rollback") or {}).get("escalated"):
@@ -89,6 +93,12 @@ def summary_line(policy: Any) -> Optional[str]:
         s += f"; quarantined dataset {counted_list('row', policy.quarantined)}"
         if policy.row_filters:
             s += f" (taken out of {plural(len(policy.row_filters), 'later batch')})"
+        else:
+            qs = [((e.recovery or {}).get("actions") or {}).get("quarantine") or {} for e in policy.events]
+            if not any(q.get("excluded") for q in qs):
+                again = sum(1 for q in qs if q.get("same_as_step") is not None)
+                s += " (not kept out of later batches" + (
+                    f": came back {plural(again, 'time')}, recovered each time)" if again else ")")
     elif policy.quarantined_batch_rows:
         s += f"; bad batch {counted_list('row', sorted(set(policy.quarantined_batch_rows)))}"
     if policy.upcast_modules:

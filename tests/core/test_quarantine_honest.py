@@ -1,0 +1,45 @@
+"""Quarantine where the backend cannot keep rows out of later batches (Keras ``fit`` on arrays: no
+``exclude_rows``): the recovery line, the record and the summary say the row was only dropped from its
+batch and may come back, never that it is kept out of every later batch. No framework."""
+from __future__ import annotations
+
+from nanguard.core.events import Event
+from nanguard.core.recovery.records import notice, summary_line
+from nanguard.core.recovery import RecoveryPolicy
+
+from test_quarantine_exclude import Excluding, _bad_row_event
+
+
+def _again(step):
+    ev = _bad_row_event(step=step)
+    ev.cause["evidence"]["same_as_step"] = 14
+    return ev
+
+
+def test_a_row_not_kept_out_is_said_to_come_back():
+    acts = Excluding(can=False)
+    p = RecoveryPolicy(quiet=True)
+    rec = p.on_failure(_bad_row_event(), step=14, actions=acts, history=[])
+    q = rec["actions"]["quarantine"]
+    assert q["rows"] == [100] and q["kept_out"] is False and "not kept out" in q["note"]
+    line = notice(14, "bad_input_data", rec)
+    assert "quarantined row 100 (" in line and "kept out of every later batch" not in line
+    assert "not kept out of later batches" in line or "may come back" in line
+    p.on_failure(_again(30), step=30, actions=acts, history=[])
+    s = summary_line(p)
+    assert "quarantined dataset row 100 (not kept out of later batches: came back 1 time" in s, s
+
+
+def test_a_drop_samples_record_says_dropped_from_this_batch_only():
+    rec = {"action": "drop_samples", "recovery_number": 1, "tries_left": 1,
+           "actions": {"drop_samples": {"rows": [49]}, "quarantine": {"rows": [300], "kept_out": False}}}
+    line = notice(9, "variance_zero", rec)
+    assert "quarantined row 300 (dropped from this batch only: it may come back" in line, line
+
+
+def test_a_row_kept_out_keeps_its_claim():
+    p = RecoveryPolicy(quiet=True)
+    rec = p.on_failure(_bad_row_event(), step=14, actions=Excluding(), history=[])
+    assert "kept_out" not in rec["actions"]["quarantine"]
+    assert "(kept out of every later batch)" in notice(14, "bad_input_data", rec)
+    assert "not kept out" not in summary_line(p)
