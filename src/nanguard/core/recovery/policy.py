@@ -469,7 +469,7 @@ def quarantine(policy: RecoveryPolicy, event, done: Dict[str, Any], actions: Opt
     ex = actions.exclude_rows(proven) if actions is not None and proven else None
     if ex:
         q["excluded"] = ex
-    elif rows:
+    elif proven:
         q["kept_out"] = False
         q["note"] = ("not kept out of later batches (this backend cannot filter them): a later batch that draws "
                      "them fails again and is recovered again")
