@@ -19,7 +19,7 @@ from ..core.script import block_outcome
 from .bundle import save_bundle
 from .compiled import INDUCTOR_FIX, annotate_compiled, eager, unwrap_compiled, uses_compile
 from .experiments import GuardStep, TorchBench, drop_rows_and_regrad, investigate_failure
-from .experiments.samples import batch_indices, name_samples
+from .experiments.samples import annotate_rows, batch_indices, name_samples
 from .distributed import barrier, is_distributed, is_origin, replays_here
 from .raised import raise_detection, replay_raise
 from .replay import replay_step
@@ -79,6 +79,8 @@ class FailureHandler:
         loc_run = None
         if g.localize and det.phase in ("data", "params", "forward", "backward") and here:
             loc_run = g._safe(lambda: self.replay(batches, loss_fn, rng, det))
+            g._safe(lambda: annotate_rows(loc_run, step.dataset_indices() if step is not None else
+                                          batch_indices(batches[0], indices) if len(batches) == 1 else None))
         event = g._safe(lambda: self.explain(det, loc_run))  # every rank gets the origin rank's diagnosis
         if event is None:
             event = Event(step=det.step, phase=det.phase, detected=det.detected, rank=det.rank)

@@ -116,3 +116,32 @@ def name_samples(event: Any, indices: Optional[Sequence[Any]]) -> None:
         idx = indices_at(indices, [r for r in s["batch_rows"] if r < len(indices)], len(indices))
         if idx:
             s["dataset_indices"] = idx
+
+
+NO_INDICES = ("dataset row not traceable: Guard.step was given no indices= and the batch has no "
+              "'indices' entry")
+
+
+def annotate_rows(loc_run: Optional[dict], indices: Optional[Sequence[Any]]) -> None:
+    """Name the dataset rows of a Guard step's bad input data before it is diagnosed (in place): with the
+    step's ``indices`` (one per batch row), ``preexisting.source_rows`` and the origin's; without them,
+    ``source_rows_note`` says why they cannot be named (the batch positions are all the report has)."""
+    loc = (loc_run or {}).get("localization") or {}
+    pre = loc.get("preexisting") or {}
+    rows = [r for r in (pre.get("samples") or []) if isinstance(r, int)]
+    if pre.get("kind") != "data" or not rows or pre.get("source_rows"):
+        return
+    dim0 = (pre.get("first_use") or {}).get("out_dim0") or ((pre.get("stats") or {}).get("shape") or [None])[0]
+    src = indices_at(indices, rows, dim0) if indices is not None and isinstance(dim0, int) else None
+    if src:
+        pre["source_rows"] = src
+        pre["source_rows_from"] = "the dataset indices given with the batch"
+        if isinstance(pre.get("first_use"), dict):
+            pre["first_use"]["source_rows"] = src
+        o = loc.get("origin")
+        if isinstance(o, dict) and o.get("kind") == "data":
+            o["source_rows"] = src
+        return
+    pre["source_rows_note"] = f"batch position(s) {rows}; " + (
+        NO_INDICES if indices is None else f"dataset row not traceable: {len(indices)} indices were given for "
+                                           f"a batch of {dim0} rows")

@@ -9,6 +9,48 @@ from .. import text as T
 from .division import MEAN
 
 
+UNTRACED = "dataset row not traceable"   # how a ``source_rows_note`` says why (tensorflow/rows.py, pytorch Guard)
+
+
+def positions_only(pre: dict) -> str:
+    """When the bad rows of input data are known only as positions in the batch (no dataset rows were
+    traced): the clause that says so, with the reason when ``source_rows_note`` gives one; else ''.
+
+    ``samples`` are always batch positions; ``rows_in_tensor`` are rows of the tensor that held the bad
+    values, which is the batch itself (its rows are the positions) unless its first dimension differs
+    from the batch's (a dataset tensor indexed by the batch's indices: those rows are dataset rows)."""
+    rows, tr = pre.get("samples") or [], pre.get("rows_in_tensor") or []
+    if pre.get("source_rows") or not rows:
+        return ""
+    shape = (pre.get("stats") or {}).get("shape") or []
+    dim0 = (pre.get("first_use") or {}).get("out_dim0")
+    if tr and ((shape and dim0 and shape[0] != dim0) or list(tr[:len(rows)]) != list(rows[:len(tr)])):
+        return ""   # the rows of a tensor other than the batch: named as its rows
+    note = str(pre.get("source_rows_note") or "")
+    why = note.split("; ", 1)[1] if note.startswith("batch position") and "; " in note else note
+    why = why[len(UNTRACED):] if why.startswith(UNTRACED) else why
+    why = why.strip()
+    return "the dataset rows could not be traced" + (
+        f" {why}" if why.startswith("through ") else f": {why.lstrip(': ')}" if why else "")
+
+
+def find_rows_fix(rows: list) -> str:
+    """The fix when only batch positions are known: find the dataset rows, then clean or drop them."""
+    return (f"batch position(s) {rows} are places in the batch, not dataset rows: find the bad rows in the "
+            "data itself, e.g. "
+            + X.say(pytorch="bad = torch.nonzero(~torch.isfinite(X).flatten(1).all(dim=1)).flatten() on the "
+                            "dataset's tensor (or [i for i in range(len(ds)) if not torch.isfinite(ds[i][0]).all()] "
+                            "for a Dataset), or pass the batch's dataset indices to guard.step(batch, loss_fn, "
+                            "indices=idx) (or run the script under nanguard run, which traces a DataLoader's rows) "
+                            "so the report names them",
+                    tensorflow="bad = np.nonzero(~np.isfinite(X).reshape(len(X), -1).all(axis=1))[0] on the arrays "
+                               "the input pipeline reads (or print the indices of the batch's rows at that step)",
+                    jax="bad = np.nonzero(~np.isfinite(X).reshape(len(X), -1).all(axis=1))[0] on the host arrays "
+                        "the batches are cut from")
+            + "; then clean or drop those rows at the source (a blank field parsed as NaN?), e.g. "
+            + X.finite_filter())
+
+
 def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict:
     kind, name = pre.get("kind"), pre.get("name")
     st = pre.get("stats") or {}
@@ -19,13 +61,16 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
         src, rows, tr = pre.get("source_rows") or [], pre.get("samples") or [], pre.get("rows_in_tensor") or []
         fu = pre.get("first_use") or {}
         where = f" (it enters at {os.path.basename(str(fu.get('file')))}:{fu.get('line')})" if fu.get("file") else ""
-        rows_s = f"dataset row(s) {src}" if src else f"row(s) {tr}" if tr else "some rows"
-        carry = f"; batch position(s) {rows} carry them into the loss" if rows else "; they reach the loss"
+        untraced = positions_only(pre)
+        rows_s = f"dataset row(s) {src}" if src else f"batch position(s) {rows}" if untraced \
+            else f"row(s) {tr}" if tr else "some rows"
+        carry = (f" ({untraced})" if untraced else f"; batch position(s) {rows} carry them into the loss" if rows
+                 else "; they reach the loss")
         part = str(pre.get("part") or "")
         if part in ("targets", "sample_weight"):   # not the features: the labels or the weights given with them
             noun = "targets (y)" if part == "targets" else "sample weights"
             summ = f"bad input data: the {noun} of {rows_s} hold {n_bad} {what} value(s) of {numel}{carry}{where}"
-            fixes = [(f"the sample weights of {rows_s} are {what}: check how they were computed (a weight of "
+            fixes = ([find_rows_fix(rows)] if untraced else []) + [(f"the sample weights of {rows_s} are {what}: check how they were computed (a weight of "
                       "1 / count with a zero count, a class weight for a class with no samples) and make every "
                       "weight finite, e.g. sw = np.where(np.isfinite(sw), sw, 0.0), or drop those rows")
                      if part == "sample_weight" else
@@ -34,9 +79,9 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
                       "x, y = x[keep], y[keep]"),
                      "validate the data once before training: every feature, target and weight finite"]
             return T.result("bad_input_data", summ, 0.95, ev, fixes, method)
-        summ = f"bad input data: {rows_s} of the input tensor hold {n_bad} {what} value(s) of {numel}{carry}{where}"
-        fixes = [f"clean or drop {rows_s} at the source (a blank field parsed as NaN?), e.g. "
-                 + X.finite_filter(),
+        summ = f"bad input data: {rows_s} of the {'batch' if untraced else 'input tensor'} hold {n_bad} {what} value(s) of {numel}{carry}{where}"
+        fixes = [find_rows_fix(rows) if untraced else
+                 f"clean or drop {rows_s} at the source (a blank field parsed as NaN?), e.g. " + X.finite_filter(),
                  X.say(pytorch="validate batches in the data loader (assert torch.isfinite(batch).all()) or replace "
                        "missing values (torch.nan_to_num / imputation with the column mean)",
                        tensorflow="validate batches in the input pipeline (" + X.finite_check("x") + ") or replace "
