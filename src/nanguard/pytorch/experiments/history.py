@@ -16,6 +16,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 
+from ..detect.closure import needs_closure
 from ..recover.clip import clip_grads
 from ..recover.snapshot import Snapshot
 from ..recover.state import state_finite
@@ -68,7 +69,10 @@ def replay_history(snapshot: Any, steps: Sequence[ReplayableStep], modules: Sequ
             if max_norm is not None:
                 clip_grads(optimizers, max_norm)
             for opt in optimizers:
-                opt.step()
+                if needs_closure(opt):  # LBFGS: its step evaluates the step again through a closure
+                    opt.step(_closure(st, params, optimizers, max_norm))
+                else:
+                    opt.step()
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
             if not state_finite(modules, optimizers):
@@ -87,6 +91,19 @@ def replay_history(snapshot: Any, steps: Sequence[ReplayableStep], modules: Sequ
             p.grad = g
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def _closure(st: ReplayableStep, params: Sequence[torch.Tensor], optimizers: Sequence[Any],
+             max_norm: Optional[float]) -> Callable[[], torch.Tensor]:
+    """A closure optimizer's closure for a replayed step: the step's forward and backward again, its loss."""
+    def closure() -> torch.Tensor:
+        for p in params:
+            p.grad = None
+        o = st.run(changes=StepChanges(keep_grads=True))
+        if max_norm is not None:
+            clip_grads(optimizers, max_norm)
+        return torch.tensor(sum(o.losses) if o.losses else math.nan, dtype=torch.float64)
+    return closure
 
 
 def _grad_norm(params: Sequence[torch.Tensor]) -> float:
