@@ -460,6 +460,7 @@ class TFRecovery:
         self.births: Dict[int, list] = {}  # id(optimizer) -> [(variable, value before its first update)]
         self.held: Dict[int, Any] = {}     # fit, several steps per call: step -> capture of a held step
         self.resumed: List[int] = []       # held steps re-run and applied (.recover_held)
+        self.cut: Optional[tuple] = None   # (record, cut rates, step) of the last lr cut, until a step reads it
 
     @classmethod
     def from_spec(cls, spec: Any, *, pipeline: Any, localizer: Callable[[Any], Any],
@@ -503,6 +504,7 @@ class TFRecovery:
         rec = self.policy.on_spike(event, step=step, actions=actions, history=history, rollback=True)
         if rec is not None:
             self.policy.on_update(actions)  # arms clipping (an in-graph variable) for the next updates
+            self._note_cut(rec, step)
         return rec
 
     def keep_call(self, watcher: Any, step: int) -> None:
@@ -527,7 +529,35 @@ class TFRecovery:
 
     def step_start(self, watcher: Any, step: int) -> None:
         last = watcher.history.last()
-        self.policy.on_step_start(step, KerasActions(watcher), last.loss if last else None)
+        actions = KerasActions(watcher)
+        if self.cut is not None:
+            self._check_cut(actions, step)
+        self.policy.on_step_start(step, actions, last.loss if last else None)
+
+    def _note_cut(self, rec: Dict[str, Any], step: int) -> None:
+        """A recovery that cut an optimizer's rate variable: the next step reads whether the cut held."""
+        lb = (rec.get("actions") or {}).get("lr_backoff") or {}
+        if "variable" in (lb.get("how") or []) and lb.get("lr_after"):
+            self.cut = (rec, list(lb["lr_after"]), step)
+
+    def _check_cut(self, actions: "KerasActions", step: int) -> None:
+        """The rate a step starts with against the last cut: a script that sets the optimizer's rate itself
+        every step (a hand-written warm-up) overwrites the cut, which then did not act; said in the record
+        (``lr_backoff.overwritten``) and on stderr."""
+        rec, cut, at = self.cut
+        self.cut = None
+        now = actions.learning_rates()
+        if len(now) != len(cut) or all(np.isclose(a, b, rtol=1e-5, atol=0.0) for a, b in zip(now, cut)):
+            return
+        lb = rec["actions"]["lr_backoff"]
+        lb["overwritten"] = {"step": step, "lr_read": now, "lr_cut": cut,
+                             "note": "the script set the optimizer's learning rate itself after the cut: the cut "
+                                     "did not hold (set the lower rate in the script, or give the optimizer a "
+                                     "LearningRateSchedule, which a cut scales)"}
+        if not self.policy.quiet:
+            from ..core.render.terminal import print_line
+            print_line(f"step {step}: the learning rate cut at step {at} ({', '.join(f'{x:.3g}' for x in cut)}) was "
+                       f"overwritten by the script (read {', '.join(f'{x:.3g}' for x in now)}): the cut did not hold")
 
     def handle(self, watcher: Any, det: Any, st: Any) -> bool:
         """Diagnose ``det`` and let the policy act. True when the run may go on."""
@@ -551,6 +581,7 @@ class TFRecovery:
         if rec is None:
             return False
         self.policy.on_update(actions)  # arms clipping (an in-graph variable) for the next updates
+        self._note_cut(rec, det.step)
         if watcher.spikes is not None:  # the warnings watch the resumed run afresh (core.alerts), as on PyTorch
             watcher.spikes.after_recovery(rec)
         if cap is not None and cap.buffers:  # a step of a fit call of several steps (.recover_held)
