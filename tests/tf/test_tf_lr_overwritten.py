@@ -37,8 +37,10 @@ def _warmup_loop(steps: int, assign_every_step: bool):
     drv.install()
     try:
         for step in range(steps):
-            if assign_every_step or step == 0:
+            if assign_every_step:
                 opt.learning_rate.assign(2.0 * min(1.0, (step + 1) / 60))
+            elif step == 0:
+                opt.learning_rate.assign(1.0)  # set once: the cuts hold
             idx = rng.integers(0, n, 64)
             train_step(x[idx], y[idx])
     finally:
@@ -60,6 +62,12 @@ def test_a_cut_the_script_overwrites_is_recorded_as_overwritten():
     assert over, cuts
     o = over[0]
     assert o["lr_read"][0] > 2 * o["lr_cut"][0] and "did not hold" in o["note"]
+
+
+def test_a_cut_that_holds_is_not_called_overwritten():
+    cuts = _cuts(_warmup_loop(24, assign_every_step=False))
+    assert cuts, "a constant rate of 1.0 warns and cuts the rate"
+    assert not any("overwritten" in c for c in cuts), cuts
 
 
 def _event(step, warning, ok=True, overwritten=False):

@@ -460,7 +460,7 @@ class TFRecovery:
         self.births: Dict[int, list] = {}  # id(optimizer) -> [(variable, value before its first update)]
         self.held: Dict[int, Any] = {}     # fit, several steps per call: step -> capture of a held step
         self.resumed: List[int] = []       # held steps re-run and applied (.recover_held)
-        self.cut: Optional[tuple] = None   # (record, cut rates, step) of the last lr cut, until a step reads it
+        self.cut: Optional[tuple] = None   # (record, cut rates, step) of the last lr cut, read at each step start
 
     @classmethod
     def from_spec(cls, spec: Any, *, pipeline: Any, localizer: Callable[[Any], Any],
@@ -504,7 +504,7 @@ class TFRecovery:
         rec = self.policy.on_spike(event, step=step, actions=actions, history=history, rollback=True)
         if rec is not None:
             self.policy.on_update(actions)  # arms clipping (an in-graph variable) for the next updates
-            self._note_cut(rec, step)
+            self._note_cut(rec, step, actions)
         return rec
 
     def keep_call(self, watcher: Any, step: int) -> None:
@@ -534,21 +534,28 @@ class TFRecovery:
             self._check_cut(actions, step)
         self.policy.on_step_start(step, actions, last.loss if last else None)
 
-    def _note_cut(self, rec: Dict[str, Any], step: int) -> None:
-        """A recovery that cut an optimizer's rate variable: the next step reads whether the cut held."""
+    def _note_cut(self, rec: Dict[str, Any], step: int, actions: "KerasActions") -> None:
+        """A recovery that cut an optimizer's rate variable: the next steps read whether the cut held. Any
+        other recovery (a rollback may restore the rates) re-reads the rates a pending cut expects."""
         lb = (rec.get("actions") or {}).get("lr_backoff") or {}
         if "variable" in (lb.get("how") or []) and lb.get("lr_after"):
             self.cut = (rec, list(lb["lr_after"]), step)
+        elif self.cut is not None:
+            self.cut = (self.cut[0], actions.learning_rates(), self.cut[2])
 
     def _check_cut(self, actions: "KerasActions", step: int) -> None:
-        """The rate a step starts with against the last cut: a script that sets the optimizer's rate itself
-        every step (a hand-written warm-up) overwrites the cut, which then did not act; said in the record
-        (``lr_backoff.overwritten``) and on stderr."""
+        """The rate a step starts with against the last cut, in the recovery window after it: a script that
+        sets the optimizer's rate itself (a hand-written warm-up every step, a per-epoch scheduler callback)
+        overwrites the cut, which then did not hold; said in the record (``lr_backoff.overwritten``) and on
+        stderr, once."""
         rec, cut, at = self.cut
-        self.cut = None
+        if step > at + self.policy.budget.window:  # held for the recovery window: a later change is the script's plan
+            self.cut = None
+            return
         now = actions.learning_rates()
         if len(now) != len(cut) or all(np.isclose(a, b, rtol=1e-5, atol=0.0) for a, b in zip(now, cut)):
-            return
+            return  # held so far (a script may set the rate per epoch: read at each step of the window)
+        self.cut = None
         lb = rec["actions"]["lr_backoff"]
         lb["overwritten"] = {"step": step, "lr_read": now, "lr_cut": cut,
                              "note": "the script set the optimizer's learning rate itself after the cut: the cut "
@@ -581,7 +588,7 @@ class TFRecovery:
         if rec is None:
             return False
         self.policy.on_update(actions)  # arms clipping (an in-graph variable) for the next updates
-        self._note_cut(rec, det.step)
+        self._note_cut(rec, det.step, actions)
         if watcher.spikes is not None:  # the warnings watch the resumed run afresh (core.alerts), as on PyTorch
             watcher.spikes.after_recovery(rec)
         if cap is not None and cap.buffers:  # a step of a fit call of several steps (.recover_held)
