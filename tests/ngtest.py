@@ -163,3 +163,11 @@ def run_scenario(script: Path, tmp_path: Path, recover: bool, env: Dict[str, str
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path),
                        env={**os.environ, **env})
     return p, (json.loads(report.read_text()) if report.exists() else None)
+
+
+def recover_param(c: Path) -> Any:
+    """A recoverable scenario as a test parameter. One whose recovery is known to miss its quality bound
+    runs as an xfail (its truth's ``recovery_known_gap`` says why; XPASS shows where it passes). Not
+    strict: the final loss near the bound depends on the CPU's kernels."""
+    gap = json.loads(Path(c).read_text()).get("recovery_known_gap")
+    return pytest.param(c, id=Path(c).stem, marks=[pytest.mark.xfail(strict=False, reason=gap)] if gap else [])

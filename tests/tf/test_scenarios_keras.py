@@ -18,7 +18,7 @@ import pathlib
 
 import pytest
 
-from ngtest import run_scenario
+from ngtest import recover_param, run_scenario
 
 pytest.importorskip("tensorflow")
 pytestmark = pytest.mark.e2e  # each test runs `nanguard run` on a whole script in a subprocess
@@ -72,7 +72,7 @@ def test_detects_locates_and_diagnoses(truth_file: pathlib.Path, tmp_path: pathl
 RECOVERABLE = [c for c in CASES if json.loads(c.read_text()).get("recoverable")]
 
 
-@pytest.mark.parametrize("truth_file", RECOVERABLE, ids=[c.stem for c in RECOVERABLE])
+@pytest.mark.parametrize("truth_file", [recover_param(c) for c in RECOVERABLE])
 def test_recovers(truth_file: pathlib.Path, tmp_path: pathlib.Path) -> None:
     truth = json.loads(truth_file.read_text())
     p, data = _run(truth_file.with_suffix(".py"), tmp_path, recover=True)

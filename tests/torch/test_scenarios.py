@@ -25,7 +25,7 @@ import pathlib
 
 import pytest
 
-from ngtest import run_scenario
+from ngtest import recover_param, run_scenario
 
 pytestmark = pytest.mark.e2e  # each test runs `nanguard run` on a whole script in a subprocess
 
@@ -79,15 +79,7 @@ def test_detects_locates_and_diagnoses(truth_file: pathlib.Path, tmp_path: pathl
 RECOVERABLE = [c for c in CASES if json.loads(c.read_text()).get("recoverable")]
 
 
-def _recover_param(c: pathlib.Path):
-    """A scenario whose recovery is known to miss its quality bound runs as an xfail (its truth's
-    ``recovery_known_gap`` says why; XPASS shows where it passes). Not strict: the final loss near the
-    bound depends on the CPU's kernels (one passes with ATEN_CPU_CAPABILITY=default)."""
-    gap = json.loads(c.read_text()).get("recovery_known_gap")
-    return pytest.param(c, id=c.stem, marks=[pytest.mark.xfail(strict=False, reason=gap)] if gap else [])
-
-
-@pytest.mark.parametrize("truth_file", [_recover_param(c) for c in RECOVERABLE])
+@pytest.mark.parametrize("truth_file", [recover_param(c) for c in RECOVERABLE])
 def test_recovers(truth_file: pathlib.Path, tmp_path: pathlib.Path) -> None:
     truth = json.loads(truth_file.read_text())
     p, data = _run(truth_file.with_suffix(".py"), tmp_path, recover=True)
