@@ -3,7 +3,6 @@ callback: a :class:`~.watch.TFWatcher`, the failing-step capture, localization, 
 report (the same ``nanguard.report/1`` as the PyTorch backend, via ``nanguard.core``)."""
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -12,6 +11,7 @@ from ..core.config import GuardConfig
 from ..core.engine import FailurePipeline, Ports, RunFacts, assemble_report, info_rows
 from ..core.events import Detection, Event, Report
 from ..core.guarded import disabled_note
+from ..core.status import kept_diverging, printed_nonfinite
 from .context import run_context
 
 
@@ -149,59 +149,6 @@ class RunDriver:
         printed_nonfinite(rep, w.fit_end)
         kept_diverging(rep)
         return rep
-
-
-def printed_nonfinite(rep: Report, end: Optional[Dict[str, Any]]) -> None:
-    """A run whose last ``fit`` ended logging a non-finite loss is not called recovered: the last recovery
-    before that end is marked not ok, with what ``fit`` printed (the status then follows the events)."""
-    loss = (end or {}).get("loss")
-    if loss is None or math.isfinite(loss) or rep.status != "recovered":
-        return
-    acted = [e for e in rep.events if isinstance(e.recovery, dict) and e.recovery.get("ok") and e.step <= end["step"]]
-    if not acted:
-        return
-    last = max(acted, key=lambda e: e.step)
-    last.recovery["ok"] = False
-    last.recovery["printed_nonfinite"] = (f"fit logged loss {loss} at its end (epoch {end['epoch']}, step "
-                                          f"{end['step']}): the script's printed loss is not finite")
-
-
-DIVERGED = 10.0  # the run's last losses this many times the loss before its divergence: it kept diverging
-
-
-def kept_diverging(rep: Report) -> None:
-    """A run is not called recovered when it kept diverging after its last recovery: early warnings came
-    after it that nothing acted on, and the run's last losses (median of 5) are over :data:`DIVERGED` times
-    the loss before its first warning or failure (median of 5). The last recovery is marked not ok, with
-    why (``kept_diverging``; its learning-rate cuts the script overwrote are named); the status then
-    follows the events (``warning`` for warnings only, ``nonfinite`` for a failure)."""
-    if rep.status != "recovered":
-        return
-    acted = [e for e in rep.events if isinstance(e.recovery, dict) and e.recovery.get("ok")]
-    if not acted:
-        return
-    last = max(acted, key=lambda e: e.step)
-    after = [e.step for e in rep.warnings if e.recovery is None and e.step > last.step]
-    failed = [e for e in acted if not e.is_warning]
-    marked = max(failed, key=lambda e: e.step) if failed else last  # the one the status follows
-    first = min(e.step for e in rep.events)
-    losses = [(h.get("step"), h.get("loss")) for h in rep.history or []
-              if isinstance(h.get("loss"), (int, float)) and math.isfinite(h["loss"])]
-    before = sorted(x for st, x in losses if st is not None and st < first)[-5:]
-    end = [x for _, x in losses[-5:]]
-    if not after or not before or not end:
-        return
-    b, f = sorted(before)[len(before) // 2], sorted(end)[len(end) // 2]
-    if b <= 0 or f <= DIVERGED * b:
-        return
-    cuts = [e.step for e in acted if ((e.recovery.get("actions") or {}).get("lr_backoff") or {}).get("overwritten")]
-    why = (f"the run kept diverging: {len(after)} warning(s) after the last recovery (steps "
-           f"{', '.join(map(str, after[:8]))}{'...' if len(after) > 8 else ''}) with no action, and its last losses "
-           f"({f:.3g}) are {f / b:.3g}x the loss before the divergence ({b:.3g})")
-    if cuts:
-        why += f"; the script overwrote the learning-rate cut(s) of step(s) {', '.join(map(str, cuts))}"
-    marked.recovery["ok"] = False
-    marked.recovery["kept_diverging"] = why
 
 
 def environment() -> Dict[str, Any]:
