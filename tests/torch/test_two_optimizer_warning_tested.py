@@ -1,7 +1,8 @@
 """A step that ends with two optimizers' updates (an encoder's and a decoder's, as in the seq2seq tutorial):
 under ``nanguard run --recover auto`` an early warning's learning-rate cut is still replayed from the kept
-steps before it is applied. The first optimizer's update ends the step and the tape moves on; the second
-one's update belongs to the same step and must not drop the steps kept so far."""
+steps before it is applied. Each update is a step of its own (as
+``optimizer.step()`` calls are counted); the second one used the first one's backward, so it is kept as
+joined to it (replayed with it) and must not drop the steps kept so far."""
 from __future__ import annotations
 
 from ngtest import run_ng, write
@@ -30,9 +31,10 @@ print(f"final_loss={loss.item()}")
 def test_two_optimizers_warning_cut_is_tested_by_replay(tmp_path):
     code, rep = run_ng(tmp_path, write(tmp_path, SCRIPT), localize=True, recover="auto")
     assert code == 0 and rep is not None
-    assert rep["steps_watched"] == 30
+    assert rep["steps_watched"] == 60  # every optimizer.step() call is a step
     ws = [e for e in rep["events"] if e.get("kind") == "warning"]
     assert ws, "no early warning"
+    assert ws[0]["step"] % 2 == 0  # warned at the encoder's check, the first update of its iteration
     lb = ws[0]["recovery"]["actions"]["lr_backoff"]
     assert "untested" not in lb, lb.get("untested")
     t = lb["tested_by"]

@@ -156,6 +156,7 @@ class _Stream:
         self.tail: Deque[Tuple[float, Optional[float]]] = deque(maxlen=1)  # (loss, grad norm) of the last steps
         self.dead_warned = False
         self.ruin: Optional[int] = None  # the first step observed after an update of >= ``update`` x the norm
+        self.seen: Optional[int] = None  # the step of the last observe() (a skipped or non-finite one too)
 
 
 class SpikeDetector:
@@ -180,6 +181,7 @@ class SpikeDetector:
         if st is None:
             st = self.streams[stream] = _Stream(c.window)
             st.tail = deque(maxlen=c.dead_steps)
+        prev_seen, st.seen = st.seen, step
         # (_fin inline, twice: this runs every step of every driver)
         if skipped or not (isinstance(loss, _NUM) and not isinstance(loss, bool) and math.isfinite(loss)):
             return None
@@ -193,7 +195,7 @@ class SpikeDetector:
         if st.level is None and len(st.first) >= c.min_values:
             st.level = _quantile(sorted(st.first), 0.5)
         tiny = st.level is not None and abs(loss) < c.level_floor * abs(st.level)
-        hit = None if tiny else self._rules(st, step, loss, g, le, ge, lb, gb, update)
+        hit = None if tiny else self._rules(st, step, loss, g, le, ge, lb, gb, update, prev_seen)
         if st.level is None:
             st.first.append(loss)
         if st.start is None:
@@ -226,7 +228,7 @@ class SpikeDetector:
         return hit
 
     def _rules(self, st: _Stream, step: int, loss: float, g: Optional[float], le: float, ge: float,
-               lb, gb, update: Optional[float] = None) -> Optional[Dict[str, Any]]:
+               lb, gb, update: Optional[float] = None, prev_seen: Optional[int] = None) -> Optional[Dict[str, Any]]:
         c = self.config
 
         def out(rule: str, signal: str, **kw: Any) -> Dict[str, Any]:
@@ -243,8 +245,9 @@ class SpikeDetector:
             return out("spike", "loss")
         if ge >= c.spike and le >= c.confirm:
             return out("spike", "grad_norm")
+        # the stream's step just before this one (steps of several optimizers are numbered across them)
         prev = st.recent[-1] if st.recent else None
-        if prev is not None and prev[0] == step - 1 and prev[2] >= c.high and le >= c.high and loss > prev[1]:
+        if prev is not None and prev[0] == prev_seen and prev[2] >= c.high and le >= c.high and loss > prev[1]:
             return out("rising", "loss", since_step=prev[0])
         run = self._growth(st, loss)
         if run is not None:

@@ -269,8 +269,7 @@ class StepTape:
 
     def before_update(self, step: int) -> None:
         """An optimizer is about to update: close an open region, and number what the tape holds since the
-        last update by that optimizer's count (a second model's optimizer, trained after the first one, counts
-        from 0: its failure must find its own step here)."""
+        last update with that update's step (its failure must find its own step here)."""
         if self._pushed or self._stale:
             self.close()
         self.step = step

@@ -93,6 +93,7 @@ class Watcher:
         """The parameters are described in the module docstring (*The Watcher's parts*)."""
         self.config = config or GuardConfig()
         self.monitor = StepMonitor(self.config)
+        self.monitor.per_update = True  # a step is one optimizer.step() call, counted across optimizers
         self.detections: List[Detection] = []
         self.info: List[Detection] = []
         self.dropped_events = 0
@@ -116,6 +117,9 @@ class Watcher:
         self.policy: Any = policy
         self.localizer: Optional[Localizer] = Localizer(self, localize) if localize is not None else None
         self._skip_current: set = set()
+        # the update count at the last backward: an update with no backward since the one before it uses
+        # that one's gradients (a second optimizer of one loss), part of the same work (:meth:`joined`)
+        self._bw_at: Optional[int] = None
         # the failures diagnosed during the run (recovery): the first one, recurrences of it
         self.pipeline = FailurePipeline(Ports(context=lambda: run_context(self),
                                               share=lambda ev, det: share_event(ev, det.rank)))
@@ -313,7 +317,10 @@ class Watcher:
     def _pre_check(self, opt: Any) -> None:
         """The step's check before ``opt`` updates (a closure step's: after the closure's first evaluation)."""
         if self.recovery.snap_due is not None:  # a step with no module forward and no backward
-            self._guarded(self.recovery.take_due_snapshot)
+            if self.joined(done=0):
+                self.recovery.snap_due = None  # mid-iteration state (one of its optimizers updated): no snapshot
+            else:
+                self._guarded(self.recovery.take_due_snapshot)
         if self._ob_opt_begin is not None:
             self._ob_opt_begin(self)
         if self.policy is not None:  # recovery's loss scale (if on): unscale before the check
@@ -326,6 +333,12 @@ class Watcher:
         if self.policy is not None and id(opt) not in self._skip_current:
             if not self._guarded(lambda: self.policy.before_update([opt])):
                 self._skip_current.add(id(opt))
+
+    def joined(self, done: int) -> bool:
+        """The update in progress (``done``: 0 before its step is counted, 1 after) uses the gradients of
+        a backward made before the previous update, with none since: a second optimizer of one loss
+        (an encoder's and a decoder's). It is the same step's work as the update before it."""
+        return self._bw_at is not None and self._bw_at < self.monitor.total - done
 
     def _opt_post(self, opt, args, kwargs) -> None:
         if self.evals._suspended:
@@ -400,6 +413,7 @@ class Watcher:
             self._guarded(self.tape.before_backward, ts, a, k)
         if self.recovery.snap_due is not None:
             self._guarded(self.recovery.take_due_snapshot)
+        self._bw_at = self.monitor.total
         self._guarded(self.monitor.on_backward, ts if self._scaled is None else self._unscaled(ts))
         by_backward = not self.monitor.views
         groups = None

@@ -130,25 +130,35 @@ class WatcherRecovery:
         if cfg is None or not cfg.enabled or opt is None or w.tape is None or w.scalers:
             return
         step = w.tape.step
-        if step in self.kept or w.monitor.step_of(opt) - 1 in self.kept:
-            return  # (a second optimizer of the step: the first one's update already kept it, and the tape moved on)
+        if step in self.kept:
+            return
+        if w.joined(done=1) and step - 1 in self.kept:  # a second optimizer of the step before's backward:
+            from .experiments.step import JOINED        # replayed with it (a replay steps every optimizer)
+            self.kept[step] = (JOINED, None)
+            return
         if w.tape.why_not(step) is not None:
             self.kept.clear()  # the steps kept are no longer consecutive
             return
         self.kept[step] = (_Recorded(w.tape), w.data.last)
-        for k in [k for k in self.kept if k <= step - cfg.keep_steps]:
-            del self.kept[k]
+        if len(self.kept) > cfg.keep_steps:  # the last keep_steps steps with a backward, and the joined ones after them
+            own = sorted(k for k, (rec, _) in self.kept.items() if type(rec) is _Recorded)
+            for k in [k for k in self.kept if k < own[-cfg.keep_steps]] if len(own) >= cfg.keep_steps else []:
+                del self.kept[k]
 
     def kept_steps(self) -> dict:
         """The kept steps as replayable steps (``experiments.TapeStep``), by step: those that can still be
         replayed as recorded."""
         if not self.kept or is_distributed():
             return {}
+        from .experiments.step import JOINED
         from .experiments.tapestep import TapeStep  # the experiments load at a failure, not in a healthy run
         w = self.w
         roots, opts = list(w.monitor.roots), w.optimizers()
         out = {}
         for k, (rec, indices) in self.kept.items():
+            if rec is JOINED:
+                out[k] = JOINED
+                continue
             rep = StepReplay(rec, roots, opts, w._orig["backward"], w.quiet)
             if rep.problem is None:
                 out[k] = TapeStep(rep, roots, opts, None, k, indices)

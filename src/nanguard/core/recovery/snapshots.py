@@ -196,8 +196,9 @@ class SnapshotStore:
     # ---------------------------------------------------------------- cost-based mode
     def _adaptive(self, step: int, actions: RecoveryActions, loss: Optional[float]) -> None:
         now = self.clock()
-        if self._t_last is not None and self.last_step is not None and step == self.last_step + 1:
-            self._intervals.append(now - self._t_last)
+        if self._t_last is not None and self.last_step is not None and 0 < step - self.last_step <= 2:
+            # (2: a second optimizer's update is a step of its own with no snapshot; per step as numbered)
+            self._intervals.append((now - self._t_last) / (step - self.last_step))
             self.step_seconds = sorted(self._intervals)[len(self._intervals) // 2]
         self._t_last = now
         self.last_step = step

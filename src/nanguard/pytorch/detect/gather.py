@@ -90,6 +90,8 @@ def gather(mon: Any, opt: Any, scaler: Any, params: Optional[List[List[torch.Ten
         groups = params or []
         k, slices, plans = 1, [groups], [NormPlan(g) for g in groups]
     step = mon.step_of(opt)
+    if mon.per_update and opt is not None:
+        mon._open[key] = step  # fixed: another optimizer's update before this one's does not renumber it
 
     dev = None
     for g in groups:  # (a loop, not next(genexpr): no generator frame every step)

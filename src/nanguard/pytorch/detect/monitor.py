@@ -106,8 +106,15 @@ class StepMonitor:
         self._per_thread = _StepInputs()
         self.history = StepHistory(self.config.history_size)
         self.views: Dict[int, OptimizerView] = {}
-        self.counts: Dict[int, int] = {}          # step attempts per optimizer
+        self.counts: Dict[int, int] = {}          # per optimizer: the number its next step gets (Guard's numbering)
         self.backward_steps = 0                    # used when no optimizer exists
+        # How steps are numbered. False (Guard): one number per guard.step, shared by its optimizers.
+        # True (nanguard run): every optimizer update is a step, numbered across all optimizers by the
+        # updates made before it, as ``optimizer.step()`` calls are counted (a GAN's D and G updates of
+        # iteration k are steps 2k and 2k+1). A step's number is fixed at its check (``_open``).
+        self.per_update = False
+        self.total = 0                             # optimizer updates so far, all optimizers
+        self._open: Dict[int, int] = {}           # per optimizer checked and not updated yet: its step's number
         self.roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self.extra_params: List[torch.Tensor] = []  # backward-counting mode without modules
         # optimizer -> post-update param norms per group (backward counting: DEFERRED until the next check)
@@ -173,12 +180,16 @@ class StepMonitor:
     @property
     def steps_watched(self) -> int:
         if self.views:
-            return max(self.counts.values(), default=0)
+            return self.total if self.per_update else max(self.counts.values(), default=0)
         return self.backward_steps
 
     def step_of(self, opt: Optional[torch.optim.Optimizer]) -> int:
+        """The number of ``opt``'s step in progress (its next one when it is not checked yet)."""
         if opt is None or id(opt) not in self.counts:
             return self.steps_watched
+        if self.per_update:
+            n = self._open.get(id(opt))
+            return self.total + len(self._open) if n is None else n
         return self.counts[id(opt)]
 
     # ------------------------------------------------------------------ per-step inputs
@@ -347,7 +358,7 @@ class StepMonitor:
         """After the update (or the skip): history, step count, post-update norms (no sync)."""
         key = id(opt) if opt is not None else 0
         if opt is not None:
-            step = self.counts.get(key, 0)
+            step = self.step_of(opt) if self.per_update else self.counts.get(key, 0)
             groups = self.views[key].groups if key in self.views else []
             lrs = list(map(_lr_of, opt.param_groups))
         else:
@@ -366,6 +377,8 @@ class StepMonitor:
             self._post_norms(key, opt, groups, step)
         if opt is not None:
             self.counts[key] = step + 1
+            self.total += 1
+            self._open.pop(key, None)
         else:
             self.backward_steps += 1
         self._checked[key] = False
@@ -434,6 +447,7 @@ class StepMonitor:
         """Forget this step's inputs (used after a skipped/recovered step)."""
         key = id(opt) if opt is not None else 0
         self._checked[key] = False
+        self._open.pop(key, None)
         self._lasts.pop(key, None)
         self._lazy_last.pop(key, None)
         self._per_thread.reset()

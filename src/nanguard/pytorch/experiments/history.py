@@ -20,7 +20,7 @@ from ..detect.closure import needs_closure
 from ..recover.clip import clip_grads
 from ..recover.snapshot import Snapshot
 from ..recover.state import state_finite
-from .step import ReplayableStep, StepChanges, params_of
+from .step import JOINED, ReplayableStep, StepChanges, params_of
 
 
 def replay_history(snapshot: Any, steps: Sequence[ReplayableStep], modules: Sequence[torch.nn.Module],
@@ -113,10 +113,13 @@ def _grad_norm(params: Sequence[torch.Tensor]) -> float:
 
 
 def consecutive(steps: Dict[int, ReplayableStep], start: int, end: int) -> Optional[List[ReplayableStep]]:
-    """The kept steps ``start..end`` (inclusive), or None when one is missing or its batch was written in
-    place since (a reused input buffer)."""
+    """The kept steps ``start..end`` (inclusive) to run, or None when one is missing or its batch was written
+    in place since (a reused input buffer). A :data:`~.step.JOINED` step is run with the one before it."""
     out = [steps.get(s) for s in range(start, end + 1)]
-    return None if any(s is None or not s.intact() for s in out) else out  # type: ignore[return-value]
+    if any(s is None or not s.intact() for s in out):
+        return None
+    run = [s for s in out if s is not JOINED]
+    return run or None  # type: ignore[return-value]
 
 
 def replay_kept(kept: Dict[int, ReplayableStep], modules: Sequence[torch.nn.Module], optimizers: Sequence[Any],

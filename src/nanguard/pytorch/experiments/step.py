@@ -77,6 +77,18 @@ class ReplayableStep(abc.ABC):
         """Re-run forward and backward (under ``recorder`` if given) with ``changes``; never raises."""
 
 
+class Joined:
+    """A kept step whose update used the backward of the step before it (a second optimizer of one loss,
+    numbered as a step of its own): the replay of the step before steps every optimizer, so this one has
+    nothing of its own to run (:func:`~.history.consecutive` leaves it out)."""
+
+    def intact(self) -> bool:
+        return True
+
+
+JOINED = Joined()
+
+
 def params_of(optimizers: Sequence[Any], model: Optional[torch.nn.Module] = None) -> List[torch.Tensor]:
     """Every parameter the optimizers step (or, without optimizers, the model's)."""
     ps = [p for o in optimizers for g in o.param_groups for p in g["params"]]
