@@ -107,7 +107,9 @@ def test_the_second_optimizers_failure_is_replayed_with_its_own_loss():
     cb = nanguard.keras.NanGuard(report=None, quiet=True)
     model.fit(real, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
     ev = cb.report.events[0]
-    assert ev.step == 1 and ev.phase == "forward", (ev.step, ev.phase, ev.detected)
+    # batch 1's generator update: step 3 (updates are counted across both optimizers)
+    assert ev.step == 3 and ev.phase == "forward", (ev.step, ev.phase, ev.detected)
+    assert ev.detected["fit"]["step_in_epoch"] == 1 and ev.detected["fit"]["update_in_batch"] == 1
     assert (ev.localization or {}).get("reproduced") is True, ev.localization
     o = ev.origin or {}
     assert ev.cause["category"] == "log_domain" and o.get("line") == _line(_bce, "# BCE"), (ev.cause["summary"], o)

@@ -202,7 +202,7 @@ def test_a_watch_leaves_nothing_to_the_next():
         assert acts.lr_backoff(0.5)["how"] == ["variable"]
         acts.clip_gradients(1e-6)
         old_step(*data[3])  # the earlier run's step under this watch: its optimizer is this run's now
-        assert w.optimizers() == [opt, old_opt] and w.steps_watched == 1
+        assert w.optimizers() == [opt, old_opt] and w.steps_watched == 2  # one update by each
         assert int(old_opt.iterations) == 2  # its non-finite variables: the update was dropped
     before = _values(model.trainable_variables)
     step(*data[1])  # no watcher: no clipping either (clipped, the update would move 5e-8)

@@ -35,8 +35,13 @@ def latest_first(w: Any) -> list:
     """The run's optimizers, the one that made the latest step first (a fine-tuning stage's new optimizer,
     not the first stage's, names the failing update; optimizers stepping together keep their order)."""
     sts = [st for st in w.states.values() if st.opt_ref() is not None]
-    order = sorted(range(len(sts)), key=lambda i: (-(sts[i].attempts - sts[i].offset), i))
+    order = sorted(range(len(sts)), key=lambda i: (-_last(sts[i]), i))
     return [sts[i].opt_ref() for i in order]
+
+
+def _last(st: Any) -> int:
+    """The run's step of the state's latest update read (-1: none yet)."""
+    return -1 if st.last is None else st.last
 
 
 def optimizer_switch(w: Any) -> Dict[str, Any]:
@@ -44,12 +49,12 @@ def optimizer_switch(w: Any) -> Dict[str, Any]:
     ``compile`` + ``fit`` with a new optimizer, a fine-tuning stage): ``{"step", "from", "to"}``, the run's
     step of its first update and the two class names; else ``{}``. Optimizers stepping together (a GAN's
     two) are no switch: the earlier one must have made its last update before the new one's first."""
-    sts = sorted(w.states.values(), key=lambda st: -(st.attempts - st.offset))  # a replaced one may be freed
+    sts = sorted(w.states.values(), key=lambda st: -_last(st))  # a replaced one may be freed
     if len(sts) < 2 or not sts[0].first:
         return {}
     cur, start = sts[0], sts[0].first
-    before = [st for st in sts[1:] if 0 < st.attempts - st.offset <= start]
+    before = [st for st in sts[1:] if st.last is not None and st.last < start]
     if not before:
         return {}
-    prev = max(before, key=lambda st: st.attempts - st.offset)
+    prev = max(before, key=_last)
     return {"step": int(start), "from": prev.name, "to": cur.name}

@@ -39,14 +39,16 @@ from ..core.history import StepHistory, StepRecord
 
 # The stash row (float64). Flags are 1.0 / 0.0.
 # Values first, then the flags (the in-graph row casts the flags to float64 in one op).
-VALUES = ("step", "loss", "loss_known", "grad_norm", "lso", "param_norm", "lr", "loss_scale")
+# "step": the optimizer's own raw update count (its stash row); "update": the raw count of updates by every
+# optimizer (the run's step number, :func:`.state.updates_var`)
+VALUES = ("step", "loss", "loss_known", "grad_norm", "lso", "param_norm", "lr", "loss_scale", "update")
 FLAGS = ("loss_ok", "data_ok", "grads_ok", "pre_ok", "guard_skipped", "post_ok", "lso_finite", "halted")
 COLS = VALUES + FLAGS
 C = {name: i for i, name in enumerate(COLS)}
 NCOL = len(COLS)
 RING = 64  # rows kept per optimizer between two host reads (steps of one tf.function call)
-(_STEP, _LOSS, _LOSS_KNOWN, _GN, _LSO_F, _PN, _LR, _SCALE, _LOSS_OK, _DATA_OK, _GRADS_OK, _PRE_OK, _SKIPPED,
- _POST_OK, _LSO_FINITE, _HALTED) = range(NCOL)
+(_STEP, _LOSS, _LOSS_KNOWN, _GN, _LSO_F, _PN, _LR, _SCALE, _UPDATE, _LOSS_OK, _DATA_OK, _GRADS_OK, _PRE_OK,
+ _SKIPPED, _POST_OK, _LSO_FINITE, _HALTED) = range(NCOL)
 
 
 # --------------------------------------------------------------------------- tensor helpers

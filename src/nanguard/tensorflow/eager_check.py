@@ -43,7 +43,7 @@ def apply_eager(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
     if ok:
         w._guarded(lambda: _post(st, opt, row, tvars))
     w._snap_due = True
-    w.observers.update_done(w, st.attempts - st.offset)
+    w.observers.update_done(w, w.updates)
     return None
 
 
@@ -76,12 +76,15 @@ def _pre(w: Any, st: OptState, opt: Any, grads: List[Any], tvars: List[Any], lso
     if outside_write or not (loss_ok >= 0.5 and d_ok >= 0.5 and grads_ok):
         pre_ok = bool(D.all_finite(D.float_tensors(tvars)).numpy())
     ok = loss_ok >= 0.5 and d_ok >= 0.5 and pre_ok and (grads_ok or lso)
-    step = st.attempts
     st.attempts += 1
     st.counter.assign(st.attempts)  # keeps a graph step that follows in the same count (no read)
-    step -= st.offset
+    step = w.updates  # the run's step: the updates of every optimizer before this one
+    w.updates += 1
+    st.updates.assign(w.update_base + w.updates)  # (no read)
+    st.first = step if st.first is None else st.first
+    st.last = step
     row = [0.0] * D.NCOL
-    for k, v in (("step", step), ("loss", loss), ("loss_known", loss_known), ("loss_ok", loss_ok),
+    for k, v in (("step", step), ("update", w.update_base + step), ("loss", loss), ("loss_known", loss_known), ("loss_ok", loss_ok),
                  ("data_ok", d_ok), ("grad_norm", gn), ("grads_ok", grads_ok), ("pre_ok", pre_ok),
                  ("lso", lso), ("lr", lr), ("loss_scale", scale), ("lso_finite", grads_ok),
                  ("param_norm", float("nan")), ("post_ok", 1.0),

@@ -114,6 +114,7 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
     hold = p.hold and w.capture is not None and p.batch is not None and not _in_xla()
     with tf.name_scope("nanguard_check"):
         step = st.counter.read_value()
+        n_before = st.updates.read_value()  # the run's step: updates by every optimizer before this one
         loss, loss_known, loss_ok = loss_parts(p)
         d_ok = data_ok(p)
         gts = D.float_tensors(grads)
@@ -139,7 +140,7 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
                 # a LossScaleOptimizer's skip past warm-up too: a loss-scale collapse is decided from one
                 may = tf.logical_and(ok, tf.logical_or(grads_ok, tf.logical_not(
                     scale <= w.config.warmup_loss_scale))) if lso else ok
-                _build_capture(st, tf.logical_and(may, tf.logical_not(halted)) if hold else may, step, p,
+                _build_capture(st, tf.logical_and(may, tf.logical_not(halted)) if hold else may, n_before, p,
                                halted if hold else None)
             active = st.active.read_value()
             stopping = tf.constant(True) if hold else st.stop_mode.read_value()
@@ -172,12 +173,13 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
             post_ok, pn = tf.cond(tf.logical_and(quick, tf.math.is_finite(psq)),
                                   lambda: (tf.constant(True), D.f64(tf.sqrt(psq))), post_slow)
         values = tf.stack([D.f64(step), loss, loss_known, gn, tf.constant(1.0 if lso else 0.0, tf.float64), pn, lr,
-                           scale])
+                           scale, D.f64(n_before)])
         flags = tf.cast(tf.stack([loss_ok, d_ok, grads_ok, pre_ok, tf.logical_not(applied), post_ok, grads_ok,
                                   halted]), tf.float64)
         idx = tf.math.floormod(step, D.RING)
         st.stash.scatter_nd_update(tf.reshape(idx, [1, 1]), tf.reshape(tf.concat([values, flags], 0), [1, D.NCOL]))
         st.counter.assign_add(1)
+        st.updates.assign_add(1)
     fn = tl_get("current_fn", None)
     if fn is not None:
         FN_STATES.setdefault(fn, set()).add(st)
@@ -263,10 +265,11 @@ def _in_xla() -> bool:
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
-def _build_capture(st: OptState, ok: tf.Tensor, step: tf.Tensor, p: Pending, held: Any = None) -> None:
+def _build_capture(st: OptState, ok: tf.Tensor, update: tf.Tensor, p: Pending, held: Any = None) -> None:
     """model.fit: in a failing step only, hand the batch and the seed states before the step to
-    the host (one ``tf.py_function`` inside ``tf.cond``). ``held``: the step is held (a tensor; see
-    :mod:`.recover_held`), with the buffers' values at its start (``p.buffers``)."""
+    the host (one ``tf.py_function`` inside ``tf.cond``). ``update``: the step's raw number (the count of
+    every optimizer's updates). ``held``: the step is held (a tensor; see :mod:`.recover_held`), with the
+    buffers' values at its start (``p.buffers``)."""
     if _in_xla():
         return  # XLA-compiled steps cannot call back into Python: the re-run fallback is used
     flat = [t for t in tf.nest.flatten(p.batch) if isinstance(t, tf.Tensor)]
@@ -287,7 +290,7 @@ def _build_capture(st: OptState, ok: tf.Tensor, step: tf.Tensor, p: Pending, hel
             n, k = len(flat), len(seeds)
             batch = [np.array(v.numpy()) for v in vals[:n]]
             seed_vals = [np.array(v.numpy()) for v in vals[n:n + k]]
-            info = {"step": int(step_t.numpy()) - st.offset, "optimizer": st.opt_ref(),
+            info = {"step": int(step_t.numpy()) - w.update_base, "optimizer": st.opt_ref(),
                     "batch_flat": batch, "batch_structure": struct, "seeds": list(zip(gens, seed_vals))}
             if extra:
                 info["held"] = bool(vals[n + k].numpy())
@@ -298,4 +301,4 @@ def _build_capture(st: OptState, ok: tf.Tensor, step: tf.Tensor, p: Pending, hel
         return tf.constant(0)
 
     # already inside the slow path's branch: the call itself decides (no cond of its own)
-    tf.py_function(capture, [ok, step] + flat + seeds + extra + bvals, [tf.int32])
+    tf.py_function(capture, [ok, update] + flat + seeds + extra + bvals, [tf.int32])

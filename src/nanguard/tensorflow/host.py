@@ -42,6 +42,13 @@ def finite_var(v: Any) -> bool:
     return bool(np.isfinite(a).all())
 
 
+def per_batch(w: Any, updates: int) -> None:
+    """A ``fit`` call ran ``updates`` updates: the updates per batch (its ``steps_per_execution`` batches)."""
+    model = w.fitting()
+    spe = int(getattr(model, "steps_per_execution", 1) or 1) if model is not None else 1
+    w.fit_now["per_batch"] = max(updates // max(spe, 1), 1)
+
+
 class HostReader:
     """Reads and decides the steps of one watcher ``w`` (its config, decider, states, observers)."""
 
@@ -57,10 +64,19 @@ class HostReader:
             keep = getattr(w.policy, "keep_call", None) if w.recovering else None
             if keep is not None:  # the call as a step an early warning's change can be replayed on (.recover_tried)
                 w._guarded(lambda: keep(w, w.steps_watched))
+            rows: list = []
+            start = w.steps_watched
             for st in list(sts):
                 if not w._claim(st):
                     continue  # an earlier watcher's that did not run here, or an unknown one
-                w._guarded(lambda st=st: self.read_stash(st))
+                w._guarded(lambda st=st: rows.extend((r, st) for r in self.read_stash(st)))
+            if w.fit_now is not None and rows:  # updates per batch, for the report's fit position
+                w._guarded(lambda: per_batch(w, len(rows)))
+            # every optimizer's rows in the order the updates ran (a GAN's: D, G, D, G...)
+            for r, st in sorted(rows, key=lambda x: x[0][D.C["update"]]):
+                w._guarded(lambda r=r, st=st: self.finish_row(st, D.Row(r)))
+            if keep is not None and w.steps_watched > start + 1:  # several updates in one call (a GAN's two)
+                w._guarded(lambda: w.policy.joined_steps(start, w.steps_watched))
             w._snap_due = True
             w.observers.update_done(w, w.steps_watched)
         if w.disabled and not self._released:   # a guard error: the traced checks skip and hold nothing more
@@ -72,26 +88,32 @@ class HostReader:
                     pass
         self.raise_if_stopped()
 
-    def read_stash(self, st: OptState) -> None:
-        data = read_host(st.stash)  # the one host read of the step(s) this call ran
+    def read_stash(self, st: OptState) -> list:
+        """The rows of ``st``'s updates not read yet (the one host read of the step(s) this call ran)."""
+        data = read_host(st.stash)
         new = data[data[:, 0] >= st.next_step]
+        out = []
         for r in new[np.argsort(new[:, 0], kind="stable")].tolist():
             if r[0] > st.next_step:
                 st.lost_rows += int(r[0] - st.next_step)
-                st.next_step = int(r[0])
-            self.finish_row(st, D.Row(r))
+            st.next_step = int(r[0]) + 1
+            out.append(r)
+        return out
 
     def finish_row(self, st: OptState, row: D.Row, raw: bool = True) -> None:
         """Record one step in the history and decide it; a stop is raised later (raise_if_stopped).
         ``raw``: the row's step is the raw in-graph count (else already this watcher's step)."""
         w = self.w
-        if raw:
+        if raw:  # the row of a traced update: its step is the count of every optimizer's updates before it
             r = int(row.step)
-            st.next_step = r + 1
+            st.next_step = max(st.next_step, r + 1)
             st.attempts = max(st.attempts, r + 1)
-            row.vals[D.C["step"]] = float(r - st.offset)
+            row.vals[D.C["step"]] = float(int(row.vals[D.C["update"]]) - w.update_base)
+            w.updates = max(w.updates, int(row.step) + 1)
+            st.first = int(row.step) if st.first is None else st.first
+            st.last = int(row.step)
         else:
-            st.next_step = max(st.next_step, int(row.step) + st.offset + 1)
+            st.next_step = max(st.next_step, st.attempts)
         step = int(row.step)
         if row.flag("halted"):  # after a stop inside the same graph call: nothing was applied
             if w.recovering and w.stop_requested is None:  # held behind a recovered failure: re-run now
@@ -180,6 +202,7 @@ class HostReader:
     def finish(self) -> None:
         """Read what is still unread: the last eager update's norms, stashes of uncalled graphs."""
         w = self.w
+        rows: list = []
         for st in list(w.states.values()):
             if w.disabled:
                 break
@@ -193,4 +216,8 @@ class HostReader:
                     self.finish_row(st, D.Row(row), raw=False)
                 w._guarded(fin)
             elif w.stop_requested is None:
-                w._guarded(lambda st=st: self.read_stash(st))
+                w._guarded(lambda st=st: rows.extend((r, st) for r in self.read_stash(st)))
+        for r, st in sorted(rows, key=lambda x: x[0][D.C["update"]]):
+            if w.disabled:
+                break
+            w._guarded(lambda r=r, st=st: self.finish_row(st, D.Row(r)))

@@ -461,6 +461,9 @@ class TFRecovery:
         self.held: Dict[int, Any] = {}     # fit, several steps per call: step -> capture of a held step
         self.resumed: List[int] = []       # held steps re-run and applied (.recover_held)
         self.cut: Optional[tuple] = None   # (record, cut rates, step) of the last lr cut, read at each step start
+        # steps whose update ran in the same call as the step before them (a GAN's second optimizer in one
+        # train_step): a replay of that call runs them too (.recover_tried)
+        self.joined: set = set()
 
     @classmethod
     def from_spec(cls, spec: Any, *, pipeline: Any, localizer: Callable[[Any], Any],
@@ -506,6 +509,12 @@ class TFRecovery:
             self.policy.on_update(actions)  # arms clipping (an in-graph variable) for the next updates
             self._note_cut(rec, step, actions)
         return rec
+
+    def joined_steps(self, start: int, end: int) -> None:
+        """The call kept as step ``start`` ran the updates of steps ``start..end - 1``."""
+        self.joined.update(range(start + 1, end))
+        if len(self.joined) > 256:  # (only the kept calls' neighbours matter)
+            self.joined = {s for s in self.joined if s > start - 128}
 
     def keep_call(self, watcher: Any, step: int) -> None:
         """A tape loop's outermost ``tf.function`` call that ran guarded updates, as step ``step`` (its numpy

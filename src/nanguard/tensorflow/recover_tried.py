@@ -91,18 +91,20 @@ def replay_kept(w: Any, acts: Any, from_step: int, to_step: int, *, steps: int, 
     if any(isinstance(o, LossScaleOptimizer) for o in acts.optimizers):
         return {"unavailable": "a LossScaleOptimizer's steps are not replayed (its dynamic scale would move)"}
     kept = kept_calls(w)
+    joined = getattr(w.policy, "joined", ())  # run by the kept call of a step before them (a GAN's second update)
     last = min(to_step, from_step + max(int(steps), 1) - 1)  # a longer range is replayed up to ``steps`` only
-    seq = [kept.get(s) for s in range(from_step, last + 1)]
-    if any(c is None for c in seq):
+    span = range(from_step, last + 1)
+    run = [s for s in span if s in kept]
+    if not run or any(s not in kept and s not in joined for s in span):
         have = sorted(kept)
         if not have and w.fitting() is None:
             return {"unavailable": EAGER_WHY}
         return {"unavailable": f"steps {from_step}..{last} are not all kept to replay from the snapshot "
                                f"(kept: {have[0]}..{have[-1]})" if have else "no steps kept to replay"}
     rates = _step_rates(w, len(acts.optimizers))
-    order = [from_step + i % len(seq) for i in range(max(int(steps), 1))]
-    out = _run(w, acts, [(s, seq[s - from_step]) for s in order], lr_factor, max_norm, rates)
-    out["period"] = min(len(seq), len(order))  # the same batches come back every period steps
+    order = [run[i % len(run)] for i in range(max(int(steps), 1))]
+    out = _run(w, acts, [(s, kept[s]) for s in order], lr_factor, max_norm, rates)
+    out["period"] = min(len(run), len(order))  # the same batches come back every period steps
     return out
 
 

@@ -23,12 +23,30 @@ import tensorflow as tf
 from . import detect as D
 
 __all__ = ["StopRun", "Pending", "OptState", "STATES", "FN_STATES", "active", "set_active", "tl_get", "tl_set",
-           "graph_key", "create_lifted"]
+           "graph_key", "create_lifted", "updates_made", "updates_var"]
 
 _local = threading.local()
 STATES: Dict[int, "OptState"] = {}
 FN_STATES: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
 _ACTIVE: List[Any] = [None]   # the installed watcher (one at a time)
+_UPDATES: List[Any] = []      # the count of updates by every optimizer (one variable, made on first use)
+
+
+def updates_made() -> bool:
+    """Whether the count of every update exists (TensorFlow's runtime then runs: it can be read)."""
+    return bool(_UPDATES)
+
+
+def updates_var() -> Any:
+    """The in-graph count of the updates attempted by every optimizer of the process (int64), read and
+    advanced by each update's check: a step is numbered by the updates made before it, whichever
+    optimizer made them (a GAN's discriminator and generator updates of one batch are two steps). One
+    variable for all watchers (traced steps keep it); each watcher counts from its value at install."""
+    if not _UPDATES:
+        _UPDATES.append(create_lifted(lambda: tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                          experimental_enable_variable_lifting=False,
+                                                          name="nanguard_updates")))
+    return _UPDATES[0]
 
 
 class StopRun(BaseException):
@@ -121,8 +139,10 @@ class OptState:
         self.opt_ref = weakref.ref(opt)
         self.name = type(opt).__name__
         self.n_vars = n_vars
-        self.offset = 0  # the raw step count when the current watcher adopted this state
-        self.first: Optional[int] = None  # the run's step of this optimizer's first update (None: adopted)
+        self.offset = 0  # the raw count of its updates when the current watcher adopted this state
+        self.first: Optional[int] = None  # the run's step of this optimizer's first update under the watcher
+        self.last: Optional[int] = None   # the run's step of its latest update read
+        self.updates = updates_var()
         self.clip_host = float("inf")  # the clip variable's value, as last set from the host
         def make() -> tuple:
             # not lifted by a tf.function being traced: the check's own variables never make TensorFlow
@@ -150,6 +170,7 @@ class OptState:
         """Made under an earlier watcher: the new one counts steps from the current count."""
         raw = int(self.counter.numpy())
         self.offset = self.next_step = self.attempts = raw
+        self.first = self.last = None
         self.eager_post = None
         self.active.assign(active)
         self.stop_mode.assign(stop_mode)

@@ -32,7 +32,8 @@ from .graph_check import apply_graph
 from .host import HostReader
 from .locate.naming import install_construction_hook
 from .observer import TFObserver, TFObservers
-from .state import STATES, OptState, Pending, StopRun, active, create_lifted, graph_key, set_active, tl_get, tl_set
+from .state import (STATES, OptState, Pending, StopRun, active, create_lifted, graph_key, set_active, tl_get,
+                    tl_set, updates_made, updates_var)
 
 __all__ = ["TFWatcher", "StopRun", "OptState", "active"]
 
@@ -62,6 +63,11 @@ class TFWatcher:
         self.stop_requested: Optional[Detection] = None
         self.on_stop: Optional[Callable[[], None]] = None  # called once, when a stop is first requested
         self.states: Dict[int, OptState] = {}   # the optimizers updated (or traced) under this watcher
+        # the steps: updates attempted by every optimizer under this watcher (host view, from the rows
+        # read); ``update_base``: the in-graph count of every update (state.updates_var) when it started
+        self.updates = 0
+        self.update_base = 0
+        self._based = False
         # states made under an earlier watcher (see install): this watcher's once an update runs under it
         self._earlier: Dict[int, OptState] = {}
         self._prepared: set = set()   # ids of the optimizers recovery has prepared (schedules)
@@ -123,6 +129,12 @@ class TFWatcher:
         self._uninstallers = patches.install(self)
         set_active(self)
         self._installed = True
+        # the count of every update goes on from earlier runs in this process (their traced steps keep it);
+        # read now when it exists, else at the first update (reading here would start TensorFlow's runtime
+        # before the script configures it)
+        self._based = False
+        if updates_made():
+            self._base()
         for key, st in list(STATES.items()):  # checks traced under an earlier watcher report here
             if st.opt_ref() is None:
                 del STATES[key]
@@ -294,13 +306,18 @@ class TFWatcher:
         return epoch_mark(self, now)
 
     def fit_position(self, step: int) -> Optional[Dict[str, int]]:
-        """Where ``step`` falls in the running ``fit``: its call index (0-based), epoch and step in the
-        epoch and in the call; None outside a fit."""
+        """Where ``step`` falls in the running ``fit``: its call index (0-based), epoch and batch in the
+        epoch and in the call (``step_in_*``: batches; with several updates per batch also which of them);
+        None outside a fit."""
         now = self.fit_now
         if now is None or step < now["start"]:
             return None
-        return {"call": now["call"], "epoch": now["epoch"], "step_in_epoch": step - now["epoch_start"],
-                "step_in_fit": step - now["start"]}
+        m = max(int(now.get("per_batch", 1)), 1)  # updates per batch (a GAN's train_step makes two)
+        pos = {"call": now["call"], "epoch": now["epoch"], "step_in_epoch": (step - now["epoch_start"]) // m,
+               "step_in_fit": (step - now["start"]) // m}
+        if m > 1:
+            pos["update_in_batch"] = (step - now["epoch_start"]) % m
+        return pos
 
     def _on_outside_write(self, var: Any) -> None:
         """An eager write of a trainable variable outside any update (a warm start, ``set_weights``, a
@@ -344,21 +361,25 @@ class TFWatcher:
             self.states[key] = self._earlier.pop(key)
         return ran
 
+    def _base(self) -> None:
+        with tf.init_scope():  # (a trace's first update reads it eagerly, before the traced step runs)
+            self.update_base = int(updates_var().numpy()) - self.updates  # (a re-install counts on)
+        self._based = True
+
     def _state(self, opt: Any, n_vars: int, tvars: Optional[List[Any]] = None) -> OptState:
+        if not self._based:
+            self._base()
         st = self.states.get(id(opt))
         if st is None or st.opt_ref() is not opt:
             st = self._earlier.pop(id(opt), None)
             if st is not None and st.opt_ref() is opt:  # adopted at install
                 self.states[id(opt)] = st
                 return st
-            first = first_step(self, tvars)
             st = STATES.get(id(opt))
             if st is None or st.opt_ref() is not opt:
                 st = STATES[id(opt)] = OptState(opt, n_vars, active=self.skip_bad, stop_mode=self.stop_mode)
             else:
                 st.adopt(active=self.skip_bad, stop_mode=self.stop_mode)
-            st.offset -= first  # the script's step = the raw count - offset
-            st.first = first
             self.states[id(opt)] = st
         return st
 
@@ -418,7 +439,7 @@ class TFWatcher:
     # ------------------------------------------------------------------ end of run
     @property
     def steps_watched(self) -> int:
-        return max((st.attempts - st.offset for st in self.states.values()), default=0)
+        return self.updates
 
     def finish(self) -> None:
         """Read what is still unread: the last eager update's norms, stashes of uncalled graphs.
@@ -458,15 +479,3 @@ def fit_ended(w: Any, logs: Optional[Dict[str, Any]]) -> None:
     loss = (last if isinstance(last, dict) else logs or {}).get("loss")
     w.fit_end = {"call": now.get("call"), "epoch": now.get("epoch"), "step": w.steps_watched - 1,
                  "loss": float(np.asarray(loss)) if loss is not None else None}
-
-
-def first_step(w: Any, tvars: Optional[List[Any]]) -> int:
-    """The script's step at which an optimizer new to watcher ``w``'s run starts counting: inside a ``fit``,
-    the fit's first step (optimizers of one fit step together, as in a GAN's custom train_step); outside,
-    after the steps of the earlier optimizers that trained the same variables (a new optimizer taking
-    over the weights: a fine-tuning stage); else 0 (optimizers in parallel)."""
-    if w.fit_now is not None:
-        return w.fit_now["start"]
-    ids = {id(v) for v in tvars or []}
-    return max((o.attempts - o.offset for o in w.states.values()
-                if ids and ids.intersection(id(v) for v in o.tvars)), default=0)
