@@ -264,6 +264,9 @@ def _ruin(applied: Sequence[dict], pser: Series, loss: Series, out: Dict[str, An
                 out["ruin_norm_now_vs_before"] = pser[-1][1] / a
             if loss and loss[0][1] > 0:
                 out["ruin_loss_now_vs_start"] = loss[-1][1] / loss[0][1]
+                after = [v for st, v in loss if st > out["ruin_step"]]
+                if after:  # the excursion the update made (the loss the weights it threw gave)
+                    out["ruin_loss_peak_vs_start"] = max(after) / loss[0][1]
             return
 
 

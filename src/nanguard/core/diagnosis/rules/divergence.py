@@ -20,7 +20,8 @@ Where did the size come from, in this order:
    direction before their norm grows: the edge of stability) -> ``lr_too_high``; checked before 4.
    when the updates were >= 3% of the weights already before the excursion;
 6. (last) a ruinous update earlier in the run (>= 1x the weights' norm) that the run never came back from:
-   the weights are still >= 3x the norm before it and the loss >= 2x its start -> ``lr_too_high``, onset
+   the weights are still >= 3x the norm before it and the loss >= 2x its start (or, after the update threw it
+   above 1.5x, no lower than half its start: a normalised network back at its chance level) -> ``lr_too_high``, onset
    before that update. pytorch/examples vae at lr 1 (Adam): step 0 moves the weights 23 -> 574, the loss
    plateaus at 14x its start, and 16 steps later the evaluation's ``exp(0.5 * logvar)`` overflows on
    weights 157x their start: the exp is where it surfaced, the learning rate is why (it was exp_overflow,
@@ -76,6 +77,8 @@ def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: floa
         ev["grad_clip_ceiling"] = sig["grad_clip_ceiling"]
     if _outlier(dy):
         return outlier_batch(dy, ev, method, conf, where)
+    if _switched_up(dy, ctx):  # a new optimizer at a far higher rate, the growth right after: not a jump of its own
+        return params_grew(sig, dy, ev, method, conf, where, ctx)
     if dy.get("param_growth_significant"):
         single_jump = (dy.get("param_growth_updates", 0) <= 1 or _batch_spike(dy)) and _grad_jump_at_onset(dy) >= 50
         if not single_jump:
@@ -142,6 +145,17 @@ UPDATES_TOO_LARGE = 0.1
 # Updates of >= 3% of the weights per step already in the calm phase: the step size (or an
 # initialisation that makes every gradient huge) is the cause, not the gradient jump it leads to.
 CALM_TOO_LARGE = 0.03
+
+
+def _switched_up(dy: dict, ctx: dict) -> bool:
+    """A new optimizer took over (a fine-tuning stage, a re-compiled ``fit``) at a learning rate >= 10x the
+    previous one, and the growth began within 3 steps of it: the gradient jump that follows is that rate's
+    doing (``_why_step`` names the switch)."""
+    sw = ctx.get("optimizer_switch") if isinstance(ctx.get("optimizer_switch"), dict) else {}
+    at, onset, lo, lr = sw.get("step"), dy.get("onset_step"), dy.get("lr_rose_from"), dy.get("lr_at_onset")
+    if not (T.fin(at) and T.fin(onset) and T.fin(lo) and T.fin(lr) and lo > 0):
+        return False
+    return dy.get("lr_rose_from_step", at) < at <= onset <= at + 3 and lr >= 10 * lo
 
 
 def _updates_too_large(dy: dict) -> bool:
@@ -448,13 +462,25 @@ def one_update(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: s
 
 # ---------------------------------------------------------------------------- 6. a lasting ruin
 RUIN_NORM_KEPT = 3.0   # the weights' norm still >= 3x (PARAM_GROWTH) what it was before the ruinous update
-RUIN_LOSS_KEPT = 2.0   # and the loss >= 2x the run's first: the run never came back from it
+RUIN_LOSS_KEPT = 2.0   # and the loss >= 2x the run's first: the run never came back from it;
+# or the update threw the loss above RUIN_PEAK x its start (the early warning's no-baseline bound for an update
+# of >= 1x the weights, core/spike.py ``update_loss``) and the loss has not
+# come below RUIN_LOSS_FLOOR x its start since (the dead-network bound, core/spike.py): a network whose
+# normalisation layers bring the training loss back to its chance level while the weights keep their ruined
+# scale. Measured: minDiffusion's superminddpm (Adam, BatchNorm) at lr 0.2: step 0 moves the weights
+# 10.3 -> 51.4 (the loss 1.26 -> 32.9 at step 1), the loss settles at 1.0-1.3 (predicting zero noise) on
+# weights 18x their start, and the sampling loop of the evaluation overflows a Conv2d (was 'other'); with
+# another seed the same update took the loss only 1.15 -> 1.85 (x1.6), the weights x20 at the overflow.
+RUIN_PEAK = 1.5
+RUIN_LOSS_FLOOR = 0.5
 
 
 def _lasting_ruin(dy: dict) -> bool:
-    return bool(dy.get("ruin_step") is not None and T.fin(dy.get("ruin_norm_now_vs_before"))
-                and dy["ruin_norm_now_vs_before"] >= RUIN_NORM_KEPT and T.fin(dy.get("ruin_loss_now_vs_start"))
-                and dy["ruin_loss_now_vs_start"] >= RUIN_LOSS_KEPT)
+    if not (dy.get("ruin_step") is not None and T.fin(dy.get("ruin_norm_now_vs_before"))
+            and dy["ruin_norm_now_vs_before"] >= RUIN_NORM_KEPT and T.fin(dy.get("ruin_loss_now_vs_start"))):
+        return False
+    now, peak = dy["ruin_loss_now_vs_start"], dy.get("ruin_loss_peak_vs_start")
+    return bool(now >= RUIN_LOSS_KEPT or (now >= RUIN_LOSS_FLOOR and T.fin(peak) and peak > RUIN_PEAK))
 
 
 def lasting_ruin(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: str, ctx: dict) -> dict:
@@ -463,8 +489,11 @@ def lasting_ruin(sig: dict, dy: dict, ev: dict, method: str, conf: float, where:
     one = {k: v for k, v in dy.items() if not k.startswith("last_")}
     one.update(last_update_step=s, last_update_change=dy["ruin_change"], onset_step=s + 1)
     ev["ruin_norm_now_vs_before"] = dy["ruin_norm_now_vs_before"]
+    peak = dy.get("ruin_loss_peak_vs_start")
+    threw = (f" after it threw the loss to ×{T.g(peak, 3)}" if dy["ruin_loss_now_vs_start"] < RUIN_LOSS_KEPT
+             and T.fin(peak) else "")
     where = (f"and the run never came back from it (the weights are still ×{T.g(dy['ruin_norm_now_vs_before'], 3)} "
-             f"their norm before it, the loss ×{T.g(dy['ruin_loss_now_vs_start'], 3)} its start), {where}")
+             f"their norm before it, the loss ×{T.g(dy['ruin_loss_now_vs_start'], 3)} its start{threw}), {where}")
     return one_update(sig, one, ev, method, conf, where, ctx, float(dy["ruin_change"]))
 
 

@@ -57,6 +57,9 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
     ev.update(preexisting=pre)
     n_bad, numel = st.get("nonfinite"), st.get("numel")
     what = "NaN" if st.get("nan") else "Inf" if (st.get("posinf") or st.get("neginf")) else "non-finite"
+    owned = [str(n) for n in ((ctx.get("detected") or {}).get("nonfinite_params") or []) if n]
+    if kind == "data" and ev.get("detector_phase") == "eval" and owned and not pre.get("source_rows"):
+        return model_state_input(pre, owned, what, ev, method)
     if kind == "data":
         src, rows, tr = pre.get("source_rows") or [], pre.get("samples") or [], pre.get("rows_in_tensor") or []
         fu = pre.get("first_use") or {}
@@ -138,3 +141,29 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
              "skip/rollback cannot fix a parameter that is already non-finite"]
     fixes.append(f"assert {X.assert_finite_params()} after initialisation / loading")
     return T.result("param_corruption", summ, 0.95, ev, fixes, method)
+
+
+def model_state_input(pre: dict, owned: list, what: str, ev: dict, method: str) -> dict:
+    """An evaluation call's input is non-finite, no dataset row is traced to it, and the watched model's own
+    parameters or buffers hold non-finite values: the input was computed from them by the script before
+    the call (a sampling loop's ``x = coef[t] * (x - eps * c[t])`` with a schedule buffer that is Inf at one
+    ``t``), not read from data. Measured: minDiffusion's superminddpm with a beta schedule reaching 1 builds
+    ``oneover_sqrta = 1 / sqrt(alpha)`` = Inf at t = T; training never reads index T, the sampling loop's first
+    update does (was bad_input_data, "batch position(s) [0, 1, 2, 3]" of a batch there is none of)."""
+    st = pre.get("stats") or {}
+    fu = pre.get("first_use") or {}
+    where = f" (it enters at {os.path.basename(str(fu.get('file')))}:{fu.get('line')})" if fu.get("file") else ""
+    names = ", ".join(f"'{n}'" for n in owned[:5]) + (f" and {len(owned) - 5} more" if len(owned) > 5 else "")
+    ev["nonfinite_model_state"] = owned[:20]
+    summ = (f"the model's own state is non-finite: {names} hold(s) {what} values, and the evaluation's input "
+            f"({st.get('nonfinite')} {what} value(s) of {st.get('numel')}){where} was computed from it in the "
+            "script before the call (no dataset batch carries it)")
+    first = owned[0]
+    fixes = [f"find where '{first}' became non-finite: assert torch.isfinite(t).all() on it right after it is "
+             "built or loaded; a table computed with 1/x, 1/sqrt(x) or log(x) holds Inf where x reaches 0 (a "
+             "noise schedule whose beta reaches 1 makes alpha = 0 there): clamp the inputs of that formula "
+             "(e.g. betas.clamp(max=0.999)) or compute the table in float64 and check it",
+             f"{X.reinit(first)} (or rebuild it from finite values); a skip/rollback cannot fix state that is "
+             "non-finite from its construction",
+             f"assert {X.assert_finite_params()} (buffers included) after initialisation / loading"]
+    return T.result("param_corruption", summ, 0.8, ev, fixes, method)
