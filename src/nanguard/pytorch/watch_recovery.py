@@ -100,7 +100,8 @@ class WatcherRecovery:
         mods, opts = self.state_modules(), w.optimizers()
         with versions_kept(mods, opts):  # a rollback's copies and its replays: not the script's writes
             return bool(w._guarded(lambda: w.spikes.after_check(
-                opt, modules=mods, optimizers=opts, scaler=w.scalers[0] if w.scalers else None, policy=w.policy)))
+                opt, modules=mods, optimizers=opts, scaler=w.scalers[0] if w.scalers else None, policy=w.policy,
+                context=w.pipeline.ports.context())))
 
     def after_update(self, opt: Any) -> None:
         """End of a step: a recovery snapshot of the next step is due (only with a policy).

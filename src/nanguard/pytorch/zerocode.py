@@ -172,12 +172,41 @@ def run_context(watcher: Any) -> dict:
     """What the diagnosis knows about the run: optimizer, learning rates, eps, dtype, scaler, counting."""
     mon = watcher.monitor
     ctx: dict = {"scaler": bool(watcher.scalers), "counting": mon.counting}
-    ctx.update(optimizer_context(watcher.optimizers()))  # name, lr, eps, betas, momentum
+    order = latest_first(mon)
+    ctx.update(optimizer_context([o for _, o in order]))  # name, lr, eps, betas, momentum: the latest update's
+    switch = optimizer_switch(mon, order)
+    if switch:
+        ctx["optimizer_switch"] = switch
     for v in mon.views.values():
         ps = v.all_params()
         if ps:
             ctx.setdefault("dtype", str(ps[0].dtype).replace("torch.", ""))
     return ctx
+
+
+def latest_first(mon: Any) -> list:
+    """The watched optimizers as ``(key, optimizer)``, the one that made the latest step first (a fine-tuning
+    stage's new optimizer names the failing update, not the first stage's; optimizers stepping together
+    keep their order)."""
+    out = [(k, v.opt_ref()) for k, v in mon.views.items() if v.opt_ref() is not None]
+    last = {k: r.step for k, r in mon._records.items()}
+    return sorted(out, key=lambda kv: -last.get(kv[0], -1))
+
+
+def optimizer_switch(mon: Any, order: list) -> dict:
+    """When the optimizer of the latest step was created after another one had stepped, and that one made
+    its last update before it (a fine-tuning stage, a second training phase): ``{"step", "from", "to"}``;
+    else ``{}`` (optimizers created together, a GAN's two, are no switch)."""
+    if len(order) < 2 or not mon.per_update:
+        return {}
+    key, cur = order[0]
+    start = mon.born.get(key, 0)
+    last = {k: r.step for k, r in mon._records.items()}
+    before = [(last[k], o) for k, o in order[1:] if k in last and last[k] < start]
+    if not start or not before:
+        return {}
+    prev = max(before, key=lambda x: x[0])[1]
+    return {"step": int(start), "from": type(prev).__name__, "to": type(cur).__name__}
 
 
 def pipeline_for(watcher: Any, localizer: Optional[Localizer] = None, localize: bool = True) -> FailurePipeline:

@@ -115,6 +115,7 @@ class StepMonitor:
         self.per_update = False
         self.total = 0                             # optimizer updates so far, all optimizers
         self._open: Dict[int, int] = {}           # per optimizer checked and not updated yet: its step's number
+        self.born: Dict[int, int] = {}            # per optimizer: the updates made before it was first seen
         self.roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self.extra_params: List[torch.Tensor] = []  # backward-counting mode without modules
         # optimizer -> post-update param norms per group (backward counting: DEFERRED until the next check)
@@ -166,6 +167,7 @@ class StepMonitor:
             start = max(self.counts.values(), default=0) if self.views else 0
             self.views[id(opt)] = OptimizerView(opt, self.config.param_check_every)
             self.counts.setdefault(id(opt), start)
+            self.born.setdefault(id(opt), self.total)
             self.names.invalidate()
 
     def add_root(self, module: torch.nn.Module) -> None:
