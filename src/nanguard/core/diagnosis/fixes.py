@@ -32,6 +32,7 @@ sentences into :class:`Fix` objects from those notes (a sentence holds the build
 from __future__ import annotations
 
 import contextlib
+import re
 from contextvars import ContextVar
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -305,11 +306,22 @@ def call(op: str, *args: str) -> str:
     return f"{fn(op)}({', '.join(args)})"
 
 
+_ATOM = re.compile(r"[\w.]+(?:(?:\[[^\[\]]*\]|\((?:[^()]|\([^()]*\))*\))[\w.]*)*")
+
+
+def receiver(x: str) -> str:
+    """``x`` as the receiver of a method call: parenthesised unless it is one name, attribute, index or call
+    chain (``(positives / self.temperature).clamp(...)``, not ``positives / self.temperature.clamp(...)``,
+    which clamps the divisor)."""
+    x = x.strip()
+    return x if _ATOM.fullmatch(x) else f"({x})"
+
+
 def clamp_min(x: str, lo: str) -> str:
     """'x.clamp(min=lo)' | 'tf.maximum(x, lo)' | 'jnp.maximum(x, lo)' (an eps fix when ``lo`` is a number)."""
     if is_jax():
         return _eps_if(f"jnp.maximum({x}, {lo})", lo)
-    return _eps_if(f"tf.maximum({x}, {lo})" if is_tf() else f"{x}.clamp(min={lo})", lo)
+    return _eps_if(f"tf.maximum({x}, {lo})" if is_tf() else f"{receiver(x)}.clamp(min={lo})", lo)
 
 
 def clamp(x: str, lo: str, hi: str) -> str:
@@ -317,7 +329,7 @@ def clamp(x: str, lo: str, hi: str) -> str:
     number)."""
     if is_jax():
         return _eps_if(f"jnp.clip({x}, {lo}, {hi})", lo)
-    return _eps_if(f"tf.clip_by_value({x}, {lo}, {hi})" if is_tf() else f"{x}.clamp({lo}, {hi})", lo)
+    return _eps_if(f"tf.clip_by_value({x}, {lo}, {hi})" if is_tf() else f"{receiver(x)}.clamp({lo}, {hi})", lo)
 
 
 def _eps_if(text: str, lo: str) -> str:

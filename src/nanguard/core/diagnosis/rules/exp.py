@@ -37,6 +37,10 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     summ = (f"{api} overflowed at {where}: input max {T.g(mx)} > {T.g(thr)} = log({origin.get('dtype')} max), so "
             f"exp = inf (then inf/inf = NaN)")
     arg, softmax_like = exp_argument(origin)
+    num, sl, den = (arg or "").rpartition("/")
+    if sl and num.strip() and den.strip() and num.count("(") == num.count(")"):  # a top-level quotient
+        summ += (f"; the exponent is the quotient {arg.strip()} (up to {T.g(mx)}): a small divisor (a temperature) "
+                 "scales it past that bound")
     bound = []
     if arg and not softmax_like:  # exp of an unbounded quantity (a log-variance, a log-rate): bound the exponent
         bound = [f"bound the exponent at {where}: {X.call('exp', X.clamp(arg, '-20.0', '20.0'))} (an exp of an "
@@ -83,5 +87,29 @@ def exp_argument(origin: dict) -> tuple:
         if mm is None:
             return None, False
         arg, rest = mm.group(1), text[:mm.start()] + text[mm.end():]
-    softmax_like = "/" in rest or "sum" in rest
+    softmax_like = "/" in rest or "sum" in rest or _normalised_later(text, str(f), int(n))
     return (arg or None), softmax_like
+
+
+_ASSIGN = re.compile(r"^\s*([A-Za-z_]\w*)\s*=[^=]")
+LATER_LINES = 8   # how far a hand-written softmax's normalisation is looked for after the exp's line
+
+
+def _normalised_later(text: str, f: str, n: int) -> bool:
+    """The exp's line assigns its result to a name that one of the next ``LATER_LINES`` lines of the same block
+    divides or sums (``nominator = torch.exp(pos / t)`` ... ``-torch.log(nominator / torch.sum(denominator, 1))``):
+    a hand-written softmax or InfoNCE split over lines."""
+    m = _ASSIGN.match(text)
+    if m is None:
+        return False
+    name, indent = re.compile(rf"\b{re.escape(m.group(1))}\b"), len(text) - len(text.lstrip())
+    for k in range(n + 1, n + 1 + LATER_LINES):
+        line = linecache.getline(f, k)
+        if not line:
+            break
+        if line.strip() and len(line) - len(line.lstrip()) < indent:
+            break   # the block ended
+        code = line.split("#", 1)[0]
+        if name.search(code) and ("/" in code or "sum" in code):
+            return True
+    return False

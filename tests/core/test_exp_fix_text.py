@@ -1,0 +1,60 @@
+"""The exp_overflow fixes for a hand-written NT-Xent (the widely copied SimCLR ContrastiveLoss:
+``nominator = torch.exp(positives / self.temperature)`` ... ``-torch.log(nominator / torch.sum(denominator, dim=1))``)
+at temperature 0.01: exp(1 / 0.01) = exp(100) overflows. The old fix clamped the divisor
+(``positives / self.temperature.clamp(-20.0, 20.0)``: operator precedence) and offered no log-softmax form; now
+the exp's normalisation on a later line makes it a hand-written softmax (log_softmax / cross_entropy fixes), the
+summary names the quotient, and a clamp of a compound expression is parenthesised."""
+from nanguard.core.diagnosis import diagnose
+from nanguard.core.diagnosis import fixes as X
+
+NTXENT = '''import torch
+class ContrastiveLoss:
+    def forward(self, positives, similarity_matrix):
+        nominator = torch.exp(positives / self.temperature)
+        denominator = self.negatives_mask * torch.exp(similarity_matrix / self.temperature)
+
+        loss_partial = -torch.log(nominator / torch.sum(denominator, dim=1))
+        return loss_partial.sum()
+'''
+
+VAE = '''import torch
+def reparameterize(mu, logvar):
+    std = torch.exp(0.5 * logvar)
+    eps = torch.randn_like(std)
+    return mu + eps * std
+'''
+
+
+def _loc(path, line, mx):
+    origin = {"op": "aten.exp.default", "api": "torch.exp", "file": str(path), "line": line, "dtype": "float32",
+              "module": "", "stage": "forward", "inputs": [{"max_abs": mx, "nonfinite": False, "dtype": "float32"}],
+              "output": {"posinf": 2, "nan": 0, "neginf": 0}}
+    return {"reproduced": True, "origin": origin, "phase": "forward", "n_ops": 9,
+            "facts": {"exp_input_max": mx, "overflow_threshold": 88.72}}
+
+
+HIST = [{"step": 0, "loss": None, "grad_norm": None, "param_norm": 3.0, "lr": [3e-4], "skipped": False}]
+
+
+def test_ntxent_split_over_lines_gets_the_log_softmax_fix(tmp_path):
+    f = tmp_path / "ntxent.py"
+    f.write_text(NTXENT)
+    out = diagnose(_loc(f, 4, 100.0), HIST[:0], phase="forward", context={"optimizer": "Adam"})
+    assert out["category"] == "exp_overflow", out["summary"]
+    assert not any("self.temperature.clamp" in x for x in out["fixes"]), out["fixes"]   # old code: clamped the divisor
+    assert any("F.cross_entropy" in x or "log_softmax" in x for x in out["fixes"]), out["fixes"]
+    assert "quotient positives / self.temperature" in out["summary"], out["summary"]
+
+
+def test_an_exp_of_a_predicted_log_variance_keeps_the_bound_fix(tmp_path):
+    f = tmp_path / "vae.py"
+    f.write_text(VAE)
+    out = diagnose(_loc(f, 3, 120.0), HIST[:0], phase="forward", context={"optimizer": "Adam"})
+    assert out["category"] == "exp_overflow"
+    assert any("torch.exp((0.5 * logvar).clamp(-20.0, 20.0))" in x for x in out["fixes"]), out["fixes"]
+
+
+def test_clamp_parenthesises_a_compound_receiver():
+    assert X.clamp("positives / self.temperature", "-20.0", "20.0").startswith("(positives / self.temperature).clamp(")
+    assert X.clamp("logvar[:, 0]", "-20.0", "20.0").startswith("logvar[:, 0].clamp(")
+    assert X.clamp_min("x", "1e-12").startswith("x.clamp(min=1e-12)")
