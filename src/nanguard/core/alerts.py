@@ -6,7 +6,9 @@
 does and acts through the :class:`SpikePort` a backend supplies (one per warning, bound to the
 warning's training objects):
 
-* ``"warn"`` (default): nothing else, the step is applied;
+* ``"warn"`` (default): the step is applied; where the backend can replay the warning's own step
+  (:attr:`SpikePort.test_fix`), the fix its diagnosis gives (a learning-rate cut, a clip) is replayed
+  on it first from the state now and put back, so the printed fix says whether it passed;
 * ``"skip"``: the warning step's update is dropped (:meth:`SpikePort.skip_step`), like OLMo's spike
   skipping; a backend that read the step after its update was applied and cannot take it back says
   why, and the run goes on;
@@ -80,6 +82,11 @@ class SpikePort(Protocol):
         excursion, act on its diagnosis, drop the step. Its record (also ``event.recovery``), or None
         when no sound action exists."""
 
+    #: optional, ``(event, step, history) -> words or None``: under ``on_spike="warn"`` the warning's fix
+    #: replayed on its own step from the state now, nothing applied (:func:`~.recovery.tried.test_warning_fix`);
+    #: a backend without it leaves the fix untested
+    test_fix: Optional[Any]
+
 
 class SpikeResponse:
     """The early warnings of one driver: the detector, the warning events, the on-spike action."""
@@ -130,6 +137,8 @@ class SpikeResponse:
                 elif late:  # no rollback: the step itself cannot be dropped any more
                     skip, act = False, f"{act}: too late to drop the step ({port.late_reason})"
                     rec["late"] = True
+        elif not skip and getattr(port, "test_fix", None) is not None:  # warn: the fix tested, nothing applied
+            act = port.test_fix(ev, step, hist[:-1])
         elif skip:
             done = port.skip_step(step, late)
             if isinstance(done, str):

@@ -30,6 +30,7 @@ CAPABILITIES: Dict[str, str] = {
     "on_spike_warn": "--on-spike warn",
     "on_spike_skip": "--on-spike skip",
     "on_spike_rollback": "--on-spike rollback",
+    "warning_fix_tested": "a warning's fix tested without --recover",
     **{recovery_cap(a): f"recovery: {a}" for a in ACTIONS},
     "replay_proof": "replay proof (confirmed_by)",
     "drop_samples_experiment": "drop-samples experiment",

@@ -33,9 +33,11 @@ class TorchSpikePort:
 
     late_reason = "read after its update, sync-free"
 
-    def __init__(self, modules: Sequence[Any], optimizers: Sequence[Any], scaler: Any, policy: Any) -> None:
+    def __init__(self, modules: Sequence[Any], optimizers: Sequence[Any], scaler: Any, policy: Any,
+                 test_fix: Any = None) -> None:
         self.modules, self.optimizers, self.scaler, self.policy = list(modules), list(optimizers), scaler, policy
         self.can_rollback = policy is not None
+        self.test_fix = test_fix  # on_spike="warn": the driver's replay of the warning's fix (or None)
 
     def skip_step(self, step: int, late: bool) -> Union[Dict[str, Any], str]:
         if late:  # sync-free: the update is applied by now
@@ -57,9 +59,11 @@ class SpikeResponder(SpikeResponse):
         monitor.spikes = self.detector
 
     def after_check(self, opt: Any, *, modules: Sequence[Any], optimizers: Sequence[Any], scaler: Any = None,
-                    policy: Any = None, context: Optional[Dict[str, Any]] = None, late: bool = False) -> bool:
+                    policy: Any = None, context: Optional[Dict[str, Any]] = None, late: bool = False,
+                    test_fix: Any = None) -> bool:
         """Right after a check of ``opt`` (None: backward counting) that found nothing. True: skip the step
-        (``late``, read after its update was applied: True only when the weights were rolled back)."""
+        (``late``, read after its update was applied: True only when the weights were rolled back).
+        ``test_fix``: see :attr:`nanguard.core.alerts.SpikePort.test_fix`."""
         hit = self.monitor.spike
         if hit is None:
             return False
@@ -68,7 +72,7 @@ class SpikeResponder(SpikeResponse):
         hist = [h for h in self.monitor.history.raw_dicts() if h.get("step", 0) < step]
         hist.append(self._current(step, opt))
         ctx = dict(context) if context is not None else optimizer_context(optimizers)
-        return self.respond(hit, hist, ctx, TorchSpikePort(modules, optimizers, scaler, policy), late=late)
+        return self.respond(hit, hist, ctx, TorchSpikePort(modules, optimizers, scaler, policy, test_fix), late=late)
 
     def _current(self, step: int, opt: Any) -> Dict[str, Any]:
         """The record of the warning's own step, from what its check read (the history gets it after the update)."""

@@ -101,7 +101,38 @@ class WatcherRecovery:
         with versions_kept(mods, opts):  # a rollback's copies and its replays: not the script's writes
             return bool(w._guarded(lambda: w.spikes.after_check(
                 opt, modules=mods, optimizers=opts, scaler=w.scalers[0] if w.scalers else None, policy=w.policy,
-                context=w.pipeline.ports.context())))
+                context=w.pipeline.ports.context(), test_fix=self.test_fix if w.policy is None else None)))
+
+    def test_fix(self, event: Any, step: int, history: list) -> Optional[str]:
+        """A warning with no recovery (``on_spike="warn"``): its fix replayed on the warning step's own recorded
+        calls from the weights now (before the step's update), put back after (:func:`~nanguard.core.recovery.
+        tried.test_warning_fix`); the words for the warning's line, or None when nothing was tried."""
+        w, cfg = self.w, self.experiments
+        if cfg is None or not cfg.enabled or w.scalers or is_distributed():
+            return None
+        from ..core.recovery.tried import KIND, WARN_ACTION, record_on_event, test_warning_fix
+        action = WARN_ACTION.get(str((event.cause or {}).get("category")))
+        if action is None:
+            return None
+        rep = w.step_replay(step)
+        if rep is None:
+            why = w.replay_unavailable or "the step could not be replayed"
+            record_on_event(event, [{"unavailable": KIND[action][0], "why": why}])
+            return f"fix not tested by replay: {why}"
+        from .experiments.history import replay_kept  # loaded at a warning, not in a healthy run
+        from .experiments.tapestep import TapeStep
+        mods, opts = self.state_modules(), w.optimizers()
+        kept = {step: TapeStep(rep, list(w.monitor.roots), opts, None, step, w.data.last)}
+        lrs = [float(g["lr"]) for o in opts for g in o.param_groups if isinstance(g.get("lr"), (int, float))]
+        test_warning_fix(event, history, step, lrs,
+                         lambda **kw: replay_kept(kept, mods, opts, step, step, quiet=w.quiet, **kw))
+        cause = event.cause or {}
+        ok = next((t for t in cause.get("tested_fixes") or [] if t.get("passed")), None)
+        if ok is not None:
+            return f"fix tested on this step's batch: {ok.get('text')}"
+        if (cause.get("evidence") or {}).get("warning_fix_replays"):
+            return "fix untested: no value passed a replay from the weights at the warning (already moved)"
+        return None
 
     def after_update(self, opt: Any) -> None:
         """End of a step: a recovery snapshot of the next step is due (only with a policy).

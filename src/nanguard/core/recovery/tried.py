@@ -219,6 +219,48 @@ def failure_cut(policy: Any, event: Any, actions: Any, history: Sequence[dict], 
     policy._lr_backoff(cause, actions, done, step, proof)
 
 
+# the fix a warning's category calls for, tested in a plain run (no recovery: nothing is applied)
+WARN_ACTION = {"lr_too_high": "lr_backoff", "gradient_explosion": "clip"}
+DEFAULT_LR_FACTOR, DEFAULT_CLIP_QUANTILE = 0.1, 0.25  # RecoveryPolicy's defaults
+
+
+def test_warning_fix(event: Any, history: Sequence[dict], step: int, lrs: Sequence[float],
+                     replay: Callable[..., Dict[str, Any]]) -> Optional[float]:
+    """A warning in a run that does not recover (``on_spike="warn"``): its fix (a learning-rate cut for
+    ``lr_too_high``, a clip for ``gradient_explosion``) replayed on the warning step's own batch from the
+    state now (before its update), cycled to ``REPLAY_STEPS`` steps, the candidates as a recovery would try
+    them; nothing is applied, the state is put back. The replays go on the event's cause (``tested_fixes``,
+    the fixes worded after them: :func:`record_on_event`). ``replay(steps=, lr_factor= | max_norm=)``: the
+    backend's replay of that step. Returns the value that passed, or None."""
+    cause = event.cause if isinstance(event.cause, dict) else {}
+    action = WARN_ACTION.get(str(cause.get("category")))
+    if action is None:
+        return None
+    kind = KIND[action][0]
+    if action == "lr_backoff":
+        if not lrs:
+            record_on_event(event, [{"unavailable": kind, "why": "no optimizer learning rate to replay with"}])
+            return None
+        first = backoff_factor(DEFAULT_LR_FACTOR, cause, lrs)
+        values = candidates(first, floor=cut_floor(cause.get("evidence") or {}))
+    else:
+        values = candidates(clip_max_norm(history, quantile=DEFAULT_CLIP_QUANTILE))
+    value, runs, why = try_values(action, values, replay, from_step=step, to_step=step, lrs=lrs,
+                                  grad_ref=dead_reference(cause))
+    if why is not None:
+        record_on_event(event, [{"unavailable": kind, "why": why}])
+        return None
+    if value is None:  # the weights at the warning already hold the excursion's updates: no verdict on the fix
+        cause.setdefault("evidence", {})["warning_fix_replays"] = {
+            "passed": False, "tried": [t["text"] for t in tested_fixes(runs)],
+            "note": "replayed on the warning step's batch from the weights at the warning, which already hold the "
+                    "excursion's updates (no snapshot from before it without --recover): none passed, which does "
+                    "not rule the fix out; the fixes are untested"}
+        return None
+    record_on_event(event, runs)
+    return value
+
+
 def dead_reference(cause: Dict[str, Any]) -> Optional[float]:
     """The first steps' gradient norm of a dead-rule warning (``evidence.warning``), else None."""
     hit = (cause.get("evidence") or {}).get("warning")
