@@ -134,6 +134,9 @@ def dynamics(history: Sequence[dict]) -> Dict[str, Any]:
         pser.append((int(last.get("step", 0)) + 1, float(last["param_norm_after"])))
     elif last.get("param_norm_after") is not None and not fin(last.get("param_norm_after")):
         out["param_norm_after_nonfinite"] = True
+    elif last.get("param_norm_after") is None and len(recs) > 1 and recs[-2].get("param_norm_after") is not None \
+            and not fin(recs[-2]["param_norm_after"]):
+        out["param_norm_after_nonfinite"] = True  # an early warning's own step: the update before it overflowed
     run = _param_run(pser, lon)
     onsets = [s for s in (lon,) if s is not None]
     if run is not None:
@@ -233,6 +236,8 @@ def _last_update(applied: Sequence[dict], grad: Series, loss: Series, out: Dict[
     s = int(last.get("step", 0))
     out["last_update_step"] = s
     a, b = last.get("param_norm"), last.get("param_norm_after")
+    if fin(a) and a > 0:
+        out["last_update_norm_before"] = a   # the weights were finite before that update
     if fin(a) and a > 0 and fin(b):
         out["last_update_change"] = abs(b - a) / a
         out["last_update_growth"] = b / a

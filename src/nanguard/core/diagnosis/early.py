@@ -23,8 +23,8 @@ def spike_words(hit: dict) -> str:
     rule = hit.get("rule")
     if rule == "update":
         u = hit.get("update_ratio")
-        moved = f"{T.g(u, 2)}× their norm" if T.fin(u) else "so far that their norm overflowed"
-        return (f"the last update moved the weights by {moved} (update/weight ratio; healthy < 1e-2) and the loss "
+        moved = f"by {T.g(u, 2)}× their norm" if T.fin(u) else "so far that their norm overflowed"
+        return (f"the last update moved the weights {moved} (update/weight ratio; healthy < 1e-2) and the loss "
                 f"{T.g(hit.get('loss'))} is ×{T.g(hit.get('loss_vs_start'), 3)} its start")
     if rule == "far":
         return (f"the loss {T.g(val)} {_RULE_WORDS['far']}: ×{T.g(hit.get('loss_vs_start'), 3)} its first value "

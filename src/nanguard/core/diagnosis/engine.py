@@ -16,7 +16,7 @@ from . import text as T
 from .case import Case
 from .confidence import calibrate
 from .errors import error_rules
-from .rules.divergence import divergence, history_words, loss_scale
+from .rules.divergence import divergence, history_words, loss_scale, update_threw_params
 from .rules.generic import other
 from .rules.optimizer import optimizer_result
 from .rules.precision import lp_overflow
@@ -123,6 +123,11 @@ def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
     ev: dict[str, Any] = {"phase": phase, "detector_phase": det_phase, "sink": loc.get("sink")}
     if pre:
         method += "; provenance ends in a tensor that was non-finite before the step"
+        if pre.get("kind") == "param" and update_threw_params(sig.get("dynamics") or {}):
+            # the optimizer's own update made the parameters non-finite: divergence, not a corruption
+            dv = divergence(sig, None, dict(ev, preexisting=pre), method, 0.8, ctx)
+            if dv is not None:
+                return dv
         return preexisting(pre, phase, ev, method, ctx)
     origin = loc.get("origin")
     if not origin:

@@ -404,7 +404,8 @@ def one_update_ratio(dy: dict, ev: dict, ctx: dict) -> float | None:
     sizes = []
     if T.fin(dy.get("last_update_change")):
         sizes.append(float(dy["last_update_change"]))
-    elif dy.get("param_norm_after_nonfinite") and ev.get("phase") not in ("params", "optimizer", "data"):
+    elif dy.get("param_norm_after_nonfinite") and (ev.get("phase") not in ("params", "optimizer", "data")
+                                                   or (ev.get("phase") == "params" and update_threw_params(dy))):
         sizes.append(math.inf)
     if plain and T.fin(dy.get("last_update_ratio_est")):
         sizes.append(float(dy["last_update_ratio_est"]))
@@ -417,6 +418,19 @@ def one_update_ratio(dy: dict, ev: dict, ctx: dict) -> float | None:
     if plain and jump is None and T.fin(dy.get("last_grad_to_weight")) and dy["last_grad_to_weight"] >= GRAD_HUGE:
         return None  # the gradient itself is huge from the start: not the step size's doing
     return max(finite) if finite else math.inf
+
+
+def update_threw_params(dy: dict) -> bool:
+    """The last applied update took the parameters from a finite norm to a non-finite one (measured right after
+    it): weights found non-finite at a later check were made so by the optimizer's own update, not corrupted
+    outside it. Measured: the neural-style tutorial (L-BFGS on the image, lr 100, no line search): step 0's
+    inner iterations threw the image's norm 32 -> inf (an overflowing dot in L-BFGS's two-loop recursion), the
+    closure's clamp_(0, 1) kept it finite for a while, and step 1's iterations made it NaN; it was
+    param_corruption, "re-initialise the parameter". An update whose estimated size (``lr * |g| / |w|``) was
+    small (< ``CALM_TOO_LARGE``) made them non-finite by its own numerics instead (the optimizer rules' case)."""
+    est = dy.get("last_update_ratio_est")   # lr * |g| / |w|: a small one is no step size (optimizer numerics)
+    return bool(dy.get("param_norm_after_nonfinite") and T.fin(dy.get("last_update_norm_before"))
+                and not (T.fin(est) and est < CALM_TOO_LARGE))
 
 
 def one_update(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: str, ctx: dict,
@@ -450,8 +464,10 @@ def one_update(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: s
         moved = (f"the update of step {s} alone moved the weights by {T.g(size, 2)}× their norm (update/weight "
                  f"ratio; {HEALTHY_RATIO})")
     else:
-        moved = (f"the update of step {s} alone threw the weights so far that their norm overflowed while every "
-                 f"weight stayed finite (update/weight ratio far above the {HEALTHY_RATIO})")
+        kept = ("" if ev.get("phase") in ("params", "optimizer", "data")
+                else " while every weight stayed finite")   # else the later steps found them non-finite
+        moved = (f"the update of step {s} alone threw the weights so far that their norm overflowed{kept} "
+                 f"(update/weight ratio far above the {HEALTHY_RATIO})")
     parts = [moved + (", with a gradient in line with the ones before it" if T.fin(dy.get("last_grad_jump")) else "")]
     if T.fin(dy.get("loss_max_vs_start")) and dy["loss_max_vs_start"] >= 2:
         parts.append(f"the loss rose to ×{T.g(dy['loss_max_vs_start'], 3)} its start ({T.g(dy.get('loss_start'))})")
