@@ -49,3 +49,28 @@ def test_a_warning_cut_is_tested_on_its_step_and_the_run_is_untouched(tmp_path):
     for part in ("enc", "dec"):
         for k in sa[part]:
             assert torch.equal(sa[part][k], sb[part][k]), (part, k)
+
+
+def _guard_run(experiments):
+    import nanguard
+    torch.manual_seed(0)
+    x = torch.randn(512, 8)
+    y = x @ torch.randn(8, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.6)
+    g = nanguard.Guard(model, opt, report=None, quiet=True, experiments=experiments)
+    for _ in range(30):
+        i = torch.randint(0, 512, (32,))
+        g.step((x[i], y[i]), lambda b: ((model(b[0]) - b[1]) ** 2).mean())
+    return g.close(), model.state_dict()
+
+
+def test_the_guard_tests_a_warning_cut_on_its_step_and_trains_on_untouched():
+    rep, sd = _guard_run("auto")
+    w = next(e for e in rep.events if e.kind == "warning")
+    passed = [t for t in w.cause.get("tested_fixes") or [] if t.get("passed")]
+    assert passed and passed[0]["text"].startswith("lr 0.6 -> "), w.cause.get("tested_fixes")
+    rep2, sd2 = _guard_run("off")
+    assert not next(e for e in rep2.events if e.kind == "warning").cause.get("tested_fixes")
+    for k in sd:
+        assert torch.equal(sd[k], sd2[k]), k

@@ -14,9 +14,9 @@ from ..core.capabilities import ON_SPIKE_CAPS, RECOVERY_CAPS, recovery_cap
 __all__ = ["GUARD", "RUN", "DRIVERS"]
 
 _SHARED = frozenset({"early_warning", *ON_SPIKE_CAPS, "replay_proof", "drop_samples_experiment", "dataset_rows",
-                     "recurrences", "replay_localization"})
+                     "recurrences", "replay_localization", "warning_fix_tested"})
 
 GUARD = _SHARED | set(RECOVERY_CAPS)
-RUN = _SHARED | (set(RECOVERY_CAPS) - {recovery_cap("drop_samples")}) | {"rerun_localization", "warning_fix_tested"}
+RUN = _SHARED | (set(RECOVERY_CAPS) - {recovery_cap("drop_samples")}) | {"rerun_localization"}
 
 DRIVERS = {"Guard": GUARD, "nanguard run (PyTorch)": RUN}

@@ -40,7 +40,7 @@ from .owners import GUARD_STEP
 from .recover import RecoveryPolicy
 from .ring import StepRing
 from .rng import StepRng
-from .spikes import SpikeResponder, optimizer_context
+from .spikes import SpikeResponder, optimizer_context, replay_warning_fix
 from .syncfree import LazyDriver, resolve_sync_free
 from .tensorboard import TensorBoardLogger
 
@@ -175,6 +175,7 @@ class Guard:
                                                       else experiments)
         self._step_start, self._step_indices = time.perf_counter(), None  # the current step's
         self._kept: Dict[int, GuardStep] = {}   # the last steps, for history replays (recovery only)
+        self._now: Optional[tuple] = None       # this step's (batches, loss_fn, rng): a warning's fix replays it
         self.step_rng = StepRng()  # each step's RNG state for its replay (random/numpy only once steps draw from them)
         self._step_seconds: Optional[float] = None  # a running estimate: the experiments' time unit
         self._fail_seconds: Optional[float] = None  # the failing step's own time (no estimate at step 0)
@@ -266,6 +267,7 @@ class Guard:
     def _check_and_update(self, batches: List[Any], loss_fn: LossFn, rng: Any, loss: torch.Tensor) -> torch.Tensor:
         skipped = {}
         spiked = False
+        self._now = (batches, loss_fn, rng)  # the step a warning's fix is replayed on (references)
         for o in self.optimizers:
             det = self._safe(self._check, o)
             skipped[id(o)] = False
@@ -379,7 +381,17 @@ class Guard:
         if self.monitor.spike is None:
             return False
         return self.spikes.after_check(opt, modules=[self.model], optimizers=self.optimizers, scaler=self.scaler,
-                                       policy=self.policy, context=self._context())
+                                       policy=self.policy, context=self._context(),
+                                       test_fix=self._test_fix if self.policy is None else None)
+
+    def _test_fix(self, event: Event, step: int, history: list) -> Optional[str]:
+        """``on_spike="warn"``: the warning's fix replayed on this step (:func:`.spikes.replay_warning_fix`)."""
+        now = self._now
+        if now is None or not self.experiments.enabled or self.scaler is not None or self.closure_mode:
+            return None
+        batches, loss_fn, rng = now
+        step_now = GuardStep(self.model, self.optimizers, None, batches, loss_fn, rng, step, None)
+        return replay_warning_fix(event, step, history, step_now, [self.model], self.optimizers)
 
     def _late_spike(self, p: Any, read_at: int) -> bool:
         """Sync-free: an early warning read at step ``read_at`` for check ``p``, after its update was

@@ -87,6 +87,26 @@ class SpikeResponder(SpikeResponse):
                 "update_ratio": ratio, "batch_max": last.get("batch_max"), "skipped": False}
 
 
+def replay_warning_fix(event: Event, step: int, history: Sequence[dict], step_now: Any, modules: Sequence[Any],
+                       optimizers: Sequence[Any], quiet: Any = None) -> Optional[str]:
+    """``on_spike="warn"``: the warning's fix replayed on ``step_now`` (the warning step as a replayable step:
+    the Guard's or the step tape's) from the weights now, put back after
+    (:func:`nanguard.core.recovery.tried.test_warning_fix`); the words for the warning's line, or None."""
+    from ..core.recovery.tried import test_warning_fix  # loaded at a warning, not in a healthy run
+    from .experiments.history import replay_kept
+    kept = {step: step_now}
+    lrs = [float(g["lr"]) for o in optimizers for g in o.param_groups if isinstance(g.get("lr"), (int, float))]
+    test_warning_fix(event, history, step, lrs,
+                     lambda **kw: replay_kept(kept, list(modules), list(optimizers), step, step, quiet=quiet, **kw))
+    cause = event.cause or {}
+    ok = next((t for t in cause.get("tested_fixes") or [] if t.get("passed")), None)
+    if ok is not None:
+        return f"fix tested on this step's batch: {ok.get('text')}"
+    if (cause.get("evidence") or {}).get("warning_fix_replays"):
+        return "fix untested: no value passed a replay from the weights at the warning (already moved)"
+    return None
+
+
 def optimizer_context(optimizers: Sequence[Any]) -> Dict[str, Any]:
     """The optimizer facts the diagnosis reads (first optimizer, first group): its name, the learning
     rates, eps, betas, momentum; for an optimizer that makes several inner updates per step (LBFGS),

@@ -15,6 +15,7 @@ from ..core.events import Detection
 from ..core.experiments import ExperimentConfig
 from .recover.loose import LooseTensors
 from .recover.versions import versions_kept
+from .spikes import replay_warning_fix
 from .distributed import is_distributed
 from .stepreplay import StepReplay
 
@@ -110,7 +111,7 @@ class WatcherRecovery:
         w, cfg = self.w, self.experiments
         if cfg is None or not cfg.enabled or w.scalers or is_distributed():
             return None
-        from ..core.recovery.tried import KIND, WARN_ACTION, record_on_event, test_warning_fix
+        from ..core.recovery.tried import KIND, WARN_ACTION, record_on_event
         action = WARN_ACTION.get(str((event.cause or {}).get("category")))
         if action is None:
             return None
@@ -119,20 +120,10 @@ class WatcherRecovery:
             why = w.replay_unavailable or "the step could not be replayed"
             record_on_event(event, [{"unavailable": KIND[action][0], "why": why}])
             return f"fix not tested by replay: {why}"
-        from .experiments.history import replay_kept  # loaded at a warning, not in a healthy run
-        from .experiments.tapestep import TapeStep
-        mods, opts = self.state_modules(), w.optimizers()
-        kept = {step: TapeStep(rep, list(w.monitor.roots), opts, None, step, w.data.last)}
-        lrs = [float(g["lr"]) for o in opts for g in o.param_groups if isinstance(g.get("lr"), (int, float))]
-        test_warning_fix(event, history, step, lrs,
-                         lambda **kw: replay_kept(kept, mods, opts, step, step, quiet=w.quiet, **kw))
-        cause = event.cause or {}
-        ok = next((t for t in cause.get("tested_fixes") or [] if t.get("passed")), None)
-        if ok is not None:
-            return f"fix tested on this step's batch: {ok.get('text')}"
-        if (cause.get("evidence") or {}).get("warning_fix_replays"):
-            return "fix untested: no value passed a replay from the weights at the warning (already moved)"
-        return None
+        from .experiments.tapestep import TapeStep  # loaded at a warning, not in a healthy run
+        opts = w.optimizers()
+        step_now = TapeStep(rep, list(w.monitor.roots), opts, None, step, w.data.last)
+        return replay_warning_fix(event, step, history, step_now, self.state_modules(), opts, quiet=w.quiet)
 
     def after_update(self, opt: Any) -> None:
         """End of a step: a recovery snapshot of the next step is due (only with a policy).
