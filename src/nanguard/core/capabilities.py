@@ -35,6 +35,7 @@ CAPABILITIES: Dict[str, str] = {
     "replay_proof": "replay proof (confirmed_by)",
     "drop_samples_experiment": "drop-samples experiment",
     "dataset_rows": "dataset rows named",
+    "rows_kept_out": "a bad dataset row kept out of later batches (--recover)",
     "recurrences": "recurrences folded",
     "replay_localization": "localization by in-process replay",
     "rerun_localization": "localization by re-run (child process)",
