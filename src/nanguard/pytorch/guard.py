@@ -382,30 +382,7 @@ class Guard:
             return False
         return self.spikes.after_check(opt, modules=[self.model], optimizers=self.optimizers, scaler=self.scaler,
                                        policy=self.policy, context=self._context(),
-                                       test_fix=self._test_fix if self.policy is None else None)
-
-    def _test_fix(self, event: Event, step: int, history: list) -> Optional[str]:
-        """``on_spike="warn"``: the warning's fix replayed on this step (:func:`.spikes.replay_warning_fix`)."""
-        now = self._now
-        if now is None or not self.experiments.enabled or self.scaler is not None or self.closure_mode:
-            return None
-        batches, loss_fn, rng = now
-        step_now = GuardStep(self.model, self.optimizers, None, batches, loss_fn, rng, step, None)
-        return replay_warning_fix(event, step, history, step_now, [self.model], self.optimizers)
-
-    def _late_spike(self, p: Any, read_at: int) -> bool:
-        """Sync-free: an early warning read at step ``read_at`` for check ``p``, after its update was
-        applied. True: the weights were rolled back to before the excursion (the updates since are gone)."""
-        if self.monitor.spike is None:
-            return False
-        n = len(self.spikes.events)
-        back = self.spikes.after_check(p.opt, modules=[self.model], optimizers=self.optimizers, scaler=self.scaler,
-                                       policy=self.policy, context=self._context(), late=True)
-        for ev in self.spikes.events[n:]:  # read late: the report says when
-            ev.detected = dict(ev.detected or {}, sync_free={"read_at_step": read_at, "steps_masked": 0})
-        if back:
-            self._spike_dropped()
-        return bool(back)
+                                       test_fix=(lambda e, n, h: _test_fix(self, e, n, h)) if self.policy is None else None)
 
     def _spike_dropped(self) -> None:
         """An early warning dropped an update (skip) or rolled back: the steps in the ring would replay an
@@ -466,3 +443,14 @@ def _model_dtype(model: torch.nn.Module) -> Optional[str]:
         if p.is_floating_point():
             return str(p.dtype).replace("torch.", "")
     return None
+
+
+def _test_fix(g: Guard, event: Event, step: int, history: list) -> Optional[str]:
+    """``on_spike="warn"``: the warning's fix replayed on Guard ``g``'s current step
+    (:func:`.spikes.replay_warning_fix`)."""
+    now = g._now
+    if now is None or not g.experiments.enabled or g.scaler is not None or g.closure_mode:
+        return None
+    batches, loss_fn, rng = now
+    step_now = GuardStep(g.model, g.optimizers, None, batches, loss_fn, rng, step, None)
+    return replay_warning_fix(event, step, history, step_now, [g.model], g.optimizers)

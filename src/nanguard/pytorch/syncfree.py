@@ -170,15 +170,30 @@ class LazyDriver:
             return True
         return False
 
+    def _late_spike(self, p: Any, read_at: int) -> bool:
+        """An early warning read at step ``read_at`` for check ``p``, after its update was applied. True: the
+        weights were rolled back to before the excursion (the updates since are gone)."""
+        g = self.g
+        if g.monitor.spike is None:
+            return False
+        n = len(g.spikes.events)
+        back = g.spikes.after_check(p.opt, modules=[g.model], optimizers=g.optimizers, scaler=g.scaler,
+                                    policy=g.policy, context=g._context(), late=True)
+        for ev in g.spikes.events[n:]:  # read late: the report says when
+            ev.detected = dict(ev.detected or {}, sync_free={"read_at_step": read_at, "steps_masked": 0})
+        if back:
+            g._spike_dropped()
+        return bool(back)
+
     def _spike(self, p: Any) -> bool:
-        """A clean check read with an early warning (:meth:`Guard._late_spike`). True: rolled back; the
+        """A clean check read with an early warning (:meth:`_late_spike`). True: rolled back; the
         gate (possibly tripped by a later step's check, now dropped) starts clean and the steps after
         ``p``'s are run again once the read is over."""
         g = self.g
         entries = [e for e in g.ring.entries if e.step > p.step]  # taken before the rollback clears the ring
         read_at = g.monitor.steps_watched - 1
         hyper_now = hyperparameters(g.optimizers)
-        if not g._safe(lambda: g._late_spike(p, read_at)):
+        if not g._safe(lambda: self._late_spike(p, read_at)):
             return False
         self.gate.reset()
         self._rerun = (p, entries, read_at, hyper_now)

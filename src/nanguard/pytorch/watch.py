@@ -77,7 +77,7 @@ from .owners import StandAside, StopRun, guard_state
 from .roothooks import RootHooks
 from .stepreplay import StepReplay, replay_of
 from .tape import StepTape
-from .watch_recovery import WatcherRecovery
+from .watch_recovery import WatcherRecovery, joined
 from .zerocode import Announcer, LocalizeSpec, Localizer, make_report, run_context
 from .spikes import SpikeResponder
 
@@ -317,7 +317,7 @@ class Watcher:
     def _pre_check(self, opt: Any) -> None:
         """The step's check before ``opt`` updates (a closure step's: after the closure's first evaluation)."""
         if self.recovery.snap_due is not None:  # a step with no module forward and no backward
-            if self.joined(done=0):
+            if joined(self, done=0):
                 self.recovery.snap_due = None  # mid-iteration state (one of its optimizers updated): no snapshot
             else:
                 self._guarded(self.recovery.take_due_snapshot)
@@ -333,12 +333,6 @@ class Watcher:
         if self.policy is not None and id(opt) not in self._skip_current:
             if not self._guarded(lambda: self.policy.before_update([opt])):
                 self._skip_current.add(id(opt))
-
-    def joined(self, done: int) -> bool:
-        """The update in progress (``done``: 0 before its step is counted, 1 after) uses the gradients of
-        a backward made before the previous update, with none since: a second optimizer of one loss
-        (an encoder's and a decoder's). It is the same step's work as the update before it."""
-        return self._bw_at is not None and self._bw_at < self.monitor.total - done
 
     def _opt_post(self, opt, args, kwargs) -> None:
         if self.evals._suspended:
@@ -430,24 +424,12 @@ class Watcher:
             if self._ob_bw_end is not None:
                 self._ob_bw_end(self)
         if by_backward and groups is not None:
-            # No optimizer: each backward pass is a step (hand-written updates follow it).
-            det = self._guarded(lambda: self.monitor.check(None, params=groups))
-            self._handle(det, None)
-            skip = self.recovery.spike(None)
-            if self.policy is not None and not skip:  # clipping / gradient scaling of hand-written updates
-                self._guarded(lambda: self.policy.before_update([], modules=self.recovery.state_modules()))
-            self._guarded(lambda: self.monitor.end_step(None, skipped=skip, params=groups))
-            self._guarded(lambda: self.recovery.after_update(None))  # the next step's snapshot (recovery only)
-            self._step_started(None)
+            _backward_step(self, groups)
         return out
 
     def _unscaled(self, ts: List[torch.Tensor]) -> List[torch.Tensor]:
-        scaled = self._scaled
-        if scaled is None:
-            return ts
-        ref, scale = scaled
-        self._scaled = None
-        return [t.detach() / scale if t is ref() else t for t in ts]
+        scaled, self._scaled = self._scaled, None
+        return ts if scaled is None else [t.detach() / scaled[1] if t is scaled[0]() else t for t in ts]
 
     # ------------------------------------------------------------------ modules
     def _depth(self) -> int:
@@ -498,6 +480,18 @@ class Watcher:
 
 
 _REQUIRES_GRAD = attrgetter("requires_grad")
+
+
+def _backward_step(w: Watcher, groups: List[List[torch.Tensor]]) -> None:
+    """No optimizer: each backward pass is a step (hand-written updates follow it)."""
+    det = w._guarded(lambda: w.monitor.check(None, params=groups))
+    w._handle(det, None)
+    skip = w.recovery.spike(None)
+    if w.policy is not None and not skip:  # clipping / gradient scaling of hand-written updates
+        w._guarded(lambda: w.policy.before_update([], modules=w.recovery.state_modules()))
+    w._guarded(lambda: w.monitor.end_step(None, skipped=skip, params=groups))
+    w._guarded(lambda: w.recovery.after_update(None))  # the next step's snapshot (recovery only)
+    w._step_started(None)
 
 
 def _backward_params(monitor: StepMonitor, ts: List[torch.Tensor]) -> List[List[torch.Tensor]]:

@@ -15,10 +15,18 @@ from ..core.events import Detection
 from ..core.experiments import ExperimentConfig
 from .recover.loose import LooseTensors
 from .recover.versions import versions_kept
+from .detect.closure import needs_closure
 from .spikes import replay_warning_fix
 from .distributed import is_distributed
 from .stepreplay import StepReplay
 
+
+
+def joined(w: Any, done: int) -> bool:
+    """Watcher ``w``'s update in progress (``done``: 0 before its step is counted, 1 after) uses the gradients
+    of a backward made before the previous update, with none since: a second optimizer of one loss (an
+    encoder's and a decoder's). It is the same step's work as the update before it."""
+    return w._bw_at is not None and w._bw_at < w.monitor.total - done
 
 class _Recorded:
     """What the tape recorded of one finished step, as :class:`~.stepreplay.StepReplay` reads it."""
@@ -109,8 +117,8 @@ class WatcherRecovery:
         calls from the weights now (before the step's update), put back after (:func:`~nanguard.core.recovery.
         tried.test_warning_fix`); the words for the warning's line, or None when nothing was tried."""
         w, cfg = self.w, self.experiments
-        if cfg is None or not cfg.enabled or w.scalers or is_distributed():
-            return None
+        if cfg is None or not cfg.enabled or w.scalers or is_distributed() or any(map(needs_closure, w.optimizers())):
+            return None  # (a closure optimizer's step runs its own inner steps: not replayed here, as the Guard)
         from ..core.recovery.tried import KIND, WARN_ACTION, record_on_event
         action = WARN_ACTION.get(str((event.cause or {}).get("category")))
         if action is None:
@@ -155,7 +163,7 @@ class WatcherRecovery:
         step = w.tape.step
         if step in self.kept:
             return
-        if w.joined(done=1) and step - 1 in self.kept:  # a second optimizer of the step before's backward:
+        if joined(w, done=1) and step - 1 in self.kept:  # a second optimizer of the step before's backward:
             from .experiments.step import JOINED        # replayed with it (a replay steps every optimizer)
             self.kept[step] = (JOINED, None)
             return

@@ -174,7 +174,7 @@ def run_context(watcher: Any) -> dict:
     ctx: dict = {"scaler": bool(watcher.scalers), "counting": mon.counting}
     order = latest_first(mon)
     ctx.update(optimizer_context([o for _, o in order]))  # name, lr, eps, betas, momentum: the latest update's
-    switch = optimizer_switch(mon, order)
+    switch = optimizer_switch(mon)
     if switch:
         ctx["optimizer_switch"] = switch
     for v in mon.views.values():
@@ -193,20 +193,20 @@ def latest_first(mon: Any) -> list:
     return sorted(out, key=lambda kv: -last.get(kv[0], -1))
 
 
-def optimizer_switch(mon: Any, order: list) -> dict:
-    """When the optimizer of the latest step was created after another one had stepped, and that one made
+def optimizer_switch(mon: Any) -> dict:
+    """When the optimizer of the latest step was first seen after another one had stepped, and that one made
     its last update before it (a fine-tuning stage, a second training phase): ``{"step", "from", "to"}``;
-    else ``{}`` (optimizers created together, a GAN's two, are no switch)."""
-    if len(order) < 2 or not mon.per_update:
+    else ``{}`` (optimizers created together, a GAN's two, are no switch). Read from what the monitor kept
+    (the script may have freed the first optimizer by the time the report is written)."""
+    last = {k: r.step for k, r in mon._records.items() if k in mon.born}
+    if len(last) < 2 or not mon.per_update:
         return {}
-    key, cur = order[0]
-    start = mon.born.get(key, 0)
-    last = {k: r.step for k, r in mon._records.items()}
-    before = [(last[k], o) for k, o in order[1:] if k in last and last[k] < start]
+    cur = max(last, key=lambda k: last[k])
+    start, to = mon.born[cur]
+    before = [(s, mon.born[k][1]) for k, s in last.items() if k != cur and s < start]
     if not start or not before:
         return {}
-    prev = max(before, key=lambda x: x[0])[1]
-    return {"step": int(start), "from": type(prev).__name__, "to": type(cur).__name__}
+    return {"step": int(start), "from": max(before)[1], "to": to}
 
 
 def pipeline_for(watcher: Any, localizer: Optional[Localizer] = None, localize: bool = True) -> FailurePipeline:

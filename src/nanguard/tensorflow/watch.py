@@ -63,11 +63,8 @@ class TFWatcher:
         self.stop_requested: Optional[Detection] = None
         self.on_stop: Optional[Callable[[], None]] = None  # called once, when a stop is first requested
         self.states: Dict[int, OptState] = {}   # the optimizers updated (or traced) under this watcher
-        # the steps: updates attempted by every optimizer under this watcher (host view, from the rows
-        # read); ``update_base``: the in-graph count of every update (state.updates_var) when it started
-        self.updates = 0
-        self.update_base = 0
-        self._based = False
+        # the steps: updates by every optimizer under this watcher (host view); the in-graph count at its start
+        self.updates, self.update_base, self._based = 0, 0, False
         # states made under an earlier watcher (see install): this watcher's once an update runs under it
         self._earlier: Dict[int, OptState] = {}
         self._prepared: set = set()   # ids of the optimizers recovery has prepared (schedules)
@@ -129,12 +126,9 @@ class TFWatcher:
         self._uninstallers = patches.install(self)
         set_active(self)
         self._installed = True
-        # the count of every update goes on from earlier runs in this process (their traced steps keep it);
-        # read now when it exists, else at the first update (reading here would start TensorFlow's runtime
-        # before the script configures it)
-        self._based = False
+        self._based = False  # update_base: read now if the count exists, else at the first update (read_base)
         if updates_made():
-            self._base()
+            read_base(self)
         for key, st in list(STATES.items()):  # checks traced under an earlier watcher report here
             if st.opt_ref() is None:
                 del STATES[key]
@@ -300,24 +294,12 @@ class TFWatcher:
         """A ``model.fit`` call starts: steps go on counting across calls (a second ``fit`` after
         re-compiling with a new optimizer continues the script's count); returns the Keras callback that
         marks its epochs, for the report's ``fit`` position (call, epoch, step in the epoch)."""
-        self.fit_calls += 1
-        start = self.steps_watched
+        self.fit_calls, start = self.fit_calls + 1, self.steps_watched
         self.fit_now = now = {"call": self.fit_calls - 1, "start": start, "epoch": 0, "epoch_start": start}
         return epoch_mark(self, now)
 
     def fit_position(self, step: int) -> Optional[Dict[str, int]]:
-        """Where ``step`` falls in the running ``fit``: its call index (0-based), epoch and batch in the
-        epoch and in the call (``step_in_*``: batches; with several updates per batch also which of them);
-        None outside a fit."""
-        now = self.fit_now
-        if now is None or step < now["start"]:
-            return None
-        m = max(int(now.get("per_batch", 1)), 1)  # updates per batch (a GAN's train_step makes two)
-        pos = {"call": now["call"], "epoch": now["epoch"], "step_in_epoch": (step - now["epoch_start"]) // m,
-               "step_in_fit": (step - now["start"]) // m}
-        if m > 1:
-            pos["update_in_batch"] = (step - now["epoch_start"]) % m
-        return pos
+        return fit_position(self, step)
 
     def _on_outside_write(self, var: Any) -> None:
         """An eager write of a trainable variable outside any update (a warm start, ``set_weights``, a
@@ -361,14 +343,9 @@ class TFWatcher:
             self.states[key] = self._earlier.pop(key)
         return ran
 
-    def _base(self) -> None:
-        with tf.init_scope():  # (a trace's first update reads it eagerly, before the traced step runs)
-            self.update_base = int(updates_var().numpy()) - self.updates  # (a re-install counts on)
-        self._based = True
-
     def _state(self, opt: Any, n_vars: int, tvars: Optional[List[Any]] = None) -> OptState:
         if not self._based:
-            self._base()
+            read_base(self)
         st = self.states.get(id(opt))
         if st is None or st.opt_ref() is not opt:
             st = self._earlier.pop(id(opt), None)
@@ -479,3 +456,27 @@ def fit_ended(w: Any, logs: Optional[Dict[str, Any]]) -> None:
     loss = (last if isinstance(last, dict) else logs or {}).get("loss")
     w.fit_end = {"call": now.get("call"), "epoch": now.get("epoch"), "step": w.steps_watched - 1,
                  "loss": float(np.asarray(loss)) if loss is not None else None}
+
+
+def fit_position(w: Any, step: int) -> Optional[Dict[str, int]]:
+    """Where ``step`` falls in watcher ``w``'s running ``fit``: its call index (0-based), epoch and batch in the
+    epoch and in the call (``step_in_*``: batches; with several updates per batch also which of them);
+    None outside a fit."""
+    now = w.fit_now
+    if now is None or step < now["start"]:
+        return None
+    m = max(int(now.get("per_batch", 1)), 1)  # updates per batch (a GAN's train_step makes two)
+    pos = {"call": now["call"], "epoch": now["epoch"], "step_in_epoch": (step - now["epoch_start"]) // m,
+           "step_in_fit": (step - now["start"]) // m}
+    if m > 1:
+        pos["update_in_batch"] = (step - now["epoch_start"]) % m
+    return pos
+
+
+def read_base(w: Any) -> None:
+    """Watcher ``w``'s ``update_base``: the count of every update goes on from earlier runs in this process
+    (their traced steps keep it); read once it exists (reading at install would start TensorFlow's runtime
+    before the script sets it up). Inside a trace: eagerly, before the traced step runs. A re-install counts on."""
+    with tf.init_scope():
+        w.update_base = int(updates_var().numpy()) - w.updates
+    w._based = True

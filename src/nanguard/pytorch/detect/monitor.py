@@ -115,7 +115,8 @@ class StepMonitor:
         self.per_update = False
         self.total = 0                             # optimizer updates so far, all optimizers
         self._open: Dict[int, int] = {}           # per optimizer checked and not updated yet: its step's number
-        self.born: Dict[int, int] = {}            # per optimizer: the updates made before it was first seen
+        # per optimizer: (the updates made before it was first seen, its class name), kept after it is freed
+        self.born: Dict[int, Tuple[int, str]] = {}
         self.roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self.extra_params: List[torch.Tensor] = []  # backward-counting mode without modules
         # optimizer -> post-update param norms per group (backward counting: DEFERRED until the next check)
@@ -167,7 +168,7 @@ class StepMonitor:
             start = max(self.counts.values(), default=0) if self.views else 0
             self.views[id(opt)] = OptimizerView(opt, self.config.param_check_every)
             self.counts.setdefault(id(opt), start)
-            self.born.setdefault(id(opt), self.total)
+            self.born.setdefault(id(opt), (self.total, type(opt).__name__))
             self.names.invalidate()
 
     def add_root(self, module: torch.nn.Module) -> None:
