@@ -187,6 +187,11 @@ class StepReplay:
 
     def _externals(self, changes: Optional[Changes]) -> List[torch.Tensor]:
         vals = list(self.ext)
+        if changes is None or not changes.keep_grads:
+            # an external with a graph made before the step's tape (a GAN's fake = G(z), built in D's step
+            # and backpropagated in G's): its graph was freed by the step's own backward, so a replay that
+            # localizes or tests a change reads it as a leaf (the backward stops there; G's own ops are not replayed)
+            vals = [v.detach().requires_grad_(True) if v.grad_fn is not None else v for v in vals]
         if changes is not None and changes.inputs is not None:
             vals = [v if v.requires_grad else changes.inputs(v, i) for i, v in enumerate(vals)]
         return vals
