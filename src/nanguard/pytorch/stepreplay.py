@@ -76,6 +76,7 @@ class StepReplay:
         silences the caller's own hooks (the watcher's) while the replay runs. ``targets``: replay only
         what makes these recorded outputs (a value an evaluation read), not the step's losses."""
         self.targets = list(targets or [])
+        self._leaf_graphs = False  # externals' freed graphs read as leaves (see _externals)
         self.step = tape.step
         self.entries: List[Entry] = list(tape.entries)
         self.ext: List[torch.Tensor] = list(tape.ext)
@@ -160,7 +161,15 @@ class StepReplay:
                     recorder.start()
                     recorder.set_stage("forward")
                 try:
-                    out["losses"] = self._run_entries(recorder, self._externals(changes))
+                    try:
+                        out["losses"] = self._run_entries(recorder, self._externals(changes))
+                    except RuntimeError as e:
+                        if self._leaf_graphs or "second time" not in str(e):
+                            raise
+                        self._leaf_graphs = True  # (see _externals) and once more, for this step's later replays too
+                        for p in params:
+                            p.grad = None
+                        out["losses"] = self._run_entries(recorder, self._externals(changes))
                 finally:
                     if recorder is not None:
                         recorder.stop()
@@ -187,11 +196,14 @@ class StepReplay:
 
     def _externals(self, changes: Optional[Changes]) -> List[torch.Tensor]:
         vals = list(self.ext)
-        if changes is None or not changes.keep_grads:
+        if self._leaf_graphs and (changes is None or not changes.keep_grads):
             # an external with a graph made before the step's tape (a GAN's fake = G(z), built in D's step
             # and backpropagated in G's): its graph was freed by the step's own backward, so a replay that
-            # localizes or tests a change reads it as a leaf (the backward stops there; G's own ops are not replayed)
-            vals = [v.detach().requires_grad_(True) if v.grad_fn is not None else v for v in vals]
+            # localizes or tests a change reads it as a leaf (the backward stops there; G's own ops are not
+            # replayed). Only after a replay with the graphs failed on them: an external made inside the step
+            # (a loss a module stored as an attribute) keeps its graph, and a non-finite one stays evidence.
+            vals = [v.detach().requires_grad_(True) if v.grad_fn is not None and bool(torch.isfinite(v).all())
+                    else v for v in vals]
         if changes is not None and changes.inputs is not None:
             vals = [v if v.requires_grad else changes.inputs(v, i) for i, v in enumerate(vals)]
         return vals
