@@ -81,9 +81,15 @@ class _Applier(Probe):
     """The re-run's hooks: the loss and gradients are checked, and the update is applied only when they
     are finite (it runs after ``mark_grads``)."""
 
+    only: Any = None     # the one optimizer whose updates are applied (None: any)
+    _opt: Any = None     # the optimizer of the update being made
+
+    def update_seen(self, opt: Any) -> None:
+        self._opt = opt
+
     @property  # type: ignore[override]
     def apply_update(self) -> bool:
-        return self.seen and self.finite
+        return self.seen and self.finite and (self.only is None or self._opt is self.only)
 
 
 def drop_rows_rerun(watcher: Any, cap: Any, rows: List[int], snapshot: Any, acts: Any,
@@ -122,14 +128,18 @@ def put_back(values: List[Any]) -> None:
         v.assign(a)
 
 
-def rerun_step(watcher: Any, cap: Any, inputs: Any, acts: Any) -> Probe:
+def rerun_step(watcher: Any, cap: Any, inputs: Any, acts: Any, held_by: Any = None) -> Probe:
     """Run ``cap.step_fn(inputs)`` eagerly, past nanguard's own hooks; its update is applied when its loss
     and gradients are finite and so are the variables after it, and what it returns becomes the output
     of the outermost call the script gets. The re-run's probe (its losses; ``applied`` False: nothing
-    applied, the variables as they were)."""
+    applied, the variables as they were). ``held_by``: the optimizer whose update in this step function
+    was held in-graph (a held ``train_step``): a re-run making several updates (a GAN's critic and
+    generator) applies that optimizer's only, the others' having been applied in-graph; otherwise the
+    re-run must make exactly one update."""
     live = acts.model_variables() + acts.optimizer_variables()
     before = [np.array(v.numpy()) for v in live]
     probe = _Applier()
+    probe.only = held_by
     prev_eager = tf.config.functions_run_eagerly()
     watcher.replay_hooks = probe
     depth = tl_get("fn_depth")
@@ -143,7 +153,7 @@ def rerun_step(watcher: Any, cap: Any, inputs: Any, acts: Any) -> Probe:
         watcher.replay_hooks = None
         tl_set("fn_depth", depth)
         tf.config.run_functions_eagerly(prev_eager)
-    applied = probe.updates == 1 and probe.seen and probe.finite
+    applied = (probe.updates >= 1 if held_by is not None else probe.updates == 1) and probe.seen and probe.finite
     if applied and not all(_finite_np(v) for v in live):
         applied = False
     probe.applied = applied

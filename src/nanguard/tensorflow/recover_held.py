@@ -90,8 +90,10 @@ def resume_held(rec: Any, w: Any, st: Any, step: int, first: int, actions: Any) 
     if cap.step_fn is None or not batch_size(cap.inputs):
         return False
     cap.buffers = [(v, np.array(v.numpy())) for v, _ in cap.buffers]   # now, not when it was held
-    probe = rerun_step(w, cap, cap.inputs, actions)
-    loss = probe.losses[0] if len(probe.losses) == 1 else None
+    # the train_step re-runs whole; only the held optimizer's update is applied (a GAN's other optimizer,
+    # not halted by this one's failure, made its update of this batch in-graph)
+    probe = rerun_step(w, cap, cap.inputs, actions, held_by=st.opt_ref())
+    loss = probe.losses[0] if probe.losses else None   # this step's: the batch's first update
     _history_row(w, step, loss, actions, probe.applied)
     if probe.applied:
         rec.resumed.append(step)

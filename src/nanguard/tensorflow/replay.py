@@ -258,6 +258,21 @@ def _child_main(argv: List[str]) -> int:
                 dump({"reproduced": False,
                       "reason": f"the re-run failed earlier, at step {det.step} ({det.phase})"})
 
+    calls = {"start": 0, "updates": 1}   # the latest outermost tf.function call: its first step, its updates
+
+    def call_start() -> None:
+        """Arm before the call that runs step N: a call running several updates (a GAN's critic and
+        generator steps in one tf.function) would run step N before the host reads the step before it."""
+        calls["start"] = start = watcher.steps_watched
+        if state["rec"] is None and start <= N < start + calls["updates"]:
+            arm()
+
+    def call_end() -> None:
+        made = watcher.steps_watched - calls["start"]
+        if made > 0:
+            calls["updates"] = made
+
+    probe.on_call_start, probe.on_call_end = call_start, call_end
     watcher = TFWatcher(config, raise_on_stop=False, observers=[Child()])
     sys.argv = [script] + list(args)
     sys.path.insert(0, os.path.dirname(script))

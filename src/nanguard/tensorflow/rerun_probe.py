@@ -45,6 +45,10 @@ class RerunProbe:
         self.values: Dict[int, Any] = {}      # step -> the state at the start of that call
         self._depth = 0
         self._undo: List[Callable[[], None]] = []
+        # an outermost tf.function call starts / has returned (the child arms its recorder before the
+        # call that will run the failing step: a GAN step function runs several updates in one call)
+        self.on_call_start: Optional[Callable[[], None]] = None
+        self.on_call_end: Optional[Callable[[], None]] = None
 
     def begin(self, step: int) -> None:
         """Step ``step`` starts: its outermost ``tf.function`` call (and the state then) is kept."""
@@ -75,12 +79,17 @@ class RerunProbe:
         def __call__(fn, *args, **kwargs):
             probe._depth += 1
             try:
+                if probe._depth == 1 and probe.on_call_start is not None:
+                    probe.on_call_start()
                 n = probe.step
                 if probe._depth == 1 and n is not None and n not in probe.calls:
                     probe.calls[n] = (fn, args, kwargs)
                     if probe.on_step_call is not None:
                         probe.values[n] = probe.on_step_call(n)
-                return fn_call(fn, *args, **kwargs)
+                out = fn_call(fn, *args, **kwargs)
+                if probe._depth == 1 and probe.on_call_end is not None:
+                    probe.on_call_end()
+                return out
             finally:
                 probe._depth -= 1
 
