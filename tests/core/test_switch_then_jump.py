@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from nanguard.core.diagnosis import diagnose
+from test_optimizer_switch_words import overflow  # the same forward overflow (tests/core)
 
 
 def rec(step, loss, g, pn, lr, ratio):
@@ -21,15 +22,6 @@ def history():
     h += [rec(24, 12.3, 12.8, 64.1, 5.0, 0.997), rec(25, 1.5e7, 3.9e6, 1.97e7, 5.0, 1.0),
           rec(26, 4.1e16, 1.4e16, 7.0e16, 5.0, 1.0)]
     return h
-
-
-def overflow():
-    return {"reproduced": True, "phase": "forward", "n_ops": 12, "sink": {"kind": "loss"}, "preexisting": None,
-            "facts": {"float64_check": {"finite": True, "max_abs": 1e40}},
-            "origin": {"op": "square", "api": "Square", "stage": "forward", "dtype": "float32", "file": "/u/train.py",
-                       "line": 20, "shape": [32, 1], "inputs": [{"dtype": "float32", "numel": 32, "max_abs": 2e19,
-                                                               "nonfinite": 0}],
-                       "output": {"nan": 0, "posinf": 32, "neginf": 0}}}
 
 
 def test_a_switch_to_a_far_higher_rate_then_a_gradient_jump_is_the_rate():

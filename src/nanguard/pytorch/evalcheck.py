@@ -43,13 +43,12 @@ __all__ = ["EvalCheck"]
 
 
 
-def training_call(module: torch.nn.Module, args: tuple) -> bool:
-    """An outermost call is part of a training step: gradients are on and the module trains, or an input
-    is being optimised through it (a frozen network in eval mode scoring an image or a generator's output
-    that requires grad: neural style transfer, a perceptual loss). Anything else is evaluation."""
-    if not torch.is_grad_enabled():
-        return False
-    return module.training or any(t.requires_grad for t in tensors_in(args))
+def optimised_input(args: tuple) -> bool:
+    """An input of an outermost call is being optimised through it (a frozen network in eval mode scoring an
+    image or a generator's output that requires grad: neural style transfer, a perceptual loss): with
+    gradients on, the call is part of a training step, not an evaluation. (Callers test
+    ``torch.is_grad_enabled() and (module.training or optimised_input(args))``: no call on a training step.)"""
+    return any(t.requires_grad for t in tensors_in(args))
 
 class EvalCheck:
     def __init__(self, watcher: Any) -> None:
@@ -166,7 +165,7 @@ class EvalCheck:
 
     # ------------------------------------------------------------------ module outputs
     def root_pre(self, module: torch.nn.Module, args: tuple) -> None:
-        if not training_call(module, args):
+        if not (torch.is_grad_enabled() and (module.training or optimised_input(args))):
             self._rng = rng_now()
 
     def output(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Optional[Detection]:

@@ -69,7 +69,7 @@ from .data import DataHooks
 from .detect import StepMonitor, is_checkable, tensors_in
 from .detect.closure import checked_closure, closure_of, recheck, with_closure
 from .distributed import share_event
-from .evalcheck import EvalCheck, training_call
+from .evalcheck import EvalCheck, optimised_input
 from .gradscaler import scaler_enabled
 from .observer import WatchObserver, combine, hook
 from .raised import record_raise
@@ -447,7 +447,7 @@ class Watcher:
     def _root_start(self, module, args) -> None:
         if self.tape is not None:
             self.tape.root_pre(module, args)
-        training = training_call(module, args)
+        training = torch.is_grad_enabled() and (module.training or optimised_input(args))
         if not training:
             self.evals.root_pre(module, args)
         seen = self._root_seen
@@ -464,7 +464,7 @@ class Watcher:
 
     def _root_post(self, module, args, kwargs, output) -> None:
         """An outermost module call returned (or raised: ``output`` None)."""
-        if not training_call(module, args):
+        if not (torch.is_grad_enabled() and (module.training or optimised_input(args))):
             det = self._guarded(self.evals.output, module, args, kwargs, output)
             self._handle(det, None)
         if self.tape is not None:

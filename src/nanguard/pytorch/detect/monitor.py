@@ -361,7 +361,12 @@ class StepMonitor:
         """After the update (or the skip): history, step count, post-update norms (no sync)."""
         key = id(opt) if opt is not None else 0
         if opt is not None:
-            step = self.step_of(opt) if self.per_update else self.counts.get(key, 0)
+            if self.per_update:  # the number fixed at its check (none: ended unchecked, the next number)
+                step = self._open.pop(key, None)
+                if step is None:
+                    step = self.total + len(self._open)
+            else:
+                step = self.counts.get(key, 0)
             groups = self.views[key].groups if key in self.views else []
             lrs = list(map(_lr_of, opt.param_groups))
         else:
@@ -381,7 +386,6 @@ class StepMonitor:
         if opt is not None:
             self.counts[key] = step + 1
             self.total += 1
-            self._open.pop(key, None)
         else:
             self.backward_steps += 1
         self._checked[key] = False
