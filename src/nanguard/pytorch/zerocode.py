@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from ..core.events import Detection, Report, one_line
+from ..core.optimizers import optimizer_switch as switch_of
 from ..core.guarded import disabled_note
 from ..core.engine import FailurePipeline, Ports, RunFacts, assemble_report, info_rows
 from ..core.render.terminal import print_line
@@ -194,19 +195,13 @@ def latest_first(mon: Any) -> list:
 
 
 def optimizer_switch(mon: Any) -> dict:
-    """When the optimizer of the latest step was first seen after another one had stepped, and that one made
-    its last update before it (a fine-tuning stage, a second training phase): ``{"step", "from", "to"}``;
-    else ``{}`` (optimizers created together, a GAN's two, are no switch). Read from what the monitor kept
-    (the script may have freed the first optimizer by the time the report is written)."""
-    last = {k: r.step for k, r in mon._records.items() if k in mon.born}
-    if len(last) < 2 or not mon.per_update:
+    """The switch (:func:`nanguard.core.optimizers.optimizer_switch`) from what the monitor kept: each
+    optimizer's updates before it was first seen and its last step (the script may have freed the first
+    optimizer by the time the report is written). Guard numbering (one step per ``guard.step``): none."""
+    if not mon.per_update:
         return {}
-    cur = max(last, key=lambda k: last[k])
-    start, to = mon.born[cur]
-    before = [(s, mon.born[k][1]) for k, s in last.items() if k != cur and s < start]
-    if not start or not before:
-        return {}
-    return {"step": int(start), "from": max(before)[1], "to": to}
+    last = {k: r.step for k, r in mon._records.items()}
+    return switch_of([(first, last.get(k), name) for k, (first, name) in mon.born.items()])
 
 
 def pipeline_for(watcher: Any, localizer: Optional[Localizer] = None, localize: bool = True) -> FailurePipeline:

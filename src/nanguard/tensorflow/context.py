@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from ..core.optimizers import optimizer_switch as switch_of
+
 
 def run_context(w: Any) -> Dict[str, Any]:
     """The diagnosis context of the run watched by ``w``."""
@@ -45,16 +47,7 @@ def _last(st: Any) -> int:
 
 
 def optimizer_switch(w: Any) -> Dict[str, Any]:
-    """When the optimizer that made the latest step took over from another one during the run (a second
-    ``compile`` + ``fit`` with a new optimizer, a fine-tuning stage): ``{"step", "from", "to"}``, the run's
-    step of its first update and the two class names; else ``{}``. Optimizers stepping together (a GAN's
-    two) are no switch: the earlier one must have made its last update before the new one's first."""
-    sts = sorted(w.states.values(), key=lambda st: -_last(st))  # a replaced one may be freed
-    if len(sts) < 2 or not sts[0].first:
-        return {}
-    cur, start = sts[0], sts[0].first
-    before = [st for st in sts[1:] if st.last is not None and st.last < start]
-    if not before:
-        return {}
-    prev = max(before, key=_last)
-    return {"step": int(start), "from": prev.name, "to": cur.name}
+    """The switch (:func:`nanguard.core.optimizers.optimizer_switch`: a second ``compile`` + ``fit`` with a
+    new optimizer, a fine-tuning stage) from each state's first and last step read (a replaced optimizer's
+    state stays, though the optimizer may be freed)."""
+    return switch_of([(st.first, st.last, st.name) for st in w.states.values()])
