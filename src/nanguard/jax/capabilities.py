@@ -12,7 +12,7 @@ from ..core.capabilities import ON_SPIKE_CAPS, recovery_cap
 
 __all__ = ["JAX_RUN", "DRIVERS"]
 
-JAX_RUN = frozenset({"recurrences", "replay_localization", "early_warning", *ON_SPIKE_CAPS,
+JAX_RUN = frozenset({"recurrences", "replay_localization", "early_warning", *ON_SPIKE_CAPS, "warning_fix_tested",
                      *(recovery_cap(a) for a in ("skip_step", "rollback", "lr_backoff", "clip"))})
 
 DRIVERS = {"JAX (run / watch)": JAX_RUN}

@@ -89,6 +89,7 @@ class JaxDriver:
         # step-size cut of 4000x: final loss 15.8), the failure's recovery on the whole excursion (1.6)
         self.on_spike = check_on_spike(on_spike or "warn")
         self.spikes = JaxSpikes(self.on_spike, quiet, context=self.context)
+        self.spikes.test_fixes = localize  # a warning's fix replayed in-process (.warn_fix), as the localization
         self.finishing = False
         if recover or self.on_spike != "warn":
             from .recover import JaxRecovery

@@ -16,7 +16,9 @@ in the graph before its vector was read, so, as a traced TensorFlow step:
   the next one (the driver reads every vector before the next call under ``skip``/``rollback``);
 * ``"rollback"`` is the recovery policy's ``on_spike`` (:class:`~.recover.JaxRecovery`): back to a
   snapshot from before the excursion, by the same input substitution, with the lower learning rate or
-  the clip its diagnosis calls for.
+  the clip its diagnosis calls for;
+* ``"warn"`` in a run that does not recover: the warning's fix (a learning-rate cut, a clip) is replayed
+  on the warning step's own call from the state it started from, nothing written back (:mod:`.warn_fix`).
 """
 from __future__ import annotations
 
@@ -37,9 +39,12 @@ class JaxSpikePort:
 
     late_reason = _LATE
 
-    def __init__(self, driver: Any, call: Any, ended: bool = False) -> None:
+    def __init__(self, driver: Any, call: Any, ended: bool = False, test_fixes: bool = False) -> None:
         self.drv, self.call, self.ended = driver, call, ended
         self.can_rollback = driver.recovery is not None and not ended
+        # on_spike="warn" with no recovery: the warning's fix replayed on its step's call (.warn_fix)
+        self.test_fix = None if not test_fixes or driver.recovery is not None or ended \
+            else lambda ev, step, hist: _test_fix(driver, call, ev, step, hist)
 
     def skip_step(self, step: int, late: bool) -> Union[Dict[str, Any], str]:
         rec = self.drv.recovery
@@ -57,6 +62,11 @@ class JaxSpikePort:
         return self.drv.recovery.spike(event, step=step, history=history)
 
 
+def _test_fix(drv: Any, call: Any, event: Event, step: int, history: list) -> Optional[str]:
+    from .warn_fix import test_fix  # loaded at a warning, not in a healthy run
+    return test_fix(drv, call, event, step, history)
+
+
 class JaxSpikes(SpikeResponse):
     """The early warnings of one JAX driver: one detector stream per update site, judged on its vectors."""
 
@@ -64,6 +74,7 @@ class JaxSpikes(SpikeResponse):
                  context: Callable[[], Dict[str, Any]] = dict) -> None:
         super().__init__(on_spike, quiet, config)
         self.context = context
+        self.test_fixes = True  # a warning's fix replayed in a run that does not recover (.warn_fix)
 
     def observe(self, drv: Any, rec: Any, prev: Any, call: Any, stream: Hashable, *, ended: bool = False) -> bool:
         """Judge one step that passed the check (its history record ``rec``, already appended; ``prev``:
@@ -78,7 +89,8 @@ class JaxSpikes(SpikeResponse):
         if hit is None:
             return False
         hist = [h for h in drv.history.raw_dicts() if h["step"] < rec.step] + [asdict(rec)]
-        dropped = self.respond(hit, hist, self.context(), JaxSpikePort(drv, call, ended), late=True)
+        dropped = self.respond(hit, hist, self.context(), JaxSpikePort(drv, call, ended, self.test_fixes),
+                               late=True)
         if dropped:
             rec.skipped = True
         return dropped

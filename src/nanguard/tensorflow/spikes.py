@@ -14,7 +14,9 @@ core's :class:`~nanguard.core.alerts.SpikeResponse`; :class:`KerasSpikePort` act
   snapshots, :class:`~nanguard.core.recovery.RecoveryPolicy` with ``failures=False``), RNG not rewound;
   with no such snapshot (several steps per call, ``steps_per_execution``) the update stays and the line
   says so. ``"rollback"`` goes back to a snapshot from before the excursion either way, which drops the
-  step's update too.
+  step's update too;
+* ``"warn"`` in a run that does not recover: the warning's fix (a learning-rate cut, a clip) is replayed
+  on a step's batch from the weights now and put back (:mod:`.warn_fix`).
 
 A row read when the run is over (:meth:`~.watch.TFWatcher.finish`) still warns; nothing is acted on.
 """
@@ -38,10 +40,13 @@ class KerasSpikePort:
 
     late_reason = _TRACED
 
-    def __init__(self, watcher: Any, ended: bool = False) -> None:
+    def __init__(self, watcher: Any, ended: bool = False, spikes: Any = None) -> None:
         self.w = watcher
         self.ended = ended
         self.can_rollback = watcher.policy is not None and not ended
+        # on_spike="warn" with no recovery: the warning's fix replayed on a step's batch (.warn_fix)
+        self.test_fix = None if spikes is None or watcher.policy is not None or ended or not spikes.test_fixes() \
+            else lambda ev, step, hist: _test_fix(watcher, spikes, ev, step, hist)
 
     def skip_step(self, step: int, late: bool) -> Union[Dict[str, Any], str]:
         from .recover import KerasActions
@@ -62,6 +67,11 @@ class KerasSpikePort:
         return self.w.policy.spike(self.w, event, step=step, history=history, late=late)
 
 
+def _test_fix(w: Any, spikes: "TFSpikes", event: Event, step: int, history: list) -> Optional[str]:
+    from .warn_fix import test_fix  # loaded at a warning, not in a healthy run
+    return test_fix(w, spikes, event, step, history)
+
+
 class TFSpikes(SpikeResponse):
     """The early warnings of one TF watcher: one detector stream per optimizer, judged on its rows."""
 
@@ -69,6 +79,9 @@ class TFSpikes(SpikeResponse):
                  context: Callable[[], Dict[str, Any]] = dict) -> None:
         super().__init__(on_spike, quiet, config)
         self.context = context
+        # whether a warning's fix is replayed in a run that does not recover (.warn_fix; read at a warning)
+        self.test_fixes: Callable[[], bool] = lambda: True
+        self.pending: Any = None  # a fit warning's test waiting for the next step's batch (.warn_fix)
 
     def observe(self, w: Any, st: Any, row: "D.Row", *, late: bool, rec: Any = None) -> bool:
         """Judge one step that passed the check (its row). True: the step is to be treated as skipped
@@ -84,7 +97,8 @@ class TFSpikes(SpikeResponse):
             return False
         hist = [h for h in w.history.raw_dicts() if h["step"] < rec.step] + [asdict(rec)]
         ended = bool(w.finishing)
-        dropped = self.respond(hit, hist, self.context(), KerasSpikePort(w, ended), late=late or ended)
+        dropped = self.respond(hit, hist, self.context(), KerasSpikePort(w, ended, self),
+                               late=late or ended)
         last = w.history.last()
         if dropped and late and last is not None and last.step == rec.step:
             last.skipped = True  # a traced step's update, undone after it ran (eager: the row says so)

@@ -278,6 +278,9 @@ class TFWatcher:
                 if w.recovering:  # its batch on the host too, for history replays (.recover_history)
                     from .recover_history import keep_batch  # only under recovery: a healthy run never loads it
                     w._guarded(lambda: keep_batch(w, model, data))
+                if getattr(w.spikes, "pending", None) is not None:  # a warning's fix, tested on this batch
+                    from .warn_fix import keep_batch as keep_for_fix  # (.warn_fix; traced after a warning only)
+                    w._guarded(lambda: keep_for_fix(w, data))
             return inner(data)
 
         model._nanguard_train_step = train_step

@@ -261,6 +261,19 @@ def test_warning_fix(event: Any, history: Sequence[dict], step: int, lrs: Sequen
     return value
 
 
+def warning_fix_words(event: Any, on: str = "this step's batch") -> Optional[str]:
+    """The words a warning's line gets for what :func:`test_warning_fix` found (``on``: what it was replayed
+    on), or None when nothing was tried."""
+    cause = event.cause if isinstance(event.cause, dict) else {}
+    ok = next((t for t in cause.get("tested_fixes") or [] if t.get("passed")), None)
+    if ok is not None:
+        return f"fix tested on {on}: {ok.get('text')}"
+    if (cause.get("evidence") or {}).get("warning_fix_replays"):
+        return "fix untested: no value passed a replay from the weights at the warning (already moved)"
+    why = ((cause.get("evidence") or {}).get("experiments_unavailable_why") or {})
+    return f"fix not tested by replay: {next(iter(why.values()))}" if why else None
+
+
 def dead_reference(cause: Dict[str, Any]) -> Optional[float]:
     """The first steps' gradient norm of a dead-rule warning (``evidence.warning``), else None."""
     hit = (cause.get("evidence") or {}).get("warning")
