@@ -39,4 +39,5 @@ CAPABILITIES: Dict[str, str] = {
     "recurrences": "recurrences folded",
     "replay_localization": "localization by in-process replay",
     "rerun_localization": "localization by re-run (child process)",
+    "child_process_training": "training in child processes (torch.multiprocessing workers, Hogwild)",
 }

@@ -31,6 +31,9 @@ class StepRecord:
     # parameter change and the gradient, -<dw, g> / |g|^2 on a sample of the elements
     effective_lr: Optional[float] = None
     batch_max: Optional[float] = None  # largest |value| of the batch's floating tensors (free: its check reads it)
+    # which of the run's optimizers made this step (0, 1, ... in the order they were first seen): a GAN's
+    # discriminator and generator steps interleave, and the diagnosis reads each one's own history
+    optimizer: Optional[int] = None
 
     def as_dict(self) -> dict:
         return {k: _json_number(v) for k, v in asdict(self).items()}

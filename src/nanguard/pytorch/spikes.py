@@ -17,7 +17,8 @@ event; ``"skip"`` cannot take back an applied update (the warning says so and th
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Sequence, Union
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from ..core.alerts import SpikeResponse
 from ..core.events import Event
@@ -88,16 +89,22 @@ class SpikeResponder(SpikeResponse):
 
 
 def replay_warning_fix(event: Event, step: int, history: Sequence[dict], step_now: Any, modules: Sequence[Any],
-                       optimizers: Sequence[Any], quiet: Any = None) -> Optional[str]:
+                       optimizers: Sequence[Any], quiet: Any = None,
+                       opt_index: Optional[Dict[int, int]] = None) -> Optional[str]:
     """``on_spike="warn"``: the warning's fix replayed on ``step_now`` (the warning step as a replayable step:
     the Guard's or the step tape's) from the weights now, put back after
-    (:func:`nanguard.core.recovery.tried.test_warning_fix`); the words for the warning's line, or None."""
+    (:func:`nanguard.core.recovery.tried.test_warning_fix`); the words for the warning's line, or None.
+    ``opt_index`` (the monitor's id -> history index): a learning-rate cut changes only the optimizer the
+    cause names, of several (:mod:`.recover.focus`)."""
     from ..core.recovery.tried import test_warning_fix  # loaded at a warning, not in a healthy run
     from .experiments.history import replay_kept
+    from .recover.focus import focused, named_index
     kept = {step: step_now}
-    lrs = [float(g["lr"]) for o in optimizers for g in o.param_groups if isinstance(g.get("lr"), (int, float))]
-    test_warning_fix(event, history, step, lrs,
-                     lambda **kw: replay_kept(kept, list(modules), list(optimizers), step, step, quiet=quiet, **kw))
+    cut = focused(optimizers, opt_index, named_index(event.cause))
+    only = {"lr_only": cut} if len(cut) < len(optimizers) else {}
+    lrs = [float(g["lr"]) for o in cut for g in o.param_groups if isinstance(g.get("lr"), (int, float))]
+    test_warning_fix(event, history, step, lrs, lambda **kw: replay_kept(
+        kept, list(modules), list(optimizers), step, step, quiet=quiet, **only, **kw))
     cause = event.cause or {}
     ok = next((t for t in cause.get("tested_fixes") or [] if t.get("passed")), None)
     if ok is not None:
@@ -111,21 +118,56 @@ def optimizer_context(optimizers: Sequence[Any]) -> Dict[str, Any]:
     """The optimizer facts the diagnosis reads (first optimizer, first group): its name, the learning
     rates, eps, betas, momentum; for an optimizer that makes several inner updates per step (LBFGS),
     ``max_iter`` and ``line_search_fn`` (None: each inner update is taken at the full lr)."""
-    ctx: Dict[str, Any] = {}
     for opt in optimizers:
+        if opt is not None:
+            return optimizer_facts(opt)
+    return {}
+
+
+def optimizer_facts(opt: Any) -> Dict[str, Any]:
+    """One optimizer's facts (its first group): see :func:`optimizer_context`."""
+    ctx: Dict[str, Any] = {"optimizer": type(opt).__name__,
+                           "lr": [g.get("lr") for g in opt.param_groups if not hasattr(g.get("lr"), "shape")]}
+    g = opt.param_groups[0] if opt.param_groups else {}
+    for k in ("eps", "betas", "momentum"):
+        v = g.get(k)
+        if isinstance(v, (int, float)) or (isinstance(v, (tuple, list)) and all(isinstance(x, (int, float))
+                                                                               for x in v)):
+            ctx[k] = list(v) if isinstance(v, (tuple, list)) else v
+    if isinstance(g.get("max_iter"), int) and "line_search_fn" in g:
+        ctx["max_iter"] = g["max_iter"]
+        ls = g.get("line_search_fn")
+        ctx["line_search_fn"] = ls if isinstance(ls, str) else None
+    return ctx
+
+
+def each_optimizer(indexed: Sequence[Any], roots: Sequence[Any] = ()) -> List[Dict[str, Any]]:
+    """``context["optimizers"]`` (read at a failure or a warning, never in a healthy step): per optimizer
+    of ``indexed`` (``(index, optimizer)``, the index the history records carry), its facts and a label
+    users recognise: the script's variable of it and of the model it trains, when ``__main__`` holds them
+    (``optimizerD (Adam over netD)``), else its class and position (``the 2nd optimizer (Adam)``)."""
+    from ..core.diagnosis.per_optimizer import ordinal  # loaded at an event (the diagnosis package), not at start-up
+    names = _main_names()
+    out = []
+    for i, opt in indexed:
         if opt is None:
             continue
-        ctx["optimizer"] = type(opt).__name__
-        ctx["lr"] = [g.get("lr") for g in opt.param_groups if not hasattr(g.get("lr"), "shape")]
-        g = opt.param_groups[0] if opt.param_groups else {}
-        for k in ("eps", "betas", "momentum"):
-            v = g.get(k)
-            if isinstance(v, (int, float)) or (isinstance(v, (tuple, list)) and all(isinstance(x, (int, float))
-                                                                                   for x in v)):
-                ctx[k] = list(v) if isinstance(v, (tuple, list)) else v
-        if isinstance(g.get("max_iter"), int) and "line_search_fn" in g:
-            ctx["max_iter"] = g["max_iter"]
-            ls = g.get("line_search_fn")
-            ctx["line_search_fn"] = ls if isinstance(ls, str) else None
-        break
-    return ctx
+        facts = dict(optimizer_facts(opt), index=int(i))
+        mine = {id(p) for g in opt.param_groups for p in g.get("params", ())}
+        model = next((m for m in roots if any(id(p) in mine for p in m.parameters())), None)
+        over = f" over {names.get(id(model)) or type(model).__name__}" if model is not None else ""
+        own = names.get(id(opt))
+        facts["label"] = (f"{own} ({facts['optimizer']}{over})" if own else
+                          f"the {ordinal(int(i) + 1)} optimizer ({facts['optimizer']}{over})")
+        out.append(facts)
+    return out
+
+
+def _main_names() -> Dict[int, str]:
+    """id -> name of the script's module-level variables (``nanguard run`` runs it as ``__main__``)."""
+    main = sys.modules.get("__main__")
+    out: Dict[int, str] = {}
+    for k, v in list(getattr(main, "__dict__", {}).items()):
+        if not k.startswith("_"):
+            out.setdefault(id(v), k)
+    return out

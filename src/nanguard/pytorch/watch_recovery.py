@@ -131,7 +131,8 @@ class WatcherRecovery:
         from .experiments.tapestep import TapeStep  # loaded at a warning, not in a healthy run
         opts = w.optimizers()
         step_now = TapeStep(rep, list(w.monitor.roots), opts, None, step, w.data.last)
-        return replay_warning_fix(event, step, history, step_now, self.state_modules(), opts, quiet=w.quiet)
+        return replay_warning_fix(event, step, history, step_now, self.state_modules(), opts, quiet=w.quiet,
+                                  opt_index=w.monitor.opt_index)
 
     def after_update(self, opt: Any) -> None:
         """End of a step: a recovery snapshot of the next step is due (only with a policy).

@@ -38,7 +38,7 @@ from .distributed import report_extra, share_event
 from .replay import make_recorder
 from .rng import capture_rng
 from .observer import WatchObserver
-from .spikes import optimizer_context
+from .spikes import each_optimizer, optimizer_context
 
 __all__ = ["LocalizeSpec", "Localizer", "Announcer", "make_report", "run_context", "pre_step_state", "announce"]
 
@@ -178,6 +178,8 @@ def run_context(watcher: Any) -> dict:
     switch = optimizer_switch(mon)
     if switch:
         ctx["optimizer_switch"] = switch
+    if len(mon.opt_index) > 1:  # each optimizer's own facts: the history records name the one of each step
+        ctx["optimizers"] = each_optimizer([(mon.opt_index.get(k), o) for k, o in order], list(mon.roots))
     for v in mon.views.values():
         ps = v.all_params()
         if ps:

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .text import fin
 
-__all__ = ["dynamics", "excursion_onset"]
+__all__ = ["dynamics", "excursion_onset", "with_step_update"]
 
 Series = List[Tuple[int, float]]
 
@@ -40,6 +40,26 @@ PARAM_GROWTH = 3.0
 # An update that moved the weights by their own norm or more (100x the healthy ~1e-2; the same bound as
 # rules/divergence.ONE_UPDATE_TOO_LARGE).
 RUINOUS = 1.0
+
+
+def with_step_update(history: Sequence[dict], detected: Any) -> List[dict]:
+    """The history with the failing step's own update appended, when the detection measured one: a closure
+    optimizer (LBFGS) moves the weights inside its step, between the closure's evaluations, so a failure at
+    a later evaluation has an update of its own that no history record holds yet (``step_update``: the
+    parameter norm the step started from and the one at the failing evaluation, non-finite when it
+    overflowed; recorded by the backend's closure check). Unchanged otherwise."""
+    out = list(history or [])
+    up = detected.get("step_update") if isinstance(detected, dict) else None
+    if not isinstance(up, dict) or not fin(up.get("param_norm")) or not isinstance(up.get("step"), int):
+        return out
+    if any(isinstance(h, dict) and h.get("step") == up["step"] for h in out):
+        return out
+    rec = {k: up.get(k) for k in ("step", "loss", "grad_norm", "param_norm", "param_norm_after", "lr")}
+    after = rec["param_norm_after"]
+    if isinstance(after, str):  # read back from JSON
+        rec["param_norm_after"] = float(after) if after in ("inf", "nan") else None
+    rec["lr"] = list(rec["lr"] or [])
+    return out + [rec]
 
 
 def _series(recs: Sequence[dict], key: str, positive: bool = False) -> Series:

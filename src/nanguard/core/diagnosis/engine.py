@@ -14,6 +14,7 @@ from . import fixes as X
 from . import rules as _rules  # noqa: F401  (registers every family and rule)
 from . import text as T
 from .case import Case
+from .dynamics import with_step_update
 from .confidence import calibrate
 from .errors import error_rules
 from .rules.divergence import divergence, history_words, loss_scale, update_threw_params
@@ -37,7 +38,7 @@ def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: 
     ``context["exclude_categories"]``: categories an experiment ruled out; the rules that would return
     one of them are passed over (the next candidate is named, or ``other``)."""
     context = dict(context or {})
-    history = list(history or [])
+    history = with_step_update(history, context.get("detected"))  # a closure step's inner updates
     sig = history_signals(history)
     excluded = set(context.get("exclude_categories") or ())
     with X.speaking(X.framework_of(context, loc)):

@@ -10,6 +10,7 @@ import statistics
 from typing import Any, Sequence
 
 from .dynamics import dynamics
+from .per_optimizer import split
 from .text import fin
 
 __all__ = ["history_signals"]
@@ -121,6 +122,9 @@ def history_signals(history: Sequence[dict]) -> dict:
     else:
         sig["loss_scale_collapse"] = False
     sig["dynamics"] = dynamics(history)
+    own = split(history)  # several optimizers: each one's own history (per_optimizer.py)
+    if own:
+        sig["by_optimizer"] = {i: history_signals(h) for i, h in own.items()}
     return sig
 
 

@@ -105,6 +105,23 @@ class RecoveryActions(abc.ABC):
         rows are then only quarantined on the record, and a batch that draws one again fails again)."""
         return None
 
+    def can_raise_beta2(self) -> bool:
+        """An optimizer of the run has betas that :meth:`raise_beta2` can set (False: not in this backend)."""
+        return False
+
+    def raise_beta2(self, beta2: float, optimizer: Optional[int] = None) -> Optional[Dict[str, Any]]:
+        """Set the second-moment decay (Adam's ``betas[1]``) of every param group that has one to ``beta2``,
+        from now on (``optimizer``: only the optimizer of that history index; None: all of them). None when
+        the backend cannot or no optimizer has betas. Record: ``{"beta2_before": [...], "beta2_after": [...],
+        "optimizers": [...]}``."""
+        return None
+
+    def replay_beta2(self, from_step: int, to_step: int, *, steps: int, beta2: float,
+                     optimizer: Optional[int] = None) -> Dict[str, Any]:
+        """:meth:`replay_kept` with every (``optimizer``'s) ``betas[1]`` set to ``beta2`` instead of a learning-rate
+        factor: the replay that tests :meth:`raise_beta2` before it is applied (same result dict)."""
+        return {"unavailable": "this backend does not replay kept steps with another beta2"}
+
     def replay_kept(self, from_step: int, to_step: int, *, steps: int, lr_factor: Optional[float] = None,
                     max_norm: Optional[float] = None) -> Dict[str, Any]:
         """Replay the kept steps ``from_step..to_step`` (cycled to ``steps`` steps, updates included) from the

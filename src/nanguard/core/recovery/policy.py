@@ -30,7 +30,7 @@ from .estimates import (DynamicLossScale, backoff_factor, clip_max_norm, healthy
 from .records import notice, summary_line
 from .repeats import Repeats
 from .snapshots import SnapshotStore
-from . import tried
+from . import beta2, tried
 from .table import ACTIONS, AUTO, CHANGES_TRAINING, DIVERGENCE, actions_for, check_allowed, record_order
 from .verify import VERIFIED, per_sample, proof_record, verified_plan
 
@@ -162,9 +162,11 @@ class RecoveryPolicy:
         if params_ok and event.phase == "optimizer" and not actions.optimizer_state_finite():
             params_ok = False  # finite weights over an overflowed optimizer state: only a snapshot's state is sound
         unsound = (cause.get("evidence") or {}).get("recovery_unsound")
+        # beta2 named and this backend can raise it: raise_beta2 for lr_backoff, sound after all (beta2.py)
+        acts, unsound = beta2.plan(cause, self.choose(cat) if self.auto else [], self.allowed if self.auto else [],
+                                   actions, unsound)
         if unsound and params_ok:
             return self._stop(event, step, f"recovery cannot be sound: {unsound}")
-        acts = self.choose(cat) if self.auto else []
         bound = rollback_bound(cause) if cat in DIVERGENCE + (DATA_CATEGORY,) else None
         if cat == DATA_CATEGORY and bound is not None and bound < step and "rollback" in self.allowed \
                 and "rollback" not in acts:
@@ -208,6 +210,9 @@ class RecoveryPolicy:
                 else:
                     self.loss_scaler.backoff()
                 done["loss_scale"] = {"scale": self.loss_scaler.scale}
+            elif a == beta2.ACTION:
+                if not beta2.apply(cause, actions, step, done):
+                    notes.append("no optimizer with betas to raise beta2 on")
             elif a == "drop_samples":
                 rec = actions.drop_samples(list((proofs["drop_samples"].get("details") or {}).get("rows") or []))
                 if rec is None:
@@ -237,6 +242,7 @@ class RecoveryPolicy:
         cause = event.cause if isinstance(event.cause, dict) else {}
         cat = cause.get("category") or "other"
         unsound = (cause.get("evidence") or {}).get("recovery_unsound")
+        acts, unsound = beta2.plan(cause, self.choose(cat), self.allowed, actions, unsound)
         if unsound:  # nothing to do that would help: the warning stands, the step is applied
             return None
         self._same = self.repeats.count(step, cat, "warning")
@@ -253,8 +259,11 @@ class RecoveryPolicy:
             if "rollback" in done:
                 names.append("rollback")
                 runs: List[dict] = []
-                for a in self.choose(cat):  # a cut or clip is replayed from the snapshot first (tried.py)
-                    tried.act(self, a, cause, actions, history, step, done, runs)
+                for a in acts:  # a cut or clip (or beta2) is replayed from the snapshot first (tried.py, beta2.py)
+                    if a == beta2.ACTION:
+                        beta2.apply(cause, actions, step, done)
+                    else:
+                        tried.act(self, a, cause, actions, history, step, done, runs)
                     names += [n for n in (a, "grad_scale") if n in done and n not in names]
                 tried.record_on_event(event, runs)
         done["skip_step"] = actions.skip_step()

@@ -15,6 +15,11 @@ def notice(step: int, category: str, record: Dict[str, Any]) -> str:
                   f"step {done['rollback']['to_step']}'s snapshot")
     elif "rollback" in done:
         extra += f", back to step {done['rollback']['to_step']}"
+    if "raise_beta2" in done:
+        b = done["raise_beta2"]
+        passed = (b.get("tested_by") or {}).get("passed")
+        extra += (f", beta2 {fmt_list(b.get('beta2_before') or [])} -> {fmt_list(b.get('beta2_after') or [])}"
+                  + (" (replay: passed)" if passed else " (untested)" if passed is None else " (replay: not passed)"))
     if "lr_backoff" in done:
         extra += f", lr {fmt_list(done['lr_backoff']['lr_before'])} -> {fmt_list(done['lr_backoff']['lr_after'])}"
     if "grad_scale" in done:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-ACTIONS = ("skip_step", "rollback", "lr_backoff", "clip", "upcast", "loss_scale", "drop_samples")
+ACTIONS = ("skip_step", "rollback", "lr_backoff", "clip", "upcast", "loss_scale", "drop_samples", "raise_beta2")
 # every name a recovery record's ``action`` may hold: the actions, and ``grad_scale`` (the form
 # ``lr_backoff`` takes for hand-written updates, below)
 ACTION_RECORDS = ACTIONS + ("grad_scale",)
@@ -27,10 +27,13 @@ DIVERGENCE = ("gradient_explosion", "lr_too_high")
 # Actions that change how training runs from now on (a rollback that follows one is not a plain replay).
 # ``grad_scale`` is the form ``lr_backoff`` takes for hand-written updates (no optimizer, no lr): the
 # gradients are multiplied by the factor before every update.
-CHANGES_TRAINING = ("lr_backoff", "grad_scale", "clip", "upcast", "loss_scale")
+CHANGES_TRAINING = ("lr_backoff", "grad_scale", "clip", "upcast", "loss_scale", "raise_beta2")
+# ``raise_beta2`` is never in AUTO either: it takes ``lr_backoff``'s place in an ``lr_too_high`` row when the
+# diagnosis names Adam's beta2 as what made the step too large (``evidence.beta2_fix``; recovery/beta2.py)
 
 # drop_samples is never in AUTO: it is taken when a replay verified it (recovery/verify.py)
-_RECORD_ORDER = ("rollback", "upcast", "lr_backoff", "grad_scale", "clip", "loss_scale", "drop_samples", "skip_step")
+_RECORD_ORDER = ("rollback", "upcast", "raise_beta2", "lr_backoff", "grad_scale", "clip", "loss_scale", "drop_samples",
+                 "skip_step")
 
 
 def check_allowed(allowed: Sequence[str]) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
@@ -115,5 +116,23 @@ def recheck(monitor: Any, opt: Any, loss: Any, scaler: Any = None) -> Optional[D
         flags.append(f.to(flags[0].device) if flags else f)
     if not flags or bool(torch.cat(flags).all()):
         return None
+    start = monitor._lasts.get(id(opt))  # the first evaluation's check: the weights the step started from
     monitor._checked[id(opt)] = False  # the full check, on this evaluation's values
-    return monitor.check(opt, scaler)
+    det = monitor.check(opt, scaler)
+    if det is not None and start is not None and start.get("pn"):
+        det.detected["step_update"] = step_update(start, monitor._lasts.get(id(opt)), opt, det.step)
+    return det
+
+
+def step_update(start: Dict[str, Any], now: Optional[Dict[str, Any]], opt: Any, step: int) -> Dict[str, Any]:
+    """What the step's own inner updates did before the failing evaluation (failure path only): the
+    parameter norm the step started from and the one now (non-finite: ``inf``), its first evaluation's
+    loss and gradient norm, the learning rates. The diagnosis reads it as the failing step's update
+    (``nanguard.core.diagnosis.dynamics.with_step_update``): an LBFGS step at lr 1000 that throws the weights
+    x1e18 inside step 0 is its own evidence, with no history before it."""
+    pn = (now or {}).get("pn") or []
+    after = math.hypot(*pn) if pn and all(map(math.isfinite, pn)) else math.inf
+    gn = start.get("gn") or []
+    return {"step": int(step), "param_norm": math.hypot(*start["pn"]), "param_norm_after": after,
+            "loss": start.get("loss"), "grad_norm": math.hypot(*gn) if gn else None,
+            "lr": [float(g["lr"]) for g in opt.param_groups if isinstance(g.get("lr"), (int, float))]}

@@ -117,6 +117,7 @@ class StepMonitor:
         self._open: Dict[int, int] = {}           # per optimizer checked and not updated yet: its step's number
         # per optimizer: (the updates made before it was first seen, its class name), kept after it is freed
         self.born: Dict[int, Tuple[int, str]] = {}
+        self.opt_index: Dict[int, int] = {}       # per optimizer: 0, 1, ... in the order first seen (history's)
         self.roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self.extra_params: List[torch.Tensor] = []  # backward-counting mode without modules
         # optimizer -> post-update param norms per group (backward counting: DEFERRED until the next check)
@@ -169,6 +170,7 @@ class StepMonitor:
             self.views[id(opt)] = OptimizerView(opt, self.config.param_check_every)
             self.counts.setdefault(id(opt), start)
             self.born.setdefault(id(opt), (self.total, type(opt).__name__))
+            self.opt_index.setdefault(id(opt), len(self.opt_index))
             self.names.invalidate()
 
     def add_root(self, module: torch.nn.Module) -> None:
@@ -396,6 +398,7 @@ class StepMonitor:
     def _record(self, key: int, rec: StepRecord) -> None:
         """Append a step's history record; the next check's post-update norms complete it (verdict.after_update)."""
         self._records[key] = rec
+        rec.optimizer = self.opt_index.get(key)
         self.history.append(rec)
 
     def _post_norms(self, key: int, opt: Any, groups: List[List[torch.Tensor]], step: int) -> None:

@@ -25,8 +25,11 @@ from .step import JOINED, ReplayableStep, StepChanges, params_of
 
 def replay_history(snapshot: Any, steps: Sequence[ReplayableStep], modules: Sequence[torch.nn.Module],
                    optimizers: Sequence[Any], *, lr_factor: Optional[float] = None,
-                   max_norm: Optional[float] = None, rates: Optional[Dict[int, List[float]]] = None) -> Dict[str, Any]:
+                   max_norm: Optional[float] = None, rates: Optional[Dict[int, List[float]]] = None,
+                   lr_only: Optional[Sequence[Any]] = None) -> Dict[str, Any]:
     """Replay ``steps`` (consecutive, the first one starting at ``snapshot.step``) from ``snapshot``.
+    ``lr_only``: the optimizers whose rates ``lr_factor`` scales (the one a divergence names, of several);
+    None: every one.
     ``rates``: the learning rates each step ran at (the step history's, one per param group): with
     ``lr_factor`` a step replays at its own rate times the factor (the script's schedule scaled, a warm-up
     included: "scale your schedule by f"), at most the rate now times it (a held cut's cap: a spike the
@@ -43,6 +46,7 @@ def replay_history(snapshot: Any, steps: Sequence[ReplayableStep], modules: Sequ
     try:
         snapshot.restore(modules, optimizers, None)
         groups = [g for o in optimizers for g in o.param_groups]
+        scaled = [lr_only is None or any(o is x for x in lr_only) for o in optimizers for _g in o.param_groups]
         now = [v for lr in lrs for v in lr]
         finite = True
         for st in steps:
@@ -52,8 +56,8 @@ def replay_history(snapshot: Any, steps: Sequence[ReplayableStep], modules: Sequ
                 if own is not None and len(own) == len(groups):  # at most the rate now (the held cut's cap)
                     use = [min(float(a), float(b)) for a, b in zip(own, now)]
                     out["schedule"] = out.get("schedule") or use != [float(x) for x in now]
-                for g, v in zip(groups, use):
-                    g["lr"] = v * lr_factor
+                for g, v, f in zip(groups, use, scaled):
+                    g["lr"] = v * lr_factor if f else v
             o = st.run(changes=StepChanges(keep_grads=True))
             out["replays"] += 1
             if o.losses:
@@ -125,7 +129,8 @@ def consecutive(steps: Dict[int, ReplayableStep], start: int, end: int) -> Optio
 def replay_kept(kept: Dict[int, ReplayableStep], modules: Sequence[torch.nn.Module], optimizers: Sequence[Any],
                 from_step: int, to_step: int, *, steps: int, lr_factor: Optional[float] = None,
                 max_norm: Optional[float] = None, quiet: Optional[Callable[[], ContextManager[Any]]] = None,
-                rates: Optional[Dict[int, List[float]]] = None) -> Dict[str, Any]:
+                rates: Optional[Dict[int, List[float]]] = None,
+                lr_only: Optional[Sequence[Any]] = None) -> Dict[str, Any]:
     """An early warning's candidate change (:mod:`nanguard.core.recovery.tried`): from the state now (the
     rollback's snapshot of ``from_step``, just restored), replay the kept steps ``from_step..to_step``,
     cycled to ``steps`` steps, with the change (``period``: how many distinct steps); the state is put back
@@ -140,7 +145,7 @@ def replay_kept(kept: Dict[int, ReplayableStep], modules: Sequence[torch.nn.Modu
     cycled = [seq[i % len(seq)] for i in range(max(int(steps), 1))]
     with (quiet() if quiet is not None else contextlib.nullcontext()):
         out = replay_history(start, cycled, modules, optimizers, lr_factor=lr_factor, max_norm=max_norm,
-                             rates=rates)
+                             rates=rates, lr_only=lr_only)
     out["period"] = min(len(seq), len(cycled))  # the same batches come back every period steps
     return out
 

@@ -9,7 +9,9 @@ import torch
 from ...core.recovery import RecoveryActions
 from ..gradscaler import scaler_enabled
 from ..rng import capture_rng, restore_rng
+from .betas import beta2_for_replay, raise_beta2, with_betas
 from .clip import clip_grads
+from .focus import focused
 from .loss_scale import unscale_grads
 from .loose import hand_params
 from .lr_backoff import HeldRates, learning_rates, lr_backoff, scale_grads, schedule_peaks
@@ -46,6 +48,8 @@ class TorchActions(RecoveryActions):
         self.scaler = scaler
         self.hooks = hooks if hooks is not None else []
         self.drop = drop
+        self.opt_index: Dict[int, int] = {}  # id(optimizer) -> the history's index of it (the driver's monitor)
+        self.focus: Optional[List[int]] = None  # the history indices of the optimizers the diagnosis names (focus.py)
 
     # -------------------------------------------------------------- the state
     def state_finite(self, with_optimizers: bool = True) -> bool:
@@ -77,15 +81,22 @@ class TorchActions(RecoveryActions):
     def skip_step(self) -> Dict[str, Any]:
         return skip_step(self.optimizers, self.modules)
 
+    def _lr_optimizers(self) -> List[Any]:
+        """Whose learning rates a cut changes: the optimizer the diagnosis names, else every one."""
+        return focused(self.optimizers, self.opt_index, self.focus)
+
     def learning_rates(self) -> List[float]:
-        return learning_rates(self.optimizers)
+        return learning_rates(self._lr_optimizers())
 
     def learning_rate_peaks(self) -> List[float]:
-        return schedule_peaks(self.optimizers)
+        return schedule_peaks(self._lr_optimizers())
 
     def lr_backoff(self, factor: float) -> Dict[str, Any]:
-        rec = lr_backoff(self.optimizers, factor)
-        held = self.held.cut(self.optimizers, factor)
+        opts = self._lr_optimizers()
+        rec = lr_backoff(opts, factor)
+        if len(opts) < len(self.optimizers):
+            rec["optimizers"] = list(self.focus or [])  # the history indices of those cut (the others keep theirs)
+        held = self.held.cut(opts, factor)
         if held:
             rec["held"] = held
         return rec
@@ -107,7 +118,20 @@ class TorchActions(RecoveryActions):
             return {"unavailable": "no optimizer to replay the updates with (hand-written updates)"}
         if self.scaler is not None and scaler_enabled(self.scaler):
             return {"unavailable": "a GradScaler's steps are not replayed"}
-        return self.replayer(from_step, to_step, steps=steps, lr_factor=lr_factor, max_norm=max_norm)
+        opts = self._lr_optimizers()
+        only = {"lr_only": opts} if lr_factor is not None and len(opts) < len(self.optimizers) else {}
+        return self.replayer(from_step, to_step, steps=steps, lr_factor=lr_factor, max_norm=max_norm, **only)
+
+    def can_raise_beta2(self) -> bool:
+        return bool(with_betas(self.optimizers))
+
+    def raise_beta2(self, beta2: float, optimizer: Optional[int] = None) -> Optional[Dict[str, Any]]:
+        return raise_beta2(with_betas(self.optimizers, self.opt_index, optimizer), beta2)
+
+    def replay_beta2(self, from_step: int, to_step: int, *, steps: int, beta2: float,
+                     optimizer: Optional[int] = None) -> Dict[str, Any]:
+        with beta2_for_replay(with_betas(self.optimizers, self.opt_index, optimizer), beta2):
+            return self.replay_kept(from_step, to_step, steps=steps)
 
     def drop_samples(self, rows: List[int]) -> Optional[Dict[str, Any]]:
         return self.drop(rows) if self.drop is not None else None

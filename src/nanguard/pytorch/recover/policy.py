@@ -24,6 +24,7 @@ from ...core.text import counted_list
 from ..detect.tensors import locals_of
 from .actions import TorchActions
 from .lr_backoff import HeldRates
+from .focus import named_index
 from .forward import ForwardReplayer
 from .loss_scale import scale_loss
 
@@ -50,8 +51,12 @@ class RecoveryPolicy(_NeutralPolicy):
                 roots: Sequence[torch.nn.Module] = (), drop: Any = None, replayer: Any = None) -> TorchActions:
         """The actions on these training objects (``drop``: the failing step's drop_samples, if any;
         ``replayer``: the driver's kept steps, replayed: :meth:`_replayer`)."""
-        return TorchActions(modules, optimizers, scaler, roots, self._hooks, drop, self._held, replayer,
+        acts = TorchActions(modules, optimizers, scaler, roots, self._hooks, drop, self._held, replayer,
                             self._exclude())
+        owner = (self._guard() if self._guard is not None else None) or \
+            (self._watcher() if self._watcher is not None else None)
+        acts.opt_index = getattr(getattr(owner, "monitor", None), "opt_index", None) or {}
+        return acts
 
     def maybe_snapshot(self, step: int, modules, optimizers, scaler, loss: Optional[float] = None) -> None:
         """Take the snapshot of the state at the start of ``step`` if a tier wants it."""
@@ -64,6 +69,7 @@ class RecoveryPolicy(_NeutralPolicy):
         """Apply the actions for ``event``. Returns the recovery record, or None to stop (budget/no action)."""
         acts = self.actions(modules, optimizers, scaler, roots, drop,
                             replayer=self._replayer(step, modules, optimizers) if self.auto else None)
+        acts.focus = named_index(event.cause)  # several optimizers: the one whose update grew
         return self.on_failure(event, step=step, actions=acts, history=history)
 
     # ---------------------------------------------------------------- per-step hooks
@@ -90,6 +96,7 @@ class RecoveryPolicy(_NeutralPolicy):
     def spike(self, event, *, step: int, modules, optimizers, scaler, roots, history, rollback: bool):
         """An early warning under on_spike="skip"/"rollback" (the core policy's ``on_spike``)."""
         acts = self.actions(modules, optimizers, scaler, roots, replayer=self._replayer(step, modules, optimizers))
+        acts.focus = named_index(event.cause)
         rec = self.on_spike(event, step=step, actions=acts, history=history, rollback=rollback)
         if rec and (rec.get("actions") or {}).get("rollback"):
             self._rolled_back(rec)

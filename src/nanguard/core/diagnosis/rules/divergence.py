@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 
 from .. import fixes as X
+from .. import per_optimizer as P
 from .. import text as T
 
 # The learning-rate factor (clamped to [1e-4, 0.1] for a first cut, ``lr_backoff_factor``; the
@@ -68,6 +69,8 @@ def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: floa
     """The divergence cause the history supports, or None when it shows no growth. ``outcome``: how the
     growth ended, in the summary ("until it overflowed"; an early warning: "so far")."""
     ctx = ctx or {}
+    if sig.get("by_optimizer"):
+        return _by_optimizer(sig["by_optimizer"], origin, ev, method, conf, ctx, outcome)
     dy = sig.get("dynamics") or {}
     where = outcome + (f" (the overflow surfaced at {T.where(origin)})" if origin else "")
     for k in ("onset_step", "regime_onset_step"):
@@ -100,8 +103,41 @@ def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: floa
     return None
 
 
+def _by_optimizer(per: dict, origin: dict | None, ev: dict, method: str, conf: float, ctx: dict,
+                  outcome: str) -> dict | None:
+    """Several optimizers (``per_optimizer.py``): the rules on each one's own signals and facts. The cause of
+    the one whose update grew the most (``per_optimizer.growth``), named, with fixes for it alone; the
+    evidence lists every optimizer whose own steps diverge (``optimizer.indices``: a recovery cuts those).
+    When every one of them diverges, the cause is worded for them all (no one optimizer to name)."""
+    hits = []
+    for i, s in per.items():
+        r = divergence(s, origin, dict(ev), method, conf, P.context_for(ctx, int(i)), outcome)
+        if r is not None:
+            hits.append((P.growth(s.get("dynamics") or {}), int(i), r))
+    if not hits:
+        return None
+    _g, i, r = max(hits, key=lambda h: h[0])
+    indices = sorted(h[1] for h in hits)
+    others = [P.label_of(ctx, int(j)) for j in per if int(j) not in indices]
+    if not others:  # each optimizer's own steps diverge: the cause of the one that grew most, for them all
+        c = dict(P.context_for(ctx, i), optimizer_label=None)
+        r = divergence(per[i], origin, dict(ev), method, conf, c, outcome) or r
+        r["evidence"]["optimizer"] = {"indices": indices, "labels": [P.label_of(ctx, j) for j in indices]}
+        r["summary"] += f" (each optimizer's own steps grew: {', '.join(P.label_of(ctx, j) for j in indices)})"
+        return r
+    label = P.label_of(ctx, i)
+    r["evidence"]["optimizer"] = {"index": i, "indices": indices, "label": label,
+                                  "lr": P.context_for(ctx, i).get("lr"), "others": others}
+    r["summary"] += (f" (read from {label}'s own steps: its updates grew; {', '.join(others)} stepping in the "
+                     "same run did not make this growth)")
+    return r
+
+
 def history_words(sig: dict) -> str:
     """What the history says when no divergence rule matched: never "no divergence" when it grew."""
+    if sig.get("by_optimizer"):  # each optimizer's own history: the first that shows growth
+        words = [history_words(s) for s in sig["by_optimizer"].values()]
+        return next((w for w in words if w != _NONE), _NONE)
     dy = sig.get("dynamics") or {}
     tot = dy.get("loss_growth_total")
     if T.fin(tot) and tot >= 10:
@@ -110,7 +146,10 @@ def history_words(sig: dict) -> str:
     if dy.get("param_growth_significant"):
         return (f"the parameter norm grew {T.g(dy.get('param_norm_before'))} -> {T.g(dy.get('param_norm_last'))} "
                 "over the last updates")
-    return "the history shows no divergence"
+    return _NONE
+
+
+_NONE = "the history shows no divergence"
 
 
 # ---------------------------------------------------------------------------- 1. an outlier batch
@@ -260,18 +299,22 @@ def backoff(dy: dict, ctx: dict, measured: bool) -> float:
 def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[str, list[str], str | None]:
     """What made the step too large, in words; the fixes for it; why lowering the lr alone is not sound."""
     opt = str(ctx.get("optimizer") or "")
-    betas = ctx.get("betas")
     mom = ctx.get("momentum")
+    lab = ctx.get("optimizer_label")  # several optimizers: the one whose update grew (per_optimizer.py)
+    of = f" of {lab}" if lab else ""
     factor = backoff(dy, ctx, measured)
     new = T.g(T.nice(lr * factor), 2) if lr else None
-    if "adam" in opt.lower() and isinstance(betas, (list, tuple)) and len(betas) == 2 and T.fin(betas[1]) \
-            and betas[1] < 0.9:
-        b2 = float(betas[1])
+    b2 = low_beta2(ctx)
+    if b2 is not None:
         why = (f"{opt}'s beta2 = {T.g(b2)} makes the second-moment estimate forget within "
                f"{T.g(1 / max(1 - b2, 1e-9), 2)} steps, so the update m / sqrt(v) is not normalised by the gradient's "
                "history: parameters whose gradient shrinks or is 0 in most batches (rarely used rows, "
                "embeddings) get steps of up to ~lr / eps")
-        fixes = [f"use betas=({T.g(betas[0])}, 0.999) (beta2 close to 1; 0.95-0.999 are the usual values)",
+        b1 = T.g(ctx["betas"][0])
+        fixes = [X.say(pytorch=f"use betas=({b1}, 0.999) in {lab or (opt + '(...)')}, not betas=({b1}, {T.g(b2)})",
+                       tensorflow=f"use beta_2=0.999 in {lab or (opt + '(...)')}, not beta_2={T.g(b2)}",
+                       jax=f"use b2=0.999 in {lab or 'optax.adam(...)'}, not b2={T.g(b2)}")
+                 + " (beta2 close to 1; 0.95-0.999 are the usual values)",
                  "if you meant a short memory, raise eps (e.g. 1e-6) so sqrt(v) + eps cannot vanish"]
         unsound = (f"lowering the learning rate does not fix beta2 = {T.g(b2)} (the update stays unnormalised and "
                    "grows again): change betas")
@@ -317,10 +360,10 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
                                "or lengthen the warm-up", new, T.g(factor, 2)), "check the schedule itself: a warm-up factor must stop at 1 "
                  "(e.g. min(1, (step + 1) / warmup_steps))"]
         return why, fixes, None
-    name = opt or "this optimizer"
+    name = lab or opt or "this optimizer"
     why = f"the learning rate {T.g(lr)} is too high for {name} here" if lr else "the step size is too large"
-    fixes = [f"lower the learning rate from {T.g(lr)} to {X.lr_about(new)}" if lr else
-             f"lower the learning rate {X.lr_by_10x()} or more"]
+    fixes = [f"lower the learning rate{of} from {T.g(lr)} to {X.lr_about(new)}" if lr else
+             f"lower the learning rate{of} {X.lr_by_10x()} or more"]
     now = [x for x in (ctx.get("lr") or []) if T.fin(x)]
     if lr and now and max(now) >= 1.5 * lr:  # the schedule went on rising after the update that diverged
         why += (f"; the schedule is still rising (a warm-up: {T.g(lr)} at the update that diverged, {T.g(max(now))} "
@@ -329,6 +372,29 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
                                "its peak no higher (multiply the base lr by {factor}, or by less if the warm-up still "
                                f"rises well past {T.g(lr)}), or lengthen the warm-up", new, T.g(factor, 2))]
     return why, fixes, None
+
+
+def low_beta2(ctx: dict) -> float | None:
+    """Adam's beta2 when it is far below the usual 0.95-0.999 (< 0.9: the second moment forgets within ~10
+    steps), else None."""
+    opt, betas = str(ctx.get("optimizer") or ""), ctx.get("betas")
+    if "adam" in opt.lower() and isinstance(betas, (list, tuple)) and len(betas) == 2 and T.fin(betas[1]) \
+            and betas[1] < 0.9:
+        return float(betas[1])
+    return None
+
+
+def _unsound(ev: dict, unsound: str | None, ctx: dict) -> None:
+    """Why a learning-rate cut cannot be sound, on the evidence; for a low beta2 also the fix a recovery can
+    apply instead (``beta2_fix``: core/recovery/beta2.py)."""
+    if not unsound:
+        return
+    ev["recovery_unsound"] = unsound
+    b2 = low_beta2(ctx)
+    if b2 is not None:
+        ev["beta2_fix"] = {"beta2": b2, "to": 0.999, "betas": list(ctx.get("betas") or []),
+                           **({"optimizer": ctx["optimizer_index"]} if isinstance(ctx.get("optimizer_index"), int)
+                              else {})}
 
 
 def clip_fix(sig: dict, also: str = "add a warm-up") -> str:
@@ -353,8 +419,7 @@ def params_grew(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: 
     if lr:  # per param group, as every other rule gives it (the hand-written update's: its measured size)
         ev["lr"] = [lr] if measured else (sig.get("lr") or [lr])
     why, fixes, unsound = _why_step(dy, ctx, lr, measured)
-    if unsound:
-        ev["recovery_unsound"] = unsound
+    _unsound(ev, unsound, ctx)
     if dy.get("param_growth_significant"):
         parts = [f"the parameter norm grew {T.g(dy.get('param_norm_before'))} -> {T.g(dy.get('param_norm_last'))} "
                  f"over {k} update{'s' if k != 1 else ''} from step {dy.get('param_growth_from_step')}"]
@@ -458,8 +523,7 @@ def one_update(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: s
     if lr:
         ev["lr"] = [lr] if measured else (sig.get("lr") or [lr])
     why, fixes, unsound = _why_step(dy, ctx, lr, measured)
-    if unsound:
-        ev["recovery_unsound"] = unsound
+    _unsound(ev, unsound, ctx)
     if T.fin(size):
         moved = (f"the update of step {s} alone moved the weights by {T.g(size, 2)}× their norm (update/weight "
                  f"ratio; {HEALTHY_RATIO})")
