@@ -172,3 +172,13 @@ def test_low_beta2_diagnosis_gives_the_fix_to_apply():
     assert out["category"] == "lr_too_high", out["summary"]
     assert out["evidence"]["beta2_fix"]["to"] == 0.999 and out["evidence"]["beta2_fix"]["beta2"] == 0.1
     assert out["fixes"][0].startswith("use betas=(0.9, 0.999) in Adam(...), not betas=(0.9, 0.1)"), out["fixes"][0]
+
+
+def test_optimizers_one_after_another_are_not_split():
+    # a first stage's Adam (steps 0-15), then a fine-tuning SGD (from step 16): one optimizer at a time, the
+    # optimizer-switch rule reads that history as it is; only optimizers stepping together are split
+    h = [{"step": s, "optimizer": 0 if s < 16 else 1, "loss": 1.0, "grad_norm": 1.0, "param_norm": 5.0,
+          "lr": [1e-3 if s < 16 else 5.0], "skipped": False} for s in range(20)]
+    assert split(h) is None
+    h.append({"step": 20, "optimizer": 0, "loss": 1.0, "grad_norm": 1.0, "param_norm": 5.0, "lr": [1e-3]})
+    assert sorted(split(h)) == [0, 1]  # the first one stepping again, with the second: together

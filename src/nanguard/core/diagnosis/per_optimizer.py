@@ -23,9 +23,12 @@ _OWN = ("optimizer", "lr", "eps", "betas", "momentum", "nesterov", "max_iter", "
 
 
 def split(history: Sequence[dict]) -> Optional[Dict[int, List[dict]]]:
-    """Each optimizer's records (oldest first), by the index they carry; None with fewer than two
-    optimizers. A record with no index (a closure step's own update) goes with the optimizer of the
-    record before it."""
+    """Each optimizer's records (oldest first), by the index they carry, for the optimizers that step
+    together with the one of the latest record (a GAN's two); None when fewer than two do. An optimizer
+    whose steps all came before the latest one's first (a first training stage, a fine-tuning stage's
+    predecessor) is no partner: that history is one optimizer after another, which the optimizer-switch
+    rule reads as it is. A record with no index (a closure step's own update) goes with the optimizer of
+    the record before it."""
     out: Dict[int, List[dict]] = {}
     cur: Optional[int] = None
     for h in history or ():
@@ -36,7 +39,16 @@ def split(history: Sequence[dict]) -> Optional[Dict[int, List[dict]]]:
             cur = i
         if cur is not None:
             out.setdefault(cur, []).append(h)
-    return out if len(out) >= 2 else None
+    if cur is None or len(out) < 2:
+        return None
+    start = _step(out[cur][0])
+    together = {i: recs for i, recs in out.items() if i == cur or _step(recs[-1]) > start}
+    return together if len(together) >= 2 else None
+
+
+def _step(h: dict) -> int:
+    s = h.get("step")
+    return s if isinstance(s, int) else -1
 
 
 def label_of(ctx: dict, index: int) -> str:
