@@ -98,3 +98,39 @@ def test_a_healthy_run_warns_not_and_loads_no_replay():
     drv, losses, _ = _loop(0.003, steps=30)
     assert not [e for e in drv.report.events if e.is_warning] and np.isfinite(losses).all()
     assert "nanguard.jax.warn_fix" not in sys.modules
+
+
+def _nnx_loop(test_fixes):
+    """A Flax NNX model (dropout drawing from its own Rngs) trained through ``nnx.jit`` and ``nnx.Optimizer``:
+    the jitted call is the inner one on the split states, under NNX's update context."""
+    nnx = pytest.importorskip("flax.nnx")
+    rng = np.random.default_rng(1)
+    with ngjax.watch(report=None, quiet=True, on_nonfinite="warn") as drv:
+        drv.spikes.test_fixes = test_fixes
+
+        class Net(nnx.Module):
+            def __init__(self, rngs):
+                self.drop, self.lin = nnx.Dropout(0.1, rngs=rngs), nnx.Linear(4, 1, rngs=rngs)
+
+            def __call__(self, x):
+                return self.lin(self.drop(x))[:, 0]
+        model = Net(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.sgd(0.07), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, opt, xb, yb):
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(xb) - yb) ** 2))(model)
+            opt.update(model, grads)
+            return loss
+        losses = [float(step(model, opt, X[i], Y[i])) for i in (rng.integers(0, N, 64) for _ in range(12))]
+    return drv, losses, nnx.state(model, nnx.Param)
+
+
+def test_an_nnx_step_is_replayed_under_its_update_context_and_trains_on_untouched():
+    drv, losses, state = _nnx_loop(True)
+    c = _warning(drv).cause
+    assert _passed(c) and _passed(c)[0]["text"].startswith("lr 0.07 -> "), c.get("tested_fixes")
+    drv2, losses2, state2 = _nnx_loop(False)
+    assert np.array(losses).tobytes() == np.array(losses2).tobytes()
+    for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(state2)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

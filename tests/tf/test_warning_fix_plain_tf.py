@@ -2,8 +2,8 @@
 put back. A ``@tf.function`` tape step is replayed as it was called; a ``fit`` keeps no batch, so the warning
 re-makes its train function to hand the next step's batch to the host, the fix is replayed on it and the train
 function made again without it; an eager tape step is the script's own code: untested, and why. The run trains
-on bit-for-bit as with the replays off (a dropout layer draws the same masks), and a healthy run never traces
-anything more."""
+on bit-for-bit as with the replays off (a dropout layer draws the same masks, a tape step's own
+``tf.random.Generator`` the same noise), and a healthy run loads none of it."""
 from __future__ import annotations
 
 import sys
@@ -44,11 +44,12 @@ np.savez(OUT, np.array(losses), *[v.numpy() for v in model.weights])
 
 TAPE = DATA + '''
 optimizer = keras.optimizers.SGD(learning_rate=LR)
+noise = tf.random.Generator.from_seed(3)  # input jitter: a generator the replays must leave as it was
 
 
 def train_step(xb, yb):
     with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+        loss = tf.reduce_mean(tf.square(model(xb + 0.01 * noise.normal(tf.shape(xb)), training=True) - yb))
     grads = tape.gradient(loss, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     return loss

@@ -19,7 +19,7 @@ _ARRAY = (jax.Array, np.ndarray)
 
 def _is_float(x: Any) -> bool:
     dt = getattr(x, "dtype", None)
-    return dt is not None and np.issubdtype(np.dtype(dt), np.floating)
+    return dt is not None and jax.numpy.issubdtype(dt, np.floating)  # (a typed PRNG key's dtype is no NumPy one)
 
 
 def _context_of(fun: Any) -> Any:

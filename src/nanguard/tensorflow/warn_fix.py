@@ -20,8 +20,9 @@ Nothing here runs before a warning: a healthy run pays nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -90,8 +91,36 @@ def test_fix(w: Any, spikes: Any, event: Any, step: int, history: list) -> Optio
         return untested(EAGER_WHY)
     fn, args, kwargs = call
     run = [(step, lambda: fn(*args, **kwargs))]
-    test_warning_fix(event, history, step, _learning_rates(w), lambda **kw: replay(w, run, **kw))
+    with _kept(_captured(fn, args, kwargs)):  # a step counter, a tf.random.Generator the step draws from
+        test_warning_fix(event, history, step, _learning_rates(w), lambda **kw: replay(w, run, **kw))
     return warning_fix_words(event)
+
+
+def _captured(fn: Any, args: tuple, kwargs: dict) -> List[Any]:
+    """The variables the traced step ``fn`` captures (its concrete function for these arguments, traced
+    already), beyond the models' and optimizers' that the replay puts back itself; [] when not found."""
+    try:
+        return list(fn.get_concrete_function(*args, **kwargs).variables)
+    except Exception:
+        return []
+
+
+@contextlib.contextmanager
+def _kept(variables: Sequence[Any]) -> Iterator[None]:
+    """The values of ``variables`` put back after the block (no write of the script's: the watcher's
+    outside-write check does not see it)."""
+    from .state import tl_get, tl_set
+    saved = [(v, np.array(v.numpy())) for v in variables]
+    try:
+        yield
+    finally:
+        depth = tl_get("apply_depth")
+        tl_set("apply_depth", depth + 1)
+        try:
+            for v, a in saved:
+                v.assign(a)
+        finally:
+            tl_set("apply_depth", depth)
 
 
 def _learning_rates(w: Any) -> List[float]:
