@@ -118,6 +118,7 @@ class _Series:
     def __init__(self, window: int) -> None:
         self.vals: Deque[Tuple[int, float]] = deque(maxlen=window)
         self.ordered: List[float] = []
+        self._pos: Dict[int, Tuple[Tuple[int, int, float], ...]] = {}  # the baseline's positions per length
 
     def add(self, step: int, v: float) -> None:
         if len(self.vals) == self.vals.maxlen:
@@ -136,7 +137,10 @@ class _Series:
         if not self.vals:
             return None
         s = self.ordered
-        med, q10, q90 = _quantiles(s)
+        pos = self._pos.get(len(s))
+        if pos is None:  # (worked out once per length: the baseline runs every step)
+            pos = self._pos[len(s)] = _positions(len(s), (0.5, 0.1, 0.9))
+        med, q10, q90 = [s[lo] + (s[hi] - s[lo]) * f for lo, hi, f in pos]
         width = max(q90 - q10, floor * abs(med), 1e-12)
         return med, width, s[-1]
 
@@ -339,15 +343,18 @@ def _quantile(s: List[float], q: float) -> float:
 
 
 def _quantiles(s: List[float], qs: Tuple[float, ...] = (0.5, 0.1, 0.9)) -> List[float]:
-    """The linear-interpolation quantiles ``qs`` of the sorted, non-empty ``s`` (the baseline's three in one
-    call: it runs every step)."""
-    n1 = len(s) - 1
+    """The linear-interpolation quantiles ``qs`` of the sorted, non-empty ``s``."""
+    return [s[lo] + (s[hi] - s[lo]) * f for lo, hi, f in _positions(len(s), qs)]
+
+
+def _positions(n: int, qs: Tuple[float, ...]) -> Tuple[Tuple[int, int, float], ...]:
+    """(lower index, upper index, fraction) of each quantile of ``qs`` in a sorted list of ``n`` values."""
     out = []
     for q in qs:
-        k = n1 * q
-        lo, hi = int(math.floor(k)), int(math.ceil(k))
-        out.append(s[lo] + (s[hi] - s[lo]) * (k - lo))
-    return out
+        k = (n - 1) * q
+        lo = int(math.floor(k))
+        out.append((lo, int(math.ceil(k)), k - lo))
+    return tuple(out)
 
 
 _NUM = (int, float)

@@ -79,7 +79,7 @@ class OptimizerView:
         self.n_params = n
         self.k, self.slices, self.slice_of = plan_slices(self.groups, self.every)
         self.grad_plans = [NormPlan(g) for g in self.groups]  # gradients are shaped like their params
-        self.slice_plans = [[NormPlan(part, stable=True) for part in s] for s in self.slices]  # parameters: views kept
+        self.slice_plans = [[NormPlan(part) for part in s] for s in self.slices]
 
     def all_params(self) -> List[torch.Tensor]:
         return [p for g in self.groups for p in g]
