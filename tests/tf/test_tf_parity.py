@@ -22,7 +22,7 @@ from nanguard.tensorflow.watch import TFWatcher  # noqa: E402
 # the KerasActions methods each recovery action acts through
 _METHODS = {"skip_step": ("skip_step",), "rollback": ("take_snapshot", "restore"), "lr_backoff": ("lr_backoff",),
             "clip": ("clip_gradients",), "upcast": ("upcast",), "loss_scale": ("unscale_gradients",),
-            "drop_samples": ("drop_samples",)}
+            "drop_samples": ("drop_samples",), "raise_beta2": ("raise_beta2", "replay_beta2")}
 
 
 def _actions():
