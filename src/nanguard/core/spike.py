@@ -73,6 +73,7 @@ on every divergence scenario: a warning 1 to 20 steps before the first non-finit
 """
 from __future__ import annotations
 
+import functools
 import math
 from bisect import bisect_left, insort
 from collections import deque
@@ -118,7 +119,7 @@ class _Series:
     def __init__(self, window: int) -> None:
         self.vals: Deque[Tuple[int, float]] = deque(maxlen=window)
         self.ordered: List[float] = []
-        self._pos: Dict[int, Tuple[Tuple[int, int, float], ...]] = {}  # the baseline's positions per length
+        self._pos = _baseline_positions(window)  # the baseline's quantile positions for each length
 
     def add(self, step: int, v: float) -> None:
         if len(self.vals) == self.vals.maxlen:
@@ -137,10 +138,8 @@ class _Series:
         if not self.vals:
             return None
         s = self.ordered
-        pos = self._pos.get(len(s))
-        if pos is None:  # (worked out once per length: the baseline runs every step)
-            pos = self._pos[len(s)] = _positions(len(s), (0.5, 0.1, 0.9))
-        med, q10, q90 = [s[lo] + (s[hi] - s[lo]) * f for lo, hi, f in pos]
+        (lo, hi, f), (lo1, hi1, f1), (lo9, hi9, f9) = self._pos[len(s)]  # (_quantiles inline: it runs every step)
+        med, q10, q90 = s[lo] + (s[hi] - s[lo]) * f, s[lo1] + (s[hi1] - s[lo1]) * f1, s[lo9] + (s[hi9] - s[lo9]) * f9
         width = max(q90 - q10, floor * abs(med), 1e-12)
         return med, width, s[-1]
 
@@ -345,6 +344,12 @@ def _quantile(s: List[float], q: float) -> float:
 def _quantiles(s: List[float], qs: Tuple[float, ...] = (0.5, 0.1, 0.9)) -> List[float]:
     """The linear-interpolation quantiles ``qs`` of the sorted, non-empty ``s``."""
     return [s[lo] + (s[hi] - s[lo]) * f for lo, hi, f in _positions(len(s), qs)]
+
+
+@functools.lru_cache(maxsize=8)
+def _baseline_positions(window: int) -> Tuple[Tuple[Tuple[int, int, float], ...], ...]:
+    """The baseline's (median, 10%, 90%) positions for every length up to ``window`` (index 0: unused)."""
+    return ((),) + tuple(_positions(n, (0.5, 0.1, 0.9)) for n in range(1, window + 1))
 
 
 def _positions(n: int, qs: Tuple[float, ...]) -> Tuple[Tuple[int, int, float], ...]:
