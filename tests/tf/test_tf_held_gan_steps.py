@@ -1,11 +1,13 @@
-"""A GAN's ``train_step`` (a critic update, then a generator update) under ``model.fit`` with
-``steps_per_execution=2`` and recovery: a NaN row in batch 2 fails its critic update (step 4), batch 3
-(steps 6 and 7, in the same graph call) is held behind it and re-run after the recovery. The held re-run
-is a whole ``train_step`` of which only the held optimizer's update (the critic's: the failure halted
-its updates) is applied; the generator's update of batch 3 was not halted and ran in-graph. So each
-optimizer makes as many updates as with one batch per call. On the old code the re-run was refused for
-making two updates (one was required), and the healthy batch 3 became a failure of its own ('other',
-skipped); applying both re-run updates would give the generator one update too many."""
+"""A GAN's ``train_step`` (a critic update, then a generator update) under ``model.fit`` and recovery: the
+batch is the unit. A NaN row in batch 2 fails its critic update (step 4); the generator's update of that
+batch (step 5) is held in-graph behind it (whichever optimizer makes it), and the recovery acts on the whole
+``train_step``: ``drop_samples`` re-runs it without the bad row, both updates applied; ``skip_step`` skips
+both. With ``steps_per_execution=2`` batch 3 (steps 6 and 7, in the same graph call) is held too and re-run
+whole after the recovery. So each optimizer makes one update per batch that trained, whatever the call
+size. On the old code the generator's update of the failing batch ran on (its critic's skipped: one
+update too many for the generator), the drop re-run was refused for making two updates (the batch was
+skipped, its bad row not dropped), and with two batches per call the held batch's generator update ran
+in-graph while its critic's was re-run alone."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,27 +23,35 @@ import nanguard.keras  # noqa: E402
 BAD_ROW = 2 * 8 + 3   # batch 2 of 8 rows, unshuffled
 
 
-def _fit(spe: int):
+def _fit(spe: int, recover: str = "auto"):
     keras.utils.set_random_seed(0)
     real = np.random.default_rng(0).normal(size=(48, 4)).astype("float32")
     real[BAD_ROW, 1] = np.nan
     model = _Gan((None, -1))
     model.compile(keras.optimizers.Adam(1e-3), keras.optimizers.Adam(1e-3))
     model.steps_per_execution = spe
-    cb = nanguard.keras.NanGuard(report=None, quiet=True, recover="auto")
+    cb = nanguard.keras.NanGuard(report=None, quiet=True, recover=recover)
     model.fit(real, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
     return model, cb.report
 
 
-def test_a_held_gan_batch_reruns_both_updates():
-    ref, ref_rep = _fit(1)
-    model, rep = _fit(2)
-    assert [(e.step, (e.recovery or {}).get("action")) for e in ref_rep.events] == [(4, "skip_step")]
+def _counts(model):
+    return [int(model.d_opt.iterations.numpy()), int(model.g_opt.iterations.numpy())]
+
+
+@pytest.mark.parametrize("spe", [1, 2])
+def test_a_failing_gan_batch_is_dropped_whole(spe):
+    model, rep = _fit(spe)
     events = [(e.step, e.cause["category"], (e.recovery or {}).get("action")) for e in rep.events]
-    assert events == [(4, "bad_input_data", "skip_step")], events      # old code: + (6, 'other', skip_step)
+    assert events == [(4, "bad_input_data", "drop_samples")], events   # old code: skip_step (spe 2: + 'other')
+    assert rep.events[0].recovery["actions"]["drop_samples"]["rows"] == [3]
     assert rep.status == "recovered"
-    # as many updates as one batch per call: batch 3's critic update re-applied, the generator's not twice
-    counts = [(int(o.iterations.numpy()), int(o_ref.iterations.numpy()))
-              for o_ref, o in ((ref.d_opt, model.d_opt), (ref.g_opt, model.g_opt))]
-    assert counts == [(5, 5), (6, 6)], counts
+    assert _counts(model) == [6, 6]   # old code: [5, 6] (the generator's update of the failing batch ran)
+    assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
+
+
+def test_a_skipped_gan_batch_skips_its_generator_update_too():
+    model, rep = _fit(1, recover="skip_step")
+    assert [(e.step, (e.recovery or {}).get("action")) for e in rep.events] == [(4, "skip_step")]
+    assert _counts(model) == [5, 5], _counts(model)   # old code: [5, 6]
     assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)

@@ -113,6 +113,7 @@ class FailurePipeline:
     def __init__(self, ports: Ports) -> None:
         self.ports = ports
         self.firsts: Dict[str, Event] = {}  # TRAIN / EVAL -> the first event of that kind
+        self.first_phases: Dict[str, str] = {}  # its detector phase (before its replay refined it)
 
     def first(self, kind: str = TRAIN) -> Optional[Event]:
         return self.firsts.get(kind)
@@ -144,7 +145,7 @@ class FailurePipeline:
                     and not (run is not None and run.reproduced):
                 run = Localized.coerce(self.ports.relocalize(det, run)) or run  # None: no re-run ran
             ev = self.ports.share(self.diagnose(det, history, run), det)
-            self.firsts[kind] = ev
+            self.firsts[kind], self.first_phases[kind] = ev, det.phase
             return ev
         # every event is shared: only the rank where the failure was seen replays it, so the others
         # would otherwise decide (and recover) on a different event
@@ -152,7 +153,8 @@ class FailurePipeline:
             # the first failure's values were let through (warn mode); a recovered one left none
             return self.ports.share(consequence_event(det, first), det)
         if run is None or not run.reproduced:
-            return self.ports.share(recurrence_event(det, first, history, self.ports.context()), det)
+            return self.ports.share(recurrence_event(det, first, history, self.ports.context(),
+                                                     first_phase=self.first_phases.get(kind)), det)
         ev = self.diagnose(det, history, run)
         return self.ports.share(as_recurrence(ev, first) if same_cause(ev, first) else ev, det)
 
@@ -160,6 +162,7 @@ class FailurePipeline:
         """``event`` was diagnosed for ``det`` outside :meth:`explain` (e.g. a recovery's own
         diagnosis): later failures are compared with it."""
         self.firsts.setdefault(kind_of(det), event)
+        self.first_phases.setdefault(kind_of(det), det.phase)
 
 
 def event_order(e: Event) -> tuple:

@@ -109,8 +109,15 @@ def _describe_localization(det: Detection, loc_run: Optional[Dict[str, Any]], re
 
 
 def recurrence_event(det: Detection, first: Event, history: Sequence[dict],
-                     context: Optional[Dict[str, Any]] = None) -> Event:
-    """A later failure: same phase as the first one -> same diagnosis (not re-localized); else diagnose anew."""
+                     context: Optional[Dict[str, Any]] = None, first_phase: Optional[str] = None) -> Event:
+    """A later failure: same phase as the first one -> same diagnosis (not re-localized); else diagnose anew.
+    ``first_phase``: the first one's detector phase, which its replay may have refined (bad rows found in
+    the batch: 'forward' -> 'data'); an unreplayed later failure is compared like with like (an actor-critic's
+    critic update after its actor's, on the same episode's NaN reward: both 'forward' at the check)."""
+    seen = ""
+    if first_phase is not None and det.phase == first_phase != first.phase and det.phase != "params":
+        seen = f" (both '{first_phase}' at the check, which its replay refined to '{first.phase}')"
+        det = dataclasses.replace(det, phase=first.phase)
     if det.phase == "optimizer" and first.phase == "params" and _same_params(det, first):
         # The first failure was shown (by its replay) to be parameters corrupted outside the update;
         # the same parameters non-finite after a later update is that corruption again.
@@ -121,7 +128,7 @@ def recurrence_event(det: Detection, first: Event, history: Sequence[dict],
         cause["evidence"] = {"same_as_step": first.step, "detected": det.detected}
         return Event(step=det.step, phase=det.phase, origin=first.origin, cause=cause, fixes=list(first.fixes),
                      detected=det.detected, rank=getattr(det, "rank", None), recurrence_of=first.step, count=1,
-                     localization={"method": f"not replayed: same phase as the failure at step {first.step}, "
+                     localization={"method": f"not replayed: same phase as the failure at step {first.step}{seen}, "
                                              f"assumed to be its recurrence", "reproduced": None})
     return build_event(det, None, history, context)
 

@@ -79,7 +79,9 @@ class KerasBench(Bench):
         """Kept steps whose state and call, and those of every step after them up to the failing one,
         are there (history replays start from them)."""
         calls, values, n = self.history.get("calls") or {}, self.history.get("values") or {}, self.cap.step
-        return [t for t in sorted(values) if t < n and all(s in calls for s in range(t, n + 1))]
+        joined = self.history.get("joined") or ()  # steps a kept call of an earlier step makes (a GAN batch's)
+        return [t for t in sorted(values) if t < n and t in calls
+                and all(s in calls or s in joined for s in range(t, n + 1))]
 
     def module_chain(self, path: Optional[str]) -> List[str]:
         """The origin's layer path, then its parents, then the whole model (``""``)."""
@@ -217,7 +219,7 @@ class KerasBench(Bench):
         clips = {k: getattr(inner, k, None) for k in ("clipnorm", "clipvalue", "global_clipnorm")}
         w = cap.watcher
         prev_eager = tf.config.functions_run_eagerly()
-        ok, losses = True, []
+        ok, losses, own = True, [], 0
         try:
             vals = self.history["values"][start]
             for k, v in cap.variables.items():
@@ -228,10 +230,15 @@ class KerasBench(Bench):
             if max_norm is not None:
                 inner.clipnorm, inner.clipvalue, inner.global_clipnorm = None, None, float(max_norm)
             tf.config.run_functions_eagerly(True)
-            for s in range(start, cap.step + 1):
+            joined = self.history.get("joined") or ()
+            calls = [s for s in range(start, cap.step + 1) if s not in joined or s == start]
+            for i, s in enumerate(calls):
                 fn, args, kwargs = self.history["calls"][s]
-                probe = _Probe()
-                probe.apply_update = s < cap.step
+                last = i == len(calls) - 1
+                # a call makes the updates of its step and of the steps joined to it (a GAN batch's): all
+                # applied, but in the failing update's call only those before it, and the check is its own
+                want = (calls[i + 1] if not last else cap.step + 1) - s
+                probe = _UpTo(want - 1 if last else want)
                 w.replay_hooks = probe
                 try:
                     fn(*args, **kwargs)
@@ -240,15 +247,18 @@ class KerasBench(Bench):
                 e.replays += 1
                 e.work += 1
                 losses += probe.losses[:1]
-                if probe.updates != 1:
-                    e.error = (f"step {s}'s call reached {probe.updates} optimizer updates, not one: its update "
-                               "is not replayed with it")
+                own += sum(o is cap.optimizer for o in probe.applied_by)
+                if probe.updates < want or (probe.updates != want and not last):
+                    e.error = (f"step {s}'s call reached {probe.updates} optimizer updates, not {want}: its "
+                               "updates are not replayed with it")
                     break
-                ok = probe.seen and probe.finite and (s == cap.step or all(
-                    _finite(v) for v in cap.variables.values()))
+                ok = probe.verdict() and (last or all(_finite(v) for v in cap.variables.values()))
                 if not ok:
                     e.details["failed_at"] = e.details["non_finite_at_step"] = s
                     break
+            if own == 0 and e.error is None:  # (a GAN's generator failing after the critic's update of its batch)
+                e.error = ("no update of the failing optimizer comes before the failing one in the replayed "
+                           "steps: the change would not reach it")
         finally:
             tf.config.run_functions_eagerly(prev_eager)
             if factor is not None:
@@ -340,6 +350,35 @@ _RUNNERS: Dict[str, Callable[[KerasBench, Experiment, float], None]] = {
     "drop_samples": KerasBench._drop_samples, "upcast_module": KerasBench._upcast_module,
     "float64_step": KerasBench._float64_step, "determinism": KerasBench._determinism,
     "lr_replay": KerasBench._lr_replay, "clip_replay": KerasBench._clip_replay}
+
+
+class _UpTo(_Probe):
+    """A history replay's probe for one kept call: its first ``n`` updates applied; the verdict (loss and
+    gradients finite, the loss seen) is read when the call reaches its update ``n + 1`` (the failing
+    update's own, in the failing batch's call), or at its end: what a GAN batch computes after the failing
+    update is no part of the test."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.at: Optional[bool] = None
+        self.applied_by: List[Any] = []   # the optimizer of each update applied
+
+    def update_seen(self, opt: Any) -> None:
+        if self.updates < self.n:   # (called before set_stage counts the update)
+            self.applied_by.append(opt)
+
+    @property  # type: ignore[override]
+    def apply_update(self) -> bool:
+        return self.updates <= self.n
+
+    def set_stage(self, stage: str) -> None:
+        super().set_stage(stage)
+        if stage == "optimizer" and self.updates == self.n + 1 and self.at is None:
+            self.at = self.seen and self.finite
+
+    def verdict(self) -> bool:
+        return self.at if self.at is not None else (self.seen and self.finite)
 
 
 def cross_replica(fn: Callable[[], Any]) -> Any:

@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from . import detect as D
-from .state import FN_STATES, OptState, Pending, active, tl_get, tl_set
+from .state import FN_STATES, OptState, Pending, active, batch_halt_var, tl_get, tl_set
 
 __all__ = ["apply_graph", "run_update", "loss_parts", "data_ok", "lr_scale", "discarded_trace"]
 
@@ -112,6 +112,10 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
     # fit, steps_per_execution > 1, under recovery: a failing step holds the rest of its call, each held step
     # captured (slow path) for its re-run after the recovery (.recover_held); never where no capture can be made
     hold = p.hold and w.capture is not None and p.batch is not None and not _in_xla()
+    # fit under recovery: a failing update also holds the later updates of its call whichever optimizer makes
+    # them (the rest of its train_step: the batch is the unit; a shared flag, .state.batch_halt_var)
+    batch_halt = batch_halt_var() if (w.recovering and w.capture is not None and p.batch is not None
+                                      and not _in_xla()) else None
     with tf.name_scope("nanguard_check"):
         step = st.counter.read_value()
         n_before = st.updates.read_value()  # the run's step: updates by every optimizer before this one
@@ -123,7 +127,9 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
         quick = tf.logical_and(tf.logical_and(loss_ok, d_ok), tf.math.is_finite(gsq))
         quick = tf.logical_and(quick, tf.logical_not(st.force.read_value()))   # set after an outside write
         halted = st.halt.read_value()
-        if hold:
+        if batch_halt is not None:
+            halted = tf.logical_or(halted, batch_halt.read_value())
+        if hold or batch_halt is not None:
             quick = tf.logical_and(quick, tf.logical_not(halted))
 
         def fast():   # a healthy step: nothing more to compute
@@ -140,11 +146,15 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
                 # a LossScaleOptimizer's skip past warm-up too: a loss-scale collapse is decided from one
                 may = tf.logical_and(ok, tf.logical_or(grads_ok, tf.logical_not(
                     scale <= w.config.warmup_loss_scale))) if lso else ok
-                _build_capture(st, tf.logical_and(may, tf.logical_not(halted)) if hold else may, n_before, p,
-                               halted if hold else None)
+                # an update halted behind a stop in the same call is not captured (a critic's next steps on the
+                # same NaN row: their captures would push out the failing one's)
+                _build_capture(st, tf.logical_and(may, tf.logical_not(halted)) if hold else
+                               tf.logical_or(may, halted), n_before, p, halted if hold else None)
             active = st.active.read_value()
             stopping = tf.constant(True) if hold else st.stop_mode.read_value()
             st.halt.assign(tf.logical_or(halted, tf.logical_and(tf.logical_not(ok), tf.logical_and(active, stopping))))
+            if batch_halt is not None:
+                batch_halt.assign(tf.logical_or(halted, tf.logical_and(tf.logical_not(ok), active)))
             do = tf.logical_and(tf.logical_or(ok, tf.logical_not(active)), tf.logical_not(halted))
             return pre_ok, grads_ok, gn, do
 

@@ -460,6 +460,7 @@ class TFRecovery:
         self.births: Dict[int, list] = {}  # id(optimizer) -> [(variable, value before its first update)]
         self.held: Dict[int, Any] = {}     # fit, several steps per call: step -> capture of a held step
         self.resumed: List[int] = []       # held steps re-run and applied (.recover_held)
+        self.batch_done: Optional[tuple] = None  # (first, end) steps of the held batch re-run last (.recover_held)
         self.cut: Optional[tuple] = None   # (record, cut rates, step) of the last lr cut, read at each step start
         # steps whose update ran in the same call as the step before them (a GAN's second optimizer in one
         # train_step): a replay of that call runs them too (.recover_tried)
@@ -605,9 +606,12 @@ class TFRecovery:
             if "drop_samples" not in done and "rollback" not in done:
                 from .recover_drop import put_back
                 put_back(cap.buffers)   # its metrics and statistics before its forward and the held ones
-            if watcher.stop_requested is None:
-                for s in watcher.known_states():  # the steps it held run again (resume_held), later ones too
-                    s.halt.assign(False)
+        if watcher.stop_requested is None:  # the updates it held (resume_held: its batch's, later batches') and
+            from .state import clear_batch_halt  # the next calls' run again
+            for s in watcher.known_states():
+                s.halt.assign(False)
+            clear_batch_halt()
+        self.batch_done = None   # the failing batch: skipped with it, or re-run whole without its rows
         return True
 
     def resume_held(self, watcher: Any, st: Any, step: int) -> bool:

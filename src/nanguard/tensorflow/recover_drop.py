@@ -78,18 +78,12 @@ def function_capture(watcher: Any, step: int, call: Optional[tuple], opt: Any,
 
 
 class _Applier(Probe):
-    """The re-run's hooks: the loss and gradients are checked, and the update is applied only when they
-    are finite (it runs after ``mark_grads``)."""
-
-    only: Any = None     # the one optimizer whose updates are applied (None: any)
-    _opt: Any = None     # the optimizer of the update being made
-
-    def update_seen(self, opt: Any) -> None:
-        self._opt = opt
+    """The re-run's hooks: the loss and gradients are checked, and each update is applied only when they
+    (and every earlier one's) are finite (it runs after ``mark_grads``)."""
 
     @property  # type: ignore[override]
     def apply_update(self) -> bool:
-        return self.seen and self.finite and (self.only is None or self._opt is self.only)
+        return self.seen and self.finite
 
 
 def drop_rows_rerun(watcher: Any, cap: Any, rows: List[int], snapshot: Any, acts: Any,
@@ -105,17 +99,22 @@ def drop_rows_rerun(watcher: Any, cap: Any, rows: List[int], snapshot: Any, acts
     have = snapshot is not None and snapshot.finite() and getattr(snapshot, "step", None) == cap.step
     if fit and not have and not cap.buffers:
         return None
+    # a fit batch of several updates (a GAN's critic and generator) is the unit: re-run whole, every update
+    # applied, when its first update failed (a later one's: the earlier updates ran, the batch is skipped)
+    if fit and (watcher.fit_position(cap.step) or {}).get("update_in_batch", 0):
+        return None
     if cap.buffers:   # a later step of a fit call of several: its own start (the snapshot is the call's)
         put_back(cap.buffers)
     elif have:
         acts.restore_buffers(snapshot)  # the failing forward's BatchNorm statistics, fit's running metrics
     keep = [i for i in range(size) if i not in set(rows)]
-    probe = rerun_step(watcher, cap, rows_of(cap.inputs, keep, size), acts)
+    probe = rerun_step(watcher, cap, rows_of(cap.inputs, keep, size), acts, whole=fit)
     if not probe.applied:
         return None
     rec: Dict[str, Any] = {"rows": sorted(rows), "kept_rows": len(keep),
                            "loss": probe.losses[0] if len(probe.losses) == 1 else probe.losses,
-                           "how": ("model.train_step re-run eagerly on the batch without those rows; its update "
+                           **({"updates": probe.updates} if probe.updates > 1 else {}),
+                           "how": ("model.train_step re-run eagerly on the batch without those rows; its updates "
                                    "applied and its logs returned to fit" if fit else
                                    "the step's tf.function call re-run eagerly on the batch without those rows; "
                                    "its update applied and its return value returned to the script")}
@@ -128,18 +127,16 @@ def put_back(values: List[Any]) -> None:
         v.assign(a)
 
 
-def rerun_step(watcher: Any, cap: Any, inputs: Any, acts: Any, held_by: Any = None) -> Probe:
+def rerun_step(watcher: Any, cap: Any, inputs: Any, acts: Any, whole: bool = False) -> Probe:
     """Run ``cap.step_fn(inputs)`` eagerly, past nanguard's own hooks; its update is applied when its loss
     and gradients are finite and so are the variables after it, and what it returns becomes the output
     of the outermost call the script gets. The re-run's probe (its losses; ``applied`` False: nothing
-    applied, the variables as they were). ``held_by``: the optimizer whose update in this step function
-    was held in-graph (a held ``train_step``): a re-run making several updates (a GAN's critic and
-    generator) applies that optimizer's only, the others' having been applied in-graph; otherwise the
+    applied, the variables as they were). ``whole``: a fit ``train_step`` re-run as the unit it is, every
+    update it makes applied (a GAN's critic steps and generator step, all held in-graph); otherwise the
     re-run must make exactly one update."""
     live = acts.model_variables() + acts.optimizer_variables()
     before = [np.array(v.numpy()) for v in live]
     probe = _Applier()
-    probe.only = held_by
     prev_eager = tf.config.functions_run_eagerly()
     watcher.replay_hooks = probe
     depth = tl_get("fn_depth")
@@ -153,7 +150,7 @@ def rerun_step(watcher: Any, cap: Any, inputs: Any, acts: Any, held_by: Any = No
         watcher.replay_hooks = None
         tl_set("fn_depth", depth)
         tf.config.run_functions_eagerly(prev_eager)
-    applied = (probe.updates >= 1 if held_by is not None else probe.updates == 1) and probe.seen and probe.finite
+    applied = (probe.updates >= 1 if whole else probe.updates == 1) and probe.seen and probe.finite
     if applied and not all(_finite_np(v) for v in live):
         applied = False
     probe.applied = applied

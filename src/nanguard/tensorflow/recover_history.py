@@ -9,7 +9,9 @@ the host, kept by step for the last ``BatchKeeper.KEEP`` steps (numpy copies of 
 beside the snapshots recovery already takes; an early warning's replays use them all, :mod:`.recover_tried`).
 :func:`fit_history` pairs those of the last ``HISTORY_STEPS`` with the recovery snapshots of the same steps
 (the state when each step started) in the form the bench reads:
-``{"calls": {step: (fn, args, kwargs)}, "values": {step: {path: array}}}``.
+``{"calls": {step: (fn, args, kwargs)}, "values": {step: {path: array}}, "joined": steps}``: a batch
+whose ``train_step`` makes several updates (a GAN's) is one call, kept as its first step, and its later
+steps are ``joined`` to it; any update of a kept batch can be the failing one.
 """
 from __future__ import annotations
 
@@ -95,24 +97,35 @@ def keep_batch(w: Any, model: Any, data: Any) -> None:
 
 
 def fit_history(policy: Any, cap: Any) -> Optional[Dict[str, Any]]:
-    """The kept ``fit`` steps before the captured failing one, each with its batch and the recovery
-    snapshot of its start, as the bench's ``history`` (None when none is kept)."""
+    """The kept ``fit`` batches before the captured failing update, each with its batch and the recovery
+    snapshot of its start, as the bench's ``history`` (None when none is kept). A batch is kept, and its
+    snapshot taken, at its first update: a ``train_step`` of several updates (a GAN's critic and generator)
+    is one call covering its steps (``joined``); the failing update's own batch is replayed whole, its
+    updates before the failing one applied (:meth:`~.experiments.FitExperiments.snapshots`)."""
     keeper = getattr(policy, "batches", None)
     store = getattr(getattr(policy, "policy", None), "store", None)
     if keeper is None or store is None or cap is None or cap.step_fn is None:
         return None
     path_of = {id(v): k for k, v in cap.variables.items()}
-    recent = keeper.recent(cap.step, HISTORY_STEPS)
-    calls: Dict[int, tuple] = {cap.step: (cap.step_fn, (cap.inputs,), {})}
+    w = cap.watcher
+    pos = (w.fit_position(cap.step) if w is not None and hasattr(w, "fit_position") else None) or {}
+    start = cap.step - int(pos.get("update_in_batch", 0))   # the failing batch's first update
+    per = max(int(((w.fit_now if w is not None else None) or {}).get("per_batch", 1)), 1)
+    recent = keeper.recent(start, HISTORY_STEPS * per)
+    calls: Dict[int, tuple] = {start: (cap.step_fn, (cap.inputs,), {})}
     values: Dict[int, Dict[str, Any]] = {}
     for snap in store.all():
+        # a batch's start: an earlier batch's, or the failing batch's own when the failing update is not its
+        # first (its replay applies the updates before it; one that makes none of the failing optimizer's
+        # tests nothing and says so, :meth:`~.experiments.KerasBench._history`)
         if snap.step >= cap.step or not snap.finite():
             continue
-        batch = recent.get(snap.step)
+        batch = recent.get(snap.step) if snap.step < start else (cap.inputs if snap.step == start else None)
         if batch is None:
             continue
         values[snap.step] = {path_of[id(v)]: a for v, a in zip(snap.vars, snap.values) if id(v) in path_of}
     for step, batch in recent.items():
-        if step < cap.step:
+        if step < start:
             calls[step] = (cap.step_fn, (batch,), {})
-    return {"calls": calls, "values": values} if values else None
+    joined = set(getattr(policy, "joined", ()) or ()) | set(range(start + 1, cap.step + 1))
+    return {"calls": calls, "values": values, "joined": joined} if values else None

@@ -23,13 +23,14 @@ import tensorflow as tf
 from . import detect as D
 
 __all__ = ["StopRun", "Pending", "OptState", "STATES", "FN_STATES", "active", "set_active", "tl_get", "tl_set",
-           "graph_key", "create_lifted", "updates_made", "updates_var"]
+           "graph_key", "create_lifted", "updates_made", "updates_var", "batch_halt_var", "clear_batch_halt"]
 
 _local = threading.local()
 STATES: Dict[int, "OptState"] = {}
 FN_STATES: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
 _ACTIVE: List[Any] = [None]   # the installed watcher (one at a time)
 _UPDATES: List[Any] = []      # the count of updates by every optimizer (one variable, made on first use)
+_BATCH_HALT: List[Any] = []   # fit under recovery: a failing update holds the later ones of its call (any optimizer)
 
 
 def updates_made() -> bool:
@@ -47,6 +48,24 @@ def updates_var() -> Any:
                                                           experimental_enable_variable_lifting=False,
                                                           name="nanguard_updates")))
     return _UPDATES[0]
+
+
+def batch_halt_var() -> Any:
+    """``model.fit`` under recovery: set in-graph by a failing update, read by every later update of the same
+    graph call whichever optimizer makes it (a GAN's critic failing holds the critic's next updates and the
+    generator's of that ``train_step``: the batch is the unit, :mod:`.recover_held`); cleared by the host once
+    the failure is recovered. One variable for the process (bool), made when a fit step is traced."""
+    if not _BATCH_HALT:
+        _BATCH_HALT.append(create_lifted(lambda: tf.Variable(False, trainable=False,
+                                                             experimental_enable_variable_lifting=False,
+                                                             name="nanguard_batch_halt")))
+    return _BATCH_HALT[0]
+
+
+def clear_batch_halt() -> None:
+    """The shared halt back off (a recovered failure; a watcher adopting or releasing the states)."""
+    if _BATCH_HALT:
+        _BATCH_HALT[0].assign(False)
 
 
 class StopRun(BaseException):
@@ -175,6 +194,7 @@ class OptState:
         self.active.assign(active)
         self.stop_mode.assign(stop_mode)
         self.halt.assign(False)
+        clear_batch_halt()
         self.force.assign(False)
         self.clip.assign(float("inf"))
         self.clip_host = float("inf")
@@ -183,6 +203,7 @@ class OptState:
         """The watcher is gone: the check (still in traced steps) never skips an update, nor clips."""
         self.active.assign(False)
         self.halt.assign(False)
+        clear_batch_halt()
         self.force.assign(False)
         self.clip.assign(float("inf"))
         self.clip_host = float("inf")

@@ -203,6 +203,9 @@ class TFWatcher:
             self._step_inputs[key] = (p.batch, p.seeds)
         elif key in self._step_inputs:
             p.batch, p.seeds = self._step_inputs[key]
+            # under recovery a later update of the train_step is held (and captured) behind a failing earlier
+            # one of its batch (.recover_held: the batch is the unit)
+            p.hold = p.hold or self.recovering
         return p
 
     def _on_target(self, target: Any) -> None:
