@@ -96,7 +96,7 @@ def replay_warning_fix(event: Event, step: int, history: Sequence[dict], step_no
     (:func:`nanguard.core.recovery.tried.test_warning_fix`); the words for the warning's line, or None.
     ``opt_index`` (the monitor's id -> history index): a learning-rate cut changes only the optimizer the
     cause names, of several (:mod:`.recover.focus`)."""
-    from ..core.recovery.tried import test_warning_fix  # loaded at a warning, not in a healthy run
+    from ..core.recovery.tried import test_warning_fix, warning_fix_words  # loaded at a warning, not in a healthy run
     from .experiments.history import replay_kept
     from .recover.focus import focused, named_index
     kept = {step: step_now}
@@ -105,13 +105,7 @@ def replay_warning_fix(event: Event, step: int, history: Sequence[dict], step_no
     lrs = [float(g["lr"]) for o in cut for g in o.param_groups if isinstance(g.get("lr"), (int, float))]
     test_warning_fix(event, history, step, lrs, lambda **kw: replay_kept(
         kept, list(modules), list(optimizers), step, step, quiet=quiet, **only, **kw))
-    cause = event.cause or {}
-    ok = next((t for t in cause.get("tested_fixes") or [] if t.get("passed")), None)
-    if ok is not None:
-        return f"fix tested on this step's batch: {ok.get('text')}"
-    if (cause.get("evidence") or {}).get("warning_fix_replays"):
-        return "fix untested: no value passed a replay from the weights at the warning (already moved)"
-    return None
+    return warning_fix_words(event)
 
 
 def optimizer_context(optimizers: Sequence[Any]) -> Dict[str, Any]:
