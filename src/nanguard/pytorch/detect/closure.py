@@ -131,8 +131,17 @@ def step_update(start: Dict[str, Any], now: Optional[Dict[str, Any]], opt: Any, 
     (``nanguard.core.diagnosis.dynamics.with_step_update``): an LBFGS step at lr 1000 that throws the weights
     x1e18 inside step 0 is its own evidence, with no history before it."""
     pn = (now or {}).get("pn") or []
-    after = math.hypot(*pn) if pn and all(map(math.isfinite, pn)) else math.inf
+    after = math.hypot(*pn) if pn and all(map(math.isfinite, pn)) else _norm64(opt)  # float32's norm overflowed?
     gn = start.get("gn") or []
     return {"step": int(step), "param_norm": math.hypot(*start["pn"]), "param_norm_after": after,
             "loss": start.get("loss"), "grad_norm": math.hypot(*gn) if gn else None,
             "lr": [float(g["lr"]) for g in opt.param_groups if isinstance(g.get("lr"), (int, float))]}
+
+
+def _norm64(opt: Any) -> float:
+    """The parameters' total norm computed in float64 (finite weights whose float32 norm overflowed keep a
+    measured size; inf when a weight is non-finite). Failure path only."""
+    with torch.no_grad():
+        sq = [float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) for g in opt.param_groups
+              for p in g["params"] if isinstance(p, torch.Tensor) and p.is_floating_point()]
+    return math.hypot(*sq) if sq else math.inf
