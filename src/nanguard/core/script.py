@@ -340,3 +340,13 @@ def close_run(build: Callable[[], Any], outcome: ScriptOutcome, *, sink: Any, re
     if outcome.signal is None and late is not None:  # a signal while the report was written
         return 128 + int(late)
     return None
+
+
+def main_names() -> Dict[int, str]:
+    """id -> name of the script's module-level variables (``nanguard run`` runs it as ``__main__``): the
+    words users recognise for an optimizer or a model (read at an event, never in a healthy step)."""
+    out: Dict[int, str] = {}
+    for k, v in list(getattr(sys.modules.get("__main__"), "__dict__", {}).items()):
+        if not k.startswith("_"):
+            out.setdefault(id(v), k)
+    return out

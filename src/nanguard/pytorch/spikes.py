@@ -17,11 +17,11 @@ event; ``"skip"`` cannot take back an applied update (the warning says so and th
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from ..core.alerts import SpikeResponse
 from ..core.events import Event
+from ..core.script import main_names
 from ..core.spike import SpikeConfig
 from .detect.verdict import total_norm as _total
 from .recover.skip import skip_step
@@ -141,7 +141,7 @@ def each_optimizer(indexed: Sequence[Any], roots: Sequence[Any] = ()) -> List[Di
     users recognise: the script's variable of it and of the model it trains, when ``__main__`` holds them
     (``optimizerD (Adam over netD)``), else its class and position (``the 2nd optimizer (Adam)``)."""
     from ..core.diagnosis.per_optimizer import ordinal  # loaded at an event (the diagnosis package), not at start-up
-    names = _main_names()
+    names = main_names()
     out = []
     for i, opt in indexed:
         if opt is None:
@@ -157,11 +157,3 @@ def each_optimizer(indexed: Sequence[Any], roots: Sequence[Any] = ()) -> List[Di
     return out
 
 
-def _main_names() -> Dict[int, str]:
-    """id -> name of the script's module-level variables (``nanguard run`` runs it as ``__main__``)."""
-    main = sys.modules.get("__main__")
-    out: Dict[int, str] = {}
-    for k, v in list(getattr(main, "__dict__", {}).items()):
-        if not k.startswith("_"):
-            out.setdefault(id(v), k)
-    return out

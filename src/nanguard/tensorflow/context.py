@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from ..core.optimizers import optimizer_switch as switch_of
+from ..core.script import main_names
 
 
 def run_context(w: Any) -> Dict[str, Any]:
@@ -25,6 +26,9 @@ def run_context(w: Any) -> Dict[str, Any]:
     switch = optimizer_switch(w)
     if switch:
         ctx["optimizer_switch"] = switch
+    index = getattr(getattr(w, "host", None), "opt_index", None) or {}
+    if len(index) > 1:  # each optimizer's own facts: the history records name the one of each step
+        ctx["optimizers"] = each_optimizer(w, index)
     try:
         import keras
         ctx["dtype_policy"] = keras.config.dtype_policy().name
@@ -51,3 +55,52 @@ def optimizer_switch(w: Any) -> Dict[str, Any]:
     new optimizer, a fine-tuning stage) from each state's first and last step read (a replaced optimizer's
     state stays, though the optimizer may be freed)."""
     return switch_of([(st.first, st.last, st.name) for st in w.states.values()])
+
+
+def each_optimizer(w: Any, index: Dict[int, int]) -> list:
+    """``context["optimizers"]`` (read at a failure or a warning): per optimizer state the host indexed
+    (``index``: id(state) -> the index its history records carry), its facts and a label users recognise:
+    the attribute of a watched model or the script's variable that holds it (``d_optimizer (Adam)``),
+    else its class and position (``the 2nd optimizer (Adam)``)."""
+    from ..core.diagnosis.per_optimizer import ordinal  # loaded at an event, not at start-up
+    names = _holders(w)
+    out = []
+    for st in list(w.states.values()) + list(getattr(w, "_earlier", {}).values()):
+        i = index.get(id(st))
+        opt = st.opt_ref()
+        if i is None or opt is None:
+            continue
+        inner = getattr(opt, "inner_optimizer", None) or opt
+        facts: Dict[str, Any] = {"optimizer": type(opt).__name__, "index": int(i)}
+        last = next((h for h in reversed(list(w.history)) if getattr(h, "optimizer", None) == i and h.lr), None)
+        if last is not None:
+            facts["lr"] = list(last.lr)
+        for key, attr in (("eps", "epsilon"), ("momentum", "momentum")):
+            v = getattr(inner, attr, None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                facts[key] = v
+        b1, b2 = getattr(inner, "beta_1", None), getattr(inner, "beta_2", None)
+        if isinstance(b1, (int, float)) and isinstance(b2, (int, float)):
+            facts["betas"] = [b1, b2]
+        own = names.get(id(opt))
+        facts["label"] = (f"{own} ({facts['optimizer']})" if own else
+                          f"the {ordinal(int(i) + 1)} optimizer ({facts['optimizer']})")
+        out.append(facts)
+    return out
+
+
+def _holders(w: Any) -> Dict[int, str]:
+    """id -> the name that holds it: an attribute of a watched model (a GAN's ``self.d_optimizer``), else a
+    module-level variable of the script (``nanguard run`` runs it as ``__main__``)."""
+    import sys
+    out: Dict[int, str] = {}
+    main = sys.modules.get("__main__")
+    top = [v for k, v in list(getattr(main, "__dict__", {}).items()) if not k.startswith("_")]
+    # the models: the watched ones and the script's (a GAN model's train_step calls its sub-models only)
+    for m in list(getattr(w, "models", None) or ()) + [v for v in top if hasattr(v, "trainable_weights")]:
+        for k, v in list(getattr(m, "__dict__", {}).items()):
+            if not k.startswith("_"):
+                out.setdefault(id(v), k)
+    for i, k in main_names().items():
+        out.setdefault(i, k)
+    return out

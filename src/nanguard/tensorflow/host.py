@@ -4,7 +4,7 @@ non-finite on a failure (slow path), and act: record, hand to recovery, or stop.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Dict
 
 import numpy as np
 import tensorflow as tf
@@ -55,6 +55,9 @@ class HostReader:
     def __init__(self, w: Any) -> None:
         self.w = w
         self._released = False   # the states released after the guard disabled itself
+        # per optimizer state: 0, 1, ... in the order its steps were first read (the history records'
+        # ``optimizer``: a GAN's discriminator and generator steps interleave, the diagnosis reads each apart)
+        self.opt_index: Dict[int, int] = {}
 
     def after_function(self, fn: Any) -> None:
         """The outermost ``tf.function`` call ``fn`` returned: read the stashes of the updates it ran."""
@@ -124,6 +127,7 @@ class HostReader:
             row.vals[D.C["post_ok"]] = float(all(finite_var(v) for v in st.tvars) and
                                              all(finite_var(v) for v in st.opt_variables()))
         rec = w.decider.record(row)
+        rec.optimizer = self.opt_index.setdefault(id(st), len(self.opt_index))
         det = w.decider.decide(row)
         if det is not None:
             self.detail(det, st, row)
