@@ -19,7 +19,7 @@ the kernels cheap on the CPU instead (one thread, tiny dimensions, many layers) 
   Python function calls made (``sys.setprofile``): all of them, and those in nanguard's own code.
   Python calls are not the cost (halving them did not move the ratios): the instructions a step
   executes, counted under valgrind by :mod:`benchmarks.instructions`, are the load-independent figure
-  to cut (the tiny GPT's Guard: two norms over 148 small tensors were 1.7 of its 2.4 M).
+  to cut (the tiny GPT's Guard: two norms over 148 small tensors were 1.7 of its 2.4 M; now +1.1 M in all).
 
 Models (1 thread, ~5-20 ms a step):
   gpt:  GPT 12 layers, 2 heads, 32 dims, context 16, batch 2 (nanoGPT shape, dispatch-bound);

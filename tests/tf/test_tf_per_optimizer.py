@@ -56,6 +56,7 @@ def _run(d_lr: float):
     return cb.report
 
 
+@pytest.mark.slow  # a whole GAN fit (~6 s)
 def test_discriminator_lr_typo_warns_lr_too_high_with_its_rate():
     rep = _run(3.0)
     assert rep.events, rep.status

@@ -82,6 +82,7 @@ def _passed(cause):
     return [t for t in cause.get("tested_fixes") or [] if t.get("passed")]
 
 
+@pytest.mark.slow  # two whole diverging runs each (~6 s): the quick pass keeps the callback and eager cases
 @pytest.mark.parametrize("kind", ["fit", "function"])
 def test_a_warning_cut_is_tested_and_the_run_trains_on_untouched(tmp_path, kind, capsys):
     script = write(tmp_path, FIT if kind == "fit" else TAPE)
