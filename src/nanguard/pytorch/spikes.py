@@ -84,8 +84,11 @@ class SpikeResponder(SpikeResponse):
         pn = _total(last.get("pn"))
         gn = _total(last.get("gn"))
         ratio = lrs[0] * gn / pn if lrs and pn and gn is not None and math.isfinite(gn) else None
+        # the optimizer's index, as its history records carry it: without it the warning's own step went with
+        # the record before it (a GAN's generator), and the discriminator's steps were not read apart
+        index = getattr(self.monitor, "opt_index", {}).get(id(opt)) if opt is not None else None
         return {"step": step, "loss": last.get("loss"), "grad_norm": gn, "param_norm": pn, "lr": lrs,
-                "update_ratio": ratio, "batch_max": last.get("batch_max"), "skipped": False}
+                "update_ratio": ratio, "batch_max": last.get("batch_max"), "skipped": False, "optimizer": index}
 
 
 def replay_warning_fix(event: Event, step: int, history: Sequence[dict], step_now: Any, modules: Sequence[Any],
