@@ -165,8 +165,8 @@ class EvalCheck:
 
     # ------------------------------------------------------------------ module outputs
     def root_pre(self, module: torch.nn.Module, args: tuple) -> None:
-        if not (torch.is_grad_enabled() and (module.training or optimised_input(args))):
-            self._rng = rng_now()
+        """An evaluation call starts (the watcher calls this only for those): its RNG state, for a replay."""
+        self._rng = rng_now()
 
     def output(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Optional[Detection]:
         self.calls += 1

@@ -143,7 +143,7 @@ def each_optimizer(indexed: Sequence[Any], roots: Sequence[Any] = ()) -> List[Di
     of ``indexed`` (``(index, optimizer)``, the index the history records carry), its facts and a label
     users recognise: the script's variable of it and of the model it trains, when ``__main__`` holds them
     (``optimizerD (Adam over netD)``), else its class and position (``the 2nd optimizer (Adam)``)."""
-    from ..core.diagnosis.per_optimizer import ordinal  # loaded at an event (the diagnosis package), not at start-up
+    from ..core.diagnosis.per_optimizer import label  # loaded at an event (the diagnosis package), not at start-up
     names = main_names()
     out = []
     for i, opt in indexed:
@@ -153,9 +153,7 @@ def each_optimizer(indexed: Sequence[Any], roots: Sequence[Any] = ()) -> List[Di
         mine = {id(p) for g in opt.param_groups for p in g.get("params", ())}
         model = next((m for m in roots if any(id(p) in mine for p in m.parameters())), None)
         over = f" over {names.get(id(model)) or type(model).__name__}" if model is not None else ""
-        own = names.get(id(opt))
-        facts["label"] = (f"{own} ({facts['optimizer']}{over})" if own else
-                          f"the {ordinal(int(i) + 1)} optimizer ({facts['optimizer']}{over})")
+        facts["label"] = label(int(i), facts["optimizer"], names.get(id(opt)), over)
         out.append(facts)
     return out
 

@@ -62,7 +62,7 @@ def each_optimizer(w: Any, index: Dict[int, int]) -> list:
     (``index``: id(state) -> the index its history records carry), its facts and a label users recognise:
     the attribute of a watched model or the script's variable that holds it (``d_optimizer (Adam)``),
     else its class and position (``the 2nd optimizer (Adam)``)."""
-    from ..core.diagnosis.per_optimizer import ordinal  # loaded at an event, not at start-up
+    from ..core.diagnosis.per_optimizer import label  # loaded at an event, not at start-up
     names = _holders(w)
     out = []
     for st in list(w.states.values()) + list(getattr(w, "_earlier", {}).values()):
@@ -82,9 +82,7 @@ def each_optimizer(w: Any, index: Dict[int, int]) -> list:
         b1, b2 = getattr(inner, "beta_1", None), getattr(inner, "beta_2", None)
         if isinstance(b1, (int, float)) and isinstance(b2, (int, float)):
             facts["betas"] = [b1, b2]
-        own = names.get(id(opt))
-        facts["label"] = (f"{own} ({facts['optimizer']})" if own else
-                          f"the {ordinal(int(i) + 1)} optimizer ({facts['optimizer']})")
+        facts["label"] = label(int(i), facts["optimizer"], names.get(id(opt)))
         out.append(facts)
     return out
 

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .text import fin
 
-__all__ = ["split", "context_for", "growth", "label_of", "ordinal"]
+__all__ = ["split", "context_for", "growth", "label", "label_of", "ordinal"]
 
 # the facts of one optimizer that replace the run's (the latest update's optimizer's) in its context
 _OWN = ("optimizer", "lr", "eps", "betas", "momentum", "nesterov", "max_iter", "line_search_fn", "hyperparams")
@@ -57,6 +57,12 @@ def label_of(ctx: dict, index: int) -> str:
     if f and isinstance(f.get("label"), str):
         return f["label"]
     return f"the {ordinal(index + 1)} optimizer" + (f" ({f['optimizer']})" if f and f.get("optimizer") else "")
+
+
+def label(index: int, kind: str, own: Optional[str] = None, over: str = "") -> str:
+    """A backend's label for optimizer ``index`` of class ``kind``: the script's name for it (``own``) when it
+    has one, else its position; ``over``: what it trains (`` over netD``)."""
+    return f"{own} ({kind}{over})" if own else f"the {ordinal(index + 1)} optimizer ({kind}{over})"
 
 
 def ordinal(n: int) -> str:
