@@ -1,8 +1,8 @@
 """Host cost of a healthy step on dispatch-bound models (issue 28): counted, never timed.
 
 The per-step norms of many small CPU tensors go through one flat buffer (not one reduction
-kernel per tensor), a parameter list's flat views are kept while every parameter keeps its
-storage, and the Python/numpy RNG states are read only once steps draw from them.
+kernel per tensor), kept between steps when it is small, and the Python/numpy RNG states are
+read only once steps draw from them.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ class Allocs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        ins = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        given = [*args, *(kwargs or {}).values()]  # an out= tensor is written, not allocated
+        ins = {a.untyped_storage().data_ptr() for a in given if isinstance(a, torch.Tensor)}
         for a in args:
             if isinstance(a, (list, tuple)):
                 ins |= {t.untyped_storage().data_ptr() for t in a if isinstance(t, torch.Tensor)}
@@ -108,9 +109,44 @@ def test_norms_of_many_small_tensors_allocate_no_tensor_per_tensor():
         planned_norm(ts, plan, CPU)
         with Allocs() as m:
             planned_norm(ts, plan, CPU)
-        # per shape (weights, biases): one concatenation and its dot; their sum and root: not one
-        # reduction per tensor (60)
-        assert m.n <= 2 * 2 + 3, m.n
+        # a concatenation per shape (weights, biases) into the kept buffer, one dot, its root in place:
+        # the dot's result is the only tensor made (not one reduction per tensor: 60)
+        assert m.n <= 1, m.n
+
+
+def test_flat_buffer_follows_layouts_dtypes_and_modes():
+    """The kept buffer's copies: channels-last weights, a list converted to float64 after its plan
+    was made (no float32 buffer may round a float64 value), a first call in inference mode."""
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(8, 8, 3, 3, generator=g) for _ in range(5)] + [torch.randn(8, generator=g) for _ in range(7)] \
+        + [torch.randn(10, 8, generator=g), torch.randn((), generator=g), torch.randn((), generator=g)]
+    cl = [t.to(memory_format=torch.channels_last) if t.dim() == 4 else t for t in ts]
+    plan = NormPlan(cl)
+    for _ in range(2):
+        assert float(planned_norm(cl, plan, CPU)) == pytest.approx(ref_norm(ts), rel=1e-5)
+    plan = NormPlan(ts)
+    planned_norm(ts, plan, CPU)
+    big = [t.double() for t in ts]
+    big[12] = torch.full((10, 8), 1e100, dtype=torch.float64)  # finite in float64, inf once rounded to float32
+    n = planned_norm(big, plan, CPU)
+    assert n.dtype == torch.float64 and math.isfinite(float(n)), n
+    with torch.inference_mode():
+        p2 = NormPlan(ts)
+        planned_norm(ts, p2, CPU)
+    assert not any(f.buf.is_inference() for f in p2.flats)
+    assert float(planned_norm(ts, p2, CPU)) == pytest.approx(ref_norm(ts), rel=1e-5)
+
+
+def test_flat_buffer_is_kept_only_for_small_lists(monkeypatch):
+    import nanguard.pytorch.detect.norms as norms
+    ts = [torch.randn(30) for _ in range(10)]
+    plan = NormPlan(ts)
+    planned_norm(ts, plan, CPU)
+    assert all(f.buf is not None for f in plan.flats)
+    monkeypatch.setattr(norms, "_KEEP", 100)  # a list of more small elements than this: a copy made per call
+    plan = NormPlan(ts)
+    assert float(planned_norm(ts, plan, CPU)) == pytest.approx(ref_norm(ts), rel=1e-5)
+    assert all(f.buf is None for f in plan.flats)
 
 
 def mlp_run(guard: bool, steps: int = 6, layers: int = 6):
@@ -196,7 +232,7 @@ def test_step_rng_replays_a_step_that_draws_from_random():
     assert random.random() == a
 
 
-class _Probe(torch.optim.SGD):
+class _Probe(torch.optim.AdamW):
     """Records which ``Tensor.item`` is in place while it updates."""
     seen: list = []
 
@@ -205,21 +241,32 @@ class _Probe(torch.optim.SGD):
         return super().step(closure)
 
 
+class _SgdReadsNan(torch.optim.SGD):
+    """An update that reads values of its own (non-finite) with ``.item()`` and ``float()``."""
+    seen: list = []
+
+    def step(self, closure=None):
+        _SgdReadsNan.seen.append((torch.Tensor.item, torch.Tensor.__float__))
+        torch.tensor(float("nan")).item()
+        float(torch.tensor(float("inf")))
+        return super().step(closure)
+
+
 def test_zero_code_update_reads_with_torchs_own_item_and_eval_reads_stay_checked():
     torch.manual_seed(0)
-    model = nn.Linear(3, 1)
-    opt = _Probe(model.parameters(), lr=0.1)
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(20)])  # 40 step counters: 40 .item() an update
+    opt = _Probe(model.parameters(), lr=1e-3)
     own = torch.Tensor.item
     had = "item" in torch.Tensor.__dict__  # an earlier test in this process may have set it there
     with nanguard.watch(report=None, quiet=True, html=None) as w:
         wrapped = torch.Tensor.item
         assert wrapped is not own  # the value-read check is installed
-        for _ in range(2):
+        for _ in range(3):
             opt.zero_grad()
-            F.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 1)).backward()
+            F.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 3)).backward()
             opt.step()
             assert torch.Tensor.item is wrapped  # back after the update
-        assert _Probe.seen == [own, own]  # the update's own reads skip the wrapper
+        assert _Probe.seen == [own, own, own]  # the update's own reads skip the wrapper
         with torch.no_grad():
             torch.tensor(float("nan")).item()  # an evaluation value read: still an event
         assert any(d.phase == "eval" for d in w.detections)
@@ -228,6 +275,28 @@ def test_zero_code_update_reads_with_torchs_own_item_and_eval_reads_stay_checked
         model(torch.randn(2, 3))
         assert torch.Tensor.item is wrapped
     assert torch.Tensor.item is own and ("item" in torch.Tensor.__dict__) == had  # uninstalled at the end
+
+
+def test_zero_code_update_puts_back_item_only_and_ignores_its_reads():
+    """Setting ``__float__`` on ``torch.Tensor`` rebuilds every subclass's number slots: only ``item``
+    (what optimizers read per parameter) is put back for an update; ``float()`` keeps its wrapper,
+    which ignores what the update reads. After the update, reads are checked again."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = _SgdReadsNan(model.parameters(), lr=0.1, momentum=0.9)
+    own_item, own_float = torch.Tensor.item, torch.Tensor.__float__
+    with nanguard.watch(report=None, quiet=True, html=None) as w:
+        wrapped = torch.Tensor.__float__
+        assert wrapped is not own_float
+        for _ in range(2):
+            opt.zero_grad()
+            F.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 1)).backward()
+            opt.step()
+        assert _SgdReadsNan.seen == [(own_item, wrapped)] * 2
+        assert not w.detections  # the update's own non-finite reads are no evaluation values
+        with torch.no_grad():
+            float(torch.tensor(float("nan")))  # after the update: checked again, reported once
+        assert [d.phase for d in w.detections] == ["eval"]
 
 
 def test_virtual_snapshot_buffer_walk_is_cached_and_follows_changes():
@@ -251,3 +320,35 @@ def test_virtual_snapshot_buffer_walk_is_cached_and_follows_changes():
     assert names() == truth()
     model.double()                                    # buffers replaced without a registration hook
     assert names() == truth()
+
+
+def test_region_after_an_update_opens_as_its_profiler_range_exits(monkeypatch):
+    """The next step's region (the calls that make its batch) opens when ``optimizer.step``'s profiler
+    range exits, so that exit (a torch op) is not handed to the tape's function mode every step, and a
+    batch made right after the update (no zero_grad, no DataLoader in between) is still recorded."""
+    from nanguard.pytorch import tape as tape_mod
+    seen = []
+    orig_call = tape_mod.StepTape.call
+
+    def call(self, func, args, kwargs):
+        seen.append(getattr(func, "__name__", str(func)))
+        return orig_call(self, func, args, kwargs)
+    monkeypatch.setattr(tape_mod.StepTape, "call", call)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    raw = [torch.rand(8, 4) + 0.5 for _ in range(5)]
+    raw[3][2, 1] = 0.0
+    with nanguard.watch(report=None, quiet=True, html=None) as w:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # seen from its start (nanguard run's case)
+        x = torch.log(raw[0])
+        for i in range(4):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            for p in model.parameters():
+                p.grad = None
+            x = torch.log(raw[i + 1]) * 1.0  # the next batch, made right after the update
+    assert not any(n.startswith("_record_function") for n in seen), seen
+    ev = w.report.events[0]
+    ev = ev if isinstance(ev, dict) else vars(ev)
+    assert ev["step"] == 3 and ev["origin"]["api"] == "torch.log", ev["origin"]
+    assert torch.autograd.profiler.record_function.__exit__ is tape_mod._RANGE_EXIT  # put back

@@ -233,42 +233,32 @@ class SpikeDetector:
     def _rules(self, st: _Stream, step: int, loss: float, g: Optional[float], le: float, ge: float,
                lb, gb, update: Optional[float] = None, prev_seen: Optional[int] = None) -> Optional[Dict[str, Any]]:
         c = self.config
-
-        def out(rule: str, signal: str, **kw: Any) -> Dict[str, Any]:
-            d = {"rule": rule, "signal": signal, "step": step, "loss": loss, "grad_norm": g,
-                 "loss_excess": round(le, 2), "grad_norm_excess": round(ge, 2)}
-            if lb:
-                d.update(loss_median=lb[0], loss_width=lb[1], loss_max_before=lb[2])
-            if gb:
-                d.update(grad_norm_median=gb[0], grad_norm_max_before=gb[2])
-            d.update(kw)
-            return d
-
+        w = (step, loss, g, le, ge, lb, gb)  # the warning's values (_warning; no closure: its cells cost every step)
         if le >= c.spike:
-            return out("spike", "loss")
+            return _warning("spike", "loss", *w)
         if ge >= c.spike and le >= c.confirm:
-            return out("spike", "grad_norm")
+            return _warning("spike", "grad_norm", *w)
         # the stream's step just before this one (steps of several optimizers are numbered across them)
         prev = st.recent[-1] if st.recent else None
         if prev is not None and prev[0] == prev_seen and prev[2] >= c.high and le >= c.high and loss > prev[1]:
-            return out("rising", "loss", since_step=prev[0])
+            return _warning("rising", "loss", *w, since_step=prev[0])
         run = self._growth(st, loss)
         if run is not None:
             start_step, start_val, k = run
             before = [v for s, v in st.loss.vals if s < start_step]
             ceiling = max(before) if before else start_val
             if loss >= c.growth_total * max(ceiling, start_val) or (not before and loss >= c.growth_total * start_val):
-                return out("growth", "loss", since_step=start_step, growth_steps=k,
-                           growth_factor=loss / start_val, per_step=(loss / start_val) ** (1.0 / k),
-                           loss_ceiling_before=ceiling if before else None)
+                return _warning("growth", "loss", *w, since_step=start_step, growth_steps=k,
+                                growth_factor=loss / start_val, per_step=(loss / start_val) ** (1.0 / k),
+                                loss_ceiling_before=ceiling if before else None)
         start = st.start
         if start is None or not start > 0:
             return None
         if update is not None and not update < c.update and loss >= c.update_loss * start:
-            return out("update", "update", update_ratio=update if _fin(update) else "overflow", loss_start=start,
-                       loss_vs_start=loss / start)
+            return _warning("update", "update", *w, update_ratio=update if _fin(update) else "overflow",
+                            loss_start=start, loss_vs_start=loss / start)
         if lb and loss >= c.far * max(start, c.start_floor) and loss >= c.growth_total * lb[2]:
-            return out("far", "loss", loss_start=start, loss_vs_start=loss / start)
+            return _warning("far", "loss", *w, loss_start=start, loss_vs_start=loss / start)
         return None
 
     def _growth(self, st: _Stream, loss: float) -> Optional[Tuple[int, float, int]]:
@@ -307,15 +297,30 @@ class SpikeDetector:
             st.armed, st.calm = True, 0
 
 
+def _warning(rule: str, signal: str, step: int, loss: float, g: Optional[float], le: float, ge: float,
+             lb, gb, **kw: Any) -> Dict[str, Any]:
+    d = {"rule": rule, "signal": signal, "step": step, "loss": loss, "grad_norm": g,
+         "loss_excess": round(le, 2), "grad_norm_excess": round(ge, 2)}
+    if lb:
+        d.update(loss_median=lb[0], loss_width=lb[1], loss_max_before=lb[2])
+    if gb:
+        d.update(grad_norm_median=gb[0], grad_norm_max_before=gb[2])
+    d.update(kw)
+    return d
+
+
 def _dead(c: SpikeConfig, st: _Stream, step: int, loss: float, g: Optional[float]) -> Optional[Dict[str, Any]]:
     """The ``dead`` rule (see the module docstring): the warning, or None."""
     start = st.start
     if start is None or len(st.tail) < c.dead_steps or len(st.first_g) < c.min_values:
         return None
+    excursion = start > 0 and st.peak >= c.dead_peak * max(start, c.start_floor)
+    if not excursion and (st.ruin is None or step - st.ruin + 1 < c.dead_steps):
+        return None  # (most steps: neither case below, tested before the lists are built)
     losses = [v for v, _ in st.tail]
     grads = [x for _, x in st.tail]
     med = _quantile(sorted(losses), 0.5)
-    if start > 0 and st.peak >= c.dead_peak * max(start, c.start_floor):  # after a loss excursion
+    if excursion:  # after a loss excursion
         peak, peak_step, by = st.peak, st.peak_step, {}
         before = [x for s, x in st.first_g if s < peak_step]
         if med < max(0.5 * start, 10 * c.start_floor) or max(losses) - min(losses) > c.dead_flat * med:

@@ -37,9 +37,14 @@ import torch
 
 from ..core.events import Detection
 from .detect import all_finite, is_checkable, tensors_in
-from .tape import rng_now, set_rng
+from .tape import StepTape, rng_now, set_rng
 
 __all__ = ["EvalCheck"]
+
+_TAPE_CALL = StepTape.call.__code__
+# EvalCheck._suspended while an optimizer updates (the wrappers in place ignore what they read then)
+_ITEM = ("item put back",)
+_IGNORED = ("wrappers kept",)
 
 
 
@@ -59,7 +64,7 @@ class EvalCheck:
         self._orig: Dict[str, Any] = {}
         self._had: Dict[str, bool] = {}
         self._wrapped: Dict[str, Any] = {}
-        self._suspended: Any = False  # while an optimizer updates: the names put back (suspend)
+        self._suspended: Any = False  # while an optimizer updates: _ITEM (torch's item put back) or _IGNORED
         self._held: Optional[tuple] = None  # (detection, tensor) of a read inside an open training step
 
     def install(self) -> None:
@@ -76,7 +81,8 @@ class EvalCheck:
                 # finite first: optimizers read their step counters with .item() on every parameter
                 if (v.__class__ is float and math.isfinite(v)) or _all_finite(v):
                     return v
-                if not check.busy and t.grad_fn is None and not t.requires_grad and t.is_floating_point() \
+                if not check._suspended and not check.busy and t.grad_fn is None and not t.requires_grad \
+                        and t.is_floating_point() \
                         and not torch.compiler.is_compiling():
                     check.on_read(t, name, v)
                 return v
@@ -104,27 +110,30 @@ class EvalCheck:
                     pass
 
     def suspend(self) -> None:
-        """torch's own ``item``/``tolist``/``__float__`` while an optimizer updates: its reads are no
-        evaluation values, and a single-tensor optimizer reads each parameter's step counter with
-        ``.item()`` (148 wrapper calls a step on a 12-layer GPT). :meth:`resume` wraps them again
-        (after the update, or at the next module call or backward if the update raised). The methods
-        are the class's: a value another thread reads during that update is not checked."""
+        """While an optimizer updates, its reads are no evaluation values: they are ignored until
+        :meth:`resume` (after the update, or at the next module call or backward if the update raised).
+        A single-tensor optimizer reads each parameter's step counter with ``.item()`` (148 wrapper
+        calls a step on a 12-layer GPT), so torch's own ``item`` is put back for the update. Only
+        ``item``: ``tolist`` and ``__float__`` keep their wrappers, which ignore what they read then
+        (setting ``__float__`` on ``torch.Tensor`` rebuilds the number slots of every subclass: ~30
+        wrapper calls' worth, twice a step). The methods are the class's: a value another thread reads
+        during that update is not checked."""
         if self._held is not None:  # the step's check passed (a failing one stopped or recovered before)
             self.settle()
         if self._wrapped and not self._suspended:
-            d = torch.Tensor.__dict__
+            read = self._wrapped.get("item")
             # only where the wrapper is still in place: a patch made over it (a sync counter's) stays
-            self._suspended = [n for n, read in self._wrapped.items() if d.get(n) is read]
-            for name in self._suspended:
-                setattr(torch.Tensor, name, self._orig[name])
+            if read is not None and torch.Tensor.__dict__.get("item") is read:
+                torch.Tensor.item = self._orig["item"]
+                self._suspended = _ITEM
+            else:
+                self._suspended = _IGNORED
 
     def resume(self) -> None:
         if self._suspended:
-            names, self._suspended = self._suspended, False
-            d = torch.Tensor.__dict__
-            for name in names:
-                if d.get(name) is self._orig[name]:
-                    setattr(torch.Tensor, name, self._wrapped[name])
+            put_back, self._suspended = self._suspended is _ITEM, False
+            if put_back and torch.Tensor.__dict__.get("item") is self._orig["item"]:
+                torch.Tensor.item = self._wrapped["item"]
 
     @property
     def busy(self) -> bool:
@@ -135,8 +144,13 @@ class EvalCheck:
         w = self.w
         if w.disabled or w._replaying:
             return
+        caller = sys._getframe(2)
+        if caller.f_code is _TAPE_CALL:
+            # the step tape's handler calls the method again for the script's own read (the wrapper is
+            # the class's method, so torch hands it to the mode): that outer read is the one reported
+            return
         tape = w.tape
-        user = tape.frames.site_of(sys._getframe(2))[0] if tape is not None else None
+        user = tape.frames.site_of(caller)[0] if tape is not None else None
         det = Detection(w.monitor.steps_watched, "eval",
                         {"read": f"Tensor.{how}", "value": _first_bad(value), "shape": list(t.shape),
                          "file": user[0] if user else None, "line": user[1] if user else None,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -71,17 +72,31 @@ class Ext:
 def _region_closing(tape: "StepTape", orig: Any) -> Any:
     """``Tensor.backward`` that ends the tape's region first (torch's dispatch must not see it)."""
     def backward(self, *a, **k):
+        tape._later = None
         if tape._pushed or tape._stale:
             tape.close()
         return orig(self, *a, **k)
     return backward
 
 
+def _opening_after(tape: "StepTape", orig: Any) -> Any:
+    """``record_function.__exit__`` that opens a region deferred to it (:meth:`StepTape.reset`): the
+    optimizer's own profiler range ends after its post hooks, and that exit is a torch op, which would
+    otherwise go through the tape's function mode every step (torch's Python override path)."""
+    def __exit__(self, *exc):
+        try:
+            return orig(self, *exc)
+        finally:
+            if tape._later is not None and tape._later == _ident():
+                tape.open()
+    return __exit__
+
+
 def _unrecorded(tape: "StepTape", orig: Any) -> Any:
     """A ``zero_grad`` run outside the tape's region (pause/resume inline: a generator context manager
     would cost six Python calls more, every step)."""
     def zero_grad(self, *a, **k):
-        if not tape._pushed:
+        if not tape._pushed and tape._later is None:
             return orig(self, *a, **k)
         tape.close()
         try:
@@ -92,6 +107,11 @@ def _unrecorded(tape: "StepTape", orig: Any) -> Any:
 
 
 _new = object.__new__  # Ref/Ext on the hot path: made without an __init__ frame
+_ident = threading.get_ident
+_grad_on, _inference_on, _autocast_on = \
+    torch.is_grad_enabled, torch.is_inference_mode_enabled, torch._C._is_any_autocast_enabled
+_RANGE = torch.autograd.profiler.record_function
+_RANGE_EXIT = _RANGE.__exit__  # (torch's own, put back at uninstall)
 _detach = torch.Tensor.detach
 
 
@@ -104,9 +124,9 @@ class Entry:
 
     def __init__(self, kind: str, fn: Any, args: Any, kwargs: Any, site: tuple) -> None:
         self.kind, self.fn, self.args, self.kwargs, self.site = kind, fn, args, kwargs, site
-        self.grad = torch.is_grad_enabled()
-        self.inference = torch.is_inference_mode_enabled()
-        self.autocast = _autocast_state() if torch._C._is_any_autocast_enabled() else None
+        self.grad = g = _grad_on()
+        self.inference = False if g else _inference_on()  # (inference mode turns grad off)
+        self.autocast = _autocast_state() if _autocast_on() else None
         self.rng: Any = None
         self.loss: Optional[List[torch.Tensor]] = None
 
@@ -228,6 +248,28 @@ class _TapeMode(TorchFunctionMode):
         return self.tape.call(func, args, kwargs or {})
 
 
+def _pop_mode(mode: TorchFunctionMode) -> bool:
+    """Pop ``mode`` from wherever it sits in torch's function-mode stack, keeping the modes pushed after
+    it (the user's) in order; False when it is not there. (Inside the mode's own handler torch has
+    popped it and pushes it back on return: the tape then marks itself stale, and removes the mode
+    at the next boundary; the handler ignores calls meanwhile.)"""
+    n = torch._C._len_torch_function_stack()
+    if n and torch._C._get_function_stack_at(n - 1) is mode:
+        torch._C._pop_torch_function_stack()
+        return True
+    if not any(torch._C._get_function_stack_at(i) is mode for i in range(n)):
+        return False
+    above = []
+    while torch._C._len_torch_function_stack():
+        m = torch._C._pop_torch_function_stack()
+        if m is mode:
+            break
+        above.append(m)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+    return True
+
+
 class StepTape:
     """The replayable record of the current step (see the module docstring)."""
 
@@ -242,6 +284,7 @@ class StepTape:
         self._over_budget = 0
         self._pre_over = 0
         self._pushed = False
+        self._later: Optional[int] = None  # the thread whose region opens at its next profiler-range exit
         self._stale = False     # our mode may sit in the stack although closed (closed inside a handler)
         self._installed = False
         self._orig: Dict[str, Any] = {}
@@ -256,20 +299,26 @@ class StepTape:
         self.reset(0, open_region=False)
 
     # ------------------------------------------------------------------ state
-    def reset(self, step: int, open_region: bool = True) -> None:
-        """A new step starts (after an optimizer step, or a backward pass in backward counting)."""
+    def reset(self, step: int, open_region: bool = True, later: bool = False) -> None:
+        """A new step starts (after an optimizer step, or a backward pass in backward counting).
+        ``later``: called from an optimizer's post hook: the region opens when the optimizer's profiler
+        range exits (``record_function``), else at the next ``zero_grad`` or batch fetch."""
         self.close()
         self._adapt()
         self.step = step
         self.trained = False
         self._clear()
         self.pre_truncated = self.pre_off
-        if open_region and not self.pre_off:
-            self.open()  # the calls that build the batch, before the model's first call
+        if open_region and not self.pre_off:  # the calls that build the batch, before the model's first call
+            if later:
+                self._later = _ident()
+            else:
+                self.open()
 
     def before_update(self, step: int) -> None:
         """An optimizer is about to update: close an open region, and number what the tape holds since the
         last update with that update's step (its failure must find its own step here)."""
+        self._later = None
         if self._pushed or self._stale:
             self.close()
         self.step = step
@@ -320,6 +369,7 @@ class StepTape:
 
     # ------------------------------------------------------------------ the function mode region
     def open(self) -> None:
+        self._later = None
         if self._stale:
             self._remove()
         if not self._pushed and self.enabled and self.incomplete is None:  # (self.recording, inline)
@@ -327,34 +377,16 @@ class StepTape:
             self._pushed = True
 
     def close(self) -> None:
+        self._later = None
         if self._pushed or self._stale:
             self._pushed = False
             self._remove()
 
     def _remove(self) -> None:
-        """Pop our mode from wherever it sits, keeping modes pushed after it (the user's) in order.
-        Inside our own handler torch has popped it and will push it back on return: then it is
-        only marked stale, and removed at the next boundary (the handler ignores calls meanwhile)."""
-        n = torch._C._len_torch_function_stack()
-        if n and torch._C._get_function_stack_at(n - 1) is self.mode:
-            torch._C._pop_torch_function_stack()
-            self._stale = False
-            return
-        if not any(torch._C._get_function_stack_at(i) is self.mode for i in range(n)):
-            self._stale = True
-            return
-        above = []
-        while torch._C._len_torch_function_stack():
-            m = torch._C._pop_torch_function_stack()
-            if m is self.mode:
-                break
-            above.append(m)
-        for m in reversed(above):
-            torch._C._push_on_torch_function_stack(m)
-        self._stale = False
+        self._stale = not _pop_mode(self.mode)
 
     def pause(self) -> bool:
-        was = self._pushed
+        was = self._pushed or self._later is not None
         if was:
             self.close()
         return was
@@ -369,17 +401,18 @@ class StepTape:
     # inline and Ref/Ext objects made with object.__new__, so a template costs one Python call per
     # container, none per tensor or plain value.)
     def _tensor(self, t: torch.Tensor, new: Dict[int, tuple]) -> Any:
-        p = self._prod.get(id(t))
+        tid = id(t)
+        p = self._prod.get(tid)
         if p is not None and p[2]() is t:
             r = _new(Ref)
             r.entry, r.slot = p[0], p[1]
             return r
-        i = self._ext_ids.get(id(t))
+        i = self._ext_ids.get(tid)
         if i is not None:
             x = _new(Ext)
             x.i = i
             return x
-        n = new.get(id(t))
+        n = new.get(tid)
         if n is None:  # provisional: registered only if the call is recorded
             x = _new(Ext)
             x.i = len(self.ext) + len(new)
@@ -387,7 +420,7 @@ class StepTape:
                 ver = t._version
             except Exception:  # inference tensors have no version counter
                 ver = None
-            n = new[id(t)] = (x, t, ver)
+            n = new[tid] = (x, t, ver)
         return n[0]
 
     def _template(self, obj: Any, new: Dict[int, tuple], depth: int = 0) -> Any:
@@ -443,8 +476,11 @@ class StepTape:
         return len(self.entries) - 1
 
     # ------------------------------------------------------------------ hooks (called by the watcher)
-    def root_pre(self, module: torch.nn.Module, args: tuple) -> None:
-        """An outermost module call starts. Always ends the region; records with grad enabled."""
+    def root_pre(self, module: torch.nn.Module, args: tuple, caller: Any = None) -> None:
+        """An outermost module call starts. Always ends the region; records with grad enabled.
+        ``caller``: the frame that made the module call (the walk to the user's line starts there;
+        default: this method's caller)."""
+        self._later = None
         if self._pushed or self._stale:
             self.close()
         self._pending = None
@@ -455,7 +491,8 @@ class StepTape:
                 return
             self.eval_reset()  # evaluation: the tape keeps this call and what follows it
         new: Dict[int, tuple] = {}
-        e = Entry("module", module, self._template(args, new), None, self.frames.site_of(sys._getframe(1)))
+        e = Entry("module", module, self._template(args, new), None,
+                  self.frames.site_of(caller if caller is not None else sys._getframe(1)))
         e.rng = rng_now()
         self._pending = e
         self._pending_new = new
@@ -522,7 +559,7 @@ class StepTape:
         if isinstance(target, Ext):
             self._written(target.i, func)   # not re-executed: the replay reads the written values
             return out
-        e = Entry("call", func, targs, tkw, self.frames.site_of(sys._getframe(1)))
+        e = Entry("call", func, targs, tkw, self.frames.site_of(sys._getframe(2)))  # (1: the mode's handler)
         e.rng = rng
         self._rng_dirty = False
         entries = self.entries
@@ -549,8 +586,10 @@ class StepTape:
         self.ext_ver[i] = version(t)
         self.ext_written[i] = len(self.entries)
 
-    def before_backward(self, tensors: List[torch.Tensor], a: tuple, k: dict) -> None:
-        """``torch.autograd.backward(tensors, *a, **k)`` is about to run: end the region, record it."""
+    def before_backward(self, tensors: List[torch.Tensor], a: tuple, k: dict, caller: Any = None) -> None:
+        """``torch.autograd.backward(tensors, *a, **k)`` is about to run: end the region, record it.
+        ``caller``: the frame that called it (default: this method's caller)."""
+        self._later = None
         if self._pushed or self._stale:
             self.close()
         self.trained = self.ever_trained = True
@@ -570,7 +609,7 @@ class StepTape:
         new: Dict[int, tuple] = {}
         e = Entry("backward", None, self._template(list(tensors), new),
                   (self._template(a, new) if a else (), self._template(k, new) if k else {}),
-                  self.frames.site_of(sys._getframe(1)))
+                  self.frames.site_of(caller if caller is not None else sys._getframe(1)))
         e.loss = list(map(_detach, tensors))
         if new:
             self._commit(new)
@@ -578,14 +617,16 @@ class StepTape:
 
     # ------------------------------------------------------------------ patches
     def install(self) -> None:
-        """Wrap ``Tensor.backward`` (ends the region before torch's dispatch can see it) and the
-        zero_grad methods (O(parameters) attribute writes, never recorded)."""
+        """Wrap ``Tensor.backward`` (ends the region before torch's dispatch can see it), the
+        zero_grad methods (O(parameters) attribute writes, never recorded) and ``record_function``'s
+        exit (opens a deferred region)."""
         if self._installed:
             return
         self._installed = True
         self._orig = {"backward": torch.Tensor.backward, "opt_zero": torch.optim.Optimizer.zero_grad,
-                      "mod_zero": torch.nn.Module.zero_grad}
+                      "mod_zero": torch.nn.Module.zero_grad, "range_exit": _RANGE.__exit__}
         torch.Tensor.backward = _region_closing(self, self._orig["backward"])
+        _RANGE.__exit__ = _opening_after(self, self._orig["range_exit"])
         torch.optim.Optimizer.zero_grad = _unrecorded(self, self._orig["opt_zero"])
         torch.nn.Module.zero_grad = _unrecorded(self, self._orig["mod_zero"])
 
@@ -597,6 +638,7 @@ class StepTape:
         torch.Tensor.backward = self._orig["backward"]
         torch.optim.Optimizer.zero_grad = self._orig["opt_zero"]
         torch.nn.Module.zero_grad = self._orig["mod_zero"]
+        _RANGE.__exit__ = self._orig["range_exit"]
 
     # ------------------------------------------------------------------ replay
     def ref_of(self, t: torch.Tensor) -> Optional[Ref]:

@@ -44,6 +44,7 @@ stderr at the first failure of each kind (warn mode).
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import warnings
 import weakref
@@ -343,12 +344,13 @@ class Watcher:
         self._skip_current.discard(id(opt))
         self._guarded(self.monitor.end_step, opt, skipped)
         self._guarded(self.recovery.after_update, opt)
-        self._step_started(opt)
+        self._step_started(opt, in_update=True)
 
-    def _step_started(self, opt: Any) -> None:
+    def _step_started(self, opt: Any, in_update: bool = False) -> None:
         step = self.monitor.step_of(opt)
         if self.tape is not None:
-            self.tape.reset(step)
+            # in an optimizer's post hook: the next step's region opens as the step's profiler range exits
+            self.tape.reset(step, later=in_update)
         if self._ob_opt_end is not None:
             self._ob_opt_end(self)  # e.g. a GAN: the other model's forward comes next
         if self._ob_step_start is not None:
@@ -403,8 +405,8 @@ class Watcher:
             return orig(tensors, *a, **k)
         ts = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in (tensors or [])
                                                                     if isinstance(t, torch.Tensor)]
-        if self.tape is not None:
-            self._guarded(self.tape.before_backward, ts, a, k)
+        if self.tape is not None:  # (the walk to the user's line starts at the frame that called backward)
+            self._guarded(self.tape.before_backward, ts, a, k, sys._getframe(2))
         if self.recovery.snap_due is not None:
             self._guarded(self.recovery.take_due_snapshot)
         self._bw_at = self.monitor.total
@@ -446,7 +448,9 @@ class Watcher:
 
     def _root_start(self, module, args) -> None:
         if self.tape is not None:
-            self.tape.root_pre(module, args)
+            # the walk to the user's line starts at the frame that called the module: 4 frames out
+            # (this method, guarded's safe, _root_pre, RootHooks._pre: torch calls that global hook)
+            self.tape.root_pre(module, args, sys._getframe(4))
         training = torch.is_grad_enabled() and (module.training or optimised_input(args))
         if not training:
             self.evals.root_pre(module, args)

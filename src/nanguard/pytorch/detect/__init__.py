@@ -12,8 +12,9 @@ Cost model (why it is cheap):
 * gradients and parameters are reduced with fused ``torch._foreach_norm``
   kernels (one pass over each), per param group, on the device; on CPU, where
   ``_foreach_norm`` is one reduction per tensor, the small tensors are concatenated,
-  one ``cat`` per tensor shape, and reduced by a dot each (:class:`.norms._Flat`, at most
-  4 MiB a copy);
+  one ``cat`` per tensor shape, into one buffer reduced by one dot (:class:`.norms._Flat`,
+  at most 4 MiB a copy; the buffer is kept between steps when the list's small tensors hold
+  at most 1 Mi elements in all);
 * the RNG state for a replay: torch's every step; Python's and numpy's only once
   a probe step saw the step draw from them (:class:`nanguard.pytorch.rng.StepRng`);
 * everything the step needs to decide is packed into one small tensor and read
