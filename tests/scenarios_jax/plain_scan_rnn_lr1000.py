@@ -1,5 +1,5 @@
 # Sensor sequence regression with a hand-written Elman RNN unrolled by lax.scan (plain JAX +
-# optax SGD, jitted step). The learning rate was meant to be 3e-3; a sweep script multiplied
+# optax SGD, jitted step). The learning rate was meant to be 3.2e-3; a sweep script multiplied
 # it by 1000.
 import os
 os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -9,7 +9,7 @@ import numpy as np
 import optax
 from jax import lax
 
-LR = 3e-3 * 1000
+LR = 3.2e-3 * 1000
 rng = np.random.default_rng(7)
 n, t, d, hdim = 1024, 20, 4, 32
 xs = rng.normal(0, 1, (n, t, d)).astype(np.float32)
