@@ -352,3 +352,53 @@ def test_region_after_an_update_opens_as_its_profiler_range_exits(monkeypatch):
     ev = ev if isinstance(ev, dict) else vars(ev)
     assert ev["step"] == 3 and ev["origin"]["api"] == "torch.log", ev["origin"]
     assert torch.autograd.profiler.record_function.__exit__ is tape_mod._RANGE_EXIT  # put back
+
+
+def test_torch_optimizer_step_reads_skip_the_wrapper_without_touching_torch_tensor():
+    """torch.optim's AdamW reads each parameter's step counter through ``_get_value``: while watched,
+    those reads call torch's own ``item`` (no wrapper call per parameter), ``Tensor.item`` stays the
+    wrapper through the update (no type modification), the weights are those of an unwatched run, and
+    torch's function is back afterwards."""
+    import torch.optim.adam as adam_mod
+    import torch.optim.optimizer as opt_mod
+
+    def run(watched: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(20)])
+        data = [(torch.randn(4, 3), torch.randn(4, 3)) for _ in range(3)]
+        items, seen = [], []
+
+        def go():
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            for x, y in data:
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                wrapper = torch.Tensor.item
+                calls = []
+
+                def prof(frame, event, arg):
+                    if event == "call" and frame.f_code is getattr(wrapper, "__code__", None) \
+                            and frame.f_locals.get("name") == "item":  # (the check's own tolist() read aside)
+                        calls.append(1)
+                sys.setprofile(prof)
+                try:
+                    opt.step()
+                finally:
+                    sys.setprofile(None)
+                items.append(len(calls))
+                seen.append(torch.Tensor.item is wrapper)
+        if watched:
+            with nanguard.watch(report=None, quiet=True, html=None):
+                assert adam_mod._get_value is not opt_mod._get_value
+                torch.jit.script(adam_mod.adam)  # TorchScript still compiles torch's functional AdamW
+                go()
+        else:
+            go()
+        return [p.detach().clone() for p in model.parameters()], items, seen
+
+    import sys
+    plain, _, _ = run(False)
+    watched, items, seen = run(True)
+    assert items == [0, 0, 0] and all(seen), (items, seen)  # 40 step counters a step, none through the wrapper
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched))
+    assert adam_mod._get_value is opt_mod._get_value  # put back

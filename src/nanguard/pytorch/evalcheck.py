@@ -42,6 +42,43 @@ from .tape import StepTape, rng_now, set_rng
 __all__ = ["EvalCheck"]
 
 _TAPE_CALL = StepTape.call.__code__
+def _own_step_reads() -> list:
+    """torch.optim's single-tensor optimizers read each parameter's step counter every update through
+    ``torch.optim.optimizer._get_value`` (``x.item()``), which would call the read check's wrapper once
+    a parameter. The modules that import it get one calling torch's own ``item`` instead (the same
+    value; under ``torch.compile`` and TorchScript, torch's function): (module, theirs, ours) for each,
+    put back at uninstall. A torch without that function: none (the update puts ``item`` back)."""
+    base = sys.modules.get("torch.optim.optimizer")
+    orig = getattr(base, "_get_value", None)
+    if orig is None:
+        return []
+    item = torch._C.TensorBase.item
+
+    def _get_value(x):
+        if not torch.jit.is_scripting():  # (TorchScript drops this branch: scripted code gets torch's)
+            if isinstance(x, torch.Tensor) and not torch.compiler.is_compiling():
+                return item(x)
+        return orig(x)
+    out = []
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("torch.optim.") and mod is not base and getattr(mod, "_get_value", None) is orig:
+            mod._get_value = _get_value
+            out.append((mod, orig, _get_value))
+    return out
+
+
+_OWN_TYPES: Dict[type, bool] = {}
+
+
+def _torch_optimizer(opt: Any) -> bool:
+    """``opt`` is one of torch.optim's own optimizer classes (not a subclass defined elsewhere)."""
+    t = type(opt)
+    own = _OWN_TYPES.get(t)
+    if own is None:
+        own = _OWN_TYPES[t] = t.__module__.startswith("torch.optim")
+    return own
+
+
 # EvalCheck._suspended while an optimizer updates (the wrappers in place ignore what they read then)
 _ITEM = ("item put back",)
 _IGNORED = ("wrappers kept",)
@@ -66,6 +103,7 @@ class EvalCheck:
         self._wrapped: Dict[str, Any] = {}
         self._suspended: Any = False  # while an optimizer updates: _ITEM (torch's item put back) or _IGNORED
         self._held: Optional[tuple] = None  # (detection, tensor) of a read inside an open training step
+        self._optim: list = []  # (torch.optim module, its _get_value, ours) while installed
 
     def install(self) -> None:
         """Wrap ``Tensor.item``, ``Tensor.tolist`` and ``Tensor.__float__`` (values read by the script)."""
@@ -94,10 +132,14 @@ class EvalCheck:
             orig, read = wrap(name)
             self._orig[name], self._wrapped[name] = orig, read
             setattr(torch.Tensor, name, read)
+        self._optim = _own_step_reads()
 
     def uninstall(self) -> None:
         self._restore()
-        self._orig, self._wrapped, self._suspended = {}, {}, False
+        for mod, orig, own in self._optim:
+            if mod.__dict__.get("_get_value") is own:
+                mod._get_value = orig
+        self._orig, self._wrapped, self._suspended, self._optim = {}, {}, False, []
 
     def _restore(self) -> None:
         for name, orig in self._orig.items():
@@ -109,18 +151,23 @@ class EvalCheck:
                 except AttributeError:
                     pass
 
-    def suspend(self) -> None:
+    def suspend(self, opt: Any = None) -> None:
         """While an optimizer updates, its reads are no evaluation values: they are ignored until
         :meth:`resume` (after the update, or at the next module call or backward if the update raised).
         A single-tensor optimizer reads each parameter's step counter with ``.item()`` (148 wrapper
         calls a step on a 12-layer GPT), so torch's own ``item`` is put back for the update. Only
         ``item``: ``tolist`` and ``__float__`` keep their wrappers, which ignore what they read then
         (setting ``__float__`` on ``torch.Tensor`` rebuilds the number slots of every subclass: ~30
-        wrapper calls' worth, twice a step). The methods are the class's: a value another thread reads
-        during that update is not checked."""
+        wrapper calls' worth, twice a step). ``opt``, an optimizer of ``torch.optim`` itself: nothing is put
+        back (its per-parameter reads go through :func:`_own_step_reads`; each put-back costs the
+        update's tensor method lookups ~90 K instructions on a 64-tensor CNN). The methods are the class's:
+        a value another thread reads during that update is not checked."""
         if self._held is not None:  # the step's check passed (a failing one stopped or recovered before)
             self.settle()
         if self._wrapped and not self._suspended:
+            if self._optim and _torch_optimizer(opt):
+                self._suspended = _IGNORED  # its step counters are read with torch's own item (_own_step_reads)
+                return
             read = self._wrapped.get("item")
             # only where the wrapper is still in place: a patch made over it (a sync counter's) stays
             if read is not None and torch.Tensor.__dict__.get("item") is read:

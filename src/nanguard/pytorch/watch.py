@@ -312,7 +312,7 @@ class Watcher:
                                       again=None if tape is None else lambda: tape.reset(self.monitor.step_of(opt)))
             return with_closure(args, kwargs, checked)
         self._pre_check(opt)
-        self.evals.suspend()  # the update's own .item() reads (resumed in _opt_post)
+        self.evals.suspend(opt)  # the update's own .item() reads (resumed in _opt_post)
         return None
 
     def _pre_check(self, opt: Any) -> None:
