@@ -41,7 +41,9 @@ from .tape import StepTape, rng_now, set_rng
 
 __all__ = ["EvalCheck"]
 
-_TAPE_CALL = StepTape.call.__code__
+_TAPE_CALL = StepTape.call.__code__  # (on_read: a read made again by the tape's handler)
+
+
 def _own_step_reads() -> list:
     """torch.optim's single-tensor optimizers read each parameter's step counter every update through
     ``torch.optim.optimizer._get_value`` (``x.item()``), which would call the read check's wrapper once
@@ -82,7 +84,6 @@ def _torch_optimizer(opt: Any) -> bool:
 # EvalCheck._suspended while an optimizer updates (the wrappers in place ignore what they read then)
 _ITEM = ("item put back",)
 _IGNORED = ("wrappers kept",)
-
 
 
 def optimised_input(args: tuple) -> bool:
@@ -154,14 +155,12 @@ class EvalCheck:
     def suspend(self, opt: Any = None) -> None:
         """While an optimizer updates, its reads are no evaluation values: they are ignored until
         :meth:`resume` (after the update, or at the next module call or backward if the update raised).
-        A single-tensor optimizer reads each parameter's step counter with ``.item()`` (148 wrapper
-        calls a step on a 12-layer GPT), so torch's own ``item`` is put back for the update. Only
-        ``item``: ``tolist`` and ``__float__`` keep their wrappers, which ignore what they read then
-        (setting ``__float__`` on ``torch.Tensor`` rebuilds the number slots of every subclass: ~30
-        wrapper calls' worth, twice a step). ``opt``, an optimizer of ``torch.optim`` itself: nothing is put
-        back (its per-parameter reads go through :func:`_own_step_reads`; each put-back costs the
-        update's tensor method lookups ~90 K instructions on a 64-tensor CNN). The methods are the class's:
-        a value another thread reads during that update is not checked."""
+        A single-tensor optimizer reads each parameter's step counter with ``.item()`` every update.
+        ``opt`` one of torch.optim's own: those reads already skip the wrapper (:func:`_own_step_reads`),
+        nothing is put back. Any other: torch's own ``item`` is put back for the update; only ``item``
+        (setting ``__float__`` on ``torch.Tensor`` rebuilds every subclass's number slots), and each
+        put-back costs the update's tensor method lookups afterwards (~45 K instructions). The methods
+        are the class's: a value another thread reads during that update is not checked."""
         if self._held is not None:  # the step's check passed (a failing one stopped or recovered before)
             self.settle()
         if self._wrapped and not self._suspended:

@@ -111,7 +111,6 @@ _ident = threading.get_ident
 _grad_on, _inference_on, _autocast_on = \
     torch.is_grad_enabled, torch.is_inference_mode_enabled, torch._C._is_any_autocast_enabled
 _RANGE = torch.autograd.profiler.record_function
-_RANGE_EXIT = _RANGE.__exit__  # (torch's own, put back at uninstall)
 _detach = torch.Tensor.detach
 
 

@@ -99,7 +99,7 @@ class _Flat:
 
     __slots__ = ("idx", "pick", "shapes", "chunkable", "numel", "dtype", "keep", "buf", "outs")
 
-    def __init__(self, idx: List[int], loc: Sequence[torch.Tensor], keep: bool = False) -> None:
+    def __init__(self, idx: List[int], loc: Sequence[torch.Tensor]) -> None:
         self.idx = idx
         self.pick = _picker(idx)  # the list's tensors of this copy, in C (no comprehension frame a step)
         by: Dict[tuple, List[int]] = {}
@@ -112,7 +112,7 @@ class _Flat:
         self.numel = sum(s[3] for s in self.shapes)
         # float64 data keeps float64 (a finite 1e300 stays finite); float16/bfloat16 are read in float32
         self.dtype = torch.float64 if any(loc[i].dtype is torch.float64 for i in idx) else torch.float32
-        self.keep = keep
+        self.keep = False  # set by the plan (its flat copies are small: the buffer is kept)
         self.buf: Optional[torch.Tensor] = None
         self.outs: List[torch.Tensor] = []
         # _chunk_cat (the fallback for a partial list): one dtype, no 0-d tensor
