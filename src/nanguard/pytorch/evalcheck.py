@@ -93,6 +93,7 @@ def optimised_input(args: tuple) -> bool:
     ``torch.is_grad_enabled() and (module.training or optimised_input(args))``: no call on a training step.)"""
     return any(t.requires_grad for t in tensors_in(args))
 
+
 class EvalCheck:
     def __init__(self, watcher: Any) -> None:
         self.w = watcher

@@ -362,6 +362,7 @@ class StepTape:
     def _mark(self, why: str) -> None:
         if self.incomplete is None:
             self.incomplete = why
+
     @property
     def recording(self) -> bool:
         return self.enabled and self.incomplete is None
