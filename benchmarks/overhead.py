@@ -490,8 +490,8 @@ def mem_child(model: str, cfg: str, steps: int, snap_warm: int = 36) -> None:
     """Runs in a subprocess: peak RSS of `steps` training steps under one configuration.
 
     The baseline is the RSS after ``import torch`` and the benchmark models, so a guarded
-    run's overhead includes everything nanguard adds: its modules, numpy.random (which the
-    per-step RNG capture imports on its first call) and its runtime data.
+    run's overhead includes everything nanguard adds: the modules a healthy run loads, numpy.random
+    (which the per-step RNG capture imports on its first call) and its runtime data.
     """
     _setup()
     from .models import MAKERS
@@ -500,7 +500,8 @@ def mem_child(model: str, cfg: str, steps: int, snap_warm: int = 36) -> None:
     import_bytes = None
     if cfg != "unguarded":
         import nanguard
-        import nanguard.pytorch.guard, nanguard.pytorch.replay, nanguard.core.pipeline  # noqa: F401
+        import nanguard.pytorch.guard  # noqa: F401  (what a healthy step needs: the replay, diagnosis and
+        # experiments are imported at the first failure, so a healthy run's peak does not hold them)
         import numpy.random  # noqa: F401  (imported by the guard's first RNG capture)
         if cfg == "guard_snapshots":
             import nanguard.pytorch.recover  # noqa: F401

@@ -24,12 +24,10 @@ from ..core.config import GuardConfig
 from ..core.engine import FailurePipeline, Ports
 from ..core.events import Detection, Event, NonFiniteError, Report
 from ..core.guarded import disabled_note, guarded_method
-from ..core.experiments import ExperimentConfig
+from ..core.experiments.config import ExperimentConfig
 from ..core.render.terminal import print_line, summary_line
 from .bundle import default_bundle_path
 from .compiled import unwrap_compiled
-from .experiments import GuardStep
-from .experiments.samples import batch_indices
 from .detect import StepMonitor
 from .detect.closure import needs_closure
 from .distributed import accumulation, is_main, share_event
@@ -37,7 +35,6 @@ from .guard_failures import FailureHandler, annotate_replay
 from .guard_closure import ClosureSteps
 from .guard_reports import ReportWriter
 from .owners import GUARD_STEP
-from .recover import RecoveryPolicy
 from .ring import StepRing
 from .rng import StepRng
 from .spikes import SpikeResponder, optimizer_context, replay_warning_fix
@@ -145,10 +142,10 @@ class Guard:
         self._lazy = LazyDriver(self) if self.sync_free else None
         self._rewound: Optional[dict] = None  # sync-free: the step being run again after a late read
         self.policy = None
-        if recover:
-            self.policy = RecoveryPolicy.from_spec(recover)
-        elif on_spike == "rollback":  # snapshots for the early-warning rollbacks; failures as on_nonfinite says
-            self.policy = RecoveryPolicy(failures=False)
+        if recover or on_spike == "rollback":  # (recovery is loaded only when asked for)
+            from .recover import RecoveryPolicy
+            # on_spike="rollback" alone: snapshots for the early-warning rollbacks; failures as on_nonfinite says
+            self.policy = RecoveryPolicy.from_spec(recover) if recover else RecoveryPolicy(failures=False)
         if self.policy is not None:
             self.policy.bind_guard(self)
             if self.sync_free:  # an early warning read late may roll back to a step that many steps back
@@ -174,7 +171,7 @@ class Guard:
         self.experiments = ExperimentConfig.from_spec(False if (experiments == "auto" and not localize)
                                                       else experiments)
         self._step_start, self._step_indices = time.perf_counter(), None  # the current step's
-        self._kept: Dict[int, GuardStep] = {}   # the last steps, for history replays (recovery only)
+        self._kept: Dict[int, Any] = {}   # GuardStep: the last steps, for history replays (recovery only)
         self._now: Optional[tuple] = None       # this step's (batches, loss_fn, rng): a warning's fix replays it
         self.step_rng = StepRng()  # each step's RNG state for its replay (random/numpy only once steps draw from them)
         self._step_seconds: Optional[float] = None  # a running estimate: the experiments' time unit
@@ -365,6 +362,8 @@ class Guard:
         n = self.monitor.steps_watched
         if not self.experiments.enabled or n in self._kept:
             return
+        from .experiments import GuardStep
+        from .experiments.samples import batch_indices
         self._kept[n] = GuardStep(self.model, self.optimizers, self.scaler, batches, loss_fn, rng, n,
                                   batch_indices(batches[0], indices) if len(batches) == 1 else None)
         for k in [k for k in self._kept if k <= n - self.experiments.keep_steps]:
@@ -452,5 +451,6 @@ def _test_fix(g: Guard, event: Event, step: int, history: list) -> Optional[str]
     if now is None or not g.experiments.enabled or g.scaler is not None or g.closure_mode:
         return None
     batches, loss_fn, rng = now
+    from .experiments import GuardStep
     step_now = GuardStep(g.model, g.optimizers, None, batches, loss_fn, rng, step, None)
     return replay_warning_fix(event, step, history, step_now, [g.model], g.optimizers)

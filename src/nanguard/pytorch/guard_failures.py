@@ -9,21 +9,22 @@ bundle saved, the failing step for the ``drop_samples`` recovery, the replay of 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 from ..core.engine import Localized
 from ..core.events import Detection, Event, NonFiniteError
-from ..core.experiments import Spec
 from ..core.render.terminal import render
 from ..core.script import block_outcome
 from .bundle import save_bundle
 from .compiled import INDUCTOR_FIX, annotate_compiled, eager, unwrap_compiled, uses_compile
-from .experiments import GuardStep, TorchBench, drop_rows_and_regrad, investigate_failure
-from .experiments.samples import annotate_rows, batch_indices, name_samples
 from .distributed import barrier, is_distributed, is_origin, replays_here
-from .raised import raise_detection, replay_raise
-from .replay import replay_step
 from .rng import plain_rng
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .experiments import GuardStep
+
+# The replays, the experiments and the raise handling are imported at the first failure (a healthy
+# run loads none of them).
 
 
 def annotate_replay(event: Event, run: Localized) -> None:
@@ -65,6 +66,8 @@ class FailureHandler:
 
     def on_failure(self, det: Detection, batches, loss_fn, rng, indices=None) -> str:
         g = self.g
+        from .experiments import GuardStep
+        from .experiments.samples import annotate_rows, batch_indices
         # distributed: the bundle is saved where it was seen first; a DDP model is replayed there only
         if g.bundle_path and self.bundle_saved is None and rng is not None and is_origin(det):
             self.bundle_saved = g._safe(lambda: self.save_bundle(det, batches, rng))
@@ -131,6 +134,7 @@ class FailureHandler:
         """The step's ``loss_fn`` raised ``error``: a non-finite value born in the step before the raise
         (:mod:`nanguard.pytorch.raised`) is reported as the step's failure, the error kept beside it
         (``script_error``); the error then goes on to the caller."""
+        from .raised import raise_detection, replay_raise
         g = self.g
         if not g.localize or g.disabled or isinstance(error, NonFiniteError):
             return
@@ -177,6 +181,8 @@ class FailureHandler:
         return ev
 
     def compiled_first(self, step: GuardStep) -> list:
+        from ..core.experiments import Spec
+        from .experiments import TorchBench
         bench = TorchBench(step, [self.g.model], step_seconds=None)
         if not (self.g.experiments.allows("eager") and bench.compiled()):
             return []
@@ -185,6 +191,8 @@ class FailureHandler:
     def experiment(self, event: Event, det: Detection, loc_run, step: GuardStep, prior: list) -> None:
         """Test the diagnosed cause by counterfactual replays of the step (nanguard.core.experiments);
         name the batch rows (and dataset rows) of a per-sample failure."""
+        from .experiments import investigate_failure
+        from .experiments.samples import name_samples
         g = self.g
         self.failing = step
         if g.experiments.enabled and det.phase != "params":
@@ -208,6 +216,7 @@ class FailureHandler:
         # rank must take the same action, and only the origin rank replayed)
         if step is None or self.g.scaler is not None or is_distributed():
             return None
+        from .experiments import drop_rows_and_regrad
         return lambda rows: drop_rows_and_regrad(step, rows)
 
     def replay(self, batches, loss_fn, rng, det: Detection) -> dict:
@@ -221,6 +230,7 @@ class FailureHandler:
             return {"method": "replay", "reproduced": False, "error": f"the replay raised {type(e).__name__}: {e}"}
 
     def _replay(self, batches, loss_fn, rng) -> dict:
+        from .replay import replay_step
         g = self.g
         if not uses_compile(g.model, loss_fn):
             return replay_step(g.model, g.optimizers, g.scaler, batches, loss_fn, rng)

@@ -10,7 +10,6 @@ from typing import Any, Callable, Dict, Optional
 
 from ..core.engine import RunFacts, assemble_report
 from ..core.events import Event, Report
-from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line
 from .distributed import is_main, report_extra
 
@@ -52,6 +51,7 @@ class ReportWriter:
 
     def write_html(self) -> None:
         if is_main():  # the page renders in seconds (plots): once, when the run stops or ends
+            from ..core.render.html import write_run_html  # (the page's code: loaded when a report is written)
             page = write_run_html(self.report, self.path, self.html)
             if page and not self.quiet:
                 print_line(f"HTML report: {page}")

@@ -60,10 +60,9 @@ from torch.amp.grad_scaler import OptState
 from ..core.config import GuardConfig
 from ..core.engine import FailurePipeline, Ports
 from ..core.events import Detection
-from ..core.experiments import ExperimentConfig
+from ..core.experiments.config import ExperimentConfig
 from ..core.guarded import guarded_method
 from ..core.outputs import check_output
-from ..core.render.html import write_run_html
 from ..core.render.terminal import print_line, render, summary_line
 from ..core.script import apply_outcome, block_outcome
 from .data import DataHooks
@@ -73,7 +72,6 @@ from .distributed import share_event
 from .evalcheck import EvalCheck, optimised_input
 from .gradscaler import scaler_enabled
 from .observer import WatchObserver, combine, hook
-from .raised import record_raise
 from .owners import StandAside, StopRun, guard_state
 from .roothooks import RootHooks
 from .stepreplay import StepReplay, replay_of
@@ -551,6 +549,7 @@ def watch(report: Optional[str] = None, on_nonfinite: str = "warn",
         w.uninstall()
         w.finish()
         if isinstance(error, Exception):  # (nanguard's own stop is a BaseException)
+            from .raised import record_raise  # (the raise handling: loaded at a raise)
             record_raise(w, error)  # a NaN born in the step before the raise: its failure (pytorch/raised.py)
         rep = make_report(w, w.localizer)
         if error is not None and not isinstance(error, (StopRun, GeneratorExit)):
@@ -560,6 +559,7 @@ def watch(report: Optional[str] = None, on_nonfinite: str = "warn",
         try:  # checked on entry; a path taken since (another process) costs the file, never the block
             if report:
                 rep.write(report)
+            from ..core.render.html import write_run_html  # (loaded when a page is written)
             page = write_run_html(rep, report, html)
         except OSError as e:
             warnings.warn(f"nanguard: could not write the report: {e}", RuntimeWarning, stacklevel=3)

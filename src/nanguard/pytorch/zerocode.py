@@ -35,7 +35,6 @@ from ..core.render.terminal import print_line
 from ..core.script import Terminated
 from .bundle import save_bundle
 from .distributed import report_extra, share_event
-from .replay import make_recorder
 from .rng import capture_rng
 from .observer import WatchObserver
 from .spikes import each_optimizer, optimizer_context
@@ -96,6 +95,7 @@ class Localizer:
 
     def recorder(self, roots: Any = None) -> Any:
         w = self.w
+        from .replay import make_recorder  # (the op recorder: loaded at the first failure)
         return make_recorder(list(w.monitor.roots) if roots is None else roots, w.optimizers(),
                              data_rows=w.data.rows_of)
 

@@ -15,8 +15,17 @@ locations in sentences), ``categories`` (the category table), ``docs`` (docs/CAT
 """
 from __future__ import annotations
 
-from .categories import CATEGORIES
-from .engine import diagnose, diagnose_error
-from .signals import history_signals
+from typing import TYPE_CHECKING
+
+from ..exports import lazy_exports
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .categories import CATEGORIES
+    from .engine import diagnose, diagnose_error
+    from .signals import history_signals
 
 __all__ = ["diagnose", "diagnose_error", "CATEGORIES", "history_signals"]
+
+# imported on first use (a healthy run does not load this package's modules)
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "CATEGORIES": ".categories", "diagnose": ".engine", "diagnose_error": ".engine", "history_signals": ".signals"})

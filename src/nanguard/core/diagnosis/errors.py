@@ -57,4 +57,6 @@ def error_rule(name: str, pattern: str, types: tuple = (), category: str = "scri
 
 def error_rules() -> list:
     """The registered rules, in registration order (importing ``rules`` registers them)."""
+    from .families import load_rules
+    load_rules()
     return list(_ERROR_RULES)

@@ -28,6 +28,7 @@ The recorder and the dispatcher (``engine.py``) need no change.
 """
 from __future__ import annotations
 
+import importlib
 import operator
 import re
 from dataclasses import dataclass, field
@@ -156,6 +157,16 @@ _BY_TF_OP: dict[str, Family] = {}
 _CONTAINS: list[Family] = []
 _RULES: list[Rule] = []
 _SORTED: list[Rule] | None = None
+_LOADED = False
+
+
+def load_rules() -> None:
+    """Import the rule modules (they register the families and rules) before the first lookup: the
+    package is loaded at the first failure, not by a healthy run that imports this module."""
+    global _LOADED
+    if not _LOADED:
+        _LOADED = True  # (first: a rule module that looks up a family while it loads finds it registered)
+        importlib.import_module(".rules", __package__)
 
 
 def _add_rule(r: Rule) -> None:
@@ -219,16 +230,19 @@ def tf_canonical(op_type: str) -> str:
 
 def tf_ops_of(*names: str) -> frozenset[str]:
     """The TensorFlow op types of the named families."""
+    load_rules()
     return frozenset(n for name in names for n in _FAMILIES[name].tf_ops)
 
 
 def keep_forward_tf_ops() -> frozenset[str]:
     """TensorFlow forward ops whose inputs the recorder keeps (families with ``keep_forward``)."""
+    load_rules()
     return frozenset(n for f in _FAMILIES.values() if f.keep_forward for n in f.tf_ops)
 
 
 def family_of(op: str | None) -> Family | None:
     """The family of an op name: an aten name ('log', '_foreach_log') or a TensorFlow op type ('Log')."""
+    load_rules()
     if not op:
         return None
     fam = _BY_OP.get(op) or _BY_TF_OP.get(op)
@@ -242,27 +256,32 @@ def family_of(op: str | None) -> Family | None:
 def rules() -> list[Rule]:
     """Every registered rule in the order the diagnosis tries them (ties: registration order)."""
     global _SORTED
+    load_rules()
     if _SORTED is None:
         _SORTED = sorted(_RULES, key=lambda r: (r.order, r.seq))
     return _SORTED
 
 
 def families() -> list[Family]:
+    load_rules()
     return list(_FAMILIES.values())
 
 
 def ops_of(*names: str) -> frozenset[str]:
     """The aten op names of the named families."""
+    load_rules()
     return frozenset(n for name in names for n in _FAMILIES[name].ops)
 
 
 def keep_forward_ops() -> frozenset[str]:
     """Forward ops whose inputs the recorder keeps for the re-examination of a backward origin."""
+    load_rules()
     return frozenset(n for f in _FAMILIES.values() if f.keep_forward for n in f.ops)
 
 
 def evidence_names() -> list[str]:
     """Every gatherer name some family asks for, in registration order."""
+    load_rules()
     out: list[str] = []
     for f in _FAMILIES.values():
         out += [e for e in f.evidence if e not in out]

@@ -24,12 +24,24 @@ The PyTorch bench is :mod:`nanguard.pytorch.experiments`.
 """
 from __future__ import annotations
 
-from .config import ExperimentConfig
-from .investigate import Bench, investigate
-from .kinds import DIVERGENCE, EXACT, KINDS, PER_SAMPLE, PRECISION, judge
-from .planner import Situation, plan
-from .records import Experiment, Spec
-from .verdict import CONFIRMED, NEEDS_PROOF
+from typing import TYPE_CHECKING
+
+from ..exports import lazy_exports
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .config import ExperimentConfig
+    from .investigate import Bench, investigate
+    from .kinds import DIVERGENCE, EXACT, KINDS, PER_SAMPLE, PRECISION, judge
+    from .planner import Situation, plan
+    from .records import Experiment, Spec
+    from .verdict import CONFIRMED, NEEDS_PROOF
 
 __all__ = ["Bench", "CONFIRMED", "DIVERGENCE", "EXACT", "Experiment", "ExperimentConfig", "KINDS", "NEEDS_PROOF",
            "PER_SAMPLE", "PRECISION", "Situation", "Spec", "investigate", "judge", "plan"]
+
+# imported on first use (a healthy run does not load this package's modules)
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "ExperimentConfig": ".config", "Bench": ".investigate", "investigate": ".investigate", "DIVERGENCE": ".kinds",
+    "EXACT": ".kinds", "KINDS": ".kinds", "PER_SAMPLE": ".kinds", "PRECISION": ".kinds", "judge": ".kinds",
+    "Situation": ".planner", "plan": ".planner", "Experiment": ".records", "Spec": ".records",
+    "CONFIRMED": ".verdict", "NEEDS_PROOF": ".verdict"})

@@ -12,13 +12,26 @@ The PyTorch actions are in :mod:`nanguard.pytorch.recover`.
 """
 from __future__ import annotations
 
-from .actions import RecoveryActions, Snapshot
-from .budget import RecoveryBudget
-from .estimates import DynamicLossScale, backoff_factor, clip_max_norm, healthy_grad_norms, rollback_target
-from .policy import RecoveryPolicy
-from .snapshots import SnapshotStore
-from .table import ACTIONS, AUTO, DEFAULT_ACTIONS, DIVERGENCE, actions_for
+from typing import TYPE_CHECKING
+
+from ..exports import lazy_exports
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .actions import RecoveryActions, Snapshot
+    from .budget import RecoveryBudget
+    from .estimates import DynamicLossScale, backoff_factor, clip_max_norm, healthy_grad_norms, rollback_target
+    from .policy import RecoveryPolicy
+    from .snapshots import SnapshotStore
+    from .table import ACTIONS, AUTO, DEFAULT_ACTIONS, DIVERGENCE, actions_for
 
 __all__ = ["ACTIONS", "AUTO", "DEFAULT_ACTIONS", "DIVERGENCE", "DynamicLossScale", "RecoveryActions",
            "RecoveryBudget", "RecoveryPolicy", "Snapshot", "SnapshotStore", "actions_for", "backoff_factor",
            "clip_max_norm", "healthy_grad_norms", "rollback_target"]
+
+# imported on first use (a healthy run does not load this package's modules)
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "RecoveryActions": ".actions", "Snapshot": ".actions", "RecoveryBudget": ".budget",
+    "DynamicLossScale": ".estimates", "backoff_factor": ".estimates", "clip_max_norm": ".estimates",
+    "healthy_grad_norms": ".estimates", "rollback_target": ".estimates", "RecoveryPolicy": ".policy",
+    "SnapshotStore": ".snapshots", "ACTIONS": ".table", "AUTO": ".table", "DEFAULT_ACTIONS": ".table",
+    "DIVERGENCE": ".table", "actions_for": ".table"})

@@ -35,7 +35,15 @@ failing-sink choice and the result's assembly and typed shape, the evidence regi
 """
 from __future__ import annotations
 
-from . import library as _library  # noqa: F401  (registers the library-call evidence gatherers)
-from .recorder import OpRecorder
+from typing import TYPE_CHECKING
+
+from ...core.exports import lazy_exports
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .recorder import OpRecorder
 
 __all__ = ["OpRecorder"]
+
+# imported on first use (a healthy run does not load this package's modules)
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "OpRecorder": ".recorder"})

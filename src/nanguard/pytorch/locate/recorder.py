@@ -15,6 +15,7 @@ import torch
 from ...core.diagnosis.roles import OVERWRITE, UNINITIALISED
 from ...core.locate.result import constant_detail, failed_result
 from .. import numerics as N
+from . import library as _library  # noqa: F401  (registers the library-call evidence gatherers)
 from .evidence import Evidence
 from .modes import Modes, Switch
 from .naming import Frames, ModuleTracker, Names

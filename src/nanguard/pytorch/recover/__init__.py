@@ -40,16 +40,29 @@ action is armed, so training is bit-for-bit the same as without nanguard.
 """
 from __future__ import annotations
 
-from ...core.recovery import ACTIONS, AUTO, DEFAULT_ACTIONS, DynamicLossScale, clip_max_norm, healthy_grad_norms
-from .actions import TorchActions
-from .clip import clip_grads
-from .lr_backoff import lr_backoff
-from .policy import RecoveryPolicy
-from .skip import skip_step
-from .snapshot import Snapshot
-from .state import state_finite
-from .upcast import find_module, upcast_module
+from typing import TYPE_CHECKING
+
+from ...core.exports import lazy_exports
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...core.recovery import ACTIONS, AUTO, DEFAULT_ACTIONS, DynamicLossScale, clip_max_norm, healthy_grad_norms
+    from .actions import TorchActions
+    from .clip import clip_grads
+    from .lr_backoff import lr_backoff
+    from .policy import RecoveryPolicy
+    from .skip import skip_step
+    from .snapshot import Snapshot
+    from .state import state_finite
+    from .upcast import find_module, upcast_module
 
 __all__ = ["ACTIONS", "AUTO", "DEFAULT_ACTIONS", "DynamicLossScale", "RecoveryPolicy", "Snapshot", "TorchActions",
            "clip_grads", "clip_max_norm", "find_module", "healthy_grad_norms", "lr_backoff", "skip_step",
            "state_finite", "upcast_module"]
+
+# imported on first use (a healthy run does not load this package's modules)
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "ACTIONS": "...core.recovery", "AUTO": "...core.recovery", "DEFAULT_ACTIONS": "...core.recovery",
+    "DynamicLossScale": "...core.recovery", "clip_max_norm": "...core.recovery",
+    "healthy_grad_norms": "...core.recovery", "TorchActions": ".actions", "clip_grads": ".clip",
+    "lr_backoff": ".lr_backoff", "RecoveryPolicy": ".policy", "skip_step": ".skip", "Snapshot": ".snapshot",
+    "state_finite": ".state", "find_module": ".upcast", "upcast_module": ".upcast"})
