@@ -21,3 +21,34 @@ def test_the_same_growth_after_a_large_update_stays_lr_too_high():
     h[27]["update_ratio"] = 0.5
     h[28]["param_norm"] = h[27]["param_norm_after"]
     assert diagnose(None, h, phase="forward", context={"optimizer": "SGD", "lr": [0.02]})["category"] == "lr_too_high"
+
+
+def _recurring(every_epoch: bool) -> list:
+    """Steps 0-28 of HISTORY made calm, with the same wild row (values up to 3e4, the data's range ~3)
+    in the batch of step 28, and, when ``every_epoch``, already at step 10 (the epoch before)."""
+    h = copy.deepcopy(HISTORY[:29])
+    h[28].update(loss=2.1e6, grad_norm=250.0, param_norm_after=h[28]["param_norm"] * 1.0005, update_ratio=0.002,
+                 batch_max=2.9e4)
+    if every_epoch:
+        h[10].update(loss=1.9e6, grad_norm=240.0, batch_max=2.9e4)
+    return h
+
+
+def test_an_outlier_batch_that_comes_back_each_epoch_is_still_the_data():
+    # the batch maximum at step 10 made the old reference (the largest batch before) 2.9e4, so the same row
+    # one epoch later was not "far outside the data" and the loss spike read as a gradient explosion
+    for every_epoch in (False, True):
+        c = diagnose(None, _recurring(every_epoch), phase="forward", context={"optimizer": "SGD", "lr": [0.02]})
+        assert c["category"] == "bad_input_data", (every_epoch, c["category"], c["summary"])
+        ev = c["evidence"]
+        assert ev["outlier_step"] == 28 and ev["batch_max_before"] < 4, ev
+        assert ev.get("outlier_steps_before", []) == ([10] if every_epoch else []), ev
+        assert ("at step 10: the same bad data again?" in c["summary"]) is every_epoch, c["summary"]
+
+
+def test_outliers_that_are_common_are_the_datas_range():
+    h = _recurring(True)
+    for s in range(11, 28, 3):  # six more batches as wide: a fifth of the history, the data's own range
+        h[s]["batch_max"] = 2.5e4
+    c = diagnose(None, h, phase="forward", context={"optimizer": "SGD", "lr": [0.02]})
+    assert c["category"] != "bad_input_data", c["summary"]

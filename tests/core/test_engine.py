@@ -184,3 +184,22 @@ def test_localized_round_trip_keeps_backend_keys():
     assert Localized.coerce(run.as_dict()) == run
     with pytest.raises(TypeError):
         Localized.coerce(["not", "a", "dict"])
+
+
+def test_every_driver_s_report_says_a_run_that_diverged_again_after_its_recovery_was_not_recovered():
+    # the JAX driver (and the Guard, and zero-code) called a run "recovered" whose loss went on from 2.6
+    # to 1e26 after its one recovery; only the TensorFlow driver checked: the check is in the assembler now
+    def ev(step, kind, ok):
+        return Event(step=step, phase="forward", origin={}, kind=kind,
+                     cause={"category": "lr_too_high", "summary": "s", "confidence": 0.6}, fixes=[],
+                     recovery={"action": "rollback+lr_backoff", "ok": True} if ok else None)
+    fail, late = ev(12, "failure", True), ev(13, "warning", False)
+    # x100 a step up to the failure at 12, rolled back to 0, then x100 a step again from the lowered rate
+    history = [{"step": i, "loss": 2.6 * 100.0 ** (i if i < 12 else i - 12)} for i in range(32)]
+    rep = assemble_report(RunFacts(history=history, events=[fail], warnings=[ev(1, "warning", False), late]))
+    assert rep.status == "nonfinite" and fail.recovery["ok"] is False
+    assert "kept diverging" in fail.recovery["kept_diverging"] and "(steps 13)" in fail.recovery["kept_diverging"]
+    back = [{"step": i, "loss": 2.6} for i in range(32)]  # the same events, the loss back where it was: recovered
+    fail2 = ev(12, "failure", True)
+    rep2 = assemble_report(RunFacts(history=back, events=[fail2], warnings=[ev(13, "warning", False)]))
+    assert rep2.status == "recovered" and fail2.recovery["ok"] is True

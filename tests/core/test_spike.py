@@ -34,3 +34,21 @@ def test_geometric_growth_warns_from_the_first_steps():
     d = SpikeDetector(SpikeConfig(far=math.inf))
     hits = [(i, w) for i, l in enumerate(losses) if (w := d.observe(i, l, 1.0)) is not None]
     assert hits and hits[0][0] == 3 and hits[0][1]["rule"] == "growth"
+
+
+def test_after_a_rollback_a_run_diverging_again_is_warned_again_once_when_it_climbed_1000x():
+    # JAX, SGD at 1000x its rate: the failure's recovery rolled back to step 0 and cut the rate 11x; the
+    # resumed run warned at its first step (too little history: "other"), then climbed x100 a step to 1e26
+    # with no second warning, so nothing acted on it again. One more warning in that excursion now.
+    def run(d, start, n):
+        return [(s, w["rule"]) for s in range(start, start + n) if (w := d.observe(s, 2.6 * 100.0 ** (s - start), 1.0))]
+
+    d = SpikeDetector()
+    first = run(d, 0, 12)
+    assert len(first) == 1  # one warning per excursion: no escalation before any rollback
+    d.rewind(0)
+    again = run(d, 13, 10)
+    assert len(again) == 2 and again[1][0] > again[0][0], again  # the resumed run: warned, then once more
+    d.rewind(0)
+    calm = [(s, w) for s in range(30, 60) if (w := d.observe(s, 2.6, 1.0))]
+    assert calm == []  # a run that stays where the rollback left it: no warning

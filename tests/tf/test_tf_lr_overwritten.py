@@ -2,7 +2,7 @@
 GradientTape loop that assigns the optimizer's rate every step (a hand-written warm-up to 2.0) overwrites
 an early warning's cut; the record says so (``lr_backoff.overwritten``). A run that kept diverging after
 its last recovery (warnings nothing acted on, last losses far above the loss before the divergence) is not
-called recovered (:func:`nanguard.tensorflow.driver.kept_diverging`)."""
+called recovered (:func:`nanguard.core.status.kept_diverging`, applied by every driver's report)."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +13,8 @@ keras = pytest.importorskip("keras")
 
 from nanguard.core.config import GuardConfig  # noqa: E402
 from nanguard.core.events import Event, Report  # noqa: E402
-from nanguard.tensorflow.driver import RunDriver, kept_diverging  # noqa: E402
+from nanguard.core.status import kept_diverging  # noqa: E402
+from nanguard.tensorflow.driver import RunDriver  # noqa: E402
 
 
 def _warmup_loop(steps: int, assign_every_step: bool):

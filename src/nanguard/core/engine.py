@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 from .events import Detection, Event, Report
 from .pipeline import (as_recurrence, build_event, consequence_event, fold_recurrences, recurrence_event,
                        same_cause)
+from .status import kept_diverging
 
 __all__ = ["Localized", "Ports", "FailurePipeline", "RunFacts", "assemble_report", "event_order",
            "info_rows", "TRAIN", "EVAL"]
@@ -216,4 +217,5 @@ def assemble_report(facts: RunFacts, report: Optional[Report] = None) -> Report:
         r.extra["dropped_events"] = facts.dropped_events
     if facts.disabled:
         r.guard_disabled = facts.disabled
+    kept_diverging(r)  # a recovery the run diverged again after is not called recovered (every driver)
     return r

@@ -66,7 +66,10 @@ gradient norm that grows while the loss falls, normal early in training, never w
   widths" above it (measured: a CNN fit to loss 0 warned 10 times in a row at 1.3e-5).
 
 One warning per excursion: after a warning the stream stays quiet until ``calm_steps`` = 20
-steps in a row have an excess below ``high``; at most ``max_warnings`` = 10 per run.
+steps in a row have an excess below ``high``; after a rollback, once, unless the loss keeps climbing
+to ``escalate`` = 1000x the loss it warned at (the resumed run's first warning can come at its first
+step, with too little history to name a cause: the run diverging again is warned with the growth in
+its history, so a recovering run acts on it). At most ``max_warnings`` = 10 per run.
 Measured on the repository's healthy scripts (warmup, cosine and cyclic schedules, GradScaler
 warm-up skips, a GAN, REINFORCE, a curriculum switch, unfreezing, mini-batch-1 SGD): no warning;
 on every divergence scenario: a warning 1 to 20 steps before the first non-finite value.
@@ -101,6 +104,7 @@ class SpikeConfig:
     width_floor: float = 0.05
     level_floor: float = 1e-3
     calm_steps: int = 20
+    escalate: float = 1000.0
     max_warnings: int = 10
     update: float = 1.0
     update_loss: float = 1.5
@@ -158,6 +162,8 @@ class _Stream:
         self.first_g: List[Tuple[int, float]] = []  # (step, norm) of the first gradient norms, min_values of them
         self.tail: Deque[Tuple[float, Optional[float]]] = deque(maxlen=1)  # (loss, grad norm) of the last steps
         self.dead_warned = False
+        self.warned_at: Optional[float] = None  # the loss of the excursion's last warning (while quiet)
+        self.escalate = False  # one more warning allowed in this excursion (set by a rollback)
         self.ruin: Optional[int] = None  # the first step observed after an update of >= ``update`` x the norm
         self.seen: Optional[int] = None  # the step of the last observe() (a skipped or non-finite one too)
 
@@ -223,10 +229,15 @@ class SpikeDetector:
             st.calm = st.calm + 1 if le < c.high else 0
             if st.calm >= c.calm_steps:
                 st.armed = True
+            # the same excursion, still climbing far past the warning: warned again (its history now says why)
+            w = st.warned_at
+            if not st.escalate or hit is None or w is None or not (w > 0 and loss >= c.escalate * w) \
+                    or self.warnings >= c.max_warnings:
+                return None
+            st.escalate = False
+        elif hit is None or self.warnings >= c.max_warnings:
             return None
-        if hit is None or self.warnings >= c.max_warnings:
-            return None
-        st.armed, st.calm = False, 0
+        st.armed, st.calm, st.warned_at = False, 0, loss
         self.warnings += 1
         return hit
 
@@ -294,7 +305,7 @@ class SpikeDetector:
                 ser.keep_before(to_step)
             st.recent.clear()
             st.tail.clear()
-            st.armed, st.calm = True, 0
+            st.armed, st.calm, st.warned_at, st.escalate = True, 0, None, True
 
 
 def _warning(rule: str, signal: str, step: int, loss: float, g: Optional[float], le: float, ge: float,

@@ -11,7 +11,7 @@ from ..core.config import GuardConfig
 from ..core.engine import FailurePipeline, Ports, RunFacts, assemble_report, info_rows
 from ..core.events import Detection, Event, Report
 from ..core.guarded import disabled_note
-from ..core.status import kept_diverging, printed_nonfinite
+from ..core.status import printed_nonfinite
 from .context import run_context
 
 
@@ -149,7 +149,6 @@ class RunDriver:
             warnings=list(w.warning_events), extra=extra,
             dropped_events=w.dropped_events, disabled=disabled_note(w)))
         printed_nonfinite(rep, w.fit_end)
-        kept_diverging(rep)
         return rep
 
 

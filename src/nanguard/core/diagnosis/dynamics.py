@@ -35,6 +35,7 @@ Series = List[Tuple[int, float]]
 # before it (at least OUTLIER_MIN_BEFORE of them): unit mix-ups (Pa for kPa) are x1000.
 OUTLIER_FACTOR = 10.0
 OUTLIER_MIN_BEFORE = 5
+OUTLIER_RARE = 0.1  # outlier batches above this share of the history are the data's range, not outliers
 # Parameter growth worth naming: x3 in all, or x1.5 with >= 1.2x per update over >= 2 updates.
 PARAM_GROWTH = 3.0
 # An update that moved the weights by their own norm or more (100x the healthy ~1e-2; the same bound as
@@ -308,16 +309,23 @@ def _outlier(applied: Sequence[dict], loss: Series, onset: Optional[int], out: D
         return
     lo = (onset - 2) if onset is not None else bm[-1][0] - 2
     best = None
-    for i, (s, v) in enumerate(bm):
-        if i < OUTLIER_MIN_BEFORE or s < lo:
-            continue
-        ref = max(x for _, x in bm[:i])
-        if ref > 0 and v >= OUTLIER_FACTOR * ref and (best is None or v / ref > best[2]):
-            best = (s, v, v / ref, ref)
+    ref, n, seen = 0.0, 0, []  # the data's usual range: the largest batch maximum that was not an outlier
+    for s, v in bm:
+        if n >= OUTLIER_MIN_BEFORE and ref > 0 and v >= OUTLIER_FACTOR * ref:
+            if s >= lo and (best is None or v / ref > best[2]):
+                best = (s, v, v / ref, ref, list(seen))
+            if len(seen) < OUTLIER_RARE * n:
+                # a rare outlier (the same bad row in every epoch) leaves the usual range where it
+                # was, so it is an outlier again when it comes back; a common one is the data's range
+                seen.append(s)
+                continue
+        ref, n = max(ref, v), n + 1
     if best is None:
         return
-    s, v, f, ref = best
+    s, v, f, ref, seen = best
     out.update(outlier_step=s, outlier_batch_max=v, outlier_factor=f, batch_max_before=ref)
+    if seen:
+        out["outlier_steps_before"] = seen[-5:]
     lvals = dict(loss)
     before = [x for st, x in loss if st < s]
     if s in lvals and before:

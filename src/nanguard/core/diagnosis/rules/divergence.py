@@ -166,9 +166,14 @@ def outlier_batch(dy: dict, ev: dict, method: str, conf: float, where: str) -> d
     if dy.get("param_growth_significant"):
         grew_s = (f"; its update threw the parameters (norm {T.g(dy.get('param_norm_before'))} -> "
                   f"{T.g(dy.get('param_norm_last'))})")
+    again = dy.get("outlier_steps_before") or []
+    if again:
+        ev["outlier_steps_before"] = again
+    others = (f" (not counting the batches as far out at step{'s' if len(again) > 1 else ''} "
+              f"{', '.join(map(str, again))}: the same bad data again?)") if again else ""
     summ = (f"a batch far outside the data seen so far: the batch of step {s} holds values up to "
             f"{T.g(dy.get('outlier_batch_max'))}, ×{T.g(dy.get('outlier_factor'), 3)} the largest of the batches "
-            f"before it ({T.g(dy.get('batch_max_before'))}); every value is finite, but the loss jumped "
+            f"before it ({T.g(dy.get('batch_max_before'))}){others}; every value is finite, but the loss jumped "
             f"×{T.g(dy.get('outlier_loss_factor'), 3)} at that step{grew_s}, {where}")
     fixes = [f"validate the inputs before training on them (units, scaling, export errors): e.g. reject a batch "
              f"whose x.abs().max() is far above the data's usual range ({T.g(dy.get('batch_max_before'))})",
