@@ -105,6 +105,16 @@ def test_singular_counts_and_no_empty_lists():
     assert "watched 1 step" in texts["html"]
 
 
+def test_the_panel_names_the_dataset_rows_a_drop_samples_replay_proved():
+    # log(0) of one zero price in a shuffled DataLoader: the origin is the op (no source_rows of bad input
+    # data), the replay without batch row 10 was finite, and the DataLoader's indices named dataset row 613
+    ev = _event()
+    ev.origin["samples"] = [10]
+    ev.cause["evidence"]["bad_samples"] = {"batch_rows": [10], "dataset_indices": [613]}
+    panel = rendered_texts(Report(events=[ev]))["panel"]
+    assert "batch rows   10" in panel and "dataset rows 613" in panel, panel
+
+
 def test_escape_codes_stripped_from_panel_json_and_html():
     texts = rendered_texts(_reports()["script_error"])
     assert "CUDA error: device-side assert triggered" in texts["panel"]

@@ -97,8 +97,10 @@ def _render(report: Report, json_path: Optional[str], console=None) -> None:
                                             "(the op ran here, called from the line above)"))
         if o.get("samples"):
             head.add_row("batch rows", _escape(listed(o["samples"])))
-        if o.get("source_rows"):
-            head.add_row("dataset rows", _escape(listed(o["source_rows"])))
+        # the dataset rows: of bad input data, or of the batch rows a drop-samples replay proved (an op's origin)
+        src = o.get("source_rows") or ((cause.get("evidence") or {}).get("bad_samples") or {}).get("dataset_indices")
+        if src:
+            head.add_row("dataset rows", _escape(listed(src)))
     head.add_row("cause", _escape(f"{cause.get('category', 'other')} "
                                   f"(confidence {float(cause.get('confidence') or 0):.2f})"))
     if cause.get("summary"):
