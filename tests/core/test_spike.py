@@ -52,3 +52,15 @@ def test_after_a_rollback_a_run_diverging_again_is_warned_again_once_when_it_cli
     d.rewind(0)
     calm = [(s, w) for s in range(30, 60) if (w := d.observe(s, 2.6, 1.0))]
     assert calm == []  # a run that stays where the rollback left it: no warning
+
+
+def test_the_weights_change_across_a_rollback_is_not_an_update():
+    # JAX: the first step after the rollback compared the weights it restored with the excursion's
+    # overflowed norm, so the "update" rule warned (ratio "overflow", cause "other") at a healthy step
+    d = SpikeDetector()
+    for s in range(12):
+        d.observe(s, 2.6 + 0.01 * s, 1.0, update=0.01)
+    d.rewind(0)
+    assert d.observe(13, 4.0, 1.0, update=math.inf) is None  # the rollback's own change: not judged
+    hit = d.observe(14, 4.0, 1.0, update=math.inf)  # the next one is an optimizer update again
+    assert hit is not None and hit["rule"] == "update", hit

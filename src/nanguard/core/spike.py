@@ -164,6 +164,7 @@ class _Stream:
         self.dead_warned = False
         self.warned_at: Optional[float] = None  # the loss of the excursion's last warning (while quiet)
         self.escalate = False  # one more warning allowed in this excursion (set by a rollback)
+        self.rolled_back = False  # the next step's ``update`` spans a rollback, not an optimizer update
         self.ruin: Optional[int] = None  # the first step observed after an update of >= ``update`` x the norm
         self.seen: Optional[int] = None  # the step of the last observe() (a skipped or non-finite one too)
 
@@ -191,6 +192,8 @@ class SpikeDetector:
             st = self.streams[stream] = _Stream(c.window)
             st.tail = deque(maxlen=c.dead_steps)
         prev_seen, st.seen = st.seen, step
+        if st.rolled_back:  # the weights' change into this step is the rollback's (from the excursion's
+            st.rolled_back, update = False, None  # overflowed norm back to the snapshot's): not an update
         # (_fin inline, twice: this runs every step of every driver)
         if skipped or not (isinstance(loss, _NUM) and not isinstance(loss, bool) and math.isfinite(loss)):
             return None
@@ -305,7 +308,7 @@ class SpikeDetector:
                 ser.keep_before(to_step)
             st.recent.clear()
             st.tail.clear()
-            st.armed, st.calm, st.warned_at, st.escalate = True, 0, None, True
+            st.armed, st.calm, st.warned_at, st.escalate, st.rolled_back = True, 0, None, True, True
 
 
 def _warning(rule: str, signal: str, step: int, loss: float, g: Optional[float], le: float, ge: float,
