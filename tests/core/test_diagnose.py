@@ -189,6 +189,22 @@ def test_optimizer_numerics_mentions_eps_and_state():
     d = run(l, CALM, phase="optimizer")
     assert d["category"] == "optimizer_numerics"
     assert "scale" in d["summary"] and "exp_avg_sq" in d["summary"] and "eps" in " ".join(d["fixes"])
+    assert "eps=1e-4" in " ".join(d["fixes"])  # float16 parameters: a value float16 holds
+
+
+def test_the_eps_fix_for_float32_parameters_is_torch_s_default_not_float16_s():
+    # Adam(eps=0) on float32 embeddings whose unused rows have zero moments: 0/0. The fix said "e.g. 1e-4
+    # for float16 ... eps=1e-4", 10^4 x the default, for a float32 run.
+    l = loc("aten.addcdiv_.default", api="torch.Tensor.addcdiv_", stage="optimizer", phase="optimizer",
+            sink="optimizer", dtype="float32", facts={"zero_denominator": {"zeros": 2320, "numel": 8000}},
+            output={"nan": 2320, "posinf": 0, "neginf": 0})
+    l["optimizer"] = {"param": "emb.weight", "state": "exp_avg_sq", "optimizer": "Adam", "eps": 0.0,
+                      "param_dtype": "float32", "eps_fact": {"value": 0.0, "dtype": "float32", "below_tiny": True,
+                                                              "dtype_tiny": 1.18e-38}}
+    d = run(l, CALM, phase="optimizer")
+    fix = " ".join(d["fixes"])
+    assert d["category"] == "optimizer_numerics" and "eps is 0" in d["summary"]
+    assert "eps=1e-8" in fix and "torch's default" in fix and "eps=1e-4" not in fix, fix
 
 
 def test_without_localisation_uses_phase_and_history():

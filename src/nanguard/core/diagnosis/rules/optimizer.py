@@ -52,14 +52,18 @@ def optimizer_result(loc: dict | None, facts: dict, ev: dict, method: str, conf:
                            + X.mixed_precision(f"instead of {pdt} parameters")))
     eps_cause = ef.get("rounds_to_zero") or ef.get("below_tiny") or zd.get("zeros") or (T.fin(eps) and float(eps) == 0)
     if eps_cause and (eps is not None or not X.is_tf()):   # Keras optimizers without an epsilon (SGD): none
+        # float16/bfloat16 parameters: 1e-4 (their tiny is 6.1e-05); float32: the library's own default
+        low = pdt in T.LOW_DTYPES
         fixes.append(X.say(
-            pytorch=f"raise eps to a value the parameter dtype can hold (e.g. 1e-4 for float16; float16 tiny is "
-            f"6.1e-05, float32 tiny 1.2e-38), e.g. {name}(..., {X.eps_text('eps=1e-4')})",
+            pytorch=f"raise eps to a value the parameter dtype can hold (float16 tiny is 6.1e-05, float32 tiny "
+            f"1.2e-38), e.g. {name}(..., {X.eps_text('eps=1e-4' if low else 'eps=1e-8')})"
+            + ("" if low else " (torch's default)"),
             tensorflow="raise epsilon to a value the variable dtype can hold (float16 tiny is 6.1e-05, float32 "
-            "tiny 1.2e-38), e.g. " + X.eps_kwarg(name, "1e-4" if pdt in T.LOW_DTYPES else "1e-7")
-            + (" (the Keras default)" if pdt not in T.LOW_DTYPES else ""),
+            "tiny 1.2e-38), e.g. " + X.eps_kwarg(name, "1e-4" if low else "1e-7")
+            + ("" if low else " (the Keras default)"),
             jax="raise eps to a value the parameter dtype can hold (float16 tiny is 6.1e-05, float32 tiny "
-            "1.2e-38), e.g. " + X.eps_kwarg(name or "adam", "1e-4")))
+            "1.2e-38), e.g. " + X.eps_kwarg(name or "adam", "1e-4" if low else "1e-8")
+            + ("" if low else " (optax's default)")))
     lr = opt.get("lr", ctx.get("lr"))
     lr = lr[0] if isinstance(lr, (list, tuple)) and lr else lr
     fixes.append(X.say(pytorch="lower the learning rate or clip gradients if the update itself is huge",
