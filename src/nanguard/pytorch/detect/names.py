@@ -7,6 +7,7 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
+from ...core.script import main_names
 from .slices import OptimizerView
 from .tensors import is_checkable, local, local_finite, nonfinite_tensors
 
@@ -25,11 +26,14 @@ class TensorNames:
     def param_names(self) -> Dict[int, str]:
         if self._names is None:
             names: Dict[int, str] = {}
-            for root in list(self.roots):
+            roots = list(self.roots)
+            var = main_names() if len(roots) > 1 else {}  # several models: the script's variable of each
+            for root in roots:
+                pre = var[id(root)] + "." if id(root) in var else ""
                 for n, p in root.named_parameters(remove_duplicate=False):
-                    names.setdefault(id(p), n)
+                    names.setdefault(id(p), pre + n)
                 for n, b in root.named_buffers(remove_duplicate=False):
-                    names.setdefault(id(b), n)
+                    names.setdefault(id(b), pre + n)
             for oi, view in enumerate(self.views.values()):
                 opt = view.opt_ref()
                 if opt is None:
