@@ -63,6 +63,8 @@ class RootHooks:
         loc.depth = d + 1
         if d or (_node is not None and _node() is not None) or not self._active():  # (_in_backward(), inline)
             return
+        if _transformed():  # inside torch.func's vmap/grad: its tensors live only in the transform
+            return
         self._pre_cb(module, args)
         self._take_out(module)
 
@@ -72,7 +74,7 @@ class RootHooks:
         loc = self._local
         d = getattr(loc, "depth", 1) - 1
         loc.depth = d if d > 0 else 0
-        if d > 0 or (_node is not None and _node() is not None) or not self._active():
+        if d > 0 or (_node is not None and _node() is not None) or not self._active() or _transformed():
             return
         kwargs, output = rest if len(rest) == 2 else ({}, rest[0] if rest else None)
         self._post_cb(module, args, kwargs, output)
@@ -115,6 +117,10 @@ class RootHooks:
 
 
 _node = getattr(torch._C, "_current_autograd_node", None)  # not None inside backward (checkpointing)
+# torch.func's transforms (vmap, grad, jacrev...) are running: a model called inside one (per-sample
+# gradients, DP-SGD) gets wrapped tensors that are unusable once the transform returns, so a root call
+# there is not a training forward, and its batch is read at the update instead (its gradients)
+_transformed = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 def _add_return_hook(module: torch.nn.Module, fn: Callable[..., None]) -> Any:
