@@ -364,3 +364,29 @@ def test_the_first_cut_reads_an_accelerating_excursion_from_its_first_step():
     assert abs(stable_factor(accel, {}, True) - 1 / (1757 ** 0.5 + 1)) < 1e-9
     steady = {"loss_ratio_per_step": 9.0, "loss_ratio_first": 12.0}
     assert abs(stable_factor(steady, {"optimizer": "SGD"}, False) - 0.25) < 1e-9
+
+
+def _inner_loop(chain):
+    """An addmm overflowing float32 at the first step (MAML's inner loop: Linear weights updated in the step
+    by p - lr * g five times at lr 0.9), its weight input made by ``chain``."""
+    ins = [{"dtype": "float32", "shape": [40], "numel": 40, "nonfinite": 0, "max_abs": 5.6e26, "arg": 0},
+           {"dtype": "float32", "shape": [10, 40], "numel": 400, "nonfinite": 0, "max_abs": 1.6e34, "arg": 1},
+           {"dtype": "float32", "shape": [40, 40], "numel": 1600, "nonfinite": 0, "max_abs": 1.6e36, "arg": 2}]
+    facts = {"overflow": {"dtype_max": 3.4e38}, "float64_check": {"finite": True, "max_abs": 5.2e68},
+             "producers": [["relu", "addmm", "relu"], ["relu", "addmm", "relu"], chain]}
+    return loc("aten.addmm.default", api="torch.nn.functional.linear", module="2", inputs=ins, facts=facts,
+               output={"nan": 0, "posinf": 40, "neginf": 0})
+
+
+def test_a_weight_updated_again_and_again_inside_the_step_is_an_inner_loop_diverging():
+    # the first step has no history: the overflow read "other (0.45): float64 would hold it"
+    d = run(_inner_loop(["t", "sub", "sub", "sub"]), [])
+    assert d["category"] == "lr_too_high", d["summary"]
+    assert d["evidence"]["in_step_updates"]["input"] == 2 and "inner loop" in d["summary"]
+    assert "inner loop's lr" in d["fixes"][0]
+
+
+def test_a_residual_stream_or_one_update_is_not_an_inner_loop():
+    for chain in (["add", "add", "add"], ["t", "sub", "mul"], ["relu", "sub", "sub"]):
+        d = run(_inner_loop(chain), [])
+        assert "in_step_updates" not in d["evidence"], (chain, d["category"], d["summary"])

@@ -28,6 +28,9 @@ def _overflow_from_finite_inputs_rule(c) -> dict | None:
     dv = divergence(c.sig, origin, ev, method, 0.85, c.ctx)
     if dv is not None and not c.excludes(dv["category"]):
         return dv
+    inner = inner_updates(c)
+    if inner is not None:
+        return inner
     dtype_max = (facts.get("overflow") or {}).get("dtype_max")
     if f64 and not f64.get("finite"):  # float64 is infinite too: a pole of the function, not its range
         return T.result("other", f"{api} at {where} returned +-inf from finite inputs, in float64 as well: "
@@ -51,7 +54,7 @@ def _range_ran_out_rule(c) -> dict | None:
     ins = c.origin.get("inputs") or []
     if not c.f64.get("finite") or any(i.get("nonfinite") for i in ins if isinstance(i, dict)):
         return None
-    dv = divergence(c.sig, c.origin, c.ev, c.method, 0.8, c.ctx)
+    dv = divergence(c.sig, c.origin, c.ev, c.method, 0.8, c.ctx) or inner_updates(c)
     if dv is not None:
         return dv
     big = max((i.get("max_abs") or 0 for i in ins if isinstance(i, dict) and T.fin(i.get("max_abs"))), default=None)
@@ -69,7 +72,7 @@ def other(c) -> dict:
     """No rule matched: the history's divergence, when it explains where the size came from (a fused op such as
     torch.lstm, with no float64 check, ran out of range on weights one update threw to ~1e24: ``--lr 1e25`` on a
     hand-written update); else report the op, its output counts and the line."""
-    dv = divergence(c.sig, c.origin, c.ev, c.method, 0.6, c.ctx)
+    dv = divergence(c.sig, c.origin, c.ev, c.method, 0.6, c.ctx) or inner_updates(c)
     if dv is not None:
         return dv
     out = c.out
@@ -95,3 +98,47 @@ def where_trap(origin: dict, facts: dict, ev: dict, method: str) -> dict:
              "the bad input",
              f"or clamp the input before the op (e.g. {X.clamp_min('x', '1e-12')}) so both branches are finite"]
     return T.result("where_gradient_trap", summ, 0.9, ev, fixes, method)
+
+
+# ---------------------------------------------------------------------------- an update inside the step
+# Ops that take a tensor one descent step (``p - lr * g``, Adam-like ``addcdiv``, a momentum's ``lerp``) and
+# the views and copies between them; a producer chain is nearest first. Not ``add``: a residual stream
+# (x = x + f(x) layer after layer) is a chain of adds whose overflow is the network's, not an inner loop's.
+_UPDATE_OPS = frozenset({"sub", "sub_", "addcdiv", "addcdiv_", "lerp", "lerp_"})
+_PASS_OPS = frozenset({"t", "view", "reshape", "_unsafe_view", "expand", "transpose", "permute", "detach", "clone",
+                       "alias", "unsqueeze", "squeeze", "contiguous", "_to_copy", "to"})
+INNER_MIN = 2       # consecutive update ops: an unrolled loop, not one residual add
+INNER_LARGE = 1e4   # the updated input's |x| at the failure
+
+
+def inner_updates(c) -> dict | None:
+    """The op's input was made by the step itself updating a tensor again and again (``p - lr * g`` in a
+    loop: MAML's inner loop, an unrolled optimizer, a fixed-point iteration) and is huge: that in-step
+    iteration diverged within the one step, which the step history (one record a step) cannot show."""
+    chains = c.facts.get("producers") or []
+    ins = [i for i in (c.origin.get("inputs") or []) if isinstance(i, dict)]
+    best = None
+    for k, chain in enumerate(chains):
+        ops = [str(o) for o in chain or []]
+        n = 0
+        for o in ops:
+            if o in _UPDATE_OPS:
+                n += 1
+            elif n or o not in _PASS_OPS:
+                break
+        big = ins[k].get("max_abs") if k < len(ins) else None
+        if n >= INNER_MIN and T.fin(big) and big >= INNER_LARGE and (best is None or big > best[1]):
+            best = (k, big, n, ops)
+    if best is None:
+        return None
+    k, big, n, ops = best
+    ev = dict(c.ev, in_step_updates={"input": k, "updates_seen": n, "max_abs": big, "producers": ops})
+    summ = (f"{c.api} at {c.where} received an input made inside the step by {n}+ successive updates of one "
+            f"tensor ({' <- '.join(ops[:n + 1])}), now up to {T.g(big)}: an iteration written in the step "
+            "(an inner loop of p - lr * g, as in MAML or an unrolled optimizer) diverged within this one step, "
+            f"before any optimizer update; {history_words(c.sig)}")
+    fixes = ["lower the step size of the update inside the step (the inner loop's lr in p - lr * g), or take "
+             "fewer inner steps",
+             "clip the inner gradients before each inner update (e.g. scale g by min(1, max_norm / g.norm()))",
+             "check the inner loss's scale (normalised targets) so its gradients stay small"]
+    return T.result("lr_too_high", summ, 0.6, ev, fixes, c.method)
