@@ -260,7 +260,9 @@ class Watcher:
             loc = self._guarded(lambda: self.localizer(det))
             if loc is not None:
                 self.loc_runs[id(det)] = loc
-                if not self.detections:  # the first failure: test its cause on the step replay
+                # the first failure: test its cause on the step replay, when the replay shows it (one that
+                # did not reproduce it runs a step that does not fail: the report's re-run localizes it)
+                if not self.detections and loc.get("reproduced"):
                     self._guarded(lambda: self.recovery.experiment(det, loc))
         self.detections.append(det)
         self.observer.detection(self, det, opt)

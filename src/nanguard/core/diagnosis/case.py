@@ -17,7 +17,9 @@ class Case:
         self.origin, self.facts, self.sig, self.phase = origin, facts, sig, phase
         self.ev, self.method, self.ctx = ev, method, ctx
         self.op = opshort(origin.get("op"))
-        self.stage = origin.get("stage")
+        # an op of a backward the user wrote (a torch.autograd.Function) is code like a forward op: judged
+        # by the op itself and its own inputs, not as the derivative of the forward op that made the node
+        self.stage = "forward" if origin.get("custom_backward") else origin.get("stage")
         self.node = origin.get("autograd_node")
         self.fwd = opshort(origin.get("forward_op")) if origin.get("forward_op") else None
         self.dtype = origin.get("dtype") or ""

@@ -248,12 +248,14 @@ class OriginShape:
     """The keys of a backend's ``origin`` dict, in report order, and how a backward origin is named by
     the forward op it differentiates: when ``detail[backward_if]`` is set, ``backward_file``/
     ``backward_line`` keep the backward op's line and each ``(key, detail key)`` of ``from_forward``
-    replaces the key (``only_if_set``: only when the detail key holds a value). ``defaults``: values
-    for keys left None."""
+    replaces the key (``only_if_set``: only when the detail key holds a value). ``own_backward``: the
+    detail key set when the backward op ran in a backward the user wrote (a ``torch.autograd.Function``):
+    its own line is the origin's then, the forward's kept beside it. ``defaults``: values for keys left None."""
     keys: Tuple[str, ...]
     backward_if: str
     from_forward: Tuple[Tuple[str, str], ...]
     only_if_set: Tuple[str, ...] = ()
+    own_backward: str = "custom_backward"
     defaults: Tuple[Tuple[str, Any], ...] = (("inputs", []), ("output", _NO_COUNTS), ("samples", []))
 
 
@@ -262,7 +264,9 @@ def origin_dict(detail: Dict[str, Any], kind: str, stage: Optional[str], shape: 
     origin = {k: detail.get(k) for k in shape.keys}
     origin["stage"] = stage
     origin["kind"] = kind
-    if stage == "backward" and detail.get(shape.backward_if) is not None:
+    if stage == "backward" and detail.get(shape.own_backward):
+        origin["custom_backward"] = True  # the line is the user's backward's (the forward's in forward_line)
+    elif stage == "backward" and detail.get(shape.backward_if) is not None:
         origin["backward_file"], origin["backward_line"] = detail.get("file"), detail.get("line")
         for key, src in shape.from_forward:
             if key not in shape.only_if_set or detail.get(src) is not None:

@@ -27,6 +27,8 @@ from .ops import Mutations, flat_tensors, opname
 from .provenance import Origin, Provenance
 from .opcheck import OpChecks
 
+_CUSTOM = torch.autograd.function.BackwardCFunction
+
 aten = torch.ops.aten
 
 __all__ = ["gatherer", "GATHERERS", "Probe", "Evidence"]
@@ -131,6 +133,8 @@ class Evidence:
             ffr = None
             if node is not None:
                 d["autograd_node"] = node.name()
+                if isinstance(node, _CUSTOM):  # a torch.autograd.Function: its backward is the user's code
+                    d["custom_backward"] = True
                 try:
                     md = node.metadata
                     fwd_idx = md.get("nanguard_fwd")
@@ -168,7 +172,9 @@ class Evidence:
             d["inputs"].append(st)
         d["scalars"] = [jnum(v) for _k, p, v in scal if pos0 is None or p is None or p == pos0][:6]
         try:
-            d["facts"] = self.facts(func, name, args, kwargs, rel, t0, pos0, stage, fwd_idx)
+            own = d.get("custom_backward")  # the user's backward code: the op examined on its own inputs
+            d["facts"] = self.facts(func, name, args, kwargs, rel, t0, pos0, "forward" if own else stage,
+                                    None if own else fwd_idx)
         except Exception as e:
             d["facts"] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
 
