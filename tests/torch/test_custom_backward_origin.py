@@ -4,11 +4,8 @@ backward line, diagnosed on that op's own inputs (it was named by its forward's 
 replay does not reproduce a failure, no counterfactual replay on it claims a transient."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import torch
+from ngtest import run_ng_cli
 
 import nanguard
 
@@ -74,12 +71,8 @@ for step in range(4):
 def test_a_step_replay_that_does_not_reproduce_leaves_the_failure_to_the_rerun(tmp_path):
     # the step tape records module calls; a Function applied between them is not replayed, so the replay is
     # finite: its "determinism" replay had said "finite both times: a transient (hardware fault...)"
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    rep = tmp_path / "r.json"
-    out = subprocess.run([sys.executable, "-m", "nanguard", "run", "--report", str(rep), "--no-bundle", "--no-html",
-                          str(script)], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
-    ev = json.loads(rep.read_text())["events"][0]
+    rep, err = run_ng_cli(tmp_path, SCRIPT)
+    ev = rep["events"][0]
     assert "transient" not in ev["cause"]["summary"], ev["cause"]["summary"]
-    assert ev["localization"]["reproduced"] and ev["cause"]["category"] == "div_by_zero", out.stderr[-2000:]
+    assert ev["localization"]["reproduced"] and ev["cause"]["category"] == "div_by_zero", err[-2000:]
     assert ev["origin"]["line"] == LINE and ev["origin"]["function"] == "backward", ev["origin"]

@@ -5,11 +5,8 @@ wrapped tensors that die with it: nanguard read one of them at the update and di
 forward; the update's check still reads the gradients."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import torch
+from ngtest import run_ng_cli
 
 import nanguard
 
@@ -54,13 +51,8 @@ def test_a_healthy_per_sample_gradient_run_is_watched_and_trains_bit_for_bit():
 
 
 def test_a_nan_feature_under_vmap_is_found_in_its_dataset_row(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT.replace("BAD", "X[300, 3] = float('nan')"))
-    rep = tmp_path / "r.json"
-    out = subprocess.run([sys.executable, "-m", "nanguard", "run", "--report", str(rep), "--no-bundle", "--no-html",
-                          str(script)], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
-    d = json.loads(rep.read_text())
-    assert d["status"] == "nonfinite" and not d.get("guard_disabled"), out.stderr[-3000:]
+    d, err = run_ng_cli(tmp_path, SCRIPT.replace("BAD", "X[300, 3] = float('nan')"))
+    assert d["status"] == "nonfinite" and not d.get("guard_disabled"), err[-3000:]
     ev = d["events"][0]
     assert ev["step"] == 9 and ev["cause"]["category"] == "bad_input_data", ev["cause"]["summary"]
     assert "[300]" in ev["cause"]["summary"], ev["cause"]["summary"]

@@ -3,9 +3,7 @@ named by the script's variable of its model (``emb_u.weight``), not by its optim
 two models share (``weight``)."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from ngtest import run_ng_cli
 
 SCRIPT = """
 import torch, torch.nn as nn
@@ -20,13 +18,7 @@ for step in range(5):
 
 
 def test_a_parameter_of_one_of_two_top_level_models_is_named_by_its_variable(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    rep = tmp_path / "r.json"
-    out = subprocess.run([sys.executable, "-m", "nanguard", "run", "--report", str(rep), "--no-bundle", "--no-html",
-                          str(script)], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
-    assert rep.exists(), out.stderr[-3000:]
-    ev = json.loads(rep.read_text())["events"][0]
+    ev = run_ng_cli(tmp_path, SCRIPT)[0]["events"][0]
     assert ev["cause"]["category"] == "optimizer_numerics", ev["cause"]["summary"]
     # eps=0: 0/0 in the rows of both tables that no batch used; the first one made non-finite is emb_u's
     assert "'emb_u.weight'" in ev["cause"]["summary"] or "'emb_i.weight'" in ev["cause"]["summary"], \
