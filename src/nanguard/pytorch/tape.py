@@ -70,12 +70,22 @@ class Ext:
 
 
 def _region_closing(tape: "StepTape", orig: Any) -> Any:
-    """``Tensor.backward`` that ends the tape's region first (torch's dispatch must not see it)."""
+    """``Tensor.backward`` that ends the tape's region first (torch's dispatch must not see it). A backward
+    that keeps its graph (``retain_graph``/``create_graph``: another loss of the same forward follows, e.g.
+    ``l1.backward(retain_graph=True); l2 = torch.log(t) - head(h); l2.backward()``) opens it again as it
+    returns, so the next loss's calls before its first module call are recorded (they were not: a NaN
+    born there read as bad input data)."""
     def backward(self, *a, **k):
         tape._later = None
         if tape._pushed or tape._stale:
             tape.close()
-        return orig(self, *a, **k)
+        out = orig(self, *a, **k)
+        keep = k.get("retain_graph", a[1] if len(a) > 1 else None)
+        if keep is None:
+            keep = k.get("create_graph", a[2] if len(a) > 2 else False)
+        if keep and tape.trained:
+            tape.open()
+        return out
     return backward
 
 
