@@ -106,6 +106,11 @@ class DataHooks:
             return last
         return None
 
+    def loaded(self, t: torch.Tensor) -> bool:
+        """``t`` is a tensor a data loader returned (not one derived from it)."""
+        r = self._rows.get(id(t))
+        return r is not None and r[0]() is t
+
     @property
     def batch_size(self) -> Optional[int]:
         return len(self.last) if self.last is not None else None

@@ -107,7 +107,8 @@ class Localizer:
         res = {"method": "replay-tape", "reproduced": bool(out.get("reproduced")),
                "localization": out.get("localization"), "seconds": out.get("seconds")}
         loc = out.get("localization") or {}
-        if res["reproduced"] and (loc.get("preexisting") or {}).get("kind") == "data" and rep.data_unexplained():
+        if res["reproduced"] and (loc.get("preexisting") or {}).get("kind") == "data" \
+                and rep.data_unexplained(self.w.data.loaded):
             res["reproduced"] = False
             out["error"] = ("the batch was non-finite when the recorded calls began (the calls that built it "
                             "were not all recorded)")
