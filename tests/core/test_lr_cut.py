@@ -190,3 +190,6 @@ def test_after_a_recovered_failure_the_policy_cuts_further_on_the_second_diverge
     second = resp.events[-1].recovery
     assert second["actions"]["lr_backoff"]["repeat"] is True
     assert a.lrs[0] <= 0.25  # cut further: at least halved again
+    # the summary line counts the warning's recovery beside the failure's (it said "1 recovery ... at step 3")
+    assert p.summary().startswith(f"recovery: 2 recoveries (rollback x2, lr_backoff x2, skip_step x2) at steps 3, "
+                                  f"{hits[0]}"), p.summary()

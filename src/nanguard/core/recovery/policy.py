@@ -59,10 +59,9 @@ class RecoveryPolicy:
         self.store = SnapshotStore(snapshot_every, keep_snapshots, recent_snapshots, recent_max_bytes)
         self.lr_factor, self.clip_quantile = lr_factor, clip_quantile
         self.quiet = quiet
-        # False: this policy only serves early-warning rollbacks (on_spike="rollback" without recover=):
-        # it keeps snapshots, and non-finite failures are left to the driver's on_nonfinite.
-        self.failures = failures
+        self.failures = failures  # False: snapshots for the early-warning rollbacks only (failures: on_nonfinite)
         self.events: List[Any] = []           # the recovered events, in order
+        self.acted: List[Any] = []            # the early warnings it acted on (their events are the detector's)
         self.grad_scale: Optional[float] = None  # armed by lr_backoff without optimizers (hand-written updates)
         self._last_cut: Optional[int] = None  # the step of the last step-size cut (lr, gradient scale, clip)
         self.clip_norm: Optional[float] = None  # armed by ``clip``: every later update is clipped
@@ -275,6 +274,7 @@ class RecoveryPolicy:
         rec = {"action": "+".join(record_order(names)), "ok": True, "actions": done, "category": cat}
         self._tries(step, cat, "warning", rec)
         event.recovery = rec
+        self.acted.append(event)
         return rec
 
     def _tries(self, step: int, cat: str, kind: str, rec: Dict[str, Any]) -> None:

@@ -90,10 +90,11 @@ def fmt_bytes(n: float) -> str:
 def summary_line(policy: Any) -> Optional[str]:
     """The run's recovery summary line for a :class:`~nanguard.core.recovery.RecoveryPolicy` (None when
     recovery did nothing)."""
-    if not policy.events and not policy.stopped:
+    done = sorted([*policy.events, *policy.acted], key=lambda e: e.step)  # failures and the warnings acted on
+    if not done and not policy.stopped:
         return None
-    n = len(policy.events)
-    s = f"recovery: {plural(n or 'no', 'recovery')}" + actions_tally(policy.events)
+    n = len(done)
+    s = f"recovery: {plural(n or 'no', 'recovery')}" + actions_tally(done)
     if policy.quarantined:
         s += f"; quarantined dataset {counted_list('row', policy.quarantined)}"
         if policy.row_filters:
