@@ -8,12 +8,12 @@ PyTorch backend. The PyTorch names below are imported on first use, so
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._version import __version__
 from .core.config import GuardConfig
 from .core.events import Event, NonFiniteError, Report
+from .core.exports import lazy_exports
 
 if TYPE_CHECKING:  # pragma: no cover
     from .pytorch.bundle import Bundle, BundleError, load_bundle
@@ -27,14 +27,4 @@ __all__ = ["Guard", "watch", "Watcher", "GuardConfig", "NonFiniteError", "Report
            "Bundle", "BundleError", "load_bundle", "__version__"]
 
 
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'nanguard' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)  # torch is imported on first use, not by import nanguard

@@ -26,7 +26,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from ..core.childrun import CHILD_TIMEOUT_S, run_child
-from ..core.script import interruptible, main_names
+from ..core.script import interruptible
+from .detect.names import model_prefixes
 from .distributed import is_origin, local_replay, rerun_env
 from .locate import OpRecorder
 from .rng import capture_rng, restore_rng
@@ -47,10 +48,7 @@ def make_recorder(roots, optimizers, named_params=None, named_buffers=None, data
 def fill_names(params: Dict[str, torch.Tensor], buffers: Dict[str, torch.Tensor], roots, optimizers) -> None:
     """Fill name -> tensor maps in place (the recorder may hold the same dicts)."""
     roots = list(roots)
-    multi = len(roots) > 1
-    names = main_names() if multi else {}  # several models: each named by the script's variable of it
-    for r in roots:
-        prefix = ((names[id(r)] + ".") if id(r) in names else (type(r).__name__ + ":")) if multi else ""
+    for r, prefix in zip(roots, model_prefixes(roots, by_class=True)):
         for n, p in r.named_parameters():
             params.setdefault(prefix + n, p)
         for n, b in r.named_buffers():

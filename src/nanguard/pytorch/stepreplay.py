@@ -126,15 +126,13 @@ class StepReplay:
         backward to the next module call, so a plain call there (a second micro-batch's ``torch.log(t)``
         before its model call) made it unrecorded. Not a view of a tensor older than the step (a slice
         of the dataset) nor one ``loaded(t)`` says a data loader gave (those are the batch)."""
-        idx = {i for i, t in enumerate(self.ext) if self.pre_truncated or i in self.written}
+        idx = set(range(len(self.ext))) if self.pre_truncated else set(self.written)
         back = next((i for i, e in enumerate(self.entries) if e.kind == "backward"), None)
-        if back is not None:
-            for e in self.entries[back + 1:]:
-                if e.kind != "module":
-                    idx.update(x.i for x in _exts((e.args, e.kwargs))
-                               if self.ext[x.i]._base is None and not (loaded is not None and loaded(self.ext[x.i])))
-        cand = [self.ext[i] for i in sorted(idx)]
-        cand = [t for t in cand if not t.requires_grad and t.is_floating_point()]
+        for e in self.entries[back + 1:] if back is not None else ():
+            if e.kind != "module":
+                idx.update(x.i for x in _exts((e.args, e.kwargs))
+                           if self.ext[x.i]._base is None and not (loaded is not None and loaded(self.ext[x.i])))
+        cand = [t for t in map(self.ext.__getitem__, idx) if not t.requires_grad and t.is_floating_point()]
         return any(not bool(torch.isfinite(t).all()) for t in cand)
 
     def batch(self) -> List[Any]:

@@ -12,6 +12,15 @@ from .slices import OptimizerView
 from .tensors import is_checkable, local, local_finite, nonfinite_tensors
 
 
+def model_prefixes(roots: List[torch.nn.Module], by_class: bool = False) -> List[str]:
+    """The prefix of each watched model's parameter names: none for one model; with several, the
+    script's variable of it (``emb_u.``), else (``by_class``) its class (``Embedding:``) or none."""
+    if len(roots) < 2:
+        return [""] * len(roots)
+    var = main_names()
+    return [var[id(r)] + "." if id(r) in var else (type(r).__name__ + ":" if by_class else "") for r in roots]
+
+
 class TensorNames:
     """``id(tensor) -> name`` over the watched modules (parameters, buffers) and optimizers."""
 
@@ -27,9 +36,7 @@ class TensorNames:
         if self._names is None:
             names: Dict[int, str] = {}
             roots = list(self.roots)
-            var = main_names() if len(roots) > 1 else {}  # several models: the script's variable of each
-            for root in roots:
-                pre = var[id(root)] + "." if id(root) in var else ""
+            for root, pre in zip(roots, model_prefixes(roots)):
                 for n, p in root.named_parameters(remove_duplicate=False):
                     names.setdefault(id(p), pre + n)
                 for n, b in root.named_buffers(remove_duplicate=False):

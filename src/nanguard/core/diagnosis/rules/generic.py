@@ -5,6 +5,7 @@ from __future__ import annotations
 from .. import families as F
 from .. import fixes as X
 from .. import text as T
+from ..roles import VIEW
 from .divergence import divergence, history_words
 from .precision import lp_overflow
 
@@ -101,12 +102,10 @@ def where_trap(origin: dict, facts: dict, ev: dict, method: str) -> dict:
 
 
 # ---------------------------------------------------------------------------- an update inside the step
-# Ops that take a tensor one descent step (``p - lr * g``, Adam-like ``addcdiv``, a momentum's ``lerp``) and
-# the views and copies between them; a producer chain is nearest first. Not ``add``: a residual stream
-# (x = x + f(x) layer after layer) is a chain of adds whose overflow is the network's, not an inner loop's.
+# Ops that take a tensor one descent step (``p - lr * g``, Adam-like ``addcdiv``, a momentum's ``lerp``), the
+# views and copies between them passed over (roles.VIEW); a producer chain is nearest first. Not ``add``: a
+# residual stream (x = x + f(x) layer after layer) is a chain of adds whose overflow is the network's.
 _UPDATE_OPS = frozenset({"sub", "sub_", "addcdiv", "addcdiv_", "lerp", "lerp_"})
-_PASS_OPS = frozenset({"t", "view", "reshape", "_unsafe_view", "expand", "transpose", "permute", "detach", "clone",
-                       "alias", "unsqueeze", "squeeze", "contiguous", "_to_copy", "to"})
 INNER_MIN = 2       # consecutive update ops: an unrolled loop, not one residual add
 INNER_LARGE = 1e4   # the updated input's |x| at the failure
 
@@ -124,7 +123,7 @@ def inner_updates(c) -> dict | None:
         for o in ops:
             if o in _UPDATE_OPS:
                 n += 1
-            elif n or o not in _PASS_OPS:
+            elif n or o not in VIEW.ops:
                 break
         big = ins[k].get("max_abs") if k < len(ins) else None
         if n >= INNER_MIN and T.fin(big) and big >= INNER_LARGE and (best is None or big > best[1]):
