@@ -206,10 +206,26 @@ def test_per_sample_failures_count_against_the_bad_data_budget():
         ev.step = step
         assert per_sample(ev)
         assert pol.on_failure(ev, step=step, actions=acts, history=[]) is not None, pol.stopped
-    assert len(pol.budget.data_steps) == 13 and pol.budget.recovery_steps == []
+    assert len(pol.budget.sample_steps) == 13 and pol.budget.recovery_steps == pol.budget.data_steps == []
     # a failure in every row is not per-sample: the general budget
     assert not per_sample(event_with("div_by_zero", origin={"samples": list(range(10)), "shape": [10, 4]}))
     assert not per_sample(event_with("low_precision_overflow", origin=origin))
+
+
+def test_per_sample_failures_in_most_batches_stop_the_skipping():
+    """A computation that fails on a few samples of most batches (an exp whose weights grew: the Poisson GLM
+    at too high a rate) is no rare bad row: at the 11th skip within 20 steps recovery stops, and says why."""
+    pol = RecoveryPolicy(quiet=True)
+    acts = FakeActions()
+    origin = {"samples": [7], "shape": [128, 1], "op": "exp"}
+    recs = []
+    for step in (28, 29, 31, 33, 34, 35, 36, 38, 40, 41, 42, 44):
+        ev = event_with("exp_overflow", origin=origin)
+        ev.step = step
+        recs.append(pol.on_failure(ev, step=step, actions=acts, history=[]))
+    assert all(r is not None and r["action"] == "skip_step" for r in recs[:10])
+    assert recs[0]["tries_left"]["recoveries"] == 9  # skips of failing samples left in the window
+    assert recs[10] is None and "recurred on a few samples at 10 of the last 20 steps" in pol.stopped
 
 
 def test_calibration_table():

@@ -247,3 +247,10 @@ def test_lr_backoff_and_clip_act_in_the_retraced_step():
     assert rec["factor"] == 0.5 and rec["lr_after"] == [0.05]
     np.testing.assert_allclose(d2, 0.5 * d1, rtol=1e-5)
     assert np.linalg.norm(d3) == pytest.approx(0.05 * 1e-3, rel=1e-2)
+
+
+def test_a_block_that_saw_no_update_says_so():
+    with pytest.warns(RuntimeWarning, match="saw no optimizer update"):
+        with ngjax.watch(report=None, quiet=True) as drv:  # gradients, but no optax update in the block
+            jax.jit(jax.grad(mse))({"w": jnp.zeros(4), "b": jnp.array(0.0)}, X, Y)
+    assert drv.report.steps_watched == 0

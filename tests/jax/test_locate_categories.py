@@ -92,3 +92,39 @@ def test_a_where_that_hides_a_zero_count_is_a_where_gradient_trap():
     assert loc["phase"] == "backward" and loc["origin"]["line"] == line_of("where-div")
     assert loc["facts"]["where_trap"] is True
     assert cause(loc, "backward")["category"] == "where_gradient_trap"
+
+
+def ce_by_hand(p, x, y):
+    prob = jax.nn.softmax(x @ p["w"], axis=-1)
+    return -jnp.mean(jnp.log(jnp.take_along_axis(prob, y[:, None], axis=-1)))   # log-softmax
+
+
+def test_log_of_a_softmax_that_rounded_to_zero_is_named_softmax_and_fixed_with_log_softmax():
+    tx, step = adam_step(ce_by_hand)
+    p = {"w": jnp.array([[40.0, -40.0], [-40.0, 40.0]])}   # logits 160 apart: the other class's p is 0
+    x = jnp.array([[2.0, 0.0], [0.0, 2.0]])
+    res, loc = run(step, (p, tx.init(p), x, jnp.array([1, 0])), phase_hint="forward")
+    assert loc["origin"]["line"] == line_of("log-softmax")
+    assert "_softmax" in [op for chain in loc["facts"]["producers"] for op in chain]
+    c = cause(loc, "forward")
+    assert c["category"] == "log_domain"
+    assert any("jax.nn.log_softmax" in f for f in c["fixes"]), c["fixes"]
+
+
+def info_nce(p, x, y):
+    sim = (x @ p["w"]) @ y.T   # two views: the negative pair (0, 1) is more similar than the positive one
+    allp = jnp.sum(jnp.exp(sim / 0.01), axis=1)   # exp-overflow
+    pos = jnp.exp(jnp.diagonal(sim) / 0.01)
+    return -jnp.mean(jnp.log(pos / allp))
+
+
+def test_an_overflow_a_division_turned_into_zero_is_the_origin_of_the_log_of_that_zero():
+    """exp overflows on one negative pair (exp(95) = inf), pos / inf = 0 is finite (exp(80) is not inf),
+    log(0) = -inf: the failure was born at the exp, not at the log."""
+    tx, step = adam_step(info_nce)
+    p = {"w": jnp.eye(2)}
+    x = jnp.array([[1.0, 0.0], [0.0, 0.5]])
+    y = jnp.array([[0.8, 0.0], [0.95, 0.0]])
+    res, loc = run(step, (p, tx.init(p), x, y), phase_hint="forward")
+    assert loc["origin"]["line"] == line_of("exp-overflow"), loc["origin"]
+    assert loc["origin"]["op"] == "exp"

@@ -431,7 +431,7 @@ def test_per_sample_failures_recover_by_dropping_rows_within_the_bad_data_budget
         assert rec["action"] == "drop_samples"
         assert rec["actions"]["drop_samples"]["rows"] == empty[ev["step"]]
         assert rec["actions"]["drop_samples"]["kept_rows"] == 8 - len(empty[ev["step"]])
-    assert g.policy.budget.data_steps == bad_steps and g.policy.budget.recovery_steps == []
+    assert g.policy.budget.sample_steps == bad_steps and g.policy.budget.recovery_steps == g.policy.budget.data_steps == []
 
 
 def test_a_failure_the_replays_do_not_reproduce_is_reported_as_transient(tmp_path):

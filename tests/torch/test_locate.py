@@ -379,6 +379,27 @@ def test_handwritten_softmax_exp_overflow():
     check(res, phase="forward", tag="exp", category="exp_overflow", history=calm_history())
 
 
+def test_an_overflow_a_division_made_zero_is_the_origin_of_the_log_of_that_zero():
+    """InfoNCE by hand: one negative pair's exp overflows (exp(95) = inf) while the positive's does not
+    (exp(80)): pos / sum = 0 is finite, and log(0) = -inf. The failure was born at the exp."""
+    w = torch.nn.Parameter(torch.eye(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    x = torch.tensor([[1.0, 0.0], [0.0, 0.5]])
+    y = torch.tensor([[0.8, 0.0], [0.95, 0.0]])
+    holder = torch.nn.Module()
+    holder.w = w
+
+    def fwd():
+        sim = (x @ w) @ y.t()
+        allp = torch.exp(sim / 0.01).sum(dim=1)  # ORIGIN:negexp
+        pos = torch.exp(sim.diagonal() / 0.01)
+        return -torch.log(pos / allp).mean()
+
+    res = armed_step(holder, opt, fwd)
+    assert res["origin"]["op"] == "aten.exp.default", res["origin"]
+    check(res, phase="forward", tag="negexp", category="exp_overflow", history=calm_history())
+
+
 def test_float16_linear_overflow_names_module():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).half()

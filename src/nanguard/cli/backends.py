@@ -46,7 +46,7 @@ BACKENDS: Tuple[Backend, ...] = (
     Backend("torch", "torch", frozenset({"torch"}), "nanguard.pytorch.run:run_torch_script",
             options=COMMON | {"experiments"}),
     Backend("jax", "jax", frozenset({"jax", "flax", "optax", "equinox"}), "nanguard.jax.run:run_jax_script",
-            options=COMMON - {"bundle", "tensorboard"},
+            options=(COMMON - {"bundle", "tensorboard"}) | {"experiments"},
             note="repro bundles and TensorBoard are not in the JAX backend yet: see docs/PARITY.md"),
 )
 DEFAULT = "torch"  # a script that imports no known framework (it may import it through its own modules)

@@ -61,8 +61,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--no-localize", action="store_true",
                    help="do not re-run the script to find the origin op (detection only)")
     r.add_argument("--experiments", default="auto", metavar="auto|off|STEPS|KINDS",
-                   help="counterfactual replays that test the diagnosed cause (PyTorch, from the in-process step "
-                        "replay): 'auto' (a budget of 3 training steps), 'off', a budget in training steps, or a "
+                   help="counterfactual replays that test the diagnosed cause (PyTorch, Keras and JAX, from the "
+                        "in-process step replay): 'auto' (a budget of 3 training steps), 'off', a budget in training steps, or a "
                         "comma list of kinds (drop_samples,upcast_module,float64_step,...)")
     r.add_argument("--strict", action="store_true", help="internal guard errors raise instead of warning")
     r.add_argument("--bundle", default=None, help="where to save the repro bundle of the first failure "

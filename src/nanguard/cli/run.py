@@ -22,7 +22,7 @@ def run_script(script: str, args: List[str], *, report_path: Optional[str] = "na
     """Run ``script`` as ``__main__`` under the guard of its framework; write the report however it ends.
 
     ``html``: the HTML page of a run that had an event, ``"auto"`` beside the JSON report, a path,
-    or None for none. ``experiments``: the counterfactual replays (PyTorch; see
+    or None for none. ``experiments``: the counterfactual replays (every backend; see
     :class:`nanguard.core.experiments.ExperimentConfig`). The backend is chosen from the script's imports by the
     registry in :mod:`.backends`; each imports its framework only then, so a TensorFlow user needs no
     torch and the reverse.

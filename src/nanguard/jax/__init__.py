@@ -29,14 +29,15 @@ __all__ = ["watch"]
 @contextlib.contextmanager
 def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "stop", *,
           recover: Any = None, localize: bool = True, strict: bool = False, quiet: bool = False,
-          user_files: Any = (), on_spike: Optional[str] = None) -> Iterator[Any]:
+          user_files: Any = (), on_spike: Optional[str] = None, experiments: Any = "auto") -> Iterator[Any]:
     """Guard the optax updates and jitted steps created inside the block (the hooks of ``nanguard run``).
 
     ``on_nonfinite="stop"``: the block ends with :class:`nanguard.NonFiniteError` (``err.report``) at the
     step call after the failing one; ``"warn"`` reports and carries on; ``recover="auto"``: the core
     recovery policy. ``user_files``: source files whose lines an origin may name (the caller's file is
     added). ``on_spike``: what an early warning does (``"warn"``, ``"skip"``, ``"rollback"``: :mod:`.spikes`;
-    ``"warn"`` by default, with ``recover`` too). Yields the driver (``.history``, ``.detections``); its ``.report`` is set at the end."""
+    ``"warn"`` by default, with ``recover`` too). ``experiments``: the counterfactual replays that test a failure's
+    cause (:mod:`.experiments`; ``"off"`` for none). Yields the driver (``.history``, ``.detections``); its ``.report`` is set at the end."""
     import inspect
     import os
 
@@ -47,7 +48,7 @@ def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "s
     caller = inspect.stack()[2].filename
     drv = JaxDriver(GuardConfig(on_nonfinite=on_nonfinite, strict=strict), os.path.abspath(caller),
                     recover=recover, localize=localize, quiet=quiet, user_files=list(user_files),
-                    on_spike=on_spike)
+                    on_spike=on_spike, experiments=experiments)
     drv.install()
     stopped = False
     try:
@@ -63,6 +64,11 @@ def watch(report: Optional[str] = "nanguard_report.json", on_nonfinite: str = "s
         if not quiet:
             from .run import _print_outcome
             _print_outcome(rep, report, drv)
+        if not rep.steps_watched and not drv.disabled:
+            import warnings
+            warnings.warn("nanguard.jax.watch saw no optimizer update in its block: optax transformations are "
+                          "hooked when they are built, so build the optimizer (optax.adam(...), nnx.Optimizer, "
+                          "TrainState.create) and jit the step inside the block", RuntimeWarning, stacklevel=3)
     if stopped or drv.stopped:
         ev = next((e for e in rep.events if e.recovery is None), rep.first)
         raise NonFiniteError(rep, ev)

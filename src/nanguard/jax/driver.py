@@ -53,8 +53,11 @@ class JaxDriver:
 
     def __init__(self, config: GuardConfig, script_abs: Optional[str] = None, *, recover: Any = None,
                  localize: bool = True, quiet: bool = False, user_files: Sequence[str] = (),
-                 on_spike: Optional[str] = None) -> None:
+                 on_spike: Optional[str] = None, experiments: Any = "auto") -> None:
+        """``experiments``: the counterfactual replays of a failing step (:mod:`.experiments`; ``"auto"``,
+        ``"off"``, a budget in steps, a comma list of kinds: :meth:`ExperimentConfig.from_spec`)."""
         from ..core.alerts import check_on_spike
+        from ..core.experiments.config import ExperimentConfig
         from .spikes import JaxSpikes
         self.config = config
         self.script = script_abs
@@ -81,7 +84,8 @@ class JaxDriver:
         self.dropped_events = 0
         self._stream_last: Dict[Any, StepRecord] = {}  # update site -> its last record (its norm after)
         self._cb_lock = threading.Lock()
-        self.pipeline = FailurePipeline(Ports(context=self.context))
+        self.pipeline = FailurePipeline(Ports(context=self.context, annotate=self._investigate))
+        self.benches: Dict[int, Dict[str, Any]] = {}  # step -> what its replay kept for the experiments
         self.recovery = None
         self.recover_unavailable: Optional[str] = None
         # "warn" also under ``recover``: a rollback at the first warning acts on the warning's diagnosis
@@ -91,6 +95,8 @@ class JaxDriver:
         self.spikes = JaxSpikes(self.on_spike, quiet, context=self.context)
         self.spikes.test_fixes = localize  # a warning's fix replayed in-process (.warn_fix), as the localization
         self.finishing = False
+        self._investigating = False
+        self.experiments = ExperimentConfig.from_spec(experiments if localize else False)
         if recover or self.on_spike != "warn":
             from .recover import JaxRecovery
             self.recovery = JaxRecovery.from_spec(recover, driver=self, quiet=quiet) if recover else \
@@ -272,8 +278,10 @@ class JaxDriver:
         self.suspended = True
         try:
             pure_fn, args, names = call.pure()
+            keep: Dict[str, Any] = {}
             res = Localized.coerce(localize(pure_fn, args, user_files=self.user_files, phase_hint=det.phase,
-                                            names=names))
+                                            names=names, keep=keep))
+            self.benches[det.step] = dict(keep, pure_fn=pure_fn, args=args)
         except Exception as e:
             if self.config.strict:
                 raise
@@ -284,6 +292,36 @@ class JaxDriver:
             res.seconds = round(time.time() - t0, 3)
         self.loc_runs[det.step] = res
         return res
+
+    def _investigate(self, event: Event, run: Localized) -> None:
+        """The pipeline's ``annotate`` port: the counterfactual replays of a reproduced failing step
+        (:mod:`.experiments`), which update ``event``'s cause in place; re-diagnoses go through the pipeline."""
+        kept = self.benches.get(event.step)
+        if kept is None or not run.reproduced or event.phase in ("eval", "params") or self._investigating \
+                or not self.experiments.enabled:
+            return
+        from ..core.experiments import investigate
+        from .experiments import JaxBench
+        det = next((d for d in self.detections if d.step == event.step), None) or \
+            Detection(event.step, event.phase, dict(event.detected or {}))
+        hist = [r for r in self.history.raw_dicts() if r["step"] < event.step]
+
+        def rediagnose(excluded: Sequence[str]) -> tuple:
+            ev = self.pipeline.diagnose(det, hist, run, excluded)
+            return ev.cause, ev.fixes
+
+        self._investigating = self.suspended = True
+        try:
+            bench = JaxBench(kept["pure_fn"], kept["args"], kept.get("batch_leaves") or (), kept.get("batch_size"))
+            investigate(event, bench, self.experiments, rediagnose=rediagnose, history=hist,
+                        recovering=self.recovering)
+        except Exception as e:
+            if self.config.strict:
+                raise
+            if isinstance(event.cause, dict):
+                event.cause.setdefault("evidence", {})["experiments_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        finally:
+            self._investigating = self.suspended = False
 
     def explain(self, det: Detection) -> Event:
         hist = [r for r in self.history.raw_dicts() if r["step"] < det.step]

@@ -26,8 +26,9 @@ def run_jax_script(script: str, args: List[str], *, report_path: Optional[str] =
                    on_nonfinite: str = "stop", recover: Optional[str] = None, localize: bool = True,
                    strict: bool = False, quiet: bool = False, bundle: Optional[str] = None,
                    tensorboard: Optional[str] = None, html: Optional[str] = "auto",
-                   on_spike: Optional[str] = None) -> int:
-    """Run a JAX ``script`` as ``__main__`` under the guard; write the report however it ends."""
+                   on_spike: Optional[str] = None, experiments: Any = "auto") -> int:
+    """Run a JAX ``script`` as ``__main__`` under the guard; write the report however it ends.
+    ``experiments``: the counterfactual replays of a failing step (:mod:`nanguard.jax.experiments`)."""
     if not os.path.isfile(script):
         print(f"nanguard: no such script: {script}", file=sys.stderr)
         return EXIT_USAGE
@@ -40,7 +41,7 @@ def run_jax_script(script: str, args: List[str], *, report_path: Optional[str] =
         return EXIT_USAGE
     from .driver import JaxDriver, StopRun
     drv = JaxDriver(GuardConfig(on_nonfinite=on_nonfinite, strict=strict), script_abs, recover=recover,
-                    localize=localize, quiet=quiet, on_spike=on_spike)
+                    localize=localize, quiet=quiet, on_spike=on_spike, experiments=experiments)
     if not quiet:
         mode = "recover" if recover else on_nonfinite
         spike = f"; on spike: {drv.on_spike}" if drv.on_spike != "warn" else ""

@@ -28,7 +28,6 @@ clipping as it found them.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -36,8 +35,9 @@ import tensorflow as tf
 
 from ..core.experiments import Bench, Experiment, ExperimentConfig, Spec, investigate
 from ..core.experiments.kinds import describe
+from ..core.experiments.investigate import run_with
 from ..core.experiments.reconcile import reconcile
-from ..core.experiments.rows import bisect_rows, complement
+from ..core.experiments.rows import complement, rows_to_drop
 from .probe import Probe as _Probe
 from .probe import batch_size, rows_of as _rows_of
 from .recover import _finite, sublayers, find_layer, low_precision
@@ -126,17 +126,7 @@ class KerasBench(Bench):
 
     # ------------------------------------------------------------------ running one
     def run(self, spec: Spec, replays_left: float = 0.0) -> Experiment:
-        e = Experiment(kind=spec.kind, change=describe(spec.kind, spec.params), params=dict(spec.params))
-        t0 = time.perf_counter()
-        try:
-            runner = _RUNNERS.get(spec.kind)
-            if runner is None:
-                raise ValueError(f"no Keras experiment of kind {spec.kind!r}")
-            runner(self, e, float(replays_left or 0.0))
-        except Exception as ex:  # never break the run for an experiment
-            e.finite, e.error = None, f"{type(ex).__name__}: {str(ex)[:200]}"
-        e.seconds = time.perf_counter() - t0
-        return e
+        return run_with(self, spec, replays_left, _RUNNERS, "Keras")
 
     def _once(self, e: Experiment, batch: Any = None, policies: Optional[Dict[Any, str]] = None) -> _Probe:
         e.replays += 1
@@ -147,20 +137,15 @@ class KerasBench(Bench):
         if not size:
             e.error = "the batch has no row dimension"
             return
-        rows = e.params.get("rows")
-        if e.params.get("bisect"):
-            def fails(keep: List[int]) -> Optional[bool]:
-                try:
-                    return not self._once(e, _rows_of(self.cap.inputs, keep, size)).finite
-                except Exception:  # e.g. a layer that needs more than one row
-                    return None
 
-            rows, _tests, note = bisect_rows(fails, size, max(2, int(replays_left) - 1))
-            e.details["bisection"] = note
-            if rows is None:
-                e.finite = False if ("needs rows together" in note or "more than" in note) else None
-                e.error = None if e.finite is not None else note
-                return
+        def fails(keep: List[int]) -> Optional[bool]:
+            try:
+                return not self._once(e, _rows_of(self.cap.inputs, keep, size)).finite
+            except Exception:  # e.g. a layer that needs more than one row
+                return None
+        rows = rows_to_drop(e, size, max(2, int(replays_left) - 1), fails)
+        if rows is None:
+            return
         p = self._once(e, _rows_of(self.cap.inputs, complement(rows, size), size))
         e.finite = p.finite
         e.details["rows"] = list(rows)

@@ -148,6 +148,28 @@ def test_exp_overflow_in_a_hand_written_softmax():
     assert category(loc) == "exp_overflow"
 
 
+def info_nce(y_view, z):
+    sim = tf.matmul(z, y_view, transpose_b=True)   # two views: the negative pair (0, 1) beats the positive
+    allp = tf.reduce_sum(tf.exp(sim / 0.01), axis=1)  # <negexp>
+    pos = tf.exp(tf.linalg.diag_part(sim) / 0.01)
+    return -tf.reduce_mean(tf.math.log(pos / allp))
+
+
+def test_an_overflow_a_division_made_zero_is_the_origin_of_the_log_of_that_zero():
+    """exp(95) = inf on a negative pair, exp(80) on the positive is finite: pos / inf = 0, log(0) = -inf.
+    The failure was born at the exp (the log only met its consequence)."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, use_bias=False)])
+    model.layers[0].set_weights([np.eye(2, dtype="float32")])
+    opt = keras.optimizers.SGD(0.01)
+    step = _step(model, info_nce, opt, compiled=False)
+    x = np.array([[1.0, 0.0], [0.0, 0.5]], "float32")
+    y = np.array([[0.8, 0.0], [0.95, 0.0]], "float32")
+    loc = localize(step, x, y, model=model, optimizer=opt)
+    o = loc["origin"]
+    assert o["tf_op"] == "Exp" and o["line"] == L("# <negexp>"), o
+    assert category(loc) == "exp_overflow"
+
+
 # ----------------------------------------------------------------------------- sqrt_domain (backward)
 def test_sqrt_backward_at_a_zero_distance_triplet_hinge():
     emb = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="embed")])

@@ -53,6 +53,25 @@ class Bench(abc.ABC):
         """The wall time of one ordinary training step (reported beside the cost, never decides), if known."""
 
 
+def run_with(bench: Bench, spec: Spec, replays_left: float, runners: Dict[str, Callable[..., None]],
+             who: str) -> Experiment:
+    """A backend's :meth:`Bench.run`: the runner of ``spec.kind`` (``runner(bench, experiment,
+    replays_left)``) fills the experiment; an error is recorded in it, never raised (``who``: the
+    backend, in the error of a kind it has no runner for)."""
+    from .kinds import describe
+    e = Experiment(kind=spec.kind, change=describe(spec.kind, spec.params), params=dict(spec.params))
+    t0 = time.perf_counter()
+    try:
+        runner = runners.get(spec.kind)
+        if runner is None:
+            raise ValueError(f"no {who} experiment of kind {spec.kind!r}")
+        runner(bench, e, float(replays_left or 0.0))
+    except Exception as ex:  # never break the run for an experiment
+        e.finite, e.error = None, f"{type(ex).__name__}: {str(ex)[:200]}"
+    e.seconds = time.perf_counter() - t0
+    return e
+
+
 # A re-diagnosis with categories excluded: returns (cause, fixes), or None.
 Rediagnose = Callable[[Sequence[str]], Optional[tuple]]
 

@@ -22,6 +22,16 @@ GUARDED_OPS = frozenset({"log", "log2", "log10", "log1p", "sqrt", "rsqrt", "acos
                          "arccos", "arcsin", "arctanh", "arccosh", "div", "true_divide", "reciprocal", "divide",
                          "_softmax", "_log_softmax", "softmax", "log_softmax", "pow"})
 
+# how ``domain_guard`` keeps each op's inputs inside its domain, in words
+GUARD_TEXT = {"log": "clamped to >= eps", "log2": "clamped to >= eps", "log10": "clamped to >= eps",
+              "sqrt": "clamped to >= eps", "rsqrt": "clamped to >= eps", "log1p": "clamped to > -1",
+              "acos": "clamped into (-1, 1)", "asin": "clamped into (-1, 1)", "atanh": "clamped into (-1, 1)",
+              "acosh": "clamped to > 1", "div": "zero denominators replaced by 1",
+              "true_divide": "zero denominators replaced by 1", "divide": "zero denominators replaced by 1",
+              "reciprocal": "zeros replaced by 1", "pow": "base clamped to >= eps",
+              "_softmax": "all -inf rows replaced by 0", "softmax": "all -inf rows replaced by 0",
+              "_log_softmax": "all -inf rows replaced by 0", "log_softmax": "all -inf rows replaced by 0",
+              "integer_pow": "zero bases replaced by eps"}
 
 # one-input ops whose input the backend can replace by its float64 value (``origin_input_f64``)
 UNARY_OPS = frozenset({"log", "log2", "log10", "log1p", "sqrt", "rsqrt", "acos", "arccos", "asin", "arcsin", "atanh",

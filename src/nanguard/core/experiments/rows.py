@@ -2,7 +2,7 @@
 step fail on their own by bisection (group testing over replays of the step on sub-batches)."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 
 def complement(rows: Sequence[int], size: int) -> List[int]:
@@ -49,3 +49,17 @@ def bisect_rows(fails: Callable[[List[int]], Optional[bool]], size: int, max_tes
             return None, tests, (f"more than {max_culprits} of {size} rows fail on their own: not a few bad "
                                  "samples")
     return sorted(culprits), tests, f"{tests} sub-batch replays"
+
+
+def rows_to_drop(e: Any, size: int, max_tests: int, fails: Callable[[List[int]], Optional[bool]]) -> Optional[List[int]]:
+    """The rows a ``drop_samples`` experiment ``e`` drops: its given ``rows``, or with ``bisect`` those
+    :func:`bisect_rows` finds (the note in ``e.details["bisection"]``). None when the bisection found no
+    rows: ``e`` is then settled (non-finite when the rows fail only together, else an error)."""
+    if not e.params.get("bisect"):
+        return list(e.params.get("rows") or [])
+    rows, _tests, note = bisect_rows(fails, size, max_tests)
+    e.details["bisection"] = note
+    if rows is None:
+        e.finite = False if ("needs rows together" in note or "more than" in note) else None
+        e.error = None if e.finite is not None else note
+    return rows

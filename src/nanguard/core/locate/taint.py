@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Collection, Iterable, List, Optional, Union
 
-__all__ = ["Taint", "Taints", "NEW", "CONST", "earliest", "fallback", "escaped_mask", "REAL_KINDS"]
+__all__ = ["Taint", "Taints", "NEW", "CONST", "earliest", "fallback", "escaped_mask", "absorbed", "REAL_KINDS"]
 
 NEW = "new"      # decide(): the op made the non-finite values itself (a new real origin)
 CONST = "const"  # decide(): introduced from a non-finite scalar constant (a new soft origin)
@@ -65,6 +65,16 @@ def fallback(origins: List[Taint], stage: str) -> Optional[Taint]:
     return (same or real or [None])[0]
 
 
+def absorbed(taints: Iterable[Optional[Taint]], carried: Iterable[Optional[Taint]]) -> Optional[Taint]:
+    """The real origin a *finite* output carries on (its ``carried`` origin): the earliest real taint
+    of its non-finite inputs (``taints``) or of the origins its finite inputs carry. An arithmetic op
+    that turns an overflow into a finite value (``x / inf = 0``, ``exp(-inf) = 0``) does not end the
+    failure: a log of that 0 is the same failure, born at the overflow. Selections (``where``,
+    ``masked_fill``, indexing) carry nothing: they discard the entries on purpose."""
+    real = [t for t in taints if t is not None and t.real] + [t for t in carried if t is not None]
+    return min(real, key=_seq) if real else None
+
+
 def escaped_mask(soft: List[Taint], writers: Collection[str]) -> Optional[Taint]:
     """The mask that a reduction kept (the first of them), when every soft taint reaching it is a
     constant written by a mask writer (``masked_fill``, ``where``; ``writers``: the backend's names of
@@ -102,21 +112,21 @@ class Taints:
 
     def decide(self, out_nan: bool, out_inf: bool, taints: List[Optional[Taint]], in_nan: bool, in_inf: bool,
                mask_sink: Callable[[], bool], writers: Collection[str],
-               unexplained: str = CONST) -> Union[Taint, str]:
+               unexplained: str = CONST, carried: Iterable[Optional[Taint]] = ()) -> Union[Taint, str]:
         """Taint of an op's non-finite output from its inputs' ``taints`` and non-finite flags
         (``in_nan``/``in_inf``, scalar arguments included): inherit the earliest real taint; else
         :data:`NEW` when the op made NaN out of NaN-free inputs (softmax of an all -inf row) or Inf out
         of finite ones (overflow, x/0, log(0)); else inherit the earliest soft taint unless the op is
         a reduction that kept a mask (``mask_sink()``: the backend's test that the op is a
         sum/mean-like forward reduction to fewer elements; :func:`escaped_mask` then decides) which
-        makes it :data:`NEW`; else ``unexplained``."""
+        makes it :data:`NEW`; else ``unexplained``. ``carried``: the origins the finite inputs carry
+        (:func:`absorbed`): a value made non-finite from them is that earlier failure, not a new one."""
         real = [t for t in taints if t is not None and t.real]
         if real:
             return min(real, key=_seq)
-        if out_nan and not in_nan:
-            return NEW
-        if out_inf and not out_nan and not in_inf:
-            return NEW
+        if (out_nan and not in_nan) or (out_inf and not out_nan and not in_inf):
+            before = [t for t in carried if t is not None]
+            return min(before, key=_seq) if before else NEW
         soft = [t for t in taints if t is not None]
         if soft:
             mask = escaped_mask(soft, writers) if mask_sink() else None

@@ -3,7 +3,10 @@
 At most ``max_recoveries`` recoveries in ``window`` steps and at most
 ``max_consecutive`` failing steps in a row; for bad input data (batches skipped
 without touching the weights) at most ``max_data_skips`` in the window and
-``max_consecutive_data`` in a row. A plain rollback (nothing else changed) whose
+``max_consecutive_data`` in a row; for a computation that fails on a few samples
+of finite data (skipped the same way) also at most ``max_sample_skips`` in the last
+``sample_window`` steps: samples it fails on in half the batches are common, not rare
+bad rows (the Keras bag scenario skips 13 batches in 50 steps, at most 6 in any 20). A plain rollback (nothing else changed) whose
 replay of the same state, data and RNG fails again at the same point is out of
 budget too: a rollback alone cannot fix it.
 """
@@ -18,11 +21,14 @@ class RecoveryBudget:
     """Steps that were recovered, and whether one more recovery at ``step`` is within budget."""
 
     def __init__(self, max_recoveries: int = 10, window: int = 100, max_consecutive: int = 3,
-                 max_data_skips: int = 50, max_consecutive_data: int = 8) -> None:
+                 max_data_skips: int = 50, max_consecutive_data: int = 8, max_sample_skips: int = 10,
+                 sample_window: int = 20) -> None:
         self.max_recoveries, self.window, self.max_consecutive = max_recoveries, window, max_consecutive
         self.max_data_skips, self.max_consecutive_data = max_data_skips, max_consecutive_data
+        self.max_sample_skips, self.sample_window = max_sample_skips, sample_window
         self.recovery_steps: List[int] = []
         self.data_steps: List[int] = []    # bad input data skipped without touching the weights
+        self.sample_steps: List[int] = []  # finite samples a computation failed on, skipped the same way
         self.counts: Dict[str, int] = {}   # recoveries per category
         self.version = 0  # bumped by every action that changes how training runs (lr, clip, dtype, scale)
         self.last_rollback: Optional[Dict[str, Any]] = None
@@ -30,15 +36,22 @@ class RecoveryBudget:
     def exhausted(self, step: int, category: str, data: Optional[bool] = None) -> Optional[str]:
         """Why a recovery at ``step`` is over budget, or None. ``data``: count it against the bad-data
         allowance (default: for bad input data; the policy also says so for per-sample failures)."""
+        samples = bool(data) and category != DATA_CATEGORY
         data = category == DATA_CATEGORY or bool(data)
-        steps = self.data_steps if data else self.recovery_steps
-        limit = self.max_data_skips if data else self.max_recoveries
-        recent = [s for s in steps if s > step - self.window]
+        if samples:
+            near = [s for s in self.sample_steps if s > step - self.sample_window]
+            if len(near) >= self.max_sample_skips:
+                return (f"the failure ({category}) recurred on a few samples at {len(near)} of the last "
+                        f"{self.sample_window} steps (limit {self.max_sample_skips}): the data is finite and the "
+                        "samples it fails on are common, so skipping them would hide a computation that fails on "
+                        "ordinary inputs; fix the op")
+        steps, limit = self._kind(data, False)
+        recent = [s for s in steps + (self.sample_steps if samples else []) if s > step - self.window]
         if len(recent) >= limit:
             what = "bad-data skips" if data else "recoveries"
             return (f"recovery budget exhausted: {len(recent)} {what} in the last {self.window} steps "
                     f"(limit {limit})")
-        done = set(self.recovery_steps) | set(self.data_steps)
+        done = set(self.recovery_steps) | set(self.data_steps) | set(self.sample_steps)
         run = 1
         while step - run in done:
             run += 1
@@ -55,11 +68,17 @@ class RecoveryBudget:
                     "bad batch; recovery would only hide it")
         return None
 
-    def left(self, step: int, data: bool = False) -> int:
-        """Recoveries (or bad-data skips) still allowed in the window that ends at ``step``."""
-        steps = self.data_steps if data else self.recovery_steps
-        limit = self.max_data_skips if data else self.max_recoveries
-        return max(limit - len([s for s in steps if s > step - self.window]), 0)
+    def _kind(self, data: bool, samples: bool) -> tuple:
+        """The steps counted and the limit of a recovery, a bad-data skip or a failing-samples skip."""
+        if samples:
+            return self.sample_steps, self.max_sample_skips
+        return (self.data_steps, self.max_data_skips) if data else (self.recovery_steps, self.max_recoveries)
+
+    def left(self, step: int, data: bool = False, samples: bool = False) -> int:
+        """Recoveries (bad-data skips, failing-samples skips) still allowed at ``step``."""
+        steps, limit = self._kind(data or samples, samples)
+        window = self.sample_window if samples else self.window
+        return max(limit - len([s for s in steps if s > step - window]), 0)
 
     def replay_failed(self, step: int, category: str) -> Optional[str]:
         """A rollback that changed nothing else replays the same state and data (the RNG is rewound too):
@@ -82,6 +101,6 @@ class RecoveryBudget:
 
     def spend(self, step: int, category: str, data_skip: bool) -> int:
         """Count a recovery at ``step``; returns the run's number of recoveries so far."""
-        (self.data_steps if data_skip else self.recovery_steps).append(step)
+        self._kind(data_skip, data_skip and category != DATA_CATEGORY)[0].append(step)
         self.counts[category] = self.counts.get(category, 0) + 1
-        return len(self.recovery_steps) + len(self.data_steps)
+        return len(self.recovery_steps) + len(self.data_steps) + len(self.sample_steps)

@@ -277,10 +277,10 @@ class RecoveryPolicy:
         self.acted.append(event)
         return rec
 
-    def _tries(self, step: int, cat: str, kind: str, rec: Dict[str, Any]) -> None:
-        """Say how many tries are left (this failure, the run's budget) and arm the repeat detection."""
+    def _tries(self, step: int, cat: str, kind: str, rec: Dict[str, Any], skip: bool = False) -> None:
+        """Say how many tries are left (this failure; the run's budget, or a skip's) and arm the repeats."""
         rec["tries_left"] = {"same_failure": self.repeats.tries_left(self._same),
-                             "recoveries": self.budget.left(step)}
+                             "recoveries": self.budget.left(step, skip, skip and cat != DATA_CATEGORY)}
         if self._same:
             rec["repeat"] = self._same
         self.repeats.note(step, cat, kind, rec, self._same)
@@ -408,13 +408,13 @@ class RecoveryPolicy:
         if set(names) == {"rollback", "skip_step"} and not done["rollback"].get("elements_only") \
                 and done["rollback"].get("rng_rewound"):
             self.budget.plain_rollback(step, done["rollback"]["to_step"], cat)  # its replay will be identical
-        n = self.budget.spend(step, cat, data_skip=(cat == DATA_CATEGORY or few_rows)
-                              and names in (["skip_step"], ["drop_samples"]))
+        skip = (cat == DATA_CATEGORY or few_rows) and names in (["skip_step"], ["drop_samples"])
+        n = self.budget.spend(step, cat, data_skip=skip)
         rec = {"action": "+".join(record_order(names)), "ok": True, "actions": done, "category": cat,
                "recovery_number": n}
         if done.get("verified"):
             rec["verified"] = VERIFIED
-        self._tries(step, cat, "failure", rec)
+        self._tries(step, cat, "failure", rec, skip)
         event.recovery = rec
         self.events.append(event)
         self._last_rec = (step, rec)

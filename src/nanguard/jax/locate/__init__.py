@@ -83,19 +83,25 @@ def _module_of(name: str) -> Optional[str]:
     return ".".join(toks[:-1]) if toks else None
 
 
-def _batch_size(rp: Any, values: Sequence[Any]) -> Optional[int]:
+def _data_leaves(rp: Any, values: Sequence[Any]) -> Dict[int, int]:
+    """Flat leaf position -> its first dimension, for the batch's arrays the step reads."""
     from .result import _leaf_kind
-    dims = [int(v.shape[0]) for i, v in enumerate(values)
-            if getattr(v, "ndim", 0) and rp.leaves[i].first_use is not None and _leaf_kind(rp, i) == "data"]
+    return {i: int(v.shape[0]) for i, v in enumerate(values)
+            if getattr(v, "ndim", 0) and rp.leaves[i].first_use is not None and _leaf_kind(rp, i) == "data"}
+
+
+def _batch_size(rp: Any, values: Sequence[Any]) -> Optional[int]:
+    dims = list(_data_leaves(rp, values).values())
     return max(set(dims), key=dims.count) if dims else None
 
 
 def localize(pure_fn: Callable[..., Any], args: tuple, *, user_files: Sequence[str] = (),
              phase_hint: Optional[str] = None, names: Optional[Dict[str, Any]] = None,
-             max_seconds: float = 300.0) -> Localized:
+             max_seconds: float = 300.0, keep: Optional[Dict[str, Any]] = None) -> Localized:
     """Replay ``pure_fn(*args)`` equation by equation and localize its first non-finite value (see the
     module docstring). Never raises: a failure of the replay (or one past ``max_seconds``) comes back as
-    ``error``."""
+    ``error``. ``keep``: filled with what the experiments need (``batch_leaves``: the flat positions of
+    the batch's arrays; ``batch_size``)."""
     t0 = time.monotonic()
     try:
         import jax
@@ -115,6 +121,9 @@ def localize(pure_fn: Callable[..., Any], args: tuple, *, user_files: Sequence[s
             rp.deadline = t0 + max_seconds
             rp.run(closed, values, fused=fused)
             rp.batch_size = _batch_size(rp, values)
+            if keep is not None:
+                keep["batch_size"] = rp.batch_size
+                keep["batch_leaves"] = [i for i, n in _data_leaves(rp, values).items() if n == rp.batch_size]
             loc = build_result(rp)
             if loc.get("reproduced") or not phase_hint or rp.pre is None:
                 break

@@ -155,7 +155,9 @@ def _producer_chains(p: Probe, depth: int = 3) -> List[List[int]]:
 
 @gatherer("producers", always=True)
 def _producers(p: Probe) -> dict:
-    return {"producers": [[p.rp.log.canon[i] for i in ch] for ch in _producer_chains(p)]}
+    log = p.rp.log  # jax.nn.softmax is exp / sum(exp) in the log: named as the op it is, for the rules
+    return {"producers": [["_softmax" if O.softmax_output(log, i) else log.canon[i] for i in ch]
+                          for ch in _producer_chains(p)]}
 
 
 @gatherer("eps_constants", always=True)

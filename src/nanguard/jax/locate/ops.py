@@ -9,12 +9,12 @@ The roles (pass-through, selection, mask writers and sinks) are JAX's own sets o
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from ...core.diagnosis import families as F
 
 __all__ = ["CANONICAL", "canonical", "family_of", "api_name", "PASS", "SELECT", "MASK_WRITERS", "MASK_SINKS",
-           "REDUCE", "EPS_PRODUCERS", "CALLS", "NO_VALUE", "STD_VAR_CALLS"]
+           "REDUCE", "EPS_PRODUCERS", "CALLS", "NO_VALUE", "STD_VAR_CALLS", "softmax_input", "softmax_output"]
 
 # lax primitive -> the aten name it is diagnosed under, where the two differ
 CANONICAL = {
@@ -72,3 +72,41 @@ def family_of(prim: str) -> Optional[F.Family]:
 def api_name(canon: str) -> str:
     """'log' -> 'jnp.log', 'sigmoid' -> 'jax.nn.sigmoid'."""
     return _API.get(canon, f"jnp.{canon.lstrip('_')}")
+
+
+def _through(log: Any, i: int, steps: int = 8) -> int:
+    """The first op at or above ``i`` that is not a pass-through (its first recorded input each time); -1 if none."""
+    for _ in range(steps):
+        if i < 0 or log.names[i] not in PASS:
+            return i
+        ps = [p for p in log.inprod[i] if p >= 0]
+        i = ps[0] if ps else -1
+    return -1
+
+
+def softmax_input(log: Any, idx: int) -> bool:
+    """``sub(x, m)`` where ``m`` is (through pass-through ops) ``reduce_max(x)``: the max-shift of a
+    softmax / log-softmax / logsumexp (JAX has no softmax primitive)."""
+    if log.names[idx] != "sub" or len(log.inprod[idx]) < 2:
+        return False
+    x, i = log.inprod[idx][0], log.inprod[idx][1]
+    for _ in range(8):   # through pass-through ops and max(., initial) (jnp.max(x, initial=-inf))
+        if i < 0 or x < 0:
+            return False
+        if log.names[i] == "reduce_max":
+            return log.inprod[i][0] == x
+        if log.names[i] not in PASS and log.names[i] != "max":
+            return False
+        i = max(log.inprod[i])
+    return False
+
+
+def softmax_output(log: Any, idx: int) -> bool:
+    """``div(e, s)`` where ``e`` is an ``exp`` and ``s`` (through pass-through ops) its ``reduce_sum``:
+    the output of ``jax.nn.softmax`` (or a hand-written one), recognised by its shape in the op log."""
+    if log.names[idx] != "div" or len(log.inprod[idx]) < 2:
+        return False
+    e, s = _through(log, log.inprod[idx][0]), _through(log, log.inprod[idx][1])
+    if e < 0 or s < 0 or log.names[e] != "exp" or log.names[s] != "reduce_sum":
+        return False
+    return _through(log, log.inprod[s][0]) == e if log.inprod[s] else False

@@ -34,7 +34,7 @@ import numpy as np
 
 from ...core.locate.oplog import OpGraph
 from ...core.locate.result import Sinks, constant_detail
-from ...core.locate.taint import CONST, NEW, Taint, Taints, escaped_mask
+from ...core.locate.taint import CONST, NEW, Taint, Taints, absorbed, escaped_mask
 from ..check import UPDATE_SCOPE
 from . import numerics as N
 from . import ops as O
@@ -132,12 +132,13 @@ class ReplayTimeout(RuntimeError):
 class Rec:
     """One value of the replay: its array, producer op (-1: an input or constant), stage, taint, and
     (for the step's inputs) the leaf index."""
-    __slots__ = ("val", "op", "stage", "taint", "leaf", "const", "_flags")
+    __slots__ = ("val", "op", "stage", "taint", "leaf", "const", "_flags", "carried")
 
     def __init__(self, val: Any, op: int = -1, stage: Optional[str] = None, taint: Optional[Taint] = None,
                  leaf: Optional[int] = None, const: bool = False) -> None:
         self.val, self.op, self.stage, self.taint, self.leaf, self.const = val, op, stage, taint, leaf, const
         self._flags: Optional[tuple] = None
+        self.carried: Optional[Taint] = None  # finite, computed from an earlier failure's values (taint.absorbed)
 
     @property
     def flags(self) -> tuple:
@@ -377,6 +378,12 @@ class Replay:
                                any(N.is_float(o.val) for o in outs))
         if bad:
             self._taint_outputs(eqn, prim, idx, stage, ins, outs, bad)
+        if stage != "optimizer" and prim not in O.SELECT and len(bad) < len(outs) and \
+                any(r.carried is not None or (r.taint is not None and r.taint.real) for r in ins):
+            carried = absorbed([r.taint for r in ins], [r.carried for r in ins])
+            for o in outs:
+                if o.taint is None:
+                    o.carried = carried
         return outs
 
     def _taint_outputs(self, eqn: Any, prim: str, idx: int, stage: str, ins: List[Rec], outs: List[Rec],
@@ -393,7 +400,8 @@ class Replay:
             if prim == "dot_general":
                 return bool(eqn.params["dimension_numbers"][0][0])
             return int(np.size(bad[0].val)) < max(int(np.size(r.val)) for r in ins)
-        d = self.prov.decide(out_nan, out_inf, taints, in_nan, in_inf, mask_sink, O.MASK_WRITERS)
+        d = self.prov.decide(out_nan, out_inf, taints, in_nan, in_inf, mask_sink, O.MASK_WRITERS,
+                             carried=[r.carried for r in ins])
         if d is NEW:
             mask = self.prov.take_escaped_mask()
             if mask is None and in_inf and (mask_sink() or (prim == "mul" and out_nan and not in_nan)):

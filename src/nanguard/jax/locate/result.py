@@ -11,7 +11,7 @@ from __future__ import annotations
 import linecache
 import os
 import re
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 
@@ -33,24 +33,6 @@ _SHAPE = OriginShape(
           "forward_function", "forward_module", "name_stack", "inputs", "output", "samples", "scalars"),
     backward_if="forward_idx",
     from_forward=tuple((k, f"forward_{k}") for k in _FWD), only_if_set=_FWD)
-
-
-def _softmax_input(rp: Replay, idx: int) -> bool:
-    """``sub(x, m)`` where ``m`` is (through pass-through ops) ``reduce_max(x)``: the max-shift of a
-    softmax / log-softmax / logsumexp."""
-    log = rp.log
-    if log.names[idx] != "sub" or len(log.inprod[idx]) < 2:
-        return False
-    x, i = log.inprod[idx][0], log.inprod[idx][1]
-    for _ in range(8):   # through pass-through ops and max(., initial) (jnp.max(x, initial=-inf))
-        if i < 0 or x < 0:
-            return False
-        if log.names[i] == "reduce_max":
-            return log.inprod[i][0] == x
-        if log.names[i] not in O.PASS and log.names[i] != "max":
-            return False
-        i = max(log.inprod[i])
-    return False
 
 
 _SELF_CALL = re.compile(r"self((?:\.\w+|\[\d+\])+)\s*\(")
@@ -92,7 +74,7 @@ def describe(rp: Replay, t: Taint, backward_ok: bool) -> Dict[str, Any]:
     idx, eqn, ins, pos = b["op"], b["eqn"], b["ins"], b["pos"]
     log = rp.log
     prim = log.names[idx]
-    canon = "_softmax" if _softmax_input(rp, idx) else log.canon[idx]
+    canon = "_softmax" if O.softmax_input(log, idx) else log.canon[idx]
     stage = log.stage[idx]
     if stage == "forward" and backward_ok and rp.derivative_only(idx):
         stage = "backward"

@@ -1,19 +1,21 @@
 """The PyTorch bench: runs the core's experiment specs on a :class:`~.step.ReplayableStep`."""
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from ...core.experiments import Bench, Experiment, Spec
+from ...core.experiments.investigate import run_with
 from ...core.experiments.kinds import describe
+from ...core.experiments.rows import rows_to_drop
+from ...core.experiments.planner import GUARD_TEXT
 from ...core.experiments.tested import still_diverging
 from ..recover.lr_backoff import schedule_peaks
 from ..recover.upcast import find_module
 from .history import consecutive, replay_history
 from .modes import UNARY, CaptureInput, DomainGuard, ExactInput, PromoteMode
-from .samples import bisect_rows, complement, indices_at
+from .samples import complement, indices_at
 from .step import Outcome, ReplayableStep, StepChanges
 from .trial import LOW_PRECISION, Trial
 
@@ -70,18 +72,8 @@ class TorchBench(Bench):
             hasattr(getattr(self.step, "loss_fn", None), "_torchdynamo_orig_callable")
 
     # ------------------------------------------------------------------ running one
-    def run(self, spec: Spec, replays_left: float) -> Experiment:
-        e = Experiment(kind=spec.kind, change=describe(spec.kind, spec.params), params=dict(spec.params))
-        t0 = time.perf_counter()
-        try:
-            runner = _RUNNERS.get(spec.kind)
-            if runner is None:
-                raise ValueError(f"no PyTorch experiment of kind {spec.kind!r}")
-            runner(self, e, replays_left)
-        except Exception as ex:  # never break the run for an experiment
-            e.finite, e.error = None, f"{type(ex).__name__}: {str(ex)[:200]}"
-        e.seconds = time.perf_counter() - t0
-        return e
+    def run(self, spec: Spec, replays_left: float = 0.0) -> Experiment:
+        return run_with(self, spec, replays_left, _RUNNERS, "PyTorch")
 
     def _replay(self, e: Experiment, changes: Optional[StepChanges] = None) -> Outcome:
         o = self.step.run(changes=changes)
@@ -99,22 +91,15 @@ class TorchBench(Bench):
         if not size:
             e.error = "the batch has no row dimension"
             return
-        rows = e.params.get("rows")
-        if e.params.get("bisect"):
-            # the budget is counted in work (replays of the whole batch), never seconds: a bisection's
-            # replays run on halves, quarters... of the rows, so the budget left pays for 4x as many
-            max_tests = max(2, int(4 * replays_left) - 1)
 
-            def fails(keep: List[int]) -> Optional[bool]:
-                o = self._replay(e, StepChanges(keep_rows=keep))
-                return None if o.finite is None else (not o.finite)
-
-            rows, tests, note = bisect_rows(fails, size, max_tests)
-            e.details["bisection"] = note
-            if rows is None:
-                e.finite = False if "needs rows together" in note or "more than" in note else None
-                e.error = None if e.finite is not None else note
-                return
+        def fails(keep: List[int]) -> Optional[bool]:
+            o = self._replay(e, StepChanges(keep_rows=keep))
+            return None if o.finite is None else (not o.finite)
+        # the budget is counted in work (replays of the whole batch), never seconds: a bisection's
+        # replays run on halves, quarters... of the rows, so the budget left pays for 4x as many
+        rows = rows_to_drop(e, size, max(2, int(4 * replays_left) - 1), fails)
+        if rows is None:
+            return
         self._settle(e, self._replay(e, StepChanges(keep_rows=complement(rows, size))))
         e.details["rows"] = list(rows)
         idx = indices_at(self.step.dataset_indices(), rows, size)
@@ -190,7 +175,7 @@ class TorchBench(Bench):
 
     def _domain_guard(self, e: Experiment, replays_left: float) -> None:
         op = e.params.get("op") or ""
-        e.params["guard"] = _GUARD_TEXT.get(op, "clamped")
+        e.params["guard"] = GUARD_TEXT.get(op, "clamped")
         e.change = describe("domain_guard", e.params)
         g = DomainGuard(op, self.origin.get("file"), self.origin.get("line"))
         with g:
@@ -297,12 +282,4 @@ _RUNNERS: Dict[str, Callable[[TorchBench, Experiment, float], None]] = {
     "clip_replay": TorchBench._clip_replay,
 }
 
-_GUARD_TEXT = {"log": "clamped to >= eps", "log2": "clamped to >= eps", "log10": "clamped to >= eps",
-               "sqrt": "clamped to >= eps", "rsqrt": "clamped to >= eps", "log1p": "clamped to > -1",
-               "acos": "clamped into (-1, 1)", "asin": "clamped into (-1, 1)", "atanh": "clamped into (-1, 1)",
-               "acosh": "clamped to > 1", "div": "zero denominators replaced by 1",
-               "true_divide": "zero denominators replaced by 1", "divide": "zero denominators replaced by 1",
-               "reciprocal": "zeros replaced by 1", "pow": "base clamped to >= eps",
-               "_softmax": "all -inf rows replaced by 0", "softmax": "all -inf rows replaced by 0",
-               "_log_softmax": "all -inf rows replaced by 0", "log_softmax": "all -inf rows replaced by 0"}
 

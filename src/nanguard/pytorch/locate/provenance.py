@@ -31,11 +31,12 @@ Origin = Taint   # a taint source (``nanguard.core.locate.taint``)
 
 class Info:
     """What we know about one tensor object: finiteness at a version (and storage), taint, producer op."""
-    __slots__ = ("ref", "ver", "nan", "inf", "taint", "prod", "where")
+    __slots__ = ("ref", "ver", "nan", "inf", "taint", "prod", "where", "carried")
 
     def __init__(self, ref, ver, nan, inf, taint, prod, where=None):
         self.ref, self.ver, self.nan, self.inf, self.taint, self.prod = ref, ver, nan, inf, taint, prod
         self.where = where
+        self.carried: Taint | None = None  # finite, computed from an earlier failure's values (taint.absorbed)
 
 
 def where_stored(t: torch.Tensor) -> tuple | None:
@@ -168,7 +169,7 @@ class Provenance(Taints):
         in_nan = any(i[3] for i in ins) or any(nonfinite_scalar(v)[0] for _k, _p, v in scal)
         in_inf = any(i[4] for i in ins) or any(nonfinite_scalar(v)[1] for _k, _p, v in scal)
         return super().decide(out_nan, out_inf, [i[5] for i in ins], in_nan, in_inf,
-                              lambda: self._reduces(name, out, ins), MASK_WRITE.ops, CONST)
+                              lambda: self._reduces(name, out, ins), MASK_WRITE.ops, CONST, [i[7] for i in ins])
 
     def _reduces(self, name: str | None, out: Any, ins: list) -> bool:
         """A forward sum/mean-like op (a mask sink) whose output has fewer elements than its largest input."""
@@ -176,6 +177,13 @@ class Provenance(Taints):
             return False
         big = max((int(i[2].numel()) for i in ins if isinstance(i[2], torch.Tensor)), default=0)
         return out.numel() < big
+
+    def carry(self, t: torch.Tensor, origin: Origin | None) -> None:
+        """``t`` (finite, its info just set) was computed from the values of an earlier failure ``origin``."""
+        if origin is not None:
+            info = self.infos.get(id(t))
+            if info is not None and info.ref() is t:
+                info.carried = origin
 
     def new_origin(self, kind: str, idx: int, stage: str) -> Origin:
         """A taint born at op ``idx``: kind 'op' (real) or 'constant' (soft)."""
@@ -189,7 +197,7 @@ class Provenance(Taints):
         info = self.infos.get(id(t))
         if info is not None and info.ref() is t:
             info.ver, info.nan, info.inf, info.taint, info.prod = ver, nan, inf, taint, prod
-            info.where = where_stored(t)
+            info.where, info.carried = where_stored(t), None
         else:
             self.infos[id(t)] = Info(weakref.ref(t), ver, nan, inf, taint, prod, where_stored(t))
         if taint is not None:

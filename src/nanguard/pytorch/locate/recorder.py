@@ -12,8 +12,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ...core.diagnosis.roles import OVERWRITE, UNINITIALISED
+from ...core.diagnosis.roles import INDEX, OVERWRITE, SELECT, UNINITIALISED
 from ...core.locate.result import constant_detail, failed_result
+from ...core.locate.taint import absorbed
 from .. import numerics as N
 from . import library as _library  # noqa: F401  (registers the library-call evidence gatherers)
 from .evidence import Evidence
@@ -255,7 +256,7 @@ class OpRecorder:
                     pass
 
     def _before(self, func, args, kwargs):
-        """Inputs read by the op: (key, list position, tensor, nan, inf, taint, producer)."""
+        """Inputs read by the op: (key, list position, tensor, nan, inf, taint, producer, carried origin)."""
         self._resolve_pending()
         stage = self._cur_stage()
         tens, scal = flatten(args, kwargs)
@@ -269,7 +270,8 @@ class OpRecorder:
             if taint is not None and taint.real and stage != "optimizer" and not (
                     taint.kind == "preexisting" and taint.pre_kind in ("param", "buffer")):
                 taint = prov.param_written(t, taint, info) or taint
-            ins.append((key, pos, t, nan, inf, taint, info.prod if info is not None else None))
+            ins.append((key, pos, t, nan, inf, taint, info.prod if info is not None else None,
+                        info.carried if info is not None else None))
         return stage, ins, scal
 
     def _outputs(self, func, args, kwargs, out, foreach: bool) -> tuple[list, set]:
@@ -346,6 +348,7 @@ class OpRecorder:
             log.add_consumers(idx, name, ins, any_nf, bool(results))
 
         prov = self._prov
+        carries = stage != "optimizer" and name not in SELECT.ops and name not in INDEX.ops and not foreach
         new_origin: Origin | None = None
         new_const: Origin | None = None
         for pos, t, nan, inf in results:
@@ -369,6 +372,8 @@ class OpRecorder:
                 elif taint.kind == "preexisting" and taint.first_use is None:
                     taint.first_use = self._evidence.first_use(func, name, args, t, stage, self._modules.current)
             prov.set_info(t, nan, inf, taint, (idx, pos), mutated=id(t) in mut_ids)
+            if not (nan or inf) and ins and carries:  # a finite value made from an earlier failure's values
+                prov.carry(t, absorbed([i[5] for i in ins if i[3] or i[4]], [i[7] for i in ins]))
             if stage == "forward" and record:
                 self._pending.append((weakref.ref(t), idx))
         if new_origin is not None:

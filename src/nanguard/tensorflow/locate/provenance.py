@@ -44,10 +44,11 @@ def dtype_name(dt: Any) -> Optional[str]:
 
 class Info:
     """What we know about one tensor: finiteness, taint, producer (op index, output position)."""
-    __slots__ = ("ref", "nan", "inf", "taint", "prod")
+    __slots__ = ("ref", "nan", "inf", "taint", "prod", "carried")
 
-    def __init__(self, ref, nan, inf, taint, prod):
+    def __init__(self, ref, nan, inf, taint, prod, carried=None):
         self.ref, self.nan, self.inf, self.taint, self.prod = ref, nan, inf, taint, prod
+        self.carried = carried  # finite, computed from an earlier failure's values (taint.absorbed)
 
 
 class Provenance(Taints):
@@ -68,12 +69,13 @@ class Provenance(Taints):
         info = self.info(t)
         return info.prod if info is not None else None
 
-    def set_info(self, t: Any, nan: bool, inf: bool, taint: Optional[Origin], prod: Optional[tuple]) -> None:
+    def set_info(self, t: Any, nan: bool, inf: bool, taint: Optional[Origin], prod: Optional[tuple],
+                 carried: Optional[Origin] = None) -> None:
         try:
             ref = weakref.ref(t)
         except TypeError:
             return
-        self.infos[id(t)] = Info(ref, nan, inf, taint, prod)
+        self.infos[id(t)] = Info(ref, nan, inf, taint, prod, carried)
 
     def lookup(self, t: Any, first_op: str, idx: int) -> tuple[bool, bool, Optional[Origin], Optional[Info]]:
         """Finiteness + taint of an input tensor, checking it when unseen."""
@@ -136,9 +138,10 @@ class Provenance(Taints):
 
     def decide(self, out_nan: bool, out_inf: bool, ins: list, t_op: str, out: Any) -> Any:
         """Taint of a non-finite output (:meth:`Taints.decide`): inherit a real origin, start a new one
-        ("new"), or inherit a soft one. ``ins``: (pos, tensor, nan, inf, taint, producer) of the op's inputs."""
+        ("new"), or inherit a soft one. ``ins``: (pos, tensor, nan, inf, taint, producer, carried origin) of the
+        op's inputs."""
         return super().decide(out_nan, out_inf, [i[4] for i in ins], any(i[2] for i in ins), any(i[3] for i in ins),
-                              lambda: self._reduces(t_op, out, ins), O.MASK_WRITERS, NEW)
+                              lambda: self._reduces(t_op, out, ins), O.MASK_WRITERS, NEW, [i[6] for i in ins])
 
     def _reduces(self, t_op: str, out: Any, ins: list) -> bool:
         """A forward sum/mean-like op (a mask sink) whose output has fewer elements than its largest input."""

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import tensorflow as tf
 
 from ...core.locate.result import failed_result
+from ...core.locate.taint import absorbed
 from . import hooks
 from . import naming
 from . import numerics as N
@@ -280,6 +281,8 @@ class TFRecorder:
             self._on_var_op(t_op, idx, stage, handles, ins, results, inputs)
             return
         new_origin: Optional[Origin] = None
+        carries = stage != "optimizer" and t_op not in O.WHERE_OPS and t_op not in O.GATHER_OPS and \
+            any(i[6] is not None or (i[4] is not None and i[4].real) for i in ins)
         for pos, o, nan, inf, a in results:
             taint = None
             if nan or inf:
@@ -296,7 +299,9 @@ class TFRecorder:
                     elif taint.kind == "preexisting" and taint.first_use is None:
                         taint.first_use = self.describer.first_use(t_op, inputs, o, a, stage, loc or self._where(),
                                                                    taint)
-            self.prov.set_info(o, nan, inf, taint, (idx, pos))
+            carried = absorbed([i[4] for i in ins if i[2] or i[3]], [i[6] for i in ins]) \
+                if carries and not (nan or inf) else None   # a finite value made from an earlier failure's values
+            self.prov.set_info(o, nan, inf, taint, (idx, pos), carried)
         if new_origin is not None:
             self.describer.origin(new_origin, t_op, idx, inputs, attrs, outputs, ins, results, stage, fwd, loc)
 
@@ -321,7 +326,7 @@ class TFRecorder:
         """A forward op that may drop NaN read the batch's own NaN/+inf and gave finite outputs: keep that
         taint (see ``batch_taint``; an intentional handler, ``tf.where``, a slice that leaves the bad
         column out, is not such an op)."""
-        for _pos, _x, _nan, _inf, taint, _prod in ins:
+        for _pos, _x, _nan, _inf, taint, _prod, _carried in ins:
             if getattr(taint, "kind", None) != "preexisting" or taint.soft or taint.pre_kind != "data":
                 continue
             self.batch_taint = taint
@@ -340,7 +345,8 @@ class TFRecorder:
         return t
 
     def _inputs(self, t_op: str, idx: int, inputs: tuple, record: bool) -> tuple[list, list, list]:
-        """(ins: (pos, tensor, nan, inf, taint, producer) of eager inputs, resource handles, float scalars)."""
+        """(ins: (pos, tensor, nan, inf, taint, producer, carried origin) of eager inputs, resource handles,
+        float scalars)."""
         ins, handles, scal = [], [], []
         for pos, x in enumerate(inputs):
             dt = getattr(x, "dtype", None)
@@ -350,7 +356,8 @@ class TFRecorder:
             if dt == tf.variant or not is_eager(x):
                 continue
             nan, inf, taint, info = self.prov.lookup(x, t_op, idx)
-            ins.append((pos, x, nan, inf, taint, info.prod if info is not None else None))
+            ins.append((pos, x, nan, inf, taint, info.prod if info is not None else None,
+                        info.carried if info is not None else None))
             if record and N.is_float_dtype(dt):
                 try:
                     if numel(x) == 1:
