@@ -170,6 +170,36 @@ def test_an_overflow_a_division_made_zero_is_the_origin_of_the_log_of_that_zero(
     assert category(loc) == "exp_overflow"
 
 
+@tf.custom_gradient
+def unit_rows(x):
+    y = x / tf.maximum(tf.norm(x, axis=1, keepdims=True), 1e-6)
+
+    def grad(dy):
+        return (dy - tf.reduce_sum(dy * y, axis=1, keepdims=True) * y) / tf.norm(x, axis=1, keepdims=True)  # <own>
+    return y, grad
+
+
+def test_a_backward_op_in_a_custom_gradient_is_born_at_its_own_line():
+    """A tf.custom_gradient whose gradient divides by the row norm, a zero row (a dead ReLU row): the
+    origin is the user's gradient function's line, judged on that division's own inputs."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3, activation="relu", use_bias=False)])
+    head = keras.layers.Dense(1)
+    head.build((None, 3))
+    opt = keras.optimizers.SGD(0.01)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((head(unit_rows(model(x))) - y) ** 2)
+        vs = model.trainable_variables + head.trainable_variables
+        opt.apply_gradients(zip(tape.gradient(loss, vs), vs))
+        return loss
+    x = np.array([[1.0, 2.0], [0.0, 0.0]], "float32")
+    loc = localize(step, x, np.zeros((2, 1), "float32"), model=model, optimizer=opt)
+    o = loc["origin"]
+    assert loc["phase"] == "backward" and o["line"] == L("# <own>") and o.get("custom_backward"), o
+    assert category(loc) == "div_by_zero"
+
+
 # ----------------------------------------------------------------------------- sqrt_domain (backward)
 def test_sqrt_backward_at_a_zero_distance_triplet_hinge():
     emb = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="embed")])

@@ -47,8 +47,10 @@ class Describer:
         return d
 
     def origin(self, o: Origin, t_op: str, idx: int, inputs: tuple, attrs: Any, outputs: tuple, ins: list,
-               results: list, stage: str, fwd: Optional[int], loc: Any) -> None:
-        """Fill ``o.detail`` for a new origin made by op ``idx``."""
+               results: list, stage: str, fwd: Optional[int], loc: Any, own: Optional[tuple] = None) -> None:
+        """Fill ``o.detail`` for a new origin made by op ``idx``. ``own``: the (file, line, function) of
+        the ``tf.custom_gradient`` function the backward op ran in (its line is the origin's; the op is
+        examined on its own inputs, as a forward op)."""
         log = self.log
         bad = [(pos, t, nan, inf, a) for pos, t, nan, inf, a in results if nan or inf]
         pos0, t0, _n, _i, a0 = bad[0]
@@ -59,6 +61,9 @@ class Describer:
                              "module": None, "layer": None, "module_type": None}
         if loc is not None:
             d.update(loc.as_dict())
+        if own is not None:
+            d["file"], d["line"], d["function"] = own
+            d["custom_backward"] = True
         if stage == "backward":
             has_fwd = fwd is not None and fwd < len(log)
             d["autograd_node"] = f"{log.op_type[fwd]}Grad" if has_fwd else "tape"
@@ -92,7 +97,8 @@ class Describer:
             d["inputs"].append(st)
         d["scalars"] = [jnum(v) for _p, v in (log.op_scalars[idx] if idx < len(log.op_scalars) else ())]
         try:
-            d["facts"] = E.facts(E.Probe(log, self.prov, t_op, inputs, attrs, outputs, pos0, t0, a0, stage, fwd))
+            d["facts"] = E.facts(E.Probe(log, self.prov, t_op, inputs, attrs, outputs, pos0, t0, a0,
+                                         "forward" if own else stage, None if own else fwd))
         except Exception as e:
             d["facts"] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
 

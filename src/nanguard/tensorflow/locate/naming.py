@@ -346,6 +346,24 @@ class Location:
                 "line_source": self.line_source, "component": self.component}
 
 
+def custom_gradient_frame(frame: Any, users: UserFiles) -> Optional[tuple]:
+    """(file, line, function) of the user's gradient function of a ``tf.custom_gradient`` that is running
+    the op (innermost ``frame`` outward), or None: a backward op in a gradient the user wrote, whose own
+    line is where it was born (not the forward op it differentiates)."""
+    f, user = frame, None
+    while f is not None:
+        fn = f.f_code.co_filename
+        if user is None:
+            if users(fn):
+                user = (fn, f.f_lineno, f.f_code.co_name)
+        elif fn.endswith("custom_gradient.py"):   # the user frame was called by TF's custom-gradient machinery
+            return user
+        elif users(fn):
+            return None
+        f = f.f_back
+    return None
+
+
 def resolve(frame: Any, comps: ComponentStack, users: UserFiles) -> Location:
     """Decide an op's location from the live Python stack (innermost ``frame`` outward)."""
     loc = Location()

@@ -303,7 +303,8 @@ class TFRecorder:
                 if carries and not (nan or inf) else None   # a finite value made from an earlier failure's values
             self.prov.set_info(o, nan, inf, taint, (idx, pos), carried)
         if new_origin is not None:
-            self.describer.origin(new_origin, t_op, idx, inputs, attrs, outputs, ins, results, stage, fwd, loc)
+            own = naming.custom_gradient_frame(sys._getframe(1), self.users) if stage == "backward" else None
+            self.describer.origin(new_origin, t_op, idx, inputs, attrs, outputs, ins, results, stage, fwd, loc, own)
 
     def update_seen(self, opt: Any) -> None:
         """A replayed ``train_step`` reached an optimizer's update (not applied). Before the failing
