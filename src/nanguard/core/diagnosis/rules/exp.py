@@ -35,7 +35,7 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     where = T.where(origin)
     mx, thr = facts.get("exp_input_max"), facts.get("overflow_threshold")
     summ = (f"{api} overflowed at {where}: input max {T.g(mx)} > {T.g(thr)} = log({origin.get('dtype')} max), so "
-            f"exp = inf (then inf/inf = NaN)")
+            f"exp = inf (a ratio of such exps is then inf/inf = NaN, or x/inf = 0, whose log is -inf)")
     arg, softmax_like = exp_argument(origin)
     num, sl, den = (arg or "").rpartition("/")
     if sl and num.strip() and den.strip() and num.count("(") == num.count(")"):  # a top-level quotient
