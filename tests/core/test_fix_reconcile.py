@@ -246,3 +246,17 @@ def test_every_fix_of_the_kind_that_passed_follows_it():
     assert ev.fixes == ["lower the momentum to 0.9 (effective step 1) or the learning rate to 0.001",
                         "if it recurs, lower the learning rate (e.g. 0.1 -> 0.001)", "check the data"]
     assert "untested_fixes" not in ev.cause and ev.cause["tested_fixes"][0]["fix_index"] == 0
+
+
+def test_a_division_guard_that_passed_marks_the_denominator_fix_and_says_why_the_other_was_not_tried():
+    """A domain_guard of a division (zero denominators -> 1) tests the fix worded by its denominator; the
+    where-mask fix it did not try says that the replay tested another change (not "could not run")."""
+    guard, mask = _bound(lambda: "guard the denominator at t.py:3: divide by " + X.clamp_min("count", "1"),
+                         lambda: "or mask the empty entries: " + X.clamp_min("count", "1"))
+    exp = {"kind": "domain_guard", "change": "the inputs of div kept inside its domain (zero denominators replaced "
+           "by 1)", "finite": True, "replays": 1, "params": {"op": "div", "guard": "zero denominators replaced by 1"}}
+    ev = _event([mask, guard], [exp], category="div_by_zero")
+    reconcile(ev, "pytorch")
+    assert ev.fixes[0].startswith("guard the denominator") and ev.cause["tested_fixes"][0]["fix_index"] == 0
+    un = ev.cause["untested_fixes"]
+    assert [u["fix_index"] for u in un] == [1] and "tested another change" in un[0]["why"], un

@@ -58,6 +58,8 @@ def test_domain_guard_at_the_origin_line_confirms_log_domain_and_tests_the_clamp
     assert any("clamp" in t.get("fix", "") or t.get("kind") == "domain_guard"
                for t in ev.cause.get("tested_fixes") or []), ev.cause.get("tested_fixes")
     assert "bind" not in jax.lax.log_p.__dict__  # the patch is gone
+    why = ev.cause["evidence"]["experiments_unavailable_why"]  # what JAX cannot replay, and why (not "by hand")
+    assert why["lr_replay"].startswith("not on JAX") and why["upcast_module"].startswith("not on JAX")
 
 
 def test_dropping_the_bad_row_confirms_bad_input_data():

@@ -156,6 +156,15 @@ def _finite_outputs(outs: Sequence[Any]) -> bool:
     return True
 
 
+_HISTORY = ("not on JAX: the failing step is replayed from its own inputs only (a warning's learning-rate cut "
+            "or clip is replayed on the warning step's call instead)")
+# the kinds the planner may ask for that this bench cannot run, and why (reported as unavailable)
+UNSUPPORTED = {"upcast_module": "not on JAX: a Flax/Equinox module's compute dtype is part of its construction, "
+                                "so one module cannot be run in float32 alone (float64_step tests the precision)",
+               "lr_replay": _HISTORY, "clip_replay": _HISTORY,
+               "origin_input_f64": "not on JAX (float64_step tests the precision)"}
+
+
 class JaxBench(Bench):
     """Experiments on a failing JAX step (see the module docstring). ``pure``: ``() -> (pure_fn, args)``
     (:meth:`nanguard.jax.calls.Call.pure`); ``batch_leaves``: positions of the flat leaves of ``args``
@@ -179,8 +188,8 @@ class JaxBench(Bench):
         self.origin = dict(origin or {})
         file, line = _origin_line(self.origin)
         return {"batch_size": self.size if (self.size or 0) >= 2 and self.batch_leaves else None,
-                "module_chain": [], "float64": True, "compiled": False, "snapshots": [], "lrs": [],
-                "op_patch": bool(file and line and guard_key(self.origin))}
+                "module_chain": [], "float64": True, "compiled": False, "snapshots": [],
+                "op_patch": bool(file and line and guard_key(self.origin)), "unsupported": UNSUPPORTED}
 
     # ------------------------------------------------------------------ one replay
     def _outputs(self, args: tuple, patch: Optional[_Patch] = None, x64: bool = False) -> List[Any]:

@@ -146,15 +146,17 @@ class _Investigation:
             out += ["lr_replay", "clip_replay"]
         if not self.caps.get("module_chain"):
             out.append("upcast_module")
-        return out
+        return out + [k for k in self.caps.get("unsupported") or {} if k not in out]
 
     def _unavailable_why(self, kinds: List[str]) -> Dict[str, str]:
-        """Why a history replay cannot run, where the step says more than "no snapshot"."""
-        if "lr_replay" in kinds and "lrs" in self.caps and not self.caps.get("lrs"):
+        """Why a kind cannot run, where the step says more than "no snapshot": the backend's own reasons
+        (``caps["unsupported"]``: kind -> why), or an update written by hand."""
+        out = {k: why for k, why in (self.caps.get("unsupported") or {}).items() if k in kinds}
+        if "lr_replay" in kinds and "lr_replay" not in out and "lrs" in self.caps and not self.caps.get("lrs"):
             why = ("the script updates the weights by hand (no optimizer object): nanguard cannot replay the "
                    "update with another step size")
-            return {"lr_replay": why, "clip_replay": why}
-        return {}
+            out.update(lr_replay=why, clip_replay=why)
+        return out
 
     def _situation(self, cat: str) -> Situation:
         ev = (self.event.cause or {}).get("evidence") or {}

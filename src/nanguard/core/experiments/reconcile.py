@@ -141,7 +141,8 @@ class _Reconciler:
         f = self.fixes[i]
         for t in ([ok] if ok is not None else []) + bad:
             op = t.get("op")
-            if op and f"{X.fn(op)}(" in f:
+            # a division's guard is worded by its denominator ("divide by max(count, 1)"), not the op's name
+            if op and (f"{X.fn(op)}(" in f or (op in _DIVISIONS and "the denominator" in f)):
                 if t.get("passed"):
                     self._pass(i, t)
                 else:
@@ -188,6 +189,7 @@ class _Reconciler:
 
 
 # ---------------------------------------------------------------------------- why a fix was not tested
+_DIVISIONS = ("div", "true_divide", "divide", "reciprocal")
 _TESTER = {"lr": "lr_replay", "clip": "clip_replay", "dtype": "upcast_module", "eps": "domain_guard"}
 
 
@@ -211,7 +213,11 @@ def why_untested(kind: str, cause: Dict[str, Any], warning: bool = False) -> str
                 "stayed non-finite, which does not test it")
     if tester in ((ev.get("experiments_cost") or {}).get("not_run_for_budget") or ()):
         return "its replay did not fit in the experiments' budget"
-    if any(isinstance(e, dict) and e.get("kind") == tester for e in ev.get("experiments") or ()):
+    ran = [e for e in ev.get("experiments") or () if isinstance(e, dict) and e.get("kind") == tester]
+    done = [e for e in ran if e.get("finite") is not None]
+    if done:  # the replay ran, with another change than this fix's
+        return f"the replay tested another change ({done[0].get('change')}), not this one"
+    if ran:
         return "its replay could not run"
     if "experiments" not in ev:
         if warning:
