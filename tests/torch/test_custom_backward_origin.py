@@ -1,5 +1,7 @@
-"""A NaN born in the backward of a ``torch.autograd.Function`` the user wrote is reported at the user's own
-backward line, diagnosed on that op's own inputs (it was named by its forward's ``x / n`` line and read as
+"""A NaN born in the backward of a ``torch.autograd.Function`` the user wrote is named, as FORMAT.md names
+a backward origin, by the forward call whose backward made it (the Function's ``apply`` line), with the
+user's own backward line beside it (``backward_line``, where the sentences and fixes point), and is
+diagnosed on that op's own inputs (it was named by its forward's ``x / n`` line and read as
 "the backward of div divides by sqrt(0): ? of ? inputs are exactly 0": sqrt_domain). Also: when the step
 replay does not reproduce a failure, no counterfactual replay on it claims a transient."""
 from __future__ import annotations
@@ -28,9 +30,10 @@ class Net(nn.Module):
         super().__init__()
         self.inp, self.head = nn.Linear(8, 8, bias=False), nn.Linear(8, 1)
     def forward(self, x):
-        return self.head(Normalize.apply(self.inp(x)))
+        return self.head(Normalize.apply(self.inp(x)))  # APPLY_LINE
 '''
 LINE = next(i for i, s in enumerate(CODE.splitlines(), 1) if "BACKWARD_LINE" in s)
+APPLY = next(i for i, s in enumerate(CODE.splitlines(), 1) if "APPLY_LINE" in s)
 
 
 def test_a_nan_in_a_hand_written_backward_is_at_its_line_and_a_division_by_zero():
@@ -49,8 +52,10 @@ def test_a_nan_in_a_hand_written_backward_is_at_its_line_and_a_division_by_zero(
             opt.step()
     ev = w.report.events[0]
     assert ev.step == 2 and ev.phase == "backward"
-    assert ev.origin["line"] == LINE and ev.origin["function"] == "backward", ev.origin
+    assert ev.origin["line"] == APPLY and ev.origin["function"] == "forward", ev.origin
+    assert ev.origin["backward_line"] == LINE and ev.origin["custom_backward"], ev.origin
     assert ev.cause["category"] == "div_by_zero", ev.cause["summary"]
+    assert f"custom_fn.py:{LINE}" in ev.cause["summary"], ev.cause["summary"]
     assert "?" not in ev.cause["summary"], ev.cause["summary"]
 
 
@@ -75,4 +80,5 @@ def test_a_step_replay_that_does_not_reproduce_leaves_the_failure_to_the_rerun(t
     ev = rep["events"][0]
     assert "transient" not in ev["cause"]["summary"], ev["cause"]["summary"]
     assert ev["localization"]["reproduced"] and ev["cause"]["category"] == "div_by_zero", err[-2000:]
-    assert ev["origin"]["line"] == LINE and ev["origin"]["function"] == "backward", ev["origin"]
+    applied = next(i for i, s in enumerate(SCRIPT.splitlines(), 1) if "outside any module call" in s)
+    assert ev["origin"]["line"] == applied and ev["origin"]["backward_line"] == LINE, ev["origin"]

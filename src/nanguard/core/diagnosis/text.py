@@ -62,6 +62,9 @@ def node_family(node: str | None) -> str:
 
 
 def loc(origin: dict | None) -> str:
+    """'train.py:42'; for an op of a backward the user wrote (``custom_backward``), that backward's line."""
+    if origin and origin.get("custom_backward") and origin.get("backward_file"):
+        return f"{os.path.basename(str(origin['backward_file']))}:{origin.get('backward_line')}"
     if not origin or not origin.get("file"):
         return "an unknown line"
     return f"{os.path.basename(str(origin['file']))}:{origin.get('line')}"
@@ -88,7 +91,7 @@ def where(origin: dict | None) -> str:
 
 def api_or_op(origin: dict) -> str:
     """The user-facing name of the origin: its torch API call, or the forward op of a backward origin."""
-    if origin.get("stage") == "backward" and origin.get("forward_op"):
+    if origin.get("stage") == "backward" and origin.get("forward_op") and not origin.get("custom_backward"):
         return origin.get("forward_api") or opshort(origin.get("forward_op"))
     return origin.get("api") or opshort(origin.get("op"))
 

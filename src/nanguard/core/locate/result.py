@@ -249,8 +249,9 @@ class OriginShape:
     the forward op it differentiates: when ``detail[backward_if]`` is set, ``backward_file``/
     ``backward_line`` keep the backward op's line and each ``(key, detail key)`` of ``from_forward``
     replaces the key (``only_if_set``: only when the detail key holds a value). ``own_backward``: the
-    detail key set when the backward op ran in a backward the user wrote (a ``torch.autograd.Function``):
-    its own line is the origin's then, the forward's kept beside it. ``defaults``: values for keys left None."""
+    detail key set when the backward op ran in a backward the user wrote (a ``torch.autograd.Function``,
+    a ``tf.custom_gradient``): the origin is still named by the forward call, the sentences and fixes
+    point at the backward's own line (``backward_line``, where the fix goes). ``defaults``: values for keys left None."""
     keys: Tuple[str, ...]
     backward_if: str
     from_forward: Tuple[Tuple[str, str], ...]
@@ -264,13 +265,17 @@ def origin_dict(detail: Dict[str, Any], kind: str, stage: Optional[str], shape: 
     origin = {k: detail.get(k) for k in shape.keys}
     origin["stage"] = stage
     origin["kind"] = kind
-    if stage == "backward" and detail.get(shape.own_backward):
-        origin["custom_backward"] = True  # the line is the user's backward's (the forward's in forward_line)
-    elif stage == "backward" and detail.get(shape.backward_if) is not None:
+    own = stage == "backward" and bool(detail.get(shape.own_backward))
+    if stage == "backward" and (own or detail.get(shape.backward_if) is not None):
+        # the line is the forward's (the call of the op, or of the Function, whose backward made it); the
+        # backward op's own line beside it: in a backward the user wrote, where the fix goes
         origin["backward_file"], origin["backward_line"] = detail.get("file"), detail.get("line")
         for key, src in shape.from_forward:
-            if key not in shape.only_if_set or detail.get(src) is not None:
+            if detail.get(src) is not None or (key not in shape.only_if_set and detail.get(shape.backward_if)
+                                               is not None):
                 origin[key] = detail.get(src)
+        if own:
+            origin["custom_backward"] = True
     for k, default in shape.defaults:
         if origin.get(k) is None:
             origin[k] = type(default)(default)   # a fresh list/dict: reports mutate them

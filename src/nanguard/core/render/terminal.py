@@ -82,7 +82,7 @@ def _render(report: Report, json_path: Optional[str], console=None) -> None:
     if o:
         bits = [str(o.get(k)) for k in ("op",) if o.get(k)]
         if o.get("autograd_node"):
-            fwd = f", backward of {o['forward_op']}" if o.get("forward_op") else ""
+            fwd = f", backward of {o['forward_op']}" if o.get("forward_op") and not o.get("custom_backward") else ""
             bits[-1:] = [f"{bits[-1] if bits else '?'} in {o['autograd_node']}{fwd}"]
         if o.get("module") not in (None,):  # '' is the top-level model itself (not a named sub-layer)
             bits.append(f"module '{o.get('module')}'" if o.get("module") else "the top-level model")
@@ -91,6 +91,9 @@ def _render(report: Report, json_path: Optional[str], console=None) -> None:
         head.add_row("where", _escape(", ".join(bits) or "-"))
         if o.get("file"):
             head.add_row("line", _escape(f"{o['file']}:{o.get('line')} in {o.get('function')}"))
+        if o.get("custom_backward") and o.get("backward_file"):
+            head.add_row("backward", _escape(f"{o['backward_file']}:{o.get('backward_line')} (the backward you "
+                                             "wrote for the call above: the op ran here)"))
         lib = o.get("library") or {}
         if lib.get("file"):
             head.add_row("library", _escape(f"{lib['file']}:{lib.get('line')} in {lib.get('function')} "

@@ -133,7 +133,8 @@ class Evidence:
             ffr = None
             if node is not None:
                 d["autograd_node"] = node.name()
-                if isinstance(node, _CUSTOM):  # a torch.autograd.Function: its backward is the user's code
+                custom = isinstance(node, _CUSTOM)  # a torch.autograd.Function: its backward is the user's code
+                if custom:
                     d["custom_backward"] = True
                 try:
                     md = node.metadata
@@ -143,6 +144,8 @@ class Evidence:
                     pass
             if fwd_idx is not None and fwd_idx < len(log):
                 d["forward_idx"] = fwd_idx
+                if d.get("custom_backward"):  # named by the Function's call (its apply), not an op of its forward
+                    ffr = log.applied_at.get(fwd_idx) or ffr
                 d["forward_op"] = str(log.func[fwd_idx])
                 d["forward_name"] = log.name[fwd_idx]
                 d["forward_module"] = log.module[fwd_idx]

@@ -51,6 +51,9 @@ def excluded_dirs() -> tuple[str, ...]:
     return resolved_dirs({os.path.dirname(torch.__file__), PACKAGE_DIR} | stdlib_dirs())
 
 
+_FUNCTION_PY = os.path.join("torch", "autograd", "function.py")
+
+
 class Frames:
     """The innermost frame of the user's code (not torch, not nanguard, not the standard library), and
     the innermost *library* frame below it (an installed package other than torch: transformers,
@@ -118,6 +121,19 @@ class Frames:
                 lib = (code.co_filename, f.f_lineno, code.co_name)
             f = f.f_back
         return None, lib
+
+    def applied_at(self, f: Any) -> tuple | None:
+        """Walking out from frame ``f`` (an op in the forward of a ``torch.autograd.Function``): the user
+        frame that called the Function's ``apply``, or None."""
+        applied = False
+        while f is not None:
+            code = f.f_code
+            if applied and self.is_user(code.co_filename):
+                return code.co_filename, f.f_lineno, code.co_name
+            if code.co_name == "apply" and code.co_filename.endswith(_FUNCTION_PY):
+                applied = True
+            f = f.f_back
+        return None
 
     def from_traceback(self, tb: Any) -> tuple[str, int, str] | None:
         """Innermost user frame of anomaly metadata (list of formatted stack strings)."""

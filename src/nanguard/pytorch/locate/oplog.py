@@ -29,6 +29,8 @@ class OpLog(OpGraph):
         self.api: list[str | None] = []
         self.scalars: list[tuple] = []
         self.frame: list[tuple | None] = []
+        # forward op index -> where the torch.autograd.Function whose forward ran it was called (its apply)
+        self.applied_at: dict[int, tuple] = {}
         self.lib: dict[int, tuple] = {}   # op -> innermost library frame (only ops run inside a library)
         self.outnf: list[bool] = []
         self.opt_ops: list[tuple[int, list, list]] = []

@@ -6,6 +6,7 @@ for a new origin its description and evidence facts.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -334,6 +335,10 @@ class OpRecorder:
         if record:
             site = self._frames.site_now() if stage == "forward" else (None, None)
             log.append(func, name, stage, module, api, scal, any_nf, ins, site[0], site[1])
+            if site[0] is not None and site[0][2] == "forward":  # maybe in a torch.autograd.Function's forward
+                at = self._frames.applied_at(sys._getframe(1))
+                if at is not None:
+                    log.applied_at[idx] = at
             if low and not remote:
                 log.hold_low_precision(idx, func, args, kwargs, ins)
             if stage == "forward" and not remote:
