@@ -128,13 +128,13 @@ def run_ng(tmp_path: Path, script: str, args: Sequence[Any] = (), report: Option
     return code, rep
 
 
-def run_ng_cli(tmp_path: Path, text: str) -> Tuple[Dict[str, Any], str]:
-    """``python -m nanguard run`` on ``text`` written to ``tmp_path/train.py`` in a fresh process (the
+def run_ng_cli(tmp_path: Path, text: str, *args: str) -> Tuple[Dict[str, Any], str]:
+    """``python -m nanguard run [args]`` on ``text`` written to ``tmp_path/train.py`` in a fresh process (the
     localization's re-run and ``__main__``'s variable names as users get them); returns (the report,
     the run's stderr). No bundle, no page."""
     script, rep = write(tmp_path, text), Path(tmp_path) / "r.json"
     out = subprocess.run([sys.executable, "-m", "nanguard", "run", "--report", str(rep), "--no-bundle", "--no-html",
-                          script], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+                          *args, script], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert rep.exists(), out.stderr[-3000:]
     return load_report(rep), out.stderr
 

@@ -321,3 +321,23 @@ def _first_bad(v: Any) -> Any:
             if isinstance(b, str):
                 return b
     return None
+
+
+def masks_only(det: Detection, loc: Dict[str, Any]) -> bool:
+    """The non-finite outputs of an evaluation call are -inf the program wrote on purpose: the replay
+    reproduced them, no NaN among them, and their origin is a non-finite constant (``masked_fill(~valid,
+    -inf)`` of an actor's invalid actions, handed to a ``Categorical``), not an op that made them."""
+    if not loc.get("reproduced") or det.detected.get("output_nan") or "module" not in det.detected:
+        return False
+    o = (loc.get("localization") or {}).get("origin") or {}
+    out = o.get("output") or {}
+    return o.get("kind") == "constant" and not out.get("nan") and not out.get("posinf")
+
+
+def intentional_mask(det: Detection, loc: Optional[Dict[str, Any]] = None) -> Detection:
+    """``det`` as information only: an evaluation output masked with -inf on purpose (where, when known)."""
+    o = ((loc or {}).get("localization") or {}).get("origin") or {}
+    det.info_only = True
+    det.detected["intentional_mask"] = (f"{o.get('file')}:{o.get('line')}" if o.get("file")
+                                        else "as in this module's earlier call")
+    return det

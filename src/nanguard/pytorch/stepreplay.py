@@ -156,8 +156,11 @@ class StepReplay:
         params = _unique([p for r in self.roots for p in r.parameters()]
                          + [p for o in self.optimizers for g in o.param_groups for p in g["params"]])
         saved_grads = [p.grad for p in params]
-        buffers = [b for r in self.roots for b in r.buffers()]
-        saved_buffers = [b.detach().clone() for b in buffers]
+        # the replay's forward writes the buffers (BatchNorm statistics) in place: it writes copies, and the
+        # script's own buffer tensors are put back untouched afterwards. A graph of the script still to be
+        # differentiated may have saved them (a GAN's generator graph, built before the discriminator's
+        # failing step): an in-place write, even one that restores the values, would break its backward
+        swapped = _swap_buffers(self.roots)
         rng_after = rng_now()
         ctx = changes.context() if changes is not None and changes.context is not None else \
             contextlib.nullcontext()
@@ -192,9 +195,8 @@ class StepReplay:
             if not (changes is not None and changes.keep_grads and out["error"] is None):
                 for p, g in zip(params, saved_grads):
                     p.grad = g
-            with torch.no_grad():
-                for b, s in zip(buffers, saved_buffers):
-                    b.copy_(s)
+            for bufs, name, b in swapped:
+                bufs[name] = b
             set_rng(rng_after)
         if recorder is not None:
             out["localization"] = recorder.result()
@@ -345,3 +347,19 @@ def replay_of(watcher: Any, step: Optional[int] = None, target: Optional[torch.T
     rep = StepReplay(tape, list(watcher.monitor.roots), watcher.optimizers(), watcher._orig["backward"],
                      watcher.quiet, targets=targets)
     return (rep, None) if rep.problem is None else (None, rep.problem)
+
+
+def _swap_buffers(roots: Sequence[torch.nn.Module]) -> List[tuple]:
+    """Every buffer of ``roots`` replaced in its module by a copy; returns (the module's buffer dict, name,
+    the original tensor) to put back."""
+    out, seen = [], set()
+    for r in roots:
+        for m in r.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            for name, b in m._buffers.items():
+                if b is not None:
+                    out.append((m._buffers, name, b))
+                    m._buffers[name] = b.detach().clone()
+    return out

@@ -69,7 +69,7 @@ from .data import DataHooks
 from .detect import StepMonitor, is_checkable, tensors_in
 from .detect.closure import checked_closure, closure_of, recheck, with_closure
 from .distributed import share_event
-from .evalcheck import EvalCheck, optimised_input
+from .evalcheck import EvalCheck, intentional_mask, masks_only, optimised_input
 from .gradscaler import scaler_enabled
 from .observer import WatchObserver, combine, hook
 from .owners import StandAside, StopRun, guard_state
@@ -95,6 +95,7 @@ class Watcher:
         self.monitor.per_update = True  # a step is one optimizer.step() call, counted across optimizers
         self.detections: List[Detection] = []
         self.info: List[Detection] = []
+        self.masked_evals: set = set()  # evaluation modules whose -inf outputs a replay proved an intentional mask
         self.dropped_events = 0
         self.scalers: list = []
         self.disabled = False
@@ -256,8 +257,16 @@ class Watcher:
                 return
             self.detections.append(det)
             raise self.owner.stop(det)
+        if det.phase == "eval" and det.detected.get("module") in self.masked_evals and \
+                not det.detected.get("output_nan"):
+            self.info.append(intentional_mask(det))  # the same module's mask again: no replay
+            return
         if self.localizer is not None and self.localizer.wants(det):
             loc = self._guarded(lambda: self.localizer(det))
+            if det.phase == "eval" and loc is not None and masks_only(det, loc):
+                self.masked_evals.add(det.detected.get("module"))
+                self.info.append(intentional_mask(det, loc))
+                return
             if loc is not None:
                 self.loc_runs[id(det)] = loc
                 # the first failure: test its cause on the step replay, when the replay shows it (one that

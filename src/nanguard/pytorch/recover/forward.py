@@ -25,7 +25,7 @@ import torch
 from ..buffers import BufferCache
 from ..ring import hyperparameters, set_hyperparameters
 from ..rng import capture_rng, restore_rng
-from .snapshot import Snapshot
+from .snapshot import Snapshot, put_back
 from .state import state_finite
 
 
@@ -64,7 +64,7 @@ class VirtualSnapshot:
                 for name, b in m.named_buffers():
                     v = (saved.get(id(m)) or {}).get(name)
                     if v is not None:
-                        b.copy_(v)
+                        put_back(b, v)
                         n += 1
         return n
 

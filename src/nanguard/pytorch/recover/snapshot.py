@@ -85,7 +85,7 @@ class Snapshot:
                     continue
                 for name, b in m.named_buffers():
                     if name in sd and b is not None:
-                        b.copy_(sd[name].to(b.device, b.dtype))
+                        put_back(b, sd[name])
                         n += 1
         return n
 
@@ -214,3 +214,14 @@ def _nbytes(obj) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(_nbytes(v) for v in obj)
     return 0
+
+
+def put_back(buf: torch.Tensor, value: torch.Tensor) -> None:
+    """Give a buffer back its saved values without an in-place write a live autograd graph would see:
+    BatchNorm saves its running statistics for its backward, and a GAN's generator graph, built before the
+    discriminator's skipped step, is still to be differentiated (``copy_`` bumps their version, and that
+    backward raises "modified by an inplace operation"). The values are swapped in under the same tensor
+    (``.data``, no version bump); an unchanged buffer is left alone."""
+    v = value.to(buf.device, buf.dtype)
+    if not torch.equal(buf, v):
+        buf.data = v.clone() if v is value else v
