@@ -106,6 +106,7 @@ class EvalCheck:
         self._suspended: Any = False  # while an optimizer updates: _ITEM (torch's item put back) or _IGNORED
         self._held: Optional[tuple] = None  # (detection, tensor) of a read inside an open training step
         self._optim: list = []  # (torch.optim module, its _get_value, ours) while installed
+        self.masked_modules: set = set()  # module types whose -inf outputs a replay proved an intentional mask
 
     def install(self) -> None:
         """Wrap ``Tensor.item``, ``Tensor.tolist`` and ``Tensor.__float__`` (values read by the script)."""
@@ -224,6 +225,32 @@ class EvalCheck:
         self._last = {"read": t}
         w._handle(det, None)
 
+    # ------------------------------------------------------------------ intentional masks
+    def masked(self, det: Detection, loc: Optional[Dict[str, Any]] = None) -> bool:
+        """An evaluation output whose non-finite values are -inf the program wrote on purpose (an actor's
+        invalid actions, ``masked_fill(~valid, -inf)``, handed to a ``Categorical``) is information, not a
+        failure: with ``loc``, when its replay reproduced them, no NaN among them, from a non-finite
+        constant (not an op that made them); without, when the same module's output was proven so before
+        (no replay again). Such a detection goes to the report's information rows; returns whether it did."""
+        d = det.detected
+        if d.get("output_nan") or "module" not in d:
+            return False
+        o = ((loc or {}).get("localization") or {}).get("origin") or {}
+        if loc is None:
+            if d["module"] not in self.masked_modules:
+                return False
+            d["intentional_mask"] = "as in this module's earlier call"
+        else:
+            out = o.get("output") or {}
+            if not (loc.get("reproduced") and o.get("kind") == "constant" and not out.get("nan")
+                    and not out.get("posinf")):
+                return False
+            self.masked_modules.add(d["module"])
+            d["intentional_mask"] = f"{o.get('file')}:{o.get('line')}"
+        det.info_only = True
+        self.w.info.append(det)
+        return True
+
     # ------------------------------------------------------------------ module outputs
     def root_pre(self, module: torch.nn.Module, args: tuple) -> None:
         """An evaluation call starts (the watcher calls this only for those): its RNG state, for a replay."""
@@ -322,22 +349,3 @@ def _first_bad(v: Any) -> Any:
                 return b
     return None
 
-
-def masks_only(det: Detection, loc: Dict[str, Any]) -> bool:
-    """The non-finite outputs of an evaluation call are -inf the program wrote on purpose: the replay
-    reproduced them, no NaN among them, and their origin is a non-finite constant (``masked_fill(~valid,
-    -inf)`` of an actor's invalid actions, handed to a ``Categorical``), not an op that made them."""
-    if not loc.get("reproduced") or det.detected.get("output_nan") or "module" not in det.detected:
-        return False
-    o = (loc.get("localization") or {}).get("origin") or {}
-    out = o.get("output") or {}
-    return o.get("kind") == "constant" and not out.get("nan") and not out.get("posinf")
-
-
-def intentional_mask(det: Detection, loc: Optional[Dict[str, Any]] = None) -> Detection:
-    """``det`` as information only: an evaluation output masked with -inf on purpose (where, when known)."""
-    o = ((loc or {}).get("localization") or {}).get("origin") or {}
-    det.info_only = True
-    det.detected["intentional_mask"] = (f"{o.get('file')}:{o.get('line')}" if o.get("file")
-                                        else "as in this module's earlier call")
-    return det

@@ -69,7 +69,7 @@ from .data import DataHooks
 from .detect import StepMonitor, is_checkable, tensors_in
 from .detect.closure import checked_closure, closure_of, recheck, with_closure
 from .distributed import share_event
-from .evalcheck import EvalCheck, intentional_mask, masks_only, optimised_input
+from .evalcheck import EvalCheck, optimised_input
 from .gradscaler import scaler_enabled
 from .observer import WatchObserver, combine, hook
 from .owners import StandAside, StopRun, guard_state
@@ -95,7 +95,6 @@ class Watcher:
         self.monitor.per_update = True  # a step is one optimizer.step() call, counted across optimizers
         self.detections: List[Detection] = []
         self.info: List[Detection] = []
-        self.masked_evals: set = set()  # evaluation modules whose -inf outputs a replay proved an intentional mask
         self.dropped_events = 0
         self.scalers: list = []
         self.disabled = False
@@ -117,9 +116,7 @@ class Watcher:
         self.policy: Any = policy
         self.localizer: Optional[Localizer] = Localizer(self, localize) if localize is not None else None
         self._skip_current: set = set()
-        # the update count at the last backward: an update with no backward since the one before it uses
-        # that one's gradients (a second optimizer of one loss), part of the same work (:meth:`joined`)
-        self._bw_at: Optional[int] = None
+        self._bw_at: Optional[int] = None  # the update count at the last backward (:meth:`joined`)
         # the failures diagnosed during the run (recovery): the first one, recurrences of it
         self.pipeline = FailurePipeline(Ports(context=lambda: run_context(self),
                                               share=lambda ev, det: share_event(ev, det.rank)))
@@ -131,11 +128,8 @@ class Watcher:
         self.evals = EvalCheck(self)
         self.loc_runs: dict = {}        # id(detection) -> how it was localized (at the failing step)
         self._replay_on = False
-        # the stop (once raised in any thread, every thread's next hook raises it too, and the run ends
-        # 3) and the fork flag (a forked child's copy: its hooks stand aside): owners.py
-        self.owner = StandAside()
+        self.owner = StandAside()  # the stop (raised in every thread's next hook) and the fork flag: owners.py
         self._busy = 0
-        # the early warning (nanguard.pytorch.spikes.SpikeResponder)
         self.spikes: Optional[SpikeResponder] = \
             SpikeResponder(self.monitor, on_spike, quiet=quiet) if on_spike is not None else None
         self.recovery = WatcherRecovery(self, experiments)
@@ -257,15 +251,11 @@ class Watcher:
                 return
             self.detections.append(det)
             raise self.owner.stop(det)
-        if det.phase == "eval" and det.detected.get("module") in self.masked_evals and \
-                not det.detected.get("output_nan"):
-            self.info.append(intentional_mask(det))  # the same module's mask again: no replay
+        if det.phase == "eval" and self.evals.masked(det):
             return
         if self.localizer is not None and self.localizer.wants(det):
             loc = self._guarded(lambda: self.localizer(det))
-            if det.phase == "eval" and loc is not None and masks_only(det, loc):
-                self.masked_evals.add(det.detected.get("module"))
-                self.info.append(intentional_mask(det, loc))
+            if det.phase == "eval" and self.evals.masked(det, loc):
                 return
             if loc is not None:
                 self.loc_runs[id(det)] = loc
