@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from nanguard.core.events import Event
-from nanguard.core.experiments import Bench, Experiment, ExperimentConfig, Situation, Spec, investigate, judge, plan
+from nanguard.core.experiments import Bench, Experiment, ExperimentConfig, Situation, investigate, judge, plan
 from nanguard.core.experiments.calibration import calibration_table, share_right_at
 from nanguard.core.recovery import RecoveryPolicy
 from nanguard.core.recovery.verify import per_sample, verified_plan

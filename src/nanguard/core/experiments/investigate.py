@@ -24,7 +24,7 @@ from .config import ExperimentConfig
 from .implied import implied_cause
 from .kinds import KINDS, judge
 from .planner import Situation, plan
-from .records import CONFIRMS, Experiment, Spec, confirmed_record, ruled_out_record
+from .records import CONFIRMS, Experiment, Spec, ruled_out_record
 from .tested import passes
 from .verdict import NEEDS_PROOF, finalize
 

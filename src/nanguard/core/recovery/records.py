@@ -42,7 +42,7 @@ def notice(step: int, category: str, record: Dict[str, Any]) -> str:
     if record.get("verified"):
         extra += f", {record['verified']}"
     if (done.get("rollback") or {}).get("escalated"):
-        extra += f", the same failure again: the batch is not drawn again (RNG not rewound)"
+        extra += ", the same failure again: the batch is not drawn again (RNG not rewound)"
     return (f"recovered at step {step}: {category} -> {record['action']}{extra} "
             f"(recovery {record['recovery_number']}{tries_text(record.get('tries_left'))})")
 

@@ -9,7 +9,7 @@ import torch
 
 from ...core.script import main_names
 from .slices import OptimizerView
-from .tensors import is_checkable, local, local_finite, nonfinite_tensors
+from .tensors import is_checkable, local_finite, nonfinite_tensors
 
 
 def model_prefixes(roots: List[torch.nn.Module], by_class: bool = False) -> List[str]:
