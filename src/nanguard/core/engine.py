@@ -132,6 +132,14 @@ class FailurePipeline:
             self.ports.annotate(ev, run)
         return ev
 
+    def rediagnoser(self, det: Detection, history: Sequence[dict], loc: Any = None) -> Callable[..., tuple]:
+        """The experiments' ``rediagnose`` port for ``det``: ``excluded categories -> (cause, fixes)``, a
+        fresh diagnosis through this pipeline (not investigated again)."""
+        def rediagnose(excluded: Iterable[str]) -> tuple:
+            ev = self.diagnose(det, history, loc, excluded)
+            return ev.cause, ev.fixes
+        return rediagnose
+
     def explain(self, det: Detection, history: Sequence[dict], loc: Any = None, *,
                 relocalize: bool = False) -> Event:
         """The event of ``det``: the first failure of its kind diagnosed from ``loc`` (falling back to

@@ -305,16 +305,11 @@ class JaxDriver:
         det = next((d for d in self.detections if d.step == event.step), None) or \
             Detection(event.step, event.phase, dict(event.detected or {}))
         hist = [r for r in self.history.raw_dicts() if r["step"] < event.step]
-
-        def rediagnose(excluded: Sequence[str]) -> tuple:
-            ev = self.pipeline.diagnose(det, hist, run, excluded)
-            return ev.cause, ev.fixes
-
         self._investigating = self.suspended = True
         try:
             bench = JaxBench(kept["pure_fn"], kept["args"], kept.get("batch_leaves") or (), kept.get("batch_size"))
-            investigate(event, bench, self.experiments, rediagnose=rediagnose, history=hist,
-                        recovering=self.recovering)
+            investigate(event, bench, self.experiments, rediagnose=self.pipeline.rediagnoser(det, hist, run),
+                        history=hist, recovering=self.recovering)
         except Exception as e:
             if self.config.strict:
                 raise

@@ -64,15 +64,10 @@ class WatcherRecovery:
         hist = [h for h in w.monitor.history.raw_dicts() if h["step"] < det.step]
         if event is None:
             event = w.pipeline.diagnose(det, hist, loc)
-
-        def rediagnose(excluded):
-            ev = w.pipeline.diagnose(det, hist, loc, excluded)
-            return ev.cause, ev.fixes
-
         with w.quiet():  # a history replay steps the optimizers: not the script's steps
             investigate_zero_code(event, replay, roots=list(w.monitor.roots), optimizers=w.optimizers(),
                                   scaler=w.scalers[0] if w.scalers else None, config=cfg,
-                                  step_seconds=self.step_seconds, rediagnose=rediagnose,
+                                  step_seconds=self.step_seconds, rediagnose=w.pipeline.rediagnoser(det, hist, loc),
                                   history=hist, indices=w.data.last, kept=self.kept_steps(),
                                   snapshots=w.policy.all_snapshots() if w.policy is not None else (),
                                   recovering=w.policy is not None and w.policy.failures)

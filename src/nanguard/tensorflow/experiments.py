@@ -442,16 +442,11 @@ class FitExperiments:
         det = next((d for d in w.detections if d.step == event.step and d.phase != "eval"), None) or \
             Detection(event.step, event.phase, dict(event.detected or {}))
         hist = [h for h in w.history.raw_dicts() if h["step"] < event.step]
-
-        def rediagnose(excluded: Sequence[str]) -> tuple:
-            ev = drv.pipeline.diagnose(det, hist, run, excluded)
-            return ev.cause, ev.fixes
-
         self._busy = True
         try:
             from .recover_history import fit_history
-            investigate_fit(event, cap, self.config, rediagnose=rediagnose, history=hist,
-                            recovering=bool(getattr(drv.policy, "failures", False)),
+            investigate_fit(event, cap, self.config, rediagnose=drv.pipeline.rediagnoser(det, hist, run),
+                            history=hist, recovering=bool(getattr(drv.policy, "failures", False)),
                             kept=fit_history(drv.policy, cap))
         finally:
             self._busy = False

@@ -149,12 +149,8 @@ class RerunProbe:
         event = pipe.diagnose(det, hist, loc_run)
         first = (event.cause or {}).get("category")
 
-        def rediagnose(excluded):
-            ev = pipe.diagnose(det, hist, loc_run, excluded)
-            return ev.cause, ev.fixes
-
-        investigate_fit(event, cap, ExperimentConfig(), rediagnose=rediagnose, history=hist,
-                        kept={"calls": dict(self.calls), "values": dict(self.values)})
+        investigate_fit(event, cap, ExperimentConfig(), rediagnose=pipe.rediagnoser(det, hist, loc_run),
+                        history=hist, kept={"calls": dict(self.calls), "values": dict(self.values)})
         return {"category": first, "cause": _plain(event.cause), "fixes": list(event.fixes or [])}
 
 
