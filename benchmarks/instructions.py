@@ -55,12 +55,13 @@ def _helper(folder: str) -> str:
 def child(lib: str, model: str, configs: List[str], steps: int, warm: int = 24) -> None:
     """Inside valgrind: run each configuration's ``warm`` steps, then ``steps`` counted ones, in one block."""
     import torch
-    from .dispatch import MAKERS, on_device
+    from .dispatch import MAKERS, floor_step, on_device
     from .overhead import Runner
     cg = ctypes.CDLL(lib)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     r = Runner(on_device(MAKERS[model](), "cpu"))
+    r.steps["floor"] = floor_step(r)
     cg.ng_start()
     for c in configs:
         with r.context(c):  # (zero-code: a fresh watcher, warmed in the same block as it is counted)

@@ -43,3 +43,21 @@ def test_a_row_kept_out_keeps_its_claim():
     assert "kept_out" not in rec["actions"]["quarantine"]
     assert "(kept out of every later batch)" in notice(14, "bad_input_data", rec)
     assert "not kept out" not in summary_line(p)
+
+
+def test_a_recurrence_with_its_own_proven_row_quarantines_that_row():
+    """Two empty records of a dataset (rows 100 and 125): a later failure whose own drop-samples replay
+    proved row 125 names row 125, not the first failure's row 100 again."""
+    acts = Excluding(can=False)
+    p = RecoveryPolicy(quiet=True)
+    p.on_failure(_bad_row_event(), step=14, actions=acts, history=[])
+    ev = _again(30)
+    ev.cause["evidence"]["experiments"] = [{"kind": "drop_samples", "finite": True, "params": {"rows": [5]},
+                                            "details": {"rows": [5], "dataset_indices": [125]}}]
+    rec = p.on_failure(ev, step=30, actions=acts, history=[])
+    q = rec["actions"]["quarantine"]
+    assert q["rows"] == [125] and "same_as_step" not in q, q
+    assert p.quarantined == [100, 125]
+    p.on_failure(_again(40), step=40, actions=acts, history=[])  # row 100 again
+    s = summary_line(p)
+    assert "rows 100, 125" in s and "came back 1 time" in s, s

@@ -17,7 +17,7 @@ from nanguard.core.status import kept_diverging  # noqa: E402
 from nanguard.tensorflow.driver import RunDriver  # noqa: E402
 
 
-def _warmup_loop(steps: int, assign_every_step: bool):
+def _warmup_loop(steps: int, assign_every_step: bool, scale: float = 0.0):
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
     n = 1024
@@ -38,7 +38,9 @@ def _warmup_loop(steps: int, assign_every_step: bool):
     drv.install()
     try:
         for step in range(steps):
-            if assign_every_step:
+            if scale:  # a schedule that scales the current rate (LearningRateScheduler(lambda e, lr: lr * k))
+                opt.learning_rate.assign(1.0 if step == 0 else opt.learning_rate * scale)
+            elif assign_every_step:
                 opt.learning_rate.assign(2.0 * min(1.0, (step + 1) / 60))
             elif step == 0:
                 opt.learning_rate.assign(1.0)  # set once: the cuts hold
@@ -103,3 +105,13 @@ def test_a_recovered_run_stays_recovered(losses, later):
     rep = _report(evs, losses)
     kept_diverging(rep)
     assert rep.status == "recovered" and "kept_diverging" not in evs[0].recovery
+
+
+def test_a_schedule_that_scales_the_cut_rate_is_not_called_overwritten():
+    """A rate doubled from the cut value stays far under the rate before the cut: the cut held, and the
+    record says the schedule moved it on (``lr_backoff.scheduled``), not that the script overwrote it."""
+    cuts = _cuts(_warmup_loop(24, assign_every_step=False, scale=1.05))
+    assert cuts, "a rate of 1.0 rising 5% a step warns and cuts the rate"
+    assert not any("overwritten" in c for c in cuts), cuts
+    moved = [c["scheduled"] for c in cuts if "scheduled" in c]
+    assert moved and moved[0]["lr_read"][0] < moved[0]["lr_cut"][0] * 1.2, cuts

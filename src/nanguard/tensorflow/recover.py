@@ -567,6 +567,19 @@ class TFRecovery:
             return  # held so far (a script may set the rate per epoch: read at each step of the window)
         self.cut = None
         lb = rec["actions"]["lr_backoff"]
+        before = lb.get("lr_before") or []
+        if len(before) == len(now) and all(n < 0.9 * b for n, b in zip(now, before)):
+            # still well under the rate before the cut: a schedule that scales the current rate (Keras'
+            # LearningRateScheduler(lambda epoch, lr: lr * 2)) moved on from the cut, which held
+            lb["scheduled"] = {"step": step, "lr_read": now, "lr_cut": cut,
+                               "note": "the script's schedule changed the rate from the cut (it scales the current "
+                                       "rate): the cut held"}
+            if not self.policy.quiet:
+                from ..core.render.terminal import print_line
+                print_line(f"step {step}: the script's schedule moved the rate from the cut of step {at} "
+                           f"({', '.join(f'{x:.3g}' for x in cut)} -> {', '.join(f'{x:.3g}' for x in now)}; before "
+                           f"the cut {', '.join(f'{x:.3g}' for x in before)}): the cut held")
+            return
         lb["overwritten"] = {"step": step, "lr_read": now, "lr_cut": cut,
                              "note": "the script set the optimizer's learning rate itself after the cut: the cut "
                                      "did not hold (set the lower rate in the script, or give the optimizer a "

@@ -458,14 +458,23 @@ def quarantine(policy: RecoveryPolicy, event, done: Dict[str, Any], actions: Opt
     every later batch where the backend can (``actions.exclude_rows``: ``quarantine.excluded``)."""
     origin = event.origin or {}
     ev = (event.cause or {}).get("evidence") or {}
-    if ev.get("same_as_step") is not None:
-        done["quarantine"] = {"same_as_step": ev["same_as_step"],
-                              "note": "not re-localized: assumed to be the same bad sample(s)"}
-        return
-    rows = [int(r) for r in (origin.get("source_rows") or (ev.get("bad_samples") or {}).get("dataset_indices") or [])
-            if isinstance(r, int)]
-    batch_rows = [int(r) for r in (origin.get("samples") or []) if isinstance(r, int)]
+    proven = proven_rows(event, done)
     q: Dict[str, Any] = {}
+    if ev.get("same_as_step") is not None:
+        if not proven:
+            done["quarantine"] = {"same_as_step": ev["same_as_step"],
+                                  "note": "not re-localized: assumed to be the same bad sample(s)"}
+            return
+        # a recurrence whose own drop-samples replay named its rows: those rows, not the first failure's
+        # (two empty records of a dataset are two rows, each coming back)
+        rows = proven
+        batch_rows = [int(r) for r in ((done.get("drop_samples") or {}).get("rows") or []) if isinstance(r, int)]
+        if all(r in policy.quarantined for r in rows):
+            q["same_as_step"] = ev["same_as_step"]
+    else:
+        rows = [int(r) for r in (origin.get("source_rows") or (ev.get("bad_samples") or {}).get("dataset_indices")
+                                 or []) if isinstance(r, int)]
+        batch_rows = [int(r) for r in (origin.get("samples") or []) if isinstance(r, int)]
     if rows:
         q["rows"] = rows
         policy.quarantined.extend(r for r in rows if r not in policy.quarantined)
@@ -474,7 +483,7 @@ def quarantine(policy: RecoveryPolicy, event, done: Dict[str, Any], actions: Opt
         policy.quarantined_batch_rows.extend(batch_rows)
     if origin.get("tensor"):
         q["tensor"] = origin.get("tensor")
-    proven = [r for r in proven_rows(event, done) if r in rows]
+    proven = [r for r in proven if r in rows]
     ex = actions.exclude_rows(proven) if actions is not None and proven else None
     if ex:
         q["excluded"] = ex

@@ -358,9 +358,11 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
                                "{about} (multiply it by {factor})", new, T.g(factor, 2))]
         return why, fixes, None
     if dy.get("lr_rose_from") is not None and lr:
+        to = dy.get("lr_rose_to_step", dy.get("onset_step"))
         why = (f"the learning-rate schedule raised it from {T.g(dy['lr_rose_from'])} (step {dy['lr_rose_from_step']}) "
-               f"to {T.g(lr)} at step {dy.get('onset_step')}, where the growth began: the schedule's peak is past "
-               "the stability limit")
+               f"to {T.g(lr)} " + (f"at step {to}, where the growth began" if to == dy.get("onset_step") else
+                                   f"(from step {to}), and the growth began at step {dy.get('onset_step')}")
+               + ": the schedule's peak is past the stability limit")
         fixes = [X.lr_sentence("lower the schedule's peak learning rate to {about} (multiply the base lr by {factor}), "
                                "or lengthen the warm-up", new, T.g(factor, 2)), "check the schedule itself: a warm-up factor must stop at 1 "
                  "(e.g. min(1, (step + 1) / warmup_steps))"]

@@ -147,10 +147,10 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
         return T.result("div_by_zero", summ, 0.85, ev, fixes, method)
     zz, xz = zd.get("zero_over_zero"), zd.get("nonzero_over_zero")
     kind = []
-    if zz:
-        kind.append(f"{zz} 0/0")
+    if zz:  # counted in the quotient: a (64, 1) count broadcast over 16 columns is 1 zero, 16 results
+        kind.append(f"{zz} result(s) 0/0")
     if xz:
-        kind.append(f"{xz} x/0")
+        kind.append(f"{xz} result(s) x/0")
     src = ""
     if zd.get("from_reduction"):
         src = f"; the denominator comes from {(zd.get('producer_chain') or ['a reduction'])[0]} (a count/sum that " \

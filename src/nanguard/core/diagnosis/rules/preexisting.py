@@ -51,6 +51,17 @@ def find_rows_fix(rows: list) -> str:
             + X.finite_filter())
 
 
+def entry_text(fu: dict) -> str:
+    """`` (it enters the computation at <op> of layer 'dense', file:line)``: where the tensor is first read.
+    The layer is named with the line, since a layer's line may be where it was built (a Keras Sequential's
+    constructor), not where the data was made."""
+    if not fu.get("file"):
+        return ""
+    op, layer = fu.get("op"), fu.get("layer") or fu.get("module")
+    what = (f"{op} of layer '{layer}', " if op and layer else f"layer '{layer}', " if layer else f"{op}, " if op else "")
+    return f" (it enters the computation at {what}{os.path.basename(str(fu.get('file')))}:{fu.get('line')})"
+
+
 def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict:
     kind, name = pre.get("kind"), pre.get("name")
     st = pre.get("stats") or {}
@@ -62,8 +73,7 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
         return model_state_input(pre, owned, what, ev, method)
     if kind == "data":
         src, rows, tr = pre.get("source_rows") or [], pre.get("samples") or [], pre.get("rows_in_tensor") or []
-        fu = pre.get("first_use") or {}
-        where = f" (it enters at {os.path.basename(str(fu.get('file')))}:{fu.get('line')})" if fu.get("file") else ""
+        where = entry_text(pre.get("first_use") or {})
         untraced = positions_only(pre)
         rows_s = f"dataset row(s) {src}" if src else f"batch position(s) {rows}" if untraced \
             else f"row(s) {tr}" if tr else "some rows"
@@ -151,8 +161,7 @@ def model_state_input(pre: dict, owned: list, what: str, ev: dict, method: str) 
     ``oneover_sqrta = 1 / sqrt(alpha)`` = Inf at t = T; training never reads index T, the sampling loop's first
     update does (was bad_input_data, "batch position(s) [0, 1, 2, 3]" of a batch there is none of)."""
     st = pre.get("stats") or {}
-    fu = pre.get("first_use") or {}
-    where = f" (it enters at {os.path.basename(str(fu.get('file')))}:{fu.get('line')})" if fu.get("file") else ""
+    where = entry_text(pre.get("first_use") or {})
     names = ", ".join(f"'{n}'" for n in owned[:5]) + (f" and {len(owned) - 5} more" if len(owned) > 5 else "")
     ev["nonfinite_model_state"] = owned[:20]
     summ = (f"the model's own state is non-finite: {names} hold(s) {what} values, and the evaluation's input "
