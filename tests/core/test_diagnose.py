@@ -67,6 +67,18 @@ def test_log_domain_names_line_and_numbers():
     assert "replayed" in d["method"] and d["confidence"] >= 0.8
 
 
+def test_a_log_of_a_relu_head_gets_a_positive_by_construction_fix_first():
+    """A learned variance from a ReLU head (exact zeros) read by log: a floor on the log would leave the
+    NLL's r^2 / var at 1e12; the first fix makes the value positive (softplus + eps)."""
+    f = {"log_domain": {"le_limit": 2, "zeros": 2, "negatives": 0, "min": 0.0, "numel": 64, "limit": 0.0},
+         "float64_check": {"finite": False}, "producers": [["relu", "add", "mm"]]}
+    d = run(loc(facts=f), CALM)
+    assert d["category"] == "log_domain" and "exact zeros" in d["summary"]
+    assert "softplus" in d["fixes"][0], d["fixes"]
+    f["producers"] = [["add", "mm"]]
+    assert "softplus" not in " ".join(run(loc(facts=f), CALM)["fixes"])
+
+
 def test_diagnosis_does_not_depend_on_file_or_variable_names():
     f = {"log_domain": {"le_limit": 3, "zeros": 3, "negatives": 0, "min": 0.0, "numel": 32, "limit": 0.0}}
     a = run(loc(facts=f, file="/x/exp_overflow_sqrt_div.py"), CALM)
