@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from typing import Dict, List
+from typing import Any, Dict, List
 
 _HELPER = r"""
 #include <valgrind/callgrind.h>
@@ -83,22 +83,25 @@ _NO_REP_STRINGS = "glibc.cpu.x86_rep_movsb_threshold=1099511627776:glibc.cpu.x86
 
 
 def measure(model: str, configs: List[str], steps: int, folder: str, lib: str,
-            rep_strings: bool = False) -> Dict[str, float]:
+            rep_strings: bool = False, cache: bool = False) -> Dict[str, Any]:
     out = os.path.join(folder, f"cg.{model}")
     env = dict(os.environ)
     if not rep_strings:
         env["GLIBC_TUNABLES"] = ":".join(x for x in (env.get("GLIBC_TUNABLES"), _NO_REP_STRINGS) if x)
     subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+                    *(["--cache-sim=yes"] if cache else []),
                     sys.executable, "-m", "benchmarks.instructions", "--child", lib, model, ",".join(configs),
                     str(steps)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    per: Dict[str, float] = {}
+    per: Dict[str, Any] = {}
     for f in glob.glob(out + ".*"):
         txt = open(f).read()
         trig = re.search(r"^desc: Trigger: Client Request: (.*)$", txt, re.M)
-        total = re.search(r"^summary: (\d+)", txt, re.M)
+        total = re.search(r"^summary: ([\d ]+)$", txt, re.M)
+        events = re.search(r"^events: (.*)$", txt, re.M)
         if trig and total:
-            per[trig.group(1).strip()] = int(total.group(1)) / steps
+            vals = [int(x) / steps for x in total.group(1).split()]
+            per[trig.group(1).strip()] = vals[0] if not cache else dict(zip(events.group(1).split(), vals))
     return per
 
 
@@ -113,6 +116,9 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12,
                     help="counted steps per configuration (12: whole rotations of 1, 2, 3 or 4 parameter "
                          "slices; the CNN's count moved +-0.05 M between runs of 6, +-0.01 M of 12)")
+    ap.add_argument("--cache-sim", action="store_true",
+                    help="also simulate the caches (valgrind's model of this CPU's L1 and last level): the misses "
+                         "per step, which the instruction count does not see (a copy evicting the step's data)")
     ap.add_argument("--rep-strings", action="store_true",
                     help="keep glibc's rep movsb/stosb copies (valgrind counts each byte: copies weigh ~7x)")
     args = ap.parse_args(argv)
@@ -123,7 +129,16 @@ def main(argv: List[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="nanguard-cg-") as folder:
         lib = _helper(folder)
         for model in args.models.split(","):
-            per = measure(model, configs, args.steps, folder, lib, args.rep_strings)
+            per = measure(model, configs, args.steps, folder, lib, args.rep_strings, args.cache_sim)
+            if args.cache_sim:
+                print(f"\n{model}: per healthy step (callgrind --cache-sim; D1/LL: data misses in L1 / the last level)")
+                b = per.get(configs[0]) or {}
+                for c in configs:
+                    row = per.get(c) or {}
+                    print(f"  {c:10s} " + "  ".join(
+                        f"{k} {row.get(k, 0) / 1e3:9.1f} k ({(row.get(k, 0) - b.get(k, 0)) / 1e3:+.1f})"
+                        for k in ("Ir", "D1mr", "D1mw", "DLmr", "DLmw")))
+                continue
             base = per.get(configs[0])
             print(f"\n{model}: instructions per healthy step (callgrind)")
             for c in configs:

@@ -79,11 +79,21 @@ class WatcherRecovery:
         mon = w.monitor
         hist = [h for h in mon.history.raw_dicts() if h["step"] < det.step]
         first = w.pipeline.first() is None
-        loc_run = w.localizer(det) if first and w.localizer is not None else None
+        loc_run = None
+        if w.localizer is not None and first:
+            loc_run = w.localizer(det)
+        elif w.localizer is not None and det.phase not in ("params", "optimizer") and len(w.loc_runs) < 8:
+            # a later failure: replayed from the tape when it can be (no re-run of the script), so that its
+            # own rows and origin are what the recovery acts on (a second bad record is not the first again)
+            loc_run = w._guarded(lambda: w.localizer.in_process(det))
+        if loc_run is not None:
+            w.loc_runs[id(det)] = loc_run
         event = w.pipeline.explain(det, hist, loc_run)
         mods, opts = self.state_modules(), w.optimizers()
         with versions_kept(mods, opts):  # the script may still backpropagate a graph of before
-            if first:  # (the experiments' replays step the optimizers too)
+            # (the experiments' replays step the optimizers too); a later failure replayed on its own is tested
+            # too, as the Guard does: recovery acts on what its own replay verified
+            if first or (loc_run or {}).get("reproduced"):
                 w._guarded(lambda: self.experiment(det, loc_run, event))
             det.event = event
             rec = w.policy.apply(event, step=det.step, modules=mods, optimizers=opts,

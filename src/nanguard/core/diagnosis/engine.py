@@ -90,7 +90,7 @@ def from_history(loc: dict | None, sig: dict, phase: str, ctx: dict) -> dict:
     if phase == "data":
         return T.result("bad_input_data", "the batch already holds non-finite values before the forward", 0.55,
                         ev, [X.say(pytorch="filter non-finite samples in the data pipeline, e.g. keep rows with "
-                                   "torch.isfinite(x).all(dim=1)",
+                                   "torch.isfinite(x).flatten(1).all(dim=1)",
                                    tensorflow="filter non-finite samples in the input pipeline, e.g. "
                                    + X.finite_filter(),
                                    jax="filter non-finite samples before batching, e.g. " + X.finite_filter()),

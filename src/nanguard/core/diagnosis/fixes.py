@@ -354,11 +354,13 @@ def safe_where(op: str, fill: str = "1.0", out: str = "0.0") -> str:
 def finite_filter() -> str:
     """Keep the rows of x whose features are all finite."""
     if is_jax():
-        return "keep = np.isfinite(x).all(axis=1); x, y = x[keep], y[keep] before batching (on the host, outside jit)"
+        return ("keep = np.isfinite(x).reshape(len(x), -1).all(axis=1); x, y = x[keep], y[keep] before batching (on "
+                "the host, outside jit)")
     if is_tf():
-        return ("keep = np.isfinite(x).all(axis=1); x, y = x[keep], y[keep] before building the dataset, or "
+        return ("keep = np.isfinite(x).reshape(len(x), -1).all(axis=1); x, y = x[keep], y[keep] before building the "
+                "dataset, or "
                 "ds = ds.filter(lambda x, y: tf.reduce_all(tf.math.is_finite(x))) in a tf.data pipeline")
-    return "x = x[torch.isfinite(x).all(dim=1)] before building batches"
+    return "keep = torch.isfinite(x).flatten(1).all(dim=1); x, y = x[keep], y[keep] before building batches"
 
 
 def finite_check(x: str = "batch") -> str:

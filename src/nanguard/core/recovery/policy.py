@@ -460,7 +460,8 @@ def quarantine(policy: RecoveryPolicy, event, done: Dict[str, Any], actions: Opt
     ev = (event.cause or {}).get("evidence") or {}
     proven = proven_rows(event, done)
     q: Dict[str, Any] = {}
-    if ev.get("same_as_step") is not None:
+    relocalized = (getattr(event, "localization", None) or {}).get("reproduced") is True
+    if ev.get("same_as_step") is not None and not relocalized:
         if not proven:
             done["quarantine"] = {"same_as_step": ev["same_as_step"],
                                   "note": "not re-localized: assumed to be the same bad sample(s)"}
@@ -469,12 +470,12 @@ def quarantine(policy: RecoveryPolicy, event, done: Dict[str, Any], actions: Opt
         # (two empty records of a dataset are two rows, each coming back)
         rows = proven
         batch_rows = [int(r) for r in ((done.get("drop_samples") or {}).get("rows") or []) if isinstance(r, int)]
-        if all(r in policy.quarantined for r in rows):
-            q["same_as_step"] = ev["same_as_step"]
-    else:
+    else:  # a first failure, or a recurrence replayed on its own (its origin holds its own rows)
         rows = [int(r) for r in (origin.get("source_rows") or (ev.get("bad_samples") or {}).get("dataset_indices")
                                  or []) if isinstance(r, int)]
         batch_rows = [int(r) for r in (origin.get("samples") or []) if isinstance(r, int)]
+    if ev.get("same_as_step") is not None and rows and all(r in policy.quarantined for r in rows):
+        q["same_as_step"] = ev["same_as_step"]  # the same rows came back
     if rows:
         q["rows"] = rows
         policy.quarantined.extend(r for r in rows if r not in policy.quarantined)

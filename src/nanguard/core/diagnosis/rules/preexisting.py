@@ -93,8 +93,17 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
                      "validate the data once before training: every feature, target and weight finite"]
             return T.result("bad_input_data", summ, 0.95, ev, fixes, method)
         summ = f"bad input data: {rows_s} of the {'batch' if untraced else 'input tensor'} hold {n_bad} {what} value(s) of {numel}{carry}{where}"
+        every = rows_s
+        if src and tr and not untraced and set(tr) != set(src):
+            # the tensor is the whole dataset (a TensorDataset indexed by the loader): its count covers every
+            # bad row, not the ones this batch drew; all of them are named, or a user drops one of seven
+            every = f"row(s) {tr[:20]}" + (f" and {len(tr) - 20} more" if len(tr) > 20 else "")
+            shape = "x".join(map(str, st.get("shape") or [])) or "?"
+            summ = (f"bad input data: the input tensor ({shape}, the dataset) holds {n_bad} "
+                    f"{what} value(s) of {numel} in {len(tr)} row(s) {tr[:20]}" + ("..." if len(tr) > 20 else "")
+                    + f"; this batch drew {rows_s}{carry}{where}")
         fixes = [find_rows_fix(rows) if untraced else
-                 f"clean or drop {rows_s} at the source (a blank field parsed as NaN?), e.g. " + X.finite_filter(),
+                 f"clean or drop {every} at the source (a blank field parsed as NaN?), e.g. " + X.finite_filter(),
                  X.say(pytorch="validate batches in the data loader (assert torch.isfinite(batch).all()) or replace "
                        "missing values (torch.nan_to_num / imputation with the column mean)",
                        tensorflow="validate batches in the input pipeline (" + X.finite_check("x") + ") or replace "
