@@ -402,3 +402,15 @@ def test_a_residual_stream_or_one_update_is_not_an_inner_loop():
     for chain in (["add", "add", "add"], ["t", "sub", "mul"], ["relu", "sub", "sub"]):
         d = run(_inner_loop(chain), [])
         assert "in_step_updates" not in d["evidence"], (chain, d["category"], d["summary"])
+
+
+def test_ctc_loss_inf_is_an_impossible_alignment_not_a_pole():
+    """CTC's +inf (a target no alignment fits) was 'inputs sit on a pole of the function (erfinv(+-1))'."""
+    f = {"float64_check": {"finite": False}, "producers": [["_log_softmax"]]}
+    d = run(loc("aten._ctc_loss.Tensor", api="torch.nn.functional.ctc_loss", facts=f,
+                output={"nan": 0, "posinf": 1, "neginf": 0}), CALM)
+    assert "no alignment" in d["summary"] and "pole" not in d["summary"], d["summary"]
+    assert "zero_infinity=True" in d["fixes"][0]
+    b = run(loc("aten._ctc_loss_backward.Tensor", api="torch.nn.functional.ctc_loss", stage="backward",
+                node="CtcLossBackward0", forward_op="aten._ctc_loss.Tensor", facts=f), CALM)
+    assert "no alignment" in b["summary"], b["summary"]

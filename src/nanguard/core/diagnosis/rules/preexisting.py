@@ -94,7 +94,7 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
             return T.result("bad_input_data", summ, 0.95, ev, fixes, method)
         summ = f"bad input data: {rows_s} of the {'batch' if untraced else 'input tensor'} hold {n_bad} {what} value(s) of {numel}{carry}{where}"
         every = rows_s
-        if src and tr and not untraced and set(tr) != set(src):
+        if src and tr and not untraced and set(src) < set(tr):  # (src rows index this tensor: it is the dataset)
             # the tensor is the whole dataset (a TensorDataset indexed by the loader): its count covers every
             # bad row, not the ones this batch drew; all of them are named, or a user drops one of seven
             every = f"row(s) {tr[:20]}" + (f" and {len(tr) - 20} more" if len(tr) > 20 else "")
