@@ -414,3 +414,13 @@ def test_ctc_loss_inf_is_an_impossible_alignment_not_a_pole():
     b = run(loc("aten._ctc_loss_backward.Tensor", api="torch.nn.functional.ctc_loss", stage="backward",
                 node="CtcLossBackward0", forward_op="aten._ctc_loss.Tensor", facts=f), CALM)
     assert "no alignment" in b["summary"], b["summary"]
+
+
+def test_a_zero_norm_denominator_gets_a_norm_fix():
+    """g / g.norm() per sample (a zero gradient: 0/0) was told to clamp a count at 1."""
+    f = {"float64_check": {"finite": False},
+         "zero_denominator": {"zeros": 1, "numel": 64, "zero_over_zero": 320, "nonzero_over_zero": 0,
+                              "producer_chain": ["view", "sqrt", "add", "add"], "from_reduction": False}}
+    d = run(loc("aten.div.Tensor", api="Tensor.div", facts=f, output={"nan": 320, "posinf": 0, "neginf": 0}), CALM)
+    assert d["category"] == "div_by_zero" and "norm" in d["summary"], d["summary"]
+    assert "norm + 1e-12" in d["fixes"][0] and "count" not in d["fixes"][0]
