@@ -125,6 +125,11 @@ class Provenance(Taints):
         dense = t if values is None else values
         if not nan and kind in ("data", "buffer"):
             soft = not bool(N._scalar(aten.any.default(aten.isposinf.default(dense))))
+            if soft and kind == "data":
+                # a mask holds one finite value beside its -inf (0 / -inf, added to scores); a feature tensor
+                # with a few -inf among many values (the log of a zero amount) is bad data, not a mask
+                fin = aten.masked_select.default(dense, aten.isfinite.default(dense))
+                soft = fin.numel() == 0 or N._scalar(aten.amin.default(fin)) == N._scalar(aten.amax.default(fin))
         o = self._new("preexisting", soft)
         o.pre_kind, o.name = kind, name
         o.tref = weakref.ref(t)

@@ -77,8 +77,11 @@ def other(c) -> dict:
     if dv is not None:
         return dv
     out = c.out
+    # inputs holding values the replay took for intentional (a -inf mask) are not "finite inputs"
+    held = sum(int(i.get("nonfinite") or 0) for i in (c.origin.get("inputs") or []) if isinstance(i, dict))
+    frm = f"from inputs holding {held} +-inf value(s) taken for a mask" if held else "from finite inputs"
     return T.result("other", f"{c.api} produced {out.get('nan', 0)} NaN / {out.get('posinf', 0)} +Inf / "
-                    f"{out.get('neginf', 0)} -Inf from finite inputs at {c.where} ({c.dtype})", 0.35, c.ev,
+                    f"{out.get('neginf', 0)} -Inf {frm} at {c.where} ({c.dtype})", 0.35, c.ev,
                     [f"inspect the inputs of {c.api} at {c.where} (evidence.inputs) and guard them"], c.method)
 
 
