@@ -106,3 +106,13 @@ def test_a_cut_under_a_warmup_is_relative_to_the_coming_peak():
     assert peak_target(0.1, {}, [0.0051], [0.06]) == 0.1  # no estimate: x0.1 of the rate that diverged
     assert abs(peak_cut(0.1, [0.0051], [0.06]) * 0.06 - 0.00051) < 1e-12
     assert peak_cut(0.1, [0.5], [0.5]) == 0.1  # no warm-up ahead: the plain cut
+
+
+def test_a_warmup_cut_without_a_limit_estimate_halves_the_rate_the_growth_began_at():
+    """OneCycleLR to 0.1, the growth began as the rate reached 0.0418, the warning at 0.052: the new peak is
+    half of 0.0418 (a fresh run there ends at 0.023), not 0.1 x 0.052 (0.0052: the run stalled at 0.074)."""
+    from nanguard.core.recovery.estimates import peak_cut, peak_target
+    cause = {"evidence": {"lr_rose_from": 0.004, "lr_at_onset": 0.0418}}
+    f = peak_target(0.1, cause, [0.052], [0.1])
+    assert abs(peak_cut(f, [0.052], [0.1]) * 0.1 - 0.0209) < 1e-9
+    assert peak_target(0.1, {"evidence": {"lr_at_onset": 0.0418}}, [0.052], [0.1]) == 0.1  # no rise: no limit

@@ -66,9 +66,14 @@ def cut_floor(ev: Dict[str, Any]) -> float:
 def peak_target(factor: float, cause: Dict[str, Any], lrs: Sequence[float], peaks: Sequence[float]) -> float:
     """The rate the schedule's new peak should sit at, relative to the rate now (``factor`` x now by
     default). Under a warm-up (a peak above every rate now) the rate now is no reference for the new
-    peak: with the diagnosis' estimate of the stability limit, half of it."""
+    peak: with the diagnosis' estimate of the stability limit (or the rate at which the growth began), half
+    of it."""
     ev = (cause or {}).get("evidence") or {}
     limit = ev.get("estimated_stable_lr_limit")
+    if not _positive(limit) and _positive(ev.get("lr_rose_from")) and _positive(ev.get("lr_at_onset")):
+        # the schedule raised the rate and the growth began as it reached lr_at_onset: the limit is there or
+        # below (OneCycleLR to 0.1, growth from 0.042: a peak of 0.1 x 0.1 = 0.01 stalled the run at 3x the loss)
+        limit = ev["lr_at_onset"]
     now = max([x for x in lrs if _positive(x)], default=0.0)
     peak = max([x for x in peaks if _positive(x)], default=0.0)
     if now > 0 and peak > now and _positive(limit) and limit < peak:

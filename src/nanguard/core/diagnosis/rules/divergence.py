@@ -363,8 +363,11 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
                f"to {T.g(lr)} " + (f"at step {to}, where the growth began" if to == dy.get("onset_step") else
                                    f"(from step {to}), and the growth began at step {dy.get('onset_step')}")
                + ": the schedule's peak is past the stability limit")
-        fixes = [X.lr_sentence("lower the schedule's peak learning rate to {about} (multiply the base lr by {factor}), "
-                               "or lengthen the warm-up", new, T.g(factor, 2)), "check the schedule itself: a warm-up factor must stop at 1 "
+        # the growth began as the rate reached lr: the peak belongs below it (half: what recovery cuts to)
+        half = T.g(T.nice(0.5 * lr), 2)
+        fixes = [X.lr_sentence("lower the schedule's peak learning rate to {about} (half the " + T.g(lr)
+                               + " at which the growth began), or lengthen the warm-up", half),
+                 "check the schedule itself: a warm-up factor must stop at 1 "
                  "(e.g. min(1, (step + 1) / warmup_steps))"]
         return why, fixes, None
     name = lab or opt or "this optimizer"
