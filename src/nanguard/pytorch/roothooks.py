@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = ["RootHooks"]
 
-Pre = Callable[[torch.nn.Module, tuple], None]
+Pre = Callable[[torch.nn.Module, tuple], Optional[tuple]]
 Post = Callable[[torch.nn.Module, tuple, dict, Any], None]
 
 
@@ -57,7 +57,7 @@ class RootHooks:
         self._handles = []
 
     # ------------------------------------------------------------------ the global hooks
-    def _pre(self, module: torch.nn.Module, args: tuple) -> None:
+    def _pre(self, module: torch.nn.Module, args: tuple) -> Optional[tuple]:
         loc = self._local
         d = getattr(loc, "depth", 0)
         loc.depth = d + 1
@@ -65,8 +65,9 @@ class RootHooks:
             return
         if _transformed():  # inside torch.func's vmap/grad: its tensors live only in the transform
             return
-        self._pre_cb(module, args)
+        res = self._pre_cb(module, args)  # the arguments to run with (the same, or a carried state put back)
         self._take_out(module)
+        return res
 
     def _post(self, module: torch.nn.Module, args: tuple, *rest: Any) -> None:
         # (module, args, kwargs, output); torch calls an always_call hook as (module, args, output)

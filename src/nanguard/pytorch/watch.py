@@ -95,9 +95,7 @@ class Watcher:
         self.monitor.per_update = True  # a step is one optimizer.step() call, counted across optimizers
         self.detections: List[Detection] = []
         self.info: List[Detection] = []
-        self.dropped_events = 0
-        self.scalers: list = []
-        self.disabled = False
+        self.dropped_events, self.scalers, self.disabled = 0, [], False
         self.error: Optional[str] = None  # the internal error that disabled the guard, if any
         self._installed = False
         self._handles: list = []
@@ -130,8 +128,7 @@ class Watcher:
         self._replay_on = False
         self.owner = StandAside()  # the stop (raised in every thread's next hook) and the fork flag: owners.py
         self._busy = 0
-        self.spikes: Optional[SpikeResponder] = \
-            SpikeResponder(self.monitor, on_spike, quiet=quiet) if on_spike is not None else None
+        self.spikes: Optional[SpikeResponder] = SpikeResponder(self.monitor, on_spike, quiet=quiet) if on_spike else None
         self.recovery = WatcherRecovery(self, experiments)
         self.report: Any = None  # watch(): the report, once the block ended
         if policy is not None:
@@ -271,8 +268,7 @@ class Watcher:
 
     # ------------------------------------------------------------------ in-process replay
     def step_replay(self, step: int) -> Optional[StepReplay]:
-        """The recorded step ``step`` as a :class:`~nanguard.pytorch.stepreplay.StepReplay`, or None
-        (``replay_unavailable`` then says why)."""
+        """The recorded step ``step``, replayable; or None (``replay_unavailable`` then says why)."""
         rep, self.replay_unavailable = replay_of(self, step=step)
         return rep
 
@@ -439,13 +435,15 @@ class Watcher:
     def _root_active(self) -> bool:
         return not self.disabled and not self._replaying
 
-    def _root_pre(self, module, args) -> None:
-        """An outermost module call starts (:mod:`.roothooks`)."""
+    def _root_pre(self, module, args) -> Optional[tuple]:
+        """An outermost module call starts (:mod:`.roothooks`); returns the arguments it is to run with."""
         if self.evals._suspended:
             self.evals.resume()  # (an update that raised left torch's own reads in place)
-        self._guarded(self._root_start, module, args)
+        return self._guarded(self._root_start, module, args)
 
-    def _root_start(self, module, args) -> None:
+    def _root_start(self, module, args) -> tuple:
+        if self.recovery.carried.pending is not None:  # after a rollback: the hidden state of its snapshot
+            args = self.recovery.carried.args_for(module, args)
         if self.tape is not None:
             # the walk to the user's line starts at the frame that called the module: 4 frames out
             # (this method, guarded's safe, _root_pre, RootHooks._pre: torch calls that global hook)
@@ -459,11 +457,12 @@ class Watcher:
             self._root_seen = weakref.ref(module)
         if training:
             if self.recovery.snap_due is not None:
-                self.recovery.take_due_snapshot()  # the state the next training step starts from
+                self.recovery.take_due_snapshot(module, args)  # the state the next training step starts from
             # Only tensors that do not come from parameters are "the batch".
             batch = list(filterfalse(_REQUIRES_GRAD, tensors_in(args)))
             if batch:
                 self.monitor.on_batch(batch, where=type(module).__name__ + " input")
+        return args
 
     def _root_post(self, module, args, kwargs, output) -> None:
         """An outermost module call returned (or raised: ``output`` None)."""
@@ -472,6 +471,8 @@ class Watcher:
             self._handle(det, None)
         if self.tape is not None:
             self._guarded(self.tape.root_post, module, kwargs, output)
+        if self.policy is not None:  # what the next call may carry back in (recover/carried.py)
+            self._guarded(self.recovery.carried.noted, module, args, output)
 
     # ------------------------------------------------------------------ end of run
     def finish(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional
 
 from ..core.events import Detection
 from ..core.experiments import ExperimentConfig
+from .recover.carried import Carried
 from .recover.loose import LooseTensors
 from .recover.versions import versions_kept
 from .detect.closure import needs_closure
@@ -50,6 +51,9 @@ class WatcherRecovery:
         self._loose: Optional[tuple] = None  # (roots and optimizers it was built for, the holder or None)
         # the last steps' replays (recovery only), for history replays from a snapshot (lr_replay, clip_replay)
         self.kept: Dict[int, tuple] = {}  # step -> (_Recorded, its dataset rows)
+        self.carried = Carried()  # inputs the script carries between calls, copied with the snapshots
+        if watcher.policy is not None and hasattr(watcher.policy, "carried"):
+            watcher.policy.carried = self.carried.rolled_back
 
     def experiment(self, det: Detection, loc: Any, event: Any = None) -> None:
         """Counterfactual replays of the failing step (nanguard.core.experiments) from the step tape; the
@@ -230,9 +234,13 @@ class WatcherRecovery:
             self._loose = (key, LooseTensors(free) if free else None)
         return roots + [self._loose[1]] if self._loose[1] is not None else roots
 
-    def take_due_snapshot(self) -> None:
+    def take_due_snapshot(self, module: Any = None, args: tuple = ()) -> None:
+        """The snapshot due, at the start of the next step (``module`` called with ``args``: the inputs it
+        carries from its previous call are copied with it, :mod:`.recover.carried`)."""
         due, self.snap_due = self.snap_due, None
         w = self.w
         if due is not None and w.policy is not None:
             w.policy.maybe_snapshot(due[0], self.state_modules(), w.optimizers(),
                                     w.scalers[0] if w.scalers else None, due[1])
+            if module is not None:
+                self.carried.keep(due[0], module, args, {s.step for s in w.policy.all_snapshots()})

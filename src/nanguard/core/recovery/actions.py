@@ -54,10 +54,11 @@ class RecoveryActions(abc.ABC):
         structure changed (``snap`` is then unusable)."""
 
     @abc.abstractmethod
-    def restore(self, snap: Snapshot, rng: bool = True) -> None:
+    def restore(self, snap: Snapshot, rng: bool = True) -> Optional[Dict[str, Any]]:
         """Roll back: model, optimizer state (not its hyperparameters), loss scaler and, with ``rng``, the
         RNG as in ``snap``. ``rng=False`` leaves the RNG where the run is now, so a script that draws its
-        batches from it moves on to new data instead of drawing the batches it rolled back from again."""
+        batches from it moves on to new data instead of drawing the batches it rolled back from again.
+        Returns what else was put back, for the rollback's record (None: nothing)."""
 
     @abc.abstractmethod
     def repair_nonfinite(self, snap: Snapshot) -> int:

@@ -318,10 +318,10 @@ class RecoveryPolicy:
         # failure came back after the last rollback (repeats.py): the batch that made it is dropped.
         redraw = self.repeats.escalate(self._same)
         rewind_rng = cat != DATA_CATEGORY and not redraw
-        actions.restore(snap, rng=rewind_rng)
+        extra = actions.restore(snap, rng=rewind_rng) or {}  # (+ what else it put back: a carried hidden state)
         self.store.forget_after(snap.step)
         done["rollback"] = {"to_step": snap.step, "steps_lost": step - snap.step, "rng_rewound": rewind_rng,
-                            "snapshot_bytes": snap.nbytes, "snapshots_kept_bytes": self.snapshot_bytes()}
+                            "snapshot_bytes": snap.nbytes, "snapshots_kept_bytes": self.snapshot_bytes(), **extra}
         if redraw:
             done["rollback"]["escalated"] = ("the same failure came back after the last rollback: the RNG is not "
                                              "rewound this time, so the batch that made it is not drawn again")

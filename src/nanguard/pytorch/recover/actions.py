@@ -50,6 +50,7 @@ class TorchActions(RecoveryActions):
         self.drop = drop
         self.opt_index: Dict[int, int] = {}  # id(optimizer) -> the history's index of it (the driver's monitor)
         self.focus: Optional[List[int]] = None  # the history indices of the optimizers the diagnosis names (focus.py)
+        self.carried: Optional[Callable[[int], Optional[Dict[str, Any]]]] = None  # the driver's carried state
 
     # -------------------------------------------------------------- the state
     def state_finite(self, with_optimizers: bool = True) -> bool:
@@ -65,11 +66,13 @@ class TorchActions(RecoveryActions):
     def refill_snapshot(self, snap: Snapshot, step: int, loss: Optional[float]) -> bool:
         return snap.refill(step, self.modules, self.optimizers, self.scaler, loss)
 
-    def restore(self, snap: Snapshot, rng: bool = True) -> None:
+    def restore(self, snap: Snapshot, rng: bool = True) -> Optional[Dict[str, Any]]:
         live = None if rng else capture_rng(plain=False)
         snap.restore(self.modules, self.optimizers, self.scaler)
         if live is not None:
             restore_rng(live)
+        # the state the script carries between calls (a detached hidden state): handed back at the next call
+        return self.carried(snap.step) if self.carried is not None else None
 
     def repair_nonfinite(self, snap: Snapshot) -> int:
         return snap.repair_nonfinite(self.modules)

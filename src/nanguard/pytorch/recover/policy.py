@@ -46,6 +46,7 @@ class RecoveryPolicy(_NeutralPolicy):
         self._versions: Optional[List[int]] = None  # the parameters' version counters after the last update
         self._held = HeldRates()  # lr cuts held against the script's own per-step rates
         self._guard: Any = None  # a weak reference to the Guard built with this policy
+        self.carried: Any = None  # the watcher's carried state, put back by a rollback (recover/carried.py)
 
     def actions(self, modules: Sequence[torch.nn.Module] = (), optimizers: Sequence[Any] = (), scaler: Any = None,
                 roots: Sequence[torch.nn.Module] = (), drop: Any = None, replayer: Any = None) -> TorchActions:
@@ -56,6 +57,7 @@ class RecoveryPolicy(_NeutralPolicy):
         owner = (self._guard() if self._guard is not None else None) or \
             (self._watcher() if self._watcher is not None else None)
         acts.opt_index = getattr(getattr(owner, "monitor", None), "opt_index", None) or {}
+        acts.carried = self.carried
         return acts
 
     def maybe_snapshot(self, step: int, modules, optimizers, scaler, loss: Optional[float] = None) -> None:

@@ -1,0 +1,57 @@
+"""``nanguard run --recover auto`` on a truncated-BPTT language model whose hidden state is detached and
+passed back in every step (pytorch/examples' word_language_model, RNN_RELU at lr 20, no clip): a rollback
+puts the weights back, and the hidden state the blown-up weights made is handed back too, as it was at the
+snapshot (before: the steps after the rollback read it and lost 1e23, 1e15, 6e8 of loss). A healthy
+recovering run never swaps an input."""
+from __future__ import annotations
+
+import pytest
+
+from ngtest import run_ng_cli
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+V, H, B, T = 50, 64, 8, 20
+data = torch.randint(0, V, (4000,)).view(-1, B)
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.rnn, self.dec = nn.Embedding(V, H), nn.RNN(H, H, 2, nonlinearity="relu"), nn.Linear(H, V)
+    def forward(self, x, h):
+        o, h = self.rnn(self.enc(x), h)
+        return self.dec(o), h
+model = LM()
+opt = torch.optim.SGD(model.parameters(), lr=LR)
+hidden = torch.zeros(2, B, H)
+for step in range(30):
+    i = step * T % (data.size(0) - T - 1)
+    x, y = data[i:i + T], data[i + 1:i + 1 + T]
+    hidden = hidden.detach()
+    out, hidden = model(x, hidden)
+    loss = nn.functional.cross_entropy(out.view(-1, V), y.reshape(-1))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    print(f"step={step} loss={loss.item():.6f}")
+"""
+
+
+def _losses(out):
+    return [float(l.split("loss=")[1]) for l in out.splitlines() if l.startswith("step=")]
+
+
+def test_a_rollback_hands_back_the_carried_hidden_state(tmp_path):
+    d, err = run_ng_cli(tmp_path, SCRIPT.replace("LR", "20.0"), "--recover", "auto")
+    rbs = [((e.get("recovery") or {}).get("actions") or {}).get("rollback") for e in d["events"] + (d.get("warnings") or [])]
+    rbs = [r for r in rbs if r]
+    assert rbs and all("carried_inputs" in r for r in rbs), (rbs, err[-2000:])
+    assert "hidden state" in rbs[0]["carried_inputs"]
+
+
+def test_a_healthy_recovering_run_swaps_nothing(tmp_path):
+    d, err = run_ng_cli(tmp_path, SCRIPT.replace("LR", "0.1"), "--recover", "auto")
+    assert d["status"] == "clean" and not d["events"] and not d.get("warnings"), err[-2000:]
