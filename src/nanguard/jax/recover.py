@@ -87,12 +87,21 @@ class JaxActions(RecoveryActions):
             return list(last.lr)
         return [x * self.drv.lr_scale for x in self.drv._closure_lr()]  # no step read yet
 
+    def scales_update(self) -> bool:
+        return True
+
     def lr_backoff(self, factor: float) -> Dict[str, Any]:
         before = self.learning_rates()
+        scale = self.drv.lr_scale
         self.drv.lr_scale *= factor
         _retrace()
-        return {"lr_before": before, "lr_after": [x * factor for x in before], "factor": factor,
-                "how": "the optimizer's update is scaled in the step (retraced)"}
+        rec = {"lr_before": before, "lr_after": [x * factor for x in before], "factor": factor,
+               "how": "the optimizer's update is scaled in the step (retraced)"}
+        if not before:  # no rate readable (a schedule inside an optax chain): the update's scale is the record
+            rec.update(update_scale_before=scale, update_scale_after=self.drv.lr_scale,
+                       how="the optimizer's update is scaled in the step (retraced); its learning rate could not "
+                           "be read (a schedule inside the optax chain), so the step size is cut by this factor")
+        return rec
 
     def upcast(self, module: Optional[str], on_downstream: Callable[[str], None]) -> Optional[Dict[str, Any]]:
         return None

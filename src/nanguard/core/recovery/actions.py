@@ -106,6 +106,12 @@ class RecoveryActions(abc.ABC):
         rows are then only quarantined on the record, and a batch that draws one again fails again)."""
         return None
 
+    def scales_update(self) -> bool:
+        """The backend lowers the step size by scaling the optimizer's update in the step (JAX), so
+        :meth:`lr_backoff` works even when no learning rate can be read (an optax schedule inside a chain);
+        False: with no rate read, the policy scales the gradients of a hand-written update instead."""
+        return False
+
     def can_raise_beta2(self) -> bool:
         """An optimizer of the run has betas that :meth:`raise_beta2` can set (False: not in this backend)."""
         return False

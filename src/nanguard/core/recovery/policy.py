@@ -346,7 +346,7 @@ class RecoveryPolicy:
         repeat = self._step_size_cut(step, done)
         factor = backoff_factor(self.lr_factor, cause, lrs, repeat=repeat)
         tested = ((proof or {}).get("params") or {}).get("factor")
-        if lrs:
+        if lrs or actions.scales_update():
             peaks = actions.learning_rate_peaks()
             if isinstance(tested, (int, float)) and 0 < tested <= 1:
                 factor = float(tested)  # the rate a replay showed to be finite (recovery/verify.py)

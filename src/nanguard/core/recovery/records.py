@@ -20,7 +20,9 @@ def notice(step: int, category: str, record: Dict[str, Any]) -> str:
         passed = (b.get("tested_by") or {}).get("passed")
         extra += (f", beta2 {fmt_list(b.get('beta2_before') or [])} -> {fmt_list(b.get('beta2_after') or [])}"
                   + (" (replay: passed)" if passed else " (untested)" if passed is None else " (replay: not passed)"))
-    if "lr_backoff" in done:
+    if "lr_backoff" in done and not done["lr_backoff"].get("lr_before") and "update_scale_after" in done["lr_backoff"]:
+        extra += f", update scaled x{done['lr_backoff']['factor']:.3g} (learning rate not readable)"
+    elif "lr_backoff" in done:
         extra += f", lr {fmt_list(done['lr_backoff']['lr_before'])} -> {fmt_list(done['lr_backoff']['lr_after'])}"
     if "grad_scale" in done:
         extra += f", gradients x{done['grad_scale']['factor']:.3g} before each hand-written update (no optimizer lr)"
