@@ -424,3 +424,25 @@ def test_a_zero_norm_denominator_gets_a_norm_fix():
     d = run(loc("aten.div.Tensor", api="Tensor.div", facts=f, output={"nan": 320, "posinf": 0, "neginf": 0}), CALM)
     assert d["category"] == "div_by_zero" and "norm" in d["summary"], d["summary"]
     assert "norm + 1e-12" in d["fixes"][0] and "count" not in d["fixes"][0]
+
+
+def _underflowed_softmax_log():
+    f = {"log_domain": {"le_limit": 768, "zeros": 768, "negatives": 0, "min": 0.0, "numel": 3072, "limit": 0.0},
+         "float64_check": {"finite": False}, "producers": [["_softmax", "view", "addmm"]]}
+    return loc(facts=f)
+
+
+def test_a_log_of_an_underflowed_softmax_in_a_diverging_run_is_the_learning_rate():
+    """A Transformer past its Noam peak: the loss rose 2.6 -> 32.7 over 15 steps, then a softmax probability
+    underflowed to 0 and the hand-written smoothed cross-entropy took log(0). Skipping such steps cannot help
+    (they recurred and recovery stopped); the cause is the step size."""
+    rising = H([2.61, 3.0, 4.6, 5.33, 5.94, 4.44, 5.54, 13.59, 4.93, 15.86, 19.94, 14.92, 17.97, 32.73, 25.59],
+               [3.0] * 15, lr=1.9)
+    d = run(_underflowed_softmax_log(), rising)
+    assert d["category"] in ("lr_too_high", "gradient_explosion"), d["summary"]
+    assert "learning rate" in d["fixes"][0] and isinstance(d["evidence"].get("onset_step", 0), int)
+
+
+def test_a_log_of_a_saturated_probability_in_a_converging_run_stays_log_domain():
+    falling = H([0.7, 0.5, 0.3, 0.2, 0.1, 0.05, 0.03, 0.02], [1.0] * 8)
+    assert run(_underflowed_softmax_log(), falling)["category"] == "log_domain"

@@ -4,6 +4,7 @@ from __future__ import annotations
 from .. import families as F
 from .. import fixes as X
 from .. import text as T
+from .divergence import divergence
 from .precision import lp_underflow, underflow_evidence
 
 LOG = F.register(F.Family(
@@ -12,7 +13,7 @@ LOG = F.register(F.Family(
     tf_ops={"Log", "Xlogy", "Lgamma", "Digamma"},
     domain=F.Domain("le", 0.0), op_domains={"xlogy": F.Domain("le", 0.0, arg=1, kwarg="other")},
     evidence=("log_domain",), nodes=("log", "log2", "log10", "xlogy"), keep_forward=True,
-    categories=("log_domain", "low_precision_underflow")))
+    categories=("log_domain", "low_precision_underflow", "lr_too_high")))
 
 LOG1P = F.register(F.Family(
     "log1p", ops={"log1p", "_foreach_log1p", "special_xlog1py"},
@@ -31,7 +32,47 @@ def _log_backward(c) -> dict:
 def _log_forward(c) -> dict:
     if c.low and underflow_evidence(c.facts):
         return lp_underflow(c.origin, c.facts, c.ev, c.method)
-    return log_result(c.origin, c.facts, c.ev, c.method, c.low)
+    return diverged_probability(c) or log_result(c.origin, c.facts, c.ev, c.method, c.low)
+
+
+_PROBABILITIES = ("_softmax", "softmax", "sigmoid")
+DIVERGED_LOSS = 5.0  # the loss this many times its level before the growth: the run diverged
+
+
+def diverged_probability(c) -> dict | None:
+    """The log of a probability (a softmax or sigmoid output) that reached 0 in a run whose loss rose many-fold
+    first: the divergence grew the logits until the probability underflowed, and the log is only where it
+    surfaced (a Transformer past its Noam peak: loss 2.6 -> 32.7, then log(0)); skipping such steps does
+    not help, a lower learning rate does. A confident model whose loss fell (a saturated sigmoid) stays a
+    log_domain cause."""
+    prods = [p for chain in c.facts.get("producers") or [] for p in chain[:2]]
+    dy = c.sig.get("dynamics") or {}
+    grew = max((x for x in (dy.get("loss_growth_total"), dy.get("loss_recent_vs_start")) if T.fin(x)), default=None)
+    if c.low or not any(p in _PROBABILITIES for p in prods) or not (T.fin(grew) and grew >= DIVERGED_LOSS):
+        return None
+    dv = divergence(c.sig, c.origin, c.ev, c.method, 0.8, c.ctx)
+    if dv is not None:
+        return None if c.excludes(dv["category"]) else dv
+    if c.excludes("lr_too_high"):
+        return None
+    for k in ("onset_step", "regime_onset_step"):  # where the growth began: a rollback goes before it
+        if dy.get(k) is not None:
+            c.ev[k] = dy[k]
+    which = "softmax" if any("softmax" in p for p in prods) else "sigmoid"
+    lr = [x for x in (c.ctx.get("lr") or []) if T.fin(x)]
+    summ = (f"the run was diverging: its loss rose x{T.g(grew)} from its start ({T.g(dy.get('loss_start'))} -> "
+            f"{T.g(dy.get('loss_last'))}) until the logits were so large that a {which} probability underflowed to "
+            f"0, and {T.api_or_op(c.origin)} at {T.where(c.origin)} took log(0) = -inf; the log is where the "
+            "divergence surfaced" + (f" (learning rate {T.g(max(lr))})" if lr else ""))
+    fixes = [(f"lower the learning rate from {T.g(max(lr))} to {X.lr_about(T.g(T.nice(max(lr) / 4), 2))} (or "
+              "lower the schedule's peak), and clip the gradient norm" if lr else
+              f"lower the learning rate {X.lr_by_10x()} and clip the gradient norm"),
+             X.say(pytorch="compute the loss from the logits (torch.log_softmax / F.cross_entropy), which stays "
+                   "finite however large they grow",
+                   tensorflow=f"compute the loss from the logits ({X.logits_loss()}), which stays finite however "
+                   "large they grow", jax="compute the loss from the logits (jax.nn.log_softmax), which stays "
+                   "finite however large they grow")]
+    return T.result("lr_too_high", summ, 0.7, c.ev, fixes, c.method)
 
 
 @LOG1P.rule(F.BACKWARD + 40, stage="backward", match="op_or_node")
