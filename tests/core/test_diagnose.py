@@ -446,3 +446,12 @@ def test_a_log_of_an_underflowed_softmax_in_a_diverging_run_is_the_learning_rate
 def test_a_log_of_a_saturated_probability_in_a_converging_run_stays_log_domain():
     falling = H([0.7, 0.5, 0.3, 0.2, 0.1, 0.05, 0.03, 0.02], [1.0] * 8)
     assert run(_underflowed_softmax_log(), falling)["category"] == "log_domain"
+
+
+def test_a_zero_base_to_a_negative_power_is_a_division_by_zero():
+    """deg.pow(-0.5) of a node with no sampled neighbour: 1/0, not 'a negative base to a non-integer power'."""
+    f = {"float64_check": {"finite": False},
+         "sqrt_domain": {"zeros": 1, "negatives": 0, "numel": 360, "exponent": -0.5, "fractional": True}}
+    d = run(loc("aten.pow.Tensor_Scalar", api="Tensor.pow", facts=f, output={"nan": 0, "posinf": 1, "neginf": 0}), CALM)
+    assert d["category"] == "div_by_zero" and "zero base" in d["summary"] and "negative base" not in d["summary"]
+    assert "clamp(min=1)" in d["fixes"][0] or "1)" in d["fixes"][0], d["fixes"]

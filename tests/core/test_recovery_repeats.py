@@ -50,7 +50,7 @@ def test_the_same_failure_after_a_rollback_escalates_then_stops():
     assert second["actions"]["rollback"]["rng_rewound"] is False and second["repeat"] == 1
     assert "not drawn again" in second["actions"]["rollback"]["escalated"]
     assert second["actions"]["clip"].get("tightened")  # the cut goes further too
-    assert second["tries_left"] == {"same_failure": 0, "recoveries": 8}
+    assert second["tries_left"] == {"same_failure": 0, "recoveries": 8, "window": 100}
     rng = [c[2] for c in a.calls if c[0] == "restore"]
     assert rng == [True, False]
     assert "same gradient_explosion came back" in p.stopped and "rather than loop" in p.stopped
@@ -81,7 +81,8 @@ def test_the_notice_says_the_tries_left():
     from nanguard.core.recovery.records import notice
     p, a = RecoveryPolicy(snapshot_every=10, quiet=True), RngActions()
     recs = _loop(p, a, "on_failure", "failure", tries=2)
-    assert "1 more if the same failure comes back, 9 left in the budget" in notice(30, "gradient_explosion", recs[0])
+    line = notice(30, "gradient_explosion", recs[0])
+    assert "1 more if the same failure comes back after this rollback, 9 more allowed in any " in line, line
     line = notice(40, "gradient_explosion", recs[1])
     assert "not drawn again" in line and "it stops if the same failure comes back" in line
 
@@ -116,3 +117,13 @@ def test_a_warmup_cut_without_a_limit_estimate_halves_the_rate_the_growth_began_
     f = peak_target(0.1, cause, [0.052], [0.1])
     assert abs(peak_cut(f, [0.052], [0.1]) * 0.1 - 0.0209) < 1e-9
     assert peak_target(0.1, {"evidence": {"lr_at_onset": 0.0418}}, [0.052], [0.1]) == 0.1  # no rise: no limit
+
+
+def test_a_skip_notice_does_not_count_repeats_and_names_the_window():
+    """A skip has no rollback for the same failure to come back after: the notice says the sliding budget
+    only (it read "1 more if the same failure comes back" after every one of nine skips)."""
+    from nanguard.core.recovery.records import notice
+    rec = {"action": "skip_step", "recovery_number": 3, "actions": {"skip_step": {"grads_dropped": 1}},
+           "tries_left": {"same_failure": 1, "recoveries": 13, "window": 50}}
+    line = notice(54, "div_by_zero", rec)
+    assert "same failure" not in line and "13 more allowed in any 50 steps" in line, line

@@ -81,6 +81,11 @@ class RecoveryBudget:
         window = self.sample_window if samples else self.window
         return max(limit - len([s for s in steps if s > step - window]), 0)
 
+    def allowance(self, step: int, data: bool = False, samples: bool = False) -> Dict[str, int]:
+        """``{"recoveries": left, "window": steps}``: what :meth:`left` allows, and over how many steps (a
+        sliding window: the count may go up again)."""
+        return {"recoveries": self.left(step, data, samples), "window": self.sample_window if samples else self.window}
+
     def replay_failed(self, step: int, category: str) -> Optional[str]:
         """A rollback that changed nothing else replays the same state and data (the RNG is rewound too):
         the same failure at the same point of the replay means a rollback alone cannot fix it."""

@@ -280,7 +280,7 @@ class RecoveryPolicy:
     def _tries(self, step: int, cat: str, kind: str, rec: Dict[str, Any], skip: bool = False) -> None:
         """Say how many tries are left (this failure; the run's budget, or a skip's) and arm the repeats."""
         rec["tries_left"] = {"same_failure": self.repeats.tries_left(self._same),
-                             "recoveries": self.budget.left(step, skip, skip and cat != DATA_CATEGORY)}
+                             **self.budget.allowance(step, skip, skip and cat != DATA_CATEGORY)}
         if self._same:
             rec["repeat"] = self._same
         self.repeats.note(step, cat, kind, rec, self._same)

@@ -46,20 +46,23 @@ def notice(step: int, category: str, record: Dict[str, Any]) -> str:
     if (done.get("rollback") or {}).get("escalated"):
         extra += ", the same failure again: the batch is not drawn again (RNG not rewound)"
     return (f"recovered at step {step}: {category} -> {record['action']}{extra} "
-            f"(recovery {record['recovery_number']}{tries_text(record.get('tries_left'))})")
+            f"(recovery {record['recovery_number']}{tries_text(record.get('tries_left'), 'rollback' in done)})")
 
 
-def tries_text(left: Any) -> str:
-    """``; 1 more if the same failure comes back, 9 left in the budget`` (the record's ``tries_left``)."""
+def tries_text(left: Any, rolled_back: bool = True) -> str:
+    """``; 1 more if the same failure comes back after this rollback, 9 more allowed in any 50 steps`` (the
+    record's ``tries_left``). The repeat count is about a failure coming back after a rollback, so a recovery
+    without one (a skip) does not state it; the budget is a sliding window, so it may go up again."""
     if not isinstance(left, dict):
         return ""
-    same, budget = left.get("same_failure"), left.get("recoveries")
+    same, budget, window = left.get("same_failure"), left.get("recoveries"), left.get("window")
     parts = []
-    if isinstance(same, int):
-        parts.append(f"{same} more if the same failure comes back" if same else
-                     "it stops if the same failure comes back")
+    if isinstance(same, int) and rolled_back:
+        parts.append(f"{same} more if the same failure comes back after this rollback" if same else
+                     "it stops if the same failure comes back after this rollback")
     if isinstance(budget, int):
-        parts.append(f"{budget} left in the budget")
+        parts.append(f"{budget} more allowed in any {window} steps" if isinstance(window, int) else
+                     f"{budget} left in the budget")
     return ("; " + ", ".join(parts)) if parts else ""
 
 

@@ -92,6 +92,16 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
                 f"{sd.get('numel', '?')}), then inf * 0 = NaN")
         fixes = [f"keep the base away from 0 at {where}: {X.clamp_min('x', '1e-6')} ** p (or (x + 1e-6) ** p)",
                  "or use an integer exponent / a formulation whose gradient is finite at 0"]
+    elif is_pow and not sd.get("negatives") and sd.get("zeros") and T.fin(sd.get("exponent")) \
+            and sd["exponent"] < 0:
+        # a zero base to a negative power is 1/0 (deg ** -0.5 of a node with no neighbour), not a domain error
+        summ = (f"{api} at {where} raised {sd['zeros']} zero base(s) of {sd.get('numel', '?')} to the power "
+                f"{T.g(sd['exponent'])}: 0 ** p = 1/0 = inf for p < 0 (then inf * 0 = NaN downstream)")
+        fixes = [f"keep the base away from 0 at {where}: {X.clamp_min('x', '1')} ** p for a count (a node degree, a "
+                 f"group size: 0 for an empty set), {X.clamp_min('x', 'eps')} ** p for continuous values",
+                 f"or mask the empty entries: {X.where_fn()}(x > 0, x ** p, 0.0) (a degree: add self-loops, so every "
+                 "degree is at least 1)"]
+        return T.result("div_by_zero", summ, 0.9, ev, fixes, method)
     elif is_pow:
         n = sd.get("neg_base_fractional_exp", sd.get("negatives", "?"))
         summ = (f"{api} at {where} raised {n} negative base(s) of {sd.get('numel', '?')} to a non-integer power: "
