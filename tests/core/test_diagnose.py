@@ -455,3 +455,10 @@ def test_a_zero_base_to_a_negative_power_is_a_division_by_zero():
     d = run(loc("aten.pow.Tensor_Scalar", api="Tensor.pow", facts=f, output={"nan": 0, "posinf": 1, "neginf": 0}), CALM)
     assert d["category"] == "div_by_zero" and "zero base" in d["summary"] and "negative base" not in d["summary"]
     assert "clamp(min=1)" in d["fixes"][0] or "1)" in d["fixes"][0], d["fixes"]
+
+
+def test_a_cholesky_nan_names_a_matrix_that_is_not_positive_definite():
+    """A GP's noise variance trained below 0 (JAX: cholesky returns NaN): was 'other: inspect the inputs'."""
+    f = {"float64_check": {"finite": False}, "producers": [["div", "add", "add"]]}
+    d = run(loc("cholesky", api="jnp.cholesky", facts=f, output={"nan": 9216, "posinf": 0, "neginf": 0}), CALM)
+    assert "positive-definite" in d["summary"] and "softplus" in d["fixes"][0], d["summary"]

@@ -81,13 +81,16 @@ def exp_argument(origin: dict) -> tuple:
         while i < len(text) and depth:
             depth += {"(": 1, ")": -1}.get(text[i], 0)
             i += 1
-        arg, rest = text[m.end():i - 1].strip(), text[:m.start()] + text[i:]
+        arg, before, after = text[m.end():i - 1].strip(), text[:m.start()], text[i:]
     else:
         mm = _EXP_METHOD.search(text)
         if mm is None:
             return None, False
-        arg, rest = mm.group(1), text[:mm.start()] + text[mm.end():]
-    softmax_like = "/" in rest or "sum" in rest or _normalised_later(text, str(f), int(n))
+        arg, before, after = mm.group(1), text[:mm.start()], text[mm.end():]
+    # a softmax divides by a sum of the exps, or sums the exps themselves (logsumexp); an exp weighting
+    # other terms inside a sum (a Gaussian NLL's (x - mu)^2 * exp(-logvar)) is not one
+    summed = re.search(r"sum\(\s*$", before) is not None or after.lstrip().startswith(".sum(")
+    softmax_like = "/" in before + after or summed or _normalised_later(text, str(f), int(n))
     return (arg or None), softmax_like
 
 
