@@ -20,20 +20,21 @@ def _event():
                                                    "evidence": {"onset_step": 20}})
 
 
-def test_an_update_scaling_backend_cuts_with_no_rate_read():
-    a = Scaling(lrs=())
+def _recover(a):
     p = RecoveryPolicy(quiet=True)
     for s in range(30):
         p.on_step_start(s, a)
-    rec = p.on_failure(_event(), step=30, actions=a, history=hist([1.0] * 30))
+    return p, p.on_failure(_event(), step=30, actions=a, history=hist([1.0] * 30))
+
+
+def test_an_update_scaling_backend_cuts_with_no_rate_read():
+    a = Scaling(lrs=())
+    p, rec = _recover(a)
     assert "lr_backoff" in rec["actions"] and "grad_scale" not in rec["actions"], rec["actions"]
     assert any(c[0] == "lr_backoff" for c in a.calls) and p.grad_scale is None
 
 
 def test_other_backends_scale_the_gradients_with_no_rate_read():
     a = FakeActions(lrs=())
-    p = RecoveryPolicy(quiet=True)
-    for s in range(30):
-        p.on_step_start(s, a)
-    rec = p.on_failure(_event(), step=30, actions=a, history=hist([1.0] * 30))
+    _, rec = _recover(a)
     assert "grad_scale" in rec["actions"] and not any(c[0] == "lr_backoff" for c in a.calls), rec["actions"]
