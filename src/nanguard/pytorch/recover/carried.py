@@ -5,7 +5,8 @@ It is not a weight, so a rollback does not restore it: after a blow-up the weigh
 reads the hidden state the blown-up weights made (pytorch/examples' word_language_model with RNN_RELU at lr 20:
 losses of 1e23, 1e15, 6e8 for the steps after the rollback, and a final loss past the clipped run's). With
 recovery only: the storages of each outermost call's floating outputs are noted (no copy); when a snapshot is
-taken at a call, its floating inputs that are no weights are copied with it (at most ``MAX_NUMEL`` values);
+taken at a call, its floating inputs that reuse those storages are copied with it (the run's first call: all
+its floating inputs that are no weights; at most ``MAX_NUMEL`` values);
 after a rollback to that snapshot, the next call of that module gets the copies in place of the inputs that
 reuse its last outputs' storages (the carried ones; a new batch stays), through the forward pre-hook's return
 value: the script's own tensors are not written.
@@ -53,16 +54,18 @@ class Carried:
         last outputs' storages. ``steps``: the steps whose snapshots are still kept (older copies go)."""
         for s in [s for s in self.kept if s not in steps]:
             del self.kept[s]
-        if step in steps:
-            self._copy(step, module, args)
+        prev = self._outs.get(id(module))
+        if step in steps and prev:
+            self._copy(step, module, args, prev)
 
-    def _copy(self, step: int, module: torch.nn.Module, args: tuple) -> None:
-        # every floating input that is no weight (the hidden state of the first call is the script's own
-        # zeros, carried from nowhere yet); which of them is carried is decided at the call after a rollback
+    def _copy(self, step: int, module: torch.nn.Module, args: tuple, only: Optional[set] = None) -> None:
+        # the floating inputs that are no weights and (``only``) reuse the last call's output storages; the
+        # first call copies them all (its hidden state is the script's own zeros, carried from nowhere yet):
+        # which of them is carried is decided at the call after a rollback
         copies: Dict[int, torch.Tensor] = {}
         n = 0
         for i, t in enumerate(_leaves(args)):
-            if _floating(t) and not t.requires_grad:
+            if _floating(t) and not t.requires_grad and (only is None or t.untyped_storage().data_ptr() in only):
                 n += t.numel()
                 if n > MAX_NUMEL:
                     return
