@@ -37,7 +37,6 @@ class Carried:
         self._outs: Dict[int, set] = {}  # id(module) -> storage pointers of its last call's floating outputs
         self.kept: Dict[int, Tuple[Any, Dict[int, torch.Tensor]]] = {}  # snapshot step -> (module ref, copies)
         self.pending: Optional[Tuple[Any, Dict[int, torch.Tensor]]] = None
-        self.restored: List[Dict[str, Any]] = []  # what was handed back, for the report
 
     def noted(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         """An outermost call of ``args`` returned ``output``: where its floating tensors live. The run's first
@@ -105,6 +104,4 @@ class Carried:
                 swapped.append(i)
         if not swapped:
             return args
-        self.restored.append({"module": type(module).__name__, "inputs": swapped,
-                              "numel": sum(copies[i].numel() for i in swapped)})
         return pytree.tree_unflatten(leaves, spec)

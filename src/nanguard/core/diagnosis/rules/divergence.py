@@ -64,6 +64,13 @@ DECELERATING = 10.0
 HEALTHY_RATIO = "healthy < 1e-2"
 
 
+def note_onsets(dy: dict, ev: dict) -> None:
+    """Where the growth began (and where the loss left its best level), for the rollback's bound."""
+    for k in ("onset_step", "regime_onset_step"):
+        if dy.get(k) is not None:
+            ev[k] = dy[k]
+
+
 def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: float,
                ctx: dict | None = None, outcome: str = "until it overflowed") -> dict | None:
     """The divergence cause the history supports, or None when it shows no growth. ``outcome``: how the
@@ -73,9 +80,7 @@ def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: floa
         return _by_optimizer(sig["by_optimizer"], origin, ev, method, conf, ctx, outcome)
     dy = sig.get("dynamics") or {}
     where = outcome + (f" (the overflow surfaced at {T.where(origin)})" if origin else "")
-    for k in ("onset_step", "regime_onset_step"):
-        if dy.get(k) is not None:
-            ev[k] = dy[k]
+    note_onsets(dy, ev)
     if T.fin(sig.get("grad_clip_ceiling")):
         ev["grad_clip_ceiling"] = sig["grad_clip_ceiling"]
     if _outlier(dy):

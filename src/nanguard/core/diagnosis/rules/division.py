@@ -158,13 +158,14 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
         src = f"; the denominator comes from {(zd.get('producer_chain') or ['a reduction'])[0]} (a count/sum that " \
               "is 0 for an empty set)"
     chain = [str(x) for x in zd.get("producer_chain") or []][:3]
-    if not zd.get("from_reduction") and any(x in _NORMS for x in chain):
-        # x / ||x|| (a per-sample gradient clip, a normalisation): a zero vector has norm 0
+    by_norm = not zd.get("from_reduction") and any(x in _NORMS for x in chain)
+    if by_norm:  # x / ||x|| (a per-sample gradient clip, a normalisation): a zero vector has norm 0
         src = "; the denominator is a norm (sqrt of a sum of squares), 0 for an all-zero vector"
-        bwd = origin.get("stage") == "backward"
-        summ = (f"{api} at {where} divided by zero: {zd.get('zeros', '?')} zero(s) in the denominator of "
-                f"{zd.get('numel', '?')}" + (f" ({', '.join(kind)})" if kind else "") + src
-                + (" (in its backward)" if bwd else ""))
+    bwd = origin.get("stage") == "backward"
+    summ = (f"{api} at {where} divided by zero: {zd.get('zeros', '?')} zero(s) in the denominator of "
+            f"{zd.get('numel', '?')}" + (f" ({', '.join(kind)})" if kind else "") + src
+            + (" (in its backward)" if bwd else ""))
+    if by_norm:
         fixes = [f"add an eps to the norm at {where}: x / (norm + 1e-12) (or "
                  + X.say(pytorch="F.normalize(x, dim=...), which clamps the norm at eps)",
                          tensorflow="tf.math.l2_normalize(x, axis=...), which clamps it at epsilon)",
@@ -172,10 +173,6 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
                  f"or divide by max(norm, c) for a clip to norm c: x / {X.clamp_min('norm', 'c')} leaves vectors "
                  "shorter than c unchanged and never divides by 0"]
         return T.result("div_by_zero", summ, 0.9, ev, fixes, method)
-    bwd = origin.get("stage") == "backward"
-    summ = (f"{api} at {where} divided by zero: {zd.get('zeros', '?')} zero(s) in the denominator of "
-            f"{zd.get('numel', '?')}" + (f" ({', '.join(kind)})" if kind else "") + src
-            + (" (in its backward)" if bwd else ""))
     fixes = [f"guard the denominator at {where}: divide by {X.clamp_min('count', '1')} (or "
              f"{X.clamp_min('x', 'eps')} for continuous values)",
              f"or mask the empty entries: {X.where_fn()}(count > 0, total / {X.clamp_min('count', '1')}, 0.0)"]

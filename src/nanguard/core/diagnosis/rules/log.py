@@ -4,7 +4,7 @@ from __future__ import annotations
 from .. import families as F
 from .. import fixes as X
 from .. import text as T
-from .divergence import divergence
+from .divergence import divergence, note_onsets
 from .precision import lp_underflow, underflow_evidence
 
 LOG = F.register(F.Family(
@@ -55,9 +55,7 @@ def diverged_probability(c) -> dict | None:
         return None if c.excludes(dv["category"]) else dv
     if c.excludes("lr_too_high"):
         return None
-    for k in ("onset_step", "regime_onset_step"):  # where the growth began: a rollback goes before it
-        if dy.get(k) is not None:
-            c.ev[k] = dy[k]
+    note_onsets(dy, c.ev)  # where the growth began: a rollback goes before it
     which = "softmax" if any("softmax" in p for p in prods) else "sigmoid"
     lr = [x for x in (c.ctx.get("lr") or []) if T.fin(x)]
     summ = (f"the run was diverging: its loss rose x{T.g(grew)} from its start ({T.g(dy.get('loss_start'))} -> "
