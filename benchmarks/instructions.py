@@ -89,7 +89,7 @@ def measure(model: str, configs: List[str], steps: int, folder: str, lib: str,
     if not rep_strings:
         env["GLIBC_TUNABLES"] = ":".join(x for x in (env.get("GLIBC_TUNABLES"), _NO_REP_STRINGS) if x)
     subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-                    *(["--cache-sim=yes"] if cache else []),
+                    *(["--cache-sim=yes", "--branch-sim=yes"] if cache else []),
                     sys.executable, "-m", "benchmarks.instructions", "--child", lib, model, ",".join(configs),
                     str(steps)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -117,8 +117,9 @@ def main(argv: List[str] | None = None) -> int:
                     help="counted steps per configuration (12: whole rotations of 1, 2, 3 or 4 parameter "
                          "slices; the CNN's count moved +-0.05 M between runs of 6, +-0.01 M of 12)")
     ap.add_argument("--cache-sim", action="store_true",
-                    help="also simulate the caches (valgrind's model of this CPU's L1 and last level): the misses "
-                         "per step, which the instruction count does not see (a copy evicting the step's data)")
+                    help="also simulate the caches and the branch predictor (valgrind's models): the misses and "
+                         "mispredicted branches per step, which the instruction count does not see (a copy evicting "
+                         "the step's data; the interpreter dispatching cold bytecode)")
     ap.add_argument("--rep-strings", action="store_true",
                     help="keep glibc's rep movsb/stosb copies (valgrind counts each byte: copies weigh ~7x)")
     args = ap.parse_args(argv)
@@ -131,13 +132,13 @@ def main(argv: List[str] | None = None) -> int:
         for model in args.models.split(","):
             per = measure(model, configs, args.steps, folder, lib, args.rep_strings, args.cache_sim)
             if args.cache_sim:
-                print(f"\n{model}: per healthy step (callgrind --cache-sim; D1/LL: data misses in L1 / the last level)")
+                print(f"\n{model}: per healthy step (callgrind --cache-sim --branch-sim; I1/D1/LL: misses in L1 code / L1 data / the last level; Bcm/Bim: mispredicted conditional / indirect branches)")
                 b = per.get(configs[0]) or {}
                 for c in configs:
                     row = per.get(c) or {}
                     print(f"  {c:10s} " + "  ".join(
                         f"{k} {row.get(k, 0) / 1e3:9.1f} k ({(row.get(k, 0) - b.get(k, 0)) / 1e3:+.1f})"
-                        for k in ("Ir", "D1mr", "D1mw", "DLmr", "DLmw")))
+                        for k in ("Ir", "I1mr", "D1mr", "D1mw", "DLmr", "DLmw", "Bcm", "Bim")))
                 continue
             base = per.get(configs[0])
             print(f"\n{model}: instructions per healthy step (callgrind)")

@@ -89,6 +89,15 @@ def test_an_lr_fix_whose_replay_failed_is_marked_and_moved_after_the_others():
     assert ev.cause["tested_fixes"][0]["fix_index"] == 1
 
 
+def test_a_clip_whose_replay_stayed_finite_but_kept_growing_says_still_diverging():
+    # (the note said "clip at 0.0397 still non-finite" where the replay's steps were finite and the loss grew)
+    exp = {"kind": "clip_replay", "finite": True, "replays": 8, "params": {"max_norm": 0.04, "from_step": 6},
+           "details": {"steps": 8, "losses": [2.0, 9.0], "growing": True}}
+    ev = _event(_bound(lambda: "clip the gradient norm: " + X.clip_grad_norm("0.04")), [exp])
+    reconcile(ev, "pytorch")
+    assert "still diverging" in ev.fixes[0] and "non-finite" not in ev.fixes[0], ev.fixes[0]
+
+
 def test_the_upcast_fix_names_the_scope_that_passed_in_keras_words():
     # the Keras LSTM fp16 case: 'sequential/out' alone stays non-finite, the whole model in float32 is finite
     origin = {"op": "MatMul", "module": "sequential/out", "layer": "sequential/out", "module_type": "Dense",

@@ -11,6 +11,15 @@ def test_a_stop_after_recoveries_names_the_first_failure_and_the_stop():
     assert "first failure at step 4 (forward)" in line and "stopped at step 7" in line, line
 
 
+def test_recovered_failures_and_a_later_warning_name_the_first_failure():
+    # (the line said "first warning at step 14" after 19 recoveries from step 5 on)
+    rec = {"action": "skip_step", "ok": True}
+    rep = Report(events=[Event(step=5, phase="forward", recovery=rec),
+                         Event(step=14, phase="forward", kind="warning")], steps_watched=100)
+    line = summary_line(rep)
+    assert "first failure at step 5 (forward)" in line and "warning" not in line and "stopped" not in line, line
+
+
 def test_a_lone_failure_is_named_once():
     line = summary_line(Report(events=[Event(step=9, phase="data")], steps_watched=10))
     assert "first failure at step 9 (data)" in line and "stopped" not in line, line

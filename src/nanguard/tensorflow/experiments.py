@@ -40,6 +40,7 @@ from ..core.experiments.reconcile import reconcile
 from ..core.experiments.rows import complement, rows_to_drop
 from .probe import Probe as _Probe
 from .probe import batch_size, rows_of as _rows_of
+from .host import scale_lr_slots
 from .recover import _finite, sublayers, find_layer, low_precision
 from .rows import trace_rows
 
@@ -212,6 +213,7 @@ class KerasBench(Bench):
                     v.assign(vals[k])
             if factor is not None:
                 lr.assign(lr0 * factor)
+                scale_lr_slots([cap.optimizer], factor)  # (cap.restore() puts them back)
             if max_norm is not None:
                 inner.clipnorm, inner.clipvalue, inner.global_clipnorm = None, None, float(max_norm)
             tf.config.run_functions_eagerly(True)

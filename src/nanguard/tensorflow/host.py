@@ -32,6 +32,27 @@ def read_host(var: Any) -> np.ndarray:
         return var.numpy()
 
 
+def scale_lr_slots(optimizers: Any, factor: float) -> int:
+    """A learning rate scaled by ``factor``: scale the optimizer slots that hold steps already multiplied by the
+    rate too. Keras's SGD and RMSprop keep their momentum as a velocity (``m = momentum * m - lr * g;
+    p += m``), so after a cut the stored velocity would go on moving the weights at the old rate for ~1 /
+    (1 - momentum) steps (a rollback with the rate cut x0.001 still diverged); Adam-like moments are in
+    gradient units and stay. Returns the number of slots scaled."""
+    n = 0
+    for o in optimizers:
+        inner = getattr(o, "inner_optimizer", None) or o
+        try:
+            if not float(getattr(inner, "momentum", 0.0) or 0.0):
+                continue
+        except (TypeError, ValueError):
+            continue
+        for m in list(getattr(inner, "momentums", None) or getattr(inner, "_momentums", None) or []):
+            if hasattr(m, "assign"):
+                m.assign(m * factor)
+                n += 1
+    return n
+
+
 def finite_var(v: Any) -> bool:
     try:
         a = np.asarray(v.numpy() if hasattr(v, "numpy") else v)

@@ -32,6 +32,8 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import tensorflow as tf
 
+from .host import scale_lr_slots
+
 try:  # the framework-neutral policy's interface (nanguard.core.recovery)
     from ..core.recovery.actions import RecoveryActions as _ActionsBase
 except ImportError:  # pragma: no cover - the core policy has not landed in this build
@@ -307,6 +309,25 @@ class KerasActions(_ActionsBase):
                 pass
         return out
 
+    def learning_rate_peaks(self, horizon: int = 1000) -> List[float]:
+        """The highest rate each optimizer's schedule reaches in the next ``horizon`` updates (a warm-up's
+        peak: CosineDecay's ``warmup_target``), at least its current rate; evaluated on the host, only
+        after a failure."""
+        out = []
+        for o, now in zip(self.optimizers, self.learning_rates()):
+            inner = getattr(o, "inner_optimizer", None) or o
+            lr = getattr(inner, "_learning_rate", None)
+            peak = now
+            if lr is not None and callable(lr) and not hasattr(lr, "assign"):
+                try:
+                    it = int(np.asarray(inner.iterations.numpy()))
+                    peak = max([now] + [float(np.asarray(lr(tf.constant(k, tf.int64))))
+                                        for k in range(it, it + horizon, max(horizon // 200, 1))])
+                except Exception:  # a schedule that cannot be evaluated apart: the current rate
+                    pass
+            out.append(peak)
+        return out
+
     def lr_backoff(self, factor: float) -> Dict[str, Any]:
         before = self.learning_rates()
         how = []
@@ -321,7 +342,10 @@ class KerasActions(_ActionsBase):
                 how.append("variable")
             else:
                 how.append("not changed (a schedule traced before recovery was on)")
-        return {"lr_before": before, "lr_after": self.learning_rates(), "factor": factor, "how": how}
+        rec = {"lr_before": before, "lr_after": self.learning_rates(), "factor": factor, "how": how}
+        if scale_lr_slots(self.optimizers, factor):  # (their velocity holds the old rate)
+            rec["momentum_scaled"] = factor
+        return rec
 
     def upcast(self, module: Optional[str], on_downstream: Callable[[str], None]) -> Optional[Dict[str, Any]]:
         if module == "" and self.models:  # the experiment that passed put the whole model in float32

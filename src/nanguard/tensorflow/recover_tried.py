@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from .capture import as_tensors
-from .host import finite_var
+from .host import finite_var, scale_lr_slots
 from .probe import Probe
 from .state import tl_get, tl_set
 
@@ -134,6 +134,7 @@ def _run(w: Any, acts: Any, calls: Sequence[tuple], lr_factor: Optional[float], 
                 if f is not None:  # a schedule: each replayed step at its own rate (iterations) x the factor
                     lr.factor.assign(f * lr_factor)
                     out["schedule"] = True
+            scale_lr_slots(acts.optimizers, lr_factor)  # (put back with the rest of the state at the end)
         finite: Optional[bool] = True
         for step, call in calls:
             if lr_factor is not None:

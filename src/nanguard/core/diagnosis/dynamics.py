@@ -239,8 +239,11 @@ def _lr(recs: Sequence[dict], onset: Optional[int], out: Dict[str, Any]) -> None
         return
     out["lr_at_onset"] = at[-1]
     window = [(s, v) for s, v in lrs if onset - 30 <= s <= onset]
-    lo_step, lo = min(window, key=lambda x: x[1])
-    if lo > 0 and at[-1] >= 1.5 * lo and lo_step < onset:
+    rising = [(s, v) for s, v in window if v > 0]  # a warm-up from 0: the rise counts from its first rate
+    if not rising:
+        return
+    lo_step, lo = min(rising, key=lambda x: x[1])
+    if at[-1] >= 1.5 * lo and lo_step < onset:
         # the step the rate reached its onset value (a per-epoch schedule: the epoch's first step)
         reached = next((st for st, v in window if st > lo_step and v >= 0.999 * at[-1]), onset)
         out.update(lr_rose_from=lo, lr_rose_from_step=lo_step, lr_rose_to_step=reached)

@@ -19,7 +19,7 @@ from .confidence import calibrate
 from .errors import error_rules
 from .rules.divergence import divergence, history_words, loss_scale, update_threw_params
 from .rules.generic import other
-from .rules.optimizer import optimizer_result
+from .rules.optimizer import huge_gradient, huge_gradient_result, optimizer_result
 from .rules.precision import lp_overflow
 from .rules.preexisting import preexisting
 from .signals import history_signals
@@ -145,6 +145,9 @@ def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
         # falling loss scale only reacted to (no scale brings a value above float16's max back in range)
         return lp_overflow(origin, held, ev, method + "; the loss scale collapsed because float16 cannot hold it")
     if origin.get("stage") == "optimizer" or phase == "optimizer":
+        big = huge_gradient(origin)
+        if big is not None:  # the update overflowed on gradients already enormous: the cause is upstream
+            return divergence(sig, origin, ev, method, 0.8, ctx) or huge_gradient_result(origin, big, sig, ev, method, 0.7, ctx)
         return optimizer_result(loc, facts, ev, method, 0.85, ctx)
     if origin.get("kind") == "constant":
         return T.result("other", f"a non-finite constant written by the program at {T.where(origin)} "

@@ -44,6 +44,17 @@ def nice(x: float) -> float:
     return float(f"{m * 10 ** e:.3g}")
 
 
+def nice_below(x: float) -> float:
+    """The largest of 1, 1.5, 2, 3, 5, 7 (x a power of ten) not above ``x``: a suggested upper bound (a learning
+    rate below a stability limit) is rounded down, never up (``nice`` takes 0.035 to 0.05)."""
+    if not fin(x) or x <= 0:
+        return x
+    e = math.floor(math.log10(x))
+    m = x / 10 ** e
+    m = next(k for k in (7, 5, 3, 2, 1.5, 1) if m >= k * (1 - 1e-9))
+    return float(f"{m * 10 ** e:.3g}")
+
+
 def opshort(op: str | None) -> str:
     """'aten.log.default' -> 'log', 'aten.add_.Tensor' -> 'add'."""
     if not op:

@@ -11,7 +11,8 @@ trip, from ``cause.fix_specs``), never read back out of its text:
   model in float32 was finite) it is reworded to the one that passed, in the framework's own words
   (:mod:`nanguard.core.diagnosis.fixes`); a fix whose value the replay agrees with is left as written;
 * only failed replays of its kind, at its value or scope (or a lower learning rate / clip, a wider
-  float32 scope): it is marked ``(replay: still non-finite)`` and moved after the others;
+  float32 scope): it is marked ``(replay: still non-finite)`` (``still diverging`` when the replay stayed finite
+  and the loss kept growing) and moved after the others;
 * no replay of its kind tested it: it is listed in ``cause.untested_fixes`` (``{"fix_index", "kind",
   "why"}``) and the renderers say "not tested by replay".
 
@@ -28,7 +29,6 @@ from ..diagnosis import fixes as X
 from ..diagnosis import text as T
 from .tested import spike_fix
 
-STILL = "(replay: still non-finite)"
 # tested kind -> the fix kind it tests
 TESTS = {"lr_replay": "lr", "clip_replay": "clip", "upcast_module": "dtype", "domain_guard": "eps"}
 # a value within this ratio of the tested one is the value tested (else the fix is reworded to the tested one)
@@ -155,7 +155,8 @@ class _Reconciler:
         self.matched.setdefault(id(t), i)  # fix_index: the first fix of its kind
 
     def _fail(self, i: int, t: dict, what: Optional[str]) -> None:
-        note = f"(replay: {what} still non-finite)" if what else STILL
+        still = "still diverging" if t.get("still_diverging") else "still non-finite"  # (finite, the loss growing)
+        note = f"(replay: {what} {still})" if what else f"(replay: {still})"
         f = self.fixes[i]
         if "(replay:" not in f:
             self.fixes[i] = f.plus(f" {note}") if isinstance(f, X.Fix) else f"{f} {note}"

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Collection, Iterable, List, Optional, Union
 
-__all__ = ["Taint", "Taints", "NEW", "CONST", "earliest", "fallback", "escaped_mask", "absorbed", "REAL_KINDS"]
+__all__ = ["Taint", "Taints", "NEW", "CONST", "earliest", "fallback", "escaped_mask", "absorbed", "REAL_KINDS",
+           "mask_like"]
 
 NEW = "new"      # decide(): the op made the non-finite values itself (a new real origin)
 CONST = "const"  # decide(): introduced from a non-finite scalar constant (a new soft origin)
@@ -44,6 +45,21 @@ class Taint:
 
     def __repr__(self) -> str:
         return f"Taint(#{self.seq} {self.kind}{' soft' if self.soft else ''} op={self.op} stage={self.stage})"
+
+
+def mask_like(kind: str, nan: bool, posinf: Callable[[], bool],
+              finite_span: Callable[[], Optional[tuple]]) -> bool:
+    """A value non-finite before the step is taken for an intentional mask (a soft taint): it holds no NaN
+    and no +inf, it is data or a buffer, and data holds at most one finite value beside its -inf (0 / -inf
+    added to scores). A feature tensor with a few -inf among many values (the log of a zero amount, made by
+    the input pipeline) is bad data. ``posinf()``: it holds +inf; ``finite_span()``: (min, max) of its
+    finite values, None when it has none (both asked only when needed: a backend reads the values)."""
+    if nan or kind not in ("data", "buffer") or posinf():
+        return False
+    if kind != "data":
+        return True
+    span = finite_span()
+    return span is None or span[0] == span[1]
 
 
 def _seq(t: Taint) -> int:

@@ -213,11 +213,12 @@ def summary_line(report: Report) -> str:
         s += f", recoveries {n_rec}"
     fails = [e for e in report.events if e.recovery is None and not e.is_warning]
     warns = [e for e in report.events if e.recovery is None and e.is_warning]
-    if fails:
+    failures = [e for e in report.events if not e.is_warning]
+    if failures:
         # the first failure of the run, recovered or not (a stop after recoveries names its own step)
-        first = min((e for e in report.events if not e.is_warning), key=lambda e: e.step)
+        first = min(failures, key=lambda e: e.step)
         s += f", first failure at step {first.step} ({first.phase})"
-        if first is not fails[0]:
+        if fails and first is not fails[0]:
             s += f", stopped at step {fails[0].step}"
     elif warns:  # an early warning is not a failure: every value stayed finite
         s += f", first warning at step {warns[0].step}"

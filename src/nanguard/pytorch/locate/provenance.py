@@ -16,7 +16,7 @@ import torch
 
 from ...core.diagnosis.roles import MASK_SINK, MASK_WRITE
 from ...core.locate.result import Sinks as _Sinks
-from ...core.locate.taint import CONST, Taint, Taints
+from ...core.locate.taint import CONST, Taint, Taints, mask_like
 from .. import numerics as N
 from .naming import Names
 from ..detect.tensors import sparse_values
@@ -120,16 +120,12 @@ class Provenance(Taints):
 
     def _preexisting(self, t: torch.Tensor, nan: bool, inf: bool, values: torch.Tensor | None = None) -> Origin:
         kind, name = self.names.kind_of(t)
-        # A tensor that only holds -inf and is not a parameter is most likely an intentional mask.
-        soft = False
         dense = t if values is None else values
-        if not nan and kind in ("data", "buffer"):
-            soft = not bool(N._scalar(aten.any.default(aten.isposinf.default(dense))))
-            if soft and kind == "data":
-                # a mask holds one finite value beside its -inf (0 / -inf, added to scores); a feature tensor
-                # with a few -inf among many values (the log of a zero amount) is bad data, not a mask
-                fin = aten.masked_select.default(dense, aten.isfinite.default(dense))
-                soft = fin.numel() == 0 or N._scalar(aten.amin.default(fin)) == N._scalar(aten.amax.default(fin))
+
+        def span() -> tuple | None:
+            fin = aten.masked_select.default(dense, aten.isfinite.default(dense))
+            return None if fin.numel() == 0 else (N._scalar(aten.amin.default(fin)), N._scalar(aten.amax.default(fin)))
+        soft = mask_like(kind, nan, lambda: bool(N._scalar(aten.any.default(aten.isposinf.default(dense)))), span)
         o = self._new("preexisting", soft)
         o.pre_kind, o.name = kind, name
         o.tref = weakref.ref(t)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ...core.locate.result import constant_detail
-from ...core.locate.taint import NEW, Taint, Taints
+from ...core.locate.taint import NEW, Taint, Taints, mask_like
 from . import numerics as N
 from . import ops as O
 from .numerics import jnum
@@ -122,9 +122,12 @@ class Provenance(Taints):
     def preexisting(self, t: Any, a: np.ndarray, nan: bool, kind: str, name: Optional[str], idx: int) -> Origin:
         """A value non-finite before the step (``nan``: it holds NaN); ``kind``: data | param | buffer |
         optimizer_state."""
-        soft = False
-        if not nan and kind in ("data", "buffer") and a.dtype.kind in "fV":
-            soft = not bool(np.isposinf(N.as_float(a)).any())   # only -inf: most likely an intentional mask
+        f = N.as_float(a) if a.dtype.kind in "fV" else None
+
+        def span() -> Optional[tuple]:
+            fin = f[np.isfinite(f)]
+            return (float(fin.min()), float(fin.max())) if fin.size else None
+        soft = f is not None and mask_like(kind, nan, lambda: bool(np.isposinf(f).any()), span)
         o = self.new_origin("preexisting", soft, idx)
         o.pre_kind, o.name = kind, name
         try:

@@ -313,7 +313,7 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
     lab = ctx.get("optimizer_label")  # several optimizers: the one whose update grew (per_optimizer.py)
     of = f" of {lab}" if lab else ""
     factor = backoff(dy, ctx, measured)
-    new = T.g(T.nice(lr * factor), 2) if lr else None
+    new = T.g(T.nice_below(lr * factor), 2) if lr else None
     b2 = low_beta2(ctx)
     if b2 is not None:
         why = (f"{opt}'s beta2 = {T.g(b2)} makes the second-moment estimate forget within "
@@ -369,7 +369,7 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
                                    f"(from step {to}), and the growth began at step {dy.get('onset_step')}")
                + ": the schedule's peak is past the stability limit")
         # the growth began as the rate reached lr: the peak belongs below it (half: what recovery cuts to)
-        half = T.g(T.nice(0.5 * lr), 2)
+        half = T.g(T.nice_below(0.5 * lr), 2)
         fixes = [X.lr_sentence("lower the schedule's peak learning rate to {about} (half the " + T.g(lr)
                                + " at which the growth began), or lengthen the warm-up", half),
                  "check the schedule itself: a warm-up factor must stop at 1 "
@@ -418,8 +418,8 @@ def clip_fix(sig: dict, also: str = "add a warm-up") -> str:
     c = sig.get("grad_clip_ceiling")
     if T.fin(c):
         return (f"the gradients are already clipped (their recorded norms sit at {T.g(c)}, the script's max_norm): "
-                f"clipping bounds the gradient, not the step size, so it cannot stop this; {also}")
-    return f"clip the gradient norm ({X.clip_api()}) as a safety net, and {also}"
+                "clipping bounds the gradient, not the step size, so it cannot stop this" + (f"; {also}" if also else ""))
+    return f"clip the gradient norm ({X.clip_api()}) as a safety net" + (f", and {also}" if also else "")
 
 
 def params_grew(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: str, ctx: dict) -> dict:
@@ -447,14 +447,15 @@ def params_grew(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: 
     if T.fin(dy.get("loss_before")) and T.fin(dy.get("loss_last")):
         parts.append(f"the loss went {T.g(dy['loss_before'])} -> {T.g(dy['loss_last'])}")
     calm = dy.get("update_ratio_calm")
-    if T.fin(calm) and calm >= CALM_TOO_LARGE:
+    warm = dy.get("lr_rose_from") is not None  # a schedule raised the rate: the updates grew with it, not the init
+    if T.fin(calm) and calm >= CALM_TOO_LARGE and not warm:
         parts.append(f"the updates were already {T.g(calm, 2)}× the weights before it: the gradients are large "
                      "from the first steps (an initialisation that grows through the layers, unnormalised inputs) "
                      "or the learning rate is too high for them")
         fixes.append("check the initialisation: the activations should not grow through the layers (zero-init or "
                      "scale by 1/sqrt(depth) the last layer of each residual branch, or add normalisation layers)")
     summ = f"step size too large: {'; '.join(parts)}, {where}; {why}"
-    fixes += [clip_fix(sig)]
+    fixes += [clip_fix(sig, "" if warm else "add a warm-up")]  # (a schedule that raised the rate has one)
     return T.result("lr_too_high", summ, conf, ev, fixes, method)
 
 
@@ -551,7 +552,8 @@ def one_update(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: s
     if T.fin(dy.get("loss_max_vs_start")) and dy["loss_max_vs_start"] >= 2:
         parts.append(f"the loss rose to ×{T.g(dy['loss_max_vs_start'], 3)} its start ({T.g(dy.get('loss_start'))})")
     summ = f"step size too large: {'; '.join(parts)}, {where}; {why}"
-    fixes += [clip_fix(sig)]
+    warm = dy.get("lr_rose_from") is not None
+    fixes += [clip_fix(sig, "" if warm else "add a warm-up")]  # (a schedule that raised the rate has one)
     return T.result("lr_too_high", summ, conf, ev, fixes, method)
 
 
@@ -609,7 +611,7 @@ def steady_growth(sig: dict, dy: dict, ev: dict, method: str, conf: float, where
         ev["estimated_stable_lr_limit"] = limit
         what = "step size of the hand-written update" if measured else "learning rate"
         fixes.append(f"lower the {what} from {T.g(lr)} to at most {T.g(limit, 2)} (the stability limit estimated "
-                     f"from the ×{T.g(amp, 2)}/step amplification of the gradient); e.g. {T.g(T.nice(limit / 2), 2)}")
+                     f"from the ×{T.g(amp, 2)}/step amplification of the gradient); e.g. {T.g(T.nice_below(limit / 2), 2)}")
     else:
         fixes.append(f"lower the learning rate {X.lr_by_10x()} or more")
     fixes += ["normalise the input features (zero mean, unit variance): unscaled features give a large "

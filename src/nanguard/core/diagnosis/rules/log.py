@@ -143,15 +143,24 @@ def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> d
             tensorflow=f"compute the loss from the logits: {X.logits_loss()} on the logits (drop the softmax "
             f"activation), or tf.nn.log_softmax, instead of log(softmax) at {where}",
             jax=f"use jax.nn.log_softmax (or {X.logits_loss()}) instead of log(softmax) at {where}"))
+    sp = X.say(pytorch="F.softplus(z) + 1e-6", tensorflow="tf.math.softplus(z) + 1e-6",
+               jax="jax.nn.softplus(z) + 1e-6")
+    neg = (facts.get("log_domain") or {}).get("negatives") or T.first_input(origin).get("negatives") or 0
+    probability = "sigmoid" in prods or "_softmax" in prods or "softmax" in prods
     if prods and prods[0] in _EXACT_ZEROS:
         # a ReLU head (a learned variance or scale) outputs exact zeros whatever it learns: a floor on the log
         # alone leaves whatever else divides by that value (a Gaussian NLL's r^2 / var) at 1e12
-        sp = X.say(pytorch="F.softplus(z) + 1e-6", tensorflow="tf.math.softplus(z) + 1e-6",
-                   jax="jax.nn.softplus(z) + 1e-6")
         summ += f"; its argument comes straight from a {prods[0]}, which outputs exact zeros"
         fixes.append(f"make the value the log reads positive by construction: {sp} instead of the {prods[0]} that "
                      f"feeds {where} (or predict the log of it and exponentiate); a floor on the log alone leaves "
                      "anything dividing by the same value huge")
+    elif neg and not probability and origin.get("stage") != "backward":
+        # a signed value (a rate or a scale read straight off a linear head): a clamp would leave every negative
+        # element at the floor with no gradient back to a positive value
+        summ += f"; {T.g(neg)} of them {'is' if neg == 1 else 'are'} negative: the value is not positive by construction"
+        fixes.append(f"make the value the log reads positive by construction: {sp} of the raw output, or predict "
+                     f"its log and exponentiate (then log(exp(z)) is z itself), instead of the signed value that "
+                     f"feeds {where}; a clamp would hold the negative elements at the floor with no gradient")
     fixes.append(f"clamp the argument away from 0 at {where}: {X.call('log', X.clamp_min('x', '1e-12'))} in float32 "
                  "(use a floor the dtype can hold: float32 tiny is 1.2e-38, float16 tiny is 6.1e-05)")
     fixes.append("if the zeros are legitimately masked, use the safe double-where pattern: " + X.safe_where("log"))

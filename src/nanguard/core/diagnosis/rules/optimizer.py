@@ -77,6 +77,58 @@ def optimizer_result(loc: dict | None, facts: dict, ev: dict, method: str, conf:
     return T.result("optimizer_numerics", ", ".join(parts), conf, ev, fixes, method)
 
 
+_WIDE_MAX = {"float32": 3.4028234663852886e38, "float64": 1.7976931348623157e308}
+
+
+def huge_gradient(origin: dict | None) -> float | None:
+    """The largest finite input of an optimizer-stage op that overflowed a float32/float64 value, when it is
+    already past the square root of the dtype's range (Adam squaring a gradient of 3e20 in float32): the
+    gradient the optimizer was given is enormous, a divergence or an explosion upstream, not the update's
+    own numerics. None otherwise."""
+    if not origin or origin.get("stage") != "optimizer":
+        return None
+    dmax = _WIDE_MAX.get(origin.get("dtype"))
+    out = origin.get("output") or {}
+    if dmax is None or not (out.get("posinf") or out.get("neginf")):
+        return None
+    big = max((float(i["max_abs"]) for i in origin.get("inputs") or [] if isinstance(i, dict)
+               and T.fin(i.get("max_abs")) and not i.get("nonfinite")), default=None)
+    return big if big is not None and big >= dmax ** 0.5 else None
+
+
+def huge_gradient_result(origin: dict, big: float, sig: dict, ev: dict, method: str, conf: float,
+                         ctx: dict) -> dict:
+    """:func:`huge_gradient` with no divergence the history can name: the last update threw the weights (the
+    loss jumped >= 1000x over it: the learning rate), or the gradient exploded."""
+    before = sig.get("grad_norm_median_before") or sig.get("grad_norm_prev")
+    last = sig.get("grad_norm_last")
+    lrs = sig.get("lr") or ctx.get("lr") or []
+    lrs = lrs if isinstance(lrs, (list, tuple)) else [lrs]
+    lr0 = lrs[0] if lrs and T.fin(lrs[0]) and lrs[0] > 0 else None
+    prev, now = sig.get("last_finite_loss"), (ctx.get("detected") or {}).get("loss")
+    jump = now / prev if T.fin(prev) and T.fin(now) and prev > 0 and now > prev else None
+    ev.update(grad_max_abs=big, grad_norm_last=last, grad_norm_before=before, loss_before=prev, loss_now=now)
+    op, dt = T.opshort(origin.get("op")), origin.get("dtype")
+    lower = (f"lower the learning rate (e.g. {T.g(lr0)} -> {X.lr_to(T.g(T.nice(lr0 / 10)))})" if lr0
+             else "lower the learning rate about 10x")
+    clip = f"clip the gradient norm before the update: {X.clip_grad_norm('1.0')}"
+    if jump is not None and jump >= 1e3:
+        summ = (f"learning rate too high: one update threw the weights (the loss went from {T.g(prev)} to {T.g(now)}"
+                + (f" at learning rate {T.g(lr0)}" if lr0 else "") + f"), and the gradients there ({T.g(big)}) "
+                f"overflow {dt} when the update squares them ({op})")
+        return T.result("lr_too_high", summ, conf, ev,
+                        [lower + ", or add a warm-up", clip + " (an adaptive optimizer's step is about the learning "
+                         "rate whatever the gradient's size: clipping alone does not shorten it)"], method)
+    summ = (f"gradient explosion: the optimizer received gradient elements of {T.g(big)} and {op} overflowed {dt} "
+            "on them in the update" + (f"; the gradient norm went from {T.g(before)} to {T.g(last)}"
+                                       if T.fin(before) and T.fin(last) else ""))
+    return T.result("gradient_explosion", summ, conf, ev,
+                    [clip, "roll back to the last finite state and skip or clip the step with the jump",
+                     lower + ": the update before this one may have thrown the weights to where the gradient is "
+                     "this large", "for recurrent models keep the recurrent matrix's spectral radius below 1 "
+                     "(orthogonal init with gain < 1, gating) and use truncated BPTT"], method)
+
+
 def _state_overflow(origin: dict, opt: dict) -> bool:
     """A low-precision optimizer state (not the parameter) overflowed to +-inf from finite inputs, with
     no NaN: Adam's ``exp_avg_sq`` past float16's 65504. The weights stay finite (Adam's update over an inf

@@ -29,14 +29,22 @@ def underflow_evidence(facts: dict) -> bool:
 
 
 def lp_underflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
-    api = T.api_or_op(origin)
+    api = T.api_or_op(origin) or "the op"  # (nanguard lint: a line, no op)
     where = T.where(origin)
     dt = origin.get("dtype")
     eps = [e for e in facts.get("eps_constants") or [] if e.get("rounds_to_zero") or e.get("absorbed_next_to_1")]
     inp = T.first_input(origin)
     fi = facts.get("dtype_info") or {}
     f32 = facts.get("float32_check") or {}
-    parts = [f"{api} at {where} received {inp.get('zeros', '?')} zero(s) of {inp.get('numel', '?')} in {dt}"]
+    neg, zeros = inp.get("negatives") or 0, inp.get("zeros") or 0
+    root = T.opshort(origin.get("op")) in ("sqrt", "rsqrt")
+    if neg and not zeros:
+        parts = [f"{api} at {where} received {T.g(neg)} negative value(s) of {inp.get('numel', '?')} in {dt} (min "
+                 f"{T.g(inp.get('min'))})" + ("; a value that must be >= 0 (a variance, a squared norm) came out "
+                                             "below 0: a difference of two nearly equal numbers, such as E[x^2] - "
+                                             "E[x]^2, cancels in " + str(dt) if root else "")]
+    else:
+        parts = [f"{api} at {where} received {inp.get('zeros', '?')} zero(s) of {inp.get('numel', '?')} in {dt}"]
     if eps:
         e = eps[0]
         how = "rounds to 0" if e.get("rounds_to_zero") else "vanishes next to 1.0"
@@ -44,25 +52,39 @@ def lp_underflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
                      f"{T.g(fi.get('tiny'))}, smallest subnormal {T.g(fi.get('smallest_subnormal'))})")
     if f32.get("chain_finite"):
         parts.append("re-running the producer chain in float32 gives finite values")
-    safe_eps = max(float(fi.get("tiny") or 6.1e-05) * 2, 1e-4) if dt == "float16" else 1e-6
-    fixes = [X.say(pytorch=f"compute {api} and the loss in float32 at {where}: e.g. "
-                   f"{X.eps_text('torch.log(probs.float() + 1e-8)')}, "
-                   "or better F.log_softmax(logits.float(), -1) / F.cross_entropy(logits.float(), y)",
-                   tensorflow=f"compute {api} and the loss in float32 at {where}: e.g. "
-                   f"{X.eps_text('tf.math.log(tf.cast(probs, tf.float32) + 1e-8)')}, or better from float32 logits: "
-                   "give the last "
-                   f"layer dtype=\"float32\" and use {X.logits_loss()}",
-                   jax=f"compute {api} and the loss in float32 at {where}: e.g. "
-                   f"{X.eps_text('jnp.log(probs.astype(jnp.float32) + 1e-8)')}, or better jax.nn.log_softmax(logits.astype(jnp.float32)) / {X.logits_loss()}"),
-             f"use an eps the dtype can hold ({dt} tiny {T.g(fi.get('tiny'))}, eps {T.g(fi.get('eps'))}): e.g. "
-             f"{T.g(safe_eps)} instead of {T.g(eps[0].get('value')) if eps else 'the current value'}",
-             X.say(pytorch="train with torch.autocast (float16/bfloat16 matmuls, float32 losses and reductions) and "
-                   "torch.amp.GradScaler instead of a model cast to half, or use bfloat16",
-                   tensorflow="under mixed_float16 keep the numerically sensitive layers (softmax, log, norms, "
-                   "the loss) in float32 with dtype=\"float32\", or use the \"mixed_bfloat16\" policy "
-                   "(float32's range)",
-                   jax="keep the numerically sensitive ops (softmax, log, norms, the loss) in float32 "
-                   "(x.astype(jnp.float32)), or compute in bfloat16 (float32's range) instead of float16")]
+    logs = T.opshort(origin.get("op")) in ("log", "log2", "log10", "log1p", "xlogy")
+    if logs:
+        first = X.say(pytorch=f"compute {api} and the loss in float32 at {where}: e.g. "
+                      f"{X.eps_text('torch.log(probs.float() + 1e-8)')}, "
+                      "or better F.log_softmax(logits.float(), -1) / F.cross_entropy(logits.float(), y)",
+                      tensorflow=f"compute {api} and the loss in float32 at {where}: e.g. "
+                      f"{X.eps_text('tf.math.log(tf.cast(probs, tf.float32) + 1e-8)')}, or better from float32 "
+                      f"logits: give the last layer dtype=\"float32\" and use {X.logits_loss()}",
+                      jax=f"compute {api} and the loss in float32 at {where}: e.g. "
+                      f"{X.eps_text('jnp.log(probs.astype(jnp.float32) + 1e-8)')}, or better "
+                      f"jax.nn.log_softmax(logits.astype(jnp.float32)) / {X.logits_loss()}")
+    else:
+        first = X.say(pytorch=f"compute {api} and what feeds it in float32 at {where}: convert the input with "
+                      ".float() (inside torch.autocast(device_type, enabled=False) when autocast is on)",
+                      tensorflow=f"compute {api} and what feeds it in float32 at {where}: give that layer "
+                      "dtype=\"float32\" or cast its input with tf.cast(x, tf.float32)",
+                      jax=f"compute {api} and what feeds it in float32 at {where}: x.astype(jnp.float32)")
+        if root and neg:
+            first += ("; compute a variance in two passes, mean((x - mean)^2), not as E[x^2] - E[x]^2, and clamp it "
+                      "at 0 before the root")
+    fixes = [first]
+    if not eps or any(e.get("rounds_to_zero") for e in eps):  # too small for the dtype (next to 1 no eps helps)
+        safe_eps = max(float(fi.get("tiny") or 6.1e-05) * 2, 1e-4) if dt == "float16" else 1e-6
+        fixes.append(f"use an eps the dtype can hold ({dt} tiny {T.g(fi.get('tiny'))}, eps {T.g(fi.get('eps'))}): "
+                     f"e.g. {T.g(safe_eps)} instead of {T.g(eps[0].get('value')) if eps else 'the current value'}")
+    fixes.append(X.say(pytorch="keep the numerically sensitive ops (variances and norms, log, softmax, the loss) in "
+                       "float32; a model cast to half keeps none of them there: train it in float32 under "
+                       "torch.autocast (+ torch.amp.GradScaler for float16) instead",
+                       tensorflow="under mixed_float16 keep the numerically sensitive layers (softmax, log, norms, "
+                       "the loss) in float32 with dtype=\"float32\", or use the \"mixed_bfloat16\" policy "
+                       "(float32's range)",
+                       jax="keep the numerically sensitive ops (softmax, log, norms, the loss) in float32 "
+                       "(x.astype(jnp.float32)), or compute in bfloat16 (float32's range) instead of float16"))
     return T.result("low_precision_underflow", "; ".join(parts), 0.9, ev, fixes, method)
 
 
