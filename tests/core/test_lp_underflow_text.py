@@ -34,3 +34,12 @@ def test_a_log_whose_eps_rounds_to_zero_keeps_the_log_and_eps_advice():
     out = _out(_loc("log", "torch.log", 0, 3, {"rounds_to_zero": True}))
     texts = " | ".join(str(f) for f in out["fixes"])
     assert "log_softmax" in texts and "instead of 1e-05" in texts, texts
+
+
+def test_a_bfloat16_log_of_a_sigmoid_is_told_to_use_the_logits_loss():
+    loc = _loc("log", "torch.log", 0, 1, {"absorbed_next_to_1": True})
+    loc["facts"]["producers"] = [["rsub", "sigmoid"]]
+    out = _out(loc)
+    texts = " | ".join(str(f) for f in out["fixes"])
+    assert "binary_cross_entropy_with_logits" in texts and "log_softmax" not in texts, texts
+    assert "instead of the current value" not in texts  # (no eps in the program: no eps fix at run time)

@@ -61,3 +61,17 @@ def test_a_recurrence_with_its_own_proven_row_quarantines_that_row():
     p.on_failure(_again(40), step=40, actions=acts, history=[])  # row 100 again
     s = summary_line(p)
     assert "rows 100, 125" in s and "came back 1 time" in s, s
+
+
+def test_a_recurrence_not_relocalized_claims_no_samples():
+    # (a random batch's recurrence was noted "assumed to be the same bad sample(s)": it holds other rows)
+    acts = Excluding(can=False)
+    p = RecoveryPolicy(quiet=True)
+    p.on_failure(_bad_row_event(), step=14, actions=acts, history=[])
+    ev = _bad_row_event(step=30, proven=False)
+    ev.cause["evidence"]["same_as_step"] = 14
+    ev.localization, ev.origin = {"reproduced": False}, {}
+    rec = p.on_failure(ev, step=30, actions=acts, history=[])
+    q = (rec or {}).get("actions", {}).get("quarantine") or {}
+    assert q.get("same_as_step") == 14 and "samples are not known" in q.get("note", ""), q
+    assert "rows" not in q

@@ -12,7 +12,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import nanguard.jax as ngjax  # noqa: E402
-from nanguard.core.events import NonFiniteError  # noqa: E402
+from nanguard.core.events import NonFiniteError, Report  # noqa: E402
 from nanguard.jax import hooks  # noqa: E402
 
 X = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)
@@ -110,7 +110,11 @@ def test_eager_updates_are_checked_too():
     assert ei.value.report.steps_watched == 3 and ei.value.report.events[0].step == 2
 
 
-def test_recover_skips_the_failing_update_in_the_graph():
+@pytest.mark.parametrize("apply", ["optax", "by_hand"])
+def test_recover_skips_the_failing_update_in_the_graph(apply):
+    """``optax``: the gate reads the new parameters where optax.apply_updates makes them (the update stays
+    fused: bit for bit, tests/jax/test_bitwise_healthy.py); ``by_hand``: a step that applies the update with a
+    tree_map of its own is traced again with the gate inside the update."""
     xb_bad = X.copy()
     xb_bad[3, 1] = np.nan
     seen = {}
@@ -119,6 +123,8 @@ def test_recover_skips_the_failing_update_in_the_graph():
         return (xb_bad if i == 5 else X, Y)
     ref, _ = _plain(mse, optax.adam(1e-2), 5)
     with ngjax.watch(report=None, quiet=True, recover="auto") as drv:
+        add = optax.apply_updates if apply == "optax" else \
+            (lambda p, u: jax.tree_util.tree_map(lambda a, b: a + b, p, u))
         params = {"w": jnp.zeros(4), "b": jnp.array(0.0)}
         tx = optax.adam(1e-2)
         opt_state = tx.init(params)
@@ -127,11 +133,12 @@ def test_recover_skips_the_failing_update_in_the_graph():
         def step(params, opt_state, xb, yb):
             loss, grads = jax.value_and_grad(mse)(params, xb, yb)
             updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
+            return add(params, updates), opt_state, loss
         for i in range(8):
             params, opt_state, loss = step(params, opt_state, *batch(i))
             seen[i] = params
     rep = drv.report
+    assert step._inline[0] is (apply == "by_hand")  # (traced again with the gate in the update)
     assert rep.status == "recovered" and rep.events[0].step == 5 and "skip_step" in rep.events[0].recovery["action"]
     for k in ref:  # step 5's update never reached the parameters; 0..4 are the unguarded run's
         assert np.asarray(seen[5][k]).tobytes() == np.asarray(seen[4][k]).tobytes()
@@ -253,4 +260,59 @@ def test_a_block_that_saw_no_update_says_so():
     with pytest.warns(RuntimeWarning, match="saw no optimizer update"):
         with ngjax.watch(report=None, quiet=True) as drv:  # gradients, but no optax update in the block
             jax.jit(jax.grad(mse))({"w": jnp.zeros(4), "b": jnp.array(0.0)}, X, Y)
-    assert drv.report.steps_watched == 0
+    rep = drv.report
+    assert rep.steps_watched == 0
+    # nothing was checked: not "clean" (a hand-written update's NaN run was called clean, 0 steps watched)
+    assert rep.status == "unwatched" and "no optax update" in rep.unwatched
+    assert rep.as_dict()["unwatched"] == rep.unwatched and Report.from_dict(rep.as_dict()).status == "unwatched"
+
+
+def test_multisteps_is_the_outermost_update_and_a_skip_keeps_its_accumulator():
+    """optax.MultiSteps (a class, not a transform GradientTransformation builds): its own update is checked, so
+    each micro-step's loss is read and a failure is the micro-step's; recovery's skip keeps the old MultiSteps
+    state, accumulator included (a skip of the inner optimizer's update alone left the NaN gradients in the
+    accumulator, and the next micro-steps failed too). Healthy micro-steps are bit for bit the plain ones."""
+    xb_bad = X.copy()
+    xb_bad[2, 0] = np.nan
+
+    def batch(i):
+        return (xb_bad if i == 6 else X, Y)
+
+    def tx():
+        return optax.MultiSteps(optax.adam(1e-2), every_k_schedule=4)
+    ref, ref_losses = _plain(mse, tx(), 6)
+    with ngjax.watch(report=None, quiet=True, on_nonfinite="warn") as drv:
+        got, losses = _plain(mse, tx(), 6)
+    assert losses == ref_losses and all(np.asarray(got[k]).tobytes() == np.asarray(ref[k]).tobytes() for k in ref)
+    assert drv.report.steps_watched == 6 and all(h["loss"] is not None for h in drv.report.history)
+    with ngjax.watch(report=None, quiet=True, recover="auto") as drv:
+        params, losses = _plain(mse, tx(), 14, batch=batch)
+    rep = drv.report
+    assert rep.status == "recovered" and rep.events[0].step == 6 and rep.events[0].phase == "data", rep.events[0]
+    assert len(rep.events) == 1 and all(np.isfinite(losses[7:])), losses  # no NaN left in the accumulator
+    assert all(np.all(np.isfinite(np.asarray(params[k]))) for k in params)
+
+
+def test_a_skip_puts_back_what_the_step_carries_besides_the_parameters():
+    """A running statistic the step updates from its batch (BatchNorm's batch_stats) was left NaN by a skip (the
+    gate covers the parameters and the optimizer state only), and every later failure was misread. The next call
+    gets the failing call's own value back."""
+    xb_bad = X.copy()
+    xb_bad[1, 2] = np.inf
+    with ngjax.watch(report=None, quiet=True, recover="auto") as drv:
+        params, stats = {"w": jnp.zeros(4), "b": jnp.array(0.0)}, jnp.zeros(4)
+        tx = optax.adam(1e-2)
+        opt_state = tx.init(params)
+
+        @jax.jit
+        def step(params, opt_state, stats, xb, yb):
+            stats = 0.9 * stats + 0.1 * xb.mean(0)
+            loss, grads = jax.value_and_grad(mse)(params, (xb - stats) / 2.0, yb)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, stats, loss
+        for i in range(8):
+            params, opt_state, stats, loss = step(params, opt_state, stats, xb_bad if i == 3 else X, Y)
+    rep = drv.report
+    assert rep.status == "recovered" and [e.step for e in rep.events] == [3], [(e.step, e.phase) for e in rep.events]
+    assert rep.events[0].recovery["actions"]["skip_step"].get("carried_restored") is True
+    assert np.all(np.isfinite(np.asarray(stats))) and np.isfinite(float(loss))

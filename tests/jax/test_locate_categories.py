@@ -94,6 +94,23 @@ def test_a_where_that_hides_a_zero_count_is_a_where_gradient_trap():
     assert cause(loc, "backward")["category"] == "where_gradient_trap"
 
 
+def guarded_root(p, t, y):
+    disc = p["w0"] ** 2 - p["g"] ** 2
+    wd = jnp.where(disc > 0, jnp.sqrt(disc), 0.0)   # where-sqrt
+    return jnp.mean((jnp.cos(wd * t) - y) ** 2)
+
+
+def test_a_where_that_hides_a_negative_root_is_a_where_gradient_trap():
+    """JAX computes sqrt's derivative factor 0.5 / sqrt(x) in the forward pass: that arithmetic use of the NaN
+    is the backward's, not the program's (it was read as a use, and the trap as a plain sqrt_domain)."""
+    tx, step = adam_step(guarded_root)
+    p = {"w0": jnp.array(1.0), "g": jnp.array(2.0)}
+    t = jnp.linspace(0.0, 1.0, 4)
+    res, loc = run(step, (p, tx.init(p), t, jnp.ones(4)), phase_hint="backward")
+    assert loc["origin"]["line"] == line_of("where-sqrt") and loc["facts"]["where_trap"] is True, loc["facts"]
+    assert cause(loc, "backward")["category"] == "where_gradient_trap"
+
+
 def ce_by_hand(p, x, y):
     prob = jax.nn.softmax(x @ p["w"], axis=-1)
     return -jnp.mean(jnp.log(jnp.take_along_axis(prob, y[:, None], axis=-1)))   # log-softmax

@@ -38,5 +38,5 @@ def test_each_recurrence_quarantines_its_own_rows(tmp_path):
     for e in d["events"]:
         q = ((e.get("recovery") or {}).get("actions") or {}).get("quarantine") or {}
         rows += q.get("rows") or []
-        assert "assumed to be the same" not in str(q.get("note")), q
+        assert "not re-localized" not in str(q.get("note")), q
     assert {40, 170, 333} <= set(rows), rows

@@ -194,6 +194,7 @@ class RunFacts:
     extra: Dict[str, Any] = field(default_factory=dict)
     dropped_events: int = 0
     disabled: Optional[Dict[str, Any]] = None  # the internal error that turned the guard off, and when
+    unwatched: Optional[str] = None  # nothing was checked: why (the report's status is then "unwatched")
 
 
 def info_rows(dets: Iterable[Detection]) -> List[Dict[str, Any]]:
@@ -225,5 +226,6 @@ def assemble_report(facts: RunFacts, report: Optional[Report] = None) -> Report:
         r.extra["dropped_events"] = facts.dropped_events
     if facts.disabled:
         r.guard_disabled = facts.disabled
+    r.unwatched = facts.unwatched
     kept_diverging(r)  # a recovery the run diverged again after is not called recovered (every driver)
     return r

@@ -100,6 +100,8 @@ class Report:
     # The guard's own internal error turned it off (not strict): {"error": ..., "step": N}; later steps
     # were not checked.
     guard_disabled: Optional[Dict[str, Any]] = None
+    # Nothing was checked (JAX: the script ran no optax update): why, in words. The run is not called clean.
+    unwatched: Optional[str] = None
 
     @property
     def status(self) -> str:
@@ -110,7 +112,8 @@ class Report:
         ``guard_disabled.step``: the steps after it were not checked, so the run cannot be called
         clean), ``recovered`` (every non-finite event was recovered, or, with
         none, an early warning was acted on: the run was rolled back or a step skipped before anything
-        went non-finite), ``warning`` (early warnings only: every value stayed finite) or ``clean``.
+        went non-finite), ``warning`` (early warnings only: every value stayed finite), ``unwatched``
+        (no event, and nothing was checked: ``unwatched`` says why) or ``clean``.
         A file can also say ``running``: the report of a run not finished (still going, or killed
         outright), written at its start and at each event (:mod:`nanguard.core.reportsink`); a
         Report object never has that status itself."""
@@ -131,7 +134,7 @@ class Report:
             acted = [e for e in self.warnings if e.recovery is not None]
             if acted and all((e.recovery or {}).get("ok") for e in acted):
                 return "recovered"
-            return "warning" if self.warnings else "clean"
+            return "warning" if self.warnings else "unwatched" if self.unwatched else "clean"
         if all((e.recovery or {}).get("ok") for e in nonfinite):
             return "recovered"
         return "nonfinite" if self.events else "clean"
@@ -167,11 +170,13 @@ class Report:
             d["exit_code"] = self.exit_code
         if self.guard_disabled:
             d["guard_disabled"] = self.guard_disabled
+        if self.unwatched:
+            d["unwatched"] = self.unwatched
         d.update(self.extra)
         return json_safe(d)
 
     _FIELDS = ("counting", "steps_watched", "max_grad_norm", "scaler_skips", "info", "history", "script_error",
-               "interrupted", "exit_code", "guard_disabled")
+               "interrupted", "exit_code", "guard_disabled", "unwatched")
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Report":

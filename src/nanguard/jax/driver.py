@@ -362,15 +362,18 @@ class JaxDriver:
             loc = self.localize_detection(det) if not self.pipeline.first() else self.loc_runs.get(det.step)
             events.append(self.pipeline.explain(det, hist, loc))
         extra: Dict[str, Any] = {"framework": "jax"}
+        unwatched = None
         if self.steps == 0:
-            extra["note"] = "no optax update was seen (no GradientTransformation.update ran)"
+            unwatched = ("no optax update ran (no GradientTransformation.update): a hand-written update "
+                         "(params - lr * grads with no optax) is not checked, so nothing was")
         if any(getattr(c.jw, "donated", False) for c in self.calls.values()):
             extra["donation"] = "donate_argnums was ignored so the pre-step state stays readable"
         h = self.history
         return assemble_report(RunFacts(
             counting="optimizer", steps_watched=self.steps, max_grad_norm=h.max_grad_norm if len(h) else None,
             history=h.as_dicts(), info=info_rows(self.info), events=events, extra=extra,
-            warnings=list(self.spikes.events), dropped_events=self.dropped_events, disabled=disabled_note(self)))
+            warnings=list(self.spikes.events), dropped_events=self.dropped_events, disabled=disabled_note(self),
+            unwatched=unwatched))
 
 
 class EagerFn:

@@ -3,8 +3,10 @@
 JAX state is immutable and lives in the script's own variables, so the actions work on the calls of
 the guarded jitted step (:mod:`.hooks`, :mod:`.calls`):
 
-* **skip**: in recovery mode the check drops a failing update in the graph (zero update, the old
-  optimizer state), before the host knows: the step that failed never reaches the parameters;
+* **skip**: in recovery mode the check drops a failing update in the graph (the old parameters and
+  optimizer state), before the host knows: the step that failed never reaches the parameters; what else
+  the step carries into the next call (a BatchNorm's running statistics) is put back to the failing
+  call's inputs in the next call, as a rollback does;
 * **rollback**: a snapshot is a reference to a call's inputs (no copy); restoring it substitutes, in
   the next call of the same step function, every input the loop carried over from the previous call
   (parameters, optimizer state, a TrainState, an NNX module's state) by the snapshot's value at the
@@ -176,6 +178,14 @@ class JaxRecovery:
         rec = self.policy.on_failure(event, step=det.step, actions=actions, history=hist)
         if rec is None:
             return False
+        acts = rec.get("actions") or {}
+        call = drv.calls.get(det.step)
+        if isinstance(acts.get("skip_step"), dict) and "rollback" not in acts and self.pending_restore is None \
+                and call is not None:
+            # the gate kept the parameters and the optimizer state; what else the step carries (a BatchNorm's
+            # running statistics, a TrainState's counters) goes back to its inputs too, in the next call
+            self.pending_restore = JaxSnapshot(det.step, call, None, True)
+            acts["skip_step"]["carried_restored"] = True
         self.policy.on_update(actions)  # arms clipping for the next updates
         if drv.spikes is not None:  # the warnings watch the resumed run afresh (core.alerts)
             drv.spikes.after_recovery(rec)

@@ -110,7 +110,9 @@ class OpGraph:
     def where_trap(self, fwd_idx: int) -> bool:
         """True when forward op ``fwd_idx``'s output only reached selections (through pass-through ops):
         the forward discarded the bad entries, but their zero gradient still flows into the op's
-        backward, where 0 * inf or 0/0 gives NaN."""
+        backward, where 0 * inf or 0/0 gives NaN. An arithmetic use whose non-finite result no later
+        forward op reads is the derivative's own factor, not a use (JAX computes sqrt's 0.5 / sqrt(x) in
+        the forward pass, for the backward)."""
         if fwd_idx >= len(self):
             return False
         seen_where = False
@@ -125,7 +127,7 @@ class OpGraph:
                 elif cname in self.pass_ops and depth < 6:
                     if not walk(cidx, depth + 1):
                         return False
-                elif c_float:
+                elif c_float and not (c_nf and not self.consumers.get(cidx)):
                     return False         # used by arithmetic, not only selected
             return True
         ok = walk(fwd_idx, 0)

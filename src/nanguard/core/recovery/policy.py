@@ -463,8 +463,10 @@ def quarantine(policy: RecoveryPolicy, event, done: Dict[str, Any], actions: Opt
     relocalized = (getattr(event, "localization", None) or {}).get("reproduced") is True
     if ev.get("same_as_step") is not None and not relocalized:
         if not proven:
+            # (a random batch holds other rows than the first failure's: none are named, none claimed)
             done["quarantine"] = {"same_as_step": ev["same_as_step"],
-                                  "note": "not re-localized: assumed to be the same bad sample(s)"}
+                                  "note": f"not re-localized: its own samples are not known (taken as a recurrence "
+                                          f"of step {ev['same_as_step']}'s failure)"}
             return
         # a recurrence whose own drop-samples replay named its rows: those rows, not the first failure's
         # (two empty records of a dataset are two rows, each coming back)

@@ -195,7 +195,7 @@ def _excerpt(path: Optional[str], line: Optional[int], context: int = 2):
 def print_outcome(report: Report, report_path: Optional[str], recovery: Any = None) -> None:
     """The end of a run on the terminal: the panel unless clean, the summary line, and the recovery
     summary of a run that recovered (``recovery``: anything with ``print_summary()``, or None)."""
-    if report.status != "clean":
+    if report.status not in ("clean", "unwatched"):  # (no event: the summary line says it all)
         render(report, report_path)
     print_line(summary_line(report))
     if recovery is not None:
@@ -222,6 +222,8 @@ def summary_line(report: Report) -> str:
             s += f", stopped at step {fails[0].step}"
     elif warns:  # an early warning is not a failure: every value stayed finite
         s += f", first warning at step {warns[0].step}"
+    if report.unwatched and report.status == "unwatched":
+        s += f"; {report.unwatched}"
     err = report.script_error
     if err:
         at = f" at {err['file'].rsplit('/', 1)[-1]}:{err.get('line')}" if err.get("file") else ""

@@ -53,7 +53,16 @@ def lp_underflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     if f32.get("chain_finite"):
         parts.append("re-running the producer chain in float32 gives finite values")
     logs = T.opshort(origin.get("op")) in ("log", "log2", "log10", "log1p", "xlogy")
-    if logs:
+    sigmoid = "sigmoid" in [q for chain in facts.get("producers") or [] for q in chain]
+    if logs and sigmoid:  # a binary classifier's log(sigmoid) / log(1 - sigmoid): rounded to 0 or 1
+        first = X.say(pytorch=f"compute the loss from the logits in float32 at {where}: "
+                      "F.binary_cross_entropy_with_logits(logits.float(), y) instead of log(sigmoid) / log(1 - "
+                      "sigmoid), which round to exactly 0 or 1 in " + str(dt),
+                      tensorflow=f"compute the loss from float32 logits at {where}: give the last layer "
+                      f"dtype=\"float32\", drop its sigmoid and use {X.logits_loss('binary')}",
+                      jax=f"compute the loss from float32 logits at {where}: {X.logits_loss('binary')} on "
+                      "logits.astype(jnp.float32)")
+    elif logs:
         first = X.say(pytorch=f"compute {api} and the loss in float32 at {where}: e.g. "
                       f"{X.eps_text('torch.log(probs.float() + 1e-8)')}, "
                       "or better F.log_softmax(logits.float(), -1) / F.cross_entropy(logits.float(), y)",
@@ -73,7 +82,8 @@ def lp_underflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
             first += ("; compute a variance in two passes, mean((x - mean)^2), not as E[x^2] - E[x]^2, and clamp it "
                       "at 0 before the root")
     fixes = [first]
-    if not eps or any(e.get("rounds_to_zero") for e in eps):  # too small for the dtype (next to 1 no eps helps)
+    # an eps too small for the dtype (next to 1 no eps helps; with none in the program, nanguard lint's finding)
+    if any(e.get("rounds_to_zero") for e in eps) or (not eps and method == "lint"):
         safe_eps = max(float(fi.get("tiny") or 6.1e-05) * 2, 1e-4) if dt == "float16" else 1e-6
         fixes.append(f"use an eps the dtype can hold ({dt} tiny {T.g(fi.get('tiny'))}, eps {T.g(fi.get('eps'))}): "
                      f"e.g. {T.g(safe_eps)} instead of {T.g(eps[0].get('value')) if eps else 'the current value'}")

@@ -51,6 +51,15 @@ def find_rows_fix(rows: list) -> str:
             + X.finite_filter())
 
 
+def _source_guess(what: str) -> str:
+    """Where values like these usually come from, as a question (the data's history is not known)."""
+    if what == "NaN":
+        return "a blank field parsed as NaN, or a 0/0 in preprocessing: a constant row standardised by its std of 0?"
+    if what == "Inf":
+        return "a division by zero in preprocessing (a ratio over a count or an area of 0), or the log of a 0?"
+    return "a blank field parsed as NaN, or a division by zero in preprocessing?"
+
+
 def entry_text(fu: dict) -> str:
     """`` (it enters the computation at <op> of layer 'dense', file:line)``: where the tensor is first read.
     The layer is named with the line, since a layer's line may be where it was built (a Keras Sequential's
@@ -103,7 +112,7 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
                     f"{what} value(s) of {numel} in {len(tr)} row(s) {tr[:20]}" + ("..." if len(tr) > 20 else "")
                     + f"; this batch drew {rows_s}{carry}{where}")
         fixes = [find_rows_fix(rows) if untraced else
-                 f"clean or drop {every} at the source (a blank field parsed as NaN?), e.g. " + X.finite_filter(),
+                 f"clean or drop {every} at the source ({_source_guess(what)}), e.g. " + X.finite_filter(),
                  X.say(pytorch="validate batches in the data loader (assert torch.isfinite(batch).all()) or replace "
                        "missing values (torch.nan_to_num / imputation with the column mean)",
                        tensorflow="validate batches in the input pipeline (" + X.finite_check("x") + ") or replace "
