@@ -21,6 +21,17 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+def to_float32(x: Any) -> Any:
+    """``x`` with its float16/bfloat16 tensors (in tuples, lists and dicts) as float32 copies (differentiable)."""
+    if isinstance(x, torch.Tensor):
+        return aten._to_copy.default(x, dtype=torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_float32(v) for v in x)
+    if isinstance(x, dict):
+        return {k: to_float32(v) for k, v in x.items()}
+    return x
+
+
 def jnum(x: Any) -> Any:
     """A JSON-safe number: finite floats stay, non-finite become "nan"/"inf"/"-inf"."""
     if isinstance(x, bool) or x is None:

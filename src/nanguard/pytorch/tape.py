@@ -30,6 +30,7 @@ not give back the recorded loss bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
@@ -41,7 +42,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .locate.naming import Frames, api_name
-from .numerics import version
+from .numerics import to_float32, version
 
 __all__ = ["StepTape", "Entry", "Ref", "Ext", "tensor_leaves", "rng_now", "set_rng"]
 
@@ -170,6 +171,7 @@ def rng_now() -> Tuple[torch.Tensor, Any]:
 
 _cuda_available: Optional[bool] = None
 _CPU_GEN = torch.default_generator
+_NULL = contextlib.nullcontext()
 
 
 def set_rng(st: Tuple[torch.Tensor, Any]) -> None:
@@ -254,7 +256,19 @@ class _TapeMode(TorchFunctionMode):
         self.tape = tape
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.tape.float32:  # recovery ran the loss code in float32 (:meth:`StepTape.loss_in_float32`)
+            return _in_float32(self.tape, func, args, kwargs or {})
         return self.tape.call(func, args, kwargs or {})
+
+
+def _in_float32(tape: "StepTape", func: Any, args: tuple, kwargs: dict) -> Any:
+    """One loss-code call with its float16/bfloat16 inputs as float32 copies and autocast off (an in-place
+    call, or one given ``out=``, runs as written: a copy would not be written back)."""
+    if not (_inplace_name(getattr(func, "__name__", "")) or kwargs.get("out") is not None):
+        args, kwargs = to_float32(args), to_float32(kwargs)
+    with torch.autocast("cpu", enabled=False), \
+            (torch.autocast("cuda", enabled=False) if _cuda_available else _NULL):
+        return tape.call(func, args, kwargs)
 
 
 def _pop_mode(mode: TorchFunctionMode) -> bool:
@@ -305,7 +319,19 @@ class StepTape:
         self.trained = False        # this step recorded a grad-enabled module call or a backward
         self.ever_trained = False   # a backward was recorded in this run
         self.window_left = 20_000   # calls an inference script may still have recorded (a sliding window)
+        self.float32 = False        # recovery: the loss code runs in float32 (:meth:`loss_in_float32`)
         self.reset(0, open_region=False)
+
+    def loss_in_float32(self) -> Optional[Dict[str, Any]]:
+        """Recovery's upcast of an op outside every module (the loss code, under torch.autocast or on a
+        half-precision model's output): from now on the calls between the model's output and backward run
+        in float32. None when the tape is off (its region is where those calls are seen)."""
+        if not self.enabled:
+            return None
+        self.float32 = True
+        return {"dtype_before": "float16/bfloat16", "dtype_after": "float32", "module": None,
+                "scope": "the loss code (the torch calls between the model's output and backward: their "
+                         "half-precision inputs cast to float32, autocast off)"}
 
     # ------------------------------------------------------------------ state
     def reset(self, step: int, open_region: bool = True, later: bool = False) -> None:

@@ -29,7 +29,9 @@ def notice(step: int, category: str, record: Dict[str, Any]) -> str:
     if "clip" in done:
         extra += f", clip grad norm at {done['clip']['max_norm']:.3g}"
     if "upcast" in done:
-        extra += f", module {done['upcast']['module']!r} now float32"
+        up = done["upcast"]
+        extra += (f", module {up['module']!r} now float32" if up.get("module") is not None
+                  else ", the loss code now float32 (its half-precision inputs cast, autocast off)")
     dropped = counted_list("row", done.get("drop_samples", {}).get("rows"))
     if "drop_samples" in done:
         extra += f", trained on the batch without {dropped or 'its bad rows'}"
@@ -112,8 +114,11 @@ def summary_line(policy: Any) -> Optional[str]:
                     f": came back {plural(again, 'time')}, recovered each time)" if again else ")")
     elif policy.quarantined_batch_rows:
         s += f"; bad batch {counted_list('row', sorted(set(policy.quarantined_batch_rows)))}"
-    if policy.upcast_modules:
-        s += f"; float32 {counted_list('module', policy.upcast_modules)}"
+    mods = [m for m in policy.upcast_modules if m is not None]
+    if mods:
+        s += f"; float32 {counted_list('module', mods)}"
+    if len(mods) < len(policy.upcast_modules):  # (an op outside every module: the loss code)
+        s += "; the loss code in float32"
     if policy.clip_norm is not None:
         s += f"; clipping at {policy.clip_norm:.3g}"
     if policy.loss_scaler is not None:

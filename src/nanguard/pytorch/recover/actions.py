@@ -51,6 +51,8 @@ class TorchActions(RecoveryActions):
         self.opt_index: Dict[int, int] = {}  # id(optimizer) -> the history's index of it (the driver's monitor)
         self.focus: Optional[List[int]] = None  # the history indices of the optimizers the diagnosis names (focus.py)
         self.carried: Optional[Callable[[int], Optional[Dict[str, Any]]]] = None  # the driver's carried state
+        # the driver's loss code run in float32 (nanguard run's step tape), for an op outside every module
+        self.loss_code: Optional[Callable[[], Optional[Dict[str, Any]]]] = None
 
     # -------------------------------------------------------------- the state
     def state_finite(self, with_optimizers: bool = True) -> bool:
@@ -106,8 +108,8 @@ class TorchActions(RecoveryActions):
 
     def upcast(self, module: Optional[str], on_downstream: Callable[[str], None]) -> Optional[Dict[str, Any]]:
         mod = find_module(self.roots, module)
-        if mod is None:
-            return None
+        if mod is None:  # an op outside every module: the loss code, where the driver can run it in float32
+            return self.loss_code() if module is None and self.loss_code is not None else None
         rec = dict(upcast_module(mod, self.optimizers), module=module)
         rec["downstream"] = []
         self.hooks.extend(upcast_downstream(self.roots, mod, self.optimizers, rec, on_downstream))

@@ -58,6 +58,9 @@ class RecoveryPolicy(_NeutralPolicy):
             (self._watcher() if self._watcher is not None else None)
         acts.opt_index = getattr(getattr(owner, "monitor", None), "opt_index", None) or {}
         acts.carried = self.carried
+        tape = getattr(owner, "tape", None) if self._watcher is not None else None
+        if tape is not None:
+            acts.loss_code = tape.loss_in_float32
         return acts
 
     def maybe_snapshot(self, step: int, modules, optimizers, scaler, loss: Optional[float] = None) -> None:

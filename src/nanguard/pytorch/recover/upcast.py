@@ -12,6 +12,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..numerics import to_float32
+
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -31,8 +33,8 @@ def upcast_module(module: torch.nn.Module, optimizers: Sequence[Any]) -> Dict[st
         orig = module.forward
 
         def forward(*args, **kwargs):
-            args = tuple(_to32(a) for a in args)
-            kwargs = {k: _to32(v) for k, v in kwargs.items()}
+            args = tuple(to_float32(a) for a in args)
+            kwargs = {k: to_float32(v) for k, v in kwargs.items()}
             dev = next((t.device.type for t in list(module.parameters())[:1]), None) or _device_of(args) or "cpu"
             with torch.autocast(device_type=dev, enabled=False):
                 return orig(*args, **kwargs)
@@ -69,7 +71,7 @@ def upcast_downstream(roots: Sequence[torch.nn.Module], upcast: torch.nn.Module,
                 h = getattr(mod, "_nanguard_dshook", None)
                 if h is not None:
                     h.remove()
-                return tuple(_to32(a) for a in args)
+                return tuple(to_float32(a) for a in args)
 
             m._nanguard_dshook = m.register_forward_pre_hook(hook)
             handles.append(m._nanguard_dshook)
@@ -99,16 +101,6 @@ def _device_of(args) -> Optional[str]:
         if isinstance(a, torch.Tensor):
             return a.device.type
     return None
-
-
-def _to32(x):
-    if isinstance(x, torch.Tensor) and x.dtype in LOW_PRECISION:
-        return x.float()
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to32(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _to32(v) for k, v in x.items()}
-    return x
 
 
 def _wide_float_input(args) -> bool:
