@@ -316,3 +316,25 @@ def test_a_skip_puts_back_what_the_step_carries_besides_the_parameters():
     assert rep.status == "recovered" and [e.step for e in rep.events] == [3], [(e.step, e.phase) for e in rep.events]
     assert rep.events[0].recovery["actions"]["skip_step"].get("carried_restored") is True
     assert np.all(np.isfinite(np.asarray(stats))) and np.isfinite(float(loss))
+
+
+def test_recovery_still_sees_an_optimizer_state_that_overflowed():
+    """Recovery returns the old optimizer state for a failing update, while the check reads the update's own new
+    state: an Adam second moment past float16's range is a failure of its step, and the state the step returns
+    is the old, finite one."""
+    with ngjax.watch(report=None, quiet=True, recover="auto", on_nonfinite="warn") as drv:
+        params = {"w": jnp.ones(4, jnp.float16)}
+        tx = optax.scale_by_adam()
+        opt_state = tx.init(params)
+
+        @jax.jit
+        def step(params, opt_state, g):
+            loss, grads = jax.value_and_grad(lambda p: jnp.sum(p["w"].astype(jnp.float32) * g.astype(jnp.float32)))(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, jax.tree_util.tree_map(lambda u: -1e-3 * u, updates)), opt_state, loss
+        for i in range(4):
+            g = jnp.full(4, 30000.0 if i == 2 else 1.0, jnp.float16)  # (1 - b2) * 30000^2 = 9e5: past 65504
+            params, opt_state, loss = step(params, opt_state, g)
+    rep = drv.report
+    assert rep.events and rep.events[0].step == 2, [(e.step, e.phase) for e in rep.events]
+    assert np.all(np.isfinite(np.asarray(opt_state.nu["w"])))  # the kept state

@@ -227,9 +227,11 @@ def _outer_update(host: Any, update: Callable, info: Dict[str, Any], grads: Any,
             if host.lr_scale != 1.0:
                 out_u = check.scale_tree(out_u, host.lr_scale)
             host.note_optimizer(info, state)
-            if host.recovering:  # a failing update keeps the old optimizer state (the parameters: at apply)
-                new_state = _kept_state(loss, grads, params, new_state, state)
+            # the check reads the update's own new state; with recovery, a failing update returns the old one
+            # (and keeps the old parameters where it is applied: _Pending.gate)
             ctx.flags.append(_Pending(loss, grads, params, out_u, new_state, gating=host.recovering))
+            if host.recovering:
+                new_state = _kept_state(loss, grads, params, new_state, state)
             return out_u, new_state
         vec, ok = check.step_vector(loss, grads, params, out_u, new_state)
         if host.recovering:
