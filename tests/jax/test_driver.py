@@ -338,3 +338,4 @@ def test_recovery_still_sees_an_optimizer_state_that_overflowed():
     rep = drv.report
     assert rep.events and rep.events[0].step == 2, [(e.step, e.phase) for e in rep.events]
     assert np.all(np.isfinite(np.asarray(opt_state.nu["w"])))  # the kept state
+

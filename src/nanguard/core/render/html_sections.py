@@ -15,7 +15,7 @@ from .values import fix_notes, fmt, tested_line, is_recovery, is_warning, num
 # Keys of the report that the environment section shows in its own rows; anything else top-level
 # that is not one of these is listed there as it is.
 _KNOWN_TOP = ("schema", "status", "events", "history", "info", "nanguard_version", "counting", "steps_watched",
-              "max_grad_norm", "scaler_skips", "environment", "env")
+              "max_grad_norm", "scaler_skips", "environment", "env", "unwatched")
 # What a reader wants to know about the run and the report does not carry today (see the module doc).
 ENV_WANTED = (("python", "Python version"), ("framework", "framework (torch / tensorflow)"),
               ("framework_version", "framework version"), ("device", "device (cpu, cuda:0 + GPU name)"),
@@ -56,6 +56,9 @@ def headline_section(report: Dict[str, Any], ev: Optional[Dict[str, Any]]) -> st
         h1 = "No non-finite value"
         if n_warn:
             h1 += f", {plural(n_warn, 'warning')}"
+        if status == "unwatched":  # nothing was checked: not a clean run
+            h1 = "Nothing was checked"
+            facts.append(e(str(report.get("unwatched") or "no update was seen")))
         return (f'<header class="headline"><h1>{badge} {e(h1)}</h1>'
                 f'<p class="facts">{", ".join(facts)}.</p></header>')
     cause = ev.get("cause") or {}
