@@ -173,14 +173,38 @@ def step_vector(loss: Any, grads: Any, params: Any, updates: Any, new_state: Any
 
 def gate(ok: jax.Array, vec: jax.Array, updates: Any, new_state: Any, old_state: Any,
          scale: float = 1.0) -> Tuple[jax.Array, Any, Any]:
-    """Recovery mode: a failing update is dropped in the graph (zero update, the old optimizer state),
-    and ``scale`` (a backed-off learning rate) multiplies the update (never when it is 1: bit-for-bit)."""
+    """Recovery mode, inside the update: a failing update is dropped in the graph (zero update, the old
+    optimizer state), and ``scale`` (a backed-off learning rate) multiplies the update (never when it is 1)."""
     zero = jax.tree_util.tree_map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
     if scale != 1.0:
         zero = scale_tree(zero, scale)
-    kept = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new_state, old_state)
-    vec = vec.at[C["gated"]].set(jnp.where(ok, 0.0, 1.0))
-    return vec, zero, kept
+    return gated(vec, ok), zero, select(ok, new_state, old_state)
+
+
+def select(ok: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``ok``, else ``old``, leaf by leaf; a leaf that is no array (an Equinox module's function,
+    a static value) stays as in ``new``."""
+    def one(n: Any, o: Any) -> Any:
+        if hasattr(n, "dtype") and hasattr(n, "shape") and hasattr(o, "dtype"):
+            return jnp.where(ok, n, o)
+        return n
+    return jax.tree_util.tree_map(one, new, old)
+
+
+def gated(vec: jax.Array, ok: jax.Array) -> jax.Array:
+    """``vec`` with its ``gated`` flag set where the step's update was dropped."""
+    return vec.at[C["gated"]].set(jnp.where(ok, 0.0, 1.0))
+
+
+def with_post(vec: jax.Array, ok: jax.Array, post: Any) -> Tuple[jax.Array, jax.Array]:
+    """A step vector (read without the update) completed with ``post``, the parameters the update made:
+    (the vector with its ``post_ok`` flag and ``gated`` set, the step's ``ok``). ``post`` is read as the plain
+    check reads it (fenced): the update stays fused into the new parameters' kernels."""
+    (leaves,) = fenced(float_leaves(post))
+    (post_ok,) = finite_from((total(leaves, False),), (leaves,))
+    ok = ok & post_ok
+    vec = vec.at[C["post_ok"]].set(jnp.minimum(vec[C["post_ok"]], jnp.asarray(post_ok).astype(jnp.float32)))
+    return gated(vec, ok), ok
 
 
 def scale_tree(updates: Any, scale: float) -> Any:

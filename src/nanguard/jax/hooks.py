@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -43,17 +43,22 @@ class _Pending:
     script has applied the update (``optax.apply_updates``), and the check reads the new parameters, an
     output the step computes anyway, in place of the update itself (see :func:`_vector`)."""
 
-    __slots__ = ("loss", "grads", "params", "updates", "new_state", "applied", "u_ids", "p_ids", "gating", "vec")
+    __slots__ = ("loss", "grads", "params", "updates", "new_state", "applied", "u_ids", "p_ids", "pre", "vec")
 
     def __init__(self, loss: Any, grads: Any, params: Any, updates: Any, new_state: Any,
-                 gating: bool = False) -> None:
+                 pre: Optional[Tuple[Any, Any]] = None) -> None:
         self.loss, self.grads, self.params, self.updates, self.new_state = loss, grads, params, updates, new_state
         self.applied: Any = None
         self.u_ids = [id(x) for x in jax.tree_util.tree_leaves(updates)]
         self.p_ids = [id(x) for x in check.float_leaves(params)] if params is not None else None
-        # recovery: the update is gated where it is applied (:meth:`gate`); the vector is built there
-        self.gating = gating
+        # recovery: (the vector read without the update, its ok); the update is gated where it is applied
+        # (:meth:`gate`), which completes the vector
+        self.pre = pre
         self.vec: Any = None
+
+    @property
+    def gating(self) -> bool:
+        return self.pre is not None
 
     def vector(self) -> Any:
         if self.vec is not None:
@@ -66,9 +71,9 @@ class _Pending:
         ``params``. The check reads the new parameters, as the plain check does, so the update stays fused
         into their kernels and a healthy step is bit for bit the plain one (a gate on the update itself
         made XLA compute it apart: a 1-ulp drift of SGD-Nesterov within 20 steps)."""
-        vec, ok = check.step_vector(self.loss, self.grads, self.params, new_params, self.new_state)
-        self.vec = vec.at[check.C["gated"]].set(jnp.where(ok, 0.0, 1.0))[None, :]
-        return jax.tree_util.tree_map(lambda n, o: _select(ok, n, o), new_params, params)
+        vec, ok = check.with_post(*self.pre, new_params)
+        self.vec = vec[None, :]
+        return check.select(ok, new_params, params)
 
 
 class _Ctx:
@@ -228,10 +233,12 @@ def _outer_update(host: Any, update: Callable, info: Dict[str, Any], grads: Any,
                 out_u = check.scale_tree(out_u, host.lr_scale)
             host.note_optimizer(info, state)
             # the check reads the update's own new state; with recovery, a failing update returns the old one
-            # (and keeps the old parameters where it is applied: _Pending.gate)
-            ctx.flags.append(_Pending(loss, grads, params, out_u, new_state, gating=host.recovering))
-            if host.recovering:
-                new_state = _kept_state(loss, grads, params, new_state, state)
+            # (read apart from the update's kernels) and keeps the old parameters where it is applied
+            # (_Pending.gate, which completes this vector with them)
+            pre = check.step_vector(loss, grads, params, None, new_state) if host.recovering else None
+            ctx.flags.append(_Pending(loss, grads, params, out_u, new_state, pre))
+            if pre is not None:
+                new_state = check.select(pre[1], new_state, state)
             return out_u, new_state
         vec, ok = check.step_vector(loss, grads, params, out_u, new_state)
         if host.recovering:
@@ -248,22 +255,6 @@ def _outer_update(host: Any, update: Callable, info: Dict[str, Any], grads: Any,
     except Exception as e:  # the check must never break the user's step
         host.internal_error(e)
     return out_u, new_state
-
-
-def _kept_state(loss: Any, grads: Any, params: Any, new_state: Any, state: Any) -> Any:
-    """Recovery: the update's new optimizer state where its inputs and the state itself are finite, else the
-    old one. Read apart from the update (the check's fenced reads), so the update's own kernels are the
-    plain step's."""
-    _, ok = check.step_vector(loss, grads, params, None, new_state)
-    return jax.tree_util.tree_map(lambda n, o: _select(ok, n, o), new_state, state)
-
-
-def _select(ok: Any, new: Any, old: Any) -> Any:
-    """``new`` where ``ok``, else ``old``, for an array leaf; any other leaf (an Equinox module's function,
-    a static value) as it is."""
-    if hasattr(new, "dtype") and hasattr(new, "shape") and hasattr(old, "dtype"):
-        return jnp.where(ok, new, old)
-    return new
 
 
 # --------------------------------------------------------------------------- jit

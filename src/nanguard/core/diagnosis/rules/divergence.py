@@ -629,6 +629,10 @@ def steady_growth(sig: dict, dy: dict, ev: dict, method: str, conf: float, where
 
 
 # ---------------------------------------------------------------------------- 4. a gradient jump
+RECURRENT_FIX = ("for recurrent models keep the recurrent matrix's spectral radius below 1 (orthogonal init with "
+                 "gain < 1, gating, a parametrisation that bounds it) and use truncated BPTT")
+
+
 def grad_jump(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: str) -> dict:
     before = dy.get("grad_norm_before") if dy.get("grad_norm_before") else sig.get("grad_norm_median_before")
     last = sig.get("grad_norm_last") or dy.get("grad_norm_last")
@@ -643,8 +647,7 @@ def grad_jump(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: st
              "roll back to the last finite state and skip or clip the step with the jump"]
     if lr0:
         fixes.append(f"if it recurs, lower the learning rate (e.g. {T.g(lr0)} -> {X.lr_to(T.g(lr0 / 10))})")
-    fixes.append("for recurrent models keep the recurrent matrix's spectral radius below 1 (orthogonal "
-                 "init with gain < 1, gating, a parametrisation that bounds it) and use truncated BPTT")
+    fixes.append(RECURRENT_FIX)
     onset = dy.get("grad_onset_step")
     at = f" from step {onset}" if onset is not None else ""
     return T.result("gradient_explosion", f"gradient explosion: the gradient norm jumped from a median of "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .. import fixes as X
 from .. import text as T
+from .divergence import RECURRENT_FIX
 
 
 def optimizer_result(loc: dict | None, facts: dict, ev: dict, method: str, conf: float, ctx: dict) -> dict:
@@ -125,8 +126,7 @@ def huge_gradient_result(origin: dict, big: float, sig: dict, ev: dict, method: 
     return T.result("gradient_explosion", summ, conf, ev,
                     [clip, "roll back to the last finite state and skip or clip the step with the jump",
                      lower + ": the update before this one may have thrown the weights to where the gradient is "
-                     "this large", "for recurrent models keep the recurrent matrix's spectral radius below 1 "
-                     "(orthogonal init with gain < 1, gating) and use truncated BPTT"], method)
+                     "this large", RECURRENT_FIX], method)
 
 
 def _state_overflow(origin: dict, opt: dict) -> bool:
