@@ -269,3 +269,14 @@ def test_a_division_guard_that_passed_marks_the_denominator_fix_and_says_why_the
     assert ev.fixes[0].startswith("guard the denominator") and ev.cause["tested_fixes"][0]["fix_index"] == 0
     un = ev.cause["untested_fixes"]
     assert [u["fix_index"] for u in un] == [1] and "tested another change" in un[0]["why"], un
+
+
+def test_a_power_guard_that_passed_marks_the_fix_written_as_x_to_the_p():
+    """A fix for a power is written ``x.clamp(min=eps) ** p``, not ``torch.pow(``: the replay that clamped
+    the base tests it (it was listed untested, "the replay tested another change")."""
+    fix, = _bound(lambda: f"keep the base away from 0 at t.py:3: {X.clamp_min('x', '1e-6')} ** p (or (x + 1e-6) ** p)")
+    exp = {"kind": "domain_guard", "change": "the inputs of pow kept inside its domain (base clamped to >= eps)",
+           "finite": True, "replays": 1, "params": {"op": "pow", "guard": "base clamped to >= eps"}}
+    ev = _event([fix], [exp], category="sqrt_domain")
+    reconcile(ev, "pytorch")
+    assert "untested_fixes" not in ev.cause and ev.cause["tested_fixes"][0]["fix_index"] == 0

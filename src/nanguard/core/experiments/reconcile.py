@@ -142,7 +142,8 @@ class _Reconciler:
         for t in ([ok] if ok is not None else []) + bad:
             op = t.get("op")
             # a division's guard is worded by its denominator ("divide by max(count, 1)"), not the op's name
-            if op and (f"{X.fn(op)}(" in f or (op in _DIVISIONS and "the denominator" in f)):
+            if op and (f"{X.fn(op)}(" in f or (op in _DIVISIONS and "the denominator" in f)
+                       or (op.split(".")[-1] in _POWERS and " ** " in f)):  # a power is written x ** p
                 if t.get("passed"):
                     self._pass(i, t)
                 else:
@@ -191,6 +192,7 @@ class _Reconciler:
 
 # ---------------------------------------------------------------------------- why a fix was not tested
 _DIVISIONS = ("div", "true_divide", "divide", "reciprocal")
+_POWERS = ("pow", "Pow", "power", "float_power")
 _TESTER = {"lr": "lr_replay", "clip": "clip_replay", "dtype": "upcast_module", "eps": "domain_guard"}
 
 
