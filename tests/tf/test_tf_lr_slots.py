@@ -54,3 +54,21 @@ def test_a_constant_rate_is_its_own_peak():
     opt = keras.optimizers.SGD(learning_rate=0.05)
     acts, _ = _actions(opt)
     assert np.isclose(acts.learning_rate_peaks()[0], 0.05)
+
+
+def test_an_optimizer_whose_rate_cannot_be_read_does_not_shift_the_others_peaks():
+    class Unreadable:
+        @property
+        def learning_rate(self):
+            raise RuntimeError("no rate")
+
+    s = keras.optimizers.schedules.CosineDecay(initial_learning_rate=0.0, decay_steps=300, warmup_target=0.8,
+                                               warmup_steps=100)
+    warm = keras.optimizers.SGD(learning_rate=s)
+    make_schedule_scalable(warm)
+    const = keras.optimizers.SGD(learning_rate=0.05)
+    for o in (warm, const):
+        o.build([keras.Variable(np.ones(3, "float32"))])
+    acts = KerasActions(types.SimpleNamespace(models=[], optimizers=lambda: [Unreadable(), warm, const]))
+    peaks = acts.learning_rate_peaks()
+    assert len(peaks) == 2 and 0.75 <= peaks[0] <= 0.8001 and np.isclose(peaks[1], 0.05), peaks

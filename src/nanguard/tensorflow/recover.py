@@ -301,20 +301,17 @@ class KerasActions(_ActionsBase):
         return self.drop(rows) if self.drop is not None and not self.applied else None
 
     def learning_rates(self) -> List[float]:
-        out = []
-        for o in self.optimizers:
-            try:
-                out.append(float(np.asarray(o.learning_rate)))
-            except Exception:
-                pass
-        return out
+        return [r for r in map(_rate, self.optimizers) if r is not None]
 
     def learning_rate_peaks(self, horizon: int = 1000) -> List[float]:
         """The highest rate each optimizer's schedule reaches in the next ``horizon`` updates (a warm-up's
         peak: CosineDecay's ``warmup_target``), at least its current rate; evaluated on the host, only
-        after a failure."""
+        after a failure. The optimizers whose rate cannot be read are left out, as in ``learning_rates``."""
         out = []
-        for o, now in zip(self.optimizers, self.learning_rates()):
+        for o in self.optimizers:
+            now = _rate(o)
+            if now is None:
+                continue
             inner = getattr(o, "inner_optimizer", None) or o
             lr = getattr(inner, "_learning_rate", None)
             peak = now
@@ -682,3 +679,11 @@ class TFRecovery:
 
     def print_summary(self) -> None:
         self.policy.print_summary()
+
+
+def _rate(opt: Any) -> Optional[float]:
+    """``opt``'s current learning rate, None where it cannot be read."""
+    try:
+        return float(np.asarray(opt.learning_rate))
+    except Exception:
+        return None
