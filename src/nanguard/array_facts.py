@@ -1,4 +1,5 @@
-"""Evidence facts computed on numpy arrays, shared by the backends whose replay reads numpy values (TensorFlow, JAX).
+"""Evidence facts computed on numpy arrays, shared by the backends whose replay reads numpy values (TensorFlow, JAX;
+PyTorch for the rows an input is huge in).
 
 Framework-neutral: numpy and the core only (``nanguard.core`` itself imports no numpy). Each function
 takes the examined op's inputs as host arrays (floats already widened by the backend: bfloat16 and
@@ -13,7 +14,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 __all__ = ["jnum", "CMP", "mask_rows", "finite_range", "log_domain", "root_counts", "pow_exponent", "trig_domain",
-           "exp_input", "domain", "masked_softmax_rows", "denominator_counts", "overflow", "kl_target"]
+           "exp_input", "domain", "masked_softmax_rows", "denominator_counts", "overflow", "row_max_abs", "isolated_rows", "kl_target"]
 
 CMP = {"le": np.less_equal, "lt": np.less, "ge": np.greater_equal, "gt": np.greater}
 
@@ -141,6 +142,36 @@ def overflow(out_counts: dict, range_ok: Any, input_max_abs: Iterable[Any], dtyp
         return {"overflow": {"dtype_max": jnum(dtype_max),
                              "input_max_abs": max([m for m in input_max_abs if isinstance(m, float)], default=None)}}
     return None
+
+
+# A row whose largest |value| is this many times the median row's: one sample far outside the others
+ISOLATED = 1e4
+
+
+def row_max_abs(a: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    """The largest |value| of each row along the first dimension (None for a scalar or fewer than 4 rows)."""
+    if a is None or a.ndim == 0 or a.shape[0] < 4 or a.size == 0 or a.dtype.kind != "f":
+        return None
+    return np.abs(a.reshape(a.shape[0], -1).astype(np.float64)).max(axis=1)
+
+
+def isolated_rows(rows: Iterable[tuple]) -> Optional[dict]:
+    """``rows``: (argument position, ``row_max_abs`` of that input) of an op that ran out of range on finite
+    inputs. The input whose largest values sit in a few rows (at most 1 in 8, >= ``ISOLATED`` x the median
+    row's): one sample far outside the rest of the batch, where weights that grew make every row large."""
+    best: Optional[dict] = None
+    for arg, m in rows:
+        if m is None or not np.isfinite(m).all():
+            continue
+        med = float(np.median(m))
+        hit = np.nonzero(m >= ISOLATED * med)[0] if med > 0 else np.zeros(0, int)
+        if not hit.size or hit.size > max(1, m.size // 8):
+            continue
+        v = float(m[hit].max())
+        if best is None or v > best["value"]:
+            best = {"arg": arg, "rows": [int(i) for i in hit[:10]], "count": int(hit.size), "value": jnum(v),
+                    "typical": jnum(med), "rows_total": int(m.size)}
+    return {"isolated_input": best} if best is not None else None
 
 
 def kl_target(tg: np.ndarray, log_target: bool) -> dict:

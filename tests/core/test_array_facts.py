@@ -66,3 +66,23 @@ def test_masked_rows_denominators_and_overflow():
     assert hit == {"overflow": {"dtype_max": 3.4e38, "input_max_abs": 3e38}}
     assert F.overflow({"posinf": 2, "neginf": 0, "nan": 1}, True, [], 1.0) is None
     assert F.overflow({"posinf": 2, "neginf": 0, "nan": 0}, False, [], 1.0) is None
+
+
+def test_one_row_far_outside_the_others_is_isolated():
+    y = np.random.default_rng(0).normal(size=(32, 1))
+    y[12] = 1e20
+    iso = F.isolated_rows([(1, F.row_max_abs(y))])["isolated_input"]
+    assert iso["rows"] == [12] and iso["arg"] == 1 and iso["value"] == 1e20 and iso["rows_total"] == 32
+
+
+def test_every_row_large_is_weights_not_a_sample():
+    """Weights that grew make every row of an activation large: nothing is isolated."""
+    h = np.random.default_rng(0).normal(size=(32, 8)) * 1e30
+    assert F.isolated_rows([(0, F.row_max_abs(h))]) is None
+
+
+def test_many_large_rows_or_too_few_rows_are_not_isolated():
+    x = np.ones((32, 4))
+    x[:8] = 1e20  # a quarter of the batch: not one sample
+    assert F.isolated_rows([(0, F.row_max_abs(x))]) is None
+    assert F.row_max_abs(np.ones(3)) is None and F.row_max_abs(np.float32(2.0)) is None

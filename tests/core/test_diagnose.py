@@ -462,3 +462,29 @@ def test_a_cholesky_nan_names_a_matrix_that_is_not_positive_definite():
     f = {"float64_check": {"finite": False}, "producers": [["div", "add", "add"]]}
     d = run(loc("cholesky", api="jnp.cholesky", facts=f, output={"nan": 9216, "posinf": 0, "neginf": 0}), CALM)
     assert "positive-definite" in d["summary"] and "softplus" in d["fixes"][0], d["summary"]
+
+
+def _sentinel(iso=True):
+    """mse_loss overflowing float32 on finite inputs: one target row is 1e20 (a sentinel for a missing value)."""
+    ins = [{"dtype": "float32", "shape": [32, 1], "numel": 32, "nonfinite": 0, "max_abs": 0.24, "arg": 0},
+           {"dtype": "float32", "shape": [32, 1], "numel": 32, "nonfinite": 0, "max_abs": 1e20, "arg": 1}]
+    facts = {"overflow": {"dtype_max": 3.4e38, "input_max_abs": 1e20}, "float64_check": {"finite": True},
+             "producers": [["addmm", "relu", "addmm"], ["slice"]]}
+    if iso:
+        facts["isolated_input"] = {"arg": 1, "rows": [12], "count": 1, "value": 1e20, "typical": 1.6,
+                                   "rows_total": 32}
+    return loc("aten.mse_loss.default", api="torch.nn.functional.mse_loss", inputs=ins, facts=facts,
+               output={"nan": 0, "posinf": 1, "neginf": 0})
+
+
+def test_an_overflow_whose_size_sits_in_one_batch_row_is_that_sample():
+    """It read "other (0.45): float64 would hold it; rescale the values" with a sentinel 1e20 in one target."""
+    d = run(_sentinel(), CALM)
+    assert d["category"] == "bad_input_data" and "batch row [12]" in d["summary"], d["summary"]
+    assert "batch row [12]" in d["fixes"][0] and d["evidence"]["isolated_input"]["value"] == 1e20
+    assert run(_sentinel(iso=False), CALM)["category"] == "other"
+
+
+def test_a_diverging_history_wins_over_an_isolated_row():
+    hist = H([1.0, 0.9, 3.0, 40.0, 900.0, 2e4, 5e5], [1.0, 1.2, 8.0, 90.0, 2e3, 5e4, 1e6])
+    assert run(_sentinel(), hist)["category"] in ("lr_too_high", "gradient_explosion")

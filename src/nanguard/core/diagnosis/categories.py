@@ -14,7 +14,9 @@ CATEGORIES: dict[str, str] = {
                       "run's blow-up. Selected when the provenance of the failure ends in a tensor that existed "
                       "before the step and is not a parameter or buffer (the sample rows are named), or when the "
                       "history shows a batch whose largest |value| is >= 10x that of every earlier batch at the "
-                      "step where the loss jumped >= 10x.",
+                      "step where the loss jumped >= 10x, or when an op ran out of its dtype's range on finite "
+                      "inputs whose size sits in a few batch rows (>= 1e4x the median row's largest |value|: a "
+                      "sentinel such as 1e20 in one sample) and the history shows no divergence.",
     "param_corruption": "A parameter or buffer is non-finite before the step uses it (bad initialisation, a "
                         "write under no_grad, a previous bad update). Selected when the provenance ends in a "
                         "parameter/buffer, or the detector saw non-finite parameters before the forward.",

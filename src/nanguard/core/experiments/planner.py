@@ -77,9 +77,12 @@ def origin_rows(s: Situation) -> Optional[List[int]]:
     they are a strict subset of the batch; None when they cannot be mapped to batch rows."""
     b = s.caps.get("batch_size")
     rows = [r for r in (s.origin.get("samples") or []) if isinstance(r, int)]
+    shape = s.origin.get("shape")
+    iso = s.evidence.get("isolated_input")
+    if not rows and isinstance(iso, dict):  # the few rows an op's finite input is huge in (rows of that input)
+        rows, shape = [r for r in iso.get("rows") or [] if isinstance(r, int)], [iso.get("rows_total")]
     if not b or not rows or len(rows) >= b or len(rows) >= 10:  # 10: the recorder's limit, maybe more
         return None
-    shape = s.origin.get("shape")
     if shape and shape[0] != b:
         return None
     return rows if all(0 <= r < b for r in rows) else None

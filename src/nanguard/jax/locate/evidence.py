@@ -287,6 +287,15 @@ def _overflow(p: Probe) -> Optional[dict]:
     return F.overflow(N.counts(p.a0), range_ok, mx, N.dtype_max(p.dtype))
 
 
+@gatherer("isolated_input", always=True)
+def _isolated(p: Probe) -> Optional[dict]:
+    """A forward op that ran out of range on finite inputs float64 holds: one input's size in a few batch rows."""
+    if p.stage != "forward" or not (p.facts.get("float64_check") or {}).get("finite"):
+        return None
+    return F.isolated_rows((k, F.row_max_abs(N.host(v)))
+                           for k, v in enumerate(p.ins) if N.is_float(v))
+
+
 @gatherer("kl_div", always=True)
 def _kl_div(p: Probe) -> Optional[dict]:
     """The target of an enclosing ``optax.kl_divergence`` (probabilities expected): the examined ``log`` is

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ... import array_facts as AF
 from ...core.diagnosis import families
 from ...core.diagnosis.roles import EPS_PRODUCER, INDEX, REDUCE, VIEW
 from ...core.locate.evidence import Gatherers, ProbeBase
@@ -468,6 +469,21 @@ def _overflow(p: Probe) -> dict | None:
                                                                if i[2].dtype.is_floating_point)
                                                    if isinstance(s, float)], default=None)}}
     return None
+
+
+@gatherer("isolated_input", always=True)
+def _isolated(p: Probe) -> dict | None:
+    """A forward op that ran out of range on finite inputs float64 holds: one input's size in a few batch rows."""
+    if p.stage != "forward" or not (p.facts.get("float64_check") or {}).get("finite"):
+        return None
+    rows = []
+    for k, pos, t, *_ in p.rel:
+        if t.dtype.is_floating_point and t.dim() and t.shape[0] >= 4 and t.numel() and t.layout == torch.strided \
+                and t.device.type != "meta":
+            m = aten.amax.default(aten.abs.default(aten.reshape.default(t.detach(), [t.shape[0], -1])), [1])
+            rows.append((k if pos is None else f"{k}[{pos}]",
+                         aten._to_copy.default(m, dtype=torch.float64, device="cpu").numpy()))
+    return AF.isolated_rows(rows)
 
 
 @gatherer("kl_div", always=True)

@@ -270,6 +270,15 @@ def _overflow(p: Probe) -> Optional[dict]:
     return F.overflow(N.nonfinite_counts(p.a0), range_ok, mx, N.dtype_max(p.t0.dtype.name))
 
 
+@gatherer("isolated_input", always=True)
+def _isolated(p: Probe) -> Optional[dict]:
+    """A forward op that ran out of range on finite inputs float64 holds: one input's size in a few batch rows."""
+    if p.stage != "forward" or not (p.facts.get("float64_check") or {}).get("finite"):
+        return None
+    return F.isolated_rows((k, F.row_max_abs(N.as_float(np_value(i)))) for k, i in enumerate(p.inputs)
+                           if is_eager(i) and i.dtype.is_floating)
+
+
 @gatherer("where_trap", always=True)
 def _where_trap(p: Probe) -> Optional[dict]:
     if p.stage == "backward" and p.fwd is not None:

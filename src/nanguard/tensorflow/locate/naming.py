@@ -111,8 +111,33 @@ def _ctor_frame(start: Any) -> Optional[tuple]:
         code = f.f_code
         if users(code.co_filename):
             return (code.co_filename, f.f_lineno, code.co_name)
+        if code.co_filename.endswith("compile_utils.py") and code.co_name in ("build", "__init__"):
+            # a loss Keras builds from compile(loss="mse") at the first fit step: the user named it in compile
+            owner = f.f_locals.get("self")
+            if type(owner).__name__ == "CompileLoss":
+                site = construction_site(owner)
+                if site is not None:
+                    return site
         f = f.f_back
     return None
+
+
+def _keyword_line(site: tuple, call: str, keyword: str) -> tuple:
+    """``site`` moved to the line of ``keyword=`` in the ``call(...)`` spanning it (``compile(\n loss="mse")``:
+    the loss's own line), else ``site``."""
+    path, line, fn = site
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return site
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == call \
+                and node.lineno <= line <= (node.end_lineno or node.lineno):
+            kw = next((k for k in node.keywords if k.arg == keyword), None)
+            if kw is not None:
+                return (path, kw.value.lineno, fn)
+    return site
 
 
 def _wrap_new(cls: Any) -> None:
@@ -139,6 +164,8 @@ def _wrap_new(cls: Any) -> None:
         try:
             if construction_site(obj) is None:
                 site = _ctor_frame(sys._getframe(1))
+                if site is not None and klass.__name__ == "CompileLoss":
+                    site = _keyword_line(site, "compile", "loss")
                 if site is not None:
                     _remember(obj, site)
         except Exception:

@@ -17,7 +17,8 @@ def _where_trap_rule(c) -> dict | None:
     return None
 
 
-@F.generic_rule(1700, categories=("low_precision_overflow", "lr_too_high", "gradient_explosion", "other"))
+@F.generic_rule(1700, categories=("low_precision_overflow", "lr_too_high", "gradient_explosion", "bad_input_data",
+                                  "other"))
 def _overflow_from_finite_inputs_rule(c) -> dict | None:
     """+-inf from finite inputs: low precision, divergence in the history, a pole, or the dtype's range."""
     if not (c.overflow_range or c.inf_only):
@@ -29,7 +30,7 @@ def _overflow_from_finite_inputs_rule(c) -> dict | None:
     dv = divergence(c.sig, origin, ev, method, 0.85, c.ctx)
     if dv is not None and not c.excludes(dv["category"]):
         return dv
-    inner = inner_updates(c)
+    inner = inner_updates(c) or isolated_input(c)
     if inner is not None:
         return inner
     dtype_max = (facts.get("overflow") or {}).get("dtype_max")
@@ -55,7 +56,7 @@ def _range_ran_out_rule(c) -> dict | None:
     ins = c.origin.get("inputs") or []
     if not c.f64.get("finite") or any(i.get("nonfinite") for i in ins if isinstance(i, dict)):
         return None
-    dv = divergence(c.sig, c.origin, c.ev, c.method, 0.8, c.ctx) or inner_updates(c)
+    dv = divergence(c.sig, c.origin, c.ev, c.method, 0.8, c.ctx) or inner_updates(c) or isolated_input(c)
     if dv is not None:
         return dv
     big = max((i.get("max_abs") or 0 for i in ins if isinstance(i, dict) and T.fin(i.get("max_abs"))), default=None)
@@ -67,6 +68,29 @@ def _range_ran_out_rule(c) -> dict | None:
                      "layer): an unnormalised input, an initialisation that grows through the layers, or weights "
                      "that grew", "normalise the activations (LayerNorm/BatchNorm), scale the initialisation "
                      "down with depth, or compute this op in float64"], c.method)
+
+
+def isolated_input(c) -> dict | None:
+    """The op ran out of range on finite inputs whose size sits in a few batch rows (``isolated_input``: each
+    >= 1e4 x the median row's largest |value|): a sample far outside the rest, where weights that grew
+    (the history's divergence, asked first) make every row large. The per-sample replay checks it."""
+    iso = c.facts.get("isolated_input")
+    if not isinstance(iso, dict) or not iso.get("rows"):
+        return None
+    rows = ", ".join(map(str, iso["rows"]))
+    n = iso.get("count") or len(iso["rows"])
+    c.ev["isolated_input"] = iso
+    summ = (f"{c.api} ran out of the {c.dtype} range at {c.where} on finite inputs: one of them reaches "
+            f"{T.g(iso.get('value'))} in batch row{'s' if n > 1 else ''} [{rows}] (of {iso.get('rows_total')}) "
+            f"where the median row stays within {T.g(iso.get('typical'))}: {n} sample{'s' if n > 1 else ''} far outside the "
+            f"rest of the batch, not weights that grew ({history_words(c.sig)})")
+    fixes = [f"check the data behind batch row{'s' if n > 1 else ''} [{rows}] (a sentinel such as 1e20 for a "
+             "missing value, a unit error, an unscaled target): validate the inputs and targets before training, "
+             "e.g. reject rows whose abs().max() is far above the data's usual range",
+             "normalise inputs and targets with statistics of the training data (a robust scaler), or clip / "
+             "winsorise extreme values",
+             "skip the batch (nanguard --recover auto skips or quarantines it)"]
+    return T.result("bad_input_data", summ, 0.7, c.ev, fixes, c.method)
 
 
 def other(c) -> dict:
