@@ -339,3 +339,21 @@ def test_recovery_still_sees_an_optimizer_state_that_overflowed():
     assert rep.events and rep.events[0].step == 2, [(e.step, e.phase) for e in rep.events]
     assert np.all(np.isfinite(np.asarray(opt_state.nu["w"])))  # the kept state
 
+
+
+def test_os_exit_ends_the_run_with_its_report(tmp_path):
+    """``os._exit`` runs no ``finally``: the report stayed "running". The run ends inside it now."""
+    import json
+    import subprocess
+    import sys
+    s = tmp_path / "e.py"
+    s.write_text("import os\nimport jax.numpy as jnp\nimport optax\n"
+                 "tx = optax.sgd(0.1)\np = {'w': jnp.ones(3)}\ns = tx.init(p)\n"
+                 "for _ in range(3):\n    u, s = tx.update({'w': jnp.ones(3)}, s, p)\n    p = optax.apply_updates(p, u)\n"
+                 "os._exit(6)\n")
+    rep = tmp_path / "e.json"
+    out = subprocess.run([sys.executable, "-m", "nanguard", "run", "--report", str(rep), "--no-bundle", "--no-html",
+                          str(s)], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    data = json.loads(rep.read_text())
+    assert out.returncode == 6 and data["status"] == "exited" and data["exit_code"] == 6, out.stderr[-2000:]
+    assert data["steps_watched"] == 3

@@ -3,6 +3,9 @@ update never reaches the variables; LossScaleOptimizer warm-up skips are counted
 and a collapsing scale is; exit statuses of `nanguard run` on TF scripts."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -121,3 +124,13 @@ def test_exit_statuses(tmp_path):
     assert code == 2 and rep is None
     code, rep = run_tf(tmp_path, write(tmp_path, "print('no tensorflow here')\n", "d.py"))
     assert code == 0 and rep["status"] == "clean" and rep["steps_watched"] == 0 and rep["note"]
+
+
+def test_os_exit_ends_the_run_with_its_report(tmp_path):
+    """``os._exit`` runs no ``finally``: the report stayed "running". The run ends inside it now."""
+    s = write(tmp_path, "import os\nimport tensorflow as tf\nv = tf.Variable(1.0)\nos._exit(6)\n", "e.py")
+    rep = tmp_path / "e.json"
+    out = subprocess.run([sys.executable, "-m", "nanguard", "run", "--report", str(rep), "--no-bundle", "--no-html", s],
+                         capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    data = json.loads(rep.read_text())
+    assert out.returncode == 6 and data["status"] == "exited" and data["exit_code"] == 6, out.stderr[-2000:]

@@ -120,6 +120,46 @@ def test_sys_exit_code_is_in_the_report(tmp_path):
     assert code == 3 and rep["exit_code"] == 3 and rep["status"] == "nonfinite"
 
 
+OS_EXIT = """
+import os, sys
+import torch
+torch.manual_seed(0)
+if os.fork() == 0:  # a worker process ends the way multiprocessing's children do
+    os._exit(0)
+os.wait()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(6):
+    x = torch.randn(8, 4)
+    if step == int(sys.argv[1]):
+        x[2, 1] = float("nan")
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print("done", flush=True)
+os._exit(int(sys.argv[2]))  # skips the interpreter's shutdown (threads that would hang it)
+"""
+
+
+@pytest.mark.parametrize("bad,code", [(-1, 0), (-1, 4), (3, 0)])
+def test_os_exit_ends_the_run_with_an_honest_report_and_no_temp_file(tmp_path, bad, code):
+    """``os._exit`` runs no ``finally``: the report stayed "running" and the run's RNG file was left in the temp
+    folder. The run now ends inside it (a forked child's ``os._exit`` is left alone), with the script's status."""
+    script, rep, tmp = write(tmp_path, OS_EXIT), tmp_path / "r.json", tmp_path / "tmp"
+    tmp.mkdir()
+    out = subprocess.run([sys.executable, "-m", "nanguard", "run", "--on-nonfinite", "warn", "--report", str(rep),
+                          "--no-bundle", "--no-html", script, str(bad), str(code)], capture_output=True, text=True,
+                         timeout=300, cwd=str(tmp_path), env={**os.environ, "TMPDIR": str(tmp)})
+    data = json.loads(rep.read_text())
+    assert out.returncode == code and data["exit_code"] == code, out.stderr[-2000:]
+    assert "done" in out.stdout and "os._exit" in out.stderr
+    want = "nonfinite" if bad >= 0 else ("exited" if code else "clean")
+    assert data["status"] == want and data["steps_watched"] == 6, (data["status"], out.stderr[-2000:])
+    assert [(e["step"], e["phase"]) for e in data["events"][:1]] == ([(3, "data")] if bad >= 0 else [])
+    assert not list(tmp.glob("nanguard-*")), list(tmp.iterdir())
+
+
 # --------------------------------------------------------------------------- 9. Guard inside watch()
 def test_guard_inside_watch_is_left_to_the_guard(tmp_path):
     torch.manual_seed(0)

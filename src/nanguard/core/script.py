@@ -13,7 +13,11 @@ nanguard's own stop the same way, and every run ends with an honest status in it
   one is due) is written, then exit status 143 / 130 (128 + the signal number), ``"status":
   "interrupted"`` unless a failure was found. A signal that comes while the report is written is
   remembered (it cuts a localization re-run short) and gives the exit status; the runner calls
-  :func:`restore_signals` at its end.
+  :func:`restore_signals` at its end;
+* ``os._exit(c)`` (scripts that skip the interpreter's shutdown: worker threads or processes that would
+  hang it): no exception unwinds and no ``finally`` runs, so the runner's end (``on_hard_exit``) is
+  called right there, in the process that runs the script (not in a forked child), and then the process
+  exits as asked, with the runner's status.
 """
 from __future__ import annotations
 
@@ -55,13 +59,16 @@ class ScriptOutcome:
     error: Optional[BaseException] = None
     error_info: Optional[Dict[str, Any]] = None
     signal: Optional[str] = None
+    hard_exit: bool = False  # it called os._exit
 
 
-def run_as_main(script: str, args: List[str], is_stop: Callable[[BaseException], bool]) -> ScriptOutcome:
+def run_as_main(script: str, args: List[str], is_stop: Callable[[BaseException], bool],
+                on_hard_exit: Optional[Callable[[ScriptOutcome], int]] = None) -> ScriptOutcome:
     """Run ``script`` as ``python SCRIPT ARGS`` would (its folder first on ``sys.path``, ``sys.argv``
     set as given), restoring both afterwards. ``is_stop(exc)`` says whether an exception is nanguard's
     own stop. SIGTERM and SIGINT are turned into exceptions while it runs (main thread only), and
-    ignored after it ended until the caller exits (see the module docstring)."""
+    ignored after it ended until the caller exits (see the module docstring). ``on_hard_exit(outcome)``:
+    the runner's end, called inside the script's ``os._exit`` (returns the status to exit with)."""
     script_abs = os.path.abspath(script)
     old_argv = sys.argv
     folder = os.path.dirname(script_abs)
@@ -70,8 +77,20 @@ def run_as_main(script: str, args: List[str], is_stop: Callable[[BaseException],
     out = ScriptOutcome()
     threads = ThreadStops(is_stop)
     threads.install()
+
+    def restore() -> None:
+        threads.uninstall()
+        sys.argv = old_argv
+        if sys.path and sys.path[0] == folder:
+            del sys.path[0]
+        else:
+            try:
+                sys.path.remove(folder)
+            except ValueError:
+                pass
+
     try:
-        with _signals_raise():
+        with _signals_raise(), _hard_exits(out, on_hard_exit, restore):
             runpy.run_path(script_abs, run_name="__main__")
     except BaseException as e:  # noqa: B902 - sorted below
         if is_stop(e):
@@ -88,16 +107,44 @@ def run_as_main(script: str, args: List[str], is_stop: Callable[[BaseException],
             out.code, out.error = 1, e
             out.error_info = describe_error(e, script_abs)
     finally:
-        threads.uninstall()
-        sys.argv = old_argv
-        if sys.path and sys.path[0] == folder:
-            del sys.path[0]
-        else:
-            try:
-                sys.path.remove(folder)
-            except ValueError:
-                pass
+        restore()
     return out
+
+
+@contextlib.contextmanager
+def _hard_exits(out: ScriptOutcome, finish: Optional[Callable[[ScriptOutcome], int]],
+                restore: Callable[[], None]) -> Iterator[None]:
+    """While the script runs, its ``os._exit(c)`` first ends the run (``finish``: the report written, the
+    hooks taken out), then exits with the status ``finish`` returns. A forked child's ``os._exit`` (a
+    worker process: the parent reports) exits at once."""
+    if finish is None:
+        yield
+        return
+    real, owner = os._exit, os.getpid()
+
+    def _exit(code: int) -> None:
+        if os.getpid() == owner and os._exit is _exit:
+            os._exit = real
+            out.code, out.hard_exit = int(code), True
+            print(f"nanguard: the script called os._exit({int(code)}); writing the report", file=sys.stderr)
+            try:
+                restore()
+                code = finish(out)
+            except BaseException as e:  # noqa: B902 - the script asked to exit now: exit whatever happens
+                print(f"nanguard: could not end the run: {type(e).__name__}: {e}", file=sys.stderr)
+            for f in (sys.stdout, sys.stderr):
+                try:
+                    f.flush()
+                except Exception:
+                    pass
+        real(code)
+
+    os._exit = _exit
+    try:
+        yield
+    finally:
+        if os._exit is _exit:
+            os._exit = real
 
 
 class ThreadStops:

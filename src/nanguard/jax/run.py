@@ -46,28 +46,35 @@ def run_jax_script(script: str, args: List[str], *, report_path: Optional[str] =
         mode = "recover" if recover else on_nonfinite
         spike = f"; on spike: {drv.on_spike}" if drv.on_spike != "warn" else ""
         print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}{spike}; report: {report_path})")
-    drv.install()
     t0 = time.time()
     owner = os.getpid()
-    try:
-        outcome = run_as_main(script, list(args), lambda e: isinstance(e, StopRun))
-    finally:
+
+    def finish(outcome: Any) -> int:
+        """The run's end: at the script's end, or inside its ``os._exit`` (``run_as_main``)."""
         drv.uninstall()
-    if os.getpid() != owner:
+        if os.getpid() != owner:
+            return outcome.code
+
+        def build() -> Any:
+            report = drv.make_report(run_seconds=time.time() - t0)
+            outcome.stopped = outcome.stopped or drv.stopped
+            return report
+
+        code = close_run(build, outcome, sink=sink, report_path=report_path, page_path=page_path, quiet=quiet,
+                         strict=strict, show=lambda report: _print_outcome(report, report_path, drv))
+        if code is not None:
+            return code
+        if outcome.stopped or (drv.stopped and not drv.recovering):
+            return EXIT_NONFINITE
         return outcome.code
 
-    def build() -> Any:
-        report = drv.make_report(run_seconds=time.time() - t0)
-        outcome.stopped = outcome.stopped or drv.stopped
-        return report
-
-    code = close_run(build, outcome, sink=sink, report_path=report_path, page_path=page_path, quiet=quiet,
-                     strict=strict, show=lambda report: _print_outcome(report, report_path, drv))
-    if code is not None:
-        return code
-    if outcome.stopped or (drv.stopped and not drv.recovering):
-        return EXIT_NONFINITE
-    return outcome.code
+    drv.install()
+    try:
+        outcome = run_as_main(script, list(args), lambda e: isinstance(e, StopRun), on_hard_exit=finish)
+    except BaseException:
+        drv.uninstall()
+        raise
+    return finish(outcome)
 
 
 def _print_outcome(report: Any, report_path: Optional[str], drv: Any) -> None:

@@ -69,10 +69,6 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
     except OSError as e:
         print(f"nanguard: {e}", file=sys.stderr)
         return EXIT_USAGE
-    rng_fd, rng_file = tempfile.mkstemp(prefix="nanguard-rng-", suffix=".pt")
-    os.close(rng_fd)
-    torch.save(capture_rng(), rng_file)  # the re-run starts from this exact RNG state
-
     # Recovery decides on exact per-update parameter checks (no rotating slices).
     config = GuardConfig(on_nonfinite=on_nonfinite, strict=strict, param_check_every=1 if recover else None)
     on_spike = on_spike or ("rollback" if recover else "warn")
@@ -108,57 +104,67 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
         print_line(f"watching {os.path.basename(script)} (on non-finite: {mode}{spike}; report: {report_path})")
 
     owner = os.getpid()
+
+    def finish(outcome: Any) -> int:
+        """The run's end: at the script's end, or inside its ``os._exit`` (``run_as_main``)."""
+        watcher.uninstall()
+        if os.getpid() != owner:  # a child the script forked (os.fork) ran on to the script's end: it was
+            return outcome.code   # not watched, and writes nothing (the parent reports; nanguard.pytorch.owners)
+        # a stop raised in another thread (the thread ended with it; this one may have run on to the end)
+        outcome.stopped = outcome.stopped or (watcher.stopping is not None and outcome.signal is None)
+        code, stopped = outcome.code, outcome.stopped
+        final = None
+        try:
+            watcher.finish()
+            if isinstance(outcome.error, Exception) and localize:
+                record_raise(watcher, outcome.error)  # a NaN born before the raise: the step's failure
+            report = make_report(watcher, localizer, policy, localize=localize and outcome.signal is None)
+            apply_outcome(report, outcome, step=watcher.monitor.steps_watched)
+            final = apply_late_signal(report, outcome, step=watcher.monitor.steps_watched)  # it wins over the stop
+            if tb is not None:
+                tb.log_report(report)
+                tb.close()
+            page = None
+            if report_path and is_main():  # torch.distributed: rank 0 writes the merged report
+                sink.finish(report)
+            if is_main():
+                page = write_run_html(report, report_path, page_path)
+            if not quiet:
+                _print_outcome(report, report_path)
+                if page:
+                    print_line(f"HTML report: {page}")
+                if policy is not None:
+                    policy.print_summary()
+            barrier()  # torch.distributed: no rank exits (and gets the others killed) before rank 0 is done
+        except Exception as e:
+            if strict:
+                raise
+            print(f"nanguard: could not build the report: {type(e).__name__}: {e}", file=sys.stderr)
+        finally:
+            late = pending_signal()
+            restore_signals()
+            try:
+                os.unlink(rng_file)
+            except OSError:
+                pass
+        if final is not None:  # a signal while nanguard localized the failure
+            return final
+        if outcome.signal is None and late is not None:  # a signal while the report was written
+            return 128 + int(late)
+        if stopped:
+            return EXIT_NONFINITE
+        return code
+
+    rng_fd, rng_file = tempfile.mkstemp(prefix="nanguard-rng-", suffix=".pt")  # removed by finish()
+    os.close(rng_fd)
+    torch.save(capture_rng(), rng_file)  # the re-run starts from this exact RNG state
     watcher.install()
     try:
-        outcome = run_as_main(script, list(args), lambda e: isinstance(e, StopRun))
-    finally:
+        outcome = run_as_main(script, list(args), lambda e: isinstance(e, StopRun), on_hard_exit=finish)
+    except BaseException:
         watcher.uninstall()
-    if os.getpid() != owner:  # a child the script forked (os.fork) ran on to the script's end: it was
-        return outcome.code   # not watched, and writes nothing (the parent reports; nanguard.pytorch.owners)
-    # a stop raised in another thread (the thread ended with it; this one may have run on to the end)
-    outcome.stopped = outcome.stopped or (watcher.stopping is not None and outcome.signal is None)
-    code, stopped = outcome.code, outcome.stopped
-    final = None
-    try:
-        watcher.finish()
-        if isinstance(outcome.error, Exception) and localize:
-            record_raise(watcher, outcome.error)  # a NaN born before the raise: the step's failure
-        report = make_report(watcher, localizer, policy, localize=localize and outcome.signal is None)
-        apply_outcome(report, outcome, step=watcher.monitor.steps_watched)
-        final = apply_late_signal(report, outcome, step=watcher.monitor.steps_watched)  # it wins over the stop
-        if tb is not None:
-            tb.log_report(report)
-            tb.close()
-        page = None
-        if report_path and is_main():  # torch.distributed: rank 0 writes the merged report
-            sink.finish(report)
-        if is_main():
-            page = write_run_html(report, report_path, page_path)
-        if not quiet:
-            _print_outcome(report, report_path)
-            if page:
-                print_line(f"HTML report: {page}")
-            if policy is not None:
-                policy.print_summary()
-        barrier()  # torch.distributed: no rank exits (and gets the others killed) before rank 0 is done
-    except Exception as e:
-        if strict:
-            raise
-        print(f"nanguard: could not build the report: {type(e).__name__}: {e}", file=sys.stderr)
-    finally:
-        late = pending_signal()
-        restore_signals()
-        try:
-            os.unlink(rng_file)
-        except OSError:
-            pass
-    if final is not None:  # a signal while nanguard localized the failure
-        return final
-    if outcome.signal is None and late is not None:  # a signal while the report was written
-        return 128 + int(late)
-    if stopped:
-        return EXIT_NONFINITE
-    return code
+        raise
+    return finish(outcome)
 
 
 class RunningReport(WatchObserver):

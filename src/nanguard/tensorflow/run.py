@@ -123,9 +123,8 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
 
     t0 = time.time()
     owner = os.getpid()
-    try:
-        outcome = run_as_main(script, list(args), _is_stop)
-    finally:
+
+    def uninstall() -> None:
         try:
             sys.meta_path.remove(hook)
         except ValueError:
@@ -133,29 +132,40 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
         drv = state["driver"]
         if drv is not None:
             drv.uninstall()
-    if os.getpid() != owner:  # a child the script forked (os.fork) ran on to the script's end: the
-        return outcome.code   # parent reports, not the child
-    drv = state["driver"]
 
-    def build() -> Any:
-        if drv is None:
-            from .driver import empty_report
-            return empty_report()
-        report = drv.make_report(run_seconds=time.time() - t0)
-        outcome.stopped = outcome.stopped or drv.stopped
-        return report
+    def finish(outcome: Any) -> int:
+        """The run's end: at the script's end, or inside its ``os._exit`` (``run_as_main``)."""
+        uninstall()
+        if os.getpid() != owner:  # a child the script forked (os.fork) ran on to the script's end: the
+            return outcome.code   # parent reports, not the child
+        drv = state["driver"]
 
-    def show(report: Any) -> None:
-        from .driver import print_outcome
-        print_outcome(report, report_path, drv)
+        def build() -> Any:
+            if drv is None:
+                from .driver import empty_report
+                return empty_report()
+            report = drv.make_report(run_seconds=time.time() - t0)
+            outcome.stopped = outcome.stopped or drv.stopped
+            return report
 
-    code = close_run(build, outcome, sink=sink, report_path=report_path, page_path=page_path, quiet=quiet,
-                     strict=strict, show=show)
-    if code is not None:
-        return code
-    if outcome.stopped or (drv is not None and drv.stopped):
-        return EXIT_NONFINITE
-    return outcome.code
+        def show(report: Any) -> None:
+            from .driver import print_outcome
+            print_outcome(report, report_path, drv)
+
+        code = close_run(build, outcome, sink=sink, report_path=report_path, page_path=page_path, quiet=quiet,
+                         strict=strict, show=show)
+        if code is not None:
+            return code
+        if outcome.stopped or (drv is not None and drv.stopped):
+            return EXIT_NONFINITE
+        return outcome.code
+
+    try:
+        outcome = run_as_main(script, list(args), _is_stop, on_hard_exit=finish)
+    except BaseException:
+        uninstall()
+        raise
+    return finish(outcome)
 
 
 class _RunningReport(TFObserver):
