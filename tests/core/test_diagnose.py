@@ -488,3 +488,17 @@ def test_an_overflow_whose_size_sits_in_one_batch_row_is_that_sample():
 def test_a_diverging_history_wins_over_an_isolated_row():
     hist = H([1.0, 0.9, 3.0, 40.0, 900.0, 2e4, 5e5], [1.0, 1.2, 8.0, 90.0, 2e3, 5e4, 1e6])
     assert run(_sentinel(), hist)["category"] in ("lr_too_high", "gradient_explosion")
+
+
+def test_xlogy_counts_the_negatives_of_its_log_argument_not_of_its_factor():
+    """Beta.log_prob(0.0) is xlogy(a - 1, y) with y = 0: the factor a - 1 is negative for a < 1, the log's own
+    argument y is not; it read "108 of them are negative: the value is not positive by construction"."""
+    ins = [{"dtype": "float32", "shape": [64, 2], "numel": 128, "nonfinite": 0, "min": -0.6, "max": 0.2,
+            "zeros": 0, "negatives": 108, "arg": 0},
+           {"dtype": "float32", "shape": [64, 2], "numel": 128, "nonfinite": 0, "min": 0.0, "max": 1.0,
+            "zeros": 1, "negatives": 0, "arg": 1}]
+    f = {"log_domain": {"le_limit": 1, "zeros": 1, "negatives": 0, "min": 0.0, "numel": 128, "limit": 0.0},
+         "float64_check": {"finite": False}, "producers": [["sub", "stack", "unbind"], ["stack", "squeeze", "slice"]]}
+    d = run(loc("aten.xlogy.Tensor", api="torch.xlogy", facts=f, inputs=ins), CALM)
+    assert d["category"] == "log_domain" and "negative" not in d["summary"], d["summary"]
+    assert not any("positive by construction" in x for x in d["fixes"])

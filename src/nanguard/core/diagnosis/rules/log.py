@@ -145,7 +145,9 @@ def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> d
             jax=f"use jax.nn.log_softmax (or {X.logits_loss()}) instead of log(softmax) at {where}"))
     sp = X.say(pytorch="F.softplus(z) + 1e-6", tensorflow="tf.math.softplus(z) + 1e-6",
                jax="jax.nn.softplus(z) + 1e-6")
-    neg = (facts.get("log_domain") or {}).get("negatives") or T.first_input(origin).get("negatives") or 0
+    ld = facts.get("log_domain") or {}
+    # the log's own argument (xlogy's second), counted by the domain fact; the first input is a fallback only
+    neg = ld["negatives"] if isinstance(ld.get("negatives"), int) else T.first_input(origin).get("negatives") or 0
     probability = "sigmoid" in prods or "_softmax" in prods or "softmax" in prods
     if prods and prods[0] in _EXACT_ZEROS:
         # a ReLU head (a learned variance or scale) outputs exact zeros whatever it learns: a floor on the log
