@@ -115,8 +115,9 @@ class Localizer:
         if not res["reproduced"]:
             res["reason"] = out.get("error") or (
                 "the replay did not give back the step's loss bit for bit" if out.get("same_loss") is False
-                else "the non-finite value appeared after backward (e.g. in gradient clipping or code between "
-                     "backward and the optimizer step), outside the recorded calls")
+                else "the replay of the recorded calls stayed finite: the non-finite value is outside them (code "
+                     "between backward and the optimizer step, such as gradient clipping, or a forward whose loss "
+                     "the script never backpropagated, such as a skipped non-finite loss)")
         else:
             _param_write(loc, rep, self.w)
             if self.bundle and not self.bundle_written:
