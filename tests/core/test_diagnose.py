@@ -502,3 +502,20 @@ def test_xlogy_counts_the_negatives_of_its_log_argument_not_of_its_factor():
     d = run(loc("aten.xlogy.Tensor", api="torch.xlogy", facts=f, inputs=ins), CALM)
     assert d["category"] == "log_domain" and "negative" not in d["summary"], d["summary"]
     assert not any("positive by construction" in x for x in d["fixes"])
+
+
+def test_a_root_of_var_plus_an_eps_that_is_zero_in_float16_is_underflow():
+    """rsqrt(var + 1e-8) in float16 (a Keras layer under mixed_float16): the eps is 0 there, a constant frame's
+    variance 0 hits the root. It read sqrt_domain with '+ 1e-12' fixes (also 0 in float16)."""
+    eps = [{"value": 0.0, "dtype": "float16", "rounds_to_zero": True, "stored_as_zero": True, "op": "AddV2"}]
+    f = {"sqrt_domain": {"zeros": 1, "negatives": 0, "numel": 10}, "eps_constants": eps,
+         "float64_check": {"finite": False}, "float32_check": {"direct_finite": False, "chain_finite": False},
+         "dtype_info": {"dtype": "float16", "tiny": 6.1e-05, "smallest_subnormal": 5.96e-08, "eps": 0.000977}}
+    ins = [{"dtype": "float16", "shape": [10, 1], "numel": 10, "min": 0.0, "max": 0.08, "zeros": 1, "negatives": 0,
+            "nonfinite": 0, "arg": 0}]
+    d = run(loc("Rsqrt", api="Rsqrt", dtype="float16", facts=f, inputs=ins), CALM)
+    assert d["category"] == "low_precision_underflow", d["summary"]
+    assert "exactly 0 in float16" in d["summary"] and "instead of the current value" in " ".join(d["fixes"])
+    f32 = dict(f, eps_constants=[])
+    assert run(loc("Rsqrt", api="Rsqrt", dtype="float32", facts=dict(f32, dtype_info={"dtype": "float32"}),
+                   inputs=[dict(ins[0], dtype="float32")]), CALM)["category"] == "sqrt_domain"

@@ -47,9 +47,13 @@ def lp_underflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
         parts = [f"{api} at {where} received {inp.get('zeros', '?')} zero(s) of {inp.get('numel', '?')} in {dt}"]
     if eps:
         e = eps[0]
-        how = "rounds to 0" if e.get("rounds_to_zero") else "vanishes next to 1.0"
-        parts.append(f"the constant {T.g(e.get('value'))} added before it {how} in {dt} (tiny "
-                     f"{T.g(fi.get('tiny'))}, smallest subnormal {T.g(fi.get('smallest_subnormal'))})")
+        if e.get("stored_as_zero"):  # the graph holds the constant in the low dtype: the eps written is lost
+            what = f"a constant added before it is exactly 0 in {dt} (an eps below its smallest subnormal"
+            parts.append(f"{what}, {T.g(fi.get('smallest_subnormal'))}, rounded to 0 when it was made {dt})")
+        else:
+            how = "rounds to 0" if e.get("rounds_to_zero") else "vanishes next to 1.0"
+            parts.append(f"the constant {T.g(e.get('value'))} added before it {how} in {dt} (tiny "
+                         f"{T.g(fi.get('tiny'))}, smallest subnormal {T.g(fi.get('smallest_subnormal'))})")
     if f32.get("chain_finite"):
         parts.append("re-running the producer chain in float32 gives finite values")
     logs = T.opshort(origin.get("op")) in ("log", "log2", "log10", "log1p", "xlogy")
@@ -85,8 +89,9 @@ def lp_underflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     # an eps too small for the dtype (next to 1 no eps helps; with none in the program, nanguard lint's finding)
     if any(e.get("rounds_to_zero") for e in eps) or (not eps and method == "lint"):
         safe_eps = max(float(fi.get("tiny") or 6.1e-05) * 2, 1e-4) if dt == "float16" else 1e-6
+        was = T.g(eps[0].get("value")) if eps and not eps[0].get("stored_as_zero") else "the current value"
         fixes.append(f"use an eps the dtype can hold ({dt} tiny {T.g(fi.get('tiny'))}, eps {T.g(fi.get('eps'))}): "
-                     f"e.g. {T.g(safe_eps)} instead of {T.g(eps[0].get('value')) if eps else 'the current value'}")
+                     f"e.g. {T.g(safe_eps)} instead of {was}")
     fixes.append(X.say(pytorch="keep the numerically sensitive ops (variances and norms, log, softmax, the loss) in "
                        "float32; a model cast to half keeps none of them there: train it in float32 under "
                        "torch.autocast (+ torch.amp.GradScaler for float16) instead",

@@ -7,17 +7,18 @@ from .. import fixes as X
 from .. import text as T
 from .division import div_result, zero_division_words
 from .exp import exp_rule
+from .precision import lp_underflow, underflow_evidence
 
 SQRT = F.register(F.Family(
     "sqrt", ops={"sqrt", "rsqrt", "_foreach_sqrt", "_foreach_rsqrt"}, tf_ops={"Sqrt", "Rsqrt"},
     domain=F.Domain("lt", 0.0, grad_cmp="le"), evidence=("sqrt_domain",), nodes=("sqrt", "rsqrt"),
-    keep_forward=True, categories=("sqrt_domain",)))
+    keep_forward=True, categories=("sqrt_domain", "low_precision_underflow")))
 
 NORM = F.register(F.Family(
     "norm", ops={"linalg_vector_norm", "norm", "_foreach_norm", "linalg_norm", "frobenius_norm", "cdist",
                  "_cdist_forward", "_cdist_backward", "pdist", "_pdist_forward", "_euclidean_dist"},
     tf_ops={"EuclideanNorm": "linalg_vector_norm"}, evidence=("sqrt_domain",), node_prefixes=("norm", "linalgvectornorm", "cdist", "pdist"),
-    keep_forward=True, note="gradient at a zero norm", categories=("sqrt_domain",)))
+    keep_forward=True, note="gradient at a zero norm", categories=("sqrt_domain", "low_precision_underflow")))
 
 POW = F.register(F.Family(
     "pow", ops={"pow", "_foreach_pow", "float_power"}, tf_ops={"Pow"}, evidence=("sqrt_domain", "exp_input"),
@@ -43,9 +44,11 @@ def _root_backward(c) -> dict:
     return sqrt_result(c.origin, c.facts, c.ev, c.method, backward=True)
 
 
-@SQRT.rule(1300)
-@NORM.rule(1300)
+@SQRT.rule(1300, categories=("sqrt_domain", "low_precision_underflow"))
+@NORM.rule(1300, categories=("sqrt_domain", "low_precision_underflow"))
 def _root_forward(c) -> dict:
+    if c.low and underflow_evidence(c.facts):  # rsqrt(var + 1e-8) in float16: the eps is 0 there
+        return lp_underflow(c.origin, c.facts, c.ev, c.method)
     return sqrt_result(c.origin, c.facts, c.ev, c.method, backward=False)
 
 
