@@ -519,3 +519,15 @@ def test_a_root_of_var_plus_an_eps_that_is_zero_in_float16_is_underflow():
     f32 = dict(f, eps_constants=[])
     assert run(loc("Rsqrt", api="Rsqrt", dtype="float32", facts=dict(f32, dtype_info={"dtype": "float32"}),
                    inputs=[dict(ins[0], dtype="float32")]), CALM)["category"] == "sqrt_domain"
+
+
+def test_a_loss_that_changes_sign_has_no_growth_factor():
+    """An actor-critic loss (-202, +189, -168...) "rose x16.3 from its start (12.7 -> ?)": a log of a softmax
+    probability that exploration picked at exactly 0 was read as a divergence (lr_too_high)."""
+    losses = [12.7, 8.0, 10.1, -26.6, -46.5, 11.6, -66.8, 44.5, -236.5, 72.7, -467.0, 137.5, 195.8, -168.3]
+    hist = H(losses, [14.0, 24.0, 166.0, 138.0, 31.0, 56.0, 109.0, 55.0, 278.0, 68.0, 445.0, 90.0, 110.0, 190.0])
+    f = {"log_domain": {"le_limit": 1, "zeros": 1, "negatives": 0, "min": 0.0, "numel": 1, "limit": 0.0},
+         "float64_check": {"finite": False}, "producers": [["strided_slice", "softmax"]]}
+    d = run(loc(facts=f), hist)
+    assert d["category"] == "log_domain" and "rose" not in d["summary"], d["summary"]
+    assert history_signals(hist)["dynamics"].get("loss_signed") is True

@@ -146,6 +146,11 @@ def dynamics(history: Sequence[dict]) -> Dict[str, Any]:
         return out
     applied = [h for h in recs if not h.get("skipped")]
     loss = _series(applied, "loss")
+    if any(v < 0 for _, v in loss):
+        # a loss that goes below 0 (a policy gradient, a critic, a log-likelihood) has no growth factor: 12.7 ->
+        # -168 -> 195 did not "rise x16"; what grew is read from the gradients and the weights
+        out["loss_signed"] = True
+        loss = []
     grad = _series(applied, "grad_norm")
     lon = excursion_onset(loss)
     gon = excursion_onset(grad)

@@ -58,9 +58,9 @@ def diverged_probability(c) -> dict | None:
     note_onsets(dy, c.ev)  # where the growth began: a rollback goes before it
     which = "softmax" if any("softmax" in p for p in prods) else "sigmoid"
     lr = [x for x in (c.ctx.get("lr") or []) if T.fin(x)]
-    summ = (f"the run was diverging: its loss rose x{T.g(grew)} from its start ({T.g(dy.get('loss_start'))} -> "
-            f"{T.g(dy.get('loss_last'))}) until the logits were so large that a {which} probability underflowed to "
-            f"0, and {T.api_or_op(c.origin)} at {T.where(c.origin)} took log(0) = -inf; the log is where the "
+    span = f" ({T.g(dy.get('loss_start'))} -> {T.g(dy.get('loss_last'))})" if T.fin(dy.get("loss_last")) else ""
+    summ = (f"the run was diverging: its loss rose x{T.g(grew)} from its start{span} until the logits were so "
+            f"large that a {which} probability underflowed to 0, and {T.api_or_op(c.origin)} at {T.where(c.origin)} took log(0) = -inf; the log is where the "
             "divergence surfaced" + (f" (learning rate {T.g(max(lr))})" if lr else ""))
     fixes = [(f"lower the learning rate from {T.g(max(lr))} to {X.lr_about(T.g(T.nice(max(lr) / 4), 2))} (or "
               "lower the schedule's peak), and clip the gradient norm" if lr else
