@@ -111,3 +111,12 @@ def test_fix_builders_follow_the_framework():
         assert X.safe_where("log") == "tf.where(m, tf.math.log(tf.where(m, x, 1.0)), 0.0)"
     assert X.framework() == X.PYTORCH and X.framework_of(None, {"backend": "tensorflow"}) == X.TENSORFLOW
     assert X.safe_where("torch.log") == "torch.where(m, torch.log(torch.where(m, x, 1.0)), 0.0)"
+
+
+def test_the_double_where_of_a_division_guards_its_denominator():
+    """A division takes two operands: it read tf.where(m, tf.math.divide(tf.where(m, x, 1.0)), 0.0) (one)."""
+    assert X.safe_where("aten.div.Tensor") == "torch.where(m, a / torch.where(m, b, 1.0), 0.0)"
+    with X.speaking(X.TENSORFLOW):
+        assert X.safe_where("RealDiv") == "tf.where(m, a / tf.where(m, b, 1.0), 0.0), or tf.math.divide_no_nan(a, b)"
+    with X.speaking(X.JAX):
+        assert X.safe_where("reciprocal") == "jnp.where(m, 1 / jnp.where(m, b, 1.0), 0.0)"

@@ -345,9 +345,20 @@ def where_fn() -> str:
     return "tf.where" if is_tf() else "torch.where"
 
 
+_DIVISIONS = {"div", "divide", "true_divide", "truediv", "realdiv", "div_no_nan", "reciprocal"}
+
+
 def safe_where(op: str, fill: str = "1.0", out: str = "0.0") -> str:
-    """The double-where pattern: the unselected branch never sees the bad input."""
+    """The double-where pattern: the unselected branch never sees the bad input (a division's denominator)."""
     w = where_fn()
+    parts = op.split(".")
+    name = (parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[-1]).strip("_").lower()  # Tensor.__truediv__
+    if name in _DIVISIONS:
+        num = "1" if name == "reciprocal" else "a"
+        text = f"{w}(m, {num} / {w}(m, b, {fill}), {out})"
+        if is_tf():  # the library's own: 0 where b is 0, and its gradient is 0 there too
+            text += f", or tf.math.divide_no_nan({num}, b)"
+        return text
     return f"{w}(m, {call(op, f'{w}(m, x, {fill})')}, {out})"
 
 
