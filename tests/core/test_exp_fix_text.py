@@ -58,3 +58,21 @@ def test_clamp_parenthesises_a_compound_receiver():
     assert X.clamp("positives / self.temperature", "-20.0", "20.0").startswith("(positives / self.temperature).clamp(")
     assert X.clamp("logvar[:, 0]", "-20.0", "20.0").startswith("logvar[:, 0].clamp(")
     assert X.clamp_min("x", "1e-12").startswith("x.clamp(min=1e-12)")
+
+
+KL = '''import torch
+def kl(z_mean, z_log_var):
+    kl_loss = -0.5 * (1 + z_log_var - z_mean ** 2 - torch.exp(z_log_var))
+    kl_loss = torch.mean(torch.sum(kl_loss, dim=1))
+    return kl_loss
+'''
+
+
+def test_an_exp_that_is_a_term_of_a_kl_is_no_softmax_though_its_line_is_summed_later(tmp_path):
+    """The Keras VAE's KL (1 + v - m^2 - exp(v)), summed on the next line, read as a hand-written softmax split
+    over lines ('replace the hand-written exp(z)/sum(exp(z)) by softmax')."""
+    f = tmp_path / "kl.py"
+    f.write_text(KL)
+    out = diagnose(_loc(f, 3, 90.1), HIST[:0], phase="forward", context={"optimizer": "Adam"})
+    assert out["category"] == "exp_overflow"
+    assert not any("softmax" in x for x in out["fixes"]) and "clamp(-20.0, 20.0)" in out["fixes"][0], out["fixes"]

@@ -90,7 +90,9 @@ def exp_argument(origin: dict) -> tuple:
     # a softmax divides by a sum of the exps, or sums the exps themselves (logsumexp); an exp weighting
     # other terms inside a sum (a Gaussian NLL's (x - mu)^2 * exp(-logvar)) is not one
     summed = re.search(r"sum\(\s*$", before) is not None or after.lstrip().startswith(".sum(")
-    softmax_like = "/" in before + after or summed or _normalised_later(text, str(f), int(n))
+    # split over lines: the exp alone is what the line assigns (not a term of it: a VAE's KL, 1 + v - exp(v))
+    alone = before.rstrip().endswith("=")
+    softmax_like = "/" in before + after or summed or (alone and _normalised_later(text, str(f), int(n)))
     return (arg or None), softmax_like
 
 
