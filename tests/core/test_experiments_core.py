@@ -59,6 +59,15 @@ def test_plan_rows_only_when_the_origin_rows_are_batch_rows():
     assert [sp.params for sp in specs if sp.kind == "drop_samples"] == [{"bisect": True}]
 
 
+def test_plan_drops_the_named_rows_of_a_cause_no_category_names():
+    """A CTC loss that is +inf for one batch row (no alignment fits its target: "other") was skipped, and the
+    sample came back every epoch; the replay without that row proves it per-sample (the recovery drops it)."""
+    o = {"dtype": "float32", "op": "CTCLoss", "samples": [5], "shape": [16]}
+    specs = plan("other", Situation("other", o, caps=caps(batch_size=16)))
+    assert [(x.kind, x.params) for x in specs] == [("drop_samples", {"rows": [5]})]
+    assert plan("other", Situation("other", dict(o, samples=[]), caps=caps(batch_size=16))) == []
+
+
 def test_plan_history_replays_fit_the_budget_and_not_reproduced_means_determinism():
     s = Situation("lr_too_high", {}, step=60, caps=caps(snapshots=[50, 58, 59]), max_replay_steps=3)
     specs = plan("lr_too_high", s)

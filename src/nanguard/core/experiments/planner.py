@@ -102,7 +102,10 @@ def plan(category: str, s: Situation) -> List[Spec]:
     # an outlier batch of an earlier step (the history's diagnosis): the failing step's own rows are not
     # what it blames, so dropping them tests nothing
     earlier = isinstance(s.evidence.get("outlier_step"), int) and s.evidence["outlier_step"] < s.step
-    if category in PER_SAMPLE and not earlier and caps.get("batch_size", 0) and caps["batch_size"] >= 2:
+    # a cause no category names whose origin sits in a few batch rows (a CTC target no alignment fits): dropping
+    # them tells whether the failure is those samples' (the recovery then keeps them out)
+    sampled = category == "other" and origin_rows(s) is not None
+    if (category in PER_SAMPLE or sampled) and not earlier and caps.get("batch_size", 0) and caps["batch_size"] >= 2:
         rows = origin_rows(s)
         if rows is not None:
             specs.append(Spec("drop_samples", {"rows": rows}, category, 0.9))
