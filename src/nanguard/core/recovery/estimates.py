@@ -81,13 +81,29 @@ def peak_target(factor: float, cause: Dict[str, Any], lrs: Sequence[float], peak
     return factor
 
 
-def peak_cut(factor: float, lrs: Sequence[float], peaks: Sequence[float]) -> float:
+def peak_cut(factor: float, lrs: Sequence[float], peaks: Sequence[float], failed: Sequence[float] = ()) -> float:
     """The factor for the schedule's base rates so that its coming peak lands on ``factor`` x the rate
-    that diverged (``lrs``, now), not above it: under a warm-up a plain ``factor`` would put the new peak
-    at ``factor`` x the old peak, which may be where the run diverged. ``peaks``: each group's highest
-    coming rate (``RecoveryActions.learning_rate_peaks``); ``factor`` when no peak is above its rate."""
-    ratios = [lr / pk for lr, pk in zip(lrs, peaks) if _positive(lr) and _positive(pk) and pk > lr]
+    that diverged, not above it: under a warm-up a plain ``factor`` would put the new peak at ``factor`` x
+    the old peak, which may be where the run diverged. ``lrs``: the rates now; ``failed``: the rates at the
+    failure, when a rollback has taken the schedule back since (the rate now is then the snapshot's, an
+    earlier point of the warm-up: a cut from it put a 0.4 peak at 0.001 where 0.04 trains). ``peaks``: each
+    group's highest coming rate (``RecoveryActions.learning_rate_peaks``); ``factor`` when no peak is above."""
+    failed = list(failed) + [None] * len(lrs)
+    ref = [max([x for x in (lr, f) if _positive(x)], default=lr) for lr, f in zip(lrs, failed)]
+    ratios = [lr / pk for lr, pk in zip(ref, peaks) if _positive(lr) and _positive(pk) and pk > lr]
     return max(factor * min(ratios), 1e-6) if ratios else factor
+
+
+def failed_rates(cause: Dict[str, Any]) -> List[float]:
+    """The learning rates the failing step ran at (the diagnosis' history), whatever a rollback restored since."""
+    return list((((cause or {}).get("evidence") or {}).get("history") or {}).get("lr") or [])
+
+
+def schedule_peak(peaks: Sequence[float], cut: float) -> Dict[str, Any]:
+    """What a cut did to a schedule's coming peak (the lr_backoff record's ``schedule_peak``)."""
+    top = max(peaks)
+    return {"before": top, "after": top * cut,
+            "why": f"the schedule still rises to {top:.3g}: its peak is cut to {top * cut:.3g}"}
 
 
 def _positive(x: Any) -> bool:
@@ -106,6 +122,13 @@ def rollback_bound(cause: Dict[str, Any]) -> Optional[int]:
     ons = [ev.get(k) for k in ("onset_step", "regime_onset_step")]  # regime: the loss left its best level
     ons = [o for o in ons if isinstance(o, int) and not isinstance(o, bool)]
     return max(min(ons) - 1, 0) if ons else None
+
+
+def onset_bound(cause: Dict[str, Any]) -> Optional[int]:
+    """The latest snapshot step before the excursion itself (``evidence.onset_step`` - 1), without the
+    loss regime's earlier onset that :func:`rollback_bound` also weighs; None when there is none."""
+    on = ((cause or {}).get("evidence") or {}).get("onset_step")
+    return max(on - 1, 0) if isinstance(on, int) and not isinstance(on, bool) else None
 
 
 def rollback_target(snapshots: Sequence[Any], history: Sequence[dict] = (), step: Optional[int] = None,

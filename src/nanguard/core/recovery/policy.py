@@ -25,11 +25,11 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..render.terminal import print_line
 from .actions import RecoveryActions, Snapshot
 from .budget import DATA_CATEGORY, RecoveryBudget
-from .estimates import (DynamicLossScale, backoff_factor, clip_max_norm, healthy_grad_norms, peak_cut, peak_target,
-                        rollback_bound)
+from .estimates import (DynamicLossScale, backoff_factor, clip_max_norm, failed_rates, healthy_grad_norms,
+                        onset_bound, peak_cut, peak_target, rollback_bound, schedule_peak)
 from .records import notice, summary_line
 from .repeats import Repeats
-from .snapshots import SnapshotStore
+from .snapshots import SnapshotStore, rollback_snapshot
 from . import beta2, tried
 from .table import ACTIONS, AUTO, CHANGES_TRAINING, DIVERGENCE, actions_for, check_allowed, record_order
 from .verify import VERIFIED, per_sample, proof_record, verified_plan
@@ -296,7 +296,8 @@ class RecoveryPolicy:
             # update since that cut was made at a step size now shown to be past its limit, so its weights
             # are not trusted. (The pin is released once the cut step size held for a whole window.)
             before = pinned.step if before is None else min(before, pinned.step)
-        snap = self.store.best(history, step, cat in DIVERGENCE, before)
+        snap = rollback_snapshot(self.store, history, step, cat in DIVERGENCE, before,
+                                 onset_bound(event.cause) if cat in DIVERGENCE and not again else None, notes)
         if snap is None:
             notes.append("no healthy snapshot to roll back to" if before is None else
                          f"no snapshot from before step {before + 1}, where the growth began")
@@ -352,12 +353,10 @@ class RecoveryPolicy:
                 factor = float(tested)  # the rate a replay showed to be finite (recovery/verify.py)
             else:
                 factor = peak_target(factor, cause, lrs, peaks)
-            cut = peak_cut(factor, lrs, peaks)  # under a warm-up: the coming peak lands on factor x now
+            cut = peak_cut(factor, lrs, peaks, failed_rates(cause))  # a warm-up's coming peak: factor x the rate
             done["lr_backoff"] = actions.lr_backoff(cut)
             if cut < factor:
-                done["lr_backoff"]["schedule_peak"] = {"before": max(peaks), "after": max(peaks) * cut,
-                                                       "why": f"the schedule still rises to {max(peaks):.3g}: "
-                                                       f"its peak is cut to {max(peaks) * cut:.3g}"}
+                done["lr_backoff"]["schedule_peak"] = schedule_peak(peaks, cut)
             if repeat:
                 done["lr_backoff"]["repeat"] = True
             return
