@@ -203,3 +203,19 @@ def test_every_driver_s_report_says_a_run_that_diverged_again_after_its_recovery
     fail2 = ev(12, "failure", True)
     rep2 = assemble_report(RunFacts(history=back, events=[fail2], warnings=[ev(13, "warning", False)]))
     assert rep2.status == "recovered" and fail2.recovery["ok"] is True
+
+
+def test_a_run_that_skipped_every_step_from_its_first_failure_to_its_end_is_not_recovered():
+    """LBFGS on one full batch holding a NaN row: steps 0..7 all skipped, the test loss never moved, and the report
+    said "recovered". A run that trained after its skips is still recovered."""
+    def ev(step):
+        return Event(step=step, phase="data", origin={}, kind="failure",
+                     cause={"category": "bad_input_data", "summary": "s", "confidence": 0.9}, fixes=[],
+                     recovery={"action": "skip_step", "ok": True})
+    evs = [ev(s) for s in range(8)]
+    rep = assemble_report(RunFacts(steps_watched=8, events=evs))
+    assert rep.status == "nonfinite" and "no update was applied" in evs[-1].recovery["nothing_trained"]
+    from nanguard.core.render.terminal import summary_line
+    assert "; not recovered: every step from 0" in summary_line(rep)
+    evs2 = [ev(s) for s in range(8)]
+    assert assemble_report(RunFacts(steps_watched=9, events=evs2)).status == "recovered"

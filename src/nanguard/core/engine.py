@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 from .events import Detection, Event, Report
 from .pipeline import (as_recurrence, build_event, consequence_event, fold_recurrences, recurrence_event,
                        same_cause)
-from .status import kept_diverging
+from .status import ended_skipping, kept_diverging
 
 __all__ = ["Localized", "Ports", "FailurePipeline", "RunFacts", "assemble_report", "event_order",
            "info_rows", "TRAIN", "EVAL"]
@@ -228,4 +228,5 @@ def assemble_report(facts: RunFacts, report: Optional[Report] = None) -> Report:
         r.guard_disabled = facts.disabled
     r.unwatched = facts.unwatched
     kept_diverging(r)  # a recovery the run diverged again after is not called recovered (every driver)
+    ended_skipping(r)  # nor one that skipped every step to the end
     return r

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 
 from .events import Event, Report
 
-__all__ = ["printed_nonfinite", "kept_diverging", "DIVERGED"]
+__all__ = ["printed_nonfinite", "kept_diverging", "ended_skipping", "DIVERGED"]
 
 
 def _acted(rep: Report, until: Optional[int] = None) -> List[Event]:
@@ -71,3 +71,23 @@ def kept_diverging(rep: Report) -> None:
         why += f"; the script overwrote the learning-rate cut(s) of step(s) {', '.join(map(str, cuts))}"
     marked.recovery["ok"] = False
     marked.recovery["kept_diverging"] = why
+
+
+def ended_skipping(rep: Report) -> None:
+    """A run is not called recovered when it applied no update from its first failure to its end: every step
+    after it was skipped (a failure in every batch that a skip cannot remove: an LBFGS run on one full batch
+    holding a NaN row, whose test loss never moved). The last recovery is marked not ok, with why."""
+    if rep.status != "recovered":
+        return
+    acted = [e for e in _acted(rep) if not e.is_warning]
+    if len(acted) < 2 or any(e.recovery.get("action") != "skip_step" for e in acted):
+        return
+    first = min(e.step for e in acted)
+    skipped = {e.step for e in acted}
+    if not rep.steps_watched or any(s not in skipped for s in range(first, rep.steps_watched)):
+        return
+    last = max(acted, key=_step)
+    last.recovery["ok"] = False
+    last.recovery["nothing_trained"] = (f"every step from {first} to the run's end ({len(skipped)} steps) was "
+                                        "skipped: no update was applied after the first failure, so nothing "
+                                        "was recovered")

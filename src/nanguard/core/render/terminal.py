@@ -224,6 +224,10 @@ def summary_line(report: Report) -> str:
         s += f", first warning at step {warns[0].step}"
     if report.unwatched and report.status == "unwatched":
         s += f"; {report.unwatched}"
+    undone = next((r[k] for e in report.events for r in [e.recovery or {}] if r.get("ok") is False
+                   for k in ("nothing_trained", "kept_diverging", "printed_nonfinite") if r.get(k)), None)
+    if undone:  # why recoveries that each went through leave the run not recovered (core/status.py)
+        s += f"; not recovered: {undone}"
     err = report.script_error
     if err:
         at = f" at {err['file'].rsplit('/', 1)[-1]}:{err.get('line')}" if err.get("file") else ""
