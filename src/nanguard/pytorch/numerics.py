@@ -134,7 +134,7 @@ def tensor_stats(t: torch.Tensor) -> dict:
     if t.dtype.is_complex:
         return out
     try:
-        x = t.detach()
+        x = aten.reshape.default(t.detach(), [-1])  # a 0-dim tensor cannot be indexed by its finite mask
         if x.dtype == torch.bool:
             x = aten._to_copy.default(x, dtype=torch.int64)
         if x.dtype.is_floating_point:
