@@ -2,6 +2,8 @@
 hyper-parameter such as a scheduled learning rate computed as x/0 inside the update)."""
 from __future__ import annotations
 
+import math
+
 from .. import fixes as X
 from .. import text as T
 from .divergence import RECURRENT_FIX
@@ -34,7 +36,16 @@ def optimizer_result(loc: dict | None, facts: dict, ev: dict, method: str, conf:
         parts.append(f"at {T.opshort(origin.get('op'))} ({origin.get('dtype')})")
     if state:
         parts.append(f"through state '{state}'")
-    if zd.get("zeros"):
+    pdt = opt.get("param_dtype")
+    if zd.get("zeros") and pdt in T.LOW_DTYPES:
+        # (1 - beta2) * g^2 below the dtype's smallest subnormal is 0: small gradients, not only unused ones
+        b2 = (opt.get("betas") or [None, None])[-1]
+        sub = {"float16": 5.96e-08, "bfloat16": 9.2e-41}.get(pdt)
+        under = (f" (|g| < {T.g(math.sqrt(sub / (1 - b2)), 2)} at beta2 {T.g(b2)})"
+                 if T.fin(b2) and b2 < 1 and sub else "")
+        parts.append(f"with {zd['zeros']} zero denominator(s) (second moments that are 0 in {pdt}: squared "
+                     f"gradients below its range{under}, or gradients exactly 0)")
+    elif zd.get("zeros"):
         parts.append(f"with {zd['zeros']} zero denominator(s) (moments of gradients that are exactly 0: "
                      "parameters or rows the step did not use)")
     if T.fin(eps) and float(eps) == 0:
@@ -43,7 +54,6 @@ def optimizer_result(loc: dict | None, facts: dict, ev: dict, method: str, conf:
         parts.append(f"eps {T.g(eps)} is below {ef.get('dtype')} tiny {T.g(ef.get('dtype_tiny'))} (it "
                      + ("rounds to 0)" if ef.get("rounds_to_zero") else "is subnormal)"))
     fixes = []
-    pdt = opt.get("param_dtype")
     if pdt in T.LOW_DTYPES:
         fixes.append(X.say(pytorch=f"keep float32 master weights and optimizer state (train with torch.autocast + "
                            f"torch.amp.GradScaler instead of {pdt} parameters)",
@@ -67,12 +77,13 @@ def optimizer_result(loc: dict | None, facts: dict, ev: dict, method: str, conf:
             + ("" if low else " (optax's default)")))
     lr = opt.get("lr", ctx.get("lr"))
     lr = lr[0] if isinstance(lr, (list, tuple)) and lr else lr
-    fixes.append(X.say(pytorch="lower the learning rate or clip gradients if the update itself is huge",
-                       tensorflow="if the update itself is huge, lower the learning rate"
-                       + (f" (e.g. learning_rate={T.g(T.nice(float(lr) / 10), 2)})" if T.fin(lr) and lr > 0 else "")
-                       + " or clip gradients: " + X.clip_grad_norm("1.0"),
-                       jax="if the update itself is huge, lower the learning rate or clip gradients: "
-                       + X.clip_grad_norm("1.0")))
+    if not eps_cause or not fixes:  # a division by a zero moment is no step-size problem
+        fixes.append(X.say(pytorch="lower the learning rate or clip gradients if the update itself is huge",
+                           tensorflow="if the update itself is huge, lower the learning rate"
+                           + (f" (e.g. learning_rate={T.g(T.nice(float(lr) / 10), 2)})" if T.fin(lr) and lr > 0
+                              else "") + " or clip gradients: " + X.clip_grad_norm("1.0"),
+                           jax="if the update itself is huge, lower the learning rate or clip gradients: "
+                           + X.clip_grad_norm("1.0")))
     if not origin:
         fixes.append("re-run the step with the recorder armed to name the op and state")
     return T.result("optimizer_numerics", ", ".join(parts), conf, ev, fixes, method)
