@@ -531,3 +531,24 @@ def test_a_loss_that_changes_sign_has_no_growth_factor():
     d = run(loc(facts=f), hist)
     assert d["category"] == "log_domain" and "rose" not in d["summary"], d["summary"]
     assert history_signals(hist)["dynamics"].get("loss_signed") is True
+
+
+def _log0(chain):
+    f = {"log_domain": {"le_limit": 1, "zeros": 1, "negatives": 0, "min": 0.0, "numel": 128, "limit": 0.0},
+         "float64_check": {"finite": False}, "producers": [chain]}
+    return run(loc(facts=f), CALM)
+
+
+def test_a_log_of_masked_probabilities_gets_an_entropy_fix_not_log_softmax_first():
+    """PPO's masked entropy -(p * p.log()): log_softmax of -inf-masked logits is -inf too (0 * -inf = NaN still)."""
+    d = _log0(["_softmax", "masked_fill", "addmm"])
+    assert d["category"] == "log_domain" and "masked-out probabilities" in d["summary"]
+    assert "torch.special.entr(p)" in d["fixes"][0], d["fixes"]
+
+
+def test_a_log_of_a_mixture_sum_gets_logsumexp_and_no_log_softmax():
+    """An MDN's -log(sum(pi * N)): 'use log_softmax instead of log(softmax)' named a softmax three ops away."""
+    d = _log0(["sum", "mul", "_softmax"])
+    assert "mixture" in d["summary"] and any("torch.logsumexp" in x for x in d["fixes"])
+    assert not any("instead of log(softmax)" in x for x in d["fixes"]), d["fixes"]
+    assert any("instead of log(softmax)" in x for x in _log0(["_softmax", "addmm"])["fixes"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 from .. import families as F
 from .. import fixes as X
 from .. import text as T
+from ..roles import MASK_WRITE, VIEW
 from .divergence import divergence, note_onsets
 from .precision import lp_underflow, underflow_evidence
 
@@ -36,6 +37,7 @@ def _log_forward(c) -> dict:
 
 
 _PROBABILITIES = ("_softmax", "softmax", "sigmoid")
+_SOFTMAXES = ("_softmax", "softmax", "Softmax")
 DIVERGED_LOSS = 5.0  # the loss this many times its level before the growth: the run diverged
 
 
@@ -123,9 +125,45 @@ def log_summary(origin: dict, facts: dict) -> tuple[str, str, list[str]]:
     return summ, where, prods
 
 
+def _argument_chain(origin: dict, facts: dict) -> list:
+    """The producers of the log's own argument (xlogy's second input), nearest first, views passed over."""
+    chains = facts.get("producers") or []
+    i = 1 if T.opshort(origin.get("op")) in ("xlogy", "Xlogy") and len(chains) > 1 else 0
+    return [p for p in (chains[i] if i < len(chains) else []) if p not in VIEW]
+
+
 def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> dict:
     summ, where, prods = log_summary(origin, facts)
     fixes = []
+    arg = _argument_chain(origin, facts)
+    masked = bool(arg) and arg[0] in _SOFTMAXES and any(p in MASK_WRITE for p in arg[1:])
+    mixture = bool(arg) and arg[0] in ("sum", "Sum") and any(p in _SOFTMAXES + ("exp", "Exp") for p in arg[1:])
+    if masked:  # probabilities of masked-out entries (masked_fill(-inf) before the softmax): exactly 0
+        summ += "; the zeros are masked-out probabilities (the softmax's input was masked before it)"
+        fixes.append(X.say(
+            pytorch="a masked entry's probability is exactly 0 and its log_softmax is -inf too, so p * log(p) is "
+            "0 * -inf = NaN: compute an entropy with torch.special.entr(p).sum(-1) (or torch.xlogy(p, p)), 0 "
+            "where p is 0, or torch.distributions.Categorical(logits=masked_logits).entropy(); take the "
+            f"log-probabilities of chosen entries from torch.log_softmax(masked_logits, -1) at {where}",
+            tensorflow="a masked entry's probability is exactly 0 and its log_softmax is -inf too, so p * log(p) "
+            "is 0 * -inf = NaN: compute an entropy with tf.math.xlogy(p, p) (0 where p is 0); take the "
+            f"log-probabilities of chosen entries from tf.nn.log_softmax(masked_logits) at {where}",
+            jax="a masked entry's probability is exactly 0 and its log_softmax is -inf too, so p * log(p) is "
+            "0 * -inf = NaN: compute an entropy with jax.scipy.special.entr(p) or jax.scipy.special.xlogy(p, p) "
+            f"(0 where p is 0); take the log-probabilities of chosen entries from jax.nn.log_softmax at {where}"))
+    elif mixture:  # log(sum(pi * N)): every component's density underflowed for a far-off target
+        summ += "; its argument is a sum of weighted probabilities (a mixture's likelihood), each underflowed to 0"
+        fixes.append(X.say(
+            pytorch=f"compute the log of the sum in log space at {where}: torch.logsumexp(torch.log_softmax("
+            "pi_logits, -1) + component_log_prob, dim=-1), with each component's log-density (e.g. "
+            "Normal(mu, sigma).log_prob(y)); a sum of densities underflows to 0 for a target far from every "
+            "component",
+            tensorflow=f"compute the log of the sum in log space at {where}: tf.math.reduce_logsumexp("
+            "tf.nn.log_softmax(pi_logits) + component_log_prob, axis=-1); a sum of densities underflows to 0 for "
+            "a target far from every component",
+            jax=f"compute the log of the sum in log space at {where}: jax.nn.logsumexp(jax.nn.log_softmax("
+            "pi_logits) + component_log_prob, axis=-1); a sum of densities underflows to 0 for a target far from "
+            "every component"))
     if "sigmoid" in prods:
         fixes.append(X.say(
             pytorch=f"compute the loss from the logits: F.binary_cross_entropy_with_logits(logits, y) (or "
@@ -137,7 +175,7 @@ def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> d
             jax=f"compute the loss from the logits: {X.logits_loss('binary')} (or jax.nn.log_sigmoid(x) / "
             f"jax.nn.log_sigmoid(-x)) instead of log(sigmoid) / log(1 - sigmoid) at {where}; sigmoid rounds to "
             "exactly 0 or 1 for |logit| > ~17 in float32"))
-    if any(p in prods for p in ("_softmax", "softmax")):
+    if any(p in prods for p in _SOFTMAXES) and not mixture:
         fixes.append(X.say(
             pytorch=f"use torch.log_softmax (or F.cross_entropy on the logits) instead of log(softmax) at {where}",
             tensorflow=f"compute the loss from the logits: {X.logits_loss()} on the logits (drop the softmax "
