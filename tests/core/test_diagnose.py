@@ -552,3 +552,16 @@ def test_a_log_of_a_mixture_sum_gets_logsumexp_and_no_log_softmax():
     assert "mixture" in d["summary"] and any("torch.logsumexp" in x for x in d["fixes"])
     assert not any("instead of log(softmax)" in x for x in d["fixes"]), d["fixes"]
     assert any("instead of log(softmax)" in x for x in _log0(["_softmax", "addmm"])["fixes"])
+
+
+def test_a_continuous_denominator_that_reached_zero_gets_an_eps_fix_not_a_count_clamp():
+    """Min-SNR weights divide by an SNR that a zero-terminal schedule makes exactly 0: 'divide by count.clamp(min=1)'
+    would change every weight with SNR < 1. A count (a sum of a mask) keeps the count fix."""
+    zd = {"zeros": 1, "numel": 32, "zero_over_zero": 1, "producer_chain": ["pow", "div", "index"],
+          "from_reduction": False}
+    out = {"nan": 1, "posinf": 0, "neginf": 0}
+    d = run(loc("aten.div.Tensor", api="Tensor.div", facts={"zero_denominator": zd}, output=out))
+    assert d["category"] == "div_by_zero" and "x.clamp(min=1e-8)" in d["fixes"][0] and "count" not in d["fixes"][0]
+    zd2 = dict(zd, producer_chain=["sum", "gt"], from_reduction=True)
+    d2 = run(loc("aten.div.Tensor", api="Tensor.div", facts={"zero_denominator": zd2}, output=out))
+    assert "count.clamp(min=1)" in d2["fixes"][0]

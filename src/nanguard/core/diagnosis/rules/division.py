@@ -8,6 +8,7 @@ from ...text import plural
 from .precision import lp_underflow, underflow_evidence
 from .stdvar import variance
 
+_COUNTS = ("sum", "Sum", "count_nonzero", "bincount", "Bincount", "numel", "size")
 _NORMS = ("sqrt", "norm", "linalg_vector_norm", "frobenius_norm", "Sqrt", "EuclideanNorm")
 
 DIV = F.register(F.Family(
@@ -173,9 +174,16 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
                  f"or divide by max(norm, c) for a clip to norm c: x / {X.clamp_min('norm', 'c')} leaves vectors "
                  "shorter than c unchanged and never divides by 0"]
         return T.result("div_by_zero", summ, 0.9, ev, fixes, method)
-    fixes = [f"guard the denominator at {where}: divide by {X.clamp_min('count', '1')} (or "
-             f"{X.clamp_min('x', 'eps')} for continuous values)",
-             f"or mask the empty entries: {X.where_fn()}(count > 0, total / {X.clamp_min('count', '1')}, 0.0)"]
+    counted = zd.get("from_reduction") or any(x in _COUNTS for x in chain)
+    if not counted and chain:  # a continuous quantity that reached exactly 0 (a ratio, a schedule's end value)
+        fixes = [f"keep the denominator away from 0 at {where}: divide by {X.clamp_min('x', '1e-8')} (a continuous "
+                 f"value made by {', '.join(chain)} reaches exactly 0 for some inputs: check where it is computed)",
+                 f"or give those entries their own value: {X.where_fn()}(x > 0, y / {X.clamp_min('x', '1e-8')}, "
+                 "fallback)"]
+    else:
+        fixes = [f"guard the denominator at {where}: divide by {X.clamp_min('count', '1')} (or "
+                 f"{X.clamp_min('x', 'eps')} for continuous values)",
+                 f"or mask the empty entries: {X.where_fn()}(count > 0, total / {X.clamp_min('count', '1')}, 0.0)"]
     if X.is_tf():
         fixes.append("or tf.math.divide_no_nan(total, count), which gives 0 where count is 0 (its gradient "
                      "too)")
