@@ -69,6 +69,7 @@ from .data import DataHooks
 from .detect import StepMonitor, is_checkable, tensors_in
 from .detect.closure import checked_closure, closure_of, recheck, with_closure
 from .distributed import share_event
+from .clipwatch import ClipWatch
 from .evalcheck import EvalCheck, optimised_input
 from .gradscaler import scaler_enabled
 from .observer import WatchObserver, combine, hook
@@ -124,6 +125,7 @@ class Watcher:
         self.data = DataHooks(self.tape, on_begin=None if begin is None else lambda: begin(self),
                               on_end=None if end is None else lambda: end(self))
         self.evals = EvalCheck(self)
+        self.clips = ClipWatch()  # where the script clips (a clip before backward clips nothing)
         self.loc_runs: dict = {}        # id(detection) -> how it was localized (at the failing step)
         self._replay_on = False
         self.owner = StandAside()  # the stop (raised in every thread's next hook) and the fork flag: owners.py
@@ -192,6 +194,7 @@ class Watcher:
             self.tape.install()
             self.tape.reset(0)  # the script's start is step 0's "before the first module call"
         self.evals.install()
+        self.clips.install()
         self.observer.step_start(self, 0)
 
     def uninstall(self) -> None:
@@ -210,6 +213,7 @@ class Watcher:
         if self.tape is not None:
             self.tape.uninstall()
         self.evals.uninstall()
+        self.clips.uninstall()
         self._installed = False
 
     # ------------------------------------------------------------------ safety

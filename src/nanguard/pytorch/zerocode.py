@@ -182,6 +182,9 @@ def run_context(watcher: Any) -> dict:
         ctx["optimizer_switch"] = switch
     if len(mon.opt_index) > 1:  # each optimizer's own facts: the history records name the one of each step
         ctx["optimizers"] = each_optimizer([(mon.opt_index.get(k), o) for k, o in order], list(mon.roots))
+    clip = watcher.clips.context() if getattr(watcher, "clips", None) is not None else None
+    if clip:
+        ctx["clip_before_backward"] = clip
     for v in mon.views.values():
         ps = v.all_params()
         if ps:

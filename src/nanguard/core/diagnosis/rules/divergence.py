@@ -412,6 +412,25 @@ def _unsound(ev: dict, unsound: str | None, ctx: dict) -> None:
                               else {})}
 
 
+_STEP_SIZE = ("gradient_explosion", "lr_too_high")
+
+
+def misplaced_clip(out: dict, clip: dict | None) -> dict:
+    """A divergence in a script whose every gradient clip ran before backward (``clip_before_backward``: it
+    found no gradient, so it clipped nothing): the updates were never clipped; moving the call is the fix."""
+    if not clip or out.get("category") not in _STEP_SIZE:
+        return out
+    line = f"{str(clip.get('file') or '').rsplit('/', 1)[-1]}:{clip.get('line')}"
+    out["summary"] += (f"; the script's clip_grad_norm_ ({line}) runs before backward: it found no gradients "
+                       f"(None after zero_grad) in any of its {clip.get('calls')} call(s), so no update was clipped")
+    out["evidence"]["clip_before_backward"] = clip
+    fix = X.say(pytorch=f"move torch.nn.utils.clip_grad_norm_ ({line}) after loss.backward() and before the "
+                "update: where it is, it clips nothing", tensorflow=f"clip after the gradients are computed ({line})",
+                jax=f"clip after the gradients are computed ({line})")
+    out["fixes"] = [fix] + [f for f in out.get("fixes") or [] if "clip" not in str(f)]
+    return out
+
+
 def clip_fix(sig: dict, also: str = "add a warm-up") -> str:
     """The clipping fix: clip as a safety net; or, when the script already clips (``grad_clip_ceiling``:
     the recorded norms sit at its max_norm), say that clipping bounds the gradient, not the step."""
