@@ -219,3 +219,10 @@ def test_a_run_that_skipped_every_step_from_its_first_failure_to_its_end_is_not_
     assert "; not recovered: every step from 0" in summary_line(rep)
     evs2 = [ev(s) for s in range(8)]
     assert assemble_report(RunFacts(steps_watched=9, events=evs2)).status == "recovered"
+
+
+def test_a_cut_list_of_batch_rows_says_so():
+    """The recorders name at most 10 rows: 25 bad windows read "5, 6, ... 14" as if that were all of them."""
+    from nanguard.core.text import sample_rows
+    assert sample_rows(list(range(5, 15))) == "5, 6, 7, 8, 9, 10, 11, 12, 13, 14 (the first 10; there may be more)"
+    assert sample_rows([3, 7]) == "3, 7"

@@ -61,6 +61,15 @@ def listed(xs: Optional[Iterable[Any]], limit: int = 20, sep: str = ", ") -> str
     return text + ("..." if len(items) > limit else "")
 
 
+SAMPLE_LIMIT = 10  # the recorders name at most this many rows of a non-finite output (``bad_rows``)
+
+
+def sample_rows(xs: Optional[Iterable[Any]]) -> str:
+    """An origin's batch rows for the page and the terminal: the recorder's list says when it was cut."""
+    items = list(xs or [])
+    return listed(items) + (f" (the first {SAMPLE_LIMIT}; there may be more)" if len(items) >= SAMPLE_LIMIT else "")
+
+
 def counted_list(word: str, xs: Optional[Iterable[Any]], limit: int = 20, many: Optional[str] = None) -> str:
     """``"row 5"``, ``"rows 3, 5"``, or "" when there are none: a noun and its items, for a sentence."""
     items = list(xs or [])

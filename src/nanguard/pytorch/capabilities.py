@@ -17,6 +17,7 @@ _SHARED = frozenset({"early_warning", *ON_SPIKE_CAPS, "replay_proof", "drop_samp
                      "recurrences", "replay_localization", "warning_fix_tested"})
 
 GUARD = _SHARED | set(RECOVERY_CAPS)
-RUN = _SHARED | (set(RECOVERY_CAPS) - {recovery_cap("drop_samples")}) | {"rerun_localization", "rows_kept_out"}
+RUN = _SHARED | (set(RECOVERY_CAPS) - {recovery_cap("drop_samples")}) | {"rerun_localization", "rows_kept_out",
+                                                                         "clip_order"}
 
 DRIVERS = {"Guard": GUARD, "nanguard run (PyTorch)": RUN}

@@ -208,12 +208,9 @@ class Watcher:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self.roots.uninstall()
-        self.data.uninstall()
-        if self.tape is not None:
-            self.tape.uninstall()
-        self.evals.uninstall()
-        self.clips.uninstall()
+        for part in (self.roots, self.data, self.tape, self.evals, self.clips):  # (no tape: None)
+            if part is not None:
+                part.uninstall()
         self._installed = False
 
     # ------------------------------------------------------------------ safety
