@@ -49,3 +49,29 @@ def test_a_guarded_run_with_a_clip_trains_bit_for_bit(tmp_path, where):
     assert code == 0 and rep["status"] == "clean"
     assert torch.load(tmp_path / "plain.pt") == torch.load(tmp_path / "ng.pt")
     assert torch.nn.utils.clip_grad_norm_ is ORIG and torch.nn.utils.clip_grad.clip_grad_norm_ is ORIG  # put back
+
+
+CRITERION = """
+import torch
+torch.manual_seed(0)
+class PowLoss(torch.nn.Module):
+    def forward(self, p, y):
+        return ((1 - p).clamp(min=0) ** 0.5 * (p - y) ** 2).mean()
+model = torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Sigmoid())
+crit = PowLoss()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with torch.no_grad():
+    model[0].bias.fill_(40.0)  # sigmoid rounds to 1: the root's gradient at 0 is inf
+x, y = torch.randn(8, 4), torch.zeros(8, 1)
+loss = crit(model(x), y)
+opt.zero_grad()
+loss.backward()
+opt.step()
+"""
+
+
+def test_an_op_of_a_loss_module_is_named_by_that_module_not_as_the_model(tmp_path):
+    """A criterion that is an nn.Module is a top-level module of its own: its op read "the top-level model"."""
+    code, rep = run_ng(tmp_path, write(tmp_path, CRITERION), localize=True)
+    ev = rep["events"][0]
+    assert ev["phase"] == "backward" and ev["origin"]["module"] == "" and ev["origin"]["module_type"] == "PowLoss"

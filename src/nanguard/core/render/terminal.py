@@ -85,7 +85,8 @@ def _render(report: Report, json_path: Optional[str], console=None) -> None:
             fwd = f", backward of {o['forward_op']}" if o.get("forward_op") and not o.get("custom_backward") else ""
             bits[-1:] = [f"{bits[-1] if bits else '?'} in {o['autograd_node']}{fwd}"]
         if o.get("module") not in (None,):  # '' is the top-level model itself (not a named sub-layer)
-            bits.append(f"module '{o.get('module')}'" if o.get("module") else "the top-level model")
+            top = f"the top-level module ({o['module_type']})" if o.get("module_type") else "the top-level model"
+            bits.append(f"module '{o.get('module')}'" if o.get("module") else top)
         if o.get("dtype"):
             bits.append(str(o["dtype"]))
         head.add_row("where", _escape(", ".join(bits) or "-"))

@@ -150,6 +150,8 @@ class Evidence:
                 d["forward_op"] = str(log.func[fwd_idx])
                 d["forward_name"] = log.name[fwd_idx]
                 d["forward_module"] = log.module[fwd_idx]
+                if fwd_idx in log.root_type and not d.get("module_type"):
+                    d["module_type"] = log.root_type[fwd_idx]  # a top-level module: which one
                 d["forward_api"] = log.api[fwd_idx]
                 if ffr is None:
                     ffr = log.frame[fwd_idx]

@@ -32,13 +32,17 @@ class OpLog(OpGraph):
         # forward op index -> where the torch.autograd.Function whose forward ran it was called (its apply)
         self.applied_at: dict[int, tuple] = {}
         self.lib: dict[int, tuple] = {}   # op -> innermost library frame (only ops run inside a library)
+        self.root_type: dict[int, str] = {}  # op of a top-level module ("": several roots share it) -> its class
         self.outnf: list[bool] = []
         self.opt_ops: list[tuple[int, list, list]] = []
 
     def append(self, func: Any, name: str, stage: str, module: str | None, api: str | None, scal: list,
-               any_nf: bool, ins: list, frame: tuple | None, lib: tuple | None = None) -> None:
+               any_nf: bool, ins: list, frame: tuple | None, lib: tuple | None = None,
+               mtype: str | None = None) -> None:
         if lib is not None:
             self.lib[len(self.names)] = lib
+        if module == "" and mtype is not None:
+            self.root_type[len(self.names)] = mtype
         self.record(name, (i[6] for i in ins[:IN_PRODUCERS]))
         self.func.append(func)
         self.stage.append(stage)

@@ -334,7 +334,8 @@ class OpRecorder:
 
         if record:
             site = self._frames.site_now() if stage == "forward" else (None, None)
-            log.append(func, name, stage, module, api, scal, any_nf, ins, site[0], site[1])
+            log.append(func, name, stage, module, api, scal, any_nf, ins, site[0], site[1],
+                       self._modules.current_type if module == "" else None)
             if site[0] is not None and site[0][2] == "forward":  # maybe in a torch.autograd.Function's forward
                 at = self._frames.applied_at(sys._getframe(1))
                 if at is not None:
