@@ -44,6 +44,7 @@ def test_ntxent_split_over_lines_gets_the_log_softmax_fix(tmp_path):
     assert not any("self.temperature.clamp" in x for x in out["fixes"]), out["fixes"]   # old code: clamped the divisor
     assert any("F.cross_entropy" in x or "log_softmax" in x for x in out["fixes"]), out["fixes"]
     assert "quotient positives / self.temperature" in out["summary"], out["summary"]
+    assert out["fixes"][-1].startswith("bound the divisor self.temperature"), out["fixes"]  # not "bound the logits"
 
 
 def test_an_exp_of_a_predicted_log_variance_keeps_the_bound_fix(tmp_path):

@@ -38,7 +38,8 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
             f"exp = inf (a ratio of such exps is then inf/inf = NaN, or x/inf = 0, whose log is -inf)")
     arg, softmax_like = exp_argument(origin)
     num, sl, den = (arg or "").rpartition("/")
-    if sl and num.strip() and den.strip() and num.count("(") == num.count(")"):  # a top-level quotient
+    quotient = bool(sl and num.strip() and den.strip() and num.count("(") == num.count(")"))
+    if quotient:  # a top-level quotient
         summ += (f"; the exponent is the quotient {arg.strip()} (up to {T.g(mx)}): a small divisor (a temperature) "
                  "scales it past that bound")
     bound = []
@@ -62,6 +63,10 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     if bound:   # no softmax rewrite for an exp that is no softmax
         fixes = bound + ["keep what feeds the exponent bounded (normalised inputs, weight decay, a lower learning "
                          "rate) if it keeps growing"]
+    elif quotient:  # a temperature: normalised similarities are bounded, the divisor is what shrank
+        fixes[-1] = (f"bound the divisor {den.strip()}: a learned temperature that shrinks scales even normalised "
+                     "similarities past the bound; keep it above a floor (e.g. 0.01), as CLIP clamps its learned "
+                     "logit scale at 100")
     return T.result("exp_overflow", summ, 0.9, ev, fixes, method)
 
 
