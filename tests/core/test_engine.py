@@ -226,3 +226,9 @@ def test_a_cut_list_of_batch_rows_says_so():
     from nanguard.core.text import sample_rows
     assert sample_rows(list(range(5, 15))) == "5, 6, 7, 8, 9, 10, 11, 12, 13, 14 (the first 10; there may be more)"
     assert sample_rows([3, 7]) == "3, 7"
+
+
+def test_rows_of_an_optimizer_stage_origin_are_the_parameter_s():
+    """An update's non-finite output rows are rows of the parameter: they read "batch rows 0, 1, ... 9"."""
+    from nanguard.core.text import rows_label
+    assert rows_label({"stage": "optimizer"}) == "parameter rows" and rows_label({"stage": "forward"}) == "batch rows"

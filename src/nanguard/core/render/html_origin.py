@@ -7,7 +7,7 @@ import os
 from typing import Any, Dict, List, Tuple
 
 from .html_blocks import e, inputs_table, kv_table, nonfinite_counts, shape_text, short_list, value_html
-from ..text import sample_rows
+from ..text import rows_label, sample_rows
 
 MAX_SOURCE_BYTES = 5_000_000
 SOURCE_SUFFIXES = (".py", ".pyw", ".pyi")
@@ -62,7 +62,7 @@ def origin_section(ev: Dict[str, Any]) -> str:
         rows.append(("output", f'<code>{e(o.get("dtype") or "?")}</code> shape <code>{e(shape_text(o.get("shape")))}</code>'
                      + (f" &middot; {nonfinite_counts(o.get('output'))}" if isinstance(o.get("output"), dict) else "")))
     if o.get("samples"):
-        rows.append(("batch rows", e(sample_rows(o.get("samples")))))
+        rows.append((rows_label(o), e(sample_rows(o.get("samples")))))
     if o.get("scalars"):
         rows.append(("scalars", e(short_list(o.get("scalars")))))
     if o.get("name"):
