@@ -89,6 +89,25 @@ CASES = [
         def log_scale(max_period=10000):
             return tf.math.log(max_period)
      """, TF),
+    # NGL016 log of a sum of densities (a mixture density network's likelihood)
+    ("NGL016", """
+        def mdn_nll(pi, sigma, mu, y):
+            dens = torch.exp(-0.5 * ((y - mu) / sigma) ** 2) / sigma
+            return -torch.log(torch.sum(pi * torch.prod(dens, 2), dim=1)).mean()
+     """, """
+        def mdn_nll(log_pi, sigma, mu, y):
+            log_dens = -0.5 * ((y - mu) / sigma) ** 2 - torch.log(sigma)
+            return -torch.logsumexp(log_pi + log_dens.sum(2), dim=1).mean()
+     """, TORCH),
+    ("NGL016", """
+        def kernel_density(x, centers, h):
+            k = tf.exp(-tf.square(x - centers) / (2 * h * h))
+            return -tf.math.log(tf.reduce_mean(k, axis=1))
+     """, """
+        def kernel_density(x, centers, h):
+            k = tf.exp(-tf.square(x - centers) / (2 * h * h))
+            return -tf.math.log(tf.reduce_mean(k, axis=1) + 1e-12)
+     """, TF),
     # NGL002 BCELoss on a sigmoid
     ("NGL002", """
         class Head(nn.Module):

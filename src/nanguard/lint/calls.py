@@ -76,6 +76,8 @@ def call_tags(flow, call: ast.Call, d: int) -> Tags:
     if name in ("log", "log_softmax", "logsigmoid"):
         return frozenset({"logprob"})
     if name in ("sum", "mean"):
+        if "density" in v:  # sum(pi * N): a mixture's likelihood, 0 when every density underflowed
+            return frozenset({"densum"})
         if "mask" in v:
             return frozenset({"count"})
         if "square" in v or "sumsq" in v:
@@ -115,7 +117,11 @@ def call_tags(flow, call: ast.Call, d: int) -> Tags:
         e = call.args[1] if op.fw != "tensor" and len(call.args) > 1 else (call.args[0] if call.args else None)
         return frozenset({"square"}) | (v & CAN_VANISH) if isinstance(e, ast.Constant) and e.value == 2 else v
     if name == "exp":
+        if "neg" in v and v & {"square", "sumsq"} and not v & {"guarded", "bounded"}:
+            return frozenset({"density"})  # exp(-x^2 / 2): a Gaussian density, <= 1, underflows far from its mean
         return NONE if v & {"bounded", "logprob", "neg", "softmax", "sigmoid", "guarded"} else frozenset({"exp"})
+    if name == "prod":
+        return v & {"density"}  # a product of densities over features is one (smaller still)
     if name == "max" or "max_pool" in name:
         return frozenset({"rowmax"})
     if name in ("tril", "triu"):

@@ -11,7 +11,7 @@ __all__ = ["Tags", "NONE", "ZERO", "RISK", "PROB", "CAN_VANISH", "is_neg_inf", "
 Tags = FrozenSet[str]
 NONE: Tags = frozenset()
 ZERO = frozenset({"softmax", "sigmoid", "relu", "count"})
-RISK = ZERO | {"norm", "std", "var", "sumsq", "negdiff", "cos", "exp", "diff", "filtered"}
+RISK = ZERO | {"norm", "std", "var", "sumsq", "negdiff", "cos", "exp", "diff", "filtered", "density", "densum"}
 PROB = frozenset({"softmax", "sigmoid", "prob"})
 # what makes a whole vector exactly 0: a difference (a point paired with itself, a perfect fit), a ReLU, a
 # count or a mask; a norm or a root of squares of such a value is at risk, of an arbitrary feature vector not

@@ -1,5 +1,5 @@
-"""log of a value that can be exactly 0: a probability (NGL001, NGL002), a ReLU output or a count (NGL003);
-exp of unbounded logits in a hand-written softmax or logsumexp (NGL004)."""
+"""log of a value that can be exactly 0: a probability (NGL001, NGL002), a ReLU output or a count (NGL003), a sum
+of densities (NGL016); exp of unbounded logits in a hand-written softmax or logsumexp (NGL004)."""
 from __future__ import annotations
 
 import ast
@@ -115,3 +115,14 @@ def _log_of_input(node: ast.AST, flow: Flow) -> Iterator[Hit]:
         return
     yield Hit(node, f"log of the input '{x.id}' as it came in, with no eps or clamp: -inf where it is 0; clamp it "
                     "(or compute the loss from logits)")
+
+
+@rule("NGL016", "log-of-density-sum", "log_domain", fixes=_log_fixes,
+      what="log of a sum of densities (a mixture's likelihood, sum(pi * exp(-x^2 / 2) / sigma)) computed as "
+           "probabilities: every density underflows to 0 for a target far from all components, and the log is "
+           "-inf; compute it in log space with logsumexp")
+def _log_of_density_sum(node: ast.AST, flow: Flow) -> Iterator[Hit]:
+    got = _log_input(node, flow)
+    if got is not None and got[0].name == "log" and "densum" in got[2]:
+        yield Hit(node, "log of a sum of densities: it underflows to 0 for a target far from every component; "
+                        "use logsumexp over log-weights plus log-densities", facts={"producers": ["sum", "mul", "exp"]})
