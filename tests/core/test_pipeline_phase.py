@@ -34,3 +34,15 @@ def test_optimizer_detection_kept_when_the_replay_blames_the_update():
                       "output": {"nan": 1, "posinf": 0, "neginf": 0}}, "facts": {}}
     ev = build_event(det, {"localization": loc, "reproduced": True}, [])
     assert ev.phase == "optimizer"
+
+
+def test_a_finite_loss_keeps_the_backward_phase_when_the_op_by_op_replay_blames_the_forward():
+    """A jitted step fused -sum(onehot * log(softmax)) stably (its loss 5.6e-9, gradients NaN); the op-by-op
+    replay made log(0) = -inf in the forward. The run met the value first in the backward."""
+    loc = {"phase": "forward", "n_ops": 9, "sink": {"kind": "loss"},
+           "origin": {"op": "log", "stage": "forward", "dtype": "float32",
+                      "output": {"nan": 0, "posinf": 0, "neginf": 1}}, "facts": {}}
+    ev = build_event(Detection(42, "backward", {"loss": 5.6e-9}), {"localization": loc, "reproduced": True}, [])
+    assert ev.phase == "backward"
+    ev2 = build_event(Detection(42, "backward", {"loss": "nan"}), {"localization": loc, "reproduced": True}, [])
+    assert ev2.phase == "forward"  # no finite loss read: the replay's phase stands

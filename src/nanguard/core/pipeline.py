@@ -7,6 +7,7 @@ was caught.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any, Dict, Optional, Sequence
 
@@ -28,6 +29,10 @@ def build_event(det: Detection, loc_run: Optional[Dict[str, Any]], history: Sequ
     phase = det.phase
     if reproduced and det.phase not in _FIXED_PHASES and loc.get("phase") in PHASES:
         phase = loc["phase"]
+        if det.phase == "backward" and phase == "forward" and _finite_number((det.detected or {}).get("loss")):
+            # the run's own loss was finite (a compiled step fused log(softmax) stably): its op-by-op replay
+            # made the value in the forward, but the run met it first in the backward
+            phase = "backward"
     elif reproduced and det.phase == "optimizer" and loc.get("phase") == "params" \
             and (loc.get("preexisting") or {}).get("kind") == "param":
         # The cheap check only saw parameters non-finite after an update; the replay found them
@@ -185,3 +190,7 @@ def _same_params(det: Detection, first: Event) -> bool:
     if tensor:
         before.add(tensor)
     return bool(names) and names <= before
+
+
+def _finite_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
