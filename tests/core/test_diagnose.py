@@ -565,3 +565,17 @@ def test_a_continuous_denominator_that_reached_zero_gets_an_eps_fix_not_a_count_
     zd2 = dict(zd, producer_chain=["sum", "gt"], from_reduction=True)
     d2 = run(loc("aten.div.Tensor", api="Tensor.div", facts={"zero_denominator": zd2}, output=out))
     assert "count.clamp(min=1)" in d2["fixes"][0]
+
+
+def test_bfloat16_underflow_fixes_do_not_suggest_bfloat16():
+    """A bfloat16 sigmoid rounding to 1 (log(1 - p) = -inf): the fixes said "or compute in bfloat16 instead of
+    float16" to a model already in bfloat16."""
+    from nanguard.core.diagnosis.rules.precision import lp_underflow
+    from nanguard.core.diagnosis import fixes as X
+    origin = {"op": "log", "api": "jnp.log", "dtype": "bfloat16", "file": "t.py", "line": 3, "stage": "forward",
+              "inputs": [{"zeros": 1, "numel": 8, "negatives": 0}]}
+    for fw in (X.JAX, X.TENSORFLOW):
+        with X.speaking(fw):
+            fixes = lp_underflow(origin, {"producers": [["rsub", "sigmoid"]]}, {}, "m")["fixes"]
+        assert not any("bfloat16" in str(f) and "instead of float16" in str(f) for f in fixes), fixes
+        assert not any("mixed_bfloat16" in str(f) for f in fixes), fixes

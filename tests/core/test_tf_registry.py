@@ -120,3 +120,10 @@ def test_the_double_where_of_a_division_guards_its_denominator():
         assert X.safe_where("RealDiv") == "tf.where(m, a / tf.where(m, b, 1.0), 0.0), or tf.math.divide_no_nan(a, b)"
     with X.speaking(X.JAX):
         assert X.safe_where("reciprocal") == "jnp.where(m, 1 / jnp.where(m, b, 1.0), 0.0)"
+
+
+def test_the_double_where_of_a_product_guards_its_non_finite_operand():
+    """jnp.where(m, -p * log_p, 0) with log_p = -inf where p = 0: it read jnp.where(m, jnp.mul(...), 0.0)
+    (jnp.mul does not exist, and mul takes two operands)."""
+    with X.speaking(X.JAX):
+        assert X.safe_where("mul").startswith("jnp.where(m, a * jnp.where(m, b, 0.0), 0.0)")

@@ -142,8 +142,9 @@ def consequence_event(det: Detection, first: Event) -> Event:
     """A later failure that follows from the first one (warn mode let its non-finite values through):
     a recurrence of the first event, not a new cause."""
     cause = {"category": (first.cause or {}).get("category", "other"),
-             "summary": (f"a consequence of the failure at step {first.step}: its non-finite values were let "
-                         f"through (on non-finite: warn) and reached the {det.phase} of this step"),
+             "summary": (f"a consequence of the failure at step {first.step}: its non-finite values stayed in "
+                         f"the run (on non-finite: warn, or updates that ran before the stop could act: the later "
+                         f"updates of one compiled call) and reached the {det.phase} of this step"),
              "confidence": round(float((first.cause or {}).get("confidence") or 0) * 0.9, 3),
              "evidence": {"same_as_step": first.step, "detected": det.detected}}
     return Event(step=det.step, phase=det.phase, origin=first.origin, cause=cause, fixes=list(first.fixes),

@@ -365,7 +365,7 @@ class JaxDriver:
         unwatched = None
         if self.steps == 0:
             unwatched = ("no optax update ran (no GradientTransformation.update): a hand-written update "
-                         "(params - lr * grads with no optax) is not checked, so nothing was")
+                         "(params - lr * grads with no optax) is not checked, so no step of this run was")
         if any(getattr(c.jw, "donated", False) for c in self.calls.values()):
             extra["donation"] = "donate_argnums was ignored so the pre-step state stays readable"
         h = self.history

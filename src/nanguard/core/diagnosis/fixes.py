@@ -346,6 +346,7 @@ def where_fn() -> str:
 
 
 _DIVISIONS = {"div", "divide", "true_divide", "truediv", "realdiv", "div_no_nan", "reciprocal"}
+_PRODUCTS = {"mul", "multiply", "mul_no_nan"}
 
 
 def safe_where(op: str, fill: str = "1.0", out: str = "0.0") -> str:
@@ -353,6 +354,8 @@ def safe_where(op: str, fill: str = "1.0", out: str = "0.0") -> str:
     w = where_fn()
     parts = op.split(".")
     name = (parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[-1]).strip("_").lower()  # Tensor.__truediv__
+    if name in _PRODUCTS:  # 0 * -inf: the operand that is non-finite where m is False gets a finite stand-in
+        return f"{w}(m, a * {w}(m, b, 0.0), {out}) (b: the operand that is non-finite where m is False)"
     if name in _DIVISIONS:
         num = "1" if name == "reciprocal" else "a"
         text = f"{w}(m, {num} / {w}(m, b, {fill}), {out})"

@@ -95,11 +95,12 @@ def lp_underflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     fixes.append(X.say(pytorch="keep the numerically sensitive ops (variances and norms, log, softmax, the loss) in "
                        "float32; a model cast to half keeps none of them there: train it in float32 under "
                        "torch.autocast (+ torch.amp.GradScaler for float16) instead",
-                       tensorflow="under mixed_float16 keep the numerically sensitive layers (softmax, log, norms, "
-                       "the loss) in float32 with dtype=\"float32\", or use the \"mixed_bfloat16\" policy "
-                       "(float32's range)",
+                       tensorflow="keep the numerically sensitive layers (softmax, log, norms, the loss) in "
+                       "float32 with dtype=\"float32\"" + (", or use the \"mixed_bfloat16\" policy (float32's range)"
+                                                          if dt == "float16" else ""),
                        jax="keep the numerically sensitive ops (softmax, log, norms, the loss) in float32 "
-                       "(x.astype(jnp.float32)), or compute in bfloat16 (float32's range) instead of float16"))
+                       "(x.astype(jnp.float32))" + (", or compute in bfloat16 (float32's range) instead of float16"
+                                                    if dt == "float16" else "")))
     return T.result("low_precision_underflow", "; ".join(parts), 0.9, ev, fixes, method)
 
 
