@@ -579,3 +579,19 @@ def test_bfloat16_underflow_fixes_do_not_suggest_bfloat16():
             fixes = lp_underflow(origin, {"producers": [["rsub", "sigmoid"]]}, {}, "m")["fixes"]
         assert not any("bfloat16" in str(f) and "instead of float16" in str(f) for f in fixes), fixes
         assert not any("mixed_bfloat16" in str(f) for f in fixes), fixes
+
+
+def test_a_sigmoid_log_at_the_end_of_a_run_whose_updates_were_ruinous_is_the_step_size():
+    """BPR at lr 0.5: updates of half the weights every step, the loss down to 1500 then back up to 10700, the
+    gradient norm climbing: it read log_domain (the loss never reached 5x its start), then 'gradient explosion
+    after a calm run'."""
+    losses = [2839.0 - 20 * i for i in range(10)] + [2400 - 100 * i for i in range(8)] + \
+        [1500 * 1.15 ** i for i in range(17)]
+    hist = [{"step": i, "loss": l, "grad_norm": 5.6 * 1.15 ** max(0, i - 6), "param_norm": 3.6 * 1.15 ** i,
+             "param_norm_after": 3.6 * 1.15 ** (i + 1), "update_ratio": 0.5, "lr": [0.5], "skipped": False}
+            for i, l in enumerate(losses)]
+    f = {"log_domain": {"le_limit": 1, "zeros": 1, "negatives": 0, "min": 0.0, "numel": 4096, "limit": 0.0},
+         "float64_check": {"finite": False}, "producers": [["sigmoid", "sub", "sum"]]}
+    d = run(loc(facts=f), hist, context={"optimizer": "SGD", "lr": [0.5]})
+    assert d["category"] == "lr_too_high", (d["category"], d["summary"])
+    assert history_signals(hist)["dynamics"]["loss_recent_vs_best"] > 5

@@ -287,8 +287,12 @@ def _last_update(applied: Sequence[dict], grad: Series, loss: Series, out: Dict[
         out["loss_start"] = loss[0][1]
         out["loss_max_vs_start"] = max(v for _, v in loss) / loss[0][1]
         first = statistics.median(v for _, v in loss[:3])
+        recent = statistics.median(v for _, v in loss[-3:])
         if first > 0:  # where the run stands now against where it began (a diverging run: many times)
-            out["loss_recent_vs_start"] = statistics.median(v for _, v in loss[-3:]) / first
+            out["loss_recent_vs_start"] = recent / first
+        best = min(v for _, v in loss)
+        if best > 0:  # and against its best (a run that learned, then climbed back past where it began)
+            out["loss_recent_vs_best"] = recent / best
 
 
 def _ruin(applied: Sequence[dict], pser: Series, loss: Series, out: Dict[str, Any]) -> None:

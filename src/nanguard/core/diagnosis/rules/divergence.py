@@ -97,7 +97,9 @@ def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: floa
     if sig.get("geometric_growth"):
         return steady_growth(sig, dy, ev, method, conf, where, ctx)
     calm_large = T.fin(dy.get("update_ratio_calm")) and dy["update_ratio_calm"] >= CALM_TOO_LARGE
-    if calm_large and _updates_too_large(dy):  # the updates were too large before any jump
+    if calm_large and (_updates_too_large(dy) or dy["update_ratio_calm"] >= CALM_RUINOUS):
+        # the updates were too large before any jump (each moving the weights by a third of their norm: a
+        # gradient norm that then climbs is the step size's doing, not a jump of its own)
         return params_grew(sig, dy, ev, method, conf, where, ctx)
     if sig.get("grad_jump") or _grad_jump_at_onset(dy) >= 50:
         return grad_jump(sig, dy, ev, method, conf, where)
@@ -194,6 +196,8 @@ UPDATES_TOO_LARGE = 0.1
 # Updates of >= 3% of the weights per step already in the calm phase: the step size (or an
 # initialisation that makes every gradient huge) is the cause, not the gradient jump it leads to.
 CALM_TOO_LARGE = 0.03
+# Updates of >= 30% of the weights per step in the calm phase: the step size, whatever the loss did yet.
+CALM_RUINOUS = 0.3
 
 
 def _switched_up(dy: dict, ctx: dict) -> bool:

@@ -49,7 +49,9 @@ def diverged_probability(c) -> dict | None:
     log_domain cause."""
     prods = [p for chain in c.facts.get("producers") or [] for p in chain[:2]]
     dy = c.sig.get("dynamics") or {}
-    grew = max((x for x in (dy.get("loss_growth_total"), dy.get("loss_recent_vs_start")) if T.fin(x)), default=None)
+    rises = {"from its start": dy.get("loss_growth_total") or dy.get("loss_recent_vs_start"),
+             "from its best": dy.get("loss_recent_vs_best")}
+    since, grew = max(((k, x) for k, x in rises.items() if T.fin(x)), key=lambda kx: kx[1], default=(None, None))
     if c.low or not any(p in _PROBABILITIES for p in prods) or not (T.fin(grew) and grew >= DIVERGED_LOSS):
         return None
     dv = divergence(c.sig, c.origin, c.ev, c.method, 0.8, c.ctx)
@@ -60,8 +62,9 @@ def diverged_probability(c) -> dict | None:
     note_onsets(dy, c.ev)  # where the growth began: a rollback goes before it
     which = "softmax" if any("softmax" in p for p in prods) else "sigmoid"
     lr = [x for x in (c.ctx.get("lr") or []) if T.fin(x)]
-    span = f" ({T.g(dy.get('loss_start'))} -> {T.g(dy.get('loss_last'))})" if T.fin(dy.get("loss_last")) else ""
-    summ = (f"the run was diverging: its loss rose x{T.g(grew)} from its start{span} until the logits were so "
+    span = f" ({T.g(dy.get('loss_start'))} -> {T.g(dy.get('loss_last'))})" \
+        if since == "from its start" and T.fin(dy.get("loss_last")) else ""
+    summ = (f"the run was diverging: its loss rose x{T.g(grew)} {since}{span} until the logits were so "
             f"large that a {which} probability underflowed to 0, and {T.api_or_op(c.origin)} at {T.where(c.origin)} took log(0) = -inf; the log is where the "
             "divergence surfaced" + (f" (learning rate {T.g(max(lr))})" if lr else ""))
     fixes = [(f"lower the learning rate from {T.g(max(lr))} to {X.lr_about(T.g(T.nice(max(lr) / 4), 2))} (or "
