@@ -595,3 +595,15 @@ def test_a_sigmoid_log_at_the_end_of_a_run_whose_updates_were_ruinous_is_the_ste
     d = run(loc(facts=f), hist, context={"optimizer": "SGD", "lr": [0.5]})
     assert d["category"] == "lr_too_high", (d["category"], d["summary"])
     assert history_signals(hist)["dynamics"]["loss_recent_vs_best"] > 5
+
+
+def test_a_root_of_one_minus_a_squared_cosine_gets_a_cosine_clamp():
+    """ArcFace's sine = sqrt(1 - cos^2): a cosine that rounds to exactly 1 gives sqrt(0), whose backward is NaN.
+    The fixes were for a distance (vector_norm(a - b), self-pairs) and began with a dangling 'or'."""
+    f = {"sqrt_domain": {"zeros": 1, "negatives": 0, "numel": 1024}, "float64_check": {"finite": True},
+         "producers": [["rsub", "pow", "mm"]]}
+    d = run(loc("aten.sqrt.default", api="torch.sqrt", stage="backward", node="SqrtBackward0",
+                forward_op="aten.sqrt.default", facts=f), CALM, phase="backward")
+    assert d["category"] == "sqrt_domain" and "a sine from a cosine" in d["summary"]
+    assert d["fixes"][0].startswith("clamp the cosine before the root") and "cosine.clamp(-1 + 1e-7" in d["fixes"][0]
+    assert not any(x.startswith("or ") for x in d["fixes"][:1]) and not any("vector_norm" in x for x in d["fixes"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .. import families as F
 from .. import fixes as X
 from .. import text as T
+from ..roles import VIEW
 from .division import div_result, zero_division_words
 from .exp import exp_rule
 from .precision import lp_underflow, underflow_evidence
@@ -83,11 +84,18 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
                    "as 0) instead of sqrt(sum of squares)",
                    tensorflow=f"add a small eps inside the root at {where}: {X.norm_hint()}",
                    jax=f"add a small eps inside the root at {where}: {X.norm_hint()}"),
-             X.say(pytorch=f"or add a small eps inside the root: {X.eps_text('torch.sqrt(x + 1e-12)')} (float32) / "
+             X.say(pytorch=f"add a small eps inside the root: {X.eps_text('torch.sqrt(x + 1e-12)')} (float32) / "
                    "x.clamp(min=1e-12).sqrt()",
                    tensorflow=f"or clamp inside the root: tf.sqrt({X.eps_text('tf.maximum(x, 1e-12)')}) (float32)",
                    jax=f"or clamp inside the root: jnp.sqrt({X.eps_text('jnp.maximum(x, 1e-12)')}) (float32)"),
              "if the zero distance comes from pairing a sample with itself, exclude those pairs"]
+    chain = [p for p in ((facts.get("producers") or [[]])[0] or []) if p not in VIEW]
+    if chain[:1] in (["rsub"], ["sub"]) and chain[1:2] in (["pow"], ["square"], ["mul"]):
+        # sqrt(1 - c^2): a sine from a cosine (ArcFace's margin) that rounds to exactly +-1 for aligned vectors
+        summ += "; its argument is 1 - c^2 (a sine from a cosine): c rounds to exactly +-1 for aligned vectors"
+        fixes = [f"clamp the cosine before the root at {where}: "
+                 + X.clamp("cosine", "-1 + 1e-7", "1 - 1e-7") + ", then sqrt(1 - cosine^2) is >= ~4.5e-4 (float32)",
+                 f"or clamp the root's argument: {X.call('sqrt', X.clamp_min('1 - cosine ** 2', '1e-7'))}"]
     is_pow = T.opshort(origin.get("forward_op") or origin.get("op")) in POW.ops or T.node_family(node).startswith("pow")
     if is_pow and backward:
         summ = (f"the backward of {api} at {where} ({node}): the gradient of x ** p with p < 1 is "
