@@ -280,3 +280,14 @@ def test_a_power_guard_that_passed_marks_the_fix_written_as_x_to_the_p():
     ev = _event([fix], [exp], category="sqrt_domain")
     reconcile(ev, "pytorch")
     assert "untested_fixes" not in ev.cause and ev.cause["tested_fixes"][0]["fix_index"] == 0
+
+
+def test_an_alternative_fix_moved_first_by_its_replay_loses_its_or():
+    """'1. or clamp the root's argument: ...' read as a dangling alternative once its replay moved it first."""
+    first, alt = _bound(lambda: "clamp the cosine before the root at t.py:3: cosine.clamp(-1 + 1e-7, 1 - 1e-7)",
+                        lambda: f"or clamp the root's argument: {X.call('sqrt', X.clamp_min('x', '1e-7'))}")
+    exp = {"kind": "domain_guard", "change": "the inputs of sqrt kept inside its domain (clamped to >= eps)",
+           "finite": True, "replays": 1, "params": {"op": "sqrt", "guard": "clamped to >= eps"}}
+    ev = _event([first, alt], [exp], category="sqrt_domain")
+    reconcile(ev, "pytorch")
+    assert ev.fixes[0].startswith("clamp the root's argument: torch.sqrt(") and ev.fixes[1].startswith("clamp the cosine")

@@ -170,7 +170,8 @@ class _Reconciler:
         last = [i for i in range(n) if i in self.failed and i not in self.passed]
         middle = [i for i in range(n) if i not in self.passed and i not in self.failed]
         self.order = first + middle + last
-        return [self.fixes[i] for i in self.order]
+        out = [self.fixes[i] for i in self.order]
+        return [_leading(out[0])] + out[1:] if out else out
 
     def index(self, cause: Dict[str, Any]) -> None:
         pos = {old: new for new, old in enumerate(self.order)}
@@ -188,6 +189,17 @@ class _Reconciler:
             cause["untested_fixes"] = untested
         else:
             cause.pop("untested_fixes", None)
+
+
+def _leading(f: Any) -> Any:
+    """A fix written as an alternative ("or clamp ...") that a replay moved to the front loses its "or"."""
+    if not str(f).startswith("or "):
+        return f
+    if isinstance(f, X.Fix):  # its value spans move with the text
+        def back(spans: Any) -> list:
+            return [(a - 3, b - 3) for a, b in spans]
+        return X.Fix(str(f)[3:], f.kind, f.value, f.scope, back(f.spans), f.factor, back(f.factor_spans))
+    return f[3:]
 
 
 # ---------------------------------------------------------------------------- why a fix was not tested
