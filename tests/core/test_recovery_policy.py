@@ -335,3 +335,14 @@ def test_the_pin_is_released_once_the_cut_step_size_held_for_a_window():
                      history=hist([2.0] * 38 + [40.0, 900.0]))
     assert rec["actions"]["rollback"]["to_step"] == 35 and "why" not in rec["actions"]["rollback"]
     assert "repeat" not in rec["actions"]["lr_backoff"]  # a first cut again: x0.1, not the repeat's halving
+
+
+def test_bad_data_rollbacks_count_against_the_allowance_the_notice_states():
+    """Bad input data rolled back at each recurrence: the notice said "0 more allowed in any 100 steps" (the
+    recoveries' budget) while the check counted only bad-data skips, and the run went on recovering."""
+    from nanguard.core.recovery.budget import RecoveryBudget
+    b = RecoveryBudget(max_data_skips=3)
+    for s in (10, 20, 30):
+        assert b.exhausted(s, "bad_input_data") is None
+        b.spend(s, "bad_input_data", data_skip=False)  # a rollback past the outlier batch, not a plain skip
+    assert b.left(31, data=True) == 0 and "bad-data" in b.exhausted(31, "bad_input_data")

@@ -106,7 +106,10 @@ class RecoveryBudget:
         self.last_rollback = {"step": step, "to_step": to_step, "category": category, "version": self.version}
 
     def spend(self, step: int, category: str, data_skip: bool) -> int:
-        """Count a recovery at ``step``; returns the run's number of recoveries so far."""
-        self._kind(data_skip, data_skip and category != DATA_CATEGORY)[0].append(step)
+        """Count a recovery at ``step``; returns the run's number of recoveries so far. Bad input data counts
+        against the bad-data allowance whatever was done (a rollback past an outlier batch too): the allowance
+        :meth:`exhausted` checks it against."""
+        data = data_skip or category == DATA_CATEGORY
+        self._kind(data, data_skip and category != DATA_CATEGORY)[0].append(step)
         self.counts[category] = self.counts.get(category, 0) + 1
         return len(self.recovery_steps) + len(self.data_steps) + len(self.sample_steps)

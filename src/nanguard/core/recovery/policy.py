@@ -279,8 +279,9 @@ class RecoveryPolicy:
 
     def _tries(self, step: int, cat: str, kind: str, rec: Dict[str, Any], skip: bool = False) -> None:
         """Say how many tries are left (this failure; the run's budget, or a skip's) and arm the repeats."""
+        # the allowance the next such failure is checked against (bad data: its skips', whatever this one did)
         rec["tries_left"] = {"same_failure": self.repeats.tries_left(self._same),
-                             **self.budget.allowance(step, skip, skip and cat != DATA_CATEGORY)}
+                             **self.budget.allowance(step, skip or cat == DATA_CATEGORY, skip and cat != DATA_CATEGORY)}
         if self._same:
             rec["repeat"] = self._same
         self.repeats.note(step, cat, kind, rec, self._same)
