@@ -607,3 +607,16 @@ def test_a_root_of_one_minus_a_squared_cosine_gets_a_cosine_clamp():
     assert d["category"] == "sqrt_domain" and "a sine from a cosine" in d["summary"]
     assert d["fixes"][0].startswith("clamp the cosine before the root") and "cosine.clamp(-1 + 1e-7" in d["fixes"][0]
     assert not any(x.startswith("or ") for x in d["fixes"][:1]) and not any("vector_norm" in x for x in d["fixes"])
+
+
+def test_an_update_dividing_by_a_zero_gradient_norm_is_a_trust_ratio_not_a_schedule():
+    """LARS without its guard: ||w|| / ||g|| with a bias no sample reached (its gradient exactly 0). It read "a
+    hyper-parameter the update evaluates each step, such as a learning-rate schedule" with schedule fixes."""
+    from nanguard.core.diagnosis.rules.optimizer import _hyperparameter
+    zd = {"zeros": 1, "numel": 1, "nonzero_over_zero": 1, "producer_chain": ["linalg_vector_norm", "detach", "view"]}
+    origin = {"op": "aten.div.Tensor", "api": "Tensor.div", "file": "t.py", "line": 35, "output": {"posinf": 1}}
+    d = _hyperparameter(origin, {"zero_denominator": zd}, {"param": "head.bias"}, "LARS", {}, "m", 0.85)
+    assert "trust ratio" in d["summary"] and "schedule" not in d["summary"]
+    assert "torch.where(update_norm > 0" in d["fixes"][0]
+    zd2 = dict(zd, producer_chain=["sub", "mul"])
+    assert "schedule" in _hyperparameter(origin, {"zero_denominator": zd2}, {}, "SGD", {}, "m", 0.85)["summary"]

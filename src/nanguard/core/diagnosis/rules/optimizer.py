@@ -89,6 +89,7 @@ def optimizer_result(loc: dict | None, facts: dict, ev: dict, method: str, conf:
     return T.result("optimizer_numerics", ", ".join(parts), conf, ev, fixes, method)
 
 
+_NORMS = ("linalg_vector_norm", "norm", "frobenius_norm", "sqrt", "EuclideanNorm", "Sqrt")
 _WIDE_MAX = {"float32": 3.4028234663852886e38, "float64": 1.7976931348623157e308}
 
 
@@ -204,9 +205,23 @@ def _hyperparameter(origin: dict, facts: dict, opt: dict, name: str, ev: dict, m
     val = "NaN" if out.get("nan") else "inf"
     how = " (a division by zero)" if zd.get("zeros") or zd.get("scalar_denominator") == 0 else ""
     param = opt.get("param")
+    target = (f"parameter {param!r}" if param else "the parameters") + " non-finite"
+    if any(p in _NORMS for p in (zd.get("producer_chain") or [])[:1]):
+        # ||w|| / ||g|| (LARS / LAMB's trust ratio): a parameter whose gradient is exactly 0 in this batch (a head
+        # no sample reached, a dead ReLU path) has a zero norm below the line
+        summ = (f"{name}'s update computed a non-finite scalar, {val}, at {where} ({api}{how}): a ratio over a "
+                "norm that is 0 (a trust ratio ||w|| / ||g||: a parameter whose gradient is exactly 0 in this batch, "
+                f"such as a head no sample reached); the update then made {target}")
+        fixes = [X.say(pytorch=f"guard the ratio at {where}: torch.where(update_norm > 0, eta * param_norm / "
+                       "update_norm, torch.ones_like(param_norm)) (LARS's reference implementation keeps 1 where a "
+                       "norm is 0)", tensorflow=f"guard the ratio at {where}: tf.where(update_norm > 0, eta * "
+                       "param_norm / update_norm, 1.0), or tf.math.divide_no_nan",
+                       jax=f"guard the ratio at {where}: jnp.where(update_norm > 0, eta * param_norm / update_norm, "
+                       "1.0)"),
+                 "or exclude biases and norm layers from the trust-ratio scaling (as LARS/LAMB recipes do)"]
+        return T.result("optimizer_numerics", summ, conf, ev, fixes, method)
     summ = (f"{name}'s update computed a non-finite scalar, {val}, at {where} ({api}{how}): a hyper-parameter the "
-            "update evaluates each step, such as a learning-rate schedule; the update then made "
-            + (f"parameter {param!r}" if param else "the parameters") + " non-finite")
+            f"update evaluates each step, such as a learning-rate schedule; the update then made {target}")
     fixes = [X.say(pytorch=f"fix the schedule at {where} so it stays finite for every step of the run (e.g. keep a "
                    "denominator >= 1: max(remaining, 1)), or use a built-in one (torch.optim.lr_scheduler."
                    "LinearLR / CosineAnnealingLR)",
