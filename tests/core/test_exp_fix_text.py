@@ -77,3 +77,20 @@ def test_an_exp_that_is_a_term_of_a_kl_is_no_softmax_though_its_line_is_summed_l
     out = diagnose(_loc(f, 3, 90.1), HIST[:0], phase="forward", context={"optimizer": "Adam"})
     assert out["category"] == "exp_overflow"
     assert not any("softmax" in x for x in out["fixes"]) and "clamp(-20.0, 20.0)" in out["fixes"][0], out["fixes"]
+
+
+SOFTPLUS = '''import torch
+def heads(h, sigma_layer):
+    alpha = torch.log(1 + torch.exp(sigma_layer(h))) + 1e-6
+    return alpha
+'''
+
+
+def test_a_hand_written_softplus_gets_softplus(tmp_path):
+    """DeepAR's dispersion head log(1 + exp(z)) overflows for z > 88.7: F.softplus computes the same safely (a clamp
+    of z at 20 would cap the head near 20 for a store selling thousands a day)."""
+    f = tmp_path / "deepar.py"
+    f.write_text(SOFTPLUS)
+    out = diagnose(_loc(f, 3, 342.0), HIST[:0], phase="forward", context={"optimizer": "Adam"})
+    assert out["category"] == "exp_overflow" and "hand-written softplus" in out["summary"]
+    assert out["fixes"][0].startswith("use F.softplus(sigma_layer(h))"), out["fixes"]

@@ -60,6 +60,14 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
                    jax="if you need exp itself, subtract the row max first: z - jnp.max(z, axis, keepdims=True), or "
                    "use jax.nn.logsumexp"),
              "keep the logits bounded (normalisation, weight decay) if they keep growing"]
+    if arg and _softplus_written(origin):  # log(1 + exp(z)): the library's softplus computes it for any z
+        sp = X.say(pytorch="F.softplus", tensorflow="tf.math.softplus", jax="jax.nn.softplus")
+        summ += "; it is a hand-written softplus, log(1 + exp(z))"
+        return T.result("exp_overflow", summ, 0.9, ev, [
+            f"use {sp}({arg}) at {where} in place of log(1 + exp(...)): the same function, computed without "
+            "overflow (z itself for large z)",
+            "also scale the inputs (a series' own mean as its scale, as DeepAR does) so the outputs stay in range"],
+            method)
     if bound:   # no softmax rewrite for an exp that is no softmax
         fixes = bound + ["keep what feeds the exponent bounded (normalised inputs, weight decay, a lower learning "
                          "rate) if it keeps growing"]
@@ -99,6 +107,16 @@ def exp_argument(origin: dict) -> tuple:
     alone = before.rstrip().endswith("=")
     softmax_like = "/" in before + after or summed or (alone and _normalised_later(text, str(f), int(n)))
     return (arg or None), softmax_like
+
+
+_SOFTPLUS = re.compile(r"\blog1p\(\s*[\w.]*exp\(|\blog\(\s*1(?:\.0*)?\s*\+\s*[\w.]*exp\(|\blog\(\s*[\w.]*exp\([^()]*(?:\([^()]*\))*[^()]*\)\s*\+\s*1(?:\.0*)?\s*\)")
+
+
+def _softplus_written(origin: dict) -> bool:
+    """The exp's line computes log(1 + exp(z)) (or log1p(exp(z))) by hand."""
+    f, n = origin.get("file"), origin.get("line")
+    text = linecache.getline(str(f), int(n)) if f and isinstance(n, int) else ""
+    return _SOFTPLUS.search(text) is not None
 
 
 _ASSIGN = re.compile(r"^\s*([A-Za-z_]\w*)\s*=[^=]")
