@@ -620,3 +620,16 @@ def test_an_update_dividing_by_a_zero_gradient_norm_is_a_trust_ratio_not_a_sched
     assert "torch.where(update_norm > 0" in d["fixes"][0]
     zd2 = dict(zd, producer_chain=["sub", "mul"])
     assert "schedule" in _hyperparameter(origin, {"zero_denominator": zd2}, {}, "SGD", {}, "m", 0.85)["summary"]
+
+
+def test_a_loss_that_fell_to_near_zero_is_no_divergence_from_its_best():
+    """MNIST trained to a loss of 1e-9 then a softmax probability reached exactly 0: against a best of 1e-9 any
+    later loss is 'many times its best'; only a loss that climbed back above its start counts."""
+    losses = [2.3 * 0.5 ** i for i in range(30)] + [1e-9, 5e-8, 3e-6, 2e-7]
+    hist = [{"step": i, "loss": l, "grad_norm": 1.0, "param_norm": 10.0, "update_ratio": 0.001, "lr": [0.1],
+             "skipped": False} for i, l in enumerate(losses)]
+    f = {"log_domain": {"le_limit": 1, "zeros": 1, "negatives": 0, "min": 0.0, "numel": 640, "limit": 0.0},
+         "float64_check": {"finite": False}, "producers": [["_softmax", "addmm"]]}
+    d = run(loc(facts=f), hist)
+    assert d["category"] == "log_domain", (d["category"], d["summary"])
+    assert "loss_recent_vs_best" not in history_signals(hist)["dynamics"]

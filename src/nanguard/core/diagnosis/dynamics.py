@@ -291,8 +291,8 @@ def _last_update(applied: Sequence[dict], grad: Series, loss: Series, out: Dict[
         if first > 0:  # where the run stands now against where it began (a diverging run: many times)
             out["loss_recent_vs_start"] = recent / first
         best = min(v for _, v in loss)
-        if best > 0:  # and against its best (a run that learned, then climbed back past where it began)
-            out["loss_recent_vs_best"] = recent / best
+        if best > 0 and recent > first > 0:  # and against its best: a run that learned, then climbed back past
+            out["loss_recent_vs_best"] = recent / best  # where it began (a loss near 0 makes any ratio huge)
 
 
 def _ruin(applied: Sequence[dict], pser: Series, loss: Series, out: Dict[str, Any]) -> None:
