@@ -136,22 +136,3 @@ def test_a_cut_after_a_rollback_into_the_warm_up_is_taken_from_the_rate_that_div
     cause = {"evidence": {"history": {"lr": [0.4]}}}
     assert abs(peak_cut(0.1, [0.01], [0.4], failed_rates(cause)) * 0.4 - 0.04) < 1e-12
     assert abs(peak_cut(0.1, [0.01], [0.4]) * 0.4 - 0.001) < 1e-12  # no failure rate known: from the rate now
-
-
-def test_no_snapshot_near_the_loss_regime_onset_rolls_back_to_before_the_excursion_not_to_the_start():
-    """The loss left its best level at 137 (a noisy plateau), the excursion began at 195; the snapshots kept were
-    0 and 170..201: the rollback went to step 0 (201 steps lost). Before the excursion: step 194."""
-    from types import SimpleNamespace
-    from nanguard.core.recovery.snapshots import rollback_snapshot
-
-    class Store:
-        snaps = [SimpleNamespace(step=s) for s in [0] + list(range(170, 202))]
-
-        def best(self, history, step, divergence, before):
-            older = [s for s in self.snaps if s.step <= before]
-            return older[-1] if older else None
-
-    notes = []
-    assert rollback_snapshot(Store(), [], 201, True, 136, 194, notes).step == 194 and "excursion began" in notes[0]
-    assert rollback_snapshot(Store(), [], 201, True, 180, 194, []).step == 180  # one near the regime onset: kept
-    assert rollback_snapshot(Store(), [], 201, True, 136, None, []).step == 0

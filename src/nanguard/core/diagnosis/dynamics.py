@@ -146,11 +146,14 @@ def dynamics(history: Sequence[dict]) -> Dict[str, Any]:
         return out
     applied = [h for h in recs if not h.get("skipped")]
     loss = _series(applied, "loss")
-    if any(v < 0 for _, v in loss):
-        # a loss that goes below 0 (a policy gradient, a critic, a log-likelihood) has no growth factor: 12.7 ->
-        # -168 -> 195 did not "rise x16"; what grew is read from the gradients and the weights
+    below = sum(1 for _, v in loss if v < 0)
+    if below >= max(2, len(loss) // 4):
+        # a loss that is often below 0 (a policy gradient, a critic) has no growth factor: 12.7 -> -168 -> 195 did
+        # not "rise x16"; what grew is read from the gradients and the weights
         out["loss_signed"] = True
         loss = []
+    elif below:  # a rare value below 0 (a Poisson NLL's dip) is no level to divide by
+        loss = [(st, v) for st, v in loss if v > 0]
     grad = _series(applied, "grad_norm")
     lon = excursion_onset(loss)
     gon = excursion_onset(grad)

@@ -124,13 +124,6 @@ def rollback_bound(cause: Dict[str, Any]) -> Optional[int]:
     return max(min(ons) - 1, 0) if ons else None
 
 
-def onset_bound(cause: Dict[str, Any]) -> Optional[int]:
-    """The latest snapshot step before the excursion itself (``evidence.onset_step`` - 1), without the
-    loss regime's earlier onset that :func:`rollback_bound` also weighs; None when there is none."""
-    on = ((cause or {}).get("evidence") or {}).get("onset_step")
-    return max(on - 1, 0) if isinstance(on, int) and not isinstance(on, bool) else None
-
-
 def rollback_target(snapshots: Sequence[Any], history: Sequence[dict] = (), step: Optional[int] = None,
                     divergence: bool = True, before: Optional[int] = None) -> Optional[Any]:
     """The snapshot to roll back to, among ``snapshots`` (sorted by step; each has ``.step`` and

@@ -25,11 +25,11 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..render.terminal import print_line
 from .actions import RecoveryActions, Snapshot
 from .budget import DATA_CATEGORY, RecoveryBudget
-from .estimates import (DynamicLossScale, backoff_factor, clip_max_norm, failed_rates, healthy_grad_norms,
-                        onset_bound, peak_cut, peak_target, rollback_bound, schedule_peak)
+from .estimates import (DynamicLossScale, backoff_factor, clip_max_norm, failed_rates, healthy_grad_norms, peak_cut,
+                        peak_target, rollback_bound, schedule_peak)
 from .records import notice, summary_line
 from .repeats import Repeats
-from .snapshots import SnapshotStore, rollback_snapshot
+from .snapshots import SnapshotStore
 from . import beta2, tried
 from .table import ACTIONS, AUTO, CHANGES_TRAINING, DIVERGENCE, actions_for, check_allowed, record_order
 from .verify import VERIFIED, per_sample, proof_record, verified_plan
@@ -297,8 +297,7 @@ class RecoveryPolicy:
             # update since that cut was made at a step size now shown to be past its limit, so its weights
             # are not trusted. (The pin is released once the cut step size held for a whole window.)
             before = pinned.step if before is None else min(before, pinned.step)
-        snap = rollback_snapshot(self.store, history, step, cat in DIVERGENCE, before,
-                                 onset_bound(event.cause) if cat in DIVERGENCE and not again else None, notes)
+        snap = self.store.best(history, step, cat in DIVERGENCE, before)
         if snap is None:
             notes.append("no healthy snapshot to roll back to" if before is None else
                          f"no snapshot from before step {before + 1}, where the growth began")

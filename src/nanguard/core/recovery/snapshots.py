@@ -252,20 +252,3 @@ class SnapshotStore:
         self.copy_seconds = dt if dt is not None else self.clock() - t0
         self._small = snap.nbytes <= self.cheap_bytes
         return snap
-
-
-def rollback_snapshot(store: "SnapshotStore", history: Sequence[dict], step: int, divergence: bool,
-                      before: Optional[int], hard: Optional[int], notes: List[str]) -> Optional[Snapshot]:
-    """``store.best`` at or before ``before``; when ``before`` is the loss regime's onset (a noisy plateau
-    before the excursion) and no snapshot is kept near it, one from before the excursion itself (``hard``:
-    weights still finite and not growing) loses fewer steps than going back to the run's start (a warm-up
-    run rolled back 201 steps to step 0, where its schedule's rate was 40x lower)."""
-    snap = store.best(history, step, divergence, before)
-    far = snap is None or (before is not None and hard is not None and before - snap.step > hard - before)
-    if hard is not None and before is not None and hard > before and far:
-        alt = store.best(history, step, True, hard)
-        if alt is not None:
-            notes.append(f"no snapshot near step {before + 1} (where the loss left its best level): rolled back "
-                         f"to before step {hard + 1}, where the excursion began")
-            return alt
-    return snap
