@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from .exitcodes import EXIT_NONFINITE
 
-__all__ = ["ScriptOutcome", "Terminated", "run_as_main", "exit_code", "apply_outcome", "print_user_traceback",
+__all__ = ["ScriptOutcome", "Terminated", "run_as_main", "run_to_end", "exit_code", "apply_outcome", "print_user_traceback",
            "interruptible", "pending_signal", "restore_signals", "block_outcome", "apply_late_signal",
            "ThreadStops"]
 
@@ -109,6 +109,18 @@ def run_as_main(script: str, args: List[str], is_stop: Callable[[BaseException],
     finally:
         restore()
     return out
+
+
+def run_to_end(script: str, args: List[str], is_stop: Callable[[BaseException], bool],
+               finish: Callable[[ScriptOutcome], int], uninstall: Callable[[], None]) -> int:
+    """A runner's whole run: the script (:func:`run_as_main`), then ``finish(outcome)`` (the report, the
+    status), which its ``os._exit`` calls too; ``uninstall`` takes the hooks out if nanguard itself raised."""
+    try:
+        outcome = run_as_main(script, args, is_stop, on_hard_exit=finish)
+    except BaseException:
+        uninstall()
+        raise
+    return finish(outcome)
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from ..core.outputs import absolute
 from ..core.render.html import html_target
 from ..core.render.terminal import print_line
 from ..core.reportsink import open_run_report
-from ..core.script import close_run, run_as_main
+from ..core.script import close_run, run_to_end
 
 
 def run_jax_script(script: str, args: List[str], *, report_path: Optional[str] = "nanguard_report.json",
@@ -50,7 +50,7 @@ def run_jax_script(script: str, args: List[str], *, report_path: Optional[str] =
     owner = os.getpid()
 
     def finish(outcome: Any) -> int:
-        """The run's end: at the script's end, or inside its ``os._exit`` (``run_as_main``)."""
+        """The run's end: at the script's end, or inside its ``os._exit`` (``run_to_end``)."""
         drv.uninstall()
         if os.getpid() != owner:
             return outcome.code
@@ -69,12 +69,7 @@ def run_jax_script(script: str, args: List[str], *, report_path: Optional[str] =
         return outcome.code
 
     drv.install()
-    try:
-        outcome = run_as_main(script, list(args), lambda e: isinstance(e, StopRun), on_hard_exit=finish)
-    except BaseException:
-        drv.uninstall()
-        raise
-    return finish(outcome)
+    return run_to_end(script, list(args), lambda e: isinstance(e, StopRun), finish, drv.uninstall)
 
 
 def _print_outcome(report: Any, report_path: Optional[str], drv: Any) -> None:

@@ -25,7 +25,7 @@ from ..core.outputs import absolute
 from ..core.render.html import html_target, write_run_html
 from ..core.reportsink import interim_report, open_run_report
 from ..core.render.terminal import print_line, render, summary_line
-from ..core.script import apply_late_signal, apply_outcome, pending_signal, restore_signals, run_as_main
+from ..core.script import apply_late_signal, apply_outcome, pending_signal, restore_signals, run_to_end
 from .bundle import default_bundle_path
 from .distributed import barrier, is_main
 from .recover import RecoveryPolicy
@@ -106,7 +106,7 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
     owner = os.getpid()
 
     def finish(outcome: Any) -> int:
-        """The run's end: at the script's end, or inside its ``os._exit`` (``run_as_main``)."""
+        """The run's end: at the script's end, or inside its ``os._exit`` (``run_to_end``)."""
         watcher.uninstall()
         if os.getpid() != owner:  # a child the script forked (os.fork) ran on to the script's end: it was
             return outcome.code   # not watched, and writes nothing (the parent reports; nanguard.pytorch.owners)
@@ -159,12 +159,7 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
     os.close(rng_fd)
     torch.save(capture_rng(), rng_file)  # the re-run starts from this exact RNG state
     watcher.install()
-    try:
-        outcome = run_as_main(script, list(args), lambda e: isinstance(e, StopRun), on_hard_exit=finish)
-    except BaseException:
-        watcher.uninstall()
-        raise
-    return finish(outcome)
+    return run_to_end(script, list(args), lambda e: isinstance(e, StopRun), finish, watcher.uninstall)
 
 
 class RunningReport(WatchObserver):

@@ -23,7 +23,7 @@ from ..core.outputs import absolute
 from ..core.render.html import html_target
 from ..core.reportsink import interim_report, open_run_report
 from ..core.render.terminal import print_line
-from ..core.script import close_run, run_as_main
+from ..core.script import close_run, run_to_end
 from .observer import TFObserver
 
 _TF_MODULES = ("tensorflow", "keras")
@@ -134,7 +134,7 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
             drv.uninstall()
 
     def finish(outcome: Any) -> int:
-        """The run's end: at the script's end, or inside its ``os._exit`` (``run_as_main``)."""
+        """The run's end: at the script's end, or inside its ``os._exit`` (``run_to_end``)."""
         uninstall()
         if os.getpid() != owner:  # a child the script forked (os.fork) ran on to the script's end: the
             return outcome.code   # parent reports, not the child
@@ -160,12 +160,7 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
             return EXIT_NONFINITE
         return outcome.code
 
-    try:
-        outcome = run_as_main(script, list(args), _is_stop, on_hard_exit=finish)
-    except BaseException:
-        uninstall()
-        raise
-    return finish(outcome)
+    return run_to_end(script, list(args), _is_stop, finish, uninstall)
 
 
 class _RunningReport(TFObserver):
