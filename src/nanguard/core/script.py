@@ -34,9 +34,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from .exitcodes import EXIT_NONFINITE
 
-__all__ = ["ScriptOutcome", "Terminated", "run_as_main", "run_to_end", "exit_code", "apply_outcome", "print_user_traceback",
-           "interruptible", "pending_signal", "restore_signals", "block_outcome", "apply_late_signal",
-           "ThreadStops"]
+__all__ = ["ScriptOutcome", "Terminated", "run_as_main", "run_to_end", "exit_code", "apply_outcome",
+           "print_user_traceback", "interruptible", "pending_signal", "restore_signals", "block_outcome",
+           "apply_late_signal", "ThreadStops"]
 
 
 class Terminated(BaseException):
