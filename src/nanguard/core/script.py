@@ -59,7 +59,6 @@ class ScriptOutcome:
     error: Optional[BaseException] = None
     error_info: Optional[Dict[str, Any]] = None
     signal: Optional[str] = None
-    hard_exit: bool = False  # it called os._exit
 
 
 def run_as_main(script: str, args: List[str], is_stop: Callable[[BaseException], bool],
@@ -137,7 +136,7 @@ def _hard_exits(out: ScriptOutcome, finish: Optional[Callable[[ScriptOutcome], i
     def _exit(code: int) -> None:
         if os.getpid() == owner and os._exit is _exit:
             os._exit = real
-            out.code, out.hard_exit = int(code), True
+            out.code = int(code)
             print(f"nanguard: the script called os._exit({int(code)}); writing the report", file=sys.stderr)
             try:
                 restore()
