@@ -36,7 +36,7 @@ from .exitcodes import EXIT_NONFINITE
 
 __all__ = ["ScriptOutcome", "Terminated", "run_as_main", "run_to_end", "exit_code", "apply_outcome",
            "print_user_traceback", "interruptible", "pending_signal", "restore_signals", "block_outcome",
-           "apply_late_signal", "ThreadStops"]
+           "apply_late_signal", "signal_status", "ThreadStops"]
 
 
 class Terminated(BaseException):
@@ -393,9 +393,15 @@ def close_run(build: Callable[[], Any], outcome: ScriptOutcome, *, sink: Any, re
     finally:
         late = pending_signal()
         restore_signals()
-    if final is not None:  # a signal while nanguard localized the failure
+    return signal_status(final, outcome, late)
+
+
+def signal_status(final: Optional[int], outcome: ScriptOutcome, late: Any) -> Optional[int]:
+    """The exit status a signal imposes at a run's end (``final``: one that came while nanguard localized the
+    failure; ``late``: one that came while the report was written), or None (the runner's own)."""
+    if final is not None:
         return final
-    if outcome.signal is None and late is not None:  # a signal while the report was written
+    if outcome.signal is None and late is not None:
         return 128 + int(late)
     return None
 

@@ -25,7 +25,8 @@ from ..core.outputs import absolute
 from ..core.render.html import html_target, write_run_html
 from ..core.reportsink import interim_report, open_run_report
 from ..core.render.terminal import print_line, render, summary_line
-from ..core.script import apply_late_signal, apply_outcome, pending_signal, restore_signals, run_to_end
+from ..core.script import (apply_late_signal, apply_outcome, pending_signal, restore_signals, run_to_end,
+                           signal_status)
 from .bundle import default_bundle_path
 from .distributed import barrier, is_main
 from .recover import RecoveryPolicy
@@ -147,10 +148,9 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
                 os.unlink(rng_file)
             except OSError:
                 pass
-        if final is not None:  # a signal while nanguard localized the failure
-            return final
-        if outcome.signal is None and late is not None:  # a signal while the report was written
-            return 128 + int(late)
+        imposed = signal_status(final, outcome, late)
+        if imposed is not None:
+            return imposed
         if stopped:
             return EXIT_NONFINITE
         return code
