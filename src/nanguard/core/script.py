@@ -367,9 +367,11 @@ def apply_late_signal(report: Any, outcome: ScriptOutcome, step: Optional[int] =
 
 
 def close_run(build: Callable[[], Any], outcome: ScriptOutcome, *, sink: Any, report_path: Optional[str],
-              page_path: Optional[str], quiet: bool, strict: bool, show: Callable[[Any], None]) -> Optional[int]:
+              page_path: Optional[str], quiet: bool, strict: bool, show: Callable[[Any], None],
+              write: bool = True, settled: Optional[Callable[[Any], None]] = None) -> Optional[int]:
     """The end of a ``nanguard run``, the same for every backend's runner: build the report (``build``),
-    settle its status with how the script ended (an error, a signal), write the JSON and the HTML page,
+    settle its status with how the script ended (an error, a signal), hand it to ``settled`` (TensorBoard),
+    write the JSON and the HTML page (``write``: False on the ranks other than 0 of a distributed run),
     print it (``show``) and put the signal handlers back. The guard's own error here is a warning unless
     strict. Returns the exit status a signal imposes, or None (the runner's own)."""
     from .render.html import write_run_html
@@ -379,9 +381,13 @@ def close_run(build: Callable[[], Any], outcome: ScriptOutcome, *, sink: Any, re
         report = build()
         apply_outcome(report, outcome, step=report.steps_watched)  # script_error / interrupted
         final = apply_late_signal(report, outcome, step=report.steps_watched)  # a signal wins over the stop
-        if report_path:
-            sink.finish(report)
-        page = write_run_html(report, report_path, page_path)
+        if settled is not None:
+            settled(report)
+        page = None
+        if write:
+            if report_path:
+                sink.finish(report)
+            page = write_run_html(report, report_path, page_path)
         if not quiet:
             show(report)
             if page:

@@ -22,11 +22,10 @@ from ..core.config import GuardConfig
 from ..core.experiments import ExperimentConfig
 from ..core.exitcodes import EXIT_NONFINITE, EXIT_USAGE
 from ..core.outputs import absolute
-from ..core.render.html import html_target, write_run_html
+from ..core.render.html import html_target
 from ..core.reportsink import interim_report, open_run_report
 from ..core.render.terminal import print_line, render, summary_line
-from ..core.script import (apply_late_signal, apply_outcome, pending_signal, restore_signals, run_to_end,
-                           signal_status)
+from ..core.script import close_run, run_to_end
 from .bundle import default_bundle_path
 from .distributed import barrier, is_main
 from .recover import RecoveryPolicy
@@ -113,47 +112,35 @@ def run_torch_script(script: str, args: List[str], *, report_path: Optional[str]
             return outcome.code   # not watched, and writes nothing (the parent reports; nanguard.pytorch.owners)
         # a stop raised in another thread (the thread ended with it; this one may have run on to the end)
         outcome.stopped = outcome.stopped or (watcher.stopping is not None and outcome.signal is None)
-        code, stopped = outcome.code, outcome.stopped
-        final = None
-        try:
+
+        def build() -> Any:
             watcher.finish()
             if isinstance(outcome.error, Exception) and localize:
                 record_raise(watcher, outcome.error)  # a NaN born before the raise: the step's failure
-            report = make_report(watcher, localizer, policy, localize=localize and outcome.signal is None)
-            apply_outcome(report, outcome, step=watcher.monitor.steps_watched)
-            final = apply_late_signal(report, outcome, step=watcher.monitor.steps_watched)  # it wins over the stop
+            return make_report(watcher, localizer, policy, localize=localize and outcome.signal is None)
+
+        def settled(report: Any) -> None:
             if tb is not None:
                 tb.log_report(report)
                 tb.close()
-            page = None
-            if report_path and is_main():  # torch.distributed: rank 0 writes the merged report
-                sink.finish(report)
-            if is_main():
-                page = write_run_html(report, report_path, page_path)
-            if not quiet:
-                _print_outcome(report, report_path)
-                if page:
-                    print_line(f"HTML report: {page}")
-                if policy is not None:
-                    policy.print_summary()
+
+        def show(report: Any) -> None:
+            _print_outcome(report, report_path)
+            if policy is not None:
+                policy.print_summary()
+
+        try:  # torch.distributed: rank 0 writes the merged report
+            imposed = close_run(build, outcome, sink=sink, report_path=report_path, page_path=page_path,
+                                quiet=quiet, strict=strict, show=show, write=is_main(), settled=settled)
             barrier()  # torch.distributed: no rank exits (and gets the others killed) before rank 0 is done
-        except Exception as e:
-            if strict:
-                raise
-            print(f"nanguard: could not build the report: {type(e).__name__}: {e}", file=sys.stderr)
         finally:
-            late = pending_signal()
-            restore_signals()
             try:
                 os.unlink(rng_file)
             except OSError:
                 pass
-        imposed = signal_status(final, outcome, late)
         if imposed is not None:
             return imposed
-        if stopped:
-            return EXIT_NONFINITE
-        return code
+        return EXIT_NONFINITE if outcome.stopped else outcome.code
 
     rng_fd, rng_file = tempfile.mkstemp(prefix="nanguard-rng-", suffix=".pt")  # removed by finish()
     os.close(rng_fd)
