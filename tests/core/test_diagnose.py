@@ -633,3 +633,17 @@ def test_a_loss_that_fell_to_near_zero_is_no_divergence_from_its_best():
     d = run(loc(facts=f), hist)
     assert d["category"] == "log_domain", (d["category"], d["summary"])
     assert "loss_recent_vs_best" not in history_signals(hist)["dynamics"]
+
+
+def test_a_root_of_a_written_out_variance_gets_an_eps_on_the_variance():
+    """tf.math.reduce_std at a group of equal values (a GAN's minibatch-stddev over blank image borders): the
+    backward of its Sqrt is x/0. The fixes were for a distance ("exclude pairs of a sample with itself")."""
+    from nanguard.core.diagnosis import fixes as X
+    f = {"sqrt_domain": {"zeros": 1664, "negatives": 0, "numel": 6272}, "float64_check": {"finite": False},
+         "producers": [["mean", "square", "sub"]]}
+    d = run(loc("sqrt_grad", api="SqrtGrad", stage="backward", node="SqrtGrad", forward_op="sqrt", facts=f),
+            CALM, phase="backward", context={"framework": X.TENSORFLOW})
+    first = str(d["fixes"][0])
+    assert "reduce_variance" in first and "1e-8" in first, d["fixes"]
+    assert d["category"] == "sqrt_domain" and "a variance" in d["summary"], d["summary"]
+    assert not any("itself" in str(x) for x in d["fixes"]), d["fixes"]

@@ -97,12 +97,17 @@ def install(w: Any) -> List[Callable[[], None]]:
         w.step_call = (fn, args, kwargs)  # what recovery's drop_samples re-runs without some rows
         if w.policy is not None and w._snap_due:
             w._guarded(w._take_due_snapshot)
+        start = w.steps_watched
         try:
             out = orig["fn_call"](fn, *args, **kwargs)
         finally:
             tl_set("fn_depth", 0)
             tl_set("current_fn", None)
-        w.host.after_function(fn)
+        try:
+            w.host.after_function(fn)  # (raises StopRun at a failure)
+        finally:  # a re-run arms its recorder before the call that holds the failing step: how many it holds
+            if w.steps_watched > start:
+                w.updates_per_call = w.steps_watched - start
         rep, w.step_output, w.step_call = w.step_output, None, None  # recovery's drop_samples re-ran it
         out = out if rep is None else rep(out)
         if w.fit_now is not None:  # a fit's train function: its logs, what the fit prints (read at its end only)

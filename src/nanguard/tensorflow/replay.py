@@ -60,6 +60,7 @@ def localize(driver: Any, det: Any, in_process_only: bool = False) -> Optional[D
         cfg = child_config(driver.config)
         exps = getattr(driver, "experiments", None)
         cfg["experiments"] = bool(exps is not None and exps.config.enabled)
+        cfg["updates_per_call"] = driver.watcher.updates_per_call
         return rerun_localize(driver.script, driver.args, det.step, cfg)
     return None
 
@@ -258,7 +259,9 @@ def _child_main(argv: List[str]) -> int:
                 dump({"reproduced": False,
                       "reason": f"the re-run failed earlier, at step {det.step} ({det.phase})"})
 
-    calls = {"start": 0, "updates": 1}   # the latest outermost tf.function call: its first step, its updates
+    # the latest outermost tf.function call: its first step, its updates (before the first call ends: as
+    # many as the parent's calls made, so a failing step inside the first call is armed for too)
+    calls = {"start": 0, "updates": max(1, int(cfg.get("updates_per_call") or 1))}
 
     def call_start() -> None:
         """Arm before the call that runs step N: a call running several updates (a GAN's critic and

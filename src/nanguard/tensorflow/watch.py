@@ -90,6 +90,7 @@ class TFWatcher:
         self.fit_last_logs: Any = None  # the running fit's last train-function output (its batch logs)
         # the outermost tf.function call running, (fn, args, kwargs), and its output -> what the script gets
         self.step_call, self.step_output = None, None  # (recovery's drop_samples: .recover_drop)
+        self.updates_per_call = 1     # updates the latest outermost tf.function call made (a GAN step: 2)
 
     @property
     def recovering(self) -> bool:

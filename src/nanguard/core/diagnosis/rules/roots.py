@@ -96,6 +96,16 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
         fixes = [f"clamp the cosine before the root at {where}: "
                  + X.clamp("cosine", "-1 + 1e-7", "1 - 1e-7") + ", then sqrt(1 - cosine^2) is >= ~4.5e-4 (float32)",
                  f"or clamp the root's argument: {X.call('sqrt', X.clamp_min('1 - cosine ** 2', '1e-7'))}"]
+    elif chain[:1] in (["mean"], ["sum"]) and chain[1:2] in (["square"], ["pow"], ["mul"]) and chain[2:3] == ["sub"]:
+        # sqrt(mean((x - mean)^2)): a standard deviation written out (tf.math.reduce_std is this chain)
+        summ += ("; its argument is a variance (mean of squared deviations): a group whose values are all equal "
+                 "has variance exactly 0")
+        fixes = [f"add an eps to the variance inside the root at {where}: " + X.say(
+                     pytorch=X.eps_text("torch.sqrt(x.var(dim, unbiased=False) + 1e-8)"),
+                     tensorflow=X.eps_text("tf.sqrt(tf.math.reduce_variance(x, axis) + 1e-8)")
+                     + " instead of tf.math.reduce_std(x, axis)",
+                     jax=X.eps_text("jnp.sqrt(jnp.var(x, axis) + 1e-8)") + " instead of jnp.std(x, axis)"),
+                 f"or clamp the variance: {X.call('sqrt', X.clamp_min('variance', '1e-8'))}"]
     is_pow = T.opshort(origin.get("forward_op") or origin.get("op")) in POW.ops or T.node_family(node).startswith("pow")
     if is_pow and backward:
         summ = (f"the backward of {api} at {where} ({node}): the gradient of x ** p with p < 1 is "
