@@ -647,3 +647,20 @@ def test_a_root_of_a_written_out_variance_gets_an_eps_on_the_variance():
     assert "reduce_variance" in first and "1e-8" in first, d["fixes"]
     assert d["category"] == "sqrt_domain" and "a variance" in d["summary"], d["summary"]
     assert not any("itself" in str(x) for x in d["fixes"]), d["fixes"]
+
+
+def test_a_clip_norm_overflowing_on_enormous_gradients_after_a_jump_is_the_step_size():
+    """IRNN with RMSprop: one update took the loss from 0.95 to 1.7e17; tf.clip_by_global_norm's L2Loss overflowed
+    float32 on finite gradients of 2e18 (10000 of them) and the clip returned NaN. It read 'other', 'the history
+    shows no divergence'."""
+    from nanguard.core.diagnosis import fixes as X
+    hist = [{"step": 0, "loss": 0.95, "grad_norm": 1.0, "param_norm": 10.1, "update_ratio": 2e-4, "lr": [0.002]}]
+    origin_inputs = [{"dtype": "float32", "numel": 10000, "nonfinite": 0, "max_abs": 2.09e18, "zeros": 6788}]
+    l = loc("l2_loss", api="L2Loss", stage="forward", phase="backward", inputs=origin_inputs,
+            output={"nan": 0, "posinf": 1, "neginf": 0}, facts={"float64_check": {"finite": True, "max_abs": 1.06e39}})
+    l["sink"] = {"kind": "grad", "names": ["rnn/kernel"]}
+    d = run(l, hist, phase="backward", context={"framework": X.TENSORFLOW, "detected": {"loss": 1.74e17},
+                                                "lr": [0.002]})
+    assert d["category"] == "lr_too_high", (d["category"], d["summary"])
+    assert "clip" in d["summary"] and "0.002" in str(d["fixes"][0])
+    assert "tf.clip_by_value" in str(d["fixes"][1]), d["fixes"]

@@ -22,6 +22,9 @@ def apply_eager(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
                 lso: bool) -> Any:
     if w.policy is not None and w._snap_due:
         w._guarded(w._take_due_snapshot)
+    obs = w.observers.recorder
+    if obs is not None:  # a re-run's recorder: the gradients given (a clip after the tape may make them NaN)
+        obs.mark_grads(grads, tvars)
     row = w._guarded(lambda: _pre(w, st, opt, grads, tvars, lso))
     if row is None:
         return w._dispatch_apply(opt, grads, trainable_variables)
@@ -32,7 +35,6 @@ def apply_eager(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
     elif w.spikes is not None and w._guarded(lambda: w.spikes.observe(w, st, D.Row(row), late=False)):
         row[D.C["guard_skipped"]] = 1.0  # an early warning dropped this update (on_spike skip/rollback)
     if (ok and row[D.C["guard_skipped"]] < 0.5) or (not ok and not w.skip_bad):
-        obs = w.observers.recorder
         if obs is not None:
             obs.set_stage("optimizer")
         try:

@@ -150,6 +150,11 @@ def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
         if big is not None:  # the update overflowed on gradients already enormous: the cause is upstream
             return divergence(sig, origin, ev, method, 0.8, ctx) or huge_gradient_result(origin, big, sig, ev, method, 0.7, ctx)
         return optimizer_result(loc, facts, ev, method, 0.85, ctx)
+    if det_phase == "backward" and (loc.get("sink") or {}).get("kind") == "grad":
+        big = huge_gradient(origin, stage="forward")
+        if big is not None:  # the script's own gradient norm (a clip) overflowed on enormous, finite gradients
+            return divergence(sig, origin, ev, method, 0.8, ctx) or \
+                huge_gradient_result(origin, big, sig, ev, method, 0.7, ctx, in_norm=True)
     if origin.get("kind") == "constant":
         return T.result("other", f"a non-finite constant written by the program at {T.where(origin)} "
                         f"({T.api_or_op(origin)}) reached the {phase} result", 0.5, ev,

@@ -95,6 +95,7 @@ class TFRecorder:
         self.vars = Variables(self.log, self.prov, self.paused)
         self.describer = Describer(self.log, self.prov, self.detail_limit)
         self.sinks = Sinks()
+        self._marked: list = []   # gradient tensors marked as sinks (kept alive: compared by identity)
         # the batch's own NaN/+inf (a hard pre-existing data taint) once an op of ops.NAN_DROPPERS read it
         # and gave finite outputs (a max-pool window of NaN gives the lowest float): a later non-finite
         # value made from finite inputs descends from it, so it inherits this taint
@@ -204,7 +205,9 @@ class TFRecorder:
                 self.fail(e)
 
     def mark_grads(self, grads: Any, sources: Any) -> None:
-        """What ``GradientTape.gradient`` returned, with its sources (variables): the gradient sink."""
+        """What ``GradientTape.gradient`` returned, with its sources (variables): the gradient sink. Also the
+        gradients the optimizer is given (what the script did between the two, a clip, may have made them
+        non-finite); a gradient already marked is not marked again."""
         with self.paused():
             try:
                 self.sinks.grad_marked = True
@@ -214,6 +217,9 @@ class TFRecorder:
                     if g is None:
                         continue
                     vals = getattr(g, "values", g)   # IndexedSlices
+                    if any(vals is m for m in self._marked):
+                        continue
+                    self._marked.append(vals)
                     a = _float_value(vals)
                     if a is not None and any(N.nonfinite_flags(a)):
                         src = s_flat[i] if i < len(s_flat) else None
@@ -318,7 +324,7 @@ class TFRecorder:
         if opt is mine or getattr(mine, "inner_optimizer", None) is opt or getattr(opt, "inner_optimizer", None) is mine:
             self._own_update_seen = True
             return
-        self.sinks = Sinks()
+        self.sinks, self._marked = Sinks(), []
         self.notes.append(f"the replayed step's update by {type(opt).__name__} before the failing optimizer's "
                           "ran from the captured variables (after it, in the original step): its loss and "
                           "gradients are not the failing update's")

@@ -93,26 +93,33 @@ _NORMS = ("linalg_vector_norm", "norm", "frobenius_norm", "sqrt", "EuclideanNorm
 _WIDE_MAX = {"float32": 3.4028234663852886e38, "float64": 1.7976931348623157e308}
 
 
-def huge_gradient(origin: dict | None) -> float | None:
+def huge_gradient(origin: dict | None, stage: str = "optimizer") -> float | None:
     """The largest finite input of an optimizer-stage op that overflowed a float32/float64 value, when it is
     already past the square root of the dtype's range (Adam squaring a gradient of 3e20 in float32): the
     gradient the optimizer was given is enormous, a divergence or an explosion upstream, not the update's
-    own numerics. None otherwise."""
-    if not origin or origin.get("stage") != "optimizer":
+    own numerics. None otherwise. ``stage="forward"``: an op of the script's own between the backward and the
+    update (a clip's global norm), whose NaN reached the gradients and not the loss; a sum of n squares
+    overflows from elements past sqrt(max / n)."""
+    if not origin or origin.get("stage") != stage:
         return None
     dmax = _WIDE_MAX.get(origin.get("dtype"))
     out = origin.get("output") or {}
     if dmax is None or not (out.get("posinf") or out.get("neginf")):
         return None
-    big = max((float(i["max_abs"]) for i in origin.get("inputs") or [] if isinstance(i, dict)
-               and T.fin(i.get("max_abs")) and not i.get("nonfinite")), default=None)
-    return big if big is not None and big >= dmax ** 0.5 else None
+    ins = [i for i in origin.get("inputs") or [] if isinstance(i, dict) and T.fin(i.get("max_abs"))
+           and not i.get("nonfinite")]
+    if not ins:
+        return None
+    big = max(float(i["max_abs"]) for i in ins)
+    n = max(int(i.get("numel") or 1) for i in ins) if stage == "forward" else 1
+    return big if big >= (dmax / max(n, 1)) ** 0.5 else None
 
 
 def huge_gradient_result(origin: dict, big: float, sig: dict, ev: dict, method: str, conf: float,
-                         ctx: dict) -> dict:
+                         ctx: dict, in_norm: bool = False) -> dict:
     """:func:`huge_gradient` with no divergence the history can name: the last update threw the weights (the
-    loss jumped >= 1000x over it: the learning rate), or the gradient exploded."""
+    loss jumped >= 1000x over it: the learning rate), or the gradient exploded. ``in_norm``: the overflow was
+    the script's gradient norm (a clip) between the backward and the update, not the update's squaring."""
     before = sig.get("grad_norm_median_before") or sig.get("grad_norm_prev")
     last = sig.get("grad_norm_last")
     lrs = sig.get("lr") or ctx.get("lr") or []
@@ -125,16 +132,25 @@ def huge_gradient_result(origin: dict, big: float, sig: dict, ev: dict, method: 
     lower = (f"lower the learning rate (e.g. {T.g(lr0)} -> {X.lr_to(T.g(T.nice(lr0 / 10)))})" if lr0
              else "lower the learning rate about 10x")
     clip = f"clip the gradient norm before the update: {X.clip_grad_norm('1.0')}"
+    where = (f"the gradient norm at {T.where(origin)} ({op}: a clip between the backward and the update returns NaN "
+             f"when that norm overflows)" if in_norm else f"the update ({op})")
+    if in_norm:  # the clip is there already: it cannot shorten a gradient whose norm is past the dtype's range
+        clip = ("clip each gradient by value before the norm clip (" + X.say(
+            pytorch="torch.nn.utils.clip_grad_value_(model.parameters(), 1e3)",
+            tensorflow="[tf.clip_by_value(g, -1e3, 1e3) for g in grads]",
+            jax="optax.chain(optax.clip(1e3), optax.clip_by_global_norm(1.0), ...)")
+            + f") or compute the norm in float64: the sum of the squared gradients (up to {T.g(big)}) is past "
+            f"{dt}'s range")
     if jump is not None and jump >= 1e3:
         summ = (f"learning rate too high: one update threw the weights (the loss went from {T.g(prev)} to {T.g(now)}"
                 + (f" at learning rate {T.g(lr0)}" if lr0 else "") + f"), and the gradients there ({T.g(big)}) "
-                f"overflow {dt} when the update squares them ({op})")
+                f"overflow {dt} when {where} squares them")
         return T.result("lr_too_high", summ, conf, ev,
-                        [lower + ", or add a warm-up", clip + " (an adaptive optimizer's step is about the learning "
-                         "rate whatever the gradient's size: clipping alone does not shorten it)"], method)
-    summ = (f"gradient explosion: the optimizer received gradient elements of {T.g(big)} and {op} overflowed {dt} "
-            "on them in the update" + (f"; the gradient norm went from {T.g(before)} to {T.g(last)}"
-                                       if T.fin(before) and T.fin(last) else ""))
+                        [lower + ", or add a warm-up", clip if in_norm else clip + " (an adaptive optimizer's step is "
+                         "about the learning rate whatever the gradient's size: clipping alone does not shorten it)"],
+                        method)
+    summ = (f"gradient explosion: gradient elements of {T.g(big)} and {where} overflowed {dt} on them"
+            + (f"; the gradient norm went from {T.g(before)} to {T.g(last)}" if T.fin(before) and T.fin(last) else ""))
     return T.result("gradient_explosion", summ, conf, ev,
                     [clip, "roll back to the last finite state and skip or clip the step with the jump",
                      lower + ": the update before this one may have thrown the weights to where the gradient is "
