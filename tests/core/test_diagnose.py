@@ -664,3 +664,17 @@ def test_a_clip_norm_overflowing_on_enormous_gradients_after_a_jump_is_the_step_
     assert d["category"] == "lr_too_high", (d["category"], d["summary"])
     assert "clip" in d["summary"] and "0.002" in str(d["fixes"][0])
     assert "tf.clip_by_value" in str(d["fixes"][1]), d["fixes"]
+
+
+def test_a_normalization_layers_adapted_statistics_holding_nan_is_the_data_it_was_adapted_on():
+    """Keras' Auto MPG tutorial without dropna(): Normalization.adapt stores a NaN mean for the column with
+    '?' values; every batch is NaN through it. It read the mean as a batch row and named a clean dataset row."""
+    from nanguard.core.diagnosis import fixes as X
+    pre = {"kind": "buffer", "name": "normalization.mean", "module_type": "Normalization",
+           "stats": {"nonfinite": 1, "numel": 9, "nan": 1, "shape": [1, 9], "bad_cols": [2]}}
+    l = loc(facts={}, phase="params")
+    l["preexisting"], l["origin"] = pre, None
+    d = run(l, [], phase="params", context={"framework": X.TENSORFLOW})
+    assert d["category"] == "bad_input_data", (d["category"], d["summary"])
+    assert "adapt()" in d["summary"] and "[2]" in d["summary"]
+    assert "dropna" in str(d["fixes"][0])

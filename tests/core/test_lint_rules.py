@@ -284,6 +284,25 @@ CASES = [
         def std(x):
             return (x.pow(2).mean(0) - x.mean(0) ** 2).clamp(min=0).add(1e-12).sqrt()
      """, TORCH),
+    ("NGL008", """
+        class MinibatchStd(layers.Layer):
+            def call(self, x):
+                s = tf.reduce_mean(tf.math.reduce_std(x, axis=0))
+                return tf.concat([x, tf.ones_like(x[..., :1]) * s], axis=-1)
+     """, """
+        class MinibatchStd(layers.Layer):
+            def call(self, x):
+                s = tf.reduce_mean(tf.sqrt(tf.math.reduce_variance(x, axis=0) + 1e-8))
+                return tf.concat([x, tf.ones_like(x[..., :1]) * s], axis=-1)
+     """, TF),
+    ("NGL008", """
+        class Head(nn.Module):
+            def forward(self, z):
+                return z.std(0).mean()
+     """, """
+        x = torch.randn(64, 8)
+        x = (x - x.mean(0)) / x.std(0).clamp(min=1e-6)
+     """, TORCH),
     # NGL009 acos of a cosine
     ("NGL009", """
         def angle(a, b):

@@ -66,10 +66,14 @@ def _origin(loc: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     if not o:
         pre = loc.get("preexisting")
         if pre:
-            return {"op": None, "module": None, "file": None, "line": None, "function": None,
-                    "dtype": (pre.get("stats") or {}).get("dtype"), "tensor": pre.get("name"),
-                    "kind": pre.get("kind"), "samples": pre.get("samples"),
-                    "source_rows": pre.get("source_rows")}
+            out = {"op": None, "module": None, "file": None, "line": None, "function": None,
+                   "dtype": (pre.get("stats") or {}).get("dtype"), "tensor": pre.get("name"),
+                   "kind": pre.get("kind"), "samples": pre.get("samples"),
+                   "source_rows": pre.get("source_rows")}
+            if pre.get("module_type"):  # a layer's own tensor: the layer is where it lives
+                fu = pre.get("first_use") or {}
+                out.update(module=fu.get("module"), layer=fu.get("layer"), module_type=pre["module_type"])
+            return out
         return None
     out = {k: o.get(k) for k in ORIGIN_KEYS}
     for k, v in o.items():

@@ -61,6 +61,7 @@ class Preexisting:
     first_use: Optional[Dict[str, Any]] = None
     written_by: Optional[Dict[str, Any]] = None
     source_rows_from: Optional[str] = None
+    module_type: Optional[str] = None   # the layer whose own tensor it is (a Keras Normalization's mean)
 
     @classmethod
     def of(cls, taint: Taint, samples: List[Any], source_rows: List[Any],
@@ -69,7 +70,8 @@ class Preexisting:
         detail = taint.detail or {}
         return cls(kind=taint.pre_kind, name=taint.name, samples=samples, source_rows=source_rows,
                    stats=detail.get("stats", {}) if stats is None else stats,
-                   first_use=taint.first_use or None, written_by=detail.get("written_by"))
+                   first_use=taint.first_use or None, written_by=detail.get("written_by"),
+                   module_type=detail.get("module_type"))
 
     @property
     def rows_in_tensor(self) -> List[Any]:
@@ -89,6 +91,8 @@ class Preexisting:
              "written_by": self.written_by}
         if self.source_rows_from is not None:
             d["source_rows_from"] = self.source_rows_from
+        if self.module_type is not None:
+            d["module_type"] = self.module_type
         return d
 
 

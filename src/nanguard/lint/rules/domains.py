@@ -37,12 +37,23 @@ def root_arg(node: ast.AST, flow: Flow) -> Optional[ast.AST]:
 
 
 @rule("NGL008", "sqrt-at-zero", "sqrt_domain",
-      fixes=lambda origin, facts: sqrt_result(origin, {}, {}, "lint", backward=facts.get("backward", True))["fixes"],
+      fixes=lambda origin, facts: sqrt_result(origin, {"producers": facts.get("producers")}, {}, "lint",
+                                              backward=facts.get("backward", True))["fixes"],
       what="sqrt of a variance, or of a sum of squares of a value that is exactly 0 by construction (a "
            "difference: a distance of a point to itself, a residual at a perfect fit), with no eps, where gradients "
-           "flow (the backward 1/(2*sqrt(0)) = inf gives NaN); or of a one-pass variance E[x^2] - E[x]^2 or an "
-           "expanded squared distance |x|^2 + |y|^2 - 2 x.y (negative by rounding: NaN in the forward)")
+           "flow (the backward 1/(2*sqrt(0)) = inf gives NaN); a standard deviation across the batch (dim/axis 0) "
+           "in a model's method (a minibatch-stddev feature: NaN gradient wherever a feature is the same in every "
+           "sample); or of a one-pass variance E[x^2] - E[x]^2 or an expanded squared distance "
+           "|x|^2 + |y|^2 - 2 x.y (negative by rounding: NaN in the forward)")
 def _sqrt_at_zero(node: ast.AST, flow: Flow) -> Iterator[Hit]:
+    std = flow.call_of(node, ("std",))
+    if std is not None and flow.cls and not flow.no_grad and isinstance(node, ast.Call):
+        axis = arg(node, 0 if std.fw == "tensor" else 1, "dim", "axis")
+        if isinstance(axis, ast.Constant) and axis.value == 0:
+            yield Hit(node, "standard deviation across the batch where gradients flow: its gradient is NaN wherever "
+                            "a feature is the same in every sample (a blank border, a constant input); take "
+                            "sqrt(var + eps) instead", facts={"producers": [["mean", "square", "sub"]]})
+        return
     x = root_arg(node, flow)
     if x is None:
         return

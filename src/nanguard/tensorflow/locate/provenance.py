@@ -117,6 +117,16 @@ class Provenance(Taints):
                                        (fr.file, fr.line, fr.function) if fr else None,
                                        [jnum(a.reshape(-1)[0])] if a.size else [])
             return o
+        fr = self.where()
+        layer = getattr(fr, "layer_obj", None) if fr else None
+        attr = _attribute_of(layer, t)
+        if attr is not None:  # a layer's own tensor (Normalization's adapted mean/variance): its state, not data
+            o = self.preexisting(t, a, nan, "buffer", f"{getattr(layer, 'name', '?')}.{attr}", idx)
+            o.detail["module_type"] = type(layer).__name__
+            if a.ndim >= 1 and a.dtype.kind in "fV":  # per-feature statistics: the features that are bad
+                bad = ~np.isfinite(N.as_float(a)).reshape(-1, a.shape[-1]).all(axis=0)
+                o.detail["stats"]["bad_cols"] = [int(i) for i in np.nonzero(bad)[0][:20]]
+            return o
         return self.preexisting(t, a, nan, "data", None, idx)
 
     def preexisting(self, t: Any, a: np.ndarray, nan: bool, kind: str, name: Optional[str], idx: int) -> Origin:
@@ -151,3 +161,13 @@ class Provenance(Taints):
         if t_op not in O.MASK_SINKS or self.stage() != "forward":
             return False
         return numel(out) < max((numel(i[1]) for i in ins), default=0)
+
+
+def _attribute_of(layer: Any, t: Any) -> Optional[str]:
+    """The name of ``layer``'s attribute that is the tensor ``t`` itself, or None."""
+    if layer is None:
+        return None
+    try:
+        return next((k for k, v in vars(layer).items() if v is t), None)
+    except TypeError:
+        return None

@@ -121,6 +121,8 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
                        jax="validate batches before the jitted step (" + X.finite_check("x") + ") or replace "
                        "missing values (np.nan_to_num / imputation with the column mean) when loading the data")]
         return T.result("bad_input_data", summ, 0.95, ev, fixes, method)
+    if kind == "buffer" and pre.get("module_type") in ADAPTED_STATISTICS:
+        return adapted_statistics(pre, name, what, ev, method)
     if kind == "optimizer_state":
         return T.result("optimizer_numerics", f"optimizer state {name} was already non-finite before the step "
                         f"({n_bad} of {numel} values)", 0.7, ev,
@@ -194,3 +196,29 @@ def model_state_input(pre: dict, owned: list, what: str, ev: dict, method: str) 
              "non-finite from its construction",
              f"assert {X.assert_finite_params()} (buffers included) after initialisation / loading"]
     return T.result("param_corruption", summ, 0.8, ev, fixes, method)
+
+
+# layers whose state is statistics computed from the training data before training (Keras ``adapt``): a
+# non-finite value there came from the data they were adapted on
+ADAPTED_STATISTICS = {"Normalization": "adapt"}
+
+
+def adapted_statistics(pre: dict, name: str, what: str, ev: dict, method: str) -> dict:
+    """A preprocessing layer's adapted statistics (a Keras Normalization's mean/variance) are non-finite: the
+    data given to ``adapt`` held missing values (a blank field parsed as NaN): every batch that goes through
+    the layer is non-finite, whatever rows it holds."""
+    st = pre.get("stats") or {}
+    layer = str(name or "?").split(".")[0]
+    call = ADAPTED_STATISTICS.get(str(pre.get("module_type")), "adapt")
+    cols = st.get("bad_cols") or []
+    summ = (f"bad input data: the {pre.get('module_type')} layer '{layer}' holds {st.get('nonfinite')} {what} "
+            f"value(s) of {st.get('numel')} in its statistics ('{name}'), computed by {call}() from data with "
+            "missing values: every batch that goes through it is non-finite, whatever its rows"
+            + (f" (feature column(s) {cols})" if cols else ""))
+    fixes = [f"drop or fill the rows with missing values before {call}() and fit (e.g. df = df.dropna(), or "
+             "keep = np.isfinite(x).all(axis=1); x, y = x[keep], y[keep]), then adapt again",
+             X.say(pytorch="check the statistics once they are computed (assert torch.isfinite(mean).all())",
+                   tensorflow=f"check the layer after {call}(): assert np.isfinite(layer.mean).all() and "
+                   "np.isfinite(layer.variance).all()",
+                   jax="check the statistics once they are computed (assert np.isfinite(mean).all())")]
+    return T.result("bad_input_data", summ, 0.9, ev, fixes, method)
