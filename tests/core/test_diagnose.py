@@ -678,3 +678,23 @@ def test_a_normalization_layers_adapted_statistics_holding_nan_is_the_data_it_wa
     assert d["category"] == "bad_input_data", (d["category"], d["summary"])
     assert "adapt()" in d["summary"] and "[2]" in d["summary"]
     assert "dropna" in str(d["fixes"][0])
+
+
+def test_a_written_constant_past_float16s_range_is_low_precision_overflow(tmp_path):
+    """The TF Transformer tutorial's `logits += mask * -1e9` under mixed_float16: TensorFlow converts -1e9 to
+    float16 (-inf) and 0 * -inf = NaN. It read 'other: inputs holding 1 +-inf value(s) taken for a mask'."""
+    from nanguard.core.diagnosis import fixes as X
+    src = tmp_path / "attn.py"
+    src.write_text("a = 1\nlogits += tf.cast(mask, logits.dtype) * -1e9\n")
+    ins = [{"dtype": "float16", "numel": 3072, "nonfinite": 0, "max_abs": 1.0, "zeros": 1736},
+           {"dtype": "float16", "numel": 1, "nonfinite": 1, "neginf": 1}]
+    f = {"dtype_info": {"dtype": "float16", "max": 65504.0}, "float64_check": {"finite": False}}
+    l = loc("mul", api="Mul", dtype="float16", inputs=ins, output={"nan": 1736, "posinf": 0, "neginf": 1336},
+            facts=f, file=str(src), line=2)
+    d = run(l, CALM, context={"framework": X.TENSORFLOW})
+    assert d["category"] == "low_precision_overflow", (d["category"], d["summary"])
+    assert "-1e9" in d["summary"] and "float16.min" in str(d["fixes"][0])
+    src.write_text("a = 1\nlogits += tf.cast(mask, logits.dtype) * -1e4\n")  # a constant float16 holds: not this
+    import linecache
+    linecache.clearcache()
+    assert run(l, CALM, context={"framework": X.TENSORFLOW})["category"] != "low_precision_overflow"

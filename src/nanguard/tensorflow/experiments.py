@@ -189,6 +189,9 @@ class KerasBench(Bench):
 
     def _float64_step(self, e: Experiment, replays_left: float) -> None:
         pol = {l: "float64" for m in self._models() for l in sublayers(m)}
+        if not pol:  # nothing would change: no verdict
+            e.error = "no model layer was seen to switch to float64"
+            return
         e.finite = self._once(e, batch=_cast(self.cap.inputs, np.float64), policies=pol).finite
 
     def _history(self, e: Experiment, factor: Optional[float] = None, max_norm: Optional[float] = None) -> None:

@@ -138,7 +138,13 @@ class RerunProbe:
         from .experiments import investigate_fit
 
         fn, args, kwargs = call
-        if step in self.values:
+        if not cap.models:  # armed before the first call (step 0): the models were first called inside it
+            from .capture import variables_of
+            cap.models = list(watcher.models)
+            cap.model = cap.models[-1] if cap.models else None
+            cap.variables = variables_of(cap.models, cap.optimizer)
+            cap.values = {k: np.array(v.numpy()) for k, v in cap.variables.items()}
+        if self.values.get(step):
             cap.values = self.values[step]
         cap.kind, cap.inputs = "fit", (tuple(args), dict(kwargs))
         cap.step_fn = lambda inputs: fn(*inputs[0], **inputs[1])

@@ -7,7 +7,13 @@ from .. import fixes as X
 from .. import text as T
 from ..roles import VIEW
 from .divergence import divergence, history_words
-from .precision import lp_overflow
+from .precision import literal_out_of_range, lp_overflow
+
+
+@F.generic_rule(F.TRAP + 5, categories=("low_precision_overflow",))
+def _literal_out_of_range_rule(c) -> dict | None:
+    """A constant written on the line that the low-precision dtype cannot hold (``mask * -1e9`` in float16)."""
+    return literal_out_of_range(c.origin, c.facts, c.ev, c.method) if c.low else None
 
 
 @F.generic_rule(F.TRAP, categories=("where_gradient_trap",))

@@ -3,6 +3,9 @@ float32 holds (overflow), or an eps / small value that rounds to 0 before a log 
 (underflow)."""
 from __future__ import annotations
 
+import linecache
+import re
+
 from .. import families as F
 from .. import fixes as X
 from .. import text as T
@@ -124,3 +127,45 @@ def lp_overflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
              "rescale the quantities (e.g. normalise targets/inputs so activations stay far below "
              f"{T.g(fi.get('max'))})"]
     return T.result("low_precision_overflow", summ, 0.92, ev, fixes, method)
+
+
+_LITERAL = re.compile(r"(?<![\w.])-?\s*\d+(?:\.\d*)?(?:[eE][+-]?\d+)|(?<![\w.])-?\s*\d{6,}(?:\.\d*)?")
+
+
+def literal_out_of_range(origin: dict, facts: dict, ev: dict, method: str) -> dict | None:
+    """A number written on the origin's line is past the low-precision dtype's range, and the op was given it
+    as a +-inf scalar: TensorFlow and JAX convert a Python constant to the tensor's dtype first, so
+    ``scores + mask * -1e9`` in float16 adds -inf (and 0 * -inf = NaN where the mask is 0). None otherwise."""
+    dt = origin.get("dtype")
+    dmax = (facts.get("dtype_info") or {}).get("max")
+    if dt not in T.LOW_DTYPES or not T.fin(dmax):
+        return None
+    scalar_inf = any(isinstance(i, dict) and i.get("numel") == 1 and i.get("nonfinite") for i in origin.get("inputs") or [])
+    if not scalar_inf and not any(str(v) in ("inf", "-inf") for v in origin.get("scalars") or []):
+        return None
+    f, n = origin.get("file"), origin.get("line")
+    text = linecache.getline(str(f), int(n)).split("#")[0] if f and isinstance(n, int) else ""
+    big = []
+    for m in _LITERAL.finditer(text):
+        try:
+            v = float(m.group(0).replace(" ", ""))
+        except ValueError:
+            continue
+        if abs(v) > dmax:
+            big.append(m.group(0).replace(" ", ""))
+    if not big:
+        return None
+    lit, where, api = big[0], T.where(origin), T.api_or_op(origin)
+    out = origin.get("output") or {}
+    summ = (f"the constant {lit} written at {where} is {'-' if lit.startswith('-') else '+'}inf in {dt} (max "
+            f"{T.g(dmax)}): {api} was given it converted to {dt}"
+            + (f", and 0 * inf = NaN in {out.get('nan')} element(s)" if out.get("nan") else ""))
+    fixes = [f"use a constant {dt} holds at {where}: " + X.say(
+                 pytorch=f"torch.finfo(x.dtype).min instead of {lit}",
+                 tensorflow=f"x.dtype.min (tf.float16.min = -65504) or -1e4 instead of {lit}",
+                 jax=f"jnp.finfo(x.dtype).min instead of {lit}"),
+             X.float32_layer(origin, where),
+             X.say(pytorch="or mask with masked_fill / torch.where instead of adding mask * constant",
+                   tensorflow="or mask with tf.where(mask, x.dtype.min, x) instead of adding mask * constant",
+                   jax="or mask with jnp.where(mask, jnp.finfo(x.dtype).min, x) instead of adding mask * constant")]
+    return T.result("low_precision_overflow", summ, 0.9, ev, fixes, method)
