@@ -106,6 +106,7 @@ class EvalCheck:
         self._suspended: Any = False  # while an optimizer updates: _ITEM (torch's item put back) or _IGNORED
         self._held: Optional[tuple] = None  # (detection, tensor) of a read inside an open training step
         self._optim: list = []  # (torch.optim module, its _get_value, ours) while installed
+        self._failed: Optional[tuple] = None  # (step, loss value as read back) of the latest training failure
         self.masked_modules: set = set()  # module types whose -inf outputs a replay proved an intentional mask
 
     def install(self) -> None:
@@ -197,6 +198,9 @@ class EvalCheck:
             # the step tape's handler calls the method again for the script's own read (the wrapper is
             # the class's method, so torch hands it to the mode): that outer read is the one reported
             return
+        if self._failed is not None and t.numel() == 1 and not w.monitor.step_open() \
+                and w.monitor.steps_watched <= self._failed[0] + 1 and _first_bad(value) == self._failed[1]:
+            return  # the failed step's own loss read back after it (a callback's outputs["loss"].item())
         tape = w.tape
         user = tape.frames.site_of(caller)[0] if tape is not None else None
         det = Detection(w.monitor.steps_watched, "eval",
@@ -211,6 +215,13 @@ class EvalCheck:
             return
         self._last = {"read": t}
         w._handle(det, None)
+
+    def note_failure(self, det: Detection) -> None:
+        """A training step failed (reported, or recovered and skipped): its loss read back once the step is
+        over is that failure, not an evaluation's."""
+        loss = det.detected.get("loss") if isinstance(det.detected, dict) else None
+        bad = _first_bad(loss) if isinstance(loss, float) else loss if isinstance(loss, str) else None
+        self._failed = (det.step, bad) if isinstance(bad, str) else None
 
     def settle(self) -> None:
         """The step's check is done (or the run ends): a read held in the step (see the module docstring)

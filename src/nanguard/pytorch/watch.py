@@ -244,6 +244,8 @@ class Watcher:
         if len(self.detections) >= self.config.max_events:
             self.dropped_events += 1
             return
+        if det.phase != "eval":
+            self.evals.note_failure(det)
         if self.policy is not None and self.policy.failures and det.phase != "eval":
             if self.recovery.recover(det, opt):
                 return

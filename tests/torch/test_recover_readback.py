@@ -1,0 +1,36 @@
+"""A recovered (skipped) step's loss read back after the update (a Lightning callback's outputs["loss"].item(), a
+logger's clone) is that failure, not a new evaluation event: the run was reported "nonfinite" with an 'eval'
+event at the next step, "could not reproduce", though it recovered and trained to its end."""
+from ngtest import run_ng, write
+
+READBACK = """\
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+out = []
+for step in range(12):
+    x = torch.randn(8, 4)
+    w = torch.ones(8) * (0.0 if step == 5 else 1.0)   # step 5: a weighted mean over weights that sum to 0
+    loss = ((model(x).squeeze(1) ** 2) * w).sum() / w.sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    logged = loss.detach().clone()
+    out.append(logged.item())
+print("done", len(out))
+"""
+
+
+def test_a_skipped_steps_loss_read_after_the_update_is_not_an_evaluation_failure(tmp_path):
+    code, rep = run_ng(tmp_path, write(tmp_path, READBACK), recover="auto")
+    assert code == 0 and rep["status"] == "recovered", (rep["status"], rep["events"])
+    assert [(e["step"], e["phase"]) for e in rep["events"]] == [(5, "forward")]
+
+
+def test_a_non_finite_read_of_a_later_value_is_still_reported(tmp_path):
+    # a NaN made after the failed step (not its loss read back) is an evaluation of its own
+    text = READBACK.replace("    out.append(logged.item())", "    out.append(logged.item())\n"
+                            "    if step == 5:\n        torch.tensor([float('inf')]).item()")
+    code, rep = run_ng(tmp_path, write(tmp_path, text), recover="auto")
+    assert any(e["phase"] == "eval" for e in rep["events"]), rep["events"]
