@@ -46,3 +46,23 @@ def test_a_finite_loss_keeps_the_backward_phase_when_the_op_by_op_replay_blames_
     assert ev.phase == "backward"
     ev2 = build_event(Detection(42, "backward", {"loss": "nan"}), {"localization": loc, "reproduced": True}, [])
     assert ev2.phase == "forward"  # no finite loss read: the replay's phase stands
+
+
+def test_a_parameter_written_by_the_steps_own_forward_is_that_write_not_a_corruption():
+    """Glow's ActNorm data-dependent init in the first forward: s.data = -log(x.std(0)) on a constant column.
+    The check met the parameter at the update (phase params); the replay saw the write inside the module's
+    forward. It read param_corruption "before the step uses it", with no origin line."""
+    wb = {"op": "aten.log.default", "api": "torch.log", "module": "flows.0", "file": "t.py", "line": 47,
+          "function": "forward", "stage": "forward", "output": {"nan": 0, "posinf": 0, "neginf": 1},
+          "facts": {"log_domain": {"le_limit": 1, "zeros": 1, "negatives": 0, "min": 0.0, "numel": 8, "limit": 0.0},
+                    "producers": [["std"]]}}
+    loc = {"reproduced": True, "phase": "params", "n_ops": 9, "sink": {"kind": "loss"},
+           "preexisting": {"kind": "param", "name": "flows.0.s", "stats": {"dtype": "float32", "nonfinite": 1},
+                           "written_by": wb}}
+    ev = build_event(Detection(0, "params", {}), {"localization": loc, "reproduced": True}, [])
+    assert ev.phase == "forward" and ev.origin["line"] == 47, (ev.phase, ev.origin)
+    assert ev.cause["category"] == "log_domain", ev.cause["summary"]
+    # the script's setup (outside any module's forward) wrote it: a parameter corrupted before the step
+    setup = dict(loc, preexisting=dict(loc["preexisting"], written_by=dict(wb, module=None, function="<module>")))
+    ev2 = build_event(Detection(0, "params", {}), {"localization": setup, "reproduced": True}, [])
+    assert ev2.phase == "params" and ev2.cause["category"] == "param_corruption"

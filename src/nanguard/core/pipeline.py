@@ -27,7 +27,11 @@ def build_event(det: Detection, loc_run: Optional[Dict[str, Any]], history: Sequ
     loc = (loc_run or {}).get("localization")
     reproduced = bool((loc_run or {}).get("reproduced")) and bool(loc)
     phase = det.phase
-    if reproduced and det.phase not in _FIXED_PHASES and loc.get("phase") in PHASES:
+    if reproduced:
+        written = written_in_step(det, loc)
+        if written is not loc:
+            loc, phase = written, written["phase"]
+    if reproduced and phase not in _FIXED_PHASES and loc.get("phase") in PHASES:
         phase = loc["phase"]
         if det.phase == "backward" and phase == "forward" and _finite_number((det.detected or {}).get("loss")):
             # the run's own loss was finite (a compiled step fused log(softmax) stably): its op-by-op replay
@@ -59,6 +63,26 @@ def build_event(det: Detection, loc_run: Optional[Dict[str, Any]], history: Sequ
         localization["bundle"] = loc_run["bundle"]
     return Event(step=det.step, phase=phase, origin=origin, cause=cause, fixes=fixes,
                  detected=det.detected, localization=localization, rank=getattr(det, "rank", None))
+
+
+def written_in_step(det: Detection, loc: Dict[str, Any]) -> Dict[str, Any]:
+    """A parameter the replay found non-finite with the op that wrote it seen in the step itself, when the run
+    met the failure in the forward or backward (its parameters were finite as the step began): the write is
+    the origin (a data-dependent init in the first forward: ``s.data = -log(x.std(0))`` on a constant
+    column), not a corruption from before the step. Else ``loc`` unchanged."""
+    pre = loc.get("preexisting") or {}
+    wb = pre.get("written_by") or {}
+    # the run's check may first see the parameter at the update (phase params): a write inside a module's
+    # forward (not the script's setup, which runs outside any module) was still made by the step
+    in_step = det.phase in ("forward", "backward") or (det.phase == "params" and bool(wb.get("module")))
+    if pre.get("kind") not in ("param", "buffer") or not in_step \
+            or wb.get("stage") not in ("forward", "backward") or not wb.get("op") or not wb.get("line"):
+        return loc
+    origin = {k: wb.get(k) for k in ("op", "api", "module", "file", "line", "function", "stage", "output")}
+    origin.update(dtype=(pre.get("stats") or {}).get("dtype"), kind="op", written_into=pre.get("name"))
+    out = {k: v for k, v in loc.items() if k != "preexisting"}
+    out.update(origin=origin, facts=dict(wb.get("facts") or {}), phase=wb["stage"])
+    return out
 
 
 def _origin(loc: Dict[str, Any]) -> Optional[Dict[str, Any]]:
