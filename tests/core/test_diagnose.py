@@ -698,3 +698,15 @@ def test_a_written_constant_past_float16s_range_is_low_precision_overflow(tmp_pa
     import linecache
     linecache.clearcache()
     assert run(l, CALM, context={"framework": X.TENSORFLOW})["category"] != "low_precision_overflow"
+
+
+def test_an_update_that_left_only_the_optimizer_state_non_finite_says_so():
+    """Keras Adam at step 0 on a nanosecond timestamp feature: the loss 1.5e34, the velocity slots inf, every
+    variable finite. It read "Adam's update made the parameters non-finite" and suggested a lower rate."""
+    from nanguard.core.diagnosis import fixes as X
+    det = {"loss": 1.49e34, "nonfinite_params_after_update": [], "n_bad_params": 0,
+           "nonfinite_optimizer_state": ["adam/dense_kernel_velocity", "adam/dense_1_kernel_velocity"]}
+    d = run(None, [], phase="optimizer", context={"framework": X.TENSORFLOW, "detected": det, "optimizer": "Adam"})
+    assert d["category"] == "optimizer_numerics"
+    assert "parameters stayed finite" in d["summary"] and "made the parameters non-finite" not in d["summary"]
+    assert "normalise the input features" in str(d["fixes"][0])

@@ -31,6 +31,10 @@ def optimizer_result(loc: dict | None, facts: dict, ev: dict, method: str, conf:
             dict(opt, param=seen.get("param"), state=seen.get("state"),
                  betas=[None, d] if T.fin(d) and d < 1 else []),
             seen.get("optimizer") or name, ev, method, conf)
+    det = ctx.get("detected") or {}
+    states = [str(x) for x in det.get("nonfinite_optimizer_state") or []]
+    if not origin and states and not det.get("nonfinite_params_after_update") and not det.get("n_bad_params"):
+        return _state_only_result(name, states, det.get("loss"), ev, method, conf)
     parts = [f"{name}'s update made {'parameter ' + repr(param) if param else 'the parameters'} non-finite"]
     if origin:
         parts.append(f"at {T.opshort(origin.get('op'))} ({origin.get('dtype')})")
@@ -155,6 +159,23 @@ def huge_gradient_result(origin: dict, big: float, sig: dict, ev: dict, method: 
                     [clip, "roll back to the last finite state and skip or clip the step with the jump",
                      lower + ": the update before this one may have thrown the weights to where the gradient is "
                      "this large", RECURRENT_FIX], method)
+
+
+def _state_only_result(name: str, states: list, loss: object, ev: dict, method: str, conf: float) -> dict:
+    """The update left the parameters finite and made only the optimizer's state non-finite (no replay named
+    the op): a squared-gradient moment past the dtype's range, from gradients that are enormous already."""
+    summ = (f"{name}'s update made its state non-finite ({', '.join(states[:3])}"
+            + (f" and {len(states) - 3} more" if len(states) > 3 else "") + "); the parameters stayed finite")
+    huge = T.fin(loss) and abs(float(loss)) > 1e15
+    if huge:
+        summ += (f"; the loss is {T.g(loss)} at this step: gradients this large overflow the squared-gradient "
+                 "moment whatever the learning rate")
+    fixes = ["normalise the input features and targets (standardise each column): a raw feature of huge size (a "
+             "timestamp in nanoseconds, an unscaled price) makes gradients of that size" if huge else
+             "find why the gradients are this large (print their norms the step before)",
+             "clip gradients before the update: " + X.clip_grad_norm("1.0")
+             + " (it bounds the moments' input, not the loss)"]
+    return T.result("optimizer_numerics", summ, conf, ev, fixes, method)
 
 
 def _state_overflow(origin: dict, opt: dict) -> bool:
