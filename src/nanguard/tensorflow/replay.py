@@ -205,10 +205,10 @@ def _child_main(argv: List[str]) -> int:
             from .context import run_context
             try:
                 loc_run = {"method": "rerun", "reproduced": True, "localization": payload["localization"]}
-                phase = (payload.get("detection") or {}).get("phase") or "forward"
+                found = payload.get("detection") or {}
                 out["experiments"] = probe.experiments(
-                    watcher, state["cap"], loc_run, N, phase,
-                    lambda: run_context(watcher))
+                    watcher, state["cap"], loc_run, N, found.get("phase") or "forward",
+                    lambda: run_context(watcher), detected=found.get("detected") or {})
             except Exception as e:
                 out["experiments"] = {"unavailable": f"the experiments failed: {type(e).__name__}: {e}"}
         return out

@@ -123,7 +123,7 @@ class RerunProbe:
         annotate_localization(loc, self.source(fit_pos), self.last_batch)
 
     def experiments(self, watcher: Any, cap: Any, loc_run: Dict[str, Any], step: int, phase: str,
-                    context: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
+                    context: Callable[[], Dict[str, Any]], detected: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """Diagnose the failure from ``loc_run`` and test the cause by replays of the kept call
         (``cap``: the child's capture, its ``values`` the pre-step state). Returns what the parent
         merges: ``{"category": first diagnosis, "cause": investigated cause, "fixes": [...]}``, or
@@ -150,7 +150,7 @@ class RerunProbe:
         cap.step_fn = lambda inputs: fn(*inputs[0], **inputs[1])
         cap.row_source = self.source(watcher.fit_position(step) if hasattr(watcher, "fit_position") else None)
         pipe = FailurePipeline(Ports(context=context))
-        det = Detection(step, phase, {})
+        det = Detection(step, phase, dict(detected or {}))  # what the child's check saw (the diagnosis reads it)
         hist = [h for h in watcher.history.raw_dicts() if h["step"] < step]
         event = pipe.diagnose(det, hist, loc_run)
         first = (event.cause or {}).get("category")
