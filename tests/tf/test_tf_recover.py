@@ -256,3 +256,43 @@ def test_lr_too_high_recovers_end_to_end(tmp_path, capsys):
     assert ev["recovery"]["action"] == "rollback+lr_backoff+skip_step"
     final = float(capsys.readouterr().out.split("final")[1])
     assert np.isfinite(final) and final < rep["history"][0]["loss"] / 4  # training went on, and learned
+
+
+UPCAST_FN = """
+    import numpy as np, tensorflow as tf, keras
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x = rng.random((512, 2)).astype("float32")
+    x[rng.choice(512, 12, replace=False), 0] = 1e5   # a few rows past float16's range
+    y = (x[:, 1:] * 2.0).astype("float32")
+    inp = keras.Input((2,))
+    h = keras.layers.Lambda(lambda t: tf.math.log1p(t), name="log_feat")(inp)
+    out = keras.layers.Dense(1, dtype="float32")(keras.layers.Dense(8, activation="relu")(h))
+    model = keras.Model(inp, out)
+    opt = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
+
+    @tf.function
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+            scaled = opt.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        opt.apply(grads, model.trainable_variables)
+        return loss
+
+    for step in range(40):
+        idx = rng.integers(0, 512, 64)
+        train_step(x[idx], y[idx])
+"""
+
+
+def test_an_upcast_reaches_a_scripts_own_traced_step(tmp_path):
+    """A custom @tf.function step traced in float16: the upcast recovery must re-trace it, or the same overflow
+    comes back at every batch holding a large row (it was recovered five times, 'now float32', never retraced)."""
+    keras.mixed_precision.set_global_policy("float32")
+    _, rep = run_tf(tmp_path, write(tmp_path, UPCAST_FN), recover="auto")
+    keras.mixed_precision.set_global_policy("float32")
+    ups = [e for e in rep["events"] if "upcast" in str((e.get("recovery") or {}).get("action"))]
+    assert len(ups) == 1, [(e["step"], (e.get("recovery") or {}).get("action")) for e in rep["events"]]
+    assert ups[0]["recovery"]["actions"]["upcast"]["retraced"] is True

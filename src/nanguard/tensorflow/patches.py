@@ -94,6 +94,7 @@ def install(w: Any) -> List[Callable[[], None]]:
             return orig["fn_call"](fn, *args, **kwargs)
         tl_set("fn_depth", 1)
         tl_set("current_fn", fn)
+        fn = w.retraced.get(id(fn), fn)  # a step function recovery re-traced (a layer now computes in float32)
         w.step_call = (fn, args, kwargs)  # what recovery's drop_samples re-runs without some rows
         if w.policy is not None and w._snap_due:
             w._guarded(w._take_due_snapshot)
@@ -103,11 +104,14 @@ def install(w: Any) -> List[Callable[[], None]]:
         finally:
             tl_set("fn_depth", 0)
             tl_set("current_fn", None)
+        w.calling_fn = fn  # a recovery while its updates are read re-traces this one
         try:
             w.host.after_function(fn)  # (raises StopRun at a failure)
         finally:  # a re-run arms its recorder before the call that holds the failing step: how many it holds
+            w.calling_fn = None
             if w.steps_watched > start:
                 w.updates_per_call = w.steps_watched - start
+                w.last_step_fn = fn
         rep, w.step_output, w.step_call = w.step_output, None, None  # recovery's drop_samples re-ran it
         out = out if rep is None else rep(out)
         if w.fit_now is not None:  # a fit's train function: its logs, what the fit prints (read at its end only)

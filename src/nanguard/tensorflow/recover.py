@@ -378,12 +378,26 @@ class KerasActions(_ActionsBase):
         return rec
 
     def _retrace(self) -> bool:
-        """model.fit: re-make the train function so the new dtypes are traced (next batch)."""
+        """model.fit: re-make the train function so the new dtypes are traced (next batch). A script's own
+        ``@tf.function`` step: its calls go to a fresh copy of it from now on (traced at its next call; the
+        graph traced before kept the old dtypes)."""
         done = False
         for m in self.models:
             if getattr(m, "_nanguard_train_step", None) is not None:
                 m.make_train_function(force=True)
                 done = True
+        fn = self.w.calling_fn or self.w.last_step_fn
+        py = getattr(fn, "python_function", None)
+        if not done and fn is not None and callable(py) and not hasattr(py, "__self__"):
+            try:
+                fresh = tf.function(py, input_signature=getattr(fn, "input_signature", None),
+                                    jit_compile=getattr(fn, "_jit_compile", None))
+            except Exception:
+                return False
+            originals = [k for k, v in self.w.retraced.items() if v is fn] or [id(fn)]
+            for k in originals:  # the script still calls the first one
+                self.w.retraced[k] = fresh
+            done = True
         return done
 
     def replay_kept(self, from_step: int, to_step: int, *, steps: int, lr_factor: Optional[float] = None,

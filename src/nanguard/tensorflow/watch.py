@@ -91,6 +91,9 @@ class TFWatcher:
         # the outermost tf.function call running, (fn, args, kwargs), and its output -> what the script gets
         self.step_call, self.step_output = None, None  # (recovery's drop_samples: .recover_drop)
         self.updates_per_call = 1     # updates the latest outermost tf.function call made (a GAN step: 2)
+        self.last_step_fn: Any = None  # the latest outermost tf.function whose call made an update
+        self.calling_fn: Any = None    # the outermost tf.function whose call's updates are being read
+        self.retraced: Dict[int, Any] = {}  # id(step function) -> its fresh copy, traced again (recovery)
 
     @property
     def recovering(self) -> bool:
