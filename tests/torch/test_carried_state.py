@@ -55,3 +55,16 @@ def test_a_rollback_hands_back_the_carried_hidden_state(tmp_path):
 def test_a_healthy_recovering_run_swaps_nothing(tmp_path):
     d, err = run_ng_cli(tmp_path, SCRIPT.replace("LR", "0.1"), "--recover", "auto")
     assert d["status"] == "clean" and not d["events"] and not d.get("warnings"), err[-2000:]
+
+
+def test_a_rollback_to_the_first_calls_copies_claims_no_count_of_carried_values():
+    """At the run's first call every floating input is copied (the batch among them: which one is carried shows
+    only at the next call). A rollback there said 'the 200704 values the script carries into VAE ... (a detached
+    hidden state)' of a VAE's input batch."""
+    import torch
+    from nanguard.pytorch.recover.carried import Carried
+    m, c = torch.nn.Linear(4, 4), Carried()
+    x = torch.randn(8, 4)
+    c.noted(m, (x,), m(x))
+    text = c.rolled_back(0)["carried_inputs"]
+    assert "if any" in text and "32 values" not in text, text

@@ -37,6 +37,7 @@ class Carried:
         self._outs: Dict[int, set] = {}  # id(module) -> storage pointers of its last call's floating outputs
         self.kept: Dict[int, Tuple[Any, Dict[int, torch.Tensor]]] = {}  # snapshot step -> (module ref, copies)
         self.pending: Optional[Tuple[Any, Dict[int, torch.Tensor]]] = None
+        self._unsure: set = set()  # kept steps whose copies are all the first call's inputs (a batch among them)
 
     def noted(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         """An outermost call of ``args`` returned ``output``: where its floating tensors live. The run's first
@@ -53,6 +54,7 @@ class Carried:
         last outputs' storages. ``steps``: the steps whose snapshots are still kept (older copies go)."""
         for s in [s for s in self.kept if s not in steps]:
             del self.kept[s]
+            self._unsure.discard(s)
         prev = self._outs.get(id(module))
         if step in steps and prev:
             self._copy(step, module, args, prev)
@@ -72,6 +74,10 @@ class Carried:
                     copies[i] = t.detach().clone()
         if copies:
             self.kept[step] = (weakref.ref(module), copies)
+            if only is None:
+                self._unsure.add(step)
+            else:
+                self._unsure.discard(step)
 
     def rolled_back(self, step: int) -> Optional[Dict[str, Any]]:
         """The weights went back to the snapshot of ``step``: its carried inputs are due at the next call (the
@@ -81,9 +87,14 @@ class Carried:
             return None
         ref, copies = self.pending
         m = ref()
+        name = type(m).__name__ if m is not None else "the model"
+        if step in self._unsure:  # the first call's inputs: which of them is carried shows at the next call only
+            return {"carried_inputs": f"an input the script carries into {name} from its previous call (a detached "
+                                      f"hidden state), if any, is put back as it was at step {step}, at its next call "
+                                      "(a new batch stays as it is)"}
         return {"carried_inputs": f"the {sum(c.numel() for c in copies.values())} values the script carries into "
-                                  f"{type(m).__name__ if m is not None else 'the model'} from its previous call (a "
-                                  f"detached hidden state) are put back as they were at step {step}, at its next call"}
+                                  f"{name} from its previous call (a detached hidden state) are put back as they "
+                                  f"were at step {step}, at its next call"}
 
     def args_for(self, module: torch.nn.Module, args: tuple) -> tuple:
         """``args`` with the carried inputs due replaced by the snapshot's copies (``module`` is the one they
