@@ -94,7 +94,9 @@ def install(w: Any) -> List[Callable[[], None]]:
             return orig["fn_call"](fn, *args, **kwargs)
         tl_set("fn_depth", 1)
         tl_set("current_fn", fn)
-        fn = w.retraced.get(id(fn), fn)  # a step function recovery re-traced (a layer now computes in float32)
+        swap = w.retraced.get(id(fn)) if w.retraced else None
+        if swap is not None and swap[0]() is fn:  # a step function recovery re-traced (a layer now in float32)
+            fn = swap[1]
         w.step_call = (fn, args, kwargs)  # what recovery's drop_samples re-runs without some rows
         if w.policy is not None and w._snap_due:
             w._guarded(w._take_due_snapshot)

@@ -27,6 +27,7 @@ watcher (:class:`TFRecovery`).
 from __future__ import annotations
 
 import random
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -394,9 +395,9 @@ class KerasActions(_ActionsBase):
                                     jit_compile=getattr(fn, "_jit_compile", None))
             except Exception:
                 return False
-            originals = [k for k, v in self.w.retraced.items() if v is fn] or [id(fn)]
-            for k in originals:  # the script still calls the first one
-                self.w.retraced[k] = fresh
+            originals = [(k, ref) for k, (ref, v) in self.w.retraced.items() if v is fn] or [(id(fn), weakref.ref(fn))]
+            for k, ref in originals:  # the script still calls the first one
+                self.w.retraced[k] = (ref, fresh)
             done = True
         return done
 

@@ -93,7 +93,7 @@ class TFWatcher:
         self.updates_per_call = 1     # updates the latest outermost tf.function call made (a GAN step: 2)
         self.last_step_fn: Any = None  # the latest outermost tf.function whose call made an update
         self.calling_fn: Any = None    # the outermost tf.function whose call's updates are being read
-        self.retraced: Dict[int, Any] = {}  # id(step function) -> its fresh copy, traced again (recovery)
+        self.retraced: Dict[int, Any] = {}  # id(step function) -> (weakref to it, its fresh copy traced again)
 
     @property
     def recovering(self) -> bool:
