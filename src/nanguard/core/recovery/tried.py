@@ -6,7 +6,9 @@ before the excursion and applies what its diagnosis calls for (``lr_backoff``, `
 it, the backend replays (:meth:`~nanguard.core.recovery.actions.RecoveryActions.replay_kept`) the steps it
 kept from the snapshot's step up to the warning's, cycled to ``REPLAY_STEPS`` steps, from the state just
 rolled back to, with the candidate change: the policy's own value first, then ``FURTHER`` x it, up to
-``MAX_CANDIDATES`` values. The first that passes is the one applied, and the recovery record and the
+``MAX_CANDIDATES`` values. The first that passes is the one applied (a learning-rate cut that passed but moved
+the loss by less than ``NEAR_STALL`` is replayed 10x larger too, within the same budget, and the larger kept
+when it passes: a cut far below the limit stalls the run), and the recovery record and the
 warning's fixes say so (``"lr 50 -> 0.5: 8 steps finite, loss 3.1 -> 2.2"``). "Passes" means the replay
 does not show what the warning warned of (:func:`nanguard.core.experiments.tested.warning_check`): every
 value finite and the loss not growing (the mean of the last losses at most 1.1x the first ones'; "lr 50 ->
