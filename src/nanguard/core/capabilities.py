@@ -38,6 +38,7 @@ CAPABILITIES: Dict[str, str] = {
     "rows_kept_out": "a bad dataset row kept out of later batches (--recover)",
     "recurrences": "recurrences folded",
     "clip_order": "a gradient clip placed before backward named in a divergence's fix",
+    "zero_grad_missing": "an optimizer stepping with zero_grad never called named in a divergence's fix",
     "replay_localization": "localization by in-process replay",
     "rerun_localization": "localization by re-run (child process)",
     "child_process_training": "training in child processes (torch.multiprocessing workers, Hogwild)",

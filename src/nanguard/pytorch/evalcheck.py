@@ -219,6 +219,8 @@ class EvalCheck:
     def note_failure(self, det: Detection) -> None:
         """A training step failed (reported, or recovered and skipped): its loss read back once the step is
         over is that failure, not an evaluation's."""
+        if det.phase == "eval":
+            return
         loss = det.detected.get("loss") if isinstance(det.detected, dict) else None
         bad = _first_bad(loss) if isinstance(loss, float) else loss if isinstance(loss, str) else None
         self._failed = (det.step, bad) if isinstance(bad, str) else None

@@ -103,10 +103,15 @@ def _opening_after(tape: "StepTape", orig: Any) -> Any:
     return __exit__
 
 
+_NANGUARD_DIR = __file__.rsplit("/", 2)[0] + "/"  # .../nanguard/
+
+
 def _unrecorded(tape: "StepTape", orig: Any) -> Any:
     """A ``zero_grad`` run outside the tape's region (pause/resume inline: a generator context manager
     would cost six Python calls more, every step)."""
     def zero_grad(self, *a, **k):
+        if _NANGUARD_DIR not in sys._getframe(1).f_code.co_filename:  # the script's own (not a replay's)
+            tape.zero_grads += 1  # (a run that never resets its gradients accumulates them: run_context)
         if not tape._pushed and tape._later is None:
             return orig(self, *a, **k)
         tape.close()
@@ -306,7 +311,7 @@ class StepTape:
         self.pre_off = False                    # the region before the first module call is no longer recorded
         self._over_budget = 0
         self._pre_over = 0
-        self._pushed = False
+        self._pushed, self.zero_grads = False, 0  # (zero_grads: the script's Optimizer/Module.zero_grad calls)
         self._later: Optional[int] = None  # the thread whose region opens at its next profiler-range exit
         self._stale = False     # our mode may sit in the stack although closed (closed inside a handler)
         self._installed = False

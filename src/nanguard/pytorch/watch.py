@@ -244,8 +244,7 @@ class Watcher:
         if len(self.detections) >= self.config.max_events:
             self.dropped_events += 1
             return
-        if det.phase != "eval":
-            self.evals.note_failure(det)
+        self.evals.note_failure(det)
         if self.policy is not None and self.policy.failures and det.phase != "eval":
             if self.recovery.recover(det, opt):
                 return
@@ -259,8 +258,7 @@ class Watcher:
                 return
             if loc is not None:
                 self.loc_runs[id(det)] = loc
-                # the first failure: test its cause on the step replay, when the replay shows it (one that
-                # did not reproduce it runs a step that does not fail: the report's re-run localizes it)
+                # the first failure, when its replay shows it: its cause tested there (else the report's re-run)
                 if not self.detections and loc.get("reproduced"):
                     self._guarded(lambda: self.recovery.experiment(det, loc))
         self.detections.append(det)

@@ -185,6 +185,9 @@ def run_context(watcher: Any) -> dict:
     clip = watcher.clips.context() if getattr(watcher, "clips", None) is not None else None
     if clip:
         ctx["clip_before_backward"] = clip
+    tape = getattr(watcher, "tape", None)
+    if tape is not None and tape.zero_grads == 0 and mon.steps_watched >= 3 and mon.views:
+        ctx["no_zero_grad"] = {"steps": mon.steps_watched}  # an optimizer that stepped, gradients never reset
     for v in mon.views.values():
         ps = v.all_params()
         if ps:

@@ -57,7 +57,7 @@ class TFWatcher:
         self.spikes = spikes                 # early warning (.spikes.TFSpikes) or None
         self.finishing = False               # finish(): reading what is left after the run
         self.detections: List[Detection] = []
-        self.info: List[Detection] = []
+        self.info: List[Detection] = []   # (information rows); events beyond max_events: dropped_events
         self.dropped_events = 0
         self.disabled, self.error = False, None   # an internal error disables the guard (error: what it was)
         self.stop_requested: Optional[Detection] = None
@@ -77,12 +77,10 @@ class TFWatcher:
         self.fitting: Callable[[], Any] = lambda: None   # weak reference to the model of the latest fit
         self._snap_due = True  # recovery: the state at the start of the next step is to be snapshot
         self.outside_write = False  # the program wrote a trainable variable between steps (eager steps)
-        self._installed = False
-        self._class_apply: Dict[type, Callable] = {}
+        self._installed, self._class_apply = False, {}  # (the optimizer classes' own apply methods)
         self._uninstallers: List[Callable[[], None]] = []
         self.observers = TFObservers(observers)
-        self.capture = capture        # the in-graph capture of failing fit steps (None: not built)
-        self.capture_error: Optional[str] = None
+        self.capture, self.capture_error = capture, None  # the in-graph capture of failing fit steps (None: none)
         self.replay_hooks: Any = None  # set while a captured step is replayed (see .capture)
         self.fit_calls = 0            # model.fit calls seen (nanguard run / watch())
         self.fit_now: Optional[Dict[str, int]] = None  # the running fit: call, first step, epoch, its first step
@@ -90,10 +88,9 @@ class TFWatcher:
         self.fit_last_logs: Any = None  # the running fit's last train-function output (its batch logs)
         # the outermost tf.function call running, (fn, args, kwargs), and its output -> what the script gets
         self.step_call, self.step_output = None, None  # (recovery's drop_samples: .recover_drop)
-        self.updates_per_call = 1     # updates the latest outermost tf.function call made (a GAN step: 2)
-        self.last_step_fn: Any = None  # the latest outermost tf.function whose call made an update
-        self.calling_fn: Any = None    # the outermost tf.function whose call's updates are being read
-        self.retraced: Dict[int, Any] = {}  # id(step function) -> (weakref to it, its fresh copy traced again)
+        # the latest outermost tf.function call's updates (a GAN step: 2), the latest such function that made
+        # one, the one whose updates are being read; id(step function) -> (its weakref, a fresh copy) (recovery)
+        self.updates_per_call, self.last_step_fn, self.calling_fn, self.retraced = 1, None, None, {}
 
     @property
     def recovering(self) -> bool:

@@ -435,6 +435,24 @@ def misplaced_clip(out: dict, clip: dict | None) -> dict:
     return out
 
 
+def never_zeroed(out: dict, nz: dict | None) -> dict:
+    """A divergence in a script that never called zero_grad (``no_zero_grad``: an optimizer stepped N times and
+    no Optimizer/Module zero_grad ran): each backward adds to the last gradients, so the step grows with the
+    step count whatever the learning rate (``optimizer.zero_grad`` written without its parentheses)."""
+    if not nz or out.get("category") not in _STEP_SIZE + ("optimizer_numerics",):
+        return out
+    out["summary"] += (f"; no zero_grad() call was seen in {nz.get('steps')} optimizer steps: unless the script "
+                       "resets the gradients itself, each backward adds to the last ones and the update grows "
+                       "step by step")
+    out["evidence"]["no_zero_grad"] = nz
+    fix = X.say(pytorch="call optimizer.zero_grad() every step before loss.backward() (a bare "
+                "`optimizer.zero_grad` without parentheses does nothing); for gradient accumulation, zero them "
+                "after each optimizer.step()", tensorflow="reset the accumulated gradients every step",
+                jax="reset the accumulated gradients every step")
+    out["fixes"] = [fix] + list(out.get("fixes") or [])
+    return out
+
+
 def clip_fix(sig: dict, also: str = "add a warm-up") -> str:
     """The clipping fix: clip as a safety net; or, when the script already clips (``grad_clip_ceiling``:
     the recorded norms sit at its max_norm), say that clipping bounds the gradient, not the step."""
