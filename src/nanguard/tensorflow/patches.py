@@ -92,11 +92,11 @@ def install(w: Any) -> List[Callable[[], None]]:
     def fn_call(fn, *args, **kwargs):
         if tl_get("fn_depth") > 0:
             return orig["fn_call"](fn, *args, **kwargs)
-        tl_set("fn_depth", 1)
-        tl_set("current_fn", fn)
         swap = w.retraced.get(id(fn)) if w.retraced else None
         if swap is not None and swap[0]() is fn:  # a step function recovery re-traced (a layer now in float32)
             fn = swap[1]
+        tl_set("fn_depth", 1)
+        tl_set("current_fn", fn)
         w.step_call = (fn, args, kwargs)  # what recovery's drop_samples re-runs without some rows
         if w.policy is not None and w._snap_due:
             w._guarded(w._take_due_snapshot)
