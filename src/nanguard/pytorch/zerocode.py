@@ -85,8 +85,8 @@ class Localizer:
             return self.w.evals.replay(self.recorder)
         if det.phase == "params" and det.step == 0 and self.rerun is not None:
             res = {"method": "replay-tape", "reproduced": False,
-                   "reason": "the parameters were non-finite before the first step: re-running the setup that "
-                             "wrote them is cheap and shows the write"}
+                   "reason": "the parameters were non-finite at the first update: re-running the script from its "
+                             "start (its setup included) is cheap and shows where they were written"}
         else:
             res = self.in_process(det)
         if self.at_once and not res.get("reproduced"):
