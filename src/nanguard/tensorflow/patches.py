@@ -106,14 +106,11 @@ def install(w: Any) -> List[Callable[[], None]]:
         finally:
             tl_set("fn_depth", 0)
             tl_set("current_fn", None)
-        w.calling_fn = fn  # a recovery while its updates are read re-traces this one
         try:
-            w.host.after_function(fn)  # (raises StopRun at a failure)
+            w.host.after_function(fn)  # (raises StopRun at a failure; a recovery in it re-traces w.step_call's fn)
         finally:  # a re-run arms its recorder before the call that holds the failing step: how many it holds
-            w.calling_fn = None
             if w.steps_watched > start:
                 w.updates_per_call = w.steps_watched - start
-                w.last_step_fn = fn
         rep, w.step_output, w.step_call = w.step_output, None, None  # recovery's drop_samples re-ran it
         out = out if rep is None else rep(out)
         if w.fit_now is not None:  # a fit's train function: its logs, what the fit prints (read at its end only)

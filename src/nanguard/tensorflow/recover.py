@@ -387,7 +387,7 @@ class KerasActions(_ActionsBase):
             if getattr(m, "_nanguard_train_step", None) is not None:
                 m.make_train_function(force=True)
                 done = True
-        fn = self.w.calling_fn or self.w.last_step_fn
+        fn = self.w.step_call[0] if self.w.step_call else None  # the call whose updates are being read
         py = getattr(fn, "python_function", None)
         if not done and fn is not None and callable(py) and not hasattr(py, "__self__"):
             try:

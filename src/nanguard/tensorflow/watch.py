@@ -88,9 +88,9 @@ class TFWatcher:
         self.fit_last_logs: Any = None  # the running fit's last train-function output (its batch logs)
         # the outermost tf.function call running, (fn, args, kwargs), and its output -> what the script gets
         self.step_call, self.step_output = None, None  # (recovery's drop_samples: .recover_drop)
-        # the latest outermost tf.function call's updates (a GAN step: 2), the latest such function that made
-        # one, the one whose updates are being read; id(step function) -> (its weakref, a fresh copy) (recovery)
-        self.updates_per_call, self.last_step_fn, self.calling_fn, self.retraced = 1, None, None, {}
+        # the latest outermost tf.function call's updates (a GAN step: 2); id(step function) -> (its weakref, a
+        # fresh copy traced again) (recovery's upcast)
+        self.updates_per_call, self.retraced = 1, {}
 
     @property
     def recovering(self) -> bool:
