@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from . import fixes as X
 from . import text as T
-from .rules.divergence import divergence, misplaced_clip, never_zeroed
+from .rules.divergence import divergence, script_shape
 from .signals import history_signals
 
 __all__ = ["warning_cause", "spike_words"]
@@ -90,8 +90,7 @@ def _warning_cause(hit: dict, history: list, ctx: dict) -> dict:
     if dead:
         out["fixes"] = ["the network stopped learning for good: restart from a checkpoint from before the excursion "
                         f"(step {hit.get('peak_step')}) with the fix below"] + list(out.get("fixes") or [])
-    out = misplaced_clip(out, ctx.get("clip_before_backward"))
-    out = never_zeroed(out, ctx.get("no_zero_grad"))
+    out = script_shape(out, ctx)
     out["summary"] = f"early warning at step {hit.get('step')}: {spike_words(hit)}. {out['summary']}"
     out["evidence"].setdefault("history", {k: v for k, v in sig.items() if v not in (None, False, 0, [])})
     out["confidence"] = float(max(0.0, min(1.0, out["confidence"])))

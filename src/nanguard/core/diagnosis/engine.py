@@ -17,7 +17,7 @@ from .case import Case
 from .dynamics import with_step_update
 from .confidence import calibrate
 from .errors import error_rules
-from .rules.divergence import divergence, history_words, loss_scale, misplaced_clip, never_zeroed, update_threw_params
+from .rules.divergence import divergence, history_words, loss_scale, script_shape, update_threw_params
 from .rules.generic import other
 from .rules.optimizer import huge_gradient, huge_gradient_result, optimizer_result
 from .rules.precision import lp_overflow
@@ -50,8 +50,7 @@ def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: 
             if out["category"] in excluded:
                 out = _ruled_out(out, excluded)
             out = calibrate(out, loc if loc and loc.get("reproduced") else None)
-            out = misplaced_clip(out, context.get("clip_before_backward"))
-            out = never_zeroed(out, context.get("no_zero_grad"))
+            out = script_shape(out, context)
         except Exception as e:  # a diagnosis must always come back
             out = T.result("other", f"diagnosis failed ({type(e).__name__}: {e}); phase {phase}", 0.1,
                            {"error": str(e)[:200]}, [f"inspect the step manually with {X.detect_anomaly()}"],

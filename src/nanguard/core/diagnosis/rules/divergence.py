@@ -435,6 +435,12 @@ def misplaced_clip(out: dict, clip: dict | None) -> dict:
     return out
 
 
+def script_shape(out: dict, ctx: dict) -> dict:
+    """A step-size diagnosis with what the run saw of the script's loop: a clip before backward, a zero_grad
+    never called (the engine's failures and early warnings alike)."""
+    return never_zeroed(misplaced_clip(out, ctx.get("clip_before_backward")), ctx.get("no_zero_grad"))
+
+
 def never_zeroed(out: dict, nz: dict | None) -> dict:
     """A divergence in a script that never called zero_grad (``no_zero_grad``: an optimizer stepped N times and
     no Optimizer/Module zero_grad ran): each backward adds to the last gradients, so the step grows with the

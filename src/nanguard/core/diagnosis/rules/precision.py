@@ -145,17 +145,11 @@ def literal_out_of_range(origin: dict, facts: dict, ev: dict, method: str) -> di
         return None
     f, n = origin.get("file"), origin.get("line")
     text = linecache.getline(str(f), int(n)).split("#")[0] if f and isinstance(n, int) else ""
-    big = []
-    for m in _LITERAL.finditer(text):
-        try:
-            v = float(m.group(0).replace(" ", ""))
-        except ValueError:
-            continue
-        if abs(v) > dmax:
-            big.append(m.group(0).replace(" ", ""))
-    if not big:
+    lit = next((w for w in (m.group(0).replace(" ", "") for m in _LITERAL.finditer(text)) if abs(float(w)) > dmax),
+               None)  # (the pattern only matches what float() reads)
+    if lit is None:
         return None
-    lit, where, api = big[0], T.where(origin), T.api_or_op(origin)
+    where, api = T.where(origin), T.api_or_op(origin)
     out = origin.get("output") or {}
     summ = (f"the constant {lit} written at {where} is {'-' if lit.startswith('-') else '+'}inf in {dt} (max "
             f"{T.g(dmax)}): {api} was given it converted to {dt}"
