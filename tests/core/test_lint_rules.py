@@ -418,6 +418,38 @@ CASES = [
         def loss(y, p):
             return -tf.reduce_mean(y * tf.math.log(tf.cast(p, tf.float32) + 1e-4))
      """, TF),
+    # NGL017 zero_grad named, not called
+    ("NGL017", """
+        def train(model, opt, loader):
+            for x, y in loader:
+                opt.zero_grad
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+     """, """
+        def train(model, opt, loader):
+            for x, y in loader:
+                opt.zero_grad()
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+     """, TORCH),
+    # NGL018 a clip before the backward it should follow
+    ("NGL018", """
+        def train(model, opt, loader):
+            for x, y in loader:
+                opt.zero_grad()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+     """, """
+        def train(model, opt, loader):
+            for x, y in loader:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the last step's gradients
+                opt.step()
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+     """, TORCH),
 ]
 
 
@@ -433,7 +465,9 @@ def test_every_rule_has_both_frameworks_or_is_pytorch_only():
         covered.setdefault(code, set()).add("tf" if header is TF else "torch")
     for r in rules():
         assert r.code in covered, f"{r.code} has no test case"
-        torch_only = {"NGL002", "NGL012"}  # Keras' BCE clips its probabilities; its KLDivergence takes probs
+        # Keras' BCE clips its probabilities; its KLDivergence takes probs; Keras has no zero_grad and clips
+        # gradients it already has
+        torch_only = {"NGL002", "NGL012", "NGL017", "NGL018"}
         want = {"torch"} if r.code in torch_only else {"torch", "tf"}
         assert covered[r.code] >= want, (r.code, covered[r.code])
 

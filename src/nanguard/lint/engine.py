@@ -91,7 +91,7 @@ class _Walker:
             if isinstance(stmt, ast.ClassDef):
                 self.body(stmt.body, Flow(self.info, flow.no_grad, cls=stmt.name))
                 continue
-            exprs = [e for e in own_exprs(stmt)]
+            exprs = [stmt] if isinstance(stmt, ast.Expr) else list(own_exprs(stmt))
             if isinstance(stmt, ast.AugAssign):
                 exprs.append(aug_binop(stmt))  # `x /= n` is checked as `x / n`
             self.check(exprs, flow)
@@ -123,6 +123,7 @@ class _Walker:
         for p in probability_params(fn):
             flow.env[p] = frozenset({"prob"})
         flow.inputs = _tensor_params(fn)
+        flow.scope = fn
         self.check([*a.defaults, *[d for d in a.kw_defaults if d is not None]], outer)
         self.body(fn.body, flow)
 
@@ -166,6 +167,8 @@ def lint_source(source: str, path: str = "<string>", rules: Optional[List[Rule]]
     tree = ast.parse(source, filename=path)
     info = ModuleInfo(tree)
     w = _Walker(info, path, select_rules() if rules is None else rules)
-    w.body(tree.body, Flow(info))
+    top = Flow(info)
+    top.scope = tree
+    w.body(tree.body, top)
     sup = suppressions(source)
     return sorted((f for f in w.found if not _suppressed(f, sup)), key=lambda f: (f.line, f.col, f.rule))

@@ -131,6 +131,26 @@ class Flow:
         self.nonempty: set = set()          # names a condition tested (if b: ..., if not b: return)
         self.inputs: FrozenSet[str] = frozenset()  # the function's tensor parameters
         self.tested_here: FrozenSet[str] = frozenset()
+        self.scope: Optional[ast.AST] = None  # the function (or module) whose body this is
+        self._calls: Optional[Dict[str, List[int]]] = None
+
+    def call_lines(self, name: str) -> List[int]:
+        """The lines of this body's calls of a function or method named ``name`` (``loss.backward()``,
+        ``clip_grad_norm_(...)``), nested functions and classes excluded."""
+        if self._calls is None:
+            self._calls = {}
+            stack = list(getattr(self.scope, "body", None) or [])
+            while stack:
+                n = stack.pop()
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                    continue
+                if isinstance(n, ast.Call):
+                    f = n.func
+                    key = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+                    if key:
+                        self._calls.setdefault(key, []).append(n.lineno)
+                stack.extend(ast.iter_child_nodes(n))
+        return sorted(self._calls.get(name, ()))
 
     def tested(self, node: Optional[ast.AST]) -> bool:
         """A name in ``node`` was tested by a surrounding condition (``if n > 0``, ``... if b else``)."""
@@ -415,7 +435,7 @@ def walk_calls(nodes: List[ast.AST]) -> Iterator[Tuple[ast.AST, FrozenSet[str]]]
     stack = [(n, frozenset()) for n in reversed(nodes)]
     while stack:
         node, tested = stack.pop()
-        if isinstance(node, (ast.Call, ast.BinOp)):
+        if isinstance(node, (ast.Call, ast.BinOp, ast.Expr)):  # an Expr: a statement that discards its value
             yield node, tested
         if isinstance(node, ast.IfExp):
             stack += [(node.orelse, tested), (node.body, tested | names_in(node.test)), (node.test, tested)]

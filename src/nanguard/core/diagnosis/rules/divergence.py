@@ -428,11 +428,15 @@ def misplaced_clip(out: dict, clip: dict | None) -> dict:
     out["summary"] += (f"; the script's clip_grad_norm_ ({line}) runs before backward: it found no gradients "
                        f"(None after zero_grad) in any of its {clip.get('calls')} call(s), so no update was clipped")
     out["evidence"]["clip_before_backward"] = clip
-    fix = X.say(pytorch=f"move torch.nn.utils.clip_grad_norm_ ({line}) after loss.backward() and before the "
-                "update: where it is, it clips nothing", tensorflow=f"clip after the gradients are computed ({line})",
-                jax=f"clip after the gradients are computed ({line})")
-    out["fixes"] = [fix] + [f for f in out.get("fixes") or [] if "clip" not in str(f)]
+    out["fixes"] = [move_clip_fix(line)] + [f for f in out.get("fixes") or [] if "clip" not in str(f)]
     return out
+
+
+def move_clip_fix(line: str) -> str:
+    """The fix for a gradient clip that runs before backward (also ``nanguard lint``'s NGL018)."""
+    return X.say(pytorch=f"move torch.nn.utils.clip_grad_norm_ ({line}) after loss.backward() and before the "
+                 "update: where it is, it clips nothing", tensorflow=f"clip after the gradients are computed ({line})",
+                 jax=f"clip after the gradients are computed ({line})")
 
 
 def script_shape(out: dict, ctx: dict) -> dict:
@@ -451,12 +455,16 @@ def never_zeroed(out: dict, nz: dict | None) -> dict:
                        "resets the gradients itself, each backward adds to the last ones and the update grows "
                        "step by step")
     out["evidence"]["no_zero_grad"] = nz
-    fix = X.say(pytorch="call optimizer.zero_grad() every step before loss.backward() (a bare "
-                "`optimizer.zero_grad` without parentheses does nothing); for gradient accumulation, zero them "
-                "after each optimizer.step()", tensorflow="reset the accumulated gradients every step",
-                jax="reset the accumulated gradients every step")
-    out["fixes"] = [fix] + list(out.get("fixes") or [])
+    out["fixes"] = [zero_grad_fix()] + list(out.get("fixes") or [])
     return out
+
+
+def zero_grad_fix() -> str:
+    """The fix for gradients never reset (also ``nanguard lint``'s NGL017)."""
+    return X.say(pytorch="call optimizer.zero_grad() every step before loss.backward() (a bare "
+                 "`optimizer.zero_grad` without parentheses does nothing); for gradient accumulation, zero them "
+                 "after each optimizer.step()", tensorflow="reset the accumulated gradients every step",
+                 jax="reset the accumulated gradients every step")
 
 
 def clip_fix(sig: dict, also: str = "add a warm-up") -> str:
