@@ -106,6 +106,25 @@ def test_division_categories():
     assert run(loc("aten.div.Tensor", facts={"zero_denominator": zd2}, output=out))["category"] == "variance_zero"
 
 
+def test_a_tiny_denominator_is_not_called_a_zero():
+    # a learned scale exp(s) driven to 4e-20: |r| / scale's backward a/b^2 overflows, no zero anywhere; it said
+    # "divided by zero: 0 zero(s) in the denominator of 1"
+    zd = {"zeros": 0, "numel": 1, "zero_over_zero": 0, "nonzero_over_zero": 0, "from_reduction": False,
+          "from_std_var": False, "producer_chain": ["exp", "sub"]}
+    ins = [{"dtype": "float32", "shape": [64], "numel": 64, "min": 1e17, "max": 5e19, "min_abs_nonzero": 1e17,
+            "zeros": 0, "negatives": 0, "nonfinite": 0, "arg": 0},
+           {"dtype": "float32", "shape": [1], "numel": 1, "min": 3.95e-20, "max": 3.95e-20,
+            "min_abs_nonzero": 3.95e-20, "zeros": 0, "negatives": 0, "nonfinite": 0, "arg": 1}]
+    d = run(loc("aten.div.Tensor", api="Tensor.div", stage="backward", phase="backward", node="DivBackward0",
+                facts={"zero_denominator": zd}, inputs=ins, output={"nan": 0, "posinf": 23, "neginf": 0}))
+    assert d["category"] == "div_by_zero" and "3.95e-20" in d["summary"] and "0 zero(s)" not in d["summary"]
+    assert "a/b^2 overflows" in d["summary"] and "exp(s.clamp(min=-10))" in d["fixes"][0], d
+    ins[1].update(min=0.5, max=0.5, min_abs_nonzero=0.5)  # not small: the generic text stays
+    d = run(loc("aten.div.Tensor", api="Tensor.div", stage="backward", phase="backward", node="DivBackward0",
+                facts={"zero_denominator": zd}, inputs=ins, output={"nan": 0, "posinf": 23, "neginf": 0}))
+    assert "as small as" not in d["summary"]
+
+
 def test_std_of_one_element_is_variance_zero():
     f = {"std_var": {"n": 1, "correction": 1.0, "n_minus_correction": 0.0, "degenerate": True}}
     d = run(loc("aten.std.correction", api="Tensor.std", facts=f, output={"nan": 100, "posinf": 0, "neginf": 0}))

@@ -116,3 +116,20 @@ def test_uninstall_inside_a_root_leaves_no_hook_behind():
     m(torch.ones(1))
     assert not torch_module._global_forward_pre_hooks and not torch_module._global_forward_hooks
     assert not m._forward_hooks
+
+
+def test_the_compile_warning_about_nanguards_own_hooks_is_hidden_while_installed():
+    # torch.compile(module) warns at every call that global module hooks exist: those are nanguard's
+    import warnings
+    msg = "Using `torch.compile(module)` when there are global hooks on modules (e.g., from ...)"
+    h = RootHooks(lambda m, a: None, lambda m, a, k, o: None, lambda: True)
+    before = list(warnings.filters)
+    h.install()
+    try:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.warn(msg, UserWarning)
+            warnings.warn("the script's own warning", UserWarning)
+        assert [str(w.message) for w in got] == ["the script's own warning"]
+    finally:
+        h.uninstall()
+    assert warnings.filters == before

@@ -17,6 +17,7 @@ the hooks are put back at ``uninstall`` too.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -24,6 +25,8 @@ from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 __all__ = ["RootHooks"]
+
+_COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 
 Pre = Callable[[torch.nn.Module, tuple], Optional[tuple]]
 Post = Callable[[torch.nn.Module, tuple, dict, Any], None]
@@ -40,6 +43,7 @@ class RootHooks:
         self._thread: Optional[int] = None  # the thread that made the outermost calls so far
         self._shared = False                # a second thread made one: the hooks stay in
         self._out: Any = None               # the root's own hook while the global ones are out
+        self._filter: Any = None            # the warnings filter install() added
 
     @property
     def depth(self) -> int:
@@ -49,12 +53,19 @@ class RootHooks:
     def install(self) -> None:
         self._handles = [torch_module.register_module_forward_pre_hook(self._pre),
                          torch_module.register_module_forward_hook(self._post, always_call=True, with_kwargs=True)]
+        # a compiled module warns about global hooks at its calls: these are nanguard's, not the script's
+        warnings.filterwarnings("ignore", message=_COMPILE_WARNING, category=UserWarning)
+        self._filter = warnings.filters[0]
 
     def uninstall(self) -> None:
         self._put_back()
         for h in self._handles:
             h.remove()
         self._handles = []
+        f, self._filter = self._filter, None
+        if f is not None and f in warnings.filters:
+            warnings.filters.remove(f)
+            getattr(warnings, "_filters_mutated", lambda: None)()  # the registries' cache is stale
 
     # ------------------------------------------------------------------ the global hooks
     def _pre(self, module: torch.nn.Module, args: tuple) -> Optional[tuple]:

@@ -102,6 +102,15 @@ def _all_targets_ignored(origin: dict) -> bool:
     return tgt.get("min") == tgt.get("max") == sc[1]
 
 
+def _tiny_denominator(origin: dict, zd: dict) -> float | None:
+    """The smallest |denominator| of a division that had none exactly 0 (its inputs' stats), else None."""
+    if zd.get("zeros") != 0 or zd.get("scalar_denominator") is not None:
+        return None
+    ins = [i for i in origin.get("inputs") or [] if i.get("arg") == 1]
+    small = ins[0].get("min_abs_nonzero") if ins and not ins[0].get("nonfinite") else None
+    return float(small) if T.fin(small) and small < 1e-6 else None
+
+
 def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empty_mean: bool = False,
          pow_zero: bool = False, all_ignored: bool = False, empty_batch: bool = False) -> dict:
     zd = facts.get("zero_denominator") or {}
@@ -163,6 +172,17 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
     if by_norm:  # x / ||x|| (a per-sample gradient clip, a normalisation): a zero vector has norm 0
         src = "; the denominator is a norm (sqrt of a sum of squares), 0 for an all-zero vector"
     bwd = origin.get("stage") == "backward"
+    tiny = _tiny_denominator(origin, zd)
+    if tiny is not None:  # no exact zero: a denominator so small that the quotient (or a/b^2) overflows
+        made = f" (made by {', '.join(chain)})" if chain else ""
+        summ = (f"{api} at {where} divided by a denominator as small as {T.g(tiny)}{made}, not exactly 0: "
+                + ("its backward's gradient a/b^2 overflows" if bwd else "the quotient overflows")
+                + f" {origin.get('dtype') or ''}".rstrip())
+        fixes = [f"keep the denominator away from 0 at {where}: divide by {X.clamp_min('x', '1e-6')}"
+                 + (" (it is exp of a value driven far below 0: bound that value before the exp, e.g. "
+                    f"{X.call('exp', X.clamp_min('s', '-10'))}, and check what drives it down)" if "exp" in chain else
+                    " (check what drives it towards 0)")]
+        return T.result("div_by_zero", summ, 0.8, ev, fixes, method)
     summ = (f"{api} at {where} divided by zero: {zd.get('zeros', '?')} zero(s) in the denominator of "
             f"{zd.get('numel', '?')}" + (f" ({', '.join(kind)})" if kind else "") + src
             + (" (in its backward)" if bwd else ""))
