@@ -34,7 +34,6 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch.utils.data import dataloader as _dl
 
-from .detect import tensors_in
 
 __all__ = ["DataHooks"]
 
@@ -50,6 +49,7 @@ class DataHooks:
         self._rows: Dict[int, tuple] = {}        # id(tensor) -> (weakref, indices)
         self._order: List[int] = []
         self.last: Optional[List[int]] = None     # indices of the most recent batch
+        self._step_rows: List[List[int]] = []     # the batches module calls took since the step began
         self._orig: Dict[str, Any] = {}
         self._installed = False
         self.excluded: Dict[int, tuple] = {}      # id(dataset) -> (its weakref, the rows kept out of its batches)
@@ -106,6 +106,28 @@ class DataHooks:
             return last
         return None
 
+    def used(self, args: tuple) -> None:
+        """A module call takes ``args``: the batch its tensors came in is the step's (``last``), also when the
+        loader has fetched the next one already (accelerate's ``DataLoaderShard`` fetches one batch ahead)."""
+        rows = self._rows
+        if not rows:
+            return
+        for t in _tensors(args):
+            r = rows.get(id(t))
+            if r is not None and r[0]() is t:
+                self.last = r[1]
+                if not self._step_rows or self._step_rows[-1] is not r[1]:
+                    self._step_rows.append(r[1])
+                return
+
+    def new_step(self) -> None:
+        self._step_rows = []
+
+    def step_indices(self) -> Optional[List[int]]:
+        """The dataset indices of the step's batch rows; None when its module calls took more than one batch
+        (gradient accumulation: which one a row belongs to is not known)."""
+        return self.last if len(self._step_rows) <= 1 else None
+
     def loaded(self, t: torch.Tensor) -> bool:
         """``t`` is a tensor a data loader returned (not one derived from it)."""
         r = self._rows.get(id(t))
@@ -123,7 +145,7 @@ class DataHooks:
         except (TypeError, ValueError):
             return
         self.last = idx
-        for t in tensors_in(batch):
+        for t in _tensors(batch):  # token ids too: a module call is matched to its batch by them
             if t.dim() >= 1 and t.shape[0] == len(idx):
                 self._rows[id(t)] = (weakref.ref(t), idx)
                 self._order.append(id(t))
@@ -184,6 +206,21 @@ class DataHooks:
         base.__next__ = self._orig["__next__"]
         base._next_index = self._orig["_next_index"]
         base._reset = self._orig["_reset"]
+
+
+def _tensors(obj: Any, limit: int = 64) -> List[torch.Tensor]:
+    """The tensors of any dtype in a (nested) batch: tensors, lists, tuples, dicts."""
+    out: List[torch.Tensor] = []
+    stack = [obj]
+    while stack and len(out) < limit:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return out
 
 
 def _ref(obj: Any) -> Callable[[], Any]:

@@ -344,6 +344,7 @@ class Watcher:
 
     def _step_started(self, opt: Any, in_update: bool = False) -> None:
         step = self.monitor.step_of(opt)
+        self.data.new_step()
         if self.tape is not None:
             # in an optimizer's post hook: the next step's region opens as the step's profiler range exits
             self.tape.reset(step, later=in_update)
@@ -460,6 +461,7 @@ class Watcher:
             if self.recovery.snap_due is not None:
                 self.recovery.take_due_snapshot(module, args)  # the state the next training step starts from
             # Only tensors that do not come from parameters are "the batch".
+            self.data.used(args)
             batch = list(filterfalse(_REQUIRES_GRAD, tensors_in(args)))
             if batch:
                 self.monitor.on_batch(batch, where=type(module).__name__ + " input")

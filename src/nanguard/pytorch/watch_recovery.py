@@ -72,7 +72,7 @@ class WatcherRecovery:
             investigate_zero_code(event, replay, roots=list(w.monitor.roots), optimizers=w.optimizers(),
                                   scaler=w.scalers[0] if w.scalers else None, config=cfg,
                                   step_seconds=self.step_seconds, rediagnose=w.pipeline.rediagnoser(det, hist, loc),
-                                  history=hist, indices=w.data.last, kept=self.kept_steps(),
+                                  history=hist, indices=w.data.step_indices(), kept=self.kept_steps(),
                                   snapshots=w.policy.all_snapshots() if w.policy is not None else (),
                                   recovering=w.policy is not None and w.policy.failures)
         det.event = event
@@ -139,7 +139,7 @@ class WatcherRecovery:
             return f"fix not tested by replay: {why}"
         from .experiments.tapestep import TapeStep  # loaded at a warning, not in a healthy run
         opts = w.optimizers()
-        step_now = TapeStep(rep, list(w.monitor.roots), opts, None, step, w.data.last)
+        step_now = TapeStep(rep, list(w.monitor.roots), opts, None, step, w.data.step_indices())
         return replay_warning_fix(event, step, history, step_now, self.state_modules(), opts, quiet=w.quiet,
                                   opt_index=w.monitor.opt_index)
 
@@ -180,7 +180,7 @@ class WatcherRecovery:
         if w.tape.why_not(step) is not None:
             self.kept.clear()  # the steps kept are no longer consecutive
             return
-        self.kept[step] = (_Recorded(w.tape), w.data.last)
+        self.kept[step] = (_Recorded(w.tape), w.data.step_indices())
         if len(self.kept) > cfg.keep_steps:  # the last keep_steps steps with a backward, and the joined ones after them
             own = sorted(k for k, (rec, _) in self.kept.items() if type(rec) is _Recorded)
             for k in [k for k in self.kept if k < own[-cfg.keep_steps]] if len(own) >= cfg.keep_steps else []:
@@ -215,7 +215,7 @@ class WatcherRecovery:
         rep = w.step_replay(step)
         if rep is not None:
             from .experiments.tapestep import TapeStep
-            out[step] = TapeStep(rep, list(w.monitor.roots), w.optimizers(), None, step, w.data.last)
+            out[step] = TapeStep(rep, list(w.monitor.roots), w.optimizers(), None, step, w.data.step_indices())
         return out
 
     def state_modules(self) -> list:

@@ -1,0 +1,59 @@
+"""Dataset rows of a step's batch (pytorch/data.py) when the loader fetches ahead or a step takes several batches.
+
+accelerate's ``DataLoaderShard`` fetches the next batch before it hands out the current one: the most
+recently fetched batch is not the step's. A derived tensor's rows (``mask.float()``: matched by its first
+dimension) named a row of the next batch (a NaN from dataset row 300 reported as row 302). The batch a
+module call takes is now the step's; with gradient accumulation (two batches in one step) no dataset row is
+named, since which batch a row belongs to is not known.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from nanguard.pytorch.data import DataHooks
+
+
+def _ahead(loader):
+    """Yield each batch after the next one was fetched (accelerate's DataLoaderShard)."""
+    it = iter(loader)
+    cur = next(it)
+    for nxt in it:
+        yield cur
+        cur = nxt
+    yield cur
+
+
+def test_the_batch_a_module_call_takes_is_the_steps_not_the_one_fetched_ahead():
+    ds = TensorDataset(torch.arange(40).long(), torch.randn(40, 3))
+    dl = DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
+    hooks = DataHooks()
+    hooks.install()
+    try:
+        for ids, x in _ahead(dl):
+            hooks.new_step()
+            hooks.used((ids, x))   # the module call: token ids (an integer tensor) match the batch too
+            want = [int(i) for i in ids]
+            assert hooks.step_indices() == want
+            assert hooks.rows_of(x.float() * 2) == want  # a derived tensor: the step's batch, not the next
+    finally:
+        hooks.uninstall()
+
+
+def test_a_step_of_two_batches_names_no_dataset_rows():
+    ds = TensorDataset(torch.randn(16, 3))
+    dl = DataLoader(ds, batch_size=4)
+    hooks = DataHooks()
+    hooks.install()
+    try:
+        batches = iter(dl)
+        hooks.new_step()
+        hooks.used(next(batches))
+        assert hooks.step_indices() == [0, 1, 2, 3]
+        hooks.used(next(batches))  # a second micro-batch in the same step
+        assert hooks.step_indices() is None
+        hooks.new_step()
+        hooks.used(next(batches))
+        assert hooks.step_indices() == [8, 9, 10, 11]
+    finally:
+        hooks.uninstall()
