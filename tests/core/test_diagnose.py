@@ -238,6 +238,19 @@ def test_the_eps_fix_for_float32_parameters_is_torch_s_default_not_float16_s():
     assert "eps=1e-8" in fix and "torch's default" in fix and "eps=1e-4" not in fix, fix
 
 
+def test_ftrl_with_a_zero_accumulator_is_named_with_its_own_fix():
+    # Keras Ftrl(initial_accumulator_value=0.0, beta=0): a variable whose gradient is 0 gets 0 / (sqrt(0) + 0);
+    # it said "if the update itself is huge, lower the learning rate" (Ftrl has no epsilon)
+    l = loc("RealDiv", api="RealDiv", stage="optimizer", phase="optimizer", sink="optimizer",
+            facts={"zero_denominator": {"zeros": 922, "numel": 1024}}, output={"nan": 922, "posinf": 0, "neginf": 0})
+    l["optimizer"] = {"param": "dense/kernel", "state": None}
+    ctx = {"framework": "tensorflow", "optimizer": "Ftrl", "initial_accumulator_value": 0.0, "beta": 0.0}
+    d = run(l, CALM, phase="optimizer", context=ctx)
+    assert d["category"] == "optimizer_numerics" and "initial_accumulator_value=0.0" in d["summary"]
+    assert "initial_accumulator_value=0.1" in d["fixes"][0] and "beta=1.0" in d["fixes"][0], d["fixes"]
+    assert not any("learning rate" in f for f in d["fixes"])
+
+
 def test_without_localisation_uses_phase_and_history():
     d = run(None, CALM, phase="data")
     assert d["category"] == "bad_input_data" and "no op-level replay" in d["method"] and d["confidence"] < 0.8
@@ -666,6 +679,18 @@ def test_a_root_of_a_written_out_variance_gets_an_eps_on_the_variance():
     assert "reduce_variance" in first and "1e-8" in first, d["fixes"]
     assert d["category"] == "sqrt_domain" and "a variance" in d["summary"], d["summary"]
     assert not any("itself" in str(x) for x in d["fixes"]), d["fixes"]
+
+
+def test_a_root_of_a_sum_of_squared_differences_is_a_distance_not_a_variance():
+    """keras-io siamese contrastive: sqrt(sum(square(a - b))) of a self-pair. It said "its argument is a variance"
+    and its first fix was tf.math.reduce_variance, which changes the model's maths."""
+    from nanguard.core.diagnosis import fixes as X
+    f = {"sqrt_domain": {"zeros": 1, "negatives": 0, "numel": 32}, "float64_check": {"finite": False},
+         "producers": [["sum", "square", "sub"]]}
+    d = run(loc("sqrt_grad", api="SqrtGrad", stage="backward", node="SqrtGrad", forward_op="sqrt", facts=f),
+            CALM, phase="backward", context={"framework": X.TENSORFLOW})
+    assert d["category"] == "sqrt_domain" and "distance" in d["summary"] and "variance" not in d["summary"]
+    assert not any("reduce_variance" in str(x) for x in d["fixes"]) and any("itself" in str(x) for x in d["fixes"])
 
 
 def test_a_clip_norm_overflowing_on_enormous_gradients_after_a_jump_is_the_step_size():

@@ -23,6 +23,11 @@ def run_context(w: Any) -> Dict[str, Any]:
         eps = getattr(inner or opt, "epsilon", None)
         if isinstance(eps, (int, float)):
             ctx.setdefault("eps", eps)
+        # Ftrl / Adagrad: the accumulator a zero gradient leaves at its start (Ftrl divides by sqrt(it) + beta)
+        for key in ("initial_accumulator_value", "beta"):
+            v = getattr(inner or opt, key, None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                ctx.setdefault(key, float(v))
     switch = optimizer_switch(w)
     if switch:
         ctx["optimizer_switch"] = switch

@@ -15,7 +15,7 @@ from . import detect as D
 from .graph_check import data_ok, loss_parts, lr_scale, run_update
 from .state import OptState
 
-__all__ = ["apply_eager", "check_eval"]
+__all__ = ["apply_eager", "check_eval", "post_row"]
 
 
 def apply_eager(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_variables: Any, tvars: List[Any],
@@ -62,9 +62,7 @@ def _pre(w: Any, st: OptState, opt: Any, grads: List[Any], tvars: List[Any], lso
     vals = vec.numpy().tolist()  # the one host read of this step (+ the previous update's norms)
     if prev is not None:
         st.eager_post = None
-        row_prev = prev[0]
-        row_prev[D.C["param_norm"]], row_prev[D.C["post_ok"]] = vals[7], vals[8]
-        w.host.finish_row(st, D.Row(row_prev), raw=False)
+        w.host.finish_row(st, D.Row(post_row(prev, vals[7:9])), raw=False)
     loss, loss_known, loss_ok, d_ok, gn, lr, scale = vals[:7]
     grads_ok = math.isfinite(gn)
     if not grads_ok:  # slow path: exact (a norm overflows with finite elements ~1e19 in float32)
@@ -95,12 +93,24 @@ def _pre(w: Any, st: OptState, opt: Any, grads: List[Any], tvars: List[Any], lso
     return row
 
 
+def post_row(prev: tuple, v: List[float]) -> List[float]:
+    """The row waiting for its post-update numbers (``st.eager_post``) with them: ``v`` = (parameter norm,
+    optimizer state finite). A non-finite norm is checked exactly: the update itself may have written NaN
+    into finite-state parameters (Ftrl with a zero accumulator), or the norm overflowed."""
+    row, _, tvars = prev
+    ok = v[1]
+    if ok >= 0.5 and not math.isfinite(v[0]):
+        ok = float(bool(D.all_finite(D.float_tensors(tvars)).numpy()))
+    row[D.C["param_norm"]], row[D.C["post_ok"]] = v[0], ok
+    return row
+
+
 def _post(st: OptState, opt: Any, row: List[float], tvars: List[Any]) -> None:
     """The post-update norms, as tensors: read with the next step's vector (or at the end)."""
     pn = D.norm32(D.float_tensors(tvars))
     ov = D.float_tensors(list(getattr(opt, "variables", [])))
     fin = tf.math.is_finite(D.sum32(ov)) if ov else tf.constant(True)
-    st.eager_post = (row, tf.stack([D.f64(pn), D.f64(fin)]))
+    st.eager_post = (row, tf.stack([D.f64(pn), D.f64(fin)]), tvars)
 
 
 def check_eval(w: Any, layer: Any, out: Any) -> None:

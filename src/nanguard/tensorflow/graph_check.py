@@ -165,8 +165,12 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
         run_update(w, opt, grads, trainable_variables, st)
         return tf.constant(True)
 
-    with _unlowered():
-        applied = tf.cond(do, update, lambda: tf.constant(False))
+    replica = _replica_fn()
+    if replica:  # the update's merge_call cannot sit in a cond: checked, not held back
+        applied = update()
+    else:
+        with _unlowered():
+            applied = tf.cond(do, update, lambda: tf.constant(False))
     with tf.name_scope("nanguard_check"):
         # after the update: the parameters' sum of squares (their norm); the optimizer state only when
         # the step was not clean (finite gradients keep a standard optimizer's moments finite; a state
@@ -187,10 +191,16 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
         flags = tf.cast(tf.stack([loss_ok, d_ok, grads_ok, pre_ok, tf.logical_not(applied), post_ok, grads_ok,
                                   halted]), tf.float64)
         idx = tf.math.floormod(step, D.RING)
-        st.stash.scatter_nd_update(tf.reshape(idx, [1, 1]), tf.reshape(tf.concat([values, flags], 0), [1, D.NCOL]))
+        at, row = tf.reshape(idx, [1, 1]), tf.reshape(tf.concat([values, flags], 0), [1, D.NCOL])
+        if replica:  # a per-replica variable takes whole writes only
+            st.stash.assign(tf.tensor_scatter_nd_update(st.stash.read_value(), at, row))
+        else:
+            st.stash.scatter_nd_update(at, row)
         st.counter.assign_add(1)
         st.updates.assign_add(1)
     fn = tl_get("current_fn", None)
+    if fn is None and replica and w.step_call is not None:  # a strategy runs replicas in threads of its own
+        fn = w.step_call[0]
     if fn is not None:
         FN_STATES.setdefault(fn, set()).add(st)
     else:
@@ -267,6 +277,17 @@ def _ok(loss_ok: tf.Tensor, d_ok: tf.Tensor, pre_ok: tf.Tensor, grads_ok: tf.Ten
     skips non-finite scaled gradients itself)."""
     ok = tf.logical_and(tf.logical_and(loss_ok, d_ok), pre_ok)
     return ok if lso else tf.logical_and(ok, grads_ok)
+
+
+def _replica_fn() -> bool:
+    """Whether this is the function a distribution strategy runs per replica (``strategy.run``): there an
+    optimizer's update synchronizes the replicas (``merge_call``), which TensorFlow refuses inside a
+    ``tf.cond``."""
+    try:
+        return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context() and \
+            tf.distribute.get_strategy().num_replicas_in_sync > 1
+    except Exception:
+        return False
 
 
 def _in_xla() -> bool:

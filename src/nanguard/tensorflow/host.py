@@ -232,13 +232,11 @@ class HostReader:
             if w.disabled:
                 break
             if st.eager_post is not None:
-                row, post = st.eager_post
-                st.eager_post = None
+                prev, st.eager_post = st.eager_post, None
 
-                def fin(row=row, post=post, st=st):
-                    v = post.numpy().tolist()
-                    row[D.C["param_norm"]], row[D.C["post_ok"]] = v[0], v[1]
-                    self.finish_row(st, D.Row(row), raw=False)
+                def fin(prev=prev, st=st):
+                    from .eager_check import post_row
+                    self.finish_row(st, D.Row(post_row(prev, prev[1].numpy().tolist())), raw=False)
                 w._guarded(fin)
             elif w.stop_requested is None:
                 w._guarded(lambda st=st: rows.extend((r, st) for r in self.read_stash(st)))

@@ -107,6 +107,15 @@ def graph_key() -> Any:
     return tf.compat.v1.get_default_graph()
 
 
+def _per_replica() -> dict:
+    """Under a distribution strategy's scope: each replica writes its own copy of the check's variables
+    (a mirrored variable cannot be written per replica), and the host reads the first replica's."""
+    if not tf.distribute.has_strategy():
+        return {}
+    return {"synchronization": tf.VariableSynchronization.ON_READ,
+            "aggregation": tf.VariableAggregation.ONLY_FIRST_REPLICA}
+
+
 def create_lifted(make: Callable[[], Any]) -> Any:
     """``make()`` lifted out of the graph being traced (``init_scope``). On a later trace of a
     ``tf.function`` (a step traced before the watcher was installed and traced again under it)
@@ -166,7 +175,7 @@ class OptState:
         def make() -> tuple:
             # not lifted by a tf.function being traced: the check's own variables never make TensorFlow
             # trace the user's step twice (a first trace that creates variables is traced again)
-            var = functools.partial(tf.Variable, experimental_enable_variable_lifting=False)
+            var = functools.partial(tf.Variable, experimental_enable_variable_lifting=False, **_per_replica())
             return (var(np.full((D.RING, D.NCOL), -1.0), dtype=tf.float64, trainable=False,
                         name="nanguard_stash"),
                     var(0, dtype=tf.int64, trainable=False, name="nanguard_step"),
@@ -182,7 +191,8 @@ class OptState:
         self.next_step = 0          # host: the first step not yet decided
         self.attempts = 0           # host: update attempts known so far
         self.tvars: List[Any] = []  # the variables of the last traced update (names, slow paths)
-        self.eager_post: Optional[Tuple[List[float], tf.Tensor]] = None  # eager: row waiting for its post norms
+        # eager: the row waiting for its post-update norms (row, their tensor, the variables updated)
+        self.eager_post: Optional[Tuple[List[float], tf.Tensor, List[Any]]] = None
         self.lost_rows = 0
 
     def adopt(self, *, active: bool, stop_mode: bool) -> None:

@@ -79,6 +79,13 @@ def optimizer_result(loc: dict | None, facts: dict, ev: dict, method: str, conf:
             jax="raise eps to a value the parameter dtype can hold (float16 tiny is 6.1e-05, float32 tiny "
             "1.2e-38), e.g. " + X.eps_kwarg(name or "adam", "1e-4" if low else "1e-8")
             + ("" if low else " (optax's default)")))
+    acc = ctx.get("initial_accumulator_value")
+    if zd.get("zeros") and eps is None and T.fin(acc) and acc == 0:  # Ftrl: 0 / (sqrt(0) + beta 0)
+        parts.append("its accumulator starts at 0 (initial_accumulator_value=0.0)"
+                     + (" and beta is 0" if ctx.get("beta") == 0 else "")
+                     + ", so a variable whose gradient is 0 divides 0 by 0")
+        fixes.append(f"start the accumulator above 0: {name}(..., initial_accumulator_value=0.1) (the Keras "
+                     "default)" + (", or give it beta=1.0" if ctx.get("beta") == 0 else ""))
     lr = opt.get("lr", ctx.get("lr"))
     lr = lr[0] if isinstance(lr, (list, tuple)) and lr else lr
     if not eps_cause or not fixes:  # a division by a zero moment is no step-size problem

@@ -96,7 +96,11 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
         fixes = [f"clamp the cosine before the root at {where}: "
                  + X.clamp("cosine", "-1 + 1e-7", "1 - 1e-7") + ", then sqrt(1 - cosine^2) is >= ~4.5e-4 (float32)",
                  f"or clamp the root's argument: {X.call('sqrt', X.clamp_min('1 - cosine ** 2', '1e-7'))}"]
-    elif chain[:1] in (["mean"], ["sum"]) and chain[1:2] in (["square"], ["pow"], ["mul"]) and chain[2:3] == ["sub"]:
+    elif chain[:1] == ["sum"] and chain[1:2] in (["square"], ["pow"], ["mul"]) and chain[2:3] == ["sub"]:
+        # sqrt(sum((a - b)^2)): a Euclidean distance written out, 0 for a point and itself
+        summ += ("; its argument is a sum of squared differences (a Euclidean distance): a pair of identical "
+                 "points (a sample paired with itself, a duplicate) is exactly 0")
+    elif chain[:1] == ["mean"] and chain[1:2] in (["square"], ["pow"], ["mul"]) and chain[2:3] == ["sub"]:
         # sqrt(mean((x - mean)^2)): a standard deviation written out (tf.math.reduce_std is this chain)
         summ += ("; its argument is a variance (mean of squared deviations): a group whose values are all equal "
                  "has variance exactly 0")
