@@ -56,3 +56,25 @@ def test_sample_weight_named_in_the_cause_and_the_fix():
     annotate_localization(loc, RowSource([a.copy() for a in batch], ["batch"], "the arrays given to fit"), batch)
     d = diagnose(loc, [], phase="data", context={"framework": "tensorflow"})
     assert "of the input tensor" in d["summary"] and "sample weights" not in d["summary"], d["summary"]
+
+
+def test_a_nan_target_of_one_output_with_a_zero_weight_is_named_with_the_masking_trap():
+    """Multi-output fit: a missing potency (NaN) given sample weight 0 for that output. It said "of the input
+    tensor" with a fix that filters x; a weight of 0 does not mask it (0 * NaN = NaN)."""
+    rng = np.random.default_rng(0)
+    x = rng.random((8, 4)).astype("float32")
+    y = {"assay": np.ones((8,), "float32"), "potency": rng.random((8,)).astype("float32")}
+    sw = {"assay": np.ones((8,), "float32"), "potency": np.ones((8,), "float32")}
+    y["potency"][5], sw["potency"][5] = np.nan, 0.0
+    loc = _loc([5])
+    annotate_localization(loc, None, (x, y, sw))
+    pre = loc["preexisting"]
+    assert pre["part"] == "targets['potency']" and pre["zero_weight"] is True
+    d = diagnose(loc, [], phase="data", context={"framework": "tensorflow"})
+    assert "targets (y['potency'])" in d["summary"] and "input tensor" not in d["summary"], d["summary"]
+    assert any("does not mask a NaN target" in f for f in d["fixes"]), d["fixes"]
+    sw["potency"][5] = 1.0  # a weighted NaN target: the missing-label fix
+    loc = _loc([5])
+    annotate_localization(loc, None, (x, y, sw))
+    assert "zero_weight" not in loc["preexisting"]
+    assert any("missing label" in f for f in diagnose(loc, [], phase="data", context={"framework": "tensorflow"})["fixes"])

@@ -340,6 +340,23 @@ def bad_part(batch: Any, rows: Sequence[int]) -> Optional[str]:
     return parts[0] if len(parts) == 1 else None
 
 
+def zero_weights(batch: Any, part: str, rows: Sequence[int]) -> bool:
+    """The sample weights an ``(x, y, sample_weight)`` batch gives the bad target rows are all 0 (those of the
+    same output, for ``targets['key']``)."""
+    if not isinstance(batch, (list, tuple)) or len(batch) != 3:
+        return False
+    sw = batch[2]
+    key = part[len("targets["):-1] if part.startswith("targets[") else None
+    if isinstance(sw, dict) and key is not None:
+        sw = next((v for k, v in sw.items() if repr(k) == key), None)
+    arrays = _flat_arrays(sw) if not isinstance(sw, dict) else []
+    if len(arrays) != 1:
+        return False
+    a = arrays[0]
+    r = [i for i in rows if 0 <= i < a.shape[0]]
+    return bool(r) and bool((a[r] == 0).all())
+
+
 def annotate_localization(loc: Optional[Dict[str, Any]], source: Optional[RowSource], batch: Any) -> None:
     """Name the dataset rows of a localization's bad input data (``preexisting.source_rows`` and its
     ``first_use``), in place; or say why they cannot be named (``source_rows_note`` and a note)."""
@@ -351,6 +368,8 @@ def annotate_localization(loc: Optional[Dict[str, Any]], source: Optional[RowSou
         part = bad_part(batch, rows)
         if part:
             pre["part"] = part
+            if part.startswith("targets") and zero_weights(batch, part, rows):
+                pre["zero_weight"] = True  # the script meant to mask those targets: 0 * NaN is still NaN
     if not rows or batch is None or pre.get("source_rows"):
         return
     t = trace_rows(source, batch, rows)

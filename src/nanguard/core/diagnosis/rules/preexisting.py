@@ -89,13 +89,18 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
         carry = (f" ({untraced})" if untraced else f"; batch position(s) {rows} carry them into the loss" if rows
                  else "; they reach the loss")
         part = str(pre.get("part") or "")
-        if part in ("targets", "sample_weight"):   # not the features: the labels or the weights given with them
-            noun = "targets (y)" if part == "targets" else "sample weights"
+        if part.startswith(("targets", "sample_weight")):  # not the features: the labels or their weights
+            noun = "sample weights" if part.startswith("sample_weight") else \
+                f"targets ({'y' + part[len('targets'):]})"
             summ = f"bad input data: the {noun} of {rows_s} hold {n_bad} {what} value(s) of {numel}{carry}{where}"
             fixes = ([find_rows_fix(rows)] if untraced else []) + [(f"the sample weights of {rows_s} are {what}: check how they were computed (a weight of "
                       "1 / count with a zero count, a class weight for a class with no samples) and make every "
                       "weight finite, e.g. sw = np.where(np.isfinite(sw), sw, 0.0), or drop those rows")
-                     if part == "sample_weight" else
+                     if part.startswith("sample_weight") else
+                     (f"the targets of {rows_s} are {what} and their sample weight is 0: a weight of 0 does not "
+                      "mask a NaN target (0 * NaN = NaN in the weighted loss); give those targets any finite "
+                      "value, e.g. y = np.where(np.isfinite(y), y, 0.0), and keep the 0 weights")
+                     if pre.get("zero_weight") else
                      (f"the targets of {rows_s} are {what} (a missing label?): drop those rows or fill the "
                       "target before training, e.g. keep = np.isfinite(y).reshape(len(y), -1).all(axis=1); "
                       "x, y = x[keep], y[keep]"),
