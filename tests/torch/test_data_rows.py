@@ -36,6 +36,8 @@ def test_the_batch_a_module_call_takes_is_the_steps_not_the_one_fetched_ahead():
             want = [int(i) for i in ids]
             assert hooks.step_indices() == want
             assert hooks.rows_of(x.float() * 2) == want  # a derived tensor: the step's batch, not the next
+            hooks.used({"features": x})  # model(**batch) (the Trainer): its keyword arguments
+            assert hooks.step_indices() == want
     finally:
         hooks.uninstall()
 

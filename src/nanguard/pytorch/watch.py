@@ -472,6 +472,8 @@ class Watcher:
         if not (torch.is_grad_enabled() and (module.training or optimised_input(args))):
             det = self._guarded(self.evals.output, module, args, kwargs, output)
             self._handle(det, None)
+        elif kwargs:  # model(**batch): the batch the step takes (the pre hook sees positional arguments only)
+            self.data.used(kwargs)
         if self.tape is not None:
             self._guarded(self.tape.root_post, module, kwargs, output)
         if self.policy is not None:  # what the next call may carry back in (recover/carried.py)
