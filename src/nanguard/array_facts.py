@@ -94,8 +94,9 @@ def trig_domain(xf: np.ndarray) -> dict:
 
 
 def exp_input(src: np.ndarray, dtype_max: float) -> dict:
-    """The exponent's largest finite value against exp's overflow threshold, log(dtype max)."""
-    return {"exp_input_max": finite_range(src).get("max"), "overflow_threshold": jnum(math.log(dtype_max))}
+    """The exponent's finite range against exp's overflow threshold, log(dtype max) (its min: cosh(-x))."""
+    r = finite_range(src)
+    return {"exp_input_max": r.get("max"), "exp_input_min": r.get("min"), "overflow_threshold": jnum(math.log(dtype_max))}
 
 
 def domain(dom: Any, src: np.ndarray) -> dict:

@@ -251,6 +251,15 @@ def test_ftrl_with_a_zero_accumulator_is_named_with_its_own_fix():
     assert not any("learning rate" in f for f in d["fixes"])
 
 
+def test_cosh_overflow_of_a_negative_input_quotes_the_min_and_a_stable_log_cosh():
+    # log(cosh(pred - target)) with a 9999 sentinel target: the residual -187. It said "input max 1.22 > 88.7"
+    # and gave softmax fixes
+    f = {"exp_input_max": 1.22, "exp_input_min": -187.6, "overflow_threshold": 88.72}
+    d = run(loc("aten.cosh.default", api="torch.cosh", facts=f, output={"nan": 0, "posinf": 1, "neginf": 0}))
+    assert d["category"] == "exp_overflow" and "input min -188" in d["summary"], d["summary"]
+    assert "softplus(-2 * x.abs())" in d["fixes"][0] and not any("softmax" in x for x in d["fixes"]), d["fixes"]
+
+
 def test_without_localisation_uses_phase_and_history():
     d = run(None, CALM, phase="data")
     assert d["category"] == "bad_input_data" and "no op-level replay" in d["method"] and d["confidence"] < 0.8

@@ -28,7 +28,7 @@ __all__ = ["diagnose", "mechanism", "diagnose_error"]
 
 # facts copied into ``cause.evidence.facts`` (then any evidence a registered family adds)
 _SHOWN_FACTS = ("float64_check", "float32_check", "eps_constants", "zero_denominator", "softmax_all_masked_rows",
-                "std_var", "where_trap", "kl_div", "exp_input_max", "overflow_threshold", "overflow", "log_domain",
+                "std_var", "where_trap", "kl_div", "exp_input_max", "exp_input_min", "overflow_threshold", "overflow", "log_domain",
                 "sqrt_domain", "trig_domain", "forward_output", "producers", "dtype_info")
 
 

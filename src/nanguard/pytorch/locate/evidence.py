@@ -343,7 +343,8 @@ def _exp_input(p: Probe) -> dict | None:
         return None
     src = p.arg(1, "exponent") if pow_ else x
     st = N.tensor_stats(src)
-    return {"exp_input_max": st.get("max"), "overflow_threshold": jnum(math.log(torch.finfo(src.dtype).max))}
+    return {"exp_input_max": st.get("max"), "exp_input_min": st.get("min"),
+            "overflow_threshold": jnum(math.log(torch.finfo(src.dtype).max))}
 
 
 @gatherer("zero_denominator")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import linecache
+import math
 import re
 
 from .. import families as F
@@ -34,6 +35,8 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     api = T.api_or_op(origin)
     where = T.where(origin)
     mx, thr = facts.get("exp_input_max"), facts.get("overflow_threshold")
+    if T.opshort(origin.get("op")).lower() in _EVEN:
+        return _cosh(origin, facts, ev, method)
     summ = (f"{api} overflowed at {where}: input max {T.g(mx)} > {T.g(thr)} = log({origin.get('dtype')} max), so "
             f"exp = inf (a ratio of such exps is then inf/inf = NaN, or x/inf = 0, whose log is -inf)")
     arg, softmax_like = exp_argument(origin)
@@ -75,6 +78,33 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
         fixes[-1] = (f"bound the divisor {den.strip()}: a learned temperature that shrinks scales even normalised "
                      "similarities past the bound; keep it above a floor (e.g. 0.01), as CLIP clamps its learned "
                      "logit scale at 100")
+    return T.result("exp_overflow", summ, 0.9, ev, fixes, method)
+
+
+_EVEN = ("cosh", "sinh")  # exp(|x|) / 2: overflows for large |x| of either sign
+
+
+def _cosh(origin: dict, facts: dict, ev: dict, method: str) -> dict:
+    """cosh/sinh overflow past |x| = log(max) + log 2 (89.4 in float32): a log-cosh loss on a residual that is an
+    outlier (a sentinel target), or an unbounded input."""
+    api, where = T.api_or_op(origin), T.where(origin)
+    lo, hi, thr = facts.get("exp_input_min"), facts.get("exp_input_max"), facts.get("overflow_threshold")
+    big = max((abs(v) for v in (lo, hi) if T.fin(v)), default=None)
+    side = f"input min {T.g(lo)}" if T.fin(lo) and big is not None and abs(lo) == big else f"input max {T.g(hi)}"
+    bound = f" > {T.g(thr + math.log(2))}" if T.fin(thr) else ""
+    summ = (f"{api} overflowed at {where}: {side} (|x|{bound}), so {T.opshort(origin.get('op'))}(x) = "
+            f"{'inf' if 'cosh' in str(origin.get('op')).lower() else '+-inf'} in {origin.get('dtype')}")
+    arg, _ = exp_argument(origin)
+    fixes = [X.say(pytorch=f"compute log(cosh(x)) at {where} without cosh: x.abs() + F.softplus(-2 * x.abs()) - "
+                   "math.log(2) (the same function, finite for any x)",
+                   tensorflow=f"compute log(cosh(x)) at {where} without cosh: tf.abs(x) + tf.math.softplus(-2 * "
+                   "tf.abs(x)) - math.log(2), or keras.losses.LogCosh (which does this)",
+                   jax=f"compute log(cosh(x)) at {where} without cosh: jnp.abs(x) + jax.nn.softplus(-2 * jnp.abs(x)) "
+                   "- jnp.log(2.0)"),
+             f"find what makes |x| reach {T.g(big)}: an outlier or sentinel value in the targets or inputs (e.g. "
+             "9999 for a missing reading) gives a residual that large; drop or clip those rows"]
+    if arg:
+        ev["cosh_argument"] = arg
     return T.result("exp_overflow", summ, 0.9, ev, fixes, method)
 
 
