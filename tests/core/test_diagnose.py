@@ -260,6 +260,25 @@ def test_cosh_overflow_of_a_negative_input_quotes_the_min_and_a_stable_log_cosh(
     assert "softplus(-2 * x.abs())" in d["fixes"][0] and not any("softmax" in x for x in d["fixes"]), d["fixes"]
 
 
+def test_one_minus_a_value_rounded_to_one_in_bfloat16_is_low_precision():
+    # a DDPM schedule cast to bf16: alpha_bar 0.9992 rounds to 1.0, (1 - ab).sqrt() = 0 divides. It said "the
+    # denominator is a norm (sqrt of a sum of squares)" with norm fixes
+    zd = {"zeros": 1, "numel": 32, "zero_over_zero": 0, "nonzero_over_zero": 2, "from_reduction": False,
+          "from_std_var": False, "producer_chain": ["sqrt", "rsub", "unsqueeze", "index"]}
+    ins = [{"dtype": "float32", "shape": [32, 2], "numel": 64, "min": -2.0, "max": 1.8, "zeros": 0, "negatives": 36,
+            "nonfinite": 0, "arg": 0},
+           {"dtype": "bfloat16", "shape": [32, 1], "numel": 32, "min": 0.0, "max": 0.996, "zeros": 1, "negatives": 0,
+            "nonfinite": 0, "arg": 1}]
+    d = run(loc("aten.div.Tensor", api="Tensor.div", facts={"zero_denominator": zd}, inputs=ins,
+                output={"nan": 0, "posinf": 2, "neginf": 0}))
+    assert d["category"] == "low_precision_underflow" and "rounds to exactly 1 in bfloat16" in d["summary"], d
+    assert "norm" not in d["summary"] and "x.float()" in d["fixes"][0]
+    ins[1]["dtype"] = "float32"  # the same in float32: a zero denominator, and no norm
+    d = run(loc("aten.div.Tensor", api="Tensor.div", facts={"zero_denominator": zd}, inputs=ins,
+                output={"nan": 0, "posinf": 2, "neginf": 0}))
+    assert d["category"] == "div_by_zero" and "is a norm" not in d["summary"], d["summary"]
+
+
 def test_without_localisation_uses_phase_and_history():
     d = run(None, CALM, phase="data")
     assert d["category"] == "bad_input_data" and "no op-level replay" in d["method"] and d["confidence"] < 0.8

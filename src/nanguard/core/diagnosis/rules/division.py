@@ -102,6 +102,20 @@ def _all_targets_ignored(origin: dict) -> bool:
     return tgt.get("min") == tgt.get("max") == sc[1]
 
 
+_HALF_ULP_BELOW_1 = {"bfloat16": 2.0 ** -9, "float16": 2.0 ** -12}
+
+
+def _low_one_minus(origin: dict, zd: dict, chain: list) -> tuple | None:
+    """(dtype, half its spacing below 1) when the zero denominator was computed in bfloat16/float16 as 1 - x
+    (possibly under a root): x rounded to 1."""
+    ins = [i for i in origin.get("inputs") or [] if i.get("arg") == 1]
+    dt = ins[0].get("dtype") if ins else None
+    if dt not in _HALF_ULP_BELOW_1 or not zd.get("zeros") or zd.get("from_reduction"):
+        return None
+    head = chain[1:2] if chain[:1] == ["sqrt"] else chain[:1]
+    return (dt, _HALF_ULP_BELOW_1[dt]) if head in (["rsub"], ["sub"]) else None
+
+
 def _tiny_denominator(origin: dict, zd: dict) -> float | None:
     """The smallest |denominator| of a division that had none exactly 0 (its inputs' stats), else None."""
     if zd.get("zeros") != 0 or zd.get("scalar_denominator") is not None:
@@ -168,7 +182,20 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
         src = f"; the denominator comes from {(zd.get('producer_chain') or ['a reduction'])[0]} (a count/sum that " \
               "is 0 for an empty set)"
     chain = [str(x) for x in zd.get("producer_chain") or []][:3]
-    by_norm = not zd.get("from_reduction") and any(x in _NORMS for x in chain)
+    low = _low_one_minus(origin, zd, chain)
+    if low is not None:  # 1 - x in bfloat16/float16: x near 1 rounds to 1 (a noise schedule cast to bf16)
+        dt, half_ulp = low
+        summ = (f"{api} at {where} divided by zero: {zd.get('zeros', '?')} zero(s) in the denominator of "
+                f"{zd.get('numel', '?')}, made by {', '.join(chain)} in {dt}: a value closer to 1 than "
+                f"{T.g(half_ulp)} rounds to exactly 1 in {dt}, so 1 - x = 0")
+        fixes = [f"compute the denominator in float32 at {where}: subtract in float32, e.g. (1 - x.float()).sqrt() "
+                 f"(a schedule or probability table cast to the sample's {dt} loses every value within "
+                 f"{T.g(half_ulp)} of 1)",
+                 f"or keep that table in float32 (do not cast it to the {dt} dtype) and guard the denominator: "
+                 + X.clamp_min("1 - x", "1e-8")]
+        return T.result("low_precision_underflow", summ, 0.85, ev, fixes, method)
+    by_norm = not zd.get("from_reduction") and any(x in _NORMS for x in chain) and \
+        not (chain[:1] == ["sqrt"] and chain[1:2] in (["rsub"], ["sub"]))  # sqrt(1 - x) is no norm
     if by_norm:  # x / ||x|| (a per-sample gradient clip, a normalisation): a zero vector has norm 0
         src = "; the denominator is a norm (sqrt of a sum of squares), 0 for an all-zero vector"
     bwd = origin.get("stage") == "backward"
