@@ -64,3 +64,28 @@ def test_the_weights_change_across_a_rollback_is_not_an_update():
     assert d.observe(13, 4.0, 1.0, update=math.inf) is None  # the rollback's own change: not judged
     hit = d.observe(14, 4.0, 1.0, update=math.inf)  # the next one is an optimizer update again
     assert hit is not None and hit["rule"] == "update", hit
+
+
+def test_a_critics_loss_at_the_first_rewarded_episode_is_no_spike_in_a_policy_gradient_run():
+    """Actor-critic (two streams): the actor's surrogate is signed; the critic's smooth-L1 loss sat at ~0.005
+    until the first goal-reaching episode made it 0.34 (60 widths) with its gradient norm at 13 widths. It
+    warned ("a hard or mislabelled batch ...") on a healthy run."""
+    d = SpikeDetector()
+    hits = []
+    for i in range(40):
+        actor = -0.1 - 0.001 * (i % 5)
+        critic = 0.0055 + 0.002 * ((i * 7) % 5) / 4
+        g = 0.11 + 0.01 * (i % 4)
+        hits += [w for w in (d.observe(2 * i, actor, 0.02 + 0.01 * (i % 4), stream=0), d.observe(2 * i + 1, critic, g, stream=1)) if w]
+    hits += [w for w in (d.observe(80, 0.97, 0.39, stream=0), d.observe(81, 0.343, 1.02, stream=1)) if w]
+    assert hits == []
+    # the same critic numbers in a run with no signed loss: warned, as before
+    d = SpikeDetector()
+    for i in range(40):
+        assert d.observe(i, 0.0055 + 0.002 * ((i * 7) % 5) / 4, 0.11 + 0.01 * (i % 4)) is None
+    assert d.observe(40, 0.343, 1.02)["rule"] == "spike"
+    # and a signed run whose loss and gradient both spike still warns
+    d = SpikeDetector()
+    for i in range(40):
+        assert d.observe(i, -0.1 + 0.002 * (i % 5), 0.1 + 0.01 * (i % 4)) is None
+    assert d.observe(40, 5.0, 50.0)["rule"] == "spike"

@@ -16,8 +16,10 @@ gradient norm that grows while the loss falls, normal early in training, never w
   near 0. A value's *excess* is ``(x - median) / width``. The spread rules wait for ``min_values``
   = 8 values (warm-up); in a window of 64 the 90% quantile ignores the 6 largest values, so a few
   earlier spikes do not make the detector blind;
-* **spike** (one step): the loss's excess is >= ``spike`` = 50, or the gradient norm's excess is
-  >= 50 while the loss's is >= ``confirm`` = 3. A loss 50 inter-quantile widths above its median
+* **spike** (one step): the loss's excess is >= ``spike`` = 50 (in a run where a stream's loss has been
+  negative, a policy-gradient surrogate whose scale follows the episode's returns, only with the gradient
+  norm's excess >= 50 too: measured, an actor-critic's critic at its first goal-reaching episode reads 60
+  widths with its gradient norm at 13), or the gradient norm's excess is >= 50 while the loss's is >= ``confirm`` = 3. A loss 50 inter-quantile widths above its median
   is far outside noise: on a steady loss of 0.09 +- 0.02 that is ~20x; OLMo's loss-spike rule is a
   z-score of 6 over 128 steps, which is too eager for small, noisy runs (measured: a mini-batch-1
   SGD run reaches excess 11, a curriculum switch 9-18);
@@ -176,6 +178,7 @@ class SpikeDetector:
         self.config = config or SpikeConfig()
         self.streams: Dict[Hashable, _Stream] = {}
         self.warnings = 0
+        self.signed = False  # a stream's loss was below 0 (see _rules' spike)
 
     def observe(self, step: int, loss: Optional[float], grad_norm: Optional[float], *, skipped: bool = False,
                 stream: Hashable = 0, update: Optional[float] = None) -> Optional[Dict[str, Any]]:
@@ -212,6 +215,8 @@ class SpikeDetector:
             st.first.append(loss)
         if st.start is None:
             st.start = loss
+        if loss < 0:
+            self.signed = True
         if g is not None and len(st.first_g) < c.min_values:
             st.first_g.append((step, g))
         if loss > st.peak:
@@ -248,7 +253,10 @@ class SpikeDetector:
                lb, gb, update: Optional[float] = None, prev_seen: Optional[int] = None) -> Optional[Dict[str, Any]]:
         c = self.config
         w = (step, loss, g, le, ge, lb, gb)  # the warning's values (_warning; no closure: its cells cost every step)
-        if le >= c.spike:
+        # a signed loss (a policy-gradient surrogate: its scale follows the episode's returns, so a rare reward
+        # moves it tens of widths; and so does its critic's, stepping in the same run) spikes on the loss
+        # alone only with its gradient norm spiking too
+        if le >= c.spike and (not self.signed or ge >= c.spike):
             return _warning("spike", "loss", *w)
         if ge >= c.spike and le >= c.confirm:
             return _warning("spike", "grad_norm", *w)
