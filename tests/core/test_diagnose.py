@@ -279,6 +279,16 @@ def test_one_minus_a_value_rounded_to_one_in_bfloat16_is_low_precision():
     assert d["category"] == "div_by_zero" and "is a norm" not in d["summary"], d["summary"]
 
 
+def test_log_of_one_minus_a_target_at_one_names_the_edge_of_the_support():
+    # Beta(a, b).log_prob(y) with a label clamped to exactly 1.0: xlogy(b - 1, 1 - y) read 0; the fix clamped
+    # "away from 0", which does not cover 1 - y
+    f = {"float64_check": {"finite": False}, "log_domain": {"le_limit": 1, "limit": 0.0, "zeros": 1, "negatives": 0,
+         "min": 0.0, "numel": 128}, "producers": [["sub", "stack", "add"], ["stack", "rsub"]]}
+    d = run(loc("aten.xlogy.Tensor", api="torch.xlogy", facts=f))
+    assert d["category"] == "log_domain" and "1 - x" in d["summary"], d["summary"]
+    assert "x.clamp(1e-6, 1 - 1e-6)" in d["fixes"][0], d["fixes"]
+
+
 def test_without_localisation_uses_phase_and_history():
     d = run(None, CALM, phase="data")
     assert d["category"] == "bad_input_data" and "no op-level replay" in d["method"] and d["confidence"] < 0.8

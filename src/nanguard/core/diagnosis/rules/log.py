@@ -167,6 +167,13 @@ def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> d
             jax=f"compute the log of the sum in log space at {where}: jax.nn.logsumexp(jax.nn.log_softmax("
             "pi_logits) + component_log_prob, axis=-1); a sum of densities underflows to 0 for a target far from "
             "every component"))
+    one_minus = not masked and not mixture and "rsub" in arg[:2] and \
+        "sigmoid" not in prods and not any(p in _SOFTMAXES for p in prods)
+    if one_minus:  # log(1 - x) (a Beta/Dirichlet target's 1 - y): x at exactly 1, the edge of (0, 1)
+        summ += ("; its argument is 1 - x, exactly 0 where x is 1: a value on the edge of (0, 1) (a label or "
+                 "probability at 1, a Beta or Bernoulli likelihood's target)")
+        fixes.append(f"keep x inside (0, 1) before the log at {where}: {X.clamp('x', '1e-6', '1 - 1e-6')} (a "
+                     "clamp at 0 alone does not cover 1 - x; labels clipped to [0, 1] put values exactly on the edge)")
     if "sigmoid" in prods:
         fixes.append(X.say(
             pytorch=f"compute the loss from the logits: F.binary_cross_entropy_with_logits(logits, y) (or "
