@@ -418,6 +418,47 @@ CASES = [
         def loss(y, p):
             return -tf.reduce_mean(y * tf.math.log(tf.cast(p, tf.float32) + 1e-4))
      """, TF),
+    # NGL019 min-max scaling by max - min
+    ("NGL019", """
+        def scale(w):
+            lo = w.amin(dim=1, keepdim=True)
+            hi = w.amax(dim=1, keepdim=True)
+            return (w - lo) / (hi - lo)
+     """, """
+        def scale(w):
+            lo = w.amin(dim=1, keepdim=True)
+            hi = w.amax(dim=1, keepdim=True)
+            return (w - lo) / (hi - lo + 1e-8)
+     """, TORCH),
+    ("NGL019", """
+        def scale(w):
+            lo = tf.reduce_min(w, axis=1, keepdims=True)
+            hi = tf.reduce_max(w, axis=1, keepdims=True)
+            return (w - lo) / (hi - lo)
+     """, """
+        def scale(w):
+            lo = tf.reduce_min(w, axis=1, keepdims=True)
+            hi = tf.reduce_max(w, axis=1, keepdims=True)
+            return (w - lo) / tf.maximum(hi - lo, 1e-8)
+     """, TF),
+    # NGL005: a mean loss over a boolean-mask selection (a bool mask tensor)
+    ("NGL005", """
+        train_mask = torch.zeros(100, dtype=torch.bool)
+        def step(model, x, y, idx):
+            m = train_mask[idx]
+            return F.cross_entropy(model(x[idx])[m], y[idx][m])
+     """, """
+        train_mask = torch.zeros(100, dtype=torch.bool)
+        def step(model, x, y, idx):
+            m = train_mask[idx]
+            return F.cross_entropy(model(x[idx])[m], y[idx][m], reduction="sum") / m.sum().clamp(min=1)
+     """, TORCH),
+    # NGL013: Keras Ftrl whose accumulator starts at 0 with beta 0
+    ("NGL013", """
+        opt = keras.optimizers.Ftrl(learning_rate=0.1, initial_accumulator_value=0.0)
+     """, """
+        opt = keras.optimizers.Ftrl(learning_rate=0.1, initial_accumulator_value=0.0, beta=1.0)
+     """, TF),
     # NGL017 zero_grad named, not called
     ("NGL017", """
         def train(model, opt, loader):

@@ -71,6 +71,9 @@ def call_tags(flow, call: ast.Call, d: int) -> Tags:
     x = flow.input(call, op)
     v = flow.value(x, d) if x is not None else NONE
     name = op.name
+    dt = kwarg(call, "dtype")
+    if name == "bool" or (dt is not None and flow.info.aliases.resolve(dt) == "torch.bool"):
+        return frozenset({"mask"})  # torch.zeros(n, dtype=torch.bool), x.bool(): a boolean mask
     if name in ("softmax", "sigmoid", "relu"):
         return frozenset({name})
     if name in ("log", "log_softmax", "logsigmoid"):

@@ -156,12 +156,9 @@ class Watcher:
         self.owner.own_process()
 
         w = self
-        orig_init = torch.optim.Optimizer.__init__
-        orig_backward = torch.autograd.backward
-        orig_scaler_step = torch_grad_scaler.GradScaler.step
-        orig_scale = torch_grad_scaler.GradScaler.scale
-        self._orig = {"init": orig_init, "backward": orig_backward, "scaler_step": orig_scaler_step,
-                      "scale": orig_scale}
+        orig_init, orig_backward = torch.optim.Optimizer.__init__, torch.autograd.backward
+        orig_scaler_step, orig_scale = torch_grad_scaler.GradScaler.step, torch_grad_scaler.GradScaler.scale
+        self._orig = {"init": orig_init, "backward": orig_backward, "scaler_step": orig_scaler_step, "scale": orig_scale}
 
         def init(opt, *a, **k):
             orig_init(opt, *a, **k)
@@ -184,10 +181,8 @@ class Watcher:
         torch.autograd.backward = backward
         torch_grad_scaler.GradScaler.step = scaler_step
         torch_grad_scaler.GradScaler.scale = scale
-        self._handles = [
-            torch_optimizer.register_optimizer_step_pre_hook(self._opt_pre),
-            torch_optimizer.register_optimizer_step_post_hook(self._opt_post),
-        ]
+        self._handles = [torch_optimizer.register_optimizer_step_pre_hook(self._opt_pre),
+                         torch_optimizer.register_optimizer_step_post_hook(self._opt_post)]
         self.roots.install()
         self.data.install()
         if self.tape is not None:

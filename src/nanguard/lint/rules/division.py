@@ -1,5 +1,5 @@
 """Divisions by a value that can be 0: a count or a mask's sum (NGL005), a standard deviation (NGL006), a
-norm (NGL007)."""
+norm (NGL007), a range max - min (NGL019)."""
 from __future__ import annotations
 
 import ast
@@ -7,7 +7,7 @@ from typing import Iterator, List, Optional, Tuple
 
 from ...core.diagnosis.rules.division import div_result
 from ...core.diagnosis.rules.stdvar import variance
-from ..flow import Flow, arg
+from ..flow import Flow, arg, kwarg
 from ..registry import Hit, rule
 
 _CASTS = {"float", "double", "half", "to", "type", "type_as", "unsqueeze", "view", "reshape", "cast", "expand_as",
@@ -81,13 +81,22 @@ def _weighted_mean(num: ast.AST, den: ast.AST, flow: Flow) -> bool:
     return any(ast.dump(side) in keys for side in _products(num, flow))
 
 
+_MEAN_LOSSES = ("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+                "binary_cross_entropy", "binary_cross_entropy_with_logits")
+
+
 def _empty_mean(node: ast.AST, flow: Flow) -> Optional[ast.AST]:
-    """x for ``x[mask].mean()`` / ``torch.mean(x[mask])`` (a selection by a comparison), else None."""
+    """x for ``x[mask].mean()`` / ``torch.mean(x[mask])`` / ``F.cross_entropy(x[mask], y[mask])`` (a selection by
+    a comparison, averaged by the loss's default reduction), else None."""
     if not isinstance(node, ast.Call):
         return None
     op = flow.op(node)
-    if op is None or op.name != "mean" or op.module:
+    if op is None or op.module or (op.name != "mean" and not (op.fw == "torch" and op.name in _MEAN_LOSSES)):
         return None
+    if op.name != "mean":
+        red = kwarg(node, "reduction")
+        if red is not None and not (isinstance(red, ast.Constant) and red.value == "mean"):
+            return None  # a sum is 0 over an empty selection, not NaN
     x = flow.input(node, op)
     return x if isinstance(x, (ast.Subscript, ast.Name)) and "filtered" in flow.value(x) else None
 
@@ -107,14 +116,15 @@ def _div_fixes(origin: dict, facts: dict) -> list:
            "over a row with no valid entry, a dice ratio with no smoothing term), count_nonzero, a product or sum of "
            "ReLU outputs (linear attention's normaliser), or the "
            "len()/numel() of a filtered selection, with no clamp(min=1) or eps; or the mean of a boolean-mask "
-           "selection x[m].mean(), NaN when nothing is selected")
+           "selection x[m].mean() (or a loss averaging it, F.cross_entropy(x[m], y[m])), NaN when nothing is "
+           "selected")
 def _div_by_count(node: ast.AST, flow: Flow) -> Iterator[Hit]:
     got = division(node, flow)
     if got is None:
         x = _empty_mean(node, flow)
         if x is not None and not flow.tested(x):
             yield Hit(node, "mean of a boolean-mask selection, which is empty (0/0 = NaN) when nothing is selected: "
-                            "guard the empty case, or (x * m).sum() / m.sum().clamp(min=1)")
+                            "guard the empty case (if m.any(): ...), or (x * m).sum() / m.sum().clamp(min=1)")
         return
     num, den = got
     if flow.tested(den) or _self_normalised(num, den, flow):
@@ -148,3 +158,36 @@ def _div_by_norm(node: ast.AST, flow: Flow) -> Iterator[Hit]:
     if "norm" in tags:
         yield Hit(node, "division by a norm without eps: a zero vector gives 0/0 = NaN; use F.normalize or "
                         "norm.clamp(min=1e-12)")
+
+
+_MAXES, _MINS = ("max", "amax", "reduce_max", "nanmax"), ("min", "amin", "reduce_min", "nanmin")
+
+
+def _extreme(node: ast.AST, flow: Flow, names: tuple, depth: int = 0) -> bool:
+    """``node`` is a max (``names`` = _MAXES) or a min of a tensor: a call, its ``.values``/``[0]``, or a name
+    bound to one in this body."""
+    if isinstance(node, ast.Name) and depth < 3 and flow.definition(node) is not None:
+        return _extreme(flow.definition(node), flow, names, depth + 1)
+    if isinstance(node, ast.Attribute) and node.attr == "values":
+        node = node.value
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == 0:
+        node = node.value
+    node = _strip(node, flow)
+    op = flow.op(node) if isinstance(node, ast.Call) else None
+    return op is not None and not op.module and op.name in names
+
+
+@rule("NGL019", "div-by-range", "div_by_zero", fixes=_div_fixes,
+      what="a min-max scaling (x - min) / (max - min) with no eps: a constant row, window or feature has max == min "
+           "and gives 0/0 = NaN")
+def _div_by_range(node: ast.AST, flow: Flow) -> Iterator[Hit]:
+    got = division(node, flow)
+    if got is None or flow.tested(got[1]):
+        return
+    den = _strip(got[1], flow)
+    if isinstance(den, ast.Name) and flow.definition(den) is not None:
+        den = _strip(flow.definition(den), flow)
+    if isinstance(den, ast.BinOp) and isinstance(den.op, ast.Sub) and \
+            _extreme(den.left, flow, _MAXES) and _extreme(den.right, flow, _MINS):
+        yield Hit(node, "division by a range max - min without eps: a constant row (a flat window, a constant "
+                        "feature) gives 0/0 = NaN; divide by (max - min + 1e-8) or clamp the range")

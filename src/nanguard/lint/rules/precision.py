@@ -60,6 +60,10 @@ def _is_f16(node: ast.AST, info) -> bool:
     return path in ("torch.float16", "torch.half")
 
 
+def _zero(node: Optional[ast.AST]) -> bool:
+    return isinstance(node, ast.Constant) and not isinstance(node.value, bool) and node.value == 0
+
+
 def _tiny(node: Optional[ast.AST]) -> Optional[float]:
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         v = float(node.value)
@@ -74,7 +78,7 @@ def _fixes(origin: dict, facts: dict) -> list:
 
 
 @rule("NGL013", "fp16-optimizer-eps", "optimizer_numerics", fixes=_fixes,
-      what="an optimizer with eps=0 (any precision), or an Adam-family optimizer with its default eps or an eps "
+      what="an optimizer with eps=0 (any precision; Keras' Ftrl with initial_accumulator_value=0 and beta=0), or an Adam-family optimizer with its default eps or an eps "
            "of 1e-8 or smaller in a file that trains float16 parameters (.half(), .to(torch.float16), a Keras "
            "\"float16\" policy or floatx): the eps is 0 in float16 and sqrt(v) + eps divides by 0")
 def _fp16_optimizer_eps(node: ast.AST, flow: Flow) -> Iterator[Hit]:
@@ -87,6 +91,11 @@ def _fp16_optimizer_eps(node: ast.AST, flow: Flow) -> Iterator[Hit]:
                 not isinstance(eps.value, bool) and eps.value == 0:
             yield Hit(node, "optimizer eps=0: the update divides by sqrt(v), which is 0 for a parameter whose "
                             "gradient has been 0 (an embedding row not yet looked up); keep the default eps")
+        elif op is not None and op.module and op.name == "ftrl" and _zero(kwarg(node, "initial_accumulator_value")) \
+                and (kwarg(node, "beta") is None or _zero(kwarg(node, "beta"))):
+            yield Hit(node, "Ftrl with initial_accumulator_value=0 and beta=0: the update divides by sqrt(0) + 0 for "
+                            "a variable whose gradient has been 0 (a hashed feature not yet seen); keep the default "
+                            "0.1, or give beta > 0")
         return
     if isinstance(node.func, ast.Attribute) and node.func.attr == "compile":
         name = kwarg(node, "optimizer")
