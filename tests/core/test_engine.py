@@ -232,3 +232,15 @@ def test_rows_of_an_optimizer_stage_origin_are_the_parameter_s():
     """An update's non-finite output rows are rows of the parameter: they read "batch rows 0, 1, ... 9"."""
     from nanguard.core.text import rows_label
     assert rows_label({"stage": "optimizer"}) == "parameter rows" and rows_label({"stage": "forward"}) == "batch rows"
+
+
+def test_a_max_grad_norm_at_the_scripts_clip_says_so():
+    """The recorded norms are read after the script's clip (HF Trainer's max_grad_norm=1.0): "max grad norm 1"
+    read as if the gradients were small."""
+    from nanguard.core.events import Report
+    from nanguard.core.render.terminal import summary_line
+    rep = Report(steps_watched=10, max_grad_norm=1.0,
+                 history=[{"step": i, "grad_norm": 1.0 if i % 2 else 0.4} for i in range(10)])
+    assert "max grad norm 1 (the clip's max_norm: 50% of the steps shown sit at it)" in summary_line(rep)
+    rep.history = [{"step": i, "grad_norm": 0.1 * (i + 1)} for i in range(10)]  # no ceiling
+    assert "max grad norm 1, " in summary_line(rep)

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..text import plural, plural_word
 from .html_blocks import css_slug, e, inline_html, kv_table, prose_html, value_html
 from .html_evidence import evidence_section  # noqa: F401  (the page's sections are imported from here)
-from .values import fix_notes, fmt, tested_line, is_recovery, is_warning, num
+from .values import at_clip, fix_notes, fmt, tested_line, is_recovery, is_warning, num
 
 # Keys of the report that the environment section shows in its own rows; anything else top-level
 # that is not one of these is listed there as it is.
@@ -44,7 +44,9 @@ def headline_section(report: Dict[str, Any], ev: Optional[Dict[str, Any]]) -> st
     n_warn = sum(1 for x in events if is_warning(x))
     facts = [f"watched {e(plural(n_steps if isinstance(n_steps, int) else fmt(n_steps) or '?', unit))}"]
     if report.get("max_grad_norm") is not None:
-        facts.append(f"max grad norm {e(fmt(report.get('max_grad_norm'), 3))}")
+        clip = at_clip(report.get("history") or [], report.get("max_grad_norm"))
+        facts.append(f"max grad norm {e(fmt(report.get('max_grad_norm'), 3))}"
+                     + (f" (the clip's max_norm: {clip:.0%} of the steps shown sit at it)" if clip is not None else ""))
     if report.get("scaler_skips"):
         facts.append(f"scaler skips {e(report.get('scaler_skips'))}")
     if n_rec:

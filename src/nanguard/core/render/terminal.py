@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from ..events import Report, one_line
 from ..text import listed, plural, rows_label, sample_rows, strip_ansi
-from .values import fix_notes, tested_line
+from .values import at_clip, fix_notes, tested_line
 
 
 def _console():
@@ -206,6 +206,9 @@ def print_outcome(report: Report, report_path: Optional[str], recovery: Any = No
 def summary_line(report: Report) -> str:
     mg = report.max_grad_norm
     mg_s = f"{mg:.3g}" if isinstance(mg, float) and math.isfinite(mg) else "n/a"
+    clip = at_clip(report.history, mg)
+    if clip is not None:  # the norms are read after the script's clip: its max_norm, not the raw gradients'
+        mg_s += f" (the clip's max_norm: {clip:.0%} of the steps shown sit at it)"
     unit = "step" if report.counting == "optimizer" else "backward pass"
     s = (f"{report.status}: watched {plural(report.steps_watched, unit)}, max grad norm {mg_s}, "
          f"scaler skips {report.scaler_skips}")

@@ -137,3 +137,16 @@ def tested_line(tested: Any) -> Optional[str]:
     if tested[0].get("passed"):
         return f"tested: {tested[0]['text']}"
     return "tested, none passed: " + "; ".join(t["text"] for t in tested[:3])
+
+
+def at_clip(history: Sequence[Any], max_norm: Any) -> Optional[float]:
+    """The share of the recorded steps whose gradient norm sits at the run's max (within 1e-4): a clip's
+    ceiling (the recorded norms are read after the script's clip), when it is at least a fifth of 5 or more
+    steps; else None."""
+    m = num(max_norm)
+    norms = [num(h.get("grad_norm")) for h in history or () if isinstance(h, dict)]
+    norms = [g for g in norms if g is not None]
+    if m is None or m <= 0 or len(norms) < 5:
+        return None
+    share = sum(1 for g in norms if abs(g - m) <= 1e-4 * m) / len(norms)
+    return share if share >= 0.2 else None
