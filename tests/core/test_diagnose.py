@@ -289,6 +289,27 @@ def test_log_of_one_minus_a_target_at_one_names_the_edge_of_the_support():
     assert "x.clamp(1e-6, 1 - 1e-6)" in d["fixes"][0], d["fixes"]
 
 
+def test_an_overflow_inside_a_backward_the_script_wrote_is_its_formula(tmp_path):
+    # a custom autograd.Function Mish with the closed-form derivative: e * omega / delta^2 with e = exp(x) for
+    # x ~ 24 reads 4.6e31 and overflows; it was taken for a data outlier (bad_input_data, "check batch row 60")
+    src = tmp_path / "mish.py"
+    src.write_text("class MishFn:\n    @staticmethod\n    def backward(ctx, g):\n        (x,) = ctx.saved_tensors\n"
+                   "        e = torch.exp(x)\n        omega = 4 * (x + 1) + 4 * e * e + e * e * e\n"
+                   "        delta = 2 * e + e * e + 2\n        return g * e * omega / (delta * delta)\n")
+    ins = [{"dtype": "float32", "shape": [64, 64], "numel": 4096, "nonfinite": 0, "min": -3.0, "max": 2.1e9,
+            "max_abs": 2.1e9, "zeros": 0, "negatives": 10, "arg": 0},
+           {"dtype": "float32", "shape": [64, 64], "numel": 4096, "nonfinite": 0, "min": -87.0, "max": 4.55e31,
+            "max_abs": 4.55e31, "zeros": 0, "negatives": 63, "arg": 1}]
+    f = {"float64_check": {"finite": True, "max_abs": 9.7e40}, "overflow": {"dtype_max": 3.4e38, "input_max_abs": 4.55e31},
+         "isolated_input": {"rows": [60], "count": 1, "rows_total": 64, "value": 4.55e31, "typical": 47.7}}
+    l = loc("aten.mul.Tensor", api=None, stage="backward", phase="backward", facts=f, inputs=ins,
+            output={"nan": 0, "posinf": 3, "neginf": 0}, file=str(src), line=20)
+    l["origin"].update(custom_backward=True, backward_file=str(src), backward_line=8)
+    d = run(l, CALM, phase="backward")
+    assert d["category"] == "exp_overflow" and "mish.py:8" in d["summary"] and "exp(x)" in d["summary"], d
+    assert "sigmoid, tanh, softplus" in d["fixes"][0]
+
+
 def test_without_localisation_uses_phase_and_history():
     d = run(None, CALM, phase="data")
     assert d["category"] == "bad_input_data" and "no op-level replay" in d["method"] and d["confidence"] < 0.8

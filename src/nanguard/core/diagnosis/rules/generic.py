@@ -2,6 +2,10 @@
 plus the final "other" when nothing matched."""
 from __future__ import annotations
 
+import linecache
+import os
+import re
+
 from .. import families as F
 from .. import fixes as X
 from .. import text as T
@@ -24,7 +28,7 @@ def _where_trap_rule(c) -> dict | None:
 
 
 @F.generic_rule(1700, categories=("low_precision_overflow", "lr_too_high", "gradient_explosion", "bad_input_data",
-                                  "other"))
+                                  "exp_overflow", "other"))
 def _overflow_from_finite_inputs_rule(c) -> dict | None:
     """+-inf from finite inputs: low precision, divergence in the history, a pole, or the dtype's range."""
     if not (c.overflow_range or c.inf_only):
@@ -36,7 +40,7 @@ def _overflow_from_finite_inputs_rule(c) -> dict | None:
     dv = divergence(c.sig, origin, ev, method, 0.85, c.ctx)
     if dv is not None and not c.excludes(dv["category"]):
         return dv
-    inner = inner_updates(c) or isolated_input(c)
+    inner = custom_backward(c) or inner_updates(c) or isolated_input(c)
     if inner is not None:
         return inner
     dtype_max = (facts.get("overflow") or {}).get("dtype_max")
@@ -54,7 +58,7 @@ def _overflow_from_finite_inputs_rule(c) -> dict | None:
                     method)
 
 
-@F.generic_rule(1750, categories=("bad_input_data", "lr_too_high", "gradient_explosion", "other"))
+@F.generic_rule(1750, categories=("bad_input_data", "lr_too_high", "gradient_explosion", "exp_overflow", "other"))
 def _range_ran_out_rule(c) -> dict | None:
     """NaN or inf from finite inputs that float64 computes finitely: the dtype's range ran out inside the
     op (inf - inf or inf * 0 in a layer_norm, an attention, a matmul): the inputs are huge. Where the
@@ -62,7 +66,8 @@ def _range_ran_out_rule(c) -> dict | None:
     ins = c.origin.get("inputs") or []
     if not c.f64.get("finite") or any(i.get("nonfinite") for i in ins if isinstance(i, dict)):
         return None
-    dv = divergence(c.sig, c.origin, c.ev, c.method, 0.8, c.ctx) or inner_updates(c) or isolated_input(c)
+    dv = divergence(c.sig, c.origin, c.ev, c.method, 0.8, c.ctx) or custom_backward(c) or inner_updates(c) or \
+        isolated_input(c)
     if dv is not None:
         return dv
     big = max((i.get("max_abs") or 0 for i in ins if isinstance(i, dict) and T.fin(i.get("max_abs"))), default=None)
@@ -74,6 +79,44 @@ def _range_ran_out_rule(c) -> dict | None:
                      "layer): an unnormalised input, an initialisation that grows through the layers, or weights "
                      "that grew", "normalise the activations (LayerNorm/BatchNorm), scale the initialisation "
                      "down with depth, or compute this op in float64"], c.method)
+
+
+def _function_text(file: str, line: int, limit: int = 60) -> str:
+    """The source of the function around ``line`` (from its ``def`` down to ``line``)."""
+    out = []
+    for n in range(line, max(0, line - limit), -1):
+        text = linecache.getline(file, n)
+        out.append(text)
+        if text.lstrip().startswith("def "):
+            break
+    return "".join(reversed(out))
+
+
+def custom_backward(c) -> dict | None:
+    """The op that ran out of range is in a backward the script wrote (an ``autograd.Function``): its formula's
+    intermediate terms overflow (exp(x) cubed for x ~ 30) while the derivative itself is finite (the float64
+    replay). A data outlier may trigger it, but the fix is a stable formula."""
+    o = c.origin
+    if not o.get("custom_backward") or not o.get("backward_file") or not isinstance(o.get("backward_line"), int):
+        return None
+    at = f"{os.path.basename(str(o['backward_file']))}:{o['backward_line']}"
+    body = _function_text(str(o["backward_file"]), o["backward_line"])
+    exp = bool(re.search(r"\bexp\s*\(|\.exp\(", body))
+    big = max((i.get("max_abs") or 0 for i in o.get("inputs") or [] if isinstance(i, dict) and T.fin(i.get("max_abs"))),
+              default=None)
+    f64 = c.f64.get("finite")
+    summ = (f"the backward written for this call ({at}) ran out of the {c.dtype} range on finite inputs: "
+            f"{c.api} reads a term of {T.g(big)}" + (", built from exp(x)" if exp else "")
+            + ("; in float64 the gradient is finite, so the formula's intermediate terms overflow where the "
+               "derivative itself does not" if f64 else ""))
+    fixes = [f"rewrite the derivative at {at} in a form whose terms stay in range: in terms of bounded functions "
+             "(sigmoid, tanh, softplus) instead of powers of exp(x), or let autograd differentiate the forward "
+             "(no custom backward)" if exp else
+             f"rewrite the derivative at {at} so no intermediate term exceeds the dtype's range (factor it, or "
+             "compute large terms in log space)",
+             f"or guard it where the inputs are large (e.g. use the asymptotic derivative for x above a threshold: "
+             f"{X.where_fn()}(x > 20, 1.0, formula))"]
+    return T.result("exp_overflow" if exp else "other", summ, 0.8 if exp else 0.5, c.ev, fixes, c.method)
 
 
 def isolated_input(c) -> dict | None:
