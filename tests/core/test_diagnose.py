@@ -310,6 +310,15 @@ def test_an_overflow_inside_a_backward_the_script_wrote_is_its_formula(tmp_path)
     assert "sigmoid, tanh, softplus" in d["fixes"][0]
 
 
+def test_a_division_by_the_number_zero_names_a_scalar_expression():
+    # a hand-written Adam's bias correction v / (1 - beta1 ** t) at t = 0: "1 zero(s) in the denominator of ?"
+    # with count fixes (clamp(min=1))
+    d = run(loc("aten.div.Tensor", api="Tensor.div", facts={"zero_denominator": {"scalar_denominator": 0.0, "zeros": 1}},
+                output={"nan": 0, "posinf": 3, "neginf": 2}))
+    assert d["category"] == "div_by_zero" and "the number 0" in d["summary"] and "?" not in d["summary"], d
+    assert "1 - beta ** t" in d["fixes"][0] and not any("count.clamp" in x for x in d["fixes"])
+
+
 def test_without_localisation_uses_phase_and_history():
     d = run(None, CALM, phase="data")
     assert d["category"] == "bad_input_data" and "no op-level replay" in d["method"] and d["confidence"] < 0.8

@@ -171,6 +171,14 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
                        jax=f"guard the empty case at {where}: jnp.sum(x, 0) / {X.eps_text('jnp.maximum(x.shape[0], 1)')} (or "
                        "jnp.sum(mask) with jnp.maximum(..., 1) for a masked count), or skip groups with no members")]
         return T.result("div_by_zero", summ, 0.85, ev, fixes, method)
+    if zd.get("scalar_denominator") == 0 and "numel" not in zd:  # a Python number, not a tensor
+        summ = (f"{api} at {where} divided by the number 0: the denominator is a Python scalar (a hyper-parameter, "
+                "a step counter or an expression of them), not a tensor the model computed")
+        fixes = [f"find the expression that is 0 at {where}: a bias correction 1 - beta ** t is 0 at t = 0 (count "
+                 "steps from 1: increment t before the update, as torch.optim.Adam does), a schedule at its end "
+                 "value, or a count of nothing",
+                 f"guard it where it can be 0: divide by max(value, 1e-8), or skip the update while it is 0"]
+        return T.result("div_by_zero", summ, 0.85, ev, fixes, method)
     zz, xz = zd.get("zero_over_zero"), zd.get("nonzero_over_zero")
     kind = []
     if zz:  # counted in the quotient: a (64, 1) count broadcast over 16 columns is 1 zero, 16 results
