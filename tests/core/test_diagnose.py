@@ -319,6 +319,20 @@ def test_a_division_by_the_number_zero_names_a_scalar_expression():
     assert "1 - beta ** t" in d["fixes"][0] and not any("count.clamp" in x for x in d["fixes"])
 
 
+def test_bad_input_data_whose_dataset_rows_read_finite_names_the_batching():
+    pre = {"kind": "data", "name": None, "samples": [30], "source_rows": [541], "rows_in_tensor": [30],
+           "stats": {"nonfinite": 520, "nan": 520, "numel": 16640},
+           "assembled": {"rows": [541], "collate_fn": "pad_collate"}}
+    l = {"reproduced": True, "phase": "data", "origin": None, "optimizer": None, "facts": {}, "n_ops": 10, "notes": [],
+         "preexisting": pre}
+    d = run(l, CALM, phase="data")
+    assert d["category"] == "bad_input_data" and "collate_fn pad_collate" in d["summary"], d["summary"]
+    assert "pad_collate" in d["fixes"][0] and "blank field" not in " ".join(d["fixes"])
+    pre["assembled"] = {"rows": [541]}  # torch's default collate: a random transform of __getitem__
+    d = run(l, CALM, phase="data")
+    assert "random transform" in d["summary"], d["summary"]
+
+
 def test_without_localisation_uses_phase_and_history():
     d = run(None, CALM, phase="data")
     assert d["category"] == "bad_input_data" and "no op-level replay" in d["method"] and d["confidence"] < 0.8

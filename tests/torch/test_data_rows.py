@@ -59,3 +59,36 @@ def test_a_step_of_two_batches_names_no_dataset_rows():
         assert hooks.step_indices() == [8, 9, 10, 11]
     finally:
         hooks.uninstall()
+
+
+def test_a_row_that_reads_finite_again_was_made_non_finite_by_the_collate_fn():
+    """Speech commands: the collate_fn normalises each padded item by its length; an empty item (length 0) is
+    finite in the dataset, NaN in the batch. The report said "dataset row(s) [541] of the input tensor hold
+    NaN" with a fix for the source data."""
+    from torch.utils.data import Dataset
+
+    class Clips(Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return torch.ones(0 if i == 5 else 3, 2)
+
+    def pad_collate(items):
+        x = torch.nn.utils.rnn.pad_sequence(items, batch_first=True)
+        n = torch.tensor([len(t) for t in items], dtype=torch.float32)
+        return x / n[:, None, None]
+
+    hooks = DataHooks()
+    hooks.install()
+    try:
+        clips = Clips()  # (the hooks keep a weak reference to the dataset)
+        batch = next(iter(DataLoader(clips, batch_size=8, collate_fn=pad_collate)))
+        assert not torch.isfinite(batch).all()
+        got = hooks.reread([5])
+        assert got == {"rows": [5], "collate_fn": "test_a_row_that_reads_finite_again_was_made_non_finite_by_the_collate_fn.<locals>.pad_collate"}
+        ds = TensorDataset(torch.tensor([[1.0], [float("nan")]]))
+        next(iter(DataLoader(ds, batch_size=2)))
+        assert hooks.reread([1]) is None  # the dataset's own row is NaN: not the batching's
+    finally:
+        hooks.uninstall()

@@ -55,6 +55,7 @@ class DataHooks:
         self.excluded: Dict[int, tuple] = {}      # id(dataset) -> (its weakref, the rows kept out of its batches)
         self._source: Any = None                  # a weakref to the dataset of the most recent batch
         self.on_filter: Optional[Callable[[List[int]], None]] = None  # told each time rows are taken out
+        self._collate: Any = None                 # the collate_fn of the most recent batch's loader
 
     # ------------------------------------------------------------------ quarantine
     def exclude(self, rows: List[int], on_filter: Optional[Callable[[List[int]], None]] = None) -> Optional[Dict[str, Any]]:
@@ -119,6 +120,32 @@ class DataHooks:
                 if not self._step_rows or self._step_rows[-1] is not r[1]:
                     self._step_rows.append(r[1])
                 return
+
+    def reread(self, rows: List[int]) -> Optional[Dict[str, Any]]:
+        """After a failure: read the dataset items of ``rows`` (of the most recent batch's dataset) again. When
+        every one holds floating values and all are finite, the NaN was made after the dataset, as the batch
+        was assembled: ``{"rows": ..., "collate_fn": its name when the loader has one of the script's}``. None
+        otherwise (an item with no floating array, a non-finite one, a dataset that cannot be indexed)."""
+        ds = self._source() if self._source is not None else None
+        if ds is None or not rows or len(rows) > 16:
+            return None
+        paused = self.tape.pause() if self.tape is not None else False
+        try:
+            for r in rows:
+                arrays = [a for a in _tensors(ds[r]) if a.is_floating_point()] + _numpy_floats(ds[r])
+                if not arrays or not all(bool(torch.isfinite(a).all()) if isinstance(a, torch.Tensor)
+                                         else bool(_np_finite(a)) for a in arrays):
+                    return None
+        except Exception:
+            return None
+        finally:
+            if self.tape is not None:
+                self.tape.resume(paused)
+        out: Dict[str, Any] = {"rows": [int(r) for r in rows]}
+        fn = self._collate
+        if fn is not None and getattr(fn, "__module__", "").split(".")[0] != "torch":
+            out["collate_fn"] = getattr(fn, "__qualname__", None) or type(fn).__name__
+        return out
 
     def new_step(self) -> None:
         self._step_rows = []
@@ -192,6 +219,7 @@ class DataHooks:
                     key = (it._rcvd_idx - 1) if it._num_workers > 0 else None
                     hooks._register(data, table.pop(key, None))
                     hooks._source = _ref(it._dataset)
+                    hooks._collate = getattr(it, "_collate_fn", None)
                 except Exception:
                     pass
             return data
@@ -221,6 +249,29 @@ def _tensors(obj: Any, limit: int = 64) -> List[torch.Tensor]:
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
     return out
+
+
+def _numpy_floats(obj: Any) -> List[Any]:
+    """The floating numpy arrays in a dataset item (numpy only when it is loaded already)."""
+    import sys
+    np = sys.modules.get("numpy")
+    if np is None:
+        return []
+    out, stack = [], [obj]
+    while stack and len(out) < 64:
+        x = stack.pop()
+        if isinstance(x, np.ndarray) and x.dtype.kind == "f":
+            out.append(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return out
+
+
+def _np_finite(a: Any) -> bool:
+    import numpy as np
+    return bool(np.isfinite(a).all())
 
 
 def _ref(obj: Any) -> Callable[[], Any]:

@@ -120,6 +120,7 @@ class Localizer:
                      "the script never backpropagated, such as a skipped non-finite loss)")
         else:
             _param_write(loc, rep, self.w)
+            _assembled(loc, self.w)
             if self.bundle and not self.bundle_written:
                 res["bundle"] = self._bundle(det, rep)
         return res
@@ -285,3 +286,15 @@ def announce(watcher: Any, det: Detection) -> None:
         print_line(one_line(ev) + " (full report at the end)")
     except Exception:
         print(f"nanguard: {one_line(ev)}", file=sys.stderr)
+
+
+def _assembled(loc: Dict[str, Any], w: Any) -> None:
+    """Bad input data whose dataset rows read finite again: the NaN was made as the batch was assembled (the
+    loader's collate_fn), which the report names (``preexisting.assembled``)."""
+    pre = loc.get("preexisting") or {}
+    rows = pre.get("source_rows")
+    if pre.get("kind") != "data" or not rows or not all(isinstance(r, int) for r in rows):
+        return
+    got = w.data.reread(list(rows))
+    if got is not None:
+        pre["assembled"] = got

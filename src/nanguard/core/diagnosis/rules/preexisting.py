@@ -106,6 +106,23 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
                       "x, y = x[keep], y[keep]"),
                      "validate the data once before training: every feature, target and weight finite"]
             return T.result("bad_input_data", summ, 0.95, ev, fixes, method)
+        asm = pre.get("assembled") or {}
+        if asm.get("rows") and src and set(src) <= set(asm["rows"]):  # the dataset's items read finite again
+            fn = asm.get("collate_fn")
+            head = (f"bad input data: the batch rows from dataset row(s) {src} hold {n_bad} {what} value(s) of "
+                    f"{numel}{carry}{where}, but those dataset items read finite again")
+            if fn:  # the script's own collate_fn: torch's default one only stacks
+                summ = f"{head}: the {what} is made as the batch is assembled, in the DataLoader's collate_fn {fn}"
+                fixes = [f"fix the collate_fn {fn}: guard what it computes per item (a division by an item's length, "
+                         "count or norm, 0 for an empty item), e.g. x.sum(0) / max(length, 1)",
+                         f"or drop the empty items before batching (dataset row(s) {src})"]
+            else:
+                summ = (f"{head}: a random transform in the dataset's __getitem__ made it this time (torch's default "
+                        "collate only stacks)")
+                fixes = [f"guard the random transforms of the dataset's __getitem__ (dataset row(s) {src}): a crop or "
+                         "mix that can select nothing, a division by a statistic of the transformed item",
+                         "validate each item after its transforms (assert torch.isfinite(x).all()) to catch the draw"]
+            return T.result("bad_input_data", summ, 0.9, ev, fixes, method)
         summ = f"bad input data: {rows_s} of the {'batch' if untraced else 'input tensor'} hold {n_bad} {what} value(s) of {numel}{carry}{where}"
         every = rows_s
         if src and tr and not untraced and set(src) < set(tr):  # (src rows index this tensor: it is the dataset)
