@@ -244,3 +244,12 @@ def test_a_max_grad_norm_at_the_scripts_clip_says_so():
     assert "max grad norm 1 (the clip's max_norm: 50% of the steps shown sit at it)" in summary_line(rep)
     rep.history = [{"step": i, "grad_norm": 0.1 * (i + 1)} for i in range(10)]  # no ceiling
     assert "max grad norm 1, " in summary_line(rep)
+
+
+def test_rows_of_a_hand_written_update_are_the_parameters():
+    """A hand-written Adam under no_grad: its op's stage is "forward", the failure's phase "optimizer"; the rows
+    of its (5, 32) weight were shown as "batch rows 0, 1, 2, 3, 4"."""
+    from nanguard.core.text import rows_label
+    assert rows_label({"stage": "forward"}, "optimizer") == "parameter rows"
+    assert rows_label({"stage": "optimizer"}) == "parameter rows"
+    assert rows_label({"stage": "forward"}, "forward") == "batch rows"

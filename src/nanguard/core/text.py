@@ -64,9 +64,10 @@ def listed(xs: Optional[Iterable[Any]], limit: int = 20, sep: str = ", ") -> str
 SAMPLE_LIMIT = 10  # the recorders name at most this many rows of a non-finite output (``bad_rows``)
 
 
-def rows_label(origin: dict) -> str:
-    """What an origin's ``samples`` are rows of: the batch's, or (an optimizer-stage op) the parameter's."""
-    return "parameter rows" if origin.get("stage") == "optimizer" else "batch rows"
+def rows_label(origin: dict, phase: Optional[str] = None) -> str:
+    """What an origin's ``samples`` are rows of: the batch's, or (an optimizer-stage op, or any op of an
+    optimizer-phase failure: a hand-written update) the parameter's."""
+    return "parameter rows" if origin.get("stage") == "optimizer" or phase == "optimizer" else "batch rows"
 
 
 def sample_rows(xs: Optional[Iterable[Any]]) -> str:

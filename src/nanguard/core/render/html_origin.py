@@ -62,7 +62,7 @@ def origin_section(ev: Dict[str, Any]) -> str:
         rows.append(("output", f'<code>{e(o.get("dtype") or "?")}</code> shape <code>{e(shape_text(o.get("shape")))}</code>'
                      + (f" &middot; {nonfinite_counts(o.get('output'))}" if isinstance(o.get("output"), dict) else "")))
     if o.get("samples"):
-        rows.append((rows_label(o), e(sample_rows(o.get("samples")))))
+        rows.append((rows_label(o, ev.get("phase")), e(sample_rows(o.get("samples")))))
     if o.get("scalars"):
         rows.append(("scalars", e(short_list(o.get("scalars")))))
     if o.get("name"):

@@ -100,7 +100,7 @@ def _render(report: Report, json_path: Optional[str], console=None) -> None:
             head.add_row("library", _escape(f"{lib['file']}:{lib.get('line')} in {lib.get('function')} "
                                             "(the op ran here, called from the line above)"))
         if o.get("samples"):
-            head.add_row(rows_label(o), _escape(sample_rows(o["samples"])))
+            head.add_row(rows_label(o, ev.phase), _escape(sample_rows(o["samples"])))
         # the dataset rows: of bad input data, or of the batch rows a drop-samples replay proved (an op's origin)
         src = o.get("source_rows") or ((cause.get("evidence") or {}).get("bad_samples") or {}).get("dataset_indices")
         if src:
