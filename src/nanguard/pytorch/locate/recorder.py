@@ -382,6 +382,13 @@ class OpRecorder:
                 prov.carry(t, absorbed([i[5] for i in ins if i[3] or i[4]], [i[7] for i in ins]))
             if stage == "forward" and record:
                 self._pending.append((weakref.ref(t), idx))
+            elif stage == "backward" and record:
+                # a backward with create_graph (a gradient penalty, double backprop): the node this output gets
+                # (autograd sets it after the op returns) belongs to the forward op whose backward is running: a
+                # failure in the second backward names that op
+                fi = _running_forward()
+                if fi is not None:
+                    self._pending.append((weakref.ref(t), fi))
         if new_origin is not None:
             self._evidence.describe(new_origin, func, name, args, kwargs, ins, scal, results, stage, module, api,
                                     self._modules.current_type)
@@ -391,3 +398,12 @@ class OpRecorder:
         elif new_const is not None:
             new_const.detail = constant_detail(str(func), name, api, module, stage, self._frames.user_frame(),
                                                [N.jnum(v) for _k, _p, v in scal][:6])
+
+
+def _running_forward() -> int | None:
+    """The forward op (its log index) of the autograd node the engine is running, when the recorder tagged it."""
+    try:
+        node = torch._C._current_autograd_node()
+        return node.metadata.get("nanguard_fwd") if node is not None else None
+    except Exception:
+        return None
