@@ -333,6 +333,21 @@ def test_bad_input_data_whose_dataset_rows_read_finite_names_the_batching():
     assert "random transform" in d["summary"], d["summary"]
 
 
+def test_a_keras_weight_constraint_is_its_ops_mechanism_not_the_optimizers():
+    # a custom Constraint w / sum(relu(w)) after an update made every weight negative: 0/0. It said "SGD's
+    # update made the parameter non-finite ... (moments of gradients that are exactly 0)"
+    zd = {"scalar_denominator": 0.0, "zeros": 1, "numel": 1, "zero_over_zero": 5, "nonzero_over_zero": 0,
+          "producer_chain": ["sum", "relu", "alias"], "from_reduction": True, "from_std_var": False}
+    l = loc("div", api="RealDiv", stage="optimizer", phase="optimizer", sink="optimizer",
+            facts={"zero_denominator": zd}, output={"nan": 5, "posinf": 0, "neginf": 0})
+    l["origin"].update(tf_op="RealDiv", function="__call__", shape=[5, 1])
+    l["optimizer"] = {"param": "sequential/blend/kernel", "state": None}
+    d = run(l, CALM, phase="optimizer", context={"framework": "tensorflow", "optimizer": "SGD"})
+    assert d["category"] == "div_by_zero" and "weight constraint" in d["summary"], d
+    l["origin"]["function"] = "update_step"  # a custom optimizer's own step: the optimizer rules
+    assert run(l, CALM, phase="optimizer", context={"framework": "tensorflow"})["category"] == "optimizer_numerics"
+
+
 def test_without_localisation_uses_phase_and_history():
     d = run(None, CALM, phase="data")
     assert d["category"] == "bad_input_data" and "no op-level replay" in d["method"] and d["confidence"] < 0.8

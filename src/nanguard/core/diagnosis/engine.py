@@ -7,6 +7,7 @@ order; the first one that returns a cause wins.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 from . import families as F
@@ -145,6 +146,11 @@ def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
         # the dtype check before the scale's reading: a float16 overflow that float32 holds is the cause the
         # falling loss scale only reacted to (no scale brings a value above float16's max back in range)
         return lp_overflow(origin, held, ev, method + "; the loss scale collapsed because float16 cannot hold it")
+    if (origin.get("stage") == "optimizer" or phase == "optimizer") and _own_weight_math(origin):
+        # the script's own code run by the update on the weights (a Keras kernel constraint): its op's mechanism
+        out = mechanism(Case(origin, facts, sig, phase, ev, method, ctx))
+        out["summary"] += "; it runs inside the optimizer's update, on the updated weights (a weight constraint)"
+        return out
     if origin.get("stage") == "optimizer" or phase == "optimizer":
         big = huge_gradient(origin)
         if big is not None:  # the update overflowed on gradients already enormous: the cause is upstream
@@ -167,6 +173,20 @@ def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
                                "sure the masked entries never reach the loss (jnp.where after the op)")],
                         method)
     return mechanism(Case(origin, facts, sig, phase, ev, method, ctx))
+
+
+def _own_weight_math(origin: dict) -> bool:
+    """A Keras update-stage op on the script's line (not a library's: not the optimizer's own code, nor a custom
+    optimizer's ``update_step``) whose result is weight-shaped (not a scalar: a learning-rate schedule is the
+    optimizer rules' hyper-parameter case): a weight constraint, which Keras applies after each update."""
+    f = str(origin.get("file") or "").replace("\\", "/")
+    if not origin.get("tf_op") or origin.get("function") in ("update_step", "_update_step", "apply", "_apply"):
+        return False
+    if not f or f.startswith("<") or "site-packages/" in f or "dist-packages/" in f or "/nanguard/" in f:
+        return False
+    shape = origin.get("shape")
+    return isinstance(shape, list) and bool(shape) and all(isinstance(d, int) for d in shape) and \
+        math.prod(shape) > 1
 
 
 def float32_holds(c: Case) -> dict | None:
