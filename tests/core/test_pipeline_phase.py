@@ -66,3 +66,24 @@ def test_a_parameter_written_by_the_steps_own_forward_is_that_write_not_a_corrup
     setup = dict(loc, preexisting=dict(loc["preexisting"], written_by=dict(wb, module=None, function="<module>")))
     ev2 = build_event(Detection(0, "params", {}), {"localization": setup, "reproduced": True}, [])
     assert ev2.phase == "params" and ev2.cause["category"] == "param_corruption"
+
+
+def test_a_compiled_step_the_eager_replay_masked_names_the_op_that_made_the_value():
+    """Keras PCGrad in a custom train_step: proj = inner / sum(g_j * g_j) is 0/0 for a batch with no labels of task
+    B; the eager replay's tf.minimum(proj, 0) returned 0 (the compiled step kept the NaN). It said "could not
+    reproduce ... a hardware fault", other 0.2."""
+    origin = {"op": "div", "tf_op": "RealDiv", "api": "RealDiv", "file": "/a/train.py", "line": 35,
+              "function": "project_conflicting", "dtype": "float32", "shape": [], "stage": "backward", "kind": "op",
+              "inputs": [], "output": {"nan": 1, "posinf": 0, "neginf": 0}}
+    facts = {"zero_denominator": {"zeros": 1, "numel": 1, "zero_over_zero": 1, "nonzero_over_zero": 0,
+                                  "producer_chain": ["sum", "mul"], "from_reduction": True, "from_std_var": False}}
+    loc = {"reproduced": False, "phase": None, "origin": None, "n_ops": 300, "notes": [], "backend": "tensorflow",
+           "masked_nonfinite_origins": 1, "masked_origin": {"origin": origin, "facts": facts}}
+    det = Detection(27, "backward", {"nonfinite_grads": ["dense/kernel"]})
+    ev = build_event(det, {"localization": loc, "reproduced": False, "reason": "no non-finite value"}, [],
+                     context={"framework": "tensorflow"})
+    assert ev.cause["category"] == "div_by_zero" and ev.origin["line"] == 35, ev.cause
+    assert "hardware" not in ev.localization["method"] and ev.cause["confidence"] <= 0.7
+    loc["backend"] = "pytorch"  # a PyTorch replay runs the step's own kernels: no such reading
+    ev = build_event(det, {"localization": loc, "reproduced": False, "reason": "no non-finite value"}, [])
+    assert ev.origin is None and ev.cause["category"] == "other"

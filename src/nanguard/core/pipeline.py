@@ -44,9 +44,13 @@ def build_event(det: Detection, loc_run: Optional[Dict[str, Any]], history: Sequ
         # the update merely carried them along.
         phase = "params"
     localization = _describe_localization(det, loc_run, reproduced)
+    # not reproduced, but the (eager) replay of a compiled TensorFlow step saw a non-finite value that a later op
+    # dropped: the likely origin (a PyTorch replay runs the step's own kernels: nothing to read from it there)
+    masked = loc.get("masked_origin") if not reproduced and isinstance(loc, dict) and \
+        loc.get("backend") == "tensorflow" else None
     from . import diagnosis  # loaded at the first failure, not at start-up
     try:
-        cause = diagnosis.diagnose(loc if reproduced else None, list(history), phase=phase,
+        cause = diagnosis.diagnose(loc if reproduced or masked else None, list(history), phase=phase,
                                    context=dict(context or {}, detected=det.detected or {}))
     except Exception as e:  # diagnosis is best effort; the detection stands on its own
         warnings.warn(f"nanguard: diagnosis failed: {type(e).__name__}: {e}", RuntimeWarning)
@@ -59,6 +63,11 @@ def build_event(det: Detection, loc_run: Optional[Dict[str, Any]], history: Sequ
     cause.setdefault("evidence", {})
     cause["evidence"].setdefault("detected", det.detected)
     origin = _origin(loc) if reproduced else None
+    if masked and (cause.get("evidence") or {}).get("masked_in_replay"):
+        origin = masked.get("origin")
+        localization["method"] = (f"replayed step {det.step} under op-level instrumentation (eager): it ended "
+                                  "finite, but an op made a non-finite value there that a later op dropped; the "
+                                  "compiled step that failed kept it, so that op is named (not reproduced exactly)")
     if (loc_run or {}).get("bundle"):
         localization["bundle"] = loc_run["bundle"]
     return Event(step=det.step, phase=phase, origin=origin, cause=cause, fixes=fixes,

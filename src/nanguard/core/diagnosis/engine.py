@@ -46,6 +46,8 @@ def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: 
         try:
             if loc and loc.get("reproduced"):
                 out = from_localisation(loc, sig, phase, context)
+            elif loc and isinstance(loc.get("masked_origin"), dict) and phase != "data":
+                out = from_masked(loc["masked_origin"], sig, phase, context) or from_history(loc, sig, phase, context)
             else:
                 out = from_history(loc, sig, phase, context)
             if out["category"] in excluded:
@@ -60,6 +62,27 @@ def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: 
     out["evidence"].setdefault("history", {k: v for k, v in sig.items() if v not in (None, False, 0, [])})
     out["confidence"] = float(max(0.0, min(1.0, out["confidence"])))
     return T.jsonable(out)
+
+
+def from_masked(masked: dict, sig: dict, phase: str, ctx: dict) -> dict | None:
+    """The replay did not reproduce, but one of its ops made a non-finite value that a later op dropped (tf.minimum
+    returns its finite operand in eager mode): the step that failed was compiled, and its kernels kept it. That op
+    is the likely origin; said so, with less confidence."""
+    origin, facts = masked.get("origin"), masked.get("facts") or {}
+    if not isinstance(origin, dict) or not origin.get("op"):
+        return None
+    method = ("the op-level replay of the step (eager) ended finite; its first non-finite value, made by the op "
+              "below, was dropped by a later op there; the compiled step that failed kept it")
+    ev: dict[str, Any] = {"phase": phase, "replayed": True, "masked_in_replay": True}
+    ev.update(origin_evidence(origin, facts))
+    out = mechanism(Case(origin, facts, sig, phase, ev, method, ctx))
+    if out.get("category") == "other":
+        return None
+    out["summary"] += (f"; in the eager replay a later op dropped this value (min/max or a where pick their finite "
+                       f"operand), while the compiled step that failed kept it")
+    out["confidence"] = min(float(out.get("confidence") or 0), 0.7)
+    out["evidence"]["masked_origin"] = {k: origin.get(k) for k in ("op", "file", "line", "stage")}
+    return out
 
 
 def from_history(loc: dict | None, sig: dict, phase: str, ctx: dict) -> dict:

@@ -62,7 +62,8 @@ def finalize(event: Any, experiments: List[Experiment], confirmed: Optional[Expe
             if how.startswith("by") else f"{cause.get('summary', '')} (first candidate {original} ruled out: {how})"
     det = next((e for e in experiments if e.kind == "determinism" and e.ran), None)
     if det is not None:
-        finding = determinism_finding(det)
+        finding = determinism_finding(det, compiled=framework == "tensorflow" and bool(
+            getattr(event, "cause", None) and (event.cause.get("evidence") or {}).get("masked_in_replay")))
         ev["determinism"] = finding
         cause["summary"] = f"{cause.get('summary', '')}. {finding}"
     tested = tested_fixes(ev["experiments"])
@@ -75,9 +76,14 @@ def finalize(event: Any, experiments: List[Experiment], confirmed: Optional[Expe
                                   f"{cost.get('seconds')} s")
 
 
-def determinism_finding(e: Experiment) -> str:
-    """What two unchanged replays of the failing step say (the failure itself was seen once)."""
+def determinism_finding(e: Experiment, compiled: bool = False) -> str:
+    """What two unchanged replays of the failing step say (the failure itself was seen once). ``compiled``: the
+    failing step ran as a graph and the replays op by op, and one of their ops made a value a later op dropped."""
     d = e.details
+    if compiled and d.get("identical") and d.get("first_finite"):
+        return ("The same step replayed twice op by op is finite both times, identically: the step that failed "
+                "ran as a compiled graph, whose kernels kept the non-finite value the eager ops dropped (not a "
+                "transient)")
     if not d.get("identical"):
         return ("The same step replayed twice from the same state, data and RNG gave different results: "
                 "something outside them varies (nondeterministic kernels, another thread or process writing "

@@ -337,6 +337,13 @@ def build_localization(sinks: Any, taints: Taints, notes: Sequence[str], n_ops: 
         if masked:
             notes.append(f"{masked} non-finite intermediate(s) appeared but were masked before reaching the loss, "
                          f"gradients or {port.state_word}")
+            first = next((o for o in taints.origins if o.kind == "op"), None)
+            if first is not None:  # what the compiled step may have kept (graph kernels handle NaN their own way)
+                d = dict(first.detail or {})
+                facts = dict(d.pop("facts", {}) or {})
+                origin = origin_dict(d, "op", d.get("stage") or first.stage, port.shape)
+                port.finish_origin(origin, facts)
+                loc.extra["masked_origin"] = {"origin": origin, "facts": facts}
         return loc
     if taint is None:
         loc.phase = PHASE[choice.kind]
