@@ -418,6 +418,24 @@ CASES = [
         def loss(y, p):
             return -tf.reduce_mean(y * tf.math.log(tf.cast(p, tf.float32) + 1e-4))
      """, TF),
+    # NGL007: a projection divided by a squared norm
+    ("NGL007", """
+        def project(g_i, g_j):
+            return g_i - (g_i * g_j).sum() / (g_j * g_j).sum() * g_j
+     """, """
+        def project(g_i, g_j):
+            return g_i - (g_i * g_j).sum() / ((g_j * g_j).sum() + 1e-12) * g_j
+     """, TORCH),
+    # NGL005: ReLU outputs normalised by their own sum
+    ("NGL005", """
+        def convex(w):
+            w = ops.relu(w)
+            return w / ops.sum(w, axis=0, keepdims=True)
+     """, """
+        def convex(w):
+            w = ops.relu(w) + 1e-6
+            return w / ops.sum(w, axis=0, keepdims=True)
+     """, TF),
     # NGL019 min-max scaling by max - min
     ("NGL019", """
         def scale(w):

@@ -127,13 +127,13 @@ def _div_by_count(node: ast.AST, flow: Flow) -> Iterator[Hit]:
                             "guard the empty case (if m.any(): ...), or (x * m).sum() / m.sum().clamp(min=1)")
         return
     num, den = got
-    if flow.tested(den) or _self_normalised(num, den, flow):
+    if flow.tested(den):
         return
     tags = flow.value(den)
-    if "count" in tags or _weighted_mean(num, den, flow):
+    if ("count" in tags or _weighted_mean(num, den, flow)) and not _self_normalised(num, den, flow):
         yield Hit(node, "division by a count that is 0 when nothing is selected (0/0 = NaN): divide by "
                         "count.clamp(min=1) or guard the empty case")
-    elif "relu" in tags:
+    elif "relu" in tags:  # also relu(w) / relu(w).sum(): a distribution of ReLU outputs sums to 0 when all are
         yield Hit(node, "division by a ReLU output (or a product or sum of them), which is exactly 0 wherever the "
                         "inputs are not positive: add an eps or clamp(min=eps)")
 
@@ -149,15 +149,18 @@ def _div_by_std(node: ast.AST, flow: Flow) -> Iterator[Hit]:
 
 
 @rule("NGL007", "div-by-norm", "div_by_zero", fixes=_div_fixes,
-      what="a division by a norm (or the root of a sum of squares) with no eps or clamp: a zero vector (an "
-           "all-zero embedding, a difference of a point with itself, a ReLU output) gives 0/0 = NaN; F.normalize "
-           "/ tf.math.l2_normalize guard it")
+      what="a division by a norm (or the root of a sum of squares, or a sum of squares itself: a projection "
+           "(a . b) / (b . b)) with no eps or clamp: a zero vector (an all-zero embedding, a difference of a point "
+           "with itself, a ReLU output, a zero gradient) gives 0/0 = NaN; F.normalize / tf.math.l2_normalize guard it")
 def _div_by_norm(node: ast.AST, flow: Flow) -> Iterator[Hit]:
     got = division(node, flow)
     tags = flow.value(got[1]) if got is not None and not flow.tested(got[1]) else frozenset()
     if "norm" in tags:
         yield Hit(node, "division by a norm without eps: a zero vector gives 0/0 = NaN; use F.normalize or "
                         "norm.clamp(min=1e-12)")
+    elif "sumsq" in tags:  # a squared norm: a projection (a . b) / (b . b), 0/0 for a zero b
+        yield Hit(node, "division by a sum of squares (a squared norm) without eps: a zero vector gives 0/0 = NaN; "
+                        "divide by (sum + 1e-12) or clamp it")
 
 
 _MAXES, _MINS = ("max", "amax", "reduce_max", "nanmax"), ("min", "amin", "reduce_min", "nanmin")
