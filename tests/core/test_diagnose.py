@@ -348,6 +348,16 @@ def test_a_keras_weight_constraint_is_its_ops_mechanism_not_the_optimizers():
     assert run(l, CALM, phase="optimizer", context={"framework": "tensorflow"})["category"] == "optimizer_numerics"
 
 
+def test_a_bessel_i0_overflow_is_exp_overflow_with_the_scaled_function_fix():
+    # a von Mises NLL log(2 pi I0(kappa)) with kappa = 94.7: it read "other" with "rescale the values"
+    from nanguard.core.diagnosis import fixes as X
+    f = {"exp_input_max": 94.7, "exp_input_min": 0.3, "overflow_threshold": 88.72, "float64_check": {"finite": True}}
+    d = run(loc("i0", api="BesselI0", facts=f, output={"nan": 0, "posinf": 1, "neginf": 0}), CALM,
+            context={"framework": X.TENSORFLOW})
+    assert d["category"] == "exp_overflow" and "Bessel" in d["summary"], d
+    assert "bessel_i0e" in d["fixes"][0]
+
+
 def test_without_localisation_uses_phase_and_history():
     d = run(None, CALM, phase="data")
     assert d["category"] == "bad_input_data" and "no op-level replay" in d["method"] and d["confidence"] < 0.8

@@ -13,8 +13,10 @@ from .precision import lp_overflow
 
 EXP = F.register(F.Family(
     "exp", ops={"exp", "exp2", "expm1", "sinh", "cosh", "_foreach_exp", "_foreach_expm1", "special_exp2",
-                "logsumexp", "softplus"},
-    tf_ops={"Exp", "Expm1", "Sinh", "Cosh", "Softplus"}, evidence=("exp_input",), keep_forward=True,
+                "logsumexp", "softplus", "i0", "special_i0", "special_i1"},
+    tf_ops={"Exp": "exp", "Expm1": "expm1", "Sinh": "sinh", "Cosh": "cosh", "Softplus": "softplus",
+            "BesselI0": "i0", "BesselI1": "special_i1"}, evidence=("exp_input",),
+    keep_forward=True,
     note="x > log(dtype max) (88.7 in float32)",
     categories=("exp_overflow", "low_precision_overflow", "lr_too_high", "gradient_explosion")))
 
@@ -35,8 +37,11 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     api = T.api_or_op(origin)
     where = T.where(origin)
     mx, thr = facts.get("exp_input_max"), facts.get("overflow_threshold")
-    if T.opshort(origin.get("op")).lower() in _EVEN:
+    short = T.opshort(origin.get("op")).lower()
+    if short in _EVEN:
         return _cosh(origin, facts, ev, method)
+    if short in _BESSEL:
+        return _bessel(origin, facts, ev, method)
     summ = (f"{api} overflowed at {where}: input max {T.g(mx)} > {T.g(thr)} = log({origin.get('dtype')} max), so "
             f"exp = inf (a ratio of such exps is then inf/inf = NaN, or x/inf = 0, whose log is -inf)")
     arg, softmax_like = exp_argument(origin)
@@ -82,6 +87,23 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
 
 
 _EVEN = ("cosh", "sinh")  # exp(|x|) / 2: overflows for large |x| of either sign
+_BESSEL = ("i0", "special_i0", "special_i1", "bessel_i0", "bessel_i1", "besseli0", "besseli1")
+
+
+def _bessel(origin: dict, facts: dict, ev: dict, method: str) -> dict:
+    """I0/I1 grow like exp(x) / sqrt(2 pi x): past x ~ 91 in float32 they overflow (a von Mises concentration)."""
+    api, where = T.api_or_op(origin), T.where(origin)
+    summ = (f"{api} overflowed at {where}: input max {T.g(facts.get('exp_input_max'))} (the modified Bessel function "
+            f"grows like exp(x) / sqrt(2 pi x) and leaves {origin.get('dtype')} past x ~ 91), e.g. a von Mises "
+            "concentration that grew large")
+    fixes = [X.say(pytorch=f"use the exponentially scaled function at {where}: log(I0(k)) = "
+                   "torch.log(torch.special.i0e(k)) + k (i0e stays finite for any k)",
+                   tensorflow=f"use the exponentially scaled function at {where}: log(I0(k)) = "
+                   "tf.math.log(tf.math.bessel_i0e(k)) + k (bessel_i0e stays finite for any k)",
+                   jax=f"use the exponentially scaled function at {where}: log(I0(k)) = "
+                   "jnp.log(jax.scipy.special.i0e(k)) + k"),
+             "or bound the concentration the model predicts (a softplus head with a ceiling, or clamp it)"]
+    return T.result("exp_overflow", summ, 0.85, ev, fixes, method)
 
 
 def _cosh(origin: dict, facts: dict, ev: dict, method: str) -> dict:
