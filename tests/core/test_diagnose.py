@@ -358,6 +358,17 @@ def test_a_bessel_i0_overflow_is_exp_overflow_with_the_scaled_function_fix():
     assert "bessel_i0e" in d["fixes"][0]
 
 
+def test_log_of_a_data_column_at_zero_says_it_is_data():
+    # log(exposure[b]) as a Poisson offset with a zero exposure: no gradient path reaches the argument
+    f = {"float64_check": {"finite": False}, "log_domain": {"le_limit": 1, "limit": 0.0, "zeros": 1, "negatives": 0,
+         "min": 0.0, "numel": 500, "no_grad_input": True}, "producers": [["index"]]}
+    d = run(loc("aten.log.default", api="torch.log", facts=f))
+    assert d["category"] == "log_domain" and "it is data" in d["summary"], d["summary"]
+    assert any("drop or fix the rows" in x for x in d["fixes"])
+    f["log_domain"].pop("no_grad_input")  # a model output: not called data
+    assert "it is data" not in run(loc("aten.log.default", api="torch.log", facts=f))["summary"]
+
+
 def test_without_localisation_uses_phase_and_history():
     d = run(None, CALM, phase="data")
     assert d["category"] == "bad_input_data" and "no op-level replay" in d["method"] and d["confidence"] < 0.8

@@ -294,9 +294,11 @@ def _log_domain(p: Probe) -> dict | None:
     if not isinstance(src, torch.Tensor):
         return None
     lim = dom.limit
-    return {"log_domain": {"le_limit": count(aten.le.Scalar(src, lim)), "limit": lim,
-                           "zeros": count(aten.eq.Scalar(src, 0)), "negatives": count(aten.lt.Scalar(src, 0)),
-                           "min": N.tensor_stats(src).get("min"), "numel": int(src.numel())}}
+    d = {"le_limit": count(aten.le.Scalar(src, lim)), "limit": lim, "zeros": count(aten.eq.Scalar(src, 0)),
+         "negatives": count(aten.lt.Scalar(src, 0)), "min": N.tensor_stats(src).get("min"), "numel": int(src.numel())}
+    if p.stage == "forward" and torch.is_grad_enabled() and not src.requires_grad:
+        d["no_grad_input"] = True  # in a training forward, nothing trainable made it: data (an exposure, a count)
+    return {"log_domain": d}
 
 
 @gatherer("sqrt_domain")

@@ -167,6 +167,14 @@ def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> d
             jax=f"compute the log of the sum in log space at {where}: jax.nn.logsumexp(jax.nn.log_softmax("
             "pi_logits) + component_log_prob, axis=-1); a sum of densities underflows to 0 for a target far from "
             "every component"))
+    ld0 = facts.get("log_domain") or {}
+    if ld0.get("no_grad_input") and not masked and not mixture and not arg[1:]:
+        # nothing trainable made the argument: a data column (an exposure, a count, a duration) holds the 0
+        summ += ("; its argument has no gradient path, so it is data (a column such as an exposure, a count or a "
+                 "duration), not a model output")
+        fixes.append(f"drop or fix the rows whose value is 0 or negative at the source (the batch rows named "
+                     f"above): a clamp at {where} would turn a data error into a large finite value "
+                     "(log(1e-12) = -27.6 as an offset)")
     one_minus = not masked and not mixture and "rsub" in arg[:2] and \
         "sigmoid" not in prods and not any(p in _SOFTMAXES for p in prods)
     if one_minus:  # log(1 - x) (a Beta/Dirichlet target's 1 - y): x at exactly 1, the edge of (0, 1)
