@@ -369,6 +369,16 @@ def test_log_of_a_data_column_at_zero_says_it_is_data():
     assert "it is data" not in run(loc("aten.log.default", api="torch.log", facts=f))["summary"]
 
 
+def test_a_divergence_under_a_negative_learning_rate_says_the_rate_is_negative():
+    # a linear decay run past its planned end: lr -0.004; it said "lower the schedule: -0.004 -> about -0.0004"
+    hist = H([0.11, 0.1, 0.12, 0.3, 3.0, 300.0, 3e4, 1.5e10], [1.0, 1.0, 1.1, 3.0, 30.0, 3e3, 2e4, 1e9], lr=-0.004)
+    for i, h in enumerate(hist):
+        h["param_norm"] = 10.0 * (4.0 ** max(0, i - 3))
+    d = run(None, hist, phase="forward", context={"framework": "tensorflow", "optimizer": "SGD"})
+    assert d["category"] in ("lr_too_high", "gradient_explosion") and "negative" in d["summary"], d
+    assert "keep the learning rate >= 0" in d["fixes"][0] and not any("lower the" in f for f in d["fixes"])
+
+
 def test_without_localisation_uses_phase_and_history():
     d = run(None, CALM, phase="data")
     assert d["category"] == "bad_input_data" and "no op-level replay" in d["method"] and d["confidence"] < 0.8

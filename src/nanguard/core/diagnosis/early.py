@@ -90,7 +90,7 @@ def _warning_cause(hit: dict, history: list, ctx: dict) -> dict:
     if dead:
         out["fixes"] = ["the network stopped learning for good: restart from a checkpoint from before the excursion "
                         f"(step {hit.get('peak_step')}) with the fix below"] + list(out.get("fixes") or [])
-    out = script_shape(out, ctx)
+    out = script_shape(out, ctx, sig)
     out["summary"] = f"early warning at step {hit.get('step')}: {spike_words(hit)}. {out['summary']}"
     out["evidence"].setdefault("history", {k: v for k, v in sig.items() if v not in (None, False, 0, [])})
     out["confidence"] = float(max(0.0, min(1.0, out["confidence"])))

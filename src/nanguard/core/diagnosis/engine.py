@@ -53,7 +53,7 @@ def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: 
             if out["category"] in excluded:
                 out = _ruled_out(out, excluded)
             out = calibrate(out, loc if loc and loc.get("reproduced") else None)
-            out = script_shape(out, context)
+            out = script_shape(out, context, sig)
         except Exception as e:  # a diagnosis must always come back
             out = T.result("other", f"diagnosis failed ({type(e).__name__}: {e}); phase {phase}", 0.1,
                            {"error": str(e)[:200]}, [f"inspect the step manually with {X.detect_anomaly()}"],

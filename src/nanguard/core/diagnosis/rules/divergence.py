@@ -439,10 +439,31 @@ def move_clip_fix(line: str) -> str:
                  jax=f"clip after the gradients are computed ({line})")
 
 
-def script_shape(out: dict, ctx: dict) -> dict:
+def script_shape(out: dict, ctx: dict, sig: dict | None = None) -> dict:
     """A step-size diagnosis with what the run saw of the script's loop: a clip before backward, a zero_grad
-    never called (the engine's failures and early warnings alike)."""
-    return never_zeroed(misplaced_clip(out, ctx.get("clip_before_backward")), ctx.get("no_zero_grad"))
+    never called, a negative learning rate (the engine's failures and early warnings alike)."""
+    out = never_zeroed(misplaced_clip(out, ctx.get("clip_before_backward")), ctx.get("no_zero_grad"))
+    return negative_rate(out, sig or {})
+
+
+def negative_rate(out: dict, sig: dict) -> dict:
+    """A divergence under a negative learning rate (a linear decay run past its end): every update climbs the
+    loss, so lowering the rate's size cannot help; the schedule must stay >= 0."""
+    lrs = [x for x in (sig.get("lr") or []) if T.fin(x)]
+    if out.get("category") not in _STEP_SIZE or not lrs or min(lrs) >= 0:
+        return out
+    lr = min(lrs)
+    out["summary"] += (f"; the learning rate is negative ({T.g(lr)}): each update climbs the loss instead of "
+                       "descending it (a schedule run past its end, a decay that crosses 0)")
+    out["evidence"]["negative_lr"] = lr
+    fix = X.say(pytorch="keep the learning rate >= 0: end the schedule at 0 (max(0.0, ...) in a LambdaLR's "
+                "lambda) or size it for the steps the run really makes",
+                tensorflow="keep the learning rate >= 0: clip the schedule at 0 (tf.maximum(0.0, lr) in the "
+                "schedule or the LearningRateScheduler's function) or size it for the epochs fit really runs",
+                jax="keep the learning rate >= 0: end the optax schedule at 0 or size it for the steps the run "
+                "really makes")
+    out["fixes"] = [fix] + [f for f in out.get("fixes") or [] if "lower the" not in str(f)]
+    return out
 
 
 def never_zeroed(out: dict, nz: dict | None) -> dict:
