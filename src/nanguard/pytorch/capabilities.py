@@ -18,6 +18,7 @@ _SHARED = frozenset({"early_warning", *ON_SPIKE_CAPS, "replay_proof", "drop_samp
 
 GUARD = _SHARED | set(RECOVERY_CAPS)
 RUN = _SHARED | (set(RECOVERY_CAPS) - {recovery_cap("drop_samples")}) | {"rerun_localization", "rows_kept_out",
-                                                                         "clip_order", "zero_grad_missing"}
+                                                                         "clip_order", "zero_grad_missing",
+                                                                         "batch_assembly"}
 
 DRIVERS = {"Guard": GUARD, "nanguard run (PyTorch)": RUN}
