@@ -379,6 +379,18 @@ def test_a_divergence_under_a_negative_learning_rate_says_the_rate_is_negative()
     assert "keep the learning rate >= 0" in d["fixes"][0] and not any("lower the" in f for f in d["fixes"])
 
 
+def test_a_non_finite_learning_rate_is_named_as_the_cause():
+    # LambdaLR(lambda s: np.power(1 - s / total, 0.5)) past its end: lr NaN; the update's mul_ by (1 - lr * wd)
+    # wrote NaN. It said "AdamW's update made parameter '0.weight' non-finite, at mul (None)"
+    l = loc("aten.mul_.Tensor", api="Tensor.mul_", stage="optimizer", phase="optimizer", sink="optimizer", kind="constant",
+            output={"nan": 0, "posinf": 0, "neginf": 0})
+    d = run(l, H([0.4, 0.35, 0.3], lr=0.0), phase="optimizer", context={"optimizer": "AdamW", "lr": [float("nan")]})
+    assert d["category"] == "optimizer_numerics" and "learning rate is nan" in d["summary"], d["summary"]
+    assert "clamp its base at 0" in d["fixes"][0]
+    d = run(l, H([0.4, 0.35, 0.3], lr=0.001), phase="optimizer", context={"optimizer": "AdamW", "lr": [0.001]})
+    assert "learning rate is" not in d["summary"]
+
+
 def test_without_localisation_uses_phase_and_history():
     d = run(None, CALM, phase="data")
     assert d["category"] == "bad_input_data" and "no op-level replay" in d["method"] and d["confidence"] < 0.8

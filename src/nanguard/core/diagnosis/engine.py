@@ -44,7 +44,10 @@ def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: 
     excluded = set(context.get("exclude_categories") or ())
     with X.speaking(X.framework_of(context, loc)):
         try:
-            if loc and loc.get("reproduced"):
+            bad_lr = nonfinite_rate(history, context) if phase in ("optimizer", "params") else None
+            if bad_lr is not None:
+                out = rate_result(bad_lr, history, phase, context)
+            elif loc and loc.get("reproduced"):
                 out = from_localisation(loc, sig, phase, context)
             elif loc and isinstance(loc.get("masked_origin"), dict) and phase != "data":
                 out = from_masked(loc["masked_origin"], sig, phase, context) or from_history(loc, sig, phase, context)
@@ -62,6 +65,50 @@ def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: 
     out["evidence"].setdefault("history", {k: v for k, v in sig.items() if v not in (None, False, 0, [])})
     out["confidence"] = float(max(0.0, min(1.0, out["confidence"])))
     return T.jsonable(out)
+
+
+def nonfinite_rate(history: Sequence[dict], ctx: dict) -> float | None:
+    """The learning rate when it is NaN or inf: the optimizer's now (``ctx["lr"]``: the failing update's, or the
+    next one's, which the same schedule made), or the last record's; else None."""
+    last = history[-1] if history and isinstance(history[-1], dict) else None
+    lrs = ctx.get("lr")
+    for lr in (lrs, last.get("lr") if last else None):
+        x = _bad_rate(lr)
+        if x is not None:
+            return x
+    return None
+
+
+def _bad_rate(lr: Any) -> float | None:
+    for v in (lr if isinstance(lr, (list, tuple)) else [lr]):
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            continue
+        if not math.isfinite(x):
+            return x
+    return None
+
+
+def rate_result(lr: float, history: Sequence[dict], phase: str, ctx: dict) -> dict:
+    """The update ran with a non-finite learning rate: the schedule (or a rate the script set) returned it."""
+    prev = [h.get("lr") for h in history if isinstance(h, dict) and _bad_rate(h.get("lr")) is None
+            and h.get("lr") is not None]
+    before = prev[-1][0] if prev and isinstance(prev[-1], (list, tuple)) and prev[-1] else (prev[-1] if prev else None)
+    summ = (f"the learning rate is {T.g(lr)}" + (f" (it was {T.g(before)} at the last step that trained)"
+                                                  if T.fin(before) else "")
+            + ": the schedule returned a non-finite value (a fractional power of a negative number past the "
+            "schedule's end, a division by a zero step count), and every update with it writes NaN")
+    ev: dict[str, Any] = {"phase": phase, "lr": lr, "lr_before": before}
+    fixes = [X.say(pytorch="make the schedule finite at every step: clamp its base at 0 (max(0.0, 1 - step / total) "
+                   "** power in a LambdaLR's lambda) or size it for the steps the run really makes",
+                   tensorflow="make the schedule finite at every step: clamp its base at 0 (tf.maximum(0.0, 1.0 - "
+                   "step / total) before tf.pow) or size it for the steps the run really makes",
+                   jax="make the schedule finite at every step: clamp its base at 0 (jnp.maximum(0.0, 1 - step / "
+                   "total)) or size it for the steps the run really makes"),
+             "check the rate before each update while testing a schedule (math.isfinite on the value it returns)"]
+    return T.result("optimizer_numerics", summ, 0.95, ev, fixes,
+                    "the learning rate the optimizer recorded for the failing step is non-finite")
 
 
 def from_masked(masked: dict, sig: dict, phase: str, ctx: dict) -> dict | None:
