@@ -92,3 +92,27 @@ def test_a_row_that_reads_finite_again_was_made_non_finite_by_the_collate_fn():
         assert hooks.reread([1]) is None  # the dataset's own row is NaN: not the batching's
     finally:
         hooks.uninstall()
+
+
+def test_reading_the_items_again_leaves_the_random_streams_as_they_were():
+    import random
+
+    from torch.utils.data import Dataset
+
+    class Noisy(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return torch.rand(2) + random.random()
+
+    hooks = DataHooks()
+    hooks.install()
+    try:
+        ds = Noisy()
+        next(iter(DataLoader(ds, batch_size=4)))
+        before = (torch.get_rng_state(), random.getstate())
+        assert hooks.reread([1, 2]) is not None
+        assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    finally:
+        hooks.uninstall()

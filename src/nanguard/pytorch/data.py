@@ -130,6 +130,7 @@ class DataHooks:
         if ds is None or not rows or len(rows) > 16:
             return None
         paused = self.tape.pause() if self.tape is not None else False
+        rng = _rng_states()  # a random transform draws from the global generators: the run's stream is kept
         try:
             for r in rows:
                 arrays = [a for a in _tensors(ds[r]) if a.is_floating_point()] + _numpy_floats(ds[r])
@@ -139,6 +140,7 @@ class DataHooks:
         except Exception:
             return None
         finally:
+            _set_rng_states(rng)
             if self.tape is not None:
                 self.tape.resume(paused)
         out: Dict[str, Any] = {"rows": [int(r) for r in rows]}
@@ -249,6 +251,23 @@ def _tensors(obj: Any, limit: int = 64) -> List[torch.Tensor]:
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
     return out
+
+
+def _rng_states() -> tuple:
+    import random
+    import sys
+    np = sys.modules.get("numpy")
+    return torch.get_rng_state(), random.getstate(), np.random.get_state() if np is not None else None
+
+
+def _set_rng_states(states: tuple) -> None:
+    import random
+    import sys
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    np = sys.modules.get("numpy")
+    if np is not None and states[2] is not None:
+        np.random.set_state(states[2])
 
 
 def _numpy_floats(obj: Any) -> List[Any]:
