@@ -34,6 +34,9 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch.utils.data import dataloader as _dl
 
+from .detect.tensors import all_tensors, leaves
+from .rng import capture_rng, restore_rng
+
 
 __all__ = ["DataHooks"]
 
@@ -113,7 +116,7 @@ class DataHooks:
         rows = self._rows
         if not rows:
             return
-        for t in _tensors(args):
+        for t in all_tensors(args):
             r = rows.get(id(t))
             if r is not None and r[0]() is t:
                 self.last = r[1]
@@ -130,17 +133,17 @@ class DataHooks:
         if ds is None or not rows or len(rows) > 16:
             return None
         paused = self.tape.pause() if self.tape is not None else False
-        rng = _rng_states()  # a random transform draws from the global generators: the run's stream is kept
+        rng = capture_rng(plain=False)  # a random transform draws from the global generators: the run's stream is kept
         try:
             for r in rows:
-                arrays = [a for a in _tensors(ds[r]) if a.is_floating_point()] + _numpy_floats(ds[r])
+                arrays = [a for a in all_tensors(ds[r]) if a.is_floating_point()] + _numpy_floats(ds[r])
                 if not arrays or not all(bool(torch.isfinite(a).all()) if isinstance(a, torch.Tensor)
                                          else bool(_np_finite(a)) for a in arrays):
                     return None
         except Exception:
             return None
         finally:
-            _set_rng_states(rng)
+            restore_rng(rng)
             if self.tape is not None:
                 self.tape.resume(paused)
         out: Dict[str, Any] = {"rows": [int(r) for r in rows]}
@@ -174,7 +177,7 @@ class DataHooks:
         except (TypeError, ValueError):
             return
         self.last = idx
-        for t in _tensors(batch):  # token ids too: a module call is matched to its batch by them
+        for t in all_tensors(batch):  # token ids too: a module call is matched to its batch by them
             if t.dim() >= 1 and t.shape[0] == len(idx):
                 self._rows[id(t)] = (weakref.ref(t), idx)
                 self._order.append(id(t))
@@ -238,54 +241,11 @@ class DataHooks:
         base._reset = self._orig["_reset"]
 
 
-def _tensors(obj: Any, limit: int = 64) -> List[torch.Tensor]:
-    """The tensors of any dtype in a (nested) batch: tensors, lists, tuples, dicts."""
-    out: List[torch.Tensor] = []
-    stack = [obj]
-    while stack and len(out) < limit:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return out
-
-
-def _rng_states() -> tuple:
-    import random
-    import sys
-    np = sys.modules.get("numpy")
-    return torch.get_rng_state(), random.getstate(), np.random.get_state() if np is not None else None
-
-
-def _set_rng_states(states: tuple) -> None:
-    import random
-    import sys
-    torch.set_rng_state(states[0])
-    random.setstate(states[1])
-    np = sys.modules.get("numpy")
-    if np is not None and states[2] is not None:
-        np.random.set_state(states[2])
-
-
 def _numpy_floats(obj: Any) -> List[Any]:
     """The floating numpy arrays in a dataset item (numpy only when it is loaded already)."""
     import sys
     np = sys.modules.get("numpy")
-    if np is None:
-        return []
-    out, stack = [], [obj]
-    while stack and len(out) < 64:
-        x = stack.pop()
-        if isinstance(x, np.ndarray) and x.dtype.kind == "f":
-            out.append(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return out
+    return [] if np is None else leaves(obj, lambda x: isinstance(x, np.ndarray) and x.dtype.kind == "f")
 
 
 def _np_finite(a: Any) -> bool:

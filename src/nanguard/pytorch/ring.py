@@ -25,6 +25,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
+from .detect.tensors import all_tensors
+
 from .numerics import version
 
 
@@ -108,7 +110,7 @@ class StepRing:
 
     def record(self, step: int, batches: List[Any], loss_fn, rng, optimizers, scaler=None,
                host=None) -> StepEntry:
-        ts = _tensors(batches)
+        ts = all_tensors(batches, 256)
         versions, nbytes = [], 0
         for t in ts:  # (a loop: no comprehension or generator frame every step)
             try:
@@ -152,16 +154,3 @@ class StepRing:
         self.entries.clear()
 
 
-def _tensors(obj: Any, limit: int = 256) -> List[torch.Tensor]:
-    """Every tensor inside a (nested) batch, integer ones included (their in-place writes count too)."""
-    out: List[torch.Tensor] = []
-    stack = [obj]
-    while stack and len(out) < limit:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return out

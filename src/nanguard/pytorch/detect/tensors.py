@@ -86,6 +86,26 @@ def sparse_values(t: Any) -> Optional[torch.Tensor]:
         return None
 
 
+def leaves(obj: Any, keep: Any, limit: int = 64) -> List[Any]:
+    """The leaves of a (nested) batch (lists, tuples, dicts) for which ``keep(leaf)`` is true, at most ``limit``."""
+    out: List[Any] = []
+    stack = [obj]
+    while stack and len(out) < limit:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif keep(x):
+            out.append(x)
+    return out
+
+
+def all_tensors(obj: Any, limit: int = 64) -> List[torch.Tensor]:
+    """Every tensor inside a (nested) batch, integer ones included."""
+    return leaves(obj, lambda x: isinstance(x, torch.Tensor), limit)
+
+
 def tensors_in(obj: Any, limit: int = 64) -> List[torch.Tensor]:
     """Floating tensors inside a (nested) batch: tensors, lists, tuples, dicts, dataclass-like (a sparse
     tensor: its stored values)."""
