@@ -34,3 +34,35 @@ def test_a_non_finite_read_of_a_later_value_is_still_reported(tmp_path):
                             "    if step == 5:\n        torch.tensor([float('inf')]).item()")
     code, rep = run_ng(tmp_path, write(tmp_path, text), recover="auto")
     assert any(e["phase"] == "eval" for e in rep["events"]), rep["events"]
+
+
+ACCUM = """\
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+out, norms = [], []
+for step in range(10):
+    for micro in range(2):
+        x = torch.randn(8, 4)
+        w = torch.ones(8) * (0.0 if (step, micro) == (4, 0) else 1.0)  # the step's first micro-batch: 0/0
+        loss = ((model(x).squeeze(1) ** 2) * w).sum() / w.sum() / 2
+        loss.backward()
+        out.append(loss.detach().item())    # read inside the step, before its update (a Lightning callback)
+    norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    opt.step()
+    opt.zero_grad()
+    if step % 3 == 0:
+        print([n.item() for n in norms])    # a logger reads the clip's norms at later steps (HF Trainer)
+        norms = []
+print("done", len(out))
+"""
+
+
+def test_a_skipped_steps_numbers_read_in_its_micro_batch_or_from_its_clip_are_not_evaluation_failures(tmp_path):
+    """Lightning with accumulate_grad_batches=2: the NaN micro-batch's loss is read before the step's update;
+    HF Trainer logs the clip's grad_norm of the skipped step at a later step. Both were reported as eval
+    failures ("could not reproduce ... a hardware fault") and the recovered run ended "nonfinite"."""
+    code, rep = run_ng(tmp_path, write(tmp_path, ACCUM), recover="auto")
+    assert code == 0 and rep["status"] == "recovered", (rep["status"], [(e["step"], e["phase"]) for e in rep["events"]])
+    assert [e["phase"] for e in rep["events"]] == ["forward"]

@@ -10,7 +10,9 @@ O(parameters) attribute reads per clip call, next to the clip's own per-paramete
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Optional
+import weakref
+from collections import deque
+from typing import Any, Deque, Dict, Optional
 
 import torch
 import torch.nn.utils as nn_utils
@@ -28,6 +30,7 @@ class ClipWatch:
         self.empty = 0
         self.site: Optional[Dict[str, Any]] = None
         self._orig: Any = None
+        self.returned: Deque[Any] = deque(maxlen=4)  # weak references to the latest norms the clip returned
 
     def install(self) -> None:
         if self._orig is not None:
@@ -41,7 +44,10 @@ class ClipWatch:
                 watch._note(params, sys._getframe(1))
             except Exception:  # a note must never break the script's clip
                 pass
-            return orig(params, *a, **k)
+            out = orig(params, *a, **k)
+            if isinstance(out, torch.Tensor):
+                watch.returned.append(weakref.ref(out))  # the step's norm: a failure's leftover if read later
+            return out
 
         clip_grad_norm_.__wrapped__ = orig  # type: ignore[attr-defined]
         nn_utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = clip_grad_norm_

@@ -31,7 +31,8 @@ import math
 import sys
 import time
 import warnings
-from typing import Any, Dict, Optional
+from collections import deque
+from typing import Any, Deque, Dict, Optional
 
 import torch
 
@@ -106,7 +107,10 @@ class EvalCheck:
         self._suspended: Any = False  # while an optimizer updates: _ITEM (torch's item put back) or _IGNORED
         self._held: Optional[tuple] = None  # (detection, tensor) of a read inside an open training step
         self._optim: list = []  # (torch.optim module, its _get_value, ours) while installed
-        self._failed: Optional[tuple] = None  # (step, loss value as read back) of the latest training failure
+        # (step, loss value as read back, weak references to the norms the script's clip returned then) of the
+        # latest training failure
+        self._failed: Optional[tuple] = None
+        self._failed_steps: Deque[int] = deque(maxlen=8)  # the steps of the latest training failures
         self.masked_modules: set = set()  # module types whose -inf outputs a replay proved an intentional mask
 
     def install(self) -> None:
@@ -198,9 +202,12 @@ class EvalCheck:
             # the step tape's handler calls the method again for the script's own read (the wrapper is
             # the class's method, so torch hands it to the mode): that outer read is the one reported
             return
-        if self._failed is not None and t.numel() == 1 and not w.monitor.step_open() \
-                and w.monitor.steps_watched <= self._failed[0] + 1 and _first_bad(value) == self._failed[1]:
-            return  # the failed step's own loss read back after it (a callback's outputs["loss"].item())
+        f = self._failed
+        if f is not None and t.numel() == 1 and not w.monitor.step_open() and (
+                any(r() is t for r in f[2]) or (w.monitor.steps_watched <= f[0] + 1 and _first_bad(value) == f[1])):
+            # the failed step's own numbers read back after it: its loss (a callback's outputs["loss"].item()),
+            # the norm the script's clip returned for it (a Trainer logs grad_norm steps later)
+            return
         tape = w.tape
         user = tape.frames.site_of(caller)[0] if tape is not None else None
         det = Detection(w.monitor.steps_watched, "eval",
@@ -223,7 +230,9 @@ class EvalCheck:
             return
         loss = det.detected.get("loss") if isinstance(det.detected, dict) else None
         bad = _first_bad(loss) if isinstance(loss, float) else loss if isinstance(loss, str) else None
-        self._failed = (det.step, bad) if isinstance(bad, str) else None
+        clips = getattr(self.w, "clips", None)
+        self._failed = (det.step, bad, list(clips.returned)[-1:] if clips is not None else [])
+        self._failed_steps.append(det.step)
 
     def settle(self) -> None:
         """The step's check is done (or the run ends): a read held in the step (see the module docstring)
@@ -233,7 +242,8 @@ class EvalCheck:
             return
         det, t = held
         w = self.w
-        if getattr(w, "_skip_current", None) or any(d.step == det.step and d.phase != "eval" for d in w.detections):
+        if getattr(w, "_skip_current", None) or det.step in self._failed_steps or \
+                any(d.step == det.step and d.phase != "eval" for d in w.detections):
             return  # the step failed: reported (warn mode), or recovered and its update skipped
         self._last = {"read": t}
         w._handle(det, None)
