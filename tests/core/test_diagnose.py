@@ -391,6 +391,16 @@ def test_a_non_finite_learning_rate_is_named_as_the_cause():
     assert "learning rate is" not in d["summary"]
 
 
+def test_a_negative_probability_under_a_log_is_a_difference_of_unordered_terms():
+    # a cumulative-link (ordinal) model: P(k) = sigmoid(c_k - s) - sigmoid(c_(k-1) - s) < 0 once the cutpoints
+    # crossed; it advised BCE-with-logits ("sigmoid rounds to exactly 0 or 1")
+    f = {"float64_check": {"finite": False}, "log_domain": {"le_limit": 1, "limit": 0.0, "zeros": 0, "negatives": 1,
+         "min": -0.055, "numel": 32}, "producers": [["gather", "cat", "slice", "sigmoid"]]}
+    d = run(loc("aten.log.default", api="torch.log", facts=f))
+    assert d["category"] == "log_domain" and "never negative" in d["summary"], d["summary"]
+    assert "cumsum(softplus(gaps))" in d["fixes"][0] and not any("with_logits" in x for x in d["fixes"])
+
+
 def test_without_localisation_uses_phase_and_history():
     d = run(None, CALM, phase="data")
     assert d["category"] == "bad_input_data" and "no op-level replay" in d["method"] and d["confidence"] < 0.8

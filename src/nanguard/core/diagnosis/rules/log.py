@@ -182,7 +182,15 @@ def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> d
                  "probability at 1, a Beta or Bernoulli likelihood's target)")
         fixes.append(f"keep x inside (0, 1) before the log at {where}: {X.clamp('x', '1e-6', '1 - 1e-6')} (a "
                      "clamp at 0 alone does not cover 1 - x; labels clipped to [0, 1] put values exactly on the edge)")
-    if "sigmoid" in prods:
+    ld1 = facts.get("log_domain") or {}
+    neg_prob = bool(ld1.get("negatives")) and any(p in _SOFTMAXES + ("sigmoid",) for p in prods)
+    if neg_prob:  # a probability cannot be negative: one computed as a difference whose terms crossed
+        summ += ("; a probability is never negative: this one is computed as a difference (p_k - p_(k-1), 1 - p) "
+                 "of terms that are not ordered (an ordinal model's cutpoints that crossed)")
+        fixes.append(f"make the value non-negative by construction at {where}: order the terms (cutpoints "
+                     "c_k = c_0 + cumsum(softplus(gaps))), or floor the difference: "
+                     + X.clamp_min("p_k - p_prev", "1e-6"))
+    if "sigmoid" in prods and not neg_prob:
         fixes.append(X.say(
             pytorch=f"compute the loss from the logits: F.binary_cross_entropy_with_logits(logits, y) (or "
             f"F.logsigmoid(x) / F.logsigmoid(-x)) instead of log(sigmoid) / log(1 - sigmoid) at {where}; "
