@@ -7,7 +7,9 @@ order; the first one that returns a cause wins.
 """
 from __future__ import annotations
 
+import linecache
 import math
+import re
 from typing import Any, Sequence
 
 from . import families as F
@@ -245,6 +247,9 @@ def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
     return mechanism(Case(origin, facts, sig, phase, ev, method, ctx))
 
 
+_UPDATE_CALL = re.compile(r"\.(apply_gradients|apply|minimize|step|fit|train_on_batch)\s*\(")
+
+
 def _own_weight_math(origin: dict) -> bool:
     """A Keras update-stage op on the script's line (not a library's: not the optimizer's own code, nor a custom
     optimizer's ``update_step``) whose result is weight-shaped (not a scalar: a learning-rate schedule is the
@@ -253,6 +258,9 @@ def _own_weight_math(origin: dict) -> bool:
     if not origin.get("tf_op") or origin.get("function") in ("update_step", "_update_step", "apply", "_apply"):
         return False
     if not f or f.startswith("<") or "site-packages/" in f or "dist-packages/" in f or "/nanguard/" in f:
+        return False
+    line = linecache.getline(f, int(origin.get("line") or 0))
+    if _UPDATE_CALL.search(line):  # the line that called the optimizer: an op of its own update
         return False
     shape = origin.get("shape")
     return isinstance(shape, list) and bool(shape) and all(isinstance(d, int) for d in shape) and \
