@@ -401,6 +401,21 @@ def test_a_negative_probability_under_a_log_is_a_difference_of_unordered_terms()
     assert "cumsum(softplus(gaps))" in d["fixes"][0] and not any("with_logits" in x for x in d["fixes"])
 
 
+def test_a_script_that_clips_already_is_told_to_lower_the_rate_not_to_clip():
+    # word_language_model (clip 0.25, lr 20, ReLU RNN): "clip the gradient norm ... max_norm=2e+18 (the 95th
+    # percentile of the healthy gradient norms)": the percentile held an earlier excursion, the script clipped
+    norms = [13.0, 12.0, 4.5e12, 14.0, 13.5, 12.5, 13.1, 14.2, 12.9, 4.8e16]
+    hist = H([5.0, 4.9, 2.6e11, 5.2, 5.1, 5.0, 4.8, 5.3, 5.0, 7.0], norms, lr=20.0)
+    ctx = {"clip_used": {"calls": 18, "file": "/x/main.py", "line": 189}}
+    d = run(None, hist, phase="forward", context=ctx)
+    if d["category"] in ("gradient_explosion", "lr_too_high"):
+        assert "already clips" in d["fixes"][0] and "main.py:189" in d["fixes"][0], d["fixes"]
+        assert not any(str(f).startswith("clip the gradient norm") for f in d["fixes"])
+    d = run(None, hist, phase="forward")  # no clip in the script: the clip fix, at a bound from the calm norms
+    clip = [f for f in d["fixes"] if str(f).startswith("clip the gradient norm")]
+    assert not clip or "2e+18" not in clip[0], clip
+
+
 def test_without_localisation_uses_phase_and_history():
     d = run(None, CALM, phase="data")
     assert d["category"] == "bad_input_data" and "no op-level replay" in d["method"] and d["confidence"] < 0.8

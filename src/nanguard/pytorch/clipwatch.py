@@ -29,6 +29,7 @@ class ClipWatch:
         self.calls = 0
         self.empty = 0
         self.site: Optional[Dict[str, Any]] = None
+        self.first: Optional[Dict[str, Any]] = None  # the user's line of the first call that found gradients
         self._orig: Any = None
         self.returned: Deque[Any] = deque(maxlen=4)  # weak references to the latest norms the clip returned
 
@@ -60,10 +61,18 @@ class ClipWatch:
     def _note(self, params: list, frame: Any) -> None:
         self.calls += 1
         if any(p.grad is not None for p in params):
+            if self.first is None and frame is not None:
+                self.first = {"file": frame.f_code.co_filename, "line": frame.f_lineno}
             return
         self.empty += 1
         if self.site is None and frame is not None:
             self.site = {"file": frame.f_code.co_filename, "line": frame.f_lineno}
+
+    def used(self) -> Optional[Dict[str, Any]]:
+        """``{"calls", "file", "line"}`` of the script's clip when its calls found gradients to clip, else None."""
+        if self.calls > self.empty and self.first is not None:
+            return {"calls": self.calls, **self.first}
+        return None
 
     def context(self) -> Optional[Dict[str, Any]]:
         """``{"calls", "line", "file"}`` when every clip call found no gradient (it runs before backward), else

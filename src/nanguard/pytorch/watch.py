@@ -50,7 +50,7 @@ import warnings
 import weakref
 from itertools import filterfalse
 from operator import attrgetter
-from typing import Any, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 import torch.optim.optimizer as torch_optimizer
@@ -67,6 +67,7 @@ from ..core.render.terminal import print_line, render, summary_line
 from ..core.script import apply_outcome, block_outcome
 from .data import DataHooks
 from .detect import StepMonitor, is_checkable, tensors_in
+from .detect.tensors import output_storages
 from .detect.closure import checked_closure, closure_of, recheck, with_closure
 from .distributed import share_event
 from .clipwatch import ClipWatch
@@ -95,12 +96,10 @@ class Watcher:
         self.monitor = StepMonitor(self.config)
         self.monitor.per_update = True  # a step is one optimizer.step() call, counted across optimizers
         self.detections: List[Detection] = []
-        self.info: List[Detection] = []
+        self.info: List[Detection] = []  # information rows (not failures)
         self.dropped_events, self.scalers, self.disabled = 0, [], False
         self.error: Optional[str] = None  # the internal error that disabled the guard, if any
-        self._installed = False
-        self._handles: list = []
-        self._orig: dict = {}
+        self._installed, self._handles, self._orig = False, [], {}
         self._local = threading.local()
         self.roots = RootHooks(self._root_pre, self._root_post, self._root_active)
         self._scaled: Optional[tuple] = None  # (weakref to scaler.scale's output, the scale)
@@ -111,6 +110,7 @@ class Watcher:
         self._ob_step_start, self._ob_opt_begin, self._ob_opt_end, self._ob_bw_begin, self._ob_bw_end = (
             hook(ob, n) for n in ("step_start", "optimizer_begin", "optimizer_end", "backward_begin", "backward_end"))
         self._root_seen: Any = None  # a weak reference to the last outermost module given to the monitor
+        self._out_ptrs: Dict[int, frozenset] = {}  # per module: the storages of its last training call's outputs
         # Recovery (nanguard run --recover): a RecoveryPolicy, and how to localize a failure.
         self.policy: Any = policy
         self.localizer: Optional[Localizer] = Localizer(self, localize) if localize is not None else None
@@ -127,9 +127,8 @@ class Watcher:
         self.evals = EvalCheck(self)
         self.clips = ClipWatch()  # where the script clips (a clip before backward clips nothing)
         self.loc_runs: dict = {}        # id(detection) -> how it was localized (at the failing step)
-        self._replay_on = False
+        self._replay_on, self._busy = False, 0
         self.owner = StandAside()  # the stop (raised in every thread's next hook) and the fork flag: owners.py
-        self._busy = 0
         self.spikes: Optional[SpikeResponder] = SpikeResponder(self.monitor, on_spike, quiet=quiet) if on_spike else None
         self.recovery = WatcherRecovery(self, experiments)
         self.report: Any = None  # watch(): the report, once the block ended
@@ -143,8 +142,7 @@ class Watcher:
 
     # ------------------------------------------------------------------ install / uninstall
     def __enter__(self) -> "Watcher":
-        self.install()
-        return self
+        return self.install() or self
 
     def __exit__(self, *exc) -> None:
         self.uninstall()
@@ -457,7 +455,9 @@ class Watcher:
                 self.recovery.take_due_snapshot(module, args)  # the state the next training step starts from
             # Only tensors that do not come from parameters are "the batch".
             self.data.used(args)
-            batch = list(filterfalse(_REQUIRES_GRAD, tensors_in(args)))
+            # not the batch: a state carried over from the last call's output (an RNN's detached hidden state)
+            out = self._out_ptrs.get(id(module), ())
+            batch = [t for t in filterfalse(_REQUIRES_GRAD, tensors_in(args)) if t.data_ptr() not in out]
             if batch:
                 self.monitor.on_batch(batch, where=type(module).__name__ + " input")
         return args
@@ -467,8 +467,10 @@ class Watcher:
         if not (torch.is_grad_enabled() and (module.training or optimised_input(args))):
             det = self._guarded(self.evals.output, module, args, kwargs, output)
             self._handle(det, None)
-        elif kwargs:  # model(**batch): the batch the step takes (the pre hook sees positional arguments only)
-            self.data.used(kwargs)
+        else:  # model(**batch): the batch the step takes (the pre hook sees positional arguments only)
+            if kwargs:
+                self.data.used(kwargs)
+            self._out_ptrs[id(module)] = output_storages(output)  # what its next call may carry back in
         if self.tape is not None:
             self._guarded(self.tape.root_post, module, kwargs, output)
         if self.policy is not None:  # what the next call may carry back in (recover/carried.py)

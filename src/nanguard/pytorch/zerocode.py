@@ -183,9 +183,12 @@ def run_context(watcher: Any) -> dict:
         ctx["optimizer_switch"] = switch
     if len(mon.opt_index) > 1:  # each optimizer's own facts: the history records name the one of each step
         ctx["optimizers"] = each_optimizer([(mon.opt_index.get(k), o) for k, o in order], list(mon.roots))
-    clip = watcher.clips.context() if getattr(watcher, "clips", None) is not None else None
+    clips = getattr(watcher, "clips", None)
+    clip = clips.context() if clips is not None else None
     if clip:
         ctx["clip_before_backward"] = clip
+    elif clips is not None and clips.used():
+        ctx["clip_used"] = clips.used()
     tape = getattr(watcher, "tape", None)
     if tape is not None and tape.zero_grads == 0 and mon.steps_watched >= 3 and mon.views:
         ctx["no_zero_grad"] = {"steps": mon.steps_watched}  # an optimizer that stepped, gradients never reset

@@ -106,6 +106,15 @@ def all_tensors(obj: Any, limit: int = 64) -> List[torch.Tensor]:
     return leaves(obj, lambda x: isinstance(x, torch.Tensor), limit)
 
 
+def output_storages(output: Any) -> frozenset:
+    """The data pointers of the floating tensors of a module call's output (a few: a carried state is one)."""
+    return frozenset(t.data_ptr() for t in leaves(output, _floating, 8))
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
 def tensors_in(obj: Any, limit: int = 64) -> List[torch.Tensor]:
     """Floating tensors inside a (nested) batch: tensors, lists, tuples, dicts, dataclass-like (a sparse
     tensor: its stored values)."""

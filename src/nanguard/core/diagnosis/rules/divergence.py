@@ -441,9 +441,24 @@ def move_clip_fix(line: str) -> str:
 
 def script_shape(out: dict, ctx: dict, sig: dict | None = None) -> dict:
     """A step-size diagnosis with what the run saw of the script's loop: a clip before backward, a zero_grad
-    never called, a negative learning rate (the engine's failures and early warnings alike)."""
+    never called, a clip the script already makes, a negative learning rate (failures and early warnings alike)."""
     out = never_zeroed(misplaced_clip(out, ctx.get("clip_before_backward")), ctx.get("no_zero_grad"))
-    return negative_rate(out, sig or {})
+    return negative_rate(clipped_already(out, ctx.get("clip_used")), sig or {})
+
+
+def clipped_already(out: dict, clip: dict | None) -> dict:
+    """A step-size diagnosis in a script that clips its gradients already (``clip_used``: its clip found
+    gradients): "clip the gradient norm" is no fix there; clipping bounds the gradient, not the step."""
+    if not clip or out.get("category") not in _STEP_SIZE:
+        return out
+    line = f"{str(clip.get('file') or '').rsplit('/', 1)[-1]}:{clip.get('line')}"
+    kept = [f for f in out.get("fixes") or [] if not str(f).startswith("clip the gradient norm")]
+    if len(kept) == len(out.get("fixes") or []):
+        return out
+    out["evidence"]["clip_used"] = clip
+    out["fixes"] = [f"the script already clips its gradients ({line}): clipping bounds the gradient, not the "
+                    "step size, so lower the learning rate (or its peak) instead"] + kept
+    return out
 
 
 def negative_rate(out: dict, sig: dict) -> dict:
@@ -717,6 +732,8 @@ def grad_jump(sig: dict, dy: dict, ev: dict, method: str, conf: float, where: st
     ev.update(grad_norm_last=last, grad_norm_median_before=before, grad_jump_factor=fac, grad_norm_p95_healthy=p95)
     lrs = sig.get("lr") or []
     lr0 = lrs[0] if lrs and T.fin(lrs[0]) else None
+    if T.fin(p95) and T.fin(before) and before > 0:  # the earlier norms may hold an earlier excursion
+        p95 = min(p95, 10 * before)
     mx = T.g(T.nice(p95), 2) if T.fin(p95) else "1.0"
     fixes = [f"clip the gradient norm before the update: {X.clip_grad_norm(mx)} (the 95th percentile of the "
              "healthy gradient norms)",
