@@ -62,9 +62,10 @@ def test_a_rollback_to_the_first_calls_copies_claims_no_count_of_carried_values(
     only at the next call). A rollback there said 'the 200704 values the script carries into VAE ... (a detached
     hidden state)' of a VAE's input batch."""
     import torch
+    from nanguard.pytorch.detect.tensors import output_storages
     from nanguard.pytorch.recover.carried import Carried
     m, c = torch.nn.Linear(4, 4), Carried()
     x = torch.randn(8, 4)
-    c.noted(m, (x,), m(x))
+    c.noted(m, (x,), output_storages(m(x)))
     text = c.rolled_back(0)["carried_inputs"]
     assert "if any" in text and "32 values" not in text, text

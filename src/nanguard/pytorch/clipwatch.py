@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections import deque
-from typing import Any, Deque, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.utils as nn_utils
@@ -31,7 +30,7 @@ class ClipWatch:
         self.site: Optional[Dict[str, Any]] = None
         self.first: Optional[Dict[str, Any]] = None  # the user's line of the first call that found gradients
         self._orig: Any = None
-        self.returned: Deque[Any] = deque(maxlen=4)  # weak references to the latest norms the clip returned
+        self.returned: Any = None  # a weak reference to the norm the latest call returned
 
     def install(self) -> None:
         if self._orig is not None:
@@ -47,7 +46,7 @@ class ClipWatch:
                 pass
             out = orig(params, *a, **k)
             if isinstance(out, torch.Tensor):
-                watch.returned.append(weakref.ref(out))  # the step's norm: a failure's leftover if read later
+                watch.returned = weakref.ref(out)  # the step's norm: a failure's leftover if read later
             return out
 
         clip_grad_norm_.__wrapped__ = orig  # type: ignore[attr-defined]

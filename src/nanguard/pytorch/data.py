@@ -136,9 +136,8 @@ class DataHooks:
         rng = capture_rng(plain=False)  # a random transform draws from the global generators: the run's stream is kept
         try:
             for r in rows:
-                arrays = [a for a in all_tensors(ds[r]) if a.is_floating_point()] + _numpy_floats(ds[r])
-                if not arrays or not all(bool(torch.isfinite(a).all()) if isinstance(a, torch.Tensor)
-                                         else bool(_np_finite(a)) for a in arrays):
+                arrays = _float_arrays(ds[r])  # (read once: a random transform draws anew each time)
+                if not arrays or not all(_finite(a) for a in arrays):
                     return None
         except Exception:
             return None
@@ -241,14 +240,17 @@ class DataHooks:
         base._reset = self._orig["_reset"]
 
 
-def _numpy_floats(obj: Any) -> List[Any]:
-    """The floating numpy arrays in a dataset item (numpy only when it is loaded already)."""
+def _float_arrays(item: Any) -> List[Any]:
+    """The floating tensors and numpy arrays in a dataset item (numpy only when it is loaded already)."""
     import sys
     np = sys.modules.get("numpy")
-    return [] if np is None else leaves(obj, lambda x: isinstance(x, np.ndarray) and x.dtype.kind == "f")
+    return leaves(item, lambda x: (isinstance(x, torch.Tensor) and x.is_floating_point())
+                  or (np is not None and isinstance(x, np.ndarray) and x.dtype.kind == "f"))
 
 
-def _np_finite(a: Any) -> bool:
+def _finite(a: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return bool(torch.isfinite(a).all())
     import numpy as np
     return bool(np.isfinite(a).all())
 

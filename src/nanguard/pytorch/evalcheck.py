@@ -107,7 +107,7 @@ class EvalCheck:
         self._suspended: Any = False  # while an optimizer updates: _ITEM (torch's item put back) or _IGNORED
         self._held: Optional[tuple] = None  # (detection, tensor) of a read inside an open training step
         self._optim: list = []  # (torch.optim module, its _get_value, ours) while installed
-        # (step, loss value as read back, weak references to the norms the script's clip returned then) of the
+        # (step, loss value as read back, a weak reference to the norm the script's clip returned then) of the
         # latest training failure
         self._failed: Optional[tuple] = None
         self._failed_steps: Deque[int] = deque(maxlen=8)  # the steps of the latest training failures
@@ -204,7 +204,7 @@ class EvalCheck:
             return
         f = self._failed
         if f is not None and t.numel() == 1 and not w.monitor.step_open() and (
-                any(r() is t for r in f[2]) or (w.monitor.steps_watched <= f[0] + 1 and _first_bad(value) == f[1])):
+                (f[2] is not None and f[2]() is t) or (w.monitor.steps_watched <= f[0] + 1 and _first_bad(value) == f[1])):
             # the failed step's own numbers read back after it: its loss (a callback's outputs["loss"].item()),
             # the norm the script's clip returned for it (a Trainer logs grad_norm steps later)
             return
@@ -231,7 +231,7 @@ class EvalCheck:
         loss = det.detected.get("loss") if isinstance(det.detected, dict) else None
         bad = _first_bad(loss) if isinstance(loss, float) else loss if isinstance(loss, str) else None
         clips = getattr(self.w, "clips", None)
-        self._failed = (det.step, bad, list(clips.returned)[-1:] if clips is not None else [])
+        self._failed = (det.step, bad, getattr(clips, "returned", None))
         self._failed_steps.append(det.step)
 
     def settle(self) -> None:

@@ -67,7 +67,7 @@ from ..core.render.terminal import print_line, render, summary_line
 from ..core.script import apply_outcome, block_outcome
 from .data import DataHooks
 from .detect import StepMonitor, is_checkable, tensors_in
-from .detect.tensors import output_storages
+from .detect.tensors import output_storages, storage_of
 from .detect.closure import checked_closure, closure_of, recheck, with_closure
 from .distributed import share_event
 from .clipwatch import ClipWatch
@@ -457,24 +457,24 @@ class Watcher:
             self.data.used(args)
             # not the batch: a state carried over from the last call's output (an RNN's detached hidden state)
             out = self._out_ptrs.get(id(module), ())
-            batch = [t for t in filterfalse(_REQUIRES_GRAD, tensors_in(args)) if t.data_ptr() not in out]
+            batch = [t for t in filterfalse(_REQUIRES_GRAD, tensors_in(args)) if not out or storage_of(t) not in out]
             if batch:
                 self.monitor.on_batch(batch, where=type(module).__name__ + " input")
         return args
 
     def _root_post(self, module, args, kwargs, output) -> None:
         """An outermost module call returned (or raised: ``output`` None)."""
+        outs = None  # the storages of a training call's outputs (its next call may carry one back in)
         if not (torch.is_grad_enabled() and (module.training or optimised_input(args))):
             det = self._guarded(self.evals.output, module, args, kwargs, output)
             self._handle(det, None)
         else:  # model(**batch): the batch the step takes (the pre hook sees positional arguments only)
-            if kwargs:
-                self.data.used(kwargs)
-            self._out_ptrs[id(module)] = output_storages(output)  # what its next call may carry back in
+            self.data.used(kwargs)
+            outs = self._out_ptrs[id(module)] = output_storages(output)
         if self.tape is not None:
             self._guarded(self.tape.root_post, module, kwargs, output)
-        if self.policy is not None:  # what the next call may carry back in (recover/carried.py)
-            self._guarded(self.recovery.carried.noted, module, args, output)
+        if self.policy is not None:  # the same storages, for recovery (recover/carried.py)
+            self._guarded(self.recovery.carried.noted, module, args, outs if outs is not None else output_storages(output))
 
     # ------------------------------------------------------------------ end of run
     def finish(self) -> None:

@@ -107,12 +107,23 @@ def all_tensors(obj: Any, limit: int = 64) -> List[torch.Tensor]:
 
 
 def output_storages(output: Any) -> frozenset:
-    """The data pointers of the floating tensors of a module call's output (a few: a carried state is one)."""
-    return frozenset(t.data_ptr() for t in leaves(output, _floating, 8))
+    """Where the floating tensors of a module call's output live (storage pointers, a few): an input of the next
+    call that reuses one is a state carried over (a detached RNN hidden state), not batch data."""
+    try:
+        return frozenset(t.untyped_storage().data_ptr() for t in leaves(output, _strided_floating, 8))
+    except Exception:  # an output without storage (a tensor subclass): nothing carried from it
+        return frozenset()
 
 
-def _floating(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point()
+def storage_of(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:
+        return None
+
+
+def _strided_floating(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.layout == torch.strided
 
 
 def tensors_in(obj: Any, limit: int = 64) -> List[torch.Tensor]:

@@ -34,19 +34,20 @@ class Carried:
     """Carried inputs of the outermost calls, copied at each snapshot, handed back after a rollback."""
 
     def __init__(self) -> None:
-        self._outs: Dict[int, set] = {}  # id(module) -> storage pointers of its last call's floating outputs
+        self._outs: Dict[int, frozenset] = {}  # id(module) -> storage pointers of its last call's floating outputs
         self.kept: Dict[int, Tuple[Any, Dict[int, torch.Tensor]]] = {}  # snapshot step -> (module ref, copies)
         self.pending: Optional[Tuple[Any, Dict[int, torch.Tensor]]] = None
         self._unsure: set = set()  # kept steps whose copies are all the first call's inputs (a batch among them)
 
-    def noted(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        """An outermost call of ``args`` returned ``output``: where its floating tensors live. The run's first
-        call's inputs are kept as step 0's (the initial snapshot is taken inside that first step)."""
+    def noted(self, module: torch.nn.Module, args: tuple, storages: Optional[frozenset]) -> None:
+        """An outermost call of ``args`` returned outputs whose floating tensors live in ``storages``
+        (``detect.tensors.output_storages``; None: a call that did not train). The run's first call's inputs are
+        kept as step 0's (the initial snapshot is taken inside that first step)."""
         if not self._outs and not self.kept:
             self._copy(0, module, args)
-        try:
-            self._outs[id(module)] = {t.untyped_storage().data_ptr() for t in _leaves(output) if _floating(t)}
-        except Exception:  # an output without storage (a tensor subclass): nothing carried from it
+        if storages:
+            self._outs[id(module)] = storages
+        else:
             self._outs.pop(id(module), None)
 
     def keep(self, step: int, module: torch.nn.Module, args: tuple, steps: set) -> None:
