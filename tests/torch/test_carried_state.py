@@ -62,10 +62,26 @@ def test_a_rollback_to_the_first_calls_copies_claims_no_count_of_carried_values(
     only at the next call). A rollback there said 'the 200704 values the script carries into VAE ... (a detached
     hidden state)' of a VAE's input batch."""
     import torch
-    from nanguard.pytorch.detect.tensors import output_storages
+    from nanguard.pytorch.detect.tensors import Storages
     from nanguard.pytorch.recover.carried import Carried
     m, c = torch.nn.Linear(4, 4), Carried()
     x = torch.randn(8, 4)
-    c.noted(m, (x,), output_storages(m(x)))
+    c.noted(m, (x,), Storages(m(x)))
     text = c.rolled_back(0)["carried_inputs"]
     assert "if any" in text and "32 values" not in text, text
+
+
+def test_a_new_batch_where_a_freed_output_was_is_not_carried():
+    """The outputs' storages were noted by address: a new batch allocated where a freed output had been read as a
+    carried state, and its NaN went unchecked (a model without parameters, 'forward' instead of 'data')."""
+    import torch
+    from nanguard.pytorch.detect.tensors import Storages
+    m = torch.nn.Tanh()
+    out = m(torch.randn(8, 4))
+    kept = Storages(out)
+    h = out.detach()  # a detached state, carried into the next call
+    assert h in kept and kept
+    ptr = out.untyped_storage().data_ptr()
+    del out, h
+    reused = [t for t in (torch.empty(8, 4) for _ in range(64)) if t.untyped_storage().data_ptr() == ptr]
+    assert not kept and not any(t in kept for t in reused)

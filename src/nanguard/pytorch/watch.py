@@ -67,7 +67,7 @@ from ..core.render.terminal import print_line, render, summary_line
 from ..core.script import apply_outcome, block_outcome
 from .data import DataHooks
 from .detect import StepMonitor, is_checkable, tensors_in
-from .detect.tensors import output_storages, storage_of
+from .detect.tensors import Storages
 from .detect.closure import checked_closure, closure_of, recheck, with_closure
 from .distributed import share_event
 from .clipwatch import ClipWatch
@@ -110,7 +110,7 @@ class Watcher:
         self._ob_step_start, self._ob_opt_begin, self._ob_opt_end, self._ob_bw_begin, self._ob_bw_end = (
             hook(ob, n) for n in ("step_start", "optimizer_begin", "optimizer_end", "backward_begin", "backward_end"))
         self._root_seen: Any = None  # a weak reference to the last outermost module given to the monitor
-        self._out_ptrs: Dict[int, frozenset] = {}  # per module: the storages of its last training call's outputs
+        self._out_ptrs: Dict[int, Storages] = {}  # per module: the storages of its last training call's outputs
         # Recovery (nanguard run --recover): a RecoveryPolicy, and how to localize a failure.
         self.policy: Any = policy
         self.localizer: Optional[Localizer] = Localizer(self, localize) if localize is not None else None
@@ -456,8 +456,8 @@ class Watcher:
             # Only tensors that do not come from parameters are "the batch".
             self.data.used(args)
             # not the batch: a state carried over from the last call's output (an RNN's detached hidden state)
-            out = self._out_ptrs.get(id(module), ())
-            batch = [t for t in filterfalse(_REQUIRES_GRAD, tensors_in(args)) if not out or storage_of(t) not in out]
+            out = self._out_ptrs.get(id(module))
+            batch = [t for t in filterfalse(_REQUIRES_GRAD, tensors_in(args)) if not out or t not in out]
             if batch:
                 self.monitor.on_batch(batch, where=type(module).__name__ + " input")
         return args
@@ -470,11 +470,11 @@ class Watcher:
             self._handle(det, None)
         else:  # model(**batch): the batch the step takes (the pre hook sees positional arguments only)
             self.data.used(kwargs)
-            outs = self._out_ptrs[id(module)] = output_storages(output)
+            outs = self._out_ptrs[id(module)] = Storages(output)
         if self.tape is not None:
             self._guarded(self.tape.root_post, module, kwargs, output)
         if self.policy is not None:  # the same storages, for recovery (recover/carried.py)
-            self._guarded(self.recovery.carried.noted, module, args, outs if outs is not None else output_storages(output))
+            self._guarded(self.recovery.carried.noted, module, args, outs if outs is not None else Storages(output))
 
     # ------------------------------------------------------------------ end of run
     def finish(self) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import weakref
 from itertools import repeat
 from typing import Any, Iterable, List, Optional, Sequence
 
@@ -106,20 +107,30 @@ def all_tensors(obj: Any, limit: int = 64) -> List[torch.Tensor]:
     return leaves(obj, lambda x: isinstance(x, torch.Tensor), limit)
 
 
-def output_storages(output: Any) -> frozenset:
-    """Where the floating tensors of a module call's output live (storage pointers, a few): an input of the next
-    call that reuses one is a state carried over (a detached RNN hidden state), not batch data."""
-    try:
-        return frozenset(t.untyped_storage().data_ptr() for t in leaves(output, _strided_floating, 8))
-    except Exception:  # an output without storage (a tensor subclass): nothing carried from it
-        return frozenset()
+class Storages:
+    """Where the floating tensors of a module call's output live (a few storages, weakly held): an input of the
+    next call that shares one is a state carried over (a detached RNN hidden state), not batch data. Weak
+    references, not addresses: a new batch may be allocated where a freed output was."""
 
+    __slots__ = ("_refs",)
 
-def storage_of(t: torch.Tensor) -> Optional[int]:
-    try:
-        return t.untyped_storage().data_ptr()
-    except Exception:
-        return None
+    def __init__(self, output: Any = None) -> None:
+        try:
+            self._refs = tuple(weakref.ref(t.untyped_storage()) for t in leaves(output, _strided_floating, 8))
+        except Exception:  # an output without storage (a tensor subclass), or no weak reference: nothing carried
+            self._refs = ()
+
+    def __contains__(self, t: Any) -> bool:
+        if not self._refs or not isinstance(t, torch.Tensor):
+            return False
+        try:
+            s = t.untyped_storage()
+        except Exception:
+            return False
+        return any(r() is s for r in self._refs)
+
+    def __bool__(self) -> bool:
+        return any(r() is not None for r in self._refs)
 
 
 def _strided_floating(x: Any) -> bool:

@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.utils._pytree as pytree
 
+from ..detect.tensors import Storages
+
 MAX_NUMEL = 1 << 22  # a carried state larger than this (elements, all inputs of a call) is not copied
 
 
@@ -34,14 +36,14 @@ class Carried:
     """Carried inputs of the outermost calls, copied at each snapshot, handed back after a rollback."""
 
     def __init__(self) -> None:
-        self._outs: Dict[int, frozenset] = {}  # id(module) -> storage pointers of its last call's floating outputs
+        self._outs: Dict[int, Storages] = {}  # id(module) -> the storages of its last call's floating outputs
         self.kept: Dict[int, Tuple[Any, Dict[int, torch.Tensor]]] = {}  # snapshot step -> (module ref, copies)
         self.pending: Optional[Tuple[Any, Dict[int, torch.Tensor]]] = None
         self._unsure: set = set()  # kept steps whose copies are all the first call's inputs (a batch among them)
 
-    def noted(self, module: torch.nn.Module, args: tuple, storages: Optional[frozenset]) -> None:
+    def noted(self, module: torch.nn.Module, args: tuple, storages: Optional[Storages]) -> None:
         """An outermost call of ``args`` returned outputs whose floating tensors live in ``storages``
-        (``detect.tensors.output_storages``; None: a call that did not train). The run's first call's inputs are
+        (``detect.tensors.Storages``; None: a call that did not train). The run's first call's inputs are
         kept as step 0's (the initial snapshot is taken inside that first step)."""
         if not self._outs and not self.kept:
             self._copy(0, module, args)
@@ -60,14 +62,14 @@ class Carried:
         if step in steps and prev:
             self._copy(step, module, args, prev)
 
-    def _copy(self, step: int, module: torch.nn.Module, args: tuple, only: Optional[set] = None) -> None:
+    def _copy(self, step: int, module: torch.nn.Module, args: tuple, only: Optional[Storages] = None) -> None:
         # the floating inputs that are no weights and (``only``) reuse the last call's output storages; the
         # first call copies them all (its hidden state is the script's own zeros, carried from nowhere yet):
         # which of them is carried is decided at the call after a rollback
         copies: Dict[int, torch.Tensor] = {}
         n = 0
         for i, t in enumerate(_leaves(args)):
-            if _floating(t) and not t.requires_grad and (only is None or t.untyped_storage().data_ptr() in only):
+            if _floating(t) and not t.requires_grad and (only is None or t in only):
                 n += t.numel()
                 if n > MAX_NUMEL:
                     return
@@ -104,13 +106,13 @@ class Carried:
         if ref is None or ref() is not module:
             return args
         self.pending = None
-        prev = self._outs.get(id(module)) or set()
+        prev = self._outs.get(id(module)) or ()
         leaves, spec = pytree.tree_flatten(args)
         swapped = []
         for i, c in copies.items():
             t = leaves[i] if i < len(leaves) else None
             # only an input carried from the last call (its storage is that call's output's): a new batch stays
-            if _floating(t) and t.untyped_storage().data_ptr() in prev and t.shape == c.shape \
+            if _floating(t) and t in prev and t.shape == c.shape \
                     and t.dtype == c.dtype and t.device == c.device:
                 leaves[i] = c.clone()
                 swapped.append(i)
