@@ -136,7 +136,7 @@ def restore_rng(st: Dict[str, Any]) -> None:
             torch.cuda.set_rng_state_all(st["cuda"])
         except Exception:
             pass
-    if "numpy" in st:
+    if st.get("numpy") is not None:  # (None: no NumPy state was kept, as the bundle check reads it)
         np = sys.modules.get("numpy")
         if np is None:
             import numpy as np  # noqa: F811  (the script imports it anyway)
