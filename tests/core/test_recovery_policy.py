@@ -346,3 +346,25 @@ def test_bad_data_rollbacks_count_against_the_allowance_the_notice_states():
         assert b.exhausted(s, "bad_input_data") is None
         b.spend(s, "bad_input_data", data_skip=False)  # a rollback past the outlier batch, not a plain skip
     assert b.left(31, data=True) == 0 and "bad-data" in b.exhausted(31, "bad_input_data")
+
+
+def test_updates_made_with_a_nonfinite_rate_are_each_undone_without_the_in_a_row_stop():
+    """A schedule past its end gives NaN at every step: each update is undone (rolled back to its own step's
+    snapshot) and the next failing steps are new ones, not replays; with a finite rate the failure right
+    after a plain rollback is that rollback's replay failing again, and it stops there as before."""
+    for lrs, undone in (([float("nan")], 6), ([0.1], 1)):
+        p, a = RecoveryPolicy(quiet=True), FakeActions(lrs=lrs)
+        recs = []
+        for step in range(90, 96):
+            snapshots(p, a, [step])
+            a.state["w"] = float("nan")  # the update with the rate wrote NaN
+            rec = p.on_failure(event("optimizer_numerics", phase="optimizer", step=step), step=step, actions=a,
+                               history=hist([0.5] * step))
+            if rec is None:
+                break
+            recs.append(rec)
+            assert a.state["w"] == 1.0 and rec["actions"]["rollback"]["to_step"] == step
+        assert len(recs) == undone, (lrs, len(recs))
+        if lrs[0] != lrs[0]:
+            assert all("same_failure" not in r["tries_left"] for r in recs)
+            assert "learning rate is nan" in recs[0]["actions"]["notes"][0]

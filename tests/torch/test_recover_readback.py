@@ -66,3 +66,31 @@ def test_a_skipped_steps_numbers_read_in_its_micro_batch_or_from_its_clip_are_no
     code, rep = run_ng(tmp_path, write(tmp_path, ACCUM), recover="auto")
     assert code == 0 and rep["status"] == "recovered", (rep["status"], [(e["step"], e["phase"]) for e in rep["events"]])
     assert [e["phase"] for e in rep["events"]] == ["forward"]
+
+
+NAN_RATE = """\
+import math
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+losses = []
+for step in range(12):
+    opt.param_groups[0]["lr"] = float("nan") if step in (6, 7) else 0.01   # a schedule's two bad values
+    x = torch.randn(8, 4)
+    loss = (model(x) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+print("bad", [i for i, v in enumerate(losses) if not math.isfinite(v)])
+"""
+
+
+def test_under_recovery_no_forward_runs_on_weights_an_update_made_non_finite(tmp_path, capsys):
+    """The update's parameter check was read at the next step's sync: that step's forward ran on the NaN
+    weights first, and the script read a NaN loss in a 'recovered' run (and the last update's NaN stayed)."""
+    code, rep = run_ng(tmp_path, write(tmp_path, NAN_RATE), recover="auto")
+    assert code == 0 and rep["status"] == "recovered", (rep["status"], rep["events"][-1:])
+    assert [(e["step"], e["phase"]) for e in rep["events"]] == [(6, "optimizer"), (7, "optimizer")]
+    assert "bad []" in capsys.readouterr().out  # no loss the script read was made by NaN weights

@@ -91,7 +91,6 @@ class Watcher:
                  on_spike: Optional[str] = None, quiet: bool = False,
                  experiments: Optional[ExperimentConfig] = None, policy: Any = None,
                  localize: Optional[LocalizeSpec] = None, announce: bool = False) -> None:
-        """The parameters are described in the module docstring (*The Watcher's parts*)."""
         self.config = config or GuardConfig()
         self.monitor = StepMonitor(self.config)
         self.monitor.per_update = True  # a step is one optimizer.step() call, counted across optimizers
@@ -215,9 +214,8 @@ class Watcher:
 
     @property
     def _replaying(self) -> bool:
-        """The hooks do nothing now: an in-process replay runs (``quiet()``), a Guard runs its own step
-        in this thread, or this process is a forked child. A stop raised in another thread is raised
-        here too (the run is stopping; :mod:`.owners`)."""
+        """The hooks do nothing now: an in-process replay runs (``quiet()``), a Guard runs its own step in this
+        thread, or this is a forked child. A stop raised in another thread is raised here (:mod:`.owners`)."""
         own = self.owner
         in_guard = getattr(guard_state, "guard_depth", 0) > 0  # (owners.in_guard_step(), inline)
         if own.stopping is not None and not own.forked and not self._replay_on and not self._busy \
@@ -330,8 +328,10 @@ class Watcher:
         if getattr(self._local, "scaler_depth", 0) > 0 or self._replaying:
             return
         skipped = id(opt) in self._skip_current
-        self._skip_current.discard(id(opt))
         self._guarded(self.monitor.end_step, opt, skipped)
+        if self.policy is not None and not skipped:  # recovery: the update's check now (its rollback undoes it)
+            self._handle(self._guarded(self.monitor.read_post, opt), opt)
+        self._skip_current.discard(id(opt))
         self._guarded(self.recovery.after_update, opt)
         self._step_started(opt, in_update=True)
 

@@ -51,7 +51,8 @@ def function_capture(watcher: Any, step: int, call: Optional[tuple], opt: Any,
     """A tape loop's failing step as an in-process capture (``kind`` "fit": replayable as
     ``step_fn(inputs)``), from the outermost ``tf.function`` call ``(fn, args, kwargs)`` that ran it; None
     when the batch has no row dimension. ``snapshot``: the recovery snapshot of the step's start (its
-    values of the buffers and seed states the failing call moved)."""
+    values of the variables the failing call moved: buffers, seed states, and the weights and optimizer
+    state of an update that ran before its failure was read)."""
     if call is None:
         return None
     fn, args, kwargs = call
@@ -71,8 +72,8 @@ def function_capture(watcher: Any, step: int, call: Optional[tuple], opt: Any,
     cap.values = {k: np.array(v.numpy()) for k, v in cap.variables.items()}
     if snapshot is not None and getattr(snapshot, "step", None) == step:
         at_start = {id(v): a for v, a in zip(snapshot.vars, snapshot.values)}
-        for k, v in cap.variables.items():
-            if not getattr(v, "trainable", False) and id(v) in at_start:
+        for k, v in cap.variables.items():  # the weights too: an update that failed after it ran wrote them
+            if id(v) in at_start:
                 cap.values[k] = np.array(at_start[id(v)])
     return cap
 

@@ -34,9 +34,10 @@ class RecoveryBudget:
         self.version = 0  # bumped by every action that changes how training runs (lr, clip, dtype, scale)
         self.last_rollback: Optional[Dict[str, Any]] = None
 
-    def exhausted(self, step: int, category: str, data: Optional[bool] = None) -> Optional[str]:
+    def exhausted(self, step: int, category: str, data: Optional[bool] = None, consecutive: bool = True) -> Optional[str]:
         """Why a recovery at ``step`` is over budget, or None. ``data``: count it against the bad-data
-        allowance (default: for bad input data; the policy also says so for per-sample failures)."""
+        allowance (default: for bad input data; the policy also says so for per-sample failures).
+        ``consecutive``: False where failing steps in a row are expected (a schedule's non-finite rate)."""
         samples = bool(data) and category != DATA_CATEGORY
         data = category == DATA_CATEGORY or bool(data)
         if samples:
@@ -57,7 +58,7 @@ class RecoveryBudget:
         while step - run in done:
             run += 1
         limit = self.max_consecutive_data if data else self.max_consecutive
-        if run > limit:
+        if run > limit and consecutive:
             if category == DATA_CATEGORY:
                 return (f"batches in a row held non-finite data {run} steps in a row (limit {limit}): most of the "
                         "data is bad, skipping would train on what is left")

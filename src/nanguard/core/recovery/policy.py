@@ -20,6 +20,7 @@ and :meth:`~RecoveryPolicy.on_update` (the armed per-update actions: loss scale,
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..render.terminal import print_line
@@ -43,8 +44,7 @@ class RecoveryPolicy:
     """Chooses recovery actions for diagnosed failures, within a budget; records every action."""
 
     def __init__(self, allowed: Optional[Sequence[str]] = None, *, auto: bool = True, max_recoveries: int = 10,
-                 window: int = 100, max_consecutive: int = 3, max_data_skips: int = 50,
-                 max_consecutive_data: int = 8,
+                 window: int = 100, max_consecutive: int = 3, max_data_skips: int = 50, max_consecutive_data: int = 8,
                  snapshot_every: int = 10, keep_snapshots: int = 3, recent_snapshots: int = 2,
                  recent_max_bytes: int = 256 * 2 ** 20, lr_factor: float = 0.1, clip_quantile: float = 0.25,
                  quiet: bool = False, failures: bool = True, max_same_failure: int = 2) -> None:
@@ -56,6 +56,7 @@ class RecoveryPolicy:
         self.budget = RecoveryBudget(max_recoveries, window, max_consecutive, max_data_skips, max_consecutive_data)
         self.repeats = Repeats(max_same_failure)  # the same failure back after a rollback: escalate, then stop
         self._same = 0  # how many recoveries in a row the failure being recovered has had
+        self._rate: Optional[float] = None  # the failure's non-finite learning rate (nonfinite_rate), if any
         self.store = SnapshotStore(snapshot_every, keep_snapshots, recent_snapshots, recent_max_bytes)
         self.lr_factor, self.clip_quantile = lr_factor, clip_quantile
         self.quiet = quiet
@@ -93,13 +94,9 @@ class RecoveryPolicy:
         return actions_for(category, self.allowed)
 
     # ---------------------------------------------------------------- snapshots
-    initial = _store_attr("initial")
-    snapshots = _store_attr("snapshots")
-    recent = _store_attr("recent")
-    snapshot_every = _store_attr("snapshot_every")
-    keep = _store_attr("keep")
-    recent_n = _store_attr("recent_n")
-    recent_max_bytes = _store_attr("recent_max_bytes")
+    initial, snapshots, recent = _store_attr("initial"), _store_attr("snapshots"), _store_attr("recent")
+    snapshot_every, keep = _store_attr("snapshot_every"), _store_attr("keep")
+    recent_n, recent_max_bytes = _store_attr("recent_n"), _store_attr("recent_max_bytes")
 
     def all_snapshots(self) -> List[Snapshot]:
         return self.store.all()
@@ -151,10 +148,12 @@ class RecoveryPolicy:
             actions.skip_step()
             return self._last_rec[1]
         few_rows = per_sample(event)  # a per-sample failure counts against the bad-data budget
-        why = self.budget.exhausted(step, cat, data=few_rows or None) or self.budget.replay_failed(step, cat)
+        self._rate = nonfinite_rate(actions) if event.phase in ("optimizer", "params") else None
+        why = self.budget.exhausted(step, cat, data=few_rows or None, consecutive=self._rate is None) or (
+            self.budget.replay_failed(step, cat) if self._rate is None else None)
         if why:
             return self._stop(event, step, why)
-        self._same = self.repeats.count(step, cat, "failure")
+        self._same = self.repeats.count(step, cat, "failure") if self._rate is None else 0
         if self.repeats.exhausted(self._same):
             return self._stop(event, step, self.repeats.why_stop(step, cat, self._same))
         params_ok = actions.state_finite()
@@ -284,7 +283,9 @@ class RecoveryPolicy:
                              **self.budget.allowance(step, skip or cat == DATA_CATEGORY, skip and cat != DATA_CATEGORY)}
         if self._same:
             rec["repeat"] = self._same
-        self.repeats.note(step, cat, kind, rec, self._same)
+        if self._rate is not None and kind == "failure":  # not a replay of this step: the next steps are new ones
+            rec["tries_left"].pop("same_failure")
+        self.repeats.note(step, cat, kind, rec if self._rate is None or kind != "failure" else {}, self._same)
 
     def _rollback(self, event, step: int, cat: str, actions: RecoveryActions, history: Sequence[dict],
                   params_ok: bool, done: Dict[str, Any], notes: List[str], before: Optional[int] = None) -> bool:
@@ -400,12 +401,13 @@ class RecoveryPolicy:
             names.append("skip_step")
         if cat == DATA_CATEGORY or few_rows:
             quarantine(self, event, done, actions)
+        notes += [RATE_NOTE.format(self._rate)] if self._rate is not None else []
         if notes:
             done["notes"] = notes
         if any(a in names for a in CHANGES_TRAINING):
             self.budget.training_changed()
         if set(names) == {"rollback", "skip_step"} and not done["rollback"].get("elements_only") \
-                and done["rollback"].get("rng_rewound"):
+                and done["rollback"].get("rng_rewound") and self._rate is None:
             self.budget.plain_rollback(step, done["rollback"]["to_step"], cat)  # its replay will be identical
         skip = (cat == DATA_CATEGORY or few_rows) and names in (["skip_step"], ["drop_samples"])
         n = self.budget.spend(step, cat, data_skip=skip)
@@ -430,14 +432,12 @@ class RecoveryPolicy:
         return None
 
     # ---------------------------------------------------------------- end of run
-    def summary(self) -> Optional[str]:
-        """One line on what recovery did (None when it did nothing)."""
+    def summary(self) -> Optional[str]:  # one line on what recovery did (None when it did nothing)
         return summary_line(self)
 
     def print_summary(self) -> None:
-        line = self.summary()
-        if line and not self.quiet:
-            print_line(line)
+        if not self.quiet and self.summary():
+            print_line(self.summary())
 
 
 def written_outside_update(cause: Dict[str, Any], repaired: Any) -> bool:
@@ -508,3 +508,18 @@ def proven_rows(event, done: Dict[str, Any]) -> List[int]:
     for d in tries:
         found += [int(r) for r in d.get("dataset_indices") or [] if isinstance(r, int) and int(r) not in found]
     return found
+
+
+RATE_NOTE = ("the learning rate is {}: the update made with it is undone; the next steps are new ones, each undone "
+             "the same way while the rate stays non-finite")
+
+
+def nonfinite_rate(actions: RecoveryActions) -> Optional[float]:
+    """A learning rate of the optimizers that is NaN or inf now (a schedule past its end), else None (or when none
+    can be read). Each update made with it is undone, and the next steps are new ones (no replay of the failing
+    one: neither the in-a-row limit nor the repeat rule applies), until the rate is finite or the budget is spent."""
+    try:
+        rates = list(actions.learning_rates())
+    except Exception:
+        return None
+    return next((float(r) for r in rates if not math.isfinite(float(r))), None)

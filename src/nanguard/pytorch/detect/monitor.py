@@ -436,21 +436,35 @@ class StepMonitor:
 
     def flush(self) -> Optional[Detection]:
         """At the end of the run: read the last update's pending parameter check."""
-        for key, post in list(self._pending_post.items()):
-            if post is DEFERRED:  # backward counting: the parameters after the last hand-written update
-                groups = [self.extra_params] if not self.roots else \
-                    [[p for r in list(self.roots) for p in r.parameters() if p.requires_grad and is_checkable(p)]]
-                post = torch.stack([_norm(g) for g in groups if g]) if any(groups) else torch.zeros(1)
-            vals = post.tolist()
-            step = self._pending_step.get(key, 0)
-            del self._pending_post[key]
-            self._pending_slice.pop(key, None)
-            if not all(math.isfinite(x) for x in vals):
-                groups = self.views[key].groups if key in self.views else [self.extra_params]
-                bad = self.names.nonfinite_params(groups, roots=False)
-                if bad:
-                    return Detection(step, "optimizer", {"nonfinite_params_after_update": bad[:20],
-                                                         "n_bad_params": len(bad)})
+        for key in list(self._pending_post):
+            det = self._read_post(key)
+            if det is not None:
+                return det
+        return None
+
+    def read_post(self, opt: torch.optim.Optimizer) -> Optional[Detection]:
+        """Under recovery, right after ``opt``'s update: its parameter check read now (one host read), so that no
+        forward runs on weights it made non-finite. A finite one stays pending for the next check's history."""
+        post = self._pending_post.get(id(opt))
+        if post is None or post is DEFERRED or all(map(math.isfinite, post.tolist())):
+            return None
+        return self._read_post(id(opt))
+
+    def _read_post(self, key: int) -> Optional[Detection]:
+        post = self._pending_post.pop(key)
+        if post is DEFERRED:  # backward counting: the parameters after the last hand-written update
+            groups = [self.extra_params] if not self.roots else \
+                [[p for r in list(self.roots) for p in r.parameters() if p.requires_grad and is_checkable(p)]]
+            post = torch.stack([_norm(g) for g in groups if g]) if any(groups) else torch.zeros(1)
+        vals = post.tolist()
+        step = self._pending_step.get(key, 0)
+        self._pending_slice.pop(key, None)
+        if not all(math.isfinite(x) for x in vals):
+            groups = self.views[key].groups if key in self.views else [self.extra_params]
+            bad = self.names.nonfinite_params(groups, roots=False)
+            if bad:
+                return Detection(step, "optimizer", {"nonfinite_params_after_update": bad[:20],
+                                                     "n_bad_params": len(bad)})
         return None
 
     def discard_step(self, opt: Optional[torch.optim.Optimizer]) -> None:
