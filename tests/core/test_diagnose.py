@@ -919,3 +919,55 @@ def test_an_update_that_left_only_the_optimizer_state_non_finite_says_so():
     assert d["category"] == "optimizer_numerics"
     assert "parameters stayed finite" in d["summary"] and "made the parameters non-finite" not in d["summary"]
     assert "normalise the input features" in str(d["fixes"][0])
+
+
+def test_a_sum_of_finite_exps_that_overflows_is_the_exp():
+    """Sinkhorn's Q = exp(scores / 0.01): each exp just under its threshold (1.5e38), their sum overflows. It
+    was 'other' ("float64 would hold it"), with the advice to compute in float64."""
+    facts = {"float64_check": {"finite": True, "max_abs": 5.3e38}, "overflow": {"dtype_max": 3.4e38},
+             "producers": [["t", "exp", "div", "detach", "mm"]],
+             "dtype_info": {"dtype": "float32", "max": 3.4e38, "exp_overflow_threshold": 88.72}}
+    ins = [{"dtype": "float32", "shape": [16, 128], "numel": 2048, "min": 3e-20, "max": 1.52e38, "max_abs": 1.52e38,
+            "zeros": 0, "negatives": 0, "nonfinite": 0, "arg": 0}]
+    d = run(loc("aten.sum.default", api="torch.sum", facts=facts, inputs=ins, output={"nan": 0, "posinf": 1,
+                                                                                       "neginf": 0}))
+    assert d["category"] == "exp_overflow" and "(x - x.max())" in d["fixes"][0], d
+    facts["producers"] = [["mul", "div"]]  # not made by an exp: the dtype's range, as before
+    assert run(loc("aten.sum.default", api="torch.sum", facts=facts, inputs=ins,
+                   output={"nan": 0, "posinf": 1, "neginf": 0}))["category"] == "other"
+
+
+def test_logdet_of_a_negative_determinant_is_its_domain():
+    """torch.logdet returns a NaN constant for det < 0 (Glow's QR-initialised 1x1 convolution): it was 'other',
+    'a non-finite constant written by the program', with advice to mask with finfo.min."""
+    d = run(loc("aten.scalar_tensor.default", api="torch.logdet", kind="constant", inputs=[{"arg": 0}],
+                output={"nan": 0, "posinf": 0, "neginf": 0}))
+    assert d["category"] == "log_domain" and "slogdet" in d["fixes"][0], d
+
+
+def test_log_backward_of_a_tiny_determinant_says_so_and_works_in_log_space():
+    """float64 GP: log(det(K)) with det 2.5e-312; the backward's 1/x overflows. It said 'received values <= 0 in 0
+    of 1 elements' and advised a clamp 'in float32'."""
+    ins = [{"dtype": "float64", "shape": [], "numel": 1, "min": 0.003, "max": 0.003, "zeros": 0, "negatives": 0,
+            "nonfinite": 0, "arg": 0},
+           {"dtype": "float64", "shape": [], "numel": 1, "min": 2.46e-312, "max": 2.46e-312, "zeros": 0,
+            "negatives": 0, "nonfinite": 0, "arg": 1}]
+    facts = {"producers": [["linalg_det", "add", "mm"]], "log_domain": {"le_limit": 0, "numel": 1, "min": 2.46e-312}}
+    d = run(loc("aten.div.Tensor", api="torch.log", stage="backward", dtype="float64", phase="backward",
+                node="LogBackward0", forward_op="aten.log.default", facts=facts, inputs=ins,
+                output={"nan": 0, "posinf": 1, "neginf": 0}))
+    assert d["category"] == "log_domain", d
+    assert "0 of 1" not in d["summary"] and "positive values only" in d["summary"], d["summary"]
+    assert "logdet" in d["fixes"][0] and not any("in float32 (" in f for f in d["fixes"]), d["fixes"]
+
+
+def test_log_of_a_negative_difference_of_adjacent_entries_is_crossed_cutpoints():
+    """Keras ordinal model: probs = full[:, 1:] - full[:, :-1] of cumulative sigmoids (the sigmoid beyond the
+    producer chain's reach); a negative entry was told only 'not positive by construction' (softplus)."""
+    facts = {"producers": [["index_select", "sub", "slice"]],
+             "log_domain": {"le_limit": 1, "limit": 0.0, "zeros": 0, "negatives": 1, "min": -5e-4, "numel": 100}}
+    ins = [{"dtype": "float32", "shape": [100], "numel": 100, "min": -5e-4, "max": 0.9, "zeros": 0, "negatives": 1,
+            "nonfinite": 0, "arg": 0}]
+    d = run(loc(facts=facts, inputs=ins, output={"nan": 1, "posinf": 0, "neginf": 0}))
+    assert d["category"] == "log_domain" and "cutpoints" in d["summary"] and \
+        any("cumsum(softplus(gaps))" in f for f in d["fixes"]), d

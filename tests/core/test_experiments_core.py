@@ -245,3 +245,22 @@ def test_calibration_table():
     t = calibration_table(rows)
     assert [b["bucket"] for b in t] == [[0.0, 0.5], [0.8, 0.9], [0.9, 0.95], [0.95, 1.0]]
     assert share_right_at(rows) == {"threshold": 0.9, "n": 2, "right": 1, "share": 0.5}
+
+
+def test_per_sample_failures_in_a_quarter_of_the_batches_stop_the_skipping():
+    """Sparse but persistent (an ordinal model's crossed cut-points fail on its rare class in 71 of 180 steps,
+    never dense enough for 15 of 20): a computation failing on samples of a quarter of the last 100 steps
+    fails on ordinary inputs; dropping them all trained on what was left."""
+    pol = RecoveryPolicy(quiet=True)
+    acts = FakeActions()
+    origin = {"samples": [3], "shape": [64, 4], "op": "log"}
+    recs = []
+    for step in range(20, 200, 3):
+        ev = event_with("log_domain", origin=origin)
+        ev.step = step
+        recs.append(pol.on_failure(ev, step=step, actions=acts, history=[]))
+        if recs[-1] is None:
+            break
+    assert recs[-1] is None and len(recs) == 26, len(recs)
+    assert "recurred on a few samples at 25 of the last 100 steps (limit 25)" in pol.stopped
+    assert (recs[-2]["tries_left"]["recoveries"], recs[-2]["tries_left"]["window"]) == (0, 100)

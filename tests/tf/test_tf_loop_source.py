@@ -53,3 +53,27 @@ def test_a_recovery_capture_of_a_loop_step_knows_its_dataset():
     cap = function_capture(SimpleNamespace(models=[]), 0, (lambda a, b: None, (xb, yb), {}), None)
     assert cap is not None and cap.row_source is not None and train_dataset is not None
     assert trace_rows(cap.row_source, cap.inputs, [9])["dataset_rows"] == [9]
+
+
+def test_values_a_map_made_from_finite_arrays_are_named_as_the_maps():
+    """A window normalised by its first value inside ``.map`` (a close of 0): the sliced arrays are finite, so
+    the map made the NaN; the fix was 'find the bad rows in the data itself', which finds nothing."""
+    from nanguard.core.diagnosis.rules.preexisting import preexisting
+    rng = np.random.default_rng(0)
+    x = (1 + rng.random((50, 5, 1))).astype("float32")
+    x[13, 0, 0] = 0.0
+    y = rng.random(50).astype("float32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).map(lambda s, t: (s / s[0] - 1.0, t)).batch(10)
+    batch = [(a.numpy(), b.numpy()) for a, b in ds][1]
+    assert not np.isfinite(batch[0][3]).all()
+    t = trace_rows(loop_source(batch), batch, [3])  # (found through the targets, which the map kept)
+    assert t.get("made_by") == "Map" and t["dataset_rows"] == [13], t
+    pre = {"kind": "data", "samples": [3], "source_rows": [13], "made_by_pipeline": t["made_by"],
+           "stats": {"nan": 1, "nonfinite": 5, "numel": 50}}
+    out = preexisting(pre, "data", {}, "replay", {})
+    assert "dataset row(s) [13]" in out["summary"] and "Map function made them" in out["summary"], out["summary"]
+    assert "Map function" in out["fixes"][0]
+    x[13, 0, 0] = np.nan  # a NaN already in the arrays: the data's own row, as before
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).map(lambda s, t: (s / s[0] - 1.0, t)).batch(10)
+    batch = [(a.numpy(), b.numpy()) for a, b in ds][1]
+    assert "made_by" not in trace_rows(loop_source(batch), batch, [3])

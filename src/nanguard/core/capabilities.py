@@ -39,8 +39,8 @@ CAPABILITIES: Dict[str, str] = {
     "recurrences": "recurrences folded",
     "clip_order": "a gradient clip placed before backward named in a divergence's fix",
     "zero_grad_missing": "an optimizer stepping with zero_grad never called named in a divergence's fix",
-    "batch_assembly": "bad input data made as the batch is assembled (the dataset's items read finite again): "
-                      "the collate_fn named",
+    "batch_assembly": "bad input data made as the batch is assembled (the dataset's items are finite): the "
+                      "function that made it named (a collate_fn, a tf.data map)",
     "replay_localization": "localization by in-process replay",
     "rerun_localization": "localization by re-run (child process)",
     "child_process_training": "training in child processes (torch.multiprocessing workers, Hogwild)",

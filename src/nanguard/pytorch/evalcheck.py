@@ -27,6 +27,7 @@ Events are counted by evaluation call (``detected.eval_call``) and keep the trai
 """
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import time
@@ -105,6 +106,7 @@ class EvalCheck:
         self._had: Dict[str, bool] = {}
         self._wrapped: Dict[str, Any] = {}
         self._suspended: Any = False  # while an optimizer updates: _ITEM (torch's item put back) or _IGNORED
+        self._update_code: Any = None  # the code of the step function of the optimizer that is updating
         self._held: Optional[tuple] = None  # (detection, tensor) of a read inside an open training step
         self._optim: list = []  # (torch.optim module, its _get_value, ours) while installed
         # (step, loss value as read back, a weak reference to the norm the script's clip returned then) of the
@@ -170,6 +172,10 @@ class EvalCheck:
         are the class's: a value another thread reads during that update is not checked."""
         if self._held is not None:  # the step's check passed (a failing one stopped or recovered before)
             self.settle()
+        try:  # the optimizer's own step function (torch wraps it for its hooks)
+            self._update_code = inspect.unwrap(type(opt).step).__code__ if opt is not None else None
+        except Exception:
+            self._update_code = None
         if self._wrapped and not self._suspended:
             if self._optim and _torch_optimizer(opt):
                 self._suspended = _IGNORED  # its step counters are read with torch's own item (_own_step_reads)
@@ -181,6 +187,18 @@ class EvalCheck:
                 self._suspended = _ITEM
             else:
                 self._suspended = _IGNORED
+
+    def resume_if_raised(self) -> None:
+        """A module call or backward while suspended: the update raised (its post hook never ran) and is over,
+        unless it is still running and calls the model itself (a natural-gradient step's Fisher-vector
+        products): its own reads stay ignored then."""
+        code = self._update_code
+        f = sys._getframe(2) if code is not None else None
+        while f is not None:
+            if f.f_code is code:
+                return
+            f = f.f_back
+        self.resume()
 
     def resume(self) -> None:
         if self._suspended:
@@ -221,7 +239,14 @@ class EvalCheck:
                 self._held = (det, t)
             return
         self._last = {"read": t}
-        w._handle(det, None)
+        w._handle(self._update_made(det), None)
+
+    def _update_made(self, det: Detection) -> Detection:
+        """A non-finite evaluation value computed from weights the last update made non-finite (its check is read
+        at the next step's sync, after this value): that update's failure (a custom optimizer's 0/0), not an
+        evaluation's ('could not reproduce')."""
+        post = self.w._guarded(self.w.monitor.flush)
+        return post if post is not None else det
 
     def note_failure(self, det: Detection) -> None:
         """A training step failed (reported, or recovered and skipped): its loss read back once the step is
@@ -246,7 +271,7 @@ class EvalCheck:
                 any(d.step == det.step and d.phase != "eval" for d in w.detections):
             return  # the step failed: reported (warn mode), or recovered and its update skipped
         self._last = {"read": t}
-        w._handle(det, None)
+        w._handle(self._update_made(det), None)
 
     # ------------------------------------------------------------------ intentional masks
     def masked(self, det: Detection, loc: Optional[Dict[str, Any]] = None) -> bool:
@@ -291,10 +316,10 @@ class EvalCheck:
         bad_params = mon.names.nonfinite_params([[p for p in module.parameters() if is_checkable(p)]])
         self._last = {"module": module, "args": args, "kwargs": dict(kwargs or {}), "rng": self._rng,
                       "grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled()}
-        return Detection(mon.steps_watched, "eval",
-                         {"module": type(module).__name__, "output_nan": nan, "output_inf": inf,
-                          "nonfinite_params": bad_params[:20], "grad_enabled": torch.is_grad_enabled(),
-                          "training": module.training, "eval_call": self.calls - 1})
+        return self._update_made(Detection(mon.steps_watched, "eval",
+                                           {"module": type(module).__name__, "output_nan": nan, "output_inf": inf,
+                                            "nonfinite_params": bad_params[:20], "grad_enabled": torch.is_grad_enabled(),
+                                            "training": module.training, "eval_call": self.calls - 1}))
 
     def replay(self, make_recorder: Any) -> Optional[Dict[str, Any]]:
         """Replay the failing evaluation call under a recorder (from ``make_recorder(roots)``), or the

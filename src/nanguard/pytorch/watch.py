@@ -390,7 +390,7 @@ class Watcher:
     # ------------------------------------------------------------------ backward
     def _backward(self, orig, tensors, a, k):
         if self.evals._suspended:
-            self.evals.resume()  # (an update that raised left torch's own reads in place)
+            self.evals.resume_if_raised()  # (an update that raised left torch's own reads in place)
         if self.disabled or self._replaying:
             return orig(tensors, *a, **k)
         ts = [tensors] if isinstance(tensors, torch.Tensor) else [t for t in (tensors or [])
@@ -433,7 +433,7 @@ class Watcher:
     def _root_pre(self, module, args) -> Optional[tuple]:
         """An outermost module call starts (:mod:`.roothooks`); returns the arguments it is to run with."""
         if self.evals._suspended:
-            self.evals.resume()  # (an update that raised left torch's own reads in place)
+            self.evals.resume_if_raised()  # (an update that raised left torch's own reads in place)
         return self._guarded(self._root_start, module, args)
 
     def _root_start(self, module, args) -> tuple:

@@ -14,7 +14,7 @@ from ..core.capabilities import ON_SPIKE_CAPS, recovery_cap
 __all__ = ["KERAS_FIT", "TAPE_LOOP", "DRIVERS"]
 
 _SHARED = frozenset({"early_warning", *ON_SPIKE_CAPS, "recurrences", "replay_proof", "drop_samples_experiment",
-                     "dataset_rows", "warning_fix_tested",
+                     "dataset_rows", "warning_fix_tested", "batch_assembly",
                      *(recovery_cap(a) for a in ("skip_step", "rollback", "lr_backoff", "clip", "upcast",
                                                  "drop_samples"))})
 

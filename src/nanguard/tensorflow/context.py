@@ -28,6 +28,8 @@ def run_context(w: Any) -> Dict[str, Any]:
             v = getattr(inner or opt, key, None)
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 ctx.setdefault(key, float(v))
+    if getattr(w, "outside_writes", None):  # non-finite values the program wrote between updates, and where
+        ctx["outside_writes"] = dict(w.outside_writes)
     switch = optimizer_switch(w)
     if switch:
         ctx["optimizer_switch"] = switch

@@ -59,7 +59,7 @@ def install(w: Any) -> List[Callable[[], None]]:
         def write(var, *a, **k):
             out = fn(var, *a, **k)
             if tf.executing_eagerly() and not w.disabled:
-                w._guarded(lambda: w._on_outside_write(var))
+                w._guarded(lambda: outside_write(w, var))
             return out
         return write
 
@@ -194,3 +194,17 @@ def patch_apply(w: Any, base: type) -> Dict[type, Callable]:
 
     patch(base)
     return w._class_apply
+
+
+def outside_write(w: Any, var: Any) -> None:
+    """An eager write of a trainable variable outside any update (a warm start, ``set_weights``, a hand-made
+    re-initialisation): the next step checks the variables exactly; a non-finite value written is noted with
+    the script's line (the report's ``written_by`` of that variable)."""
+    if not getattr(var, "trainable", False) or not tf.executing_eagerly() or tl_get("apply_depth") > 0:
+        return
+    w.outside_write = True
+    for st in w.known_states():  # a step traced under an earlier watcher checks it too
+        st.force.assign(True)
+    if not bool(tf.reduce_all(tf.math.is_finite(var))):  # (one host read per write between steps)
+        from .locate.naming import keras_path, script_site
+        w.outside_writes[keras_path(w.models, var)] = script_site("an assign between updates")

@@ -299,8 +299,11 @@ def trace_rows(source: Optional[RowSource], batch: Sequence[Any], rows: Sequence
         by_order = False
         if not cand:
             via = ", ".join(source.altering) or ", ".join(source.through) or "the input pipeline"
-            return {"note": f"{pos}; dataset row not traceable through {via} (no row of {source.what} has "
-                            f"the values of batch row {r})"}
+            out = {"note": f"{pos}; dataset row not traceable through {via} (no row of {source.what} has "
+                           f"the values of batch row {r})"}
+            if source.altering and all(_finite(a) for a in source.arrays):  # so a function on the way made it
+                out["made_by"] = ", ".join(source.altering)
+            return out
         if len(cand) > _MAX_CANDIDATES:
             return {"note": f"{pos}; dataset row not traceable: {len(cand)} rows of {source.what} have the "
                             f"values of batch row {r}"}
@@ -311,6 +314,8 @@ def trace_rows(source: Optional[RowSource], batch: Sequence[Any], rows: Sequence
     out: Dict[str, Any] = {"dataset_rows": found, "how": how}
     if ambiguous:
         out["ambiguous"] = True
+    if source.altering and found and all(_finite(a[found]) for a in source.arrays if len(a) > max(found)):
+        out["made_by"] = ", ".join(source.altering)  # the rows are finite where they were sliced
     return out
 
 
@@ -373,6 +378,8 @@ def annotate_localization(loc: Optional[Dict[str, Any]], source: Optional[RowSou
     if not rows or batch is None or pre.get("source_rows"):
         return
     t = trace_rows(source, batch, rows)
+    if t.get("made_by"):
+        pre["made_by_pipeline"] = t["made_by"]
     if t.get("dataset_rows"):
         pre["source_rows"] = t["dataset_rows"]
         pre["source_rows_from"] = t["how"]
@@ -392,3 +399,7 @@ def annotate_localization(loc: Optional[Dict[str, Any]], source: Optional[RowSou
         notes = loc.setdefault("notes", [])
         if isinstance(notes, list):
             notes.append(t["note"])
+
+
+def _finite(a: np.ndarray) -> bool:
+    return a.dtype.kind != "f" or bool(np.isfinite(a).all())

@@ -77,6 +77,7 @@ class TFWatcher:
         self.fitting: Callable[[], Any] = lambda: None   # weak reference to the model of the latest fit
         self._snap_due = True  # recovery: the state at the start of the next step is to be snapshot
         self.outside_write = False  # the program wrote a trainable variable between steps (eager steps)
+        self.outside_writes: Dict[str, Dict[str, Any]] = {}  # variable path -> where a non-finite write was made
         self._installed, self._class_apply = False, {}  # (the optimizer classes' own apply methods)
         self._uninstallers: List[Callable[[], None]] = []
         self.observers = TFObservers(observers)
@@ -307,15 +308,6 @@ class TFWatcher:
 
     def fit_position(self, step: int) -> Optional[Dict[str, int]]:
         return fit_position(self, step)
-
-    def _on_outside_write(self, var: Any) -> None:
-        """An eager write of a trainable variable outside any update (a warm start, ``set_weights``, a
-        hand-made re-initialisation): the next step checks the variables exactly."""
-        if not getattr(var, "trainable", False) or not tf.executing_eagerly() or tl_get("apply_depth") > 0:
-            return
-        self.outside_write = True
-        for st in self.known_states():  # a step traced under an earlier watcher checks it too
-            st.force.assign(True)
 
     def _take_due_snapshot(self) -> None:
         """Recovery: the snapshot of the state at the start of the coming step (taken when it starts,

@@ -74,7 +74,9 @@ def nonfinite_rate(history: Sequence[dict], ctx: dict) -> float | None:
     next one's, which the same schedule made), or the last record's; else None."""
     last = history[-1] if history and isinstance(history[-1], dict) else None
     lrs = ctx.get("lr")
-    for lr in (lrs, last.get("lr") if last else None):
+    # the optimizer's own rates when the context has them (None: a group without a rate, which a history
+    # record holds as NaN: a custom optimizer with no lr is no NaN rate)
+    for lr in ((lrs,) if lrs is not None else (last.get("lr") if last else None,)):
         x = _bad_rate(lr)
         if x is not None:
             return x
@@ -233,6 +235,10 @@ def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
         if big is not None:  # the script's own gradient norm (a clip) overflowed on enormous, finite gradients
             return divergence(sig, origin, ev, method, 0.8, ctx) or \
                 huge_gradient_result(origin, big, sig, ev, method, 0.7, ctx, in_norm=True)
+    if origin.get("kind") == "constant" and str(origin.get("api") or "").rsplit(".", 1)[-1] in CONSTANT_BY_DOMAIN:
+        category, why, fixes = CONSTANT_BY_DOMAIN[str(origin["api"]).rsplit(".", 1)[-1]]
+        return T.result(category, f"{T.api_or_op(origin)} at {T.where(origin)} returned NaN: {why}", 0.85, ev,
+                        list(fixes), method)
     if origin.get("kind") == "constant":
         return T.result("other", f"a non-finite constant written by the program at {T.where(origin)} "
                         f"({T.api_or_op(origin)}) reached the {phase} result", 0.5, ev,
@@ -246,6 +252,16 @@ def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
                         method)
     return mechanism(Case(origin, facts, sig, phase, ev, method, ctx))
 
+
+# library functions that return a NaN constant (not an op's arithmetic) outside their domain: (category, why, fixes)
+CONSTANT_BY_DOMAIN = {
+    "logdet": ("log_domain", "the determinant is negative and logdet is log(det), NaN below 0 (an invertible "
+               "matrix initialised by a QR or a random rotation has det -1 half the time)",
+               ("use log|det|: torch.linalg.slogdet(W).logabsdet (what a change of variables needs), or keep the "
+                "determinant positive by construction (an LU parametrisation with a fixed sign, as Glow's "
+                "invertible 1x1 convolution)",
+                "if the sign matters to the model, check torch.linalg.slogdet(W).sign at initialisation")),
+}
 
 _UPDATE_CALL = re.compile(r"\.(apply_gradients|apply|minimize|step|fit|train_on_batch)\s*\(")
 

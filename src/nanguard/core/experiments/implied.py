@@ -36,8 +36,10 @@ def implied_cause(refuted: str, e: Experiment, origin: Optional[Dict[str, Any]],
 
 def _precision(e: Experiment, origin: Dict[str, Any], evidence: Dict[str, Any], method: str) -> Dict[str, Any]:
     out = origin.get("output") or {}
-    overflow = bool(out.get("posinf") or out.get("neginf")) and not out.get("nan") and \
-        not (T.first_input(origin).get("zeros"))
+    first = T.first_input(origin)
+    overflow = bool(out.get("posinf") or out.get("neginf")) and not out.get("nan") and not first.get("zeros")
+    if origin.get("dtype") == "bfloat16" and not (T.fin(first.get("max_abs")) and first["max_abs"] > 1e36):
+        overflow = False  # float32's range: an Inf from ordinary values is a rounding (atanh of a bound that is 1.0)
     facts = dict(evidence.get("facts") or {})
     base = (lp_overflow if overflow else lp_underflow)(origin, facts, dict(evidence), method)
     dt = origin.get("dtype")

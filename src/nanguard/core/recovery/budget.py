@@ -13,7 +13,7 @@ budget too: a rollback alone cannot fix it.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 DATA_CATEGORY = "bad_input_data"
 
@@ -41,10 +41,10 @@ class RecoveryBudget:
         samples = bool(data) and category != DATA_CATEGORY
         data = category == DATA_CATEGORY or bool(data)
         if samples:
-            near = [s for s in self.sample_steps if s > step - self.sample_window]
-            if len(near) >= self.max_sample_skips:
-                return (f"the failure ({category}) recurred on a few samples at {len(near)} of the last "
-                        f"{self.sample_window} steps (limit {self.max_sample_skips}): the data is finite and the "
+            left, window, limit = self._samples_left(step)
+            if not left:
+                return (f"the failure ({category}) recurred on a few samples at {limit} of the last "
+                        f"{window} steps (limit {limit}): the data is finite and the "
                         "samples it fails on are common, so skipping them would hide a computation that fails on "
                         "ordinary inputs; fix the op")
         steps, limit = self._kind(data, False)
@@ -78,14 +78,24 @@ class RecoveryBudget:
 
     def left(self, step: int, data: bool = False, samples: bool = False) -> int:
         """Recoveries (bad-data skips, failing-samples skips) still allowed at ``step``."""
-        steps, limit = self._kind(data or samples, samples)
-        window = self.sample_window if samples else self.window
-        return max(limit - len([s for s in steps if s > step - window]), 0)
+        if samples:
+            return self._samples_left(step)[0]
+        steps, limit = self._kind(data, False)
+        return max(limit - len([s for s in steps if s > step - self.window]), 0)
+
+    def _samples_left(self, step: int) -> Tuple[int, int, int]:
+        """(skips of failing samples left, over which window, its limit): the tighter of a dense limit (15 of
+        20 steps) and a persistent one (a quarter of the last ``window`` steps)."""
+        return min((max(limit - len([s for s in self.sample_steps if s > step - window]), 0), window, limit)
+                   for window, limit in ((self.sample_window, self.max_sample_skips), (self.window, self.window // 4)))
 
     def allowance(self, step: int, data: bool = False, samples: bool = False) -> Dict[str, int]:
         """``{"recoveries": left, "window": steps}``: what :meth:`left` allows, and over how many steps (a
         sliding window: the count may go up again)."""
-        return {"recoveries": self.left(step, data, samples), "window": self.sample_window if samples else self.window}
+        if samples:
+            left, window, _ = self._samples_left(step)
+            return {"recoveries": left, "window": window}
+        return {"recoveries": self.left(step, data), "window": self.window}
 
     def replay_failed(self, step: int, category: str) -> Optional[str]:
         """A rollback that changed nothing else replays the same state and data (the RNG is rewound too):

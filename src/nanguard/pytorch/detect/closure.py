@@ -45,9 +45,20 @@ def needs_closure(opt: Any) -> bool:
 
 def closure_of(args: tuple, kwargs: dict) -> Optional[Callable[[], Any]]:
     """The closure a step call was given, from an optimizer step pre-hook's ``(args, kwargs)`` (torch
-    passes the optimizer itself as ``args[0]``), if any."""
+    passes the optimizer itself as ``args[0]``), if any. A callable that takes arguments is not one: a
+    custom optimizer's ``step(fvp)`` given a Fisher-vector product (natural gradient, TRPO, K-FAC) calls it
+    with a vector, and a closure check in its place broke the script."""
     c = kwargs.get("closure", args[1] if len(args) > 1 else None)
-    return c if callable(c) else None
+    return c if callable(c) and _takes_no_argument(c) else None
+
+
+def _takes_no_argument(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: taken as a closure, as before
+        return True
+    return not any(p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
+                                                                      p.KEYWORD_ONLY) for p in params)
 
 
 def with_closure(args: tuple, kwargs: dict, closure: Callable[[], Any]) -> tuple:

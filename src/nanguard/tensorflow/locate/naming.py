@@ -33,7 +33,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 from ...core.locate.naming import PACKAGE_DIR, PSEUDO_EXCLUDED, resolved_dirs, stdlib_dirs
 from ...core.locate.naming import UserFiles as _UserFiles
@@ -484,3 +484,25 @@ def _user_caller(c: _Comp, users: UserFiles) -> Optional[tuple]:
 
 def _ctor_of(c: _Comp, loc: Location) -> Optional[tuple]:
     return construction_site(c.obj)
+
+
+def script_site(api: str) -> Dict[str, Any]:
+    """A ``written_by`` record of ``api`` at the script's innermost frame now (its file, line, function)."""
+    users = default_user_files()
+    f = sys._getframe(1)
+    while f is not None and not users(f.f_code.co_filename):
+        f = f.f_back
+    out: Dict[str, Any] = {"api": api, "op": "assign", "kind": "outside_update"}
+    if f is not None:
+        out.update(file=f.f_code.co_filename, line=f.f_lineno, function=f.f_code.co_name)
+    return out
+
+
+def keras_path(models: Any, var: Any) -> str:
+    """The Keras path of ``var`` (a ``tf.Variable`` backing a Keras variable of one of ``models``, or the Keras
+    variable itself), as the reports name variables; else its TensorFlow name."""
+    for m in list(models):
+        for v in getattr(m, "weights", []):
+            if v is var or getattr(v, "_value", None) is var:
+                return str(v.path)
+    return str(getattr(var, "path", None) or getattr(var, "name", "?"))

@@ -44,6 +44,9 @@ def _overflow_from_finite_inputs_rule(c) -> dict | None:
     if inner is not None:
         return inner
     dtype_max = (facts.get("overflow") or {}).get("dtype_max")
+    summed = exp_summed(c)
+    if summed is not None:
+        return summed
     if f64 and not f64.get("finite"):  # float64 is infinite too: a pole of the function, not its range
         return T.result("other", f"{api} at {where} returned +-inf from finite inputs, in float64 as well: "
                         "its inputs sit on a pole of the function (e.g. erfinv(+-1), 1/0-like limits)",
@@ -79,6 +82,34 @@ def _range_ran_out_rule(c) -> dict | None:
                      "layer): an unnormalised input, an initialisation that grows through the layers, or weights "
                      "that grew", "normalise the activations (LayerNorm/BatchNorm), scale the initialisation "
                      "down with depth, or compute this op in float64"], c.method)
+
+
+_SUMS = ("sum", "add", "cumsum", "mm", "matmul", "bmm", "mv", "addmm", "mean")  # ops that add their inputs up
+
+
+def exp_summed(c) -> dict | None:
+    """A sum (or a product's additions) of exp's outputs overflowed although each exp was finite: exp(x / T)
+    with x just under the overflow threshold (87.9 of 88.7 in float32: a Sinkhorn's exp(scores / 0.01))
+    gives values near the dtype's max, and adding them runs out. The exp is the cause; its fix is the max
+    subtracted before it (logsumexp), not float64."""
+    if c.op not in _SUMS:
+        return None
+    chains = (c.facts.get("producers") or [])[:2]
+    if not any(next((p for p in chain if p not in VIEW.ops), None) == "exp" for chain in chains if chain):
+        return None
+    big = (T.first_input(c.origin) or {}).get("max_abs")
+    thr = (c.facts.get("dtype_info") or {}).get("exp_overflow_threshold")
+    summ = (f"{c.api} at {c.where} added up values of exp that are each finite but up to {T.g(big)}, near the "
+            f"{c.dtype} maximum (exp's input was just under its overflow threshold {T.g(thr)}), and the sum "
+            "overflowed: the exp of unscaled values (a small temperature or epsilon dividing scores) is the cause")
+    fixes = [X.say(pytorch="subtract the maximum before the exp (it cancels in the normalisation): "
+                   "Q = torch.exp((x - x.max()) / eps), or work in log space with torch.logsumexp",
+                   tensorflow="subtract the maximum before the exp (it cancels in the normalisation): "
+                   "Q = tf.exp((x - tf.reduce_max(x)) / eps), or work in log space with tf.reduce_logsumexp",
+                   jax="subtract the maximum before the exp (it cancels in the normalisation): "
+                   "Q = jnp.exp((x - x.max()) / eps), or work in log space with jax.nn.logsumexp"),
+             "or raise the temperature / epsilon dividing the scores"]
+    return T.result("exp_overflow", summ, 0.85, c.ev, fixes, c.method)
 
 
 def _function_text(file: str, line: int, limit: int = 60) -> str:

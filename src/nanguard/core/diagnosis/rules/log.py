@@ -107,6 +107,7 @@ def log1p_result(c) -> dict:
 
 
 _EXACT_ZEROS = ("relu", "relu6", "threshold")
+_PRODUCTS_OF_MANY = ("linalg_det", "det", "_linalg_det", "prod", "Prod", "MatrixDeterminant", "cumprod")
 
 
 def log_summary(origin: dict, facts: dict) -> tuple[str, str, list[str]]:
@@ -122,9 +123,13 @@ def log_summary(origin: dict, facts: dict) -> tuple[str, str, list[str]]:
     lim = ld.get("limit", 0.0)
     val = "0" if (ld.get("zeros") and not ld.get("negatives")) else "values <= 0" if lim == 0 else "values <= -1"
     bwd = origin.get("stage") == "backward"
+    low = ld.get("min", inp.get("min"))
+    if bwd and n == 0 and T.fin(low) and low > 0:  # every argument positive: 1/x of a tiny one overflowed
+        summ = (f"{api} at {where} received positive values only, the smallest {T.g(low)} ({origin.get('dtype')}), "
+                f"and its backward divides by its input: 1/{T.g(low)} overflows")
+        return summ, where, prods
     summ = (f"{api} received {val} in {T.g(n)} of {T.g(numel)} elements at {where} (input min "
-            f"{T.g(ld.get('min', inp.get('min')))}, {origin.get('dtype')})"
-            + ("; its backward divides by that input" if bwd else ""))
+            f"{T.g(low)}, {origin.get('dtype')})" + ("; its backward divides by that input" if bwd else ""))
     return summ, where, prods
 
 
@@ -183,7 +188,9 @@ def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> d
         fixes.append(f"keep x inside (0, 1) before the log at {where}: {X.clamp('x', '1e-6', '1 - 1e-6')} (a "
                      "clamp at 0 alone does not cover 1 - x; labels clipped to [0, 1] put values exactly on the edge)")
     ld1 = facts.get("log_domain") or {}
-    neg_prob = bool(ld1.get("negatives")) and any(p in _SOFTMAXES + ("sigmoid",) for p in prods)
+    raw = next(iter(facts.get("producers") or []), None) or []  # (views kept: the slices of x[1:] - x[:-1])
+    adjacent = "sub" in arg[:2] and "slice" in raw[raw.index("sub"):] if "sub" in raw else False
+    neg_prob = bool(ld1.get("negatives")) and (adjacent or any(p in _SOFTMAXES + ("sigmoid",) for p in prods))
     if neg_prob:  # a probability cannot be negative: one computed as a difference whose terms crossed
         summ += ("; a probability is never negative: this one is computed as a difference (p_k - p_(k-1), 1 - p) "
                  "of terms that are not ordered (an ordinal model's cutpoints that crossed)")
@@ -227,7 +234,17 @@ def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> d
         fixes.append(f"make the value the log reads positive by construction: {sp} of the raw output, or predict "
                      f"its log and exponentiate (then log(exp(z)) is z itself), instead of the signed value that "
                      f"feeds {where}; a clamp would hold the negative elements at the floor with no gradient")
-    fixes.append(f"clamp the argument away from 0 at {where}: {X.call('log', X.clamp_min('x', '1e-12'))} in float32 "
-                 "(use a floor the dtype can hold: float32 tiny is 1.2e-38, float16 tiny is 6.1e-05)")
+    if any(p in _PRODUCTS_OF_MANY for p in prods[:3]):  # log(det(K)), log(prod(x)): a product under/overflows
+        fixes.insert(0, X.say(pytorch=f"take the log of the product in log space at {where}: torch.logdet(K) or "
+                              "torch.linalg.slogdet(K).logabsdet, 2 * torch.log(torch.diagonal(torch.linalg.cholesky(K)))"
+                              ".sum() for a covariance, or torch.log(x).sum() for a product",
+                              tensorflow=f"take the log of the product in log space at {where}: tf.linalg.logdet(K) "
+                              "or tf.linalg.slogdet(K), 2 * tf.reduce_sum(tf.math.log(tf.linalg.diag_part("
+                              "tf.linalg.cholesky(K)))) for a covariance, or tf.reduce_sum(tf.math.log(x))",
+                              jax=f"take the log of the product in log space at {where}: jnp.linalg.slogdet(K), "
+                              "2 * jnp.log(jnp.diag(jnp.linalg.cholesky(K))).sum(), or jnp.log(x).sum()"))
+    fixes.append(f"clamp the argument away from 0 at {where}: {X.call('log', X.clamp_min('x', '1e-12'))} in "
+                 f"{origin.get('dtype') or 'float32'} (use a floor the dtype can hold: float32 tiny is 1.2e-38, "
+                 "float16 tiny is 6.1e-05)")
     fixes.append("if the zeros are legitimately masked, use the safe double-where pattern: " + X.safe_where("log"))
     return T.result("log_domain", summ, 0.92, ev, fixes, method)

@@ -235,6 +235,9 @@ def _state_overflow_result(origin: dict, facts: dict, opt: dict, name: str, ev: 
     return T.result("low_precision_overflow", summ, conf, ev, fixes, method)
 
 
+_PRODUCTS = ("dot", "vdot", "mv", "mm", "matmul", "inner", "bmm")  # a denominator made by a product of vectors
+
+
 def _scalar_in_update(origin: dict) -> bool:
     """A single value made non-finite on a user line inside the update (not a variable write): a
     hyper-parameter the optimizer computes each step, e.g. a learning-rate schedule."""
@@ -264,6 +267,18 @@ def _hyperparameter(origin: dict, facts: dict, opt: dict, name: str, ev: dict, m
                        "1.0)"),
                  "or exclude biases and norm layers from the trust-ratio scaling (as LARS/LAMB recipes do)"]
         return T.result("optimizer_numerics", summ, conf, ev, fixes, method)
+    chain = zd.get("producer_chain") or []
+    if zd.get("zero_over_zero") and chain[:1] and chain[0] in _PRODUCTS:
+        # 0/0 of two tensors' products (a conjugate-gradient step alpha = r.r / p.Ap): they are 0 when the
+        # gradient the update starts from is 0 (a batch whose advantages or errors are all 0)
+        summ = (f"{name}'s update computed {val} at {where} ({api}): 0/0 of two products of vectors the update "
+                "builds from the gradients (a conjugate-gradient or Newton step's r.r / p.Ap), which are 0 when "
+                f"the gradient it starts from is exactly 0 in this batch; the update then made {target}")
+        fixes = [f"guard the division at {where}: stop the iteration (or skip the update) when the gradient or "
+                 "the residual is 0, e.g. if r @ r < tol: return x before dividing, or divide by "
+                 "max(p @ Ap, eps)",
+                 "or skip batches whose gradient is exactly 0 (all advantages or errors 0) before the update"]
+        return T.result("div_by_zero", summ, conf, ev, fixes, method)
     summ = (f"{name}'s update computed a non-finite scalar, {val}, at {where} ({api}{how}): a hyper-parameter the "
             f"update evaluates each step, such as a learning-rate schedule; the update then made {target}")
     fixes = [X.say(pytorch=f"fix the schedule at {where} so it stays finite for every step of the run (e.g. keep a "

@@ -123,6 +123,17 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
                          "mix that can select nothing, a division by a statistic of the transformed item",
                          "validate each item after its transforms (assert torch.isfinite(x).all()) to catch the draw"]
             return T.result("bad_input_data", summ, 0.9, ev, fixes, method)
+        made = str(pre.get("made_by_pipeline") or "")
+        if made:  # the arrays (or rows) the pipeline slices are finite: a function on the way made the values
+            summ = (f"bad input data: {rows_s} hold {n_bad} {what} value(s) of {numel}{where}; "
+                    + (f"those rows are finite in the arrays the input pipeline slices" if src else
+                       "the arrays the input pipeline slices are all finite") + f", so its {made} function made them")
+            fixes = [f"guard the arithmetic of the pipeline's {made} function: a division by a value of the row that "
+                     "can be 0 (a window divided by its first value, a ratio over a count), the log or sqrt of 0, "
+                     "e.g. x / tf.maximum(tf.abs(d), 1e-6) * tf.sign(d), or drop such rows before it with ds.filter",
+                     "check the mapped rows once: for x, y in ds.unbatch().take(n): tf.debugging.assert_all_finite("
+                     "x, 'mapped row')"]
+            return T.result("bad_input_data", summ, 0.9, ev, fixes, method)
         summ = f"bad input data: {rows_s} of the {'batch' if untraced else 'input tensor'} hold {n_bad} {what} value(s) of {numel}{carry}{where}"
         every = rows_s
         if src and tr and not untraced and set(src) < set(tr):  # (src rows index this tensor: it is the dataset)
@@ -152,7 +163,8 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
                         "see why a previous update made the state non-finite (eps below the dtype's tiny, "
                         "float16 state)"], method)
     since = (ctx.get("bad_params_since") or {}).get(name)
-    wb = pre.get("written_by") or {}
+    # the write the replay saw; else one the run saw between steps (a Keras callback's set_weights)
+    wb = pre.get("written_by") or (ctx.get("outside_writes") or {}).get(str(name)) or {}
     rows = st.get("bad_rows") or []
     wb_s, wb_fix = "", None
     if wb.get("file"):
@@ -189,8 +201,8 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
             + (f" (rows {rows})" if rows else "") + " before the step uses it"
             + (f"; non-finite since step {since}" if since is not None else "") + wb_s)
     fixes = [wb_fix,
-             f"{X.reinit(name or 'the parameter')} (or restore it from the last finite checkpoint); a "
-             "skip/rollback cannot fix a parameter that is already non-finite"]
+             f"{X.reinit(name or 'the parameter')} (or restore it from the last finite checkpoint)"
+             + ("" if wb_fix else "; a skip cannot fix a parameter that is already non-finite")]
     fixes.append(f"assert {X.assert_finite_params()} after initialisation / loading")
     return T.result("param_corruption", summ, 0.95, ev, fixes, method)
 
