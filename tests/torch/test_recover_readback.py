@@ -94,3 +94,21 @@ def test_under_recovery_no_forward_runs_on_weights_an_update_made_non_finite(tmp
     assert code == 0 and rep["status"] == "recovered", (rep["status"], rep["events"][-1:])
     assert [(e["step"], e["phase"]) for e in rep["events"]] == [(6, "optimizer"), (7, "optimizer")]
     assert "bad []" in capsys.readouterr().out  # no loss the script read was made by NaN weights
+
+
+def test_the_guard_under_recovery_reads_the_updates_check_before_the_next_forward():
+    import math
+
+    import torch
+
+    import nanguard
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    g = nanguard.Guard(model, opt, recover="auto", quiet=True, report=None)
+    losses = []
+    for step in range(12):
+        opt.param_groups[0]["lr"] = float("nan") if step in (6, 7) else 0.01
+        losses.append(float(g.step((torch.randn(8, 4),), lambda b: (model(b[0]) ** 2).mean())))
+    assert all(map(math.isfinite, losses)), losses  # step 7's forward ran on the weights step 6 made NaN
+    assert all(bool(p.isfinite().all()) for p in model.parameters())

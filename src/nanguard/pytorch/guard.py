@@ -351,7 +351,10 @@ class Guard:
         end = self.monitor.end_step
         for o in self.optimizers:
             self._safe(end, o, skipped.get(id(o), False))
-        if self.policy is not None:
+        if self.policy is not None:  # recovery: the update's check now, so no forward runs on weights it broke
+            for det in filter(None, (self._safe(self.monitor.read_post, o) for o in self.optimizers)):
+                if self._now is not None:
+                    self.failures.handle(det, *self._now, self._step_indices)
             self.policy.after_step(self)
         # a running estimate of one ordinary step's wall time (the experiments' budget unit); inline: no call
         seconds, s = time.perf_counter() - self._step_start, self._step_seconds
