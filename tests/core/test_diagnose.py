@@ -971,3 +971,20 @@ def test_log_of_a_negative_difference_of_adjacent_entries_is_crossed_cutpoints()
     d = run(loc(facts=facts, inputs=ins, output={"nan": 1, "posinf": 0, "neginf": 0}))
     assert d["category"] == "log_domain" and "cutpoints" in d["summary"] and \
         any("cumsum(softplus(gaps))" in f for f in d["fixes"]), d
+
+
+def test_a_tensorflow_op_inside_a_library_call_on_the_users_line_is_said_to_run_there(tmp_path):
+    """MS-SSIM: the Pow whose gradient is inf at 0 runs inside tf.image.ssim_multiscale; the fix said
+    'tf.maximum(x, 1e-6) ** p at line 25', a pow the user never wrote."""
+    f = tmp_path / "train.py"
+    f.write_text("def msssim_loss(y_true, y_pred):\n"
+                 "    return 1.0 - tf.image.ssim_multiscale(y_true, y_pred, max_val=1.0)\n")
+    ins = [{"dtype": "float32", "shape": [4], "numel": 4, "min": 0.0, "max": 0.9, "zeros": 1, "negatives": 0,
+            "nonfinite": 0, "arg": 0}]
+    l = loc("pow", api="Pow", file=str(f), line=2, inputs=ins, output={"nan": 0, "posinf": 1, "neginf": 0})
+    d = run(l, context={"framework": "tensorflow"})
+    assert "inside tf.image.ssim_multiscale" in d["summary"] and "tf.image.ssim_multiscale" in d["fixes"][0], d
+    g = tmp_path / "train2.py"
+    g.write_text("def loss(y):\n    return tf.reduce_mean(y ** 0.5)\n")  # the pow is written there: no note
+    l["origin"]["file"] = str(g)
+    assert "inside" not in run(l, context={"framework": "tensorflow"})["summary"]

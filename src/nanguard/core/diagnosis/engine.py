@@ -59,6 +59,7 @@ def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: 
                 out = _ruled_out(out, excluded)
             out = calibrate(out, loc if loc and loc.get("reproduced") else None)
             out = script_shape(out, context, sig)
+            out = inside_library_call(out, loc, X.framework_of(context, loc))
         except Exception as e:  # a diagnosis must always come back
             out = T.result("other", f"diagnosis failed ({type(e).__name__}: {e}); phase {phase}", 0.1,
                            {"error": str(e)[:200]}, [f"inspect the step manually with {X.detect_anomaly()}"],
@@ -67,6 +68,32 @@ def diagnose(loc: dict | None, history: Sequence[dict], *, phase: str, context: 
     out["evidence"].setdefault("history", {k: v for k, v in sig.items() if v not in (None, False, 0, [])})
     out["confidence"] = float(max(0.0, min(1.0, out["confidence"])))
     return T.jsonable(out)
+
+
+# how an op is written in a line of TensorFlow code (canonical op -> spellings)
+_SPELLINGS = {"pow": ("**", "pow", "sqrt", "square"), "div": ("/", "div", "reciprocal"), "log": ("log",),
+              "sqrt": ("sqrt",), "exp": ("exp",), "rsqrt": ("rsqrt",), "mul": ("*", "mul", "multiply")}
+_TF_CALL = re.compile(r"\b((?:tf|keras|tfp)\.[A-Za-z_][\w.]*)\s*\(")
+
+
+def inside_library_call(out: dict, loc: Any, framework: str) -> dict:
+    """A TensorFlow op the user's line does not write (no ``**`` on a line that calls tf.image.ssim_multiscale):
+    it runs inside the library call on that line, which the summary and a fix name (TensorFlow names the
+    user's line only; a PyTorch origin names the library frame itself, ``origin.library``)."""
+    o = (loc or {}).get("origin") if isinstance(loc, dict) else None
+    if framework != "tensorflow" or not isinstance(o, dict) or not o.get("file") or not o.get("line"):
+        return out
+    op = T.opshort(o.get("forward_op") or o.get("op"))
+    code = linecache.getline(str(o["file"]), int(o["line"])).split("#")[0]
+    m = _TF_CALL.search(code)
+    if op not in _SPELLINGS or not m or any(w in code for w in _SPELLINGS[op]):
+        return out
+    out["summary"] += (f"; the {op} is not written on that line: it runs inside {m.group(1)}, which the line calls "
+                       "(the fix applies to that call's inputs, or a stable variant of it)")
+    out["fixes"] = [f"{m.group(1)} computes the {op} internally: keep its inputs in the range it expects (e.g. "
+                    "images in [0, max_val] for tf.image's metrics, rescale or clip them first), or use a variant "
+                    f"without the {op} at that point"] + list(out.get("fixes") or [])
+    return out
 
 
 def nonfinite_rate(history: Sequence[dict], ctx: dict) -> float | None:
