@@ -448,7 +448,7 @@ class Watcher:
             self.evals.root_pre(module, args)
         seen = self._root_seen
         if seen is None or seen() is not module:  # (add_root's WeakSet test, once per new root)
-            self.monitor.add_root(module)
+            self.monitor.add_root(module, sys._getframe(4))  # (the module's caller: see tape.root_pre above)
             self._root_seen = weakref.ref(module)
         if training:
             if self.recovery.snap_due is not None:

@@ -45,6 +45,7 @@ def _lr_of(g: dict) -> float:
 
 
 _NAN = float("nan")
+_UNSEEN = object()  # add_root: no owner searched for yet
 _CPU = torch.device("cpu")
 _SHARDED = attrgetter("sharded")
 
@@ -119,6 +120,7 @@ class StepMonitor:
         self.born: Dict[int, Tuple[int, str]] = {}
         self.opt_index: Dict[int, int] = {}       # per optimizer: 0, 1, ... in the order first seen (history's)
         self.roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        self._owners: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()  # add_root
         self.extra_params: List[torch.Tensor] = []  # backward-counting mode without modules
         # optimizer -> post-update param norms per group (backward counting: DEFERRED until the next check)
         self._pending_post: Dict[int, Any] = {}
@@ -173,7 +175,19 @@ class StepMonitor:
             self.opt_index.setdefault(id(opt), len(self.opt_index))
             self.names.invalidate()
 
-    def add_root(self, module: torch.nn.Module) -> None:
+    def add_root(self, module: torch.nn.Module, frame: Any = None) -> None:
+        """``module`` was called at top level. ``frame``: the calling code's, where a variable may hold a bigger
+        model that contains ``module`` (a child the script, or checkpoint_sequential, calls on its own): that
+        model is the root then, so its children are named by their paths in it ('5', not ''). Searched once
+        per module."""
+        if frame is not None:
+            ref = self._owners.get(module, _UNSEEN)
+            if ref is _UNSEEN:
+                from ..locate.naming import owner_in_frames  # (once per module first called at top level)
+                owner = owner_in_frames(module, frame)
+                ref = self._owners[module] = weakref.ref(owner) if owner is not None else None
+            owner = ref() if ref is not None else None
+            module = owner if owner is not None else module
         if module not in self.roots:
             self.roots.add(module)
             self.names.invalidate()

@@ -281,6 +281,25 @@ class Names:
 
 
 # ---------------------------------------------------------------------------- modules
+def owner_in_frames(mod: torch.nn.Module, frame: Any, depth: int = 40) -> torch.nn.Module | None:
+    """The largest module held by a variable of a calling frame that contains ``mod`` as a descendant: the
+    model whose child the script (or ``checkpoint_sequential``, a loop over ``model.layers``) calls directly,
+    so the child is named by its path in that model ('5'), not as a model of its own (''). Runs once per
+    module first seen at top level."""
+    best, size, seen = None, 0, set()
+    f = frame
+    while f is not None and depth > 0:
+        for scope in (f.f_locals, f.f_globals if f.f_back is None or f.f_globals is not f.f_back.f_globals else {}):
+            for v in list(scope.values()):
+                if isinstance(v, torch.nn.Module) and v is not mod and id(v) not in seen:
+                    seen.add(id(v))
+                    subs = list(v.modules())
+                    if len(subs) > size and any(m is mod for m in subs):
+                        best, size = v, len(subs)
+        f, depth = f.f_back, depth - 1
+    return best
+
+
 class ModuleTracker:
     """The module whose forward is running (its path and type), from global module forward hooks.
 
