@@ -134,3 +134,34 @@ def test_os_exit_ends_the_run_with_its_report(tmp_path):
                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     data = json.loads(rep.read_text())
     assert out.returncode == 6 and data["status"] == "exited" and data["exit_code"] == 6, out.stderr[-2000:]
+
+
+MIXED = """\
+import sys
+import numpy as np
+import keras
+
+keras.utils.set_random_seed(1)
+keras.mixed_precision.set_global_policy("mixed_float16")
+try:
+    rng = np.random.default_rng(0)
+    x, y = rng.random((256, 32)).astype("float32"), rng.integers(0, 10, 256)
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10),
+                              keras.layers.Activation("softmax", dtype="float32")])
+    model.compile(loss="sparse_categorical_crossentropy", optimizer=keras.optimizers.RMSprop(1e-3))
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    np.savez(sys.argv[1], *[w.numpy() for w in model.weights])
+finally:
+    keras.mixed_precision.set_global_policy("float32")
+"""
+
+
+def test_a_mixed_precision_fit_is_bit_for_bit_the_same(tmp_path):
+    """keras-io's antirectifier under mixed_float16 (RMSprop in a LossScaleOptimizer) trained differently from
+    its second step on: the guarded update ran in a functional If, whose branch TensorFlow optimizes on its own."""
+    s = write(tmp_path, MIXED)
+    plain, guarded = str(tmp_path / "plain.npz"), str(tmp_path / "guarded.npz")
+    run_plain(s, [plain])
+    code, rep = run_tf(tmp_path, s, [guarded])
+    assert code == 0 and rep["status"] == "clean", rep["events"][:1]
+    assert_same_weights(plain, guarded)

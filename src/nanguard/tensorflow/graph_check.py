@@ -168,6 +168,9 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
     replica = _replica_fn()
     if replica:  # the update's merge_call cannot sit in a cond: checked, not held back
         applied = update()
+    elif lso or _low_precision():  # lowered (switch/merge, inline): a functional If's branch is optimized on
+        # its own, and a mixed-precision RMSprop update came out different in the last bits (not bit-for-bit)
+        applied = tf.cond(do, update, lambda: tf.constant(False))
     else:
         with _unlowered():
             applied = tf.cond(do, update, lambda: tf.constant(False))
@@ -206,6 +209,15 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
     else:
         w._orphans.add(st)
     return True
+
+
+def _low_precision() -> bool:
+    """A float16/bfloat16 compute policy (Keras mixed precision) is set."""
+    try:
+        import keras
+        return keras.config.dtype_policy().compute_dtype in ("float16", "bfloat16")
+    except Exception:
+        return False
 
 
 @contextlib.contextmanager
