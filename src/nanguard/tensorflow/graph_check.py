@@ -20,7 +20,8 @@ is at once its exact flag and the float64 norm of an overflowed sum (:func:`.det
 flag, and for ``model.fit`` the capture of the batch for the replay, a ``py_function`` that returns
 at once when the step may update) and after it (exact checks of what the update wrote, optimizer
 state included). A healthy step adds about ``2 x (variables) + 30`` small ops and three ``tf.cond``
-(functional If ops, not lowered to switch/merge: :func:`_unlowered`); the slow paths are built with
+(the checks' two are functional If ops, not lowered to switch/merge: :func:`_unlowered`; the update's is
+lowered, so that it is optimized with the step as the plain update is: bit-for-bit); the slow paths are built with
 few ops because every op of a traced step costs start-up (built in Python, then optimized and given a
 kernel when the step first runs).
 """
@@ -168,12 +169,10 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
     replica = _replica_fn()
     if replica:  # the update's merge_call cannot sit in a cond: checked, not held back
         applied = update()
-    elif lso or _low_precision():  # lowered (switch/merge, inline): a functional If's branch is optimized on
-        # its own, and a mixed-precision RMSprop update came out different in the last bits (not bit-for-bit)
+    else:  # lowered (switch/merge, inline), as the plain step's update is: a functional If's branch is optimized
+        # on its own, and its update came out different in the last bits (an RMSprop under mixed precision, or
+        # on values of 1e10): the guarded run was not bit-for-bit the plain one
         applied = tf.cond(do, update, lambda: tf.constant(False))
-    else:
-        with _unlowered():
-            applied = tf.cond(do, update, lambda: tf.constant(False))
     with tf.name_scope("nanguard_check"):
         # after the update: the parameters' sum of squares (their norm); the optimizer state only when
         # the step was not clean (finite gradients keep a standard optimizer's moments finite; a state
@@ -209,15 +208,6 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
     else:
         w._orphans.add(st)
     return True
-
-
-def _low_precision() -> bool:
-    """A float16/bfloat16 compute policy (Keras mixed precision) is set."""
-    try:
-        import keras
-        return keras.config.dtype_policy().compute_dtype in ("float16", "bfloat16")
-    except Exception:
-        return False
 
 
 @contextlib.contextmanager
