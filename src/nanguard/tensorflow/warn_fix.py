@@ -82,6 +82,9 @@ def test_fix(w: Any, spikes: Any, event: Any, step: int, history: list) -> Optio
             return untested("a fit of several steps per call keeps no step's batch")
         if getattr(model, "jit_compile", False) is True:
             return untested("an XLA-compiled fit step cannot hand its batch to the host")
+        if _stateful_random(call[0]):
+            return untested("the fit's train step draws from TensorFlow's stateful random ops (tf.random.normal), "
+                            "whose streams restart when it is traced again to keep a batch: the run would change")
         if spikes.pending is not None:
             return None  # an earlier warning's test is waiting for the same batch
         spikes.pending = NextBatchTest(w, spikes, event, step, history, model)
@@ -94,6 +97,29 @@ def test_fix(w: Any, spikes: Any, event: Any, step: int, history: list) -> Optio
     with _kept(_captured(fn, args, kwargs)):  # a step counter, a tf.random.Generator the step draws from
         test_warning_fix(event, history, step, _learning_rates(w), lambda **kw: replay(w, run, **kw))
     return warning_fix_words(event)
+
+
+_STATEFUL_RANDOM = {"RandomStandardNormal", "RandomUniform", "RandomUniformInt", "TruncatedNormal", "RandomGamma",
+                    "RandomPoisson", "RandomPoissonV2", "Multinomial", "RandomShuffle", "ParameterizedTruncatedNormal"}
+
+
+def _stateful_random(fn: Any) -> bool:
+    """Whether the traced function ``fn`` (or one it calls) holds a stateful random op: its kernel keeps its own
+    stream, which a new trace starts again (keras.random's ops are stateless, seeded from a variable)."""
+    try:
+        stack = [cf.graph for cf in fn._list_all_concrete_functions()]
+    except Exception:
+        return True  # not known: assume it does (no re-trace, the test untested)
+    seen: set = set()
+    while stack:
+        g = stack.pop()
+        if id(g) in seen:
+            continue
+        seen.add(id(g))
+        if any(op.type in _STATEFUL_RANDOM for op in g.get_operations()):
+            return True
+        stack += [f.graph for f in getattr(g, "_functions", {}).values() if getattr(f, "graph", None) is not None]
+    return False
 
 
 def _captured(fn: Any, args: tuple, kwargs: dict) -> List[Any]:
