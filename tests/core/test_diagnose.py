@@ -988,3 +988,13 @@ def test_a_tensorflow_op_inside_a_library_call_on_the_users_line_is_said_to_run_
     g.write_text("def loss(y):\n    return tf.reduce_mean(y ** 0.5)\n")  # the pow is written there: no note
     l["origin"]["file"] = str(g)
     assert "inside" not in run(l, context={"framework": "tensorflow"})["summary"]
+
+
+def test_rsqrt_of_a_negative_is_floored_above_zero_not_at_it():
+    """W-MSE whitening: rsqrt(eigh(cov).eigenvalues + 1e-8) with an eigenvalue of -1e-8 (a batch smaller than the
+    embedding); the first fix said sqrt(x.clamp(min=0)), which is 1/0 = inf for rsqrt."""
+    ins = [{"dtype": "float32", "shape": [48], "numel": 48, "min": -1.03e-8, "max": 3.0, "zeros": 0, "negatives": 1,
+            "nonfinite": 0, "arg": 0}]
+    d = run(loc("aten.rsqrt.default", api="torch.rsqrt", inputs=ins, output={"nan": 1, "posinf": 0, "neginf": 0},
+                facts={"sqrt_domain": {"negatives": 1, "numel": 48, "min": -1.03e-8}}))
+    assert d["category"] == "sqrt_domain" and "clamp(min=eps)" in d["fixes"][0] and "min=0" not in d["fixes"][0], d

@@ -137,7 +137,12 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
                                                               jax="jnp.sign(x) * jnp.abs(x) ** p"),
                  "find why the base goes negative (a threshold or offset larger than the data)"]
         return T.result("sqrt_domain", summ, 0.9, ev, fixes, method)
-    if not backward and sd.get("negatives"):
+    if not backward and sd.get("negatives") and T.opshort(origin.get("op")) in ("rsqrt", "Rsqrt"):
+        # 1/sqrt: a floor of 0 is 1/0 (eigenvalues of a covariance with fewer samples than dimensions round below 0)
+        fixes.insert(0, f"floor the argument above 0 at {where}: {X.call('rsqrt', X.clamp_min('x', 'eps'))} (a "
+                        "clamp at 0 gives 1/0 = inf); eigenvalues of a covariance estimated from fewer samples than "
+                        "its dimension are 0 up to rounding: use batches larger than the dimension")
+    elif not backward and sd.get("negatives"):
         fixes.insert(0, f"clamp the argument at {where}: {X.call('sqrt', X.clamp_min('x', '0'))}; negative values "
                         "usually come from cancellation (e.g. E[x^2] - E[x]^2)")
     return T.result("sqrt_domain", summ, 0.9, ev, fixes, method)
