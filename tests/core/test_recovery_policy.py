@@ -369,13 +369,3 @@ def test_updates_made_with_a_nonfinite_rate_are_each_undone_without_the_in_a_row
             assert all("same_failure" not in r["tries_left"] for r in recs)
             assert "learning rate is nan" in recs[0]["actions"]["notes"][0]
 
-
-def test_a_warnings_rate_is_cut_after_its_clip_failed_every_replay():
-    from nanguard.core.recovery import tried
-    failed = {"clip": {"max_norm": 1.2, "tested_by": {"experiment": "clip_replay", "passed": False, "tried": 2}}}
-    passed = {"clip": {"max_norm": 1.2, "tested_by": {"experiment": "clip_replay", "passed": True, "tried": 1}}}
-    allowed = ["rollback", "clip", "lr_backoff", "skip_step"]
-    assert list(tried.plan(["clip"], failed, allowed)) == ["clip", "lr_backoff"]
-    assert list(tried.plan(["clip"], passed, allowed)) == ["clip"]
-    assert list(tried.plan(["clip"], failed, ["rollback", "clip"])) == ["clip"]  # the cut is not allowed
-    assert list(tried.plan(["lr_backoff", "clip"], failed, allowed)) == ["lr_backoff", "clip"]

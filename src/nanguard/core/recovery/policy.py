@@ -257,7 +257,7 @@ class RecoveryPolicy:
             if "rollback" in done:
                 names.append("rollback")
                 runs: List[dict] = []
-                for a in tried.plan(acts, done, self.allowed):  # each replayed from the snapshot first (tried.py)
+                for a in acts:  # a cut or clip (or beta2) is replayed from the snapshot first (tried.py, beta2.py)
                     if a == beta2.ACTION:
                         beta2.apply(cause, actions, step, done)
                     else:

@@ -28,7 +28,7 @@ the warning's fixes after them.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..experiments.tested import g, passes, tested_fixes, warning_check
 from .estimates import backoff_factor, clip_max_norm, cut_floor, peak_target
@@ -231,16 +231,6 @@ def act(policy: Any, action: str, cause: Dict[str, Any], actions: Any, history: 
     elif action == "clip":
         policy._clip(history, done, step, proof)
     note(done, action, said)
-
-
-def plan(acts: Sequence[str], done: Dict[str, Any], allowed: Sequence[str]) -> Iterator[str]:
-    """A warning's actions in order, then a rate cut when its clip failed every replay (the loss kept growing
-    at each clip value: a divergence the step size drives, as uncertainty weights that shrink and scale the
-    loss up), where the cut is allowed and not planned already. Read lazily: the clip is tried first."""
-    yield from acts
-    tested = (done.get("clip") or {}).get("tested_by") or {}
-    if "clip" in acts and tested.get("passed") is False and "lr_backoff" in allowed and "lr_backoff" not in acts:
-        yield "lr_backoff"
 
 
 def failure_cut(policy: Any, event: Any, actions: Any, history: Sequence[dict], step: int, done: Dict[str, Any],

@@ -462,6 +462,9 @@ class StepMonitor:
         post = self._pending_post.get(id(opt))
         if post is None or post is DEFERRED or all(map(math.isfinite, post.tolist())):
             return None
+        groups = self.views[id(opt)].groups if id(opt) in self.views else [self.extra_params]
+        if not self.names.nonfinite_params(groups, roots=False):
+            return None  # every weight finite (a float16 norm that overflowed): the next check's verdict decides
         return self._read_post(id(opt))
 
     def _read_post(self, key: int) -> Optional[Detection]:
