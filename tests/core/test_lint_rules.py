@@ -436,6 +436,30 @@ CASES = [
             w = ops.relu(w) + 1e-6
             return w / ops.sum(w, axis=0, keepdims=True)
      """, TF),
+    # NGL020 log of a determinant; logdet of a trainable matrix
+    ("NGL020", """
+        def nll(K, y):
+            return y @ torch.linalg.solve(K, y) + torch.log(torch.det(K))
+     """, """
+        def nll(K, y):
+            return y @ torch.linalg.solve(K, y) + torch.logdet(K)
+     """, TORCH),
+    ("NGL020", """
+        class InvConv(nn.Module):
+            def forward(self, x):
+                return x @ self.weight.T, torch.logdet(self.weight)
+     """, """
+        class InvConv(nn.Module):
+            def forward(self, x):
+                return x @ self.weight.T, torch.linalg.slogdet(self.weight).logabsdet
+     """, TORCH),
+    ("NGL020", """
+        def nll(K):
+            return 0.5 * tf.math.log(tf.linalg.det(K))
+     """, """
+        def nll(K):
+            return 0.5 * tf.linalg.logdet(K)
+     """, TF),
     # NGL019 min-max scaling by max - min
     ("NGL019", """
         def scale(w):

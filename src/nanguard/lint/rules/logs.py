@@ -126,3 +126,24 @@ def _log_of_density_sum(node: ast.AST, flow: Flow) -> Iterator[Hit]:
     if got is not None and got[0].name == "log" and "densum" in got[2]:
         yield Hit(node, "log of a sum of densities: it underflows to 0 for a target far from every component; "
                         "use logsumexp over log-weights plus log-densities", facts={"producers": ["sum", "mul", "exp"]})
+
+
+@rule("NGL020", "log-of-determinant", "log_domain", fixes=_log_fixes,
+      what="log of a determinant, log(det(K)): the determinant is a product that underflows to 0 (or overflows) "
+           "for a matrix of any size and is negative for some matrices; use logdet / slogdet (or 2 * sum(log(diag("
+           "cholesky(K)))) for a covariance). Also logdet of a trainable matrix (a weight), NaN once its "
+           "determinant is negative: use slogdet's log|det|")
+def _log_of_determinant(node: ast.AST, flow: Flow) -> Iterator[Hit]:
+    got = _log_input(node, flow)
+    if got is not None and got[0].name == "log":
+        inner = flow.op(got[1]) if isinstance(got[1], ast.Call) else None
+        if inner is not None and inner.name in ("det", "linalg_det"):
+            yield Hit(node, "log of a determinant: it underflows to 0 or overflows with the matrix's size; use "
+                            "logdet / slogdet (2 * log(diag(cholesky(K))).sum() for a covariance)",
+                      facts={"producers": ["linalg_det"]})
+        return
+    op = flow.call_of(node, ("logdet",))
+    x = flow.input(node, op) if op is not None else None
+    if isinstance(x, ast.Attribute) and isinstance(x.value, ast.Name) and x.value.id == "self":
+        yield Hit(node, f"logdet of the trainable matrix self.{x.attr}: NaN once its determinant is negative (a QR or "
+                        "random rotation starts at det -1 half the time); use torch.linalg.slogdet(W).logabsdet")
