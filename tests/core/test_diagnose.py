@@ -998,3 +998,18 @@ def test_rsqrt_of_a_negative_is_floored_above_zero_not_at_it():
     d = run(loc("aten.rsqrt.default", api="torch.rsqrt", inputs=ins, output={"nan": 1, "posinf": 0, "neginf": 0},
                 facts={"sqrt_domain": {"negatives": 1, "numel": 48, "min": -1.03e-8}}))
     assert d["category"] == "sqrt_domain" and "clamp(min=eps)" in d["fixes"][0] and "min=0" not in d["fixes"][0], d
+
+
+def test_division_by_the_batch_mean_of_a_relu_and_by_a_looked_up_value():
+    out = {"nan": 0, "posinf": 2, "neginf": 0}
+    # a KL sparsity term's rho / mean(relu(z)): 0 for a unit off on the whole batch; no count to guard, and a masked
+    # 0 (divide_no_nan) would still give log(0)
+    zd = {"zeros": 2, "numel": 48, "zero_over_zero": 0, "nonzero_over_zero": 2, "from_reduction": True,
+          "from_std_var": False, "producer_chain": ["mean", "relu", "add"]}
+    d = run(loc("aten.div.Tensor", api="Tensor.__truediv__", facts={"zero_denominator": zd}, output=out))
+    assert d["category"] == "div_by_zero" and "batch mean of a ReLU output" in d["summary"]
+    assert "clamp(min=1)" not in " ".join(d["fixes"]) and "divide_no_nan" not in " ".join(d["fixes"])
+    # a schedule table's entry of exactly 0 (snr[t] at the last step): said as a lookup, not "made by div, index"
+    zd = dict(zd, from_reduction=False, producer_chain=["div", "index"])
+    d = run(loc("aten.div.Tensor", api="Tensor.div", facts={"zero_denominator": zd}, output=out))
+    assert "looked up (index) from a table" in d["fixes"][0] and "made by div, index" not in d["fixes"][0]

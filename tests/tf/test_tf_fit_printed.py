@@ -89,11 +89,14 @@ def test_a_rollback_to_an_earlier_epoch_restarts_the_printed_running_mean(tmp_pa
     code, rep = run_tf(tmp_path, path, ["jump"], recover="auto", localize=False)
     printed = _printed(capsys)
     acted = [e for e in rep["events"] if e.get("recovery")]
-    assert acted and acted[0]["recovery"]["actions"]["rollback"]["to_step"] < 16  # a snapshot of epoch 1
+    # the rate jumps at step 16, epoch 2's first: back to the state epoch 1 ended with, or earlier
+    assert acted and acted[0]["recovery"]["actions"]["rollback"]["to_step"] <= 16
     # the rolled-back steps' losses (~1e9) left the running mean: what fit prints after the first rollback
     # is the loss of the steps that trained since (it stayed ~1e9 to the epoch's end before)
-    after = printed[acted[0]["step"] + 1:acted[0]["step"] + 4]
-    assert after and max(after) < 10.0, printed
+    # (the step right after it: a first cut of x1e-4 to 3 still diverges a few steps later, as its replay said)
+    after = printed[acted[0]["step"] + 1]
+    assert after < 10.0, printed
+    assert rep["status"] == "recovered" and math.isfinite(printed[-1]), printed
 
 
 def _report(recovery_ok: bool = True) -> Report:

@@ -95,7 +95,9 @@ class SpikeResponse:
         self.on_spike = check_on_spike(on_spike)
         self.quiet = quiet
         self.detector = SpikeDetector(config)
+        self.detector.came_back = self._came_back
         self.events: List[Event] = []
+        self._spikes: Dict[int, Event] = {}  # warn-mode one-step spike warnings, by step, until their next step
         self.recovered = False  # a non-finite failure of this run was recovered (:meth:`after_recovery`)
 
     def after_recovery(self, rec: Optional[Dict[str, Any]]) -> None:
@@ -147,9 +149,22 @@ class SpikeResponse:
                 ev.recovery = {"action": "skip_step", "ok": True, "category": (ev.cause or {}).get("category"),
                                "actions": {"skip_step": done}}
                 act = "skip_step"
+        if mode == "warn" and hit.get("rule") == "spike":
+            self._spikes = {step: ev}   # only the latest can still come back (the detector asks once)
         if not self.quiet:
             print_line(warning_line(ev, act))
         return skip
+
+    def _came_back(self, spike_step: int, step: int, loss: float) -> None:
+        """The step after a warn-mode spike warning is back in its usual range: the warning is marked so
+        (``detected.came_back``); the report keeps it as information (:func:`~nanguard.core.engine.assemble_report`)."""
+        ev = self._spikes.pop(spike_step, None)
+        if ev is None or ev.recovery is not None:
+            return
+        ev.detected["came_back"] = {"step": step, "loss": loss}
+        if not self.quiet:
+            print_line(f"nanguard: step {step}: the loss is back in its usual range ({loss:.3g}): the spike at step "
+                       f"{spike_step} was one batch's, not a divergence (kept as information)")
 
 
 def _tested_words(rec: Dict[str, Any]) -> str:

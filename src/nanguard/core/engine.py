@@ -202,6 +202,13 @@ def info_rows(dets: Iterable[Detection]) -> List[Dict[str, Any]]:
     return [{"step": d.step, "phase": d.phase, **d.detected} for d in dets]
 
 
+def transient_spike(w: Event) -> Dict[str, Any]:
+    """The information a one-step spike warning becomes when the next step was back in its usual range (a batch's
+    spike, nothing done about it: the run's status is not a warning for it)."""
+    return {"transient_spike": True, "step": w.step, "came_back": w.detected.get("came_back"),
+            "category": (w.cause or {}).get("category"), "summary": (w.cause or {}).get("summary")}
+
+
 def assemble_report(facts: RunFacts, report: Optional[Report] = None) -> Report:
     """The one report assembler: run facts + events -> :class:`Report` (updated in place when given)."""
     r = report if report is not None else Report()
@@ -216,7 +223,10 @@ def assemble_report(facts: RunFacts, report: Optional[Report] = None) -> Report:
         unique.setdefault(id(e), e)
     failures = sorted(unique.values(), key=event_order)
     seen = set(unique)
-    r.events = fold_recurrences(failures) + [w for w in facts.warnings if id(w) not in seen]
+    warnings = [w for w in facts.warnings if id(w) not in seen]
+    gone = [w for w in warnings if w.detected.get("came_back") and w.recovery is None]
+    r.events = fold_recurrences(failures) + [w for w in warnings if not any(w is g for g in gone)]
+    r.info += [transient_spike(w) for w in gone]
     for e in r.events:  # a numeric fix no replay tested says so (the investigated ones were reconciled then)
         if isinstance(e.cause, dict) and not e.cause.get("tested_fixes"):
             from .experiments.reconcile import reconcile  # only a failure's report needs it: a healthy run stays light

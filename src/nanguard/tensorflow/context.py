@@ -41,7 +41,40 @@ def run_context(w: Any) -> Dict[str, Any]:
         ctx["dtype_policy"] = keras.config.dtype_policy().name
     except Exception:
         pass
+    try:
+        const = constant_features(w)
+    except Exception:   # a fact for the diagnosis: never the reason it fails
+        const = []
+    if const:
+        ctx["normalization_constant_features"] = const
     return ctx
+
+
+def constant_features(w: Any) -> list:
+    """The ``keras.layers.Normalization`` layers of the watched models whose adapted variance is (about) 0 for
+    some features: Keras divides their deviation by ``max(sqrt(variance), epsilon)``, so a value that differs
+    from the adapt data's constant by 2 comes out as 2e7. Read at a failure only (one small host read per layer)."""
+    import keras
+    import numpy as np
+    models = list(getattr(w, "models", ()))
+    fitting = getattr(w, "fitting", lambda: None)()
+    if fitting is not None and fitting not in models:
+        models.append(fitting)
+    out, seen = [], set()
+    for m in models:
+        for layer in getattr(m, "_flatten_layers", lambda: [m])():
+            if not isinstance(layer, keras.layers.Normalization) or id(layer) in seen or getattr(layer, "invert", False):
+                continue
+            seen.add(id(layer))
+            var = getattr(layer, "variance", None)
+            if var is None:
+                continue
+            std = np.sqrt(np.maximum(np.asarray(var, dtype="float64").reshape(-1), 0.0))
+            tiny = np.flatnonzero(std <= 1e-6)
+            if tiny.size:
+                out.append({"layer": layer.name, "features": tiny[:10].tolist(), "count": int(tiny.size),
+                            "epsilon": float(keras.config.epsilon())})
+    return out
 
 
 def latest_first(w: Any) -> list:

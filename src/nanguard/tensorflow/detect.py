@@ -204,9 +204,35 @@ class StepDecider:
         self.config = config
         self.history = history
         self.consecutive_skips = 0
+        # per optimizer state (``id``): the parameter norm its last update left, i.e. the weights its next
+        # step's forward uses (the first: read when the state was first traced or run, :meth:`start`)
+        self.after: Dict[int, Optional[float]] = {}
 
-    def record(self, row: Row) -> StepRecord:
+    def start(self, key: int, tvars: Sequence[Any]) -> None:
+        """The norm of the weights an optimizer's first update under this watcher starts from (once; read
+        outside any graph being traced). Without it that update's size relative to the weights is unknown:
+        a learning rate that ruins the weights at step 0 would read as a later jump."""
+        if key in self.after:
+            return
+        self.after[key] = None
+        with tf.init_scope():
+            n = float(norm64(float_tensors(tvars)).numpy())
+        self.after[key] = n if math.isfinite(n) and n > 0 else None
+
+    def record(self, row: Row, key: int = 0) -> StepRecord:
+        """The step's history record. The row holds the norm after its update; the record keeps the norm
+        before it (the weights the step's forward used, as the other backends do) and after it (None when
+        the update was not applied), so that every backend's history reads the same."""
         rec = record_of(row)
+        after, before = rec.param_norm, self.after.get(key)
+        rec.param_norm_after = None if rec.skipped else after
+        if before is not None:
+            rec.param_norm = before
+            gn, lr = rec.grad_norm, rec.lr[0] if rec.lr else None
+            if lr is not None and gn is not None and math.isfinite(gn):
+                rec.update_ratio = lr * gn / before
+        if not rec.skipped and after is not None and math.isfinite(after) and after > 0:
+            self.after[key] = after
         self.history.append(rec)
         return rec
 

@@ -291,10 +291,10 @@ class KerasBench(Bench):
         :func:`~nanguard.core.experiments.tested.still_diverging`) has not passed: with ``deeper``, once
         more x0.1 from the same start when the budget pays for it, as PyTorch's lr_replay does (a fix
         printed, or applied by recovery, must be one that passed). Returns the factor last tried."""
-        from ..core.experiments.tested import still_diverging
+        from ..core.experiments.tested import DEEPEST_LR_FACTOR, still_diverging
         steps = self.cap.step - int(e.params["from_step"]) + 1
         if not (e.finite is True and e.params.get("deeper") and still_diverging(e.details)
-                and factor * 0.1 >= 1e-4 and e.replays + steps <= float(replays_left)):
+                and factor * 0.1 >= DEEPEST_LR_FACTOR and e.replays + steps <= float(replays_left)):
             return factor
         tried = [{"factor": factor, "finite": True, "still_diverging": True, "losses": e.details.pop("losses")}]
         factor *= 0.1

@@ -147,7 +147,7 @@ class HostReader:
             # the post-update norm overflowed: confirm element-wise (slow path, a failure only)
             row.vals[D.C["post_ok"]] = float(all(finite_var(v) for v in st.tvars) and
                                              all(finite_var(v) for v in st.opt_variables()))
-        rec = w.decider.record(row)
+        rec = w.decider.record(row, id(st))
         rec.optimizer = self.opt_index.setdefault(id(st), len(self.opt_index))
         det = w.decider.decide(row)
         if det is not None:

@@ -87,9 +87,8 @@ class TFSpikes(SpikeResponse):
         """Judge one step that passed the check (its row). True: the step is to be treated as skipped
         (an eager step's update is then not run). ``rec``: the row's history record, when the host made
         it already (a traced row has its post-update norm: the same record)."""
-        if rec is None or rec.param_norm is None:
-            last = w.history.last()  # an eager row has no post-update norm yet: the previous step's
-            rec = D.record_of(row, last.param_norm if last is not None and last.step < int(row.step) else None)
+        if rec is None:  # an eager row, judged before its update: the norm the previous update left
+            rec = D.record_of(row, w.decider.after.get(id(st)))
         if rec.skipped:
             return False
         hit = self.detector.observe(rec.step, rec.loss, rec.grad_norm, stream=id(st))

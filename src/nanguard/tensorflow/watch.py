@@ -14,6 +14,7 @@ user's training (unless ``strict``).
 """
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -389,6 +390,8 @@ class TFWatcher:
             self._prepared.add(id(opt))
             self.policy.prepare(opt)
         st = self._state(opt, len(tvars), tvars)
+        if id(st) not in self.decider.after:
+            self._guarded(lambda: self.decider.start(id(st), tvars))
         if first and self._snap_due:
             with tf.init_scope():  # traced before the first update runs: the state it starts from
                 self._take_due_snapshot()
@@ -440,10 +443,29 @@ def epoch_mark(w: Any, now: Dict[str, Any]) -> Any:
         def on_epoch_begin(self, epoch, logs=None):
             now["epoch"], now["epoch_start"] = int(epoch), w.steps_watched
 
+        def on_epoch_end(self, epoch, logs=None):
+            if logs:
+                w._guarded(lambda: validation_check(w, epoch, logs))
+
         def on_train_end(self, logs=None):
             fit_ended(w, logs)
 
     return _EpochMark()
+
+
+def validation_check(w: Any, epoch: int, logs: Dict[str, Any]) -> None:
+    """fit's validation (``validation_data``) logged a non-finite value at the end of ``epoch``: an ``eval``
+    detection (reported, never stopped at nor recovered from), as an evaluation output is in a custom loop. Its
+    test function is a traced graph the check is not in: the logged numbers (already on the host) are read."""
+    bad = {}
+    for k, v in logs.items():
+        if k.startswith("val_") and isinstance(v, (int, float, np.floating)) and not math.isfinite(float(v)):
+            bad[k] = float(v)
+    if bad:
+        m = w.fitting()
+        w.host.handle(Detection(w.steps_watched, "eval", {"validation": bad, "epoch": int(epoch), "training": False,
+                                                          "module": type(m).__name__ if m is not None else None}),
+                      None)
 
 
 def fit_ended(w: Any, logs: Optional[Dict[str, Any]]) -> None:

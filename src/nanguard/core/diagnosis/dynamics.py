@@ -246,14 +246,22 @@ def _lr(recs: Sequence[dict], onset: Optional[int], out: Dict[str, Any]) -> None
     if not at:
         return
     out["lr_at_onset"] = at[-1]
+    reg = out.get("regime_onset_step")
+    at_reg = [v for s, v in lrs if s <= reg] if reg is not None else []
+    if at_reg and 0 < at_reg[-1] < at[-1]:
+        # a schedule that rose while the loss had already left its best level for good: the rate there was past
+        # the limit too (a warm-up to 0.1 with momentum 0.9: the loss left its best at 0.055, the weights grew
+        # from 0.0875; half of 0.0875 still stalled the run at its start loss, half of 0.055 trains)
+        out["lr_at_onset"], out["lr_at_onset_from"] = at_reg[-1], "regime"
     window = [(s, v) for s, v in lrs if onset - 30 <= s <= onset]
     rising = [(s, v) for s, v in window if v > 0]  # a warm-up from 0: the rise counts from its first rate
     if not rising:
         return
     lo_step, lo = min(rising, key=lambda x: x[1])
-    if at[-1] >= 1.5 * lo and lo_step < onset:
+    top = out["lr_at_onset"]
+    if top >= 1.5 * lo and lo_step < onset:
         # the step the rate reached its onset value (a per-epoch schedule: the epoch's first step)
-        reached = next((st for st, v in window if st > lo_step and v >= 0.999 * at[-1]), onset)
+        reached = next((st for st, v in window if st > lo_step and v >= 0.999 * top), onset)
         out.update(lr_rose_from=lo, lr_rose_from_step=lo_step, lr_rose_to_step=reached)
 
 
@@ -306,6 +314,13 @@ def _ruin(applied: Sequence[dict], pser: Series, loss: Series, out: Dict[str, An
         a, b = h.get("param_norm"), h.get("param_norm_after")
         if fin(a) and a > 0 and fin(b) and abs(b - a) / a >= RUINOUS:
             out.update(ruin_step=int(h.get("step", 0)), ruin_change=abs(b - a) / a, ruin_norm_before=a)
+            g = h.get("grad_norm")
+            if fin(g):  # the gradient that update took: out of line with the ones before it, or huge itself?
+                out["ruin_grad_to_weight"] = g / a
+                before = [float(x["grad_norm"]) for x in applied if fin(x.get("grad_norm"))
+                          and x.get("step", 0) < out["ruin_step"]]
+                if before and statistics.median(before) > 0:
+                    out["ruin_grad_jump"] = g / statistics.median(before)
             if pser and pser[-1][0] > out["ruin_step"]:
                 out["ruin_norm_now_vs_before"] = pser[-1][1] / a
             if loss and loss[0][1] > 0:

@@ -85,15 +85,22 @@ def inside_library_call(out: dict, loc: Any, framework: str) -> dict:
         return out
     op = T.opshort(o.get("forward_op") or o.get("op"))
     code = linecache.getline(str(o["file"]), int(o["line"])).split("#")[0]
-    m = _TF_CALL.search(code)
-    if op not in _SPELLINGS or not m or any(w in code for w in _SPELLINGS[op]):
+    calls = _TF_CALL.findall(code)
+    if op not in _SPELLINGS or not calls or any(w in code for w in _SPELLINGS[op]):
         return out
-    out["summary"] += (f"; the {op} is not written on that line: it runs inside {m.group(1)}, which the line calls "
+    # a call that builds no op of the step (the optimizer, the model's container on a compile line) is not it:
+    # ``compile(optimizer=keras.optimizers.Adam(...), loss=keras.losses.Poisson())`` runs the log in the loss
+    name = next((c for c in calls if not c.startswith(_NO_OPS)), calls[0])
+    eg = " (e.g. images in [0, max_val] for tf.image's metrics, rescale or clip them first)" if ".image." in name else ""
+    out["summary"] += (f"; the {op} is not written on that line: it runs inside {name}, which the line calls "
                        "(the fix applies to that call's inputs, or a stable variant of it)")
-    out["fixes"] = [f"{m.group(1)} computes the {op} internally: keep its inputs in the range it expects (e.g. "
-                    "images in [0, max_val] for tf.image's metrics, rescale or clip them first), or use a variant "
-                    f"without the {op} at that point"] + list(out.get("fixes") or [])
+    out["fixes"] = [f"{name} computes the {op} internally: keep its inputs in the range it expects{eg}, or use a "
+                    f"variant without the {op} at that point"] + list(out.get("fixes") or [])
     return out
+
+
+_NO_OPS = ("keras.optimizers.", "tf.keras.optimizers.", "tf.optimizers.", "keras.callbacks.", "keras.Input",
+           "keras.Sequential", "keras.Model", "keras.initializers.", "keras.utils.", "tf.config.")
 
 
 def nonfinite_rate(history: Sequence[dict], ctx: dict) -> float | None:
@@ -163,6 +170,22 @@ def from_masked(masked: dict, sig: dict, phase: str, ctx: dict) -> dict | None:
     return out
 
 
+def validation_result(val: dict, ctx: dict, ev: dict, method: str) -> dict:
+    """fit's validation logged a non-finite value while every training step was finite (the same weights made
+    finite training losses): most often a non-finite value in the validation data itself."""
+    what = ", ".join(f"{k} {v}" for k, v in val.items())
+    epoch = (ctx.get("detected") or {}).get("epoch")
+    ev["validation"] = val
+    summ = (f"the validation run of fit logged {what}" + (f" at the end of epoch {epoch}" if epoch is not None else "")
+            + " while every training step was finite: the validation data most likely holds non-finite values (a "
+            "NaN feature or label), or the model's output on it overflows")
+    fixes = ["check the validation arrays before fit: np.isfinite(x_val).all() and np.isfinite(y_val).all(), and drop or "
+             "fix the rows that are not (keep = np.isfinite(x_val).reshape(len(x_val), -1).all(axis=1))",
+             "if the data is finite, evaluate the model on it batch by batch (model.evaluate with a small batch_size) "
+             "to find the batch whose loss is non-finite"]
+    return T.result("bad_input_data", summ, 0.5, ev, fixes, method)
+
+
 def from_history(loc: dict | None, sig: dict, phase: str, ctx: dict) -> dict:
     why = "no op-level replay was possible" if loc is None else \
         "the replay under op-level instrumentation did not reproduce the failure"
@@ -198,6 +221,9 @@ def from_history(loc: dict | None, sig: dict, phase: str, ctx: dict) -> dict:
                                    + X.finite_filter(),
                                    jax="filter non-finite samples before batching, e.g. " + X.finite_filter()),
                              "fix the source rows (blank CSV fields, division by zero in preprocessing)"], method)
+    val = (ctx.get("detected") or {}).get("validation") if phase == "eval" else None
+    if val:
+        return validation_result(val, ctx, ev, method)
     dv = divergence(sig, None, ev, method, 0.55, ctx)
     if dv is not None:
         return dv

@@ -46,6 +46,11 @@ DEAD_GRAD = 0.1    # ... and (dead rule) not every gradient norm <= 0.1x the fir
 STALL_TOL = 1e-3   # ... and (a learning-rate cut) the loss on the same batches moved by more than 0.1%
 
 
+# How far a learning-rate replay goes down when the planned cut (at most x1e-4 for a first cut) still diverges:
+# x0.1 more, not below this. A schedule that jumped from 0.05 to 3e4 needs x1e-5 (3e4 -> 0.3 trains, 3 diverges).
+DEEPEST_LR_FACTOR = 1e-6
+
+
 def still_diverging(details: Any) -> bool:
     """The replay's loss kept growing: its last loss > ``STILL_GROWING`` x its first (see the module
     docstring); False when the replay recorded no pair of finite losses."""

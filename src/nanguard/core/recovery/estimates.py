@@ -63,11 +63,14 @@ def cut_floor(ev: Dict[str, Any]) -> float:
     return min(1e-4, 0.03 / r) if _positive(r) else 1e-4
 
 
-def peak_target(factor: float, cause: Dict[str, Any], lrs: Sequence[float], peaks: Sequence[float]) -> float:
-    """The rate the schedule's new peak should sit at, relative to the rate now (``factor`` x now by
+def peak_target(factor: float, cause: Dict[str, Any], lrs: Sequence[float], peaks: Sequence[float],
+                failed: Sequence[float] = ()) -> float:
+    """The rate the schedule's new peak should sit at, relative to the rate that diverged (the higher of the
+    rate now and ``failed``, the rates at the failure: :func:`peak_cut`'s reference; ``factor`` x it by
     default). Under a warm-up (a peak above every rate now) the rate now is no reference for the new
     peak: with the diagnosis' estimate of the stability limit (or the rate at which the growth began), half
-    of it."""
+    of it. (Relative to the rate now, a rollback's earlier point of the warm-up, a peak meant at 0.044 was
+    put at 0.083: 0.5 x 0.0875 / 0.0525 of the failed rate 0.1.)"""
     ev = (cause or {}).get("evidence") or {}
     limit = ev.get("estimated_stable_lr_limit")
     if not _positive(limit) and _positive(ev.get("lr_rose_from")) and _positive(ev.get("lr_at_onset")):
@@ -75,9 +78,10 @@ def peak_target(factor: float, cause: Dict[str, Any], lrs: Sequence[float], peak
         # below (OneCycleLR to 0.1, growth from 0.042: a peak of 0.1 x 0.1 = 0.01 stalled the run at 3x the loss)
         limit = ev["lr_at_onset"]
     now = max([x for x in lrs if _positive(x)], default=0.0)
+    ref = max([x for x in list(lrs) + list(failed) if _positive(x)], default=0.0)
     peak = max([x for x in peaks if _positive(x)], default=0.0)
     if now > 0 and peak > now and _positive(limit) and limit < peak:
-        return min(0.5 * limit / now, 1.0)
+        return min(0.5 * limit / ref, 1.0)
     return factor
 
 

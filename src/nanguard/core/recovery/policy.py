@@ -353,7 +353,7 @@ class RecoveryPolicy:
             if isinstance(tested, (int, float)) and 0 < tested <= 1:
                 factor = float(tested)  # the rate a replay showed to be finite (recovery/verify.py)
             else:
-                factor = peak_target(factor, cause, lrs, peaks)
+                factor = peak_target(factor, cause, lrs, peaks, failed_rates(cause))
             cut = peak_cut(factor, lrs, peaks, failed_rates(cause))  # a warm-up's coming peak: factor x the rate
             done["lr_backoff"] = actions.lr_backoff(cut)
             if cut < factor:

@@ -10,7 +10,7 @@ from ...core.experiments.investigate import run_with
 from ...core.experiments.kinds import describe
 from ...core.experiments.rows import rows_to_drop
 from ...core.experiments.planner import GUARD_TEXT
-from ...core.experiments.tested import still_diverging
+from ...core.experiments.tested import DEEPEST_LR_FACTOR, still_diverging
 from ..recover.lr_backoff import schedule_peaks
 from ..recover.upcast import find_module
 from .history import consecutive, replay_history
@@ -254,7 +254,7 @@ class TorchBench(Bench):
             growing = e.finite is True and still_diverging(e.details)  # finite, but not passed
             if growing:
                 tried[-1]["still_diverging"] = True
-            if (e.finite is not False and not growing) or not e.params.get("deeper") or len(tried) >= 2 or factor * 0.1 < 1e-4 or \
+            if (e.finite is not False and not growing) or not e.params.get("deeper") or len(tried) >= 2 or factor * 0.1 < DEEPEST_LR_FACTOR or \
                     e.work + (e.work - before) > replays_left:
                 break
             factor *= 0.1

@@ -10,6 +10,8 @@ names, so rules work for both.
 """
 from __future__ import annotations
 
+import sys
+
 import math
 from typing import Any, Callable, Sequence
 
@@ -29,6 +31,7 @@ from .provenance import Origin, Provenance
 from .opcheck import OpChecks
 
 _CUSTOM = torch.autograd.function.BackwardCFunction
+_MODULE_HOOK = "BackwardHookFunctionBackward"   # register_full_backward_hook's Function (torch/utils/hooks.py)
 
 aten = torch.ops.aten
 
@@ -130,6 +133,13 @@ class Evidence:
             try:
                 node = torch._C._current_autograd_node()
             except Exception:
+                node = None
+            if node is not None and (not isinstance(node, _CUSTOM) or node.name() == _MODULE_HOOK) \
+                    and self.frames.called_back(sys._getframe(1)):
+                # a hook the user registered (on a tensor: run before the node of the op that made it; on a module:
+                # torch's own Function around it): the op is the user's, at the hook's line, not a step of that
+                # node's backward formula
+                d["hook"] = node.name()
                 node = None
             ffr = None
             if node is not None:

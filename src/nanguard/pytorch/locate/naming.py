@@ -52,6 +52,8 @@ def excluded_dirs() -> tuple[str, ...]:
 
 
 _FUNCTION_PY = os.path.join("torch", "autograd", "function.py")
+_GRAPH_PY = os.path.join("torch", "autograd", "graph.py")
+_ENGINE = "_engine_run_backward"   # torch.autograd.backward / grad call the C++ engine through it
 
 
 class Frames:
@@ -121,6 +123,20 @@ class Frames:
                 lib = (code.co_filename, f.f_lineno, code.co_name)
             f = f.f_back
         return None, lib
+
+    def called_back(self, f: Any) -> bool:
+        """Whether the innermost user frame walking out from frame ``f`` was called by the autograd engine: the
+        user's own code run inside a backward (a hook on a tensor or module), not a built-in backward formula,
+        whose ops run under the user frame that called ``backward()``."""
+        user = False
+        while f is not None:
+            code = f.f_code
+            if not user:
+                user = self.is_user(code.co_filename)
+            elif code.co_name == _ENGINE and code.co_filename.endswith(_GRAPH_PY):
+                return True
+            f = f.f_back
+        return False
 
     def applied_at(self, f: Any) -> tuple | None:
         """Walking out from frame ``f`` (an op in the forward of a ``torch.autograd.Function``): the user

@@ -25,7 +25,7 @@ __all__ = ["build_result"]
 _SHAPE = OriginShape(
     keys=("op", "api", "module", "file", "line", "function", "dtype", "shape", "stage", "autograd_node",
           "forward_op", "forward_file", "forward_line", "forward_function", "forward_module", "inputs", "output",
-          "samples", "library", "kind", "forward_api", "scalars", "module_type"),
+          "samples", "library", "kind", "forward_api", "scalars", "module_type", "hook"),
     backward_if="forward_line",
     from_forward=(("file", "forward_file"), ("line", "forward_line"), ("function", "forward_function"),
                   ("module", "forward_module")),

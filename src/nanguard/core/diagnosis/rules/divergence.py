@@ -102,10 +102,12 @@ def divergence(sig: dict, origin: dict | None, ev: dict, method: str, conf: floa
         # gradient norm that then climbs is the step size's doing, not a jump of its own)
         return params_grew(sig, dy, ev, method, conf, where, ctx)
     if sig.get("grad_jump") or _grad_jump_at_onset(dy) >= 50:
+        if _ruined(dy):  # the "calm run" before the jump was a network on weights an early update ruined
+            return lasting_ruin(sig, dy, ev, method, conf, where, ctx)
         return grad_jump(sig, dy, ev, method, conf, where)
     if _updates_too_large(dy):
         return params_grew(sig, dy, ev, method, conf, where, ctx)
-    if _lasting_ruin(dy):
+    if _lasting_ruin(dy) or _ruined(dy):
         return lasting_ruin(sig, dy, ev, method, conf, where, ctx)
     return None
 
@@ -661,6 +663,25 @@ RUIN_LOSS_KEPT = 2.0   # and the loss >= 2x the run's first: the run never came 
 # another seed the same update took the loss only 1.15 -> 1.85 (x1.6), the weights x20 at the overflow.
 RUIN_PEAK = 1.5
 RUIN_LOSS_FLOOR = 0.5
+# Weights still >= 100x their norm before the ruinous update are ruined whatever the loss does since: a ReLU
+# network thrown that far has dead units and a constant output whose loss sits at its chance level, often far
+# below a start inflated by unscaled inputs, with tiny gradients (a "calm run"). Measured: a Keras MLP on
+# features of scale 300, SGD lr 0.5: steps 0-3 took the weights 9.9 -> 9.3e14 (the loss 63 -> 5.8e19), the loss
+# then sat at 1.10 = ln 3 with gradients ~0.1 for 9 steps, and step 13's gradient jumped x1e14 to the overflow
+# (it was a gradient explosion "after a calm run", clip at 2).
+# A ruinous update whose gradient jumped (or was huge from the first step) is the gradient's doing, not the step
+# size's (``grad_jump`` and the GRAD_HUGE bound of ``one_update_ratio``).
+RUIN_NORM_EXTREME = 1e3
+
+
+def _ruined(dy: dict) -> bool:
+    if not (dy.get("ruin_step") is not None and T.fin(dy.get("ruin_norm_now_vs_before"))
+            and dy["ruin_norm_now_vs_before"] >= RUIN_NORM_EXTREME):
+        return False
+    jump, huge = dy.get("ruin_grad_jump"), dy.get("ruin_grad_to_weight")
+    if T.fin(jump):
+        return jump < GRAD_JUMP
+    return not (T.fin(huge) and huge >= GRAD_HUGE)
 
 
 def _lasting_ruin(dy: dict) -> bool:
@@ -677,11 +698,12 @@ def lasting_ruin(sig: dict, dy: dict, ev: dict, method: str, conf: float, where:
     one = {k: v for k, v in dy.items() if not k.startswith("last_")}
     one.update(last_update_step=s, last_update_change=dy["ruin_change"], onset_step=s + 1)
     ev["ruin_norm_now_vs_before"] = dy["ruin_norm_now_vs_before"]
-    peak = dy.get("ruin_loss_peak_vs_start")
-    threw = (f" after it threw the loss to ×{T.g(peak, 3)}" if dy["ruin_loss_now_vs_start"] < RUIN_LOSS_KEPT
-             and T.fin(peak) else "")
+    peak, now = dy.get("ruin_loss_peak_vs_start"), dy.get("ruin_loss_now_vs_start")
+    threw = (f" after it threw the loss to ×{T.g(peak, 3)}" if T.fin(now) and now < RUIN_LOSS_KEPT
+             and T.fin(peak) and peak > 1 else "")
+    loss = f", the loss ×{T.g(now, 3)} its start{threw}" if T.fin(now) else ""
     where = (f"and the run never came back from it (the weights are still ×{T.g(dy['ruin_norm_now_vs_before'], 3)} "
-             f"their norm before it, the loss ×{T.g(dy['ruin_loss_now_vs_start'], 3)} its start{threw}), {where}")
+             f"their norm before it{loss}), {where}")
     return one_update(sig, one, ev, method, conf, where, ctx, float(dy["ruin_change"]))
 
 

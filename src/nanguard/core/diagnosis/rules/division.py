@@ -9,6 +9,7 @@ from .precision import lp_underflow, underflow_evidence
 from .stdvar import variance
 
 _COUNTS = ("sum", "Sum", "count_nonzero", "bincount", "Bincount", "numel", "size")
+_LOOKUPS = ("index", "gather", "GatherV2", "ResourceGather", "embedding", "take", "take_along_axis")
 _NORMS = ("sqrt", "norm", "linalg_vector_norm", "frobenius_norm", "Sqrt", "EuclideanNorm")
 
 DIV = F.register(F.Family(
@@ -186,10 +187,14 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
     if xz:
         kind.append(f"{xz} result(s) x/0")
     src = ""
-    if zd.get("from_reduction"):
+    chain = [str(x) for x in zd.get("producer_chain") or []][:3]
+    dead = zd.get("from_reduction") and chain[:1] in (["mean"], ["Mean"]) and chain[1:2] in (["relu"], ["Relu"])
+    if dead:  # the batch mean of a ReLU output (a sparsity target's activation rate): 0 when the unit is off
+        src = ("; the denominator is the batch mean of a ReLU output, exactly 0 when the unit is off for every "
+               "row of the batch (a dead or not-yet-active unit)")
+    elif zd.get("from_reduction"):
         src = f"; the denominator comes from {(zd.get('producer_chain') or ['a reduction'])[0]} (a count/sum that " \
               "is 0 for an empty set)"
-    chain = [str(x) for x in zd.get("producer_chain") or []][:3]
     low = _low_one_minus(origin, zd, chain)
     if low is not None:  # 1 - x in bfloat16/float16: x near 1 rounds to 1 (a noise schedule cast to bf16)
         dt, half_ulp = low
@@ -220,7 +225,8 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
         return T.result("div_by_zero", summ, 0.8, ev, fixes, method)
     summ = (f"{api} at {where} divided by zero: {zd.get('zeros', '?')} zero(s) in the denominator of "
             f"{zd.get('numel', '?')}" + (f" ({', '.join(kind)})" if kind else "") + src
-            + (" (in its backward)" if bwd else ""))
+            + (f" (in a gradient hook, run before {origin['hook']})" if origin.get("hook") else
+               " (in its backward)" if bwd else ""))
     if by_norm:
         fixes = [f"add an eps to the norm at {where}: x / (norm + 1e-12) (or "
                  + X.say(pytorch="F.normalize(x, dim=...), which clamps the norm at eps)",
@@ -230,9 +236,17 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
                  "shorter than c unchanged and never divides by 0"]
         return T.result("div_by_zero", summ, 0.9, ev, fixes, method)
     counted = zd.get("from_reduction") or any(x in _COUNTS for x in chain)
+    if dead:  # no count to guard: a masked 0 (divide_no_nan) would still give log(0) in a KL rate term
+        fixes = [f"keep the averaged activation inside (0, 1) at {where}: {X.clamp_min('mean', '1e-6')} (for a "
+                 f"KL sparsity term clip it to [eps, 1 - eps]), or average an activation that is never exactly 0 "
+                 "(sigmoid codes) for that term"]
+        return T.result("div_by_zero", summ, 0.85, ev, fixes, method)
     if not counted and chain:  # a continuous quantity that reached exactly 0 (a ratio, a schedule's end value)
-        fixes = [f"keep the denominator away from 0 at {where}: divide by {X.clamp_min('x', '1e-8')} (a continuous "
-                 f"value made by {', '.join(chain)} reaches exactly 0 for some inputs: check where it is computed)",
+        table = [x for x in chain if x in _LOOKUPS]
+        made = (f"it is looked up ({table[0]}) from a table with an entry of exactly 0, such as a schedule's value at "
+                "its last step: fix that entry or the steps that reach it" if table else
+                f"the value ({' <- '.join(chain)}) reaches exactly 0 for some inputs: check where it is computed")
+        fixes = [f"keep the denominator away from 0 at {where}: divide by {X.clamp_min('x', '1e-8')} ({made})",
                  f"or give those entries their own value: {X.where_fn()}(x > 0, y / {X.clamp_min('x', '1e-8')}, "
                  "fallback)"]
     else:

@@ -160,6 +160,9 @@ def isolated_input(c) -> dict | None:
     rows = ", ".join(map(str, iso["rows"]))
     n = iso.get("count") or len(iso["rows"])
     c.ev["isolated_input"] = iso
+    const = c.ctx.get("normalization_constant_features")
+    if const:
+        return constant_feature(c, const, rows, n)
     summ = (f"{c.api} ran out of the {c.dtype} range at {c.where} on finite inputs: one of them reaches "
             f"{T.g(iso.get('value'))} in batch row{'s' if n > 1 else ''} [{rows}] (of {iso.get('rows_total')}) "
             f"where the median row stays within {T.g(iso.get('typical'))}: {n} sample{'s' if n > 1 else ''} far outside the "
@@ -171,6 +174,26 @@ def isolated_input(c) -> dict | None:
              "winsorise extreme values",
              "skip the batch (nanguard --recover auto skips or quarantines it)"]
     return T.result("bad_input_data", summ, 0.7, c.ev, fixes, c.method)
+
+
+def constant_feature(c, const: list, rows: str, n: int) -> dict:
+    """The rows far outside the rest come out of a normalisation layer adapted on data where a feature never varied:
+    it divides that feature's deviation by its epsilon (Keras ``Normalization``: max(sqrt(0), 1e-7)), so an ordinary
+    value becomes ~1e7 in the rows where the feature is not the adapt data's constant."""
+    first = const[0]
+    feats = ", ".join(map(str, first.get("features") or []))
+    c.ev["normalization_constant_features"] = const
+    summ = (f"{c.api} ran out of the {c.dtype} range at {c.where} on inputs that reach "
+            f"{T.g((c.facts.get('isolated_input') or {}).get('value'))} in batch row{'s' if n > 1 else ''} [{rows}]: the "
+            f"normalisation layer '{first.get('layer')}' was adapted on data where feature{'s' if ',' in feats else ''} "
+            f"[{feats}] never varied (variance 0), so it divides {'their' if ',' in feats else 'its'} deviation by epsilon "
+            f"{T.g(first.get('epsilon'))}: a row where such a feature differs from the adapt data's constant comes out "
+            f"~1/epsilon times too large")
+    fixes = [f"adapt '{first.get('layer')}' on data where every feature varies (the whole training set, not an early "
+             "slice), or drop the constant feature",
+             f"or give a feature that was constant in the adapt data a variance of 1: set its entry of "
+             f"'{first.get('layer')}'.variance to 1 after adapt (its values then pass through centred, unscaled)"]
+    return T.result("variance_zero", summ, 0.8, c.ev, fixes, c.method)
 
 
 def other(c) -> dict:

@@ -112,11 +112,14 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
                  f"or clamp the variance: {X.call('sqrt', X.clamp_min('variance', '1e-8'))}"]
     is_pow = T.opshort(origin.get("forward_op") or origin.get("op")) in POW.ops or T.node_family(node).startswith("pow")
     if is_pow and backward:
-        summ = (f"the backward of {api} at {where} ({node}): the gradient of x ** p with p < 1 is "
+        p = sd.get("exponent")
+        pw = f"p = {T.g(p)} < 1" if T.fin(p) and 0 < p < 1 else "p < 1"
+        summ = (f"the backward of {api} at {where} ({node}): the gradient of x ** p with {pw} is "
                 f"p * x ** (p - 1), infinite at x = 0 ({sd.get('zeros', '?')} zero base(s) of "
                 f"{sd.get('numel', '?')}), then inf * 0 = NaN")
         fixes = [f"keep the base away from 0 at {where}: {X.clamp_min('x', '1e-6')} ** p (or (x + 1e-6) ** p)",
-                 "or use an integer exponent / a formulation whose gradient is finite at 0"]
+                 "or use an exponent >= 1 (a focal loss's gamma >= 1: (1 - p_t) ** gamma then has a finite "
+                 "gradient at p_t = 1) or another formulation whose gradient is finite at 0"]
     elif is_pow and not sd.get("negatives") and sd.get("zeros") and T.fin(sd.get("exponent")) \
             and sd["exponent"] < 0:
         # a zero base to a negative power is 1/0 (deg ** -0.5 of a node with no neighbour), not a domain error

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 from .. import families as F
 from .. import fixes as X
@@ -83,4 +84,9 @@ def mask_escape(origin: dict, me: dict, ev: dict, method: str) -> dict:
                    "classes yourself: label smoothing spreads probability over every class, masked ones included"),
              f"keep the -inf mask at {at} for softmax/argmax only; do not replace it by a large finite "
              "negative, which turns the infinite loss into a huge finite one"]
+    if _CROSS_ENTROPY.search(f"{origin.get('api') or ''} {origin.get('op') or ''}"):
+        fixes[0], fixes[1] = fixes[1], fixes[0]   # the reduction is the library's loss: its smoothing term, not a sum
     return T.result("masked_softmax", summ, 0.85, ev, fixes, method)
+
+
+_CROSS_ENTROPY = re.compile(r"cross_entropy|crossentropy|CrossEntropy|nll_loss|softmax_cross_entropy", re.I)
