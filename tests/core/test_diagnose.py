@@ -1013,3 +1013,23 @@ def test_division_by_the_batch_mean_of_a_relu_and_by_a_looked_up_value():
     zd = dict(zd, from_reduction=False, producer_chain=["div", "index"])
     d = run(loc("aten.div.Tensor", api="Tensor.div", facts={"zero_denominator": zd}, output=out))
     assert "looked up (index) from a table" in d["fixes"][0] and "made by div, index" not in d["fixes"][0]
+
+
+def test_a_gradient_cast_back_to_float16_past_its_range_is_low_precision_overflow():
+    # autocast fp16: mse_loss runs in float32 and its gradient (2.07e5) is cast back to the float16 input (max
+    # 65504); it read 'other', "rescale the values or compute in float64"
+    ins = [{"dtype": "float32", "shape": [4, 64, 64], "numel": 16384, "nonfinite": 0, "min": -1.4e4, "max": 2.07e5,
+            "max_abs": 2.07e5, "zeros": 0, "negatives": 10, "arg": 0}]
+    facts = {"float64_check": {"finite": True, "max_abs": 2.07e5}, "overflow": {"dtype_max": 65504.0},
+             "dtype_info": {"dtype": "float16", "max": 65504.0}}
+    d = run(loc("aten._to_copy.default", api="Tensor.to", stage="backward", phase="backward", dtype="float16",
+                node="ToCopyBackward0", forward_op="aten._to_copy.default", facts=facts, inputs=ins,
+                output={"nan": 0, "posinf": 427, "neginf": 0}), CALM, phase="backward")
+    assert d["category"] == "low_precision_overflow" and "cast to float16" in d["summary"]
+    assert "autocast" in d["fixes"][0]
+    # a float32 cast of a float32 value is no precision story
+    ins32 = [dict(ins[0], dtype="float32")]
+    d = run(loc("aten._to_copy.default", api="Tensor.to", stage="backward", phase="backward", dtype="float32",
+                node="ToCopyBackward0", facts=dict(facts, overflow={"dtype_max": 3.4e38}), inputs=ins32,
+                output={"nan": 0, "posinf": 3, "neginf": 0}), CALM, phase="backward")
+    assert d["category"] != "low_precision_overflow" or "cast to" not in d["summary"]

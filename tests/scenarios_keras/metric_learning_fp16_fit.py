@@ -82,8 +82,8 @@ class Standardize(layers.Layer):
 
 inputs = layers.Input(shape=(height_width, height_width, 3))
 x = Standardize()(inputs)
-x = layers.Conv2D(filters=16, kernel_size=3, strides=2, activation="relu")(x)
-x = layers.Conv2D(filters=32, kernel_size=3, strides=2, activation="relu")(x)
+x = layers.Conv2D(filters=16, kernel_size=3, strides=2, activation="elu")(x)
+x = layers.Conv2D(filters=32, kernel_size=3, strides=2, activation="elu")(x)
 x = layers.GlobalAveragePooling2D()(x)
 embeddings = layers.Dense(units=8, activation=None, dtype="float32")(x)
 embeddings = layers.UnitNormalization(dtype="float32")(embeddings)

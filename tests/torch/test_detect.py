@@ -409,7 +409,7 @@ def test_scaler_collapse_below_the_warmup_scale_still_counts():
     mon.add_optimizer(opt)
     w = model[0].weight
     dets = []
-    for x, y in _batches(20):
+    for x, y in _batches(30):
         opt.zero_grad()
         loss = ((model(x) - y) ** 2).mean() + torch.sqrt((w - w).pow(2).sum())  # NaN grads at any scale
         scaler.scale(loss).backward()
@@ -419,5 +419,7 @@ def test_scaler_collapse_below_the_warmup_scale_still_counts():
         scaler.update()
         mon.end_step(opt, skipped=True)
     first = next(i for i, d in enumerate(dets) if not d.info_only)
-    # 2**24..2**21 are warm-up; 12 counted skips from 2**20 -> the collapse at step 4 + 11
-    assert first == 15 and dets[first].detected["loss_scale_collapse"] is True
+    # 2**24..2**21 are warm-up; the scaler never trained a step, so its skips are its search for a scale until the
+    # scale falls below 1 (core.lossscale): 2**24 / 2**25 at step 25; the counted skips (from 2**20) say so
+    assert first == 25 and dets[first].detected["loss_scale_collapse"] is True
+    assert dets[first].detected["consecutive_skips"] == 22

@@ -143,9 +143,11 @@ def _describe_localization(det: Detection, loc_run: Optional[Dict[str, Any]], re
         d.update(reproduced=None, interrupted=loc_run["interrupted"])
     else:
         why = loc_run.get("reason") or loc_run.get("error") or "no non-finite value appeared"
+        cause = loc_run.get("unrepeatable") or "this points to nondeterminism or a hardware/transient fault"
         d["method"] = (f"tried to replay step {det.step} under op-level instrumentation: could not reproduce "
-                       f"({why}); this points to nondeterminism or a hardware/transient fault, so no "
-                       f"origin is claimed")
+                       f"({why}); {cause}, so no origin is claimed")
+        if loc_run.get("unrepeatable"):
+            d["unrepeatable"] = loc_run["unrepeatable"]
         d["reason"] = why
     return d
 

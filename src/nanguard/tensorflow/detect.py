@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from ..core import lossscale as LS
 from ..core.config import GuardConfig
 from ..core.events import Detection
 from ..core.history import StepHistory, StepRecord
@@ -204,6 +205,7 @@ class StepDecider:
         self.config = config
         self.history = history
         self.consecutive_skips = 0
+        self.trained = False  # a step trained since the watch began (the scaler's search is over: core.lossscale)
         # per optimizer state (``id``): the parameter norm its last update left, i.e. the weights its next
         # step's forward uses (the first: read when the state was first traced or run, :meth:`start`)
         self.after: Dict[int, Optional[float]] = {}
@@ -243,7 +245,7 @@ class StepDecider:
         step = int(v[_STEP])
         loss_ok, data_ok, grads_ok, pre_ok = v[_LOSS_OK] >= 0.5, v[_DATA_OK] >= 0.5, v[_GRADS_OK] >= 0.5, v[_PRE_OK] >= 0.5
         if loss_ok and data_ok and grads_ok and pre_ok:
-            self.consecutive_skips = 0
+            self.consecutive_skips, self.trained = 0, True
             if v[_POST_OK] < 0.5:
                 return Detection(step, "optimizer", {"loss": _loss(v)})
             return None
@@ -262,11 +264,9 @@ class StepDecider:
     def _scaler_skip(self, step: int, scale: float, d: Dict[str, Any]) -> Detection:
         """A LossScaleOptimizer skip (non-finite scaled gradients, finite loss): warm-up is
         information; a collapsing scale is a failure (as for torch's GradScaler)."""
-        if not (math.isfinite(scale) and scale > self.config.warmup_loss_scale):
+        if LS.counts(self.config, scale):
             self.consecutive_skips += 1
         d = dict(d, loss_scale=scale, consecutive_skips=self.consecutive_skips)
-        collapsed = (math.isfinite(scale) and scale < self.config.min_loss_scale) or \
-            self.consecutive_skips >= self.config.max_consecutive_skips
-        if collapsed:
+        if LS.collapsed(self.config, scale, self.consecutive_skips, self.trained):
             return Detection(step, "backward", dict(d, loss_scale_collapse=True))
         return Detection(step, "backward", dict(d, scaler_skip=True), info_only=True)

@@ -286,8 +286,12 @@ def _replica_fn() -> bool:
     optimizer's update synchronizes the replicas (``merge_call``), which TensorFlow refuses inside a
     ``tf.cond``."""
     try:
-        return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context() and \
-            tf.distribute.get_strategy().num_replicas_in_sync > 1
+        if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+            return False
+        strategy = tf.distribute.get_strategy()
+        # a MirroredStrategy merges even with one replica (a one-GPU MirroredStrategy(), the tutorials' default):
+        # its update in a cond failed to build, and the guard turned itself off
+        return strategy.num_replicas_in_sync > 1 or isinstance(strategy, tf.distribute.MirroredStrategy)
     except Exception:
         return False
 

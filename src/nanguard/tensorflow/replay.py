@@ -65,6 +65,17 @@ def localize(driver: Any, det: Any, in_process_only: bool = False) -> Optional[D
     return None
 
 
+def unrepeatable(res: Dict[str, Any], fn: Any) -> None:
+    """A replay that did not reproduce: why it could not, when the traced step draws with stateful random ops."""
+    try:
+        from .warn_fix import unrepeatable_note
+        note = unrepeatable_note(fn)
+    except Exception:
+        note = None
+    if note:
+        res["unrepeatable"] = note
+
+
 def replay_in_process(cap: Any, make: Callable[[Any], Any]) -> Dict[str, Any]:
     t0 = time.time()
     res: Dict[str, Any] = {"method": "replay", "step": cap.step}
@@ -77,6 +88,8 @@ def replay_in_process(cap: Any, make: Callable[[Any], Any]) -> Dict[str, Any]:
         annotate_localization(loc, cap.row_source, cap.inputs)
         res["localization"] = loc
         res["reproduced"] = bool((loc or {}).get("reproduced"))
+        if not res["reproduced"]:
+            unrepeatable(res, getattr(cap, "step_fn", None))
         if out.error:
             res["error"] = f"the replayed step raised {out.error}"
         if not res["reproduced"] and not out.error:
@@ -172,6 +185,8 @@ def _child_main(argv: List[str]) -> int:
     probe = RerunProbe(on_step_call=pre_step)
 
     def dump(payload: Dict[str, Any]) -> None:
+        if payload.get("reproduced") is False:
+            unrepeatable(payload, state.get("fn"))
         rec = state["rec"]
         if rec is not None:
             try:
@@ -242,6 +257,8 @@ def _child_main(argv: List[str]) -> int:
             return state["rec"]
 
         def update_done(self, w: Any, next_step: int) -> None:
+            if w.step_call and next_step > N and state.get("fn") is None:
+                state["fn"] = w.step_call[0]   # the traced function that ran step N (its random ops: unrepeatable())
             if N - KEPT_BEFORE <= next_step < N:
                 probe.begin(next_step)   # the steps before are kept too (lr_replay/clip_replay start from them)
             if next_step == N and state["rec"] is None:

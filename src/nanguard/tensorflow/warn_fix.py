@@ -106,20 +106,39 @@ _STATEFUL_RANDOM = {"RandomStandardNormal", "RandomUniform", "RandomUniformInt",
 def _stateful_random(fn: Any) -> bool:
     """Whether the traced function ``fn`` (or one it calls) holds a stateful random op: its kernel keeps its own
     stream, which a new trace starts again (keras.random's ops are stateless, seeded from a variable)."""
+    found = stateful_random_ops(fn)
+    return found is None or bool(found)  # not known: assume it does (no re-trace, the test untested)
+
+
+def stateful_random_ops(fn: Any) -> Optional[List[str]]:
+    """The stateful random op types in the traced function ``fn`` and the functions it calls (sorted), or None
+    when its graphs cannot be read."""
     try:
         stack = [cf.graph for cf in fn._list_all_concrete_functions()]
     except Exception:
-        return True  # not known: assume it does (no re-trace, the test untested)
+        return None
     seen: set = set()
+    found: set = set()
     while stack:
         g = stack.pop()
         if id(g) in seen:
             continue
         seen.add(id(g))
-        if any(op.type in _STATEFUL_RANDOM for op in g.get_operations()):
-            return True
+        found.update(op.type for op in g.get_operations() if op.type in _STATEFUL_RANDOM)
         stack += [f.graph for f in getattr(g, "_functions", {}).values() if getattr(f, "graph", None) is not None]
-    return False
+    return sorted(found)
+
+
+def unrepeatable_note(fn: Any) -> Optional[str]:
+    """Why a replay of a step of the traced function ``fn`` cannot repeat it, when it draws with stateful random
+    ops (their kernels' streams cannot be rewound; an eager replay draws other numbers); else None."""
+    ops = stateful_random_ops(fn) if fn is not None else None
+    if not ops:
+        return None
+    return (f"the step draws random numbers inside a tf.function with stateful random ops ({', '.join(ops)}: "
+            "tf.random.normal / uniform with the global seed), whose streams a replay cannot rewind, so it drew "
+            "other numbers; to make the step replayable draw them with keras.random and a SeedGenerator (or a "
+            "tf.random.Generator), or pass the noise in as an argument")
 
 
 def _captured(fn: Any, args: tuple, kwargs: dict) -> List[Any]:

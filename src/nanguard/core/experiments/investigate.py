@@ -166,7 +166,11 @@ class _Investigation:
                          caps=self.caps, history=self.history, evidence=ev, max_replay_steps=steps)
 
     def _ctx(self) -> Dict[str, Any]:
-        return {"low": self._situation("other").low}
+        o = self.origin or {}
+        # a cast of a gradient back into the low-precision region (autocast's ToCopyBackward): it overflows at
+        # the boundary of whatever module is upcast, so a module in float32 proves nothing against low precision
+        cast_back = o.get("stage") == "backward" and str(o.get("autograd_node") or "").startswith("ToCopyBackward")
+        return {"low": self._situation("other").low, "cast_backward": cast_back}
 
     def _test(self, cat: str) -> Optional[tuple]:
         """The first experiment (already run, or planned cheapest first) that confirms or refutes ``cat``."""

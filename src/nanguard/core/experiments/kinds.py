@@ -76,7 +76,7 @@ def _upcast(cat: str, e: Experiment, ctx: dict) -> Optional[str]:
         if cat in PRECISION:
             return CONFIRMS
         return REFUTES if (cat in EXACT and ctx.get("low")) else None
-    return REFUTES if (cat in PRECISION and e.params.get("whole_model")) else None
+    return REFUTES if (cat in PRECISION and e.params.get("whole_model") and not ctx.get("cast_backward")) else None
 
 
 def _float64(cat: str, e: Experiment, ctx: dict) -> Optional[str]:

@@ -131,6 +131,7 @@ class StepMonitor:
         self._psq: Dict[int, List[List[float]]] = {}  # norm per [group][slice], last read
         self._checked: Dict[int, bool] = {}
         self._consecutive_skips = 0
+        self._scaler_trained = False  # a step trained since the watch began (core.lossscale)
         self.names = TensorNames(self.roots, self.views)  # names for the report; the exact slow-path scans
         self._last: Optional[Dict[str, Any]] = None
         self._lasts: Dict[int, Dict[str, Any]] = {}  # per optimizer: what its last check read

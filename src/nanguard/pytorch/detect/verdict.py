@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+from ...core import lossscale as LS
 from ...core.events import Detection
 from ...core.history import StepRecord
 from .. import gradscaler
@@ -190,7 +191,7 @@ def _decide(mon, p: Pending, loss, loss_ok, data_ok, scale, found_inf, gn, pre_p
     if not suspicious:
         if found_inf > 0:  # a GradScaler skip with finite unscaled... cannot happen; be safe
             return scaler_skip(mon, step, scale, {})
-        mon._consecutive_skips = 0
+        mon._consecutive_skips, mon._scaler_trained = 0, True
         return None
     if p.lazy:  # read late: only a GradScaler overflow is decided from the values alone
         if p.scaled and loss_ok == 1 and data_ok == 1 and (pre_pn is None or all(map(finite, pre_pn))):
@@ -216,18 +217,17 @@ def _decide(mon, p: Pending, loss, loss_ok, data_ok, scale, found_inf, gn, pre_p
         if scaler is not None and gradscaler.scaler_enabled(scaler):
             return scaler_skip(mon, step, scale, d)
         return Detection(step, "backward", d)
-    mon._consecutive_skips = 0
+    mon._consecutive_skips, mon._scaler_trained = 0, True
     return None  # a norm overflowed, but every element is finite: large, not broken
 
 
 def scaler_skip(mon, step: int, scale: float, d: Dict[str, Any]) -> Detection:
     """GradScaler will skip this step. Warm-up is information; a collapse is a failure."""
     cfg = mon.config
-    if not (finite(scale) and scale > cfg.warmup_loss_scale):
+    if LS.counts(cfg, scale):
         mon._consecutive_skips += 1
     d = dict(d, loss_scale=scale, consecutive_skips=mon._consecutive_skips)
-    collapsed = (finite(scale) and scale < cfg.min_loss_scale) or mon._consecutive_skips >= cfg.max_consecutive_skips
-    if collapsed:
+    if LS.collapsed(cfg, scale, mon._consecutive_skips, mon._scaler_trained):
         return Detection(step, "backward", dict(d, loss_scale_collapse=True))
     return Detection(step, "backward", dict(d, scaler_skip=True), info_only=True)
 

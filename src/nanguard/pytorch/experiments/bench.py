@@ -53,13 +53,18 @@ class TorchBench(Bench):
             kept[n] = self.step
             snaps = [s.step for s in self.snapshots
                      if s.step < n and s.finite() and consecutive(kept, s.step, n) is not None]
-        return {"batch_size": self.step.batch_size(), "module_chain": self.module_chain(origin.get("module")),
+        return {"batch_size": self.step.batch_size(), "module_chain": self.module_chain(origin.get("module"), origin.get("module_type")),
                 "float64": True, "op_patch": True, "compiled": self.compiled(), "snapshots": snaps,
                 "lrs": [float(g["lr"]) for o in self.step.optimizers for g in o.param_groups],
                 "lr_peaks": schedule_peaks(self.step.optimizers) if snaps else []}
 
-    def module_chain(self, path: Optional[str]) -> List[str]:
-        """The origin's module path, then its parents, up to the root model ("")."""
+    def module_chain(self, path: Optional[str], module_type: Optional[str] = None) -> List[str]:
+        """The origin's module path, then its parents, up to the root model (""). With several roots, a root
+        itself ("") is named by its type (``module_type``): the first root is not always the one (a style
+        transfer's ``nn.MSELoss`` called on its own beside the network)."""
+        if path == "" and module_type and len(self.roots) > 1 and \
+                any(type(r).__name__ == module_type for r in self.roots):
+            path = f"{module_type}:"
         if path is None or find_module(self.roots, path) is None:
             return []
         prefix, _, rest = path.rpartition(":") if ":" in path else ("", "", path)

@@ -37,6 +37,9 @@ def _overflow_from_finite_inputs_rule(c) -> dict | None:
     api, where, dtype = c.api, c.where, c.dtype
     if c.low and c.f32.get("direct_finite"):
         return lp_overflow(origin, facts, ev, method)
+    cast = cast_overflow(c)
+    if cast is not None:
+        return cast
     dv = divergence(c.sig, origin, ev, method, 0.85, c.ctx)
     if dv is not None and not c.excludes(dv["category"]):
         return dv
@@ -148,6 +151,40 @@ def custom_backward(c) -> dict | None:
              f"or guard it where the inputs are large (e.g. use the asymptotic derivative for x above a threshold: "
              f"{X.where_fn()}(x > 20, 1.0, formula))"]
     return T.result("exp_overflow" if exp else "other", summ, 0.8 if exp else 0.5, c.ev, fixes, c.method)
+
+
+_CASTS = frozenset({"_to_copy", "to", "to_copy", "Cast", "convert_element_type", "half", "type_as"})
+
+
+def cast_overflow(c) -> dict | None:
+    """A cast to a low-precision dtype of a wider value past its range (float32 2e5 -> float16 inf). In a backward
+    it is autocast's cast of the gradient back to the forward's float16: a loss term whose gradient is that large
+    (a style weight of 1e10) overflows there, whatever a GradScaler does (it only scales down to 1)."""
+    op = T.opshort(c.origin.get("op"))
+    dmax = (c.facts.get("overflow") or {}).get("dtype_max") or (c.facts.get("dtype_info") or {}).get("max")
+    wide = [i for i in c.origin.get("inputs") or [] if isinstance(i, dict) and i.get("dtype") not in T.LOW_DTYPES
+            and T.fin(i.get("max_abs"))]
+    if not (c.low and op in _CASTS and T.fin(dmax) and wide and max(i["max_abs"] for i in wide) > dmax):
+        return None
+    big = max(i["max_abs"] for i in wide)
+    bwd = c.origin.get("stage") == "backward"
+    fwd = c.origin.get("forward_api") or T.api_or_op(c.origin)
+    summ = (f"a {wide[0].get('dtype')} value of max |x| {T.g(big)} was cast to {c.dtype} (max {T.g(dmax)}) at {c.where} "
+            + (f"in the backward of {fwd}: autocast casts the gradient back to the forward's {c.dtype}, and this "
+               "gradient is past its range" if bwd else "and became +-inf"))
+    fixes = [X.say(pytorch=(f"compute {fwd} at {c.where} and the tensors it reads in float32: the code that makes "
+                            "them inside torch.autocast(device_type, enabled=False), from inputs cast with .float() "
+                            "(a float16 tensor upstream still gets this gradient cast back to float16)") if bwd else
+                   f"compute {fwd} at {c.where} in float32: inside torch.autocast(device_type, enabled=False), on "
+                   "inputs cast with .float()",
+                   tensorflow=f"compute {fwd} at {c.where} in float32 (a layer with dtype=\"float32\", inputs cast "
+                   "with tf.cast(x, tf.float32))",
+                   jax=f"compute {fwd} at {c.where} in float32 (x.astype(jnp.float32))"),
+             f"or scale that term down (its loss weight) so its values stay far below {T.g(dmax)}",
+             X.say(pytorch="or use bfloat16 (float32's range) instead of float16",
+                   tensorflow="or use the \"mixed_bfloat16\" policy (float32's range) instead of float16",
+                   jax="or use bfloat16 (float32's range) instead of float16")]
+    return T.result("low_precision_overflow", summ, 0.85, c.ev, fixes, c.method)
 
 
 def isolated_input(c) -> dict | None:
