@@ -50,7 +50,7 @@ def apply_eager(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
 
 
 def _pre(w: Any, st: OptState, opt: Any, grads: List[Any], tvars: List[Any], lso: bool) -> List[float]:
-    p = w._take_pending()
+    p = w._take_pending(grads)
     loss, loss_known, loss_ok = loss_parts(p)
     d_ok = data_ok(p)
     gts = D.float_tensors(grads)

@@ -106,7 +106,7 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
                 tvars: List[Any], lso: bool) -> bool:
     """Build the check and the guarded update into the graph being traced (True), or, in a trace that
     TensorFlow discards (:func:`discarded_trace`), only the update (False)."""
-    p = w._take_pending()
+    p = w._take_pending(grads)
     if discarded_trace():
         run_update(w, opt, grads, trainable_variables, st)
         return False

@@ -69,6 +69,7 @@ def install(w: Any) -> List[Callable[[], None]]:
         if hooks is not None:
             hooks.set_stage("backward")
         out = orig["gradient"](tape, target, sources, *a, **k)
+        w._guarded(lambda: w._on_grads(target, out))
         if hooks is not None:
             hooks.mark_grads(out, sources)
             hooks.set_stage("forward")

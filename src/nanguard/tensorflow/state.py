@@ -140,10 +140,14 @@ def create_lifted(make: Callable[[], Any]) -> Any:
 class Pending:
     """What one graph (or eager code) saw since its last update: losses, batch flags, seeds, batch."""
 
-    __slots__ = ("losses", "data_flags", "data_host_ok", "scaled", "seeds", "batch", "hold", "buffers", "made")
+    __slots__ = ("losses", "data_flags", "data_host_ok", "scaled", "seeds", "batch", "hold", "buffers", "made",
+                 "grad_ids")
 
     def __init__(self) -> None:
         self.losses: List[tf.Tensor] = []
+        # id(loss) -> ids of the gradients its tape.gradient returned: an update takes the losses of its own
+        # gradients (two tapes' gradients taken before two updates: a GAN's generator and discriminator)
+        self.grad_ids: Dict[int, frozenset] = {}
         self.data_flags: List[tf.Tensor] = []
         self.data_host_ok = True
         self.scaled: List[Tuple[tf.Tensor, tf.Tensor]] = []  # (scaled loss, loss)
