@@ -10,6 +10,8 @@ CFG = GuardConfig()
 
 def test_a_scale_below_one_is_a_collapse_trained_or_not():
     assert LS.collapsed(CFG, 0.5, 1, trained=False) and LS.collapsed(CFG, 0.5, 1, trained=True)
+    # a scaler that never trained and still skips with no scaling left (1) has searched all the way down
+    assert LS.collapsed(CFG, 1.0, 1, trained=False) and not LS.collapsed(CFG, 1.0, 1, trained=True)
 
 
 def test_twelve_skips_in_a_row_are_a_collapse_only_after_a_trained_step():

@@ -30,7 +30,7 @@ def _fit(callbacks, epochs=2):
 def test_the_callback_names_the_float16_overflow_behind_a_collapsing_loss_scale():
     import nanguard.keras
     cb = nanguard.keras.NanGuard(report=None, quiet=True, on_nonfinite="stop")
-    _fit([cb])
+    _fit([cb])  # every step skipped: a skip at scale 1 (2**15 -> the 16th skip, the last step) is the collapse
     rep = cb.report
     ev = rep.events[0]
     assert ev.phase == "backward"

@@ -108,10 +108,10 @@ def test_loss_scale_collapse_is_a_failure(tmp_path):
     assert code == 3
     ev = rep["events"][0]
     assert ev["phase"] == "backward" and ev["detected"]["loss_scale_collapse"] is True
-    # never a trained step: the skips are the scaler's search until its scale falls below 1 (core.lossscale):
-    # 2**15 / 2**16 at the 17th skip
-    assert ev["step"] == 16 and ev["detected"]["loss_scale"] < 1
-    assert rep["scaler_skips"] == 16
+    # never a trained step: the skips are the scaler's search until it skips at scale 1, no scaling left
+    # (core.lossscale): 2**15 / 2**15 at the 16th skip
+    assert ev["step"] == 15 and ev["detected"]["loss_scale"] == 1.0
+    assert rep["scaler_skips"] == 15
     assert ev["cause"]["category"] == "loss_scale_collapse"
 
 

@@ -344,9 +344,10 @@ def test_scaler_skip_is_info_until_it_collapses():
         scaler.step(opt)
         scaler.update()
         mon.end_step(opt, skipped=True)
-    assert [d.info_only for d in dets] == [True, True, True, False, False]
+    # never a trained step: a skip at scale 1 (no scaling left) is the collapse (core.lossscale)
+    assert [d.info_only for d in dets] == [True, True, False, False, False]
     assert [d.detected["loss_scale"] for d in dets] == [4.0, 2.0, 1.0, 0.5, 0.25]
-    assert dets[3].detected["loss_scale_collapse"] is True
+    assert dets[2].detected["loss_scale_collapse"] is True
     assert all(r.skipped for r in mon.history)
 
 
@@ -419,7 +420,7 @@ def test_scaler_collapse_below_the_warmup_scale_still_counts():
         scaler.update()
         mon.end_step(opt, skipped=True)
     first = next(i for i, d in enumerate(dets) if not d.info_only)
-    # 2**24..2**21 are warm-up; the scaler never trained a step, so its skips are its search for a scale until the
-    # scale falls below 1 (core.lossscale): 2**24 / 2**25 at step 25; the counted skips (from 2**20) say so
-    assert first == 25 and dets[first].detected["loss_scale_collapse"] is True
-    assert dets[first].detected["consecutive_skips"] == 22
+    # 2**24..2**21 are warm-up; the scaler never trained a step, so its skips are its search for a scale until it
+    # skips at scale 1, no scaling left (core.lossscale): 2**24 / 2**24 at step 24; the counted skips (from 2**20)
+    assert first == 24 and dets[first].detected["loss_scale_collapse"] is True
+    assert dets[first].detected["consecutive_skips"] == 21

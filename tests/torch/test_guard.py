@@ -319,11 +319,11 @@ def test_guard_grad_scaler_collapse():
         for b in d:
             g.step(b, fn)
     ev = ei.value.event
-    # scale 8, 4, 2, 1 are skips (info); 0.5 < min_loss_scale is the collapse
-    assert (ev.step, ev.phase) == (4, "backward")
+    # scale 8, 4, 2 are skips (info); a skip at 1 (no scaling left) by a scaler that never trained is the collapse
+    assert (ev.step, ev.phase) == (3, "backward")
     assert ev.detected["loss_scale_collapse"] is True
-    assert ev.detected["loss_scale"] == 0.5
-    assert ei.value.report.scaler_skips == 4
+    assert ev.detected["loss_scale"] == 1.0
+    assert ei.value.report.scaler_skips == 3
     _eq(snapshot(model), before)  # nothing was ever applied
 
 

@@ -390,10 +390,10 @@ def test_grad_scaler_step_count_includes_skipped_steps(tmp_path, capsys):
     assert rep["steps_watched"] == 9
 
 
-@pytest.mark.parametrize("init,step", [(2.0 ** 20, 21), (4.0, 3)])
+@pytest.mark.parametrize("init,step", [(2.0 ** 20, 20), (4.0, 2)])
 def test_grad_scaler_collapse_is_a_failure(tmp_path, init, step):
-    # NaN gradients from the first step: the scaler never trains, so its skips are its search for a scale until the
-    # scale falls below 1 (core.lossscale): 2**20 at the 22nd skip, 4.0 at the fourth.
+    # NaN gradients from the first step: the scaler never trains, so its skips are its search for a scale until it
+    # skips at scale 1, no scaling left (core.lossscale): 2**20 at the 21st skip, 4.0 at the third.
     script = write(tmp_path, SCALER_SCRIPT)
     code, rep = run_ng(tmp_path, script, ["collapse", -1, "", init])
     assert code == EXIT_NONFINITE
@@ -411,7 +411,7 @@ def test_grad_scaler_collapse_warn_mode_runs_to_the_end(tmp_path, capsys):
     assert code == 0
     assert "skips=24" in capsys.readouterr().out
     assert rep["status"] == "nonfinite"
-    assert rep["events"][0]["step"] == 3 and rep["events"][0]["detected"]["loss_scale_collapse"]
+    assert rep["events"][0]["step"] == 2 and rep["events"][0]["detected"]["loss_scale_collapse"]
     assert rep["steps_watched"] == 24
 
 

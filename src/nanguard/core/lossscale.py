@@ -6,7 +6,7 @@ scale and become a failure: one rule for every backend.
   scaler has trained at least one step: a scaler that had found its scale and now skips every step. Before its
   first trained step, a run of skips is the scaler still halving down from its initial scale (Keras starts at
   2**15: a Poisson model with an exp output needed 14 halvings, to 2, and trained on; it read as a collapse at the
-  12th), and only the scale's floor decides.
+  12th), and only the scale's floor decides: a skip at scale 1 (no scaling left) or below.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def counts(config: Any, scale: float) -> bool:
 
 def collapsed(config: Any, scale: float, consecutive: int, trained: bool) -> bool:
     """Whether a skip at ``scale``, the ``consecutive``-th counted one, is a collapse (``trained``: the scaler
-    has trained a step since the watch began)."""
-    if math.isfinite(scale) and scale < config.min_loss_scale:
+    has trained a step since the watch began). A scaler that never trained and still skips at ``min_loss_scale``
+    (no scaling at all) has searched all the way down: its gradients overflow unscaled."""
+    if math.isfinite(scale) and (scale < config.min_loss_scale or (not trained and scale <= config.min_loss_scale)):
         return True
     return trained and consecutive >= config.max_consecutive_skips
