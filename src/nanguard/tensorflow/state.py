@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -162,6 +162,38 @@ class Pending:
         # is given no data of the batch
         self.made: List[Any] = []
         self.buffers: List[Tuple[Any, tf.Tensor]] = []
+
+    def user_loss(self, t: Any) -> Any:
+        """The user's loss for a differentiated target (a LossScaleOptimizer's ``loss * scale``: the loss)."""
+        for scaled, loss in self.scaled:
+            if scaled is t:
+                return loss
+        return t
+
+    def note_grads(self, target: Any, out: Any) -> None:
+        """``tape.gradient(target)`` returned ``out``: the gradients each of its (pending) losses made."""
+        ids = frozenset(id(g) for g in tf.nest.flatten(out) if g is not None)
+        for t in tf.nest.flatten(target):
+            t = self.user_loss(t)
+            if any(t is x for x in self.losses):
+                self.grad_ids[id(t)] = ids
+
+    def take_own(self, grads: Sequence[Any]) -> Optional["Pending"]:
+        """Keep the losses whose gradients ``grads`` are (an update's own), when several tapes' losses are pending
+        and only some of them are; returns a Pending with the others (for their own update), else None. (A GAN's
+        generator applied first: its discriminator's inf loss is the discriminator update's, not the generator's.)"""
+        if len(self.losses) < 2 or not self.grad_ids or not grads:
+            return None
+        gid = {id(g) for g in grads if g is not None}
+        mine = [t for t in self.losses if self.grad_ids.get(id(t), frozenset()) & gid]
+        rest = [t for t in self.losses if not any(t is m for m in mine)]
+        if not mine or not rest:
+            return None
+        q = Pending()
+        q.losses, q.scaled = rest, self.scaled
+        q.grad_ids = {id(t): self.grad_ids[id(t)] for t in rest if id(t) in self.grad_ids}
+        self.losses = mine
+        return q
 
 
 class OptState:

@@ -200,17 +200,9 @@ class TFWatcher:
         key = graph_key()
         p = self._pending.pop(key, None)
         p = p if p is not None else Pending()
-        if len(p.losses) > 1 and p.grad_ids and grads:
-            # several tapes' losses pending: this update takes those whose gradients it applies; the others wait
-            # for their own update (a GAN's generator applied first, its discriminator's inf loss then is its own)
-            gid = {id(g) for g in grads if g is not None}
-            mine = [t for t in p.losses if p.grad_ids.get(id(t), frozenset()) & gid]
-            rest = [t for t in p.losses if not any(t is m for m in mine)]
-            if mine and rest:
-                q = self._pending[key] = Pending()
-                q.losses, q.scaled = rest, p.scaled
-                q.grad_ids = {id(t): p.grad_ids[id(t)] for t in rest if id(t) in p.grad_ids}
-                p.losses = mine
+        rest = p.take_own(grads)   # several tapes' losses pending: the others wait for their own update
+        if rest is not None:
+            self._pending[key] = rest
         # model.fit: the train_step's batch and seed states (taken before its first update) serve its
         # later updates too (a GAN's second optimizer, a critic's extra steps): a replay re-runs it all
         if p.batch is not None:
@@ -228,10 +220,7 @@ class TFWatcher:
         for t in tf.nest.flatten(target):
             if t is None or not isinstance(t, (tf.Tensor, tf.Variable)):
                 continue
-            for scaled, loss in p.scaled:
-                if scaled is t:
-                    t = loss  # the user's loss, not loss * scale
-                    break
+            t = p.user_loss(t)
             if not t.dtype.is_floating:
                 continue
             if hooks is not None:
@@ -243,17 +232,8 @@ class TFWatcher:
 
     def _on_grads(self, target: Any, out: Any) -> None:
         """``tape.gradient(target)`` returned ``out``: which gradients each of its losses made (:meth:`_take_pending`)."""
-        if self.replay_hooks is not None:
-            return
-        p = self._pend()
-        ids = frozenset(id(g) for g in tf.nest.flatten(out) if g is not None)
-        for t in tf.nest.flatten(target):
-            for scaled, loss in p.scaled:
-                if scaled is t:
-                    t = loss
-                    break
-            if any(t is x for x in p.losses):
-                p.grad_ids[id(t)] = ids
+        if self.replay_hooks is None:
+            self._pend().note_grads(target, out)
 
     def _on_outer_call(self, layer: Any, args: tuple, kwargs: dict) -> None:
         from tensorflow.python.eager import record
