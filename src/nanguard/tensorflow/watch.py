@@ -231,7 +231,7 @@ class TFWatcher:
             self._pending.pop(graph_key(), None)
 
     def _on_grads(self, target: Any, out: Any) -> None:
-        """``tape.gradient(target)`` returned ``out``: which gradients each of its losses made (:meth:`_take_pending`)."""
+        """``tape.gradient(target)`` returned ``out``: which gradients each of its losses made (``_take_pending``)."""
         if self.replay_hooks is None:
             self._pend().note_grads(target, out)
 
