@@ -25,6 +25,7 @@ def collapsed(config: Any, scale: float, consecutive: int, trained: bool) -> boo
     """Whether a skip at ``scale``, the ``consecutive``-th counted one, is a collapse (``trained``: the scaler
     has trained a step since the watch began). A scaler that never trained and still skips at ``min_loss_scale``
     (no scaling at all) has searched all the way down: its gradients overflow unscaled."""
-    if math.isfinite(scale) and (scale < config.min_loss_scale or (not trained and scale <= config.min_loss_scale)):
+    floor = config.min_loss_scale
+    if math.isfinite(scale) and (scale < floor or (scale == floor and not trained)):
         return True
     return trained and consecutive >= config.max_consecutive_skips

@@ -145,9 +145,9 @@ class Pending:
 
     def __init__(self) -> None:
         self.losses: List[tf.Tensor] = []
-        # id(loss) -> ids of the gradients its tape.gradient returned: an update takes the losses of its own
-        # gradients (two tapes' gradients taken before two updates: a GAN's generator and discriminator)
-        self.grad_ids: Dict[int, frozenset] = {}
+        # id(loss) -> what its tape.gradient returned (flattened only when several losses are pending): an update
+        # takes the losses of its own gradients (two tapes' gradients before two updates: a GAN's G and D)
+        self.grad_ids: Dict[int, Any] = {}
         self.data_flags: List[tf.Tensor] = []
         self.data_host_ok = True
         self.scaled: List[Tuple[tf.Tensor, tf.Tensor]] = []  # (scaled loss, loss)
@@ -172,11 +172,10 @@ class Pending:
 
     def note_grads(self, target: Any, out: Any) -> None:
         """``tape.gradient(target)`` returned ``out``: the gradients each of its (pending) losses made."""
-        ids = frozenset(id(g) for g in tf.nest.flatten(out) if g is not None)
         for t in tf.nest.flatten(target):
             t = self.user_loss(t)
             if any(t is x for x in self.losses):
-                self.grad_ids[id(t)] = ids
+                self.grad_ids[id(t)] = out   # kept as returned: read only when several losses are pending
 
     def take_own(self, grads: Sequence[Any]) -> Optional["Pending"]:
         """Keep the losses whose gradients ``grads`` are (an update's own), when several tapes' losses are pending
@@ -185,7 +184,8 @@ class Pending:
         if len(self.losses) < 2 or not self.grad_ids or not grads:
             return None
         gid = {id(g) for g in grads if g is not None}
-        mine = [t for t in self.losses if self.grad_ids.get(id(t), frozenset()) & gid]
+        mine = [t for t in self.losses
+                if any(id(g) in gid for g in tf.nest.flatten(self.grad_ids.get(id(t))) if g is not None)]
         rest = [t for t in self.losses if not any(t is m for m in mine)]
         if not mine or not rest:
             return None
