@@ -94,3 +94,21 @@ def test_a_hand_written_softplus_gets_softplus(tmp_path):
     out = diagnose(_loc(f, 3, 342.0), HIST[:0], phase="forward", context={"optimizer": "Adam"})
     assert out["category"] == "exp_overflow" and "hand-written softplus" in out["summary"]
     assert out["fixes"][0].startswith("use F.softplus(sigma_layer(h))"), out["fixes"]
+
+
+COX = '''import torch
+def partial_likelihood(risk, event):
+    log_risk_set = torch.log(torch.cumsum(torch.exp(risk), dim=0))
+    return -((risk - log_risk_set) * event).sum()
+'''
+
+
+def test_a_cumulative_sum_of_exps_gets_logcumsumexp(tmp_path):
+    """DeepSurv's Cox partial likelihood log(cumsum(exp(risk))) overflows once a score passes 88.7: the running
+    log-sum-exp is torch.logcumsumexp (a softmax rewrite does not apply: there is no normalised exp)."""
+    f = tmp_path / "cox.py"
+    f.write_text(COX)
+    out = diagnose(_loc(f, 3, 113.0), HIST[:0], phase="forward", context={"optimizer": "Adam"})
+    assert out["category"] == "exp_overflow" and "cumulative sum of exps" in out["summary"]
+    assert out["fixes"][0].startswith("use torch.logcumsumexp(risk, dim)"), out["fixes"]
+    assert not any("softmax" in x for x in out["fixes"])

@@ -29,7 +29,7 @@ from .budget import DATA_CATEGORY, RecoveryBudget
 from .estimates import (DynamicLossScale, backoff_factor, clip_max_norm, failed_rates, healthy_grad_norms, peak_cut,
                         peak_target, rollback_bound, schedule_peak)
 from .records import notice, summary_line
-from .repeats import Repeats
+from .repeats import Repeats, skip_failed
 from .snapshots import SnapshotStore
 from . import beta2, tried
 from .table import ACTIONS, AUTO, CHANGES_TRAINING, DIVERGENCE, actions_for, check_allowed, record_order
@@ -166,6 +166,10 @@ class RecoveryPolicy:
         if unsound and params_ok:
             return self._stop(event, step, f"recovery cannot be sound: {unsound}")
         bound = rollback_bound(cause) if cat in DIVERGENCE + (DATA_CATEGORY,) else None
+        weights = params_ok and not few_rows and self._rate is None and step >= 2 \
+            and skip_failed(self._last_rec, step, cat, acts)
+        if weights:  # back to before the update that made the weights it fails on, and a replayed rate cut
+            acts, bound = [a for a in ("rollback", "lr_backoff") if a in self.allowed], step - 2
         if cat == DATA_CATEGORY and bound is not None and bound < step and "rollback" in self.allowed \
                 and "rollback" not in acts:
             acts = ["rollback"] + acts  # the outlier batch of an earlier step is already in the weights
@@ -173,18 +177,30 @@ class RecoveryPolicy:
             acts = ["rollback"] + acts  # never train on non-finite weights
         if self.loss_scaler is not None and event.phase == "backward" and params_ok:
             acts = ["loss_scale"]  # our own loss scale overflowed: back off (and skip), like GradScaler
-        acts, proofs, notes = verified_plan(cause, acts, self.allowed, event.phase)
+        own = acts if weights else []  # tested by this recovery's own replays (tried.act), not the investigation's
+        acts, proofs, notes = verified_plan(cause, [a for a in acts if a not in own], self.allowed, event.phase)
+        acts = own + acts
+        if weights:
+            notes.append(f"the same {cat} came back at step {step} on a new batch after step {step - 1}'s skip, "
+                         "which left the weights as they were: the weights make it, so the run goes back to before "
+                         "the update that made them and the learning rate is cut (replayed first)")
         done: Dict[str, Any] = {}
         names: List[str] = []
         for a in acts:
             if a == "rollback":
                 params_ok = self._rollback(event, step, cat, actions, history, params_ok, done, notes, bound)
-                if "rollback" not in done and bound is not None:
+                if "rollback" not in done and bound is not None and not weights:
                     return self._stop(event, step, f"no snapshot from before step {bound + 1}, where the growth "
                                       "began: rolling back to weights that are already diverging is not sound"
                                       + (f"; fix: {event.fixes[0]}" if getattr(event, "fixes", None) else ""))
             elif a == "clip":
                 self._clip(history, done, step, proofs.get("clip"))
+            elif a == "lr_backoff" and weights:
+                if "rollback" not in done:
+                    continue  # no snapshot from before those weights: a cut alone would keep training on them
+                runs: List[dict] = []
+                tried.act(self, a, cause, actions, history, step, done, runs)
+                tried.record_on_event(event, runs)
             elif a == "lr_backoff":  # past a rate spike of the schedule, the rate now is replayed first
                 tried.failure_cut(self, event, actions, history, step, done, proofs.get("lr_backoff"))
             elif a == "upcast":

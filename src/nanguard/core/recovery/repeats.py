@@ -64,3 +64,20 @@ class Repeats:
         return (f"the same {category} came back at step {step}, at the same point of the replay, after "
                 f"{count} recover{'y' if count == 1 else 'ies'} ({last.get('action')}, the last one without "
                 f"drawing the same batch again): recovery is not fixing it, so it stops here rather than loop")
+
+
+# the skip-only categories finite weights grown too far reach: exp past its range, a probability saturated to
+# exactly 0 or 1 under a log, an atanh/asin argument pushed to +-1 (not bad data, nor a failure of unknown mechanism)
+WEIGHT_MADE = ("exp_overflow", "log_domain", "trig_domain")
+
+
+def skip_failed(last: Optional[tuple], step: int, category: str, acts: Any) -> bool:
+    """A plain skip that did not help: the failure (of ``WEIGHT_MADE``, not per-sample) came back on the very next
+    step's new batch, and a skip leaves the weights as they were, so the weights make it, not the batch (an
+    update before the skip took them where the op fails: exp past its range, a log of a collapsed value).
+    ``last``: the policy's last recovery, ``(step, record)``; ``acts``: what the table calls for now."""
+    if last is None or last[0] != step - 1 or category not in WEIGHT_MADE or set(acts) - {"skip_step"}:
+        return False
+    rec = last[1] or {}
+    return rec.get("action") == "skip_step" and rec.get("category") == category and "quarantine" not in (
+        rec.get("actions") or {})

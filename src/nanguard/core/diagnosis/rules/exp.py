@@ -68,7 +68,7 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
                    jax="if you need exp itself, subtract the row max first: z - jnp.max(z, axis, keepdims=True), or "
                    "use jax.nn.logsumexp"),
              "keep the logits bounded (normalisation, weight decay) if they keep growing"]
-    if arg and _softplus_written(origin):  # log(1 + exp(z)): the library's softplus computes it for any z
+    if arg and _line_has(origin, _SOFTPLUS):  # log(1 + exp(z)): the library's softplus computes it for any z
         sp = X.say(pytorch="F.softplus", tensorflow="tf.math.softplus", jax="jax.nn.softplus")
         summ += "; it is a hand-written softplus, log(1 + exp(z))"
         return T.result("exp_overflow", summ, 0.9, ev, [
@@ -76,6 +76,14 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
             "overflow (z itself for large z)",
             "also scale the inputs (a series' own mean as its scale, as DeepAR does) so the outputs stay in range"],
             method)
+    if arg and _line_has(origin, _CUMSUM):  # log(cumsum(exp(z))): a running logsumexp (a Cox risk set)
+        cum = X.say(pytorch="torch.logcumsumexp", tensorflow="tf.math.cumulative_logsumexp", jax="jax.lax.cumlogsumexp")
+        summ += "; it is a cumulative sum of exps (a running log-sum-exp, e.g. a Cox partial likelihood's risk sets)"
+        return T.result("exp_overflow", summ, 0.9, ev, [
+            f"use {cum}({arg}, dim) at {where} in place of log(cumsum(exp(...))): the same running log-sum-exp, "
+            "computed without overflow for any z",
+            "also standardise the inputs (covariates in their raw units) and keep the learning rate low enough that "
+            "the scores stay bounded"], method)
     if bound:   # no softmax rewrite for an exp that is no softmax
         fixes = bound + ["keep what feeds the exponent bounded (normalised inputs, weight decay, a lower learning "
                          "rate) if it keeps growing"]
@@ -164,11 +172,16 @@ def exp_argument(origin: dict) -> tuple:
 _SOFTPLUS = re.compile(r"\blog1p\(\s*[\w.]*exp\(|\blog\(\s*1(?:\.0*)?\s*\+\s*[\w.]*exp\(|\blog\(\s*[\w.]*exp\([^()]*(?:\([^()]*\))*[^()]*\)\s*\+\s*1(?:\.0*)?\s*\)")
 
 
-def _softplus_written(origin: dict) -> bool:
-    """The exp's line computes log(1 + exp(z)) (or log1p(exp(z))) by hand."""
+# a cumulative sum of the exps: cumsum(exp(z)) or exp(z).cumsum(...)
+_CUMSUM = re.compile(r"cumsum\(\s*[\w.]*exp\(|exp\([^()]*(?:\([^()]*\))*[^()]*\)\s*\.cumsum\(")
+
+
+def _line_has(origin: dict, pattern: "re.Pattern[str]") -> bool:
+    """The exp's line holds ``pattern``: log(1 + exp(z)) written by hand (``_SOFTPLUS``), a cumsum of exps
+    (``_CUMSUM``)."""
     f, n = origin.get("file"), origin.get("line")
     text = linecache.getline(str(f), int(n)) if f and isinstance(n, int) else ""
-    return _SOFTPLUS.search(text) is not None
+    return pattern.search(text) is not None
 
 
 _ASSIGN = re.compile(r"^\s*([A-Za-z_]\w*)\s*=[^=]")

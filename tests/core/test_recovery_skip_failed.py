@@ -1,0 +1,64 @@
+"""A plain skip that did not help (``recovery.repeats.skip_failed``): a failure whose table row only skips (an
+exp overflow) that comes back on the next step's new batch is made by the weights, which a skip leaves as they
+were. The second one rolls back to before the update that made them and cuts the learning rate, the cut replayed
+first; bad data, per-sample failures and a failure two steps apart stay plain skips."""
+from __future__ import annotations
+
+from nanguard.core.events import Event
+from nanguard.core.recovery import RecoveryPolicy
+from nanguard.core.recovery.repeats import skip_failed
+
+from test_recovery_policy import FakeActions, hist
+from test_spike_tried import Replaying
+
+
+def _ev(step, cat="exp_overflow", origin=None):
+    return Event(step=step, phase="forward", origin=origin,
+                 cause={"category": cat, "summary": "t", "confidence": 0.9, "evidence": {}})
+
+
+def _policy(acts, upto):
+    p = RecoveryPolicy(quiet=True, snapshot_every=1, recent_snapshots=8, keep_snapshots=8)
+    for s in range(upto):
+        p.on_step_start(s, acts, loss=1.0)
+    return p
+
+
+def test_the_same_failure_on_the_next_batch_rolls_back_before_the_update_and_cuts_the_rate():
+    acts = Replaying(ok_lr=0.005, lrs=(0.05,))
+    p = _policy(acts, 5)
+    first = p.on_failure(_ev(4), step=4, actions=acts, history=hist([1.0] * 4))
+    assert first["action"] == "skip_step"
+    p.on_step_start(5, acts, loss=1.0)
+    rec = p.on_failure(_ev(5), step=5, actions=acts, history=hist([1.0] * 5))
+    assert rec["action"] == "rollback+lr_backoff+skip_step"
+    # the weights step 4 failed on were made by step 3's update: back to the state before it
+    assert rec["actions"]["rollback"]["to_step"] == 3
+    assert acts.replays and acts.replays[0][:2] == (3, 5)  # the cut was replayed from there first
+    assert acts.lrs[0] <= 0.005 * (1 + 1e-9)
+    assert rec["actions"]["lr_backoff"]["tested_by"]["passed"] is True
+    assert any("came back at step 5 on a new batch" in n for n in rec["actions"]["notes"])
+
+
+def test_skips_that_stay_skips():
+    # two steps apart: a rare failure, not the weights
+    acts = Replaying(ok_lr=0.005, lrs=(0.05,))
+    p = _policy(acts, 7)
+    p.on_failure(_ev(4), step=4, actions=acts, history=hist([1.0] * 4))
+    assert p.on_failure(_ev(6), step=6, actions=acts, history=hist([1.0] * 6))["action"] == "skip_step"
+    # bad input data on two batches in a row is bad data
+    a2 = FakeActions()
+    p2 = _policy(a2, 6)
+    p2.on_failure(_ev(4, "bad_input_data"), step=4, actions=a2, history=[])
+    assert p2.on_failure(_ev(5, "bad_input_data"), step=5, actions=a2, history=[])["action"] == "skip_step"
+    # another category after the skip is another failure
+    assert not skip_failed((4, {"action": "skip_step", "category": "log_domain", "actions": {}}), 5, "exp_overflow",
+                           ["skip_step"])
+    # a row whose table acts (upcast) is not a skip's
+    assert not skip_failed((4, {"action": "skip_step", "category": "low_precision_overflow", "actions": {}}), 5,
+                           "low_precision_overflow", ["upcast"])
+    # a failure at steps 0 and 1: the weights are the initial ones, no update made them
+    a3 = Replaying(ok_lr=0.005, lrs=(0.05,))
+    p3 = _policy(a3, 2)
+    p3.on_failure(_ev(0), step=0, actions=a3, history=[])
+    assert p3.on_failure(_ev(1), step=1, actions=a3, history=hist([1.0]))["action"] == "skip_step"
