@@ -62,3 +62,26 @@ def test_skips_that_stay_skips():
     p3 = _policy(a3, 2)
     p3.on_failure(_ev(0), step=0, actions=a3, history=[])
     assert p3.on_failure(_ev(1), step=1, actions=a3, history=hist([1.0]))["action"] == "skip_step"
+
+
+def _lp(step, phase, refuted=True):
+    exps = [{"kind": "upcast_module", "finite": False, "params": {"module": "", "whole_model": True}}] if refuted else []
+    ev = {"facts": {"overflow": {"dtype_max": 65504.0, "input_max_abs": 206866.0}}, "experiments": exps,
+          "experiments_cost": {"replays": 1}}
+    return Event(step=step, phase=phase, origin={"module": ""},
+                 cause={"category": "low_precision_overflow", "summary": "t", "confidence": 0.9, "evidence": ev})
+
+
+def test_a_backward_overflow_no_upcast_fixed_gets_a_loss_scale_below_one():
+    """fast_neural_style under float16 autocast, style weight 1e10: the style MSE's gradient (2.07e5) cast back to
+    float16 overflows in code outside any module, so no upcast replay is finite; a loss scale of 2**-8 (the
+    power of two that takes 2.07e5 under 65504 with 64x to spare) does what GradScaler's backoffs would."""
+    p, a = RecoveryPolicy(quiet=True), FakeActions(modules=("fc", ""))
+    rec = p.on_failure(_lp(0, "backward"), step=0, actions=a, history=[])
+    assert rec["action"] == "loss_scale+skip_step" and p.loss_scaler.scale == 2.0 ** -8
+    p.on_check(a)
+    assert a.calls[-1] == ("unscale", 2.0 ** 8)
+    # a forward overflow: a loss scale changes nothing there
+    p2, a2 = RecoveryPolicy(quiet=True), FakeActions(modules=("fc", ""))
+    assert p2.on_failure(_lp(0, "forward"), step=0, actions=a2, history=[])["action"] == "skip_step"
+    assert p2.loss_scaler is None

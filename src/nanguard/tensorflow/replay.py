@@ -185,7 +185,11 @@ def _child_main(argv: List[str]) -> int:
     probe = RerunProbe(on_step_call=pre_step)
 
     def dump(payload: Dict[str, Any]) -> None:
-        if payload.get("reproduced") is False:
+        draws = state.get("draws")
+        if draws is not None and (draws.matched or draws.unmatched):
+            payload["random_draws"] = {"matched": draws.matched, **({"unmatched": draws.unmatched}
+                                                                    if draws.unmatched else {})}
+        if payload.get("reproduced") is False and (draws is None or not draws.matched or draws.unmatched):
             unrepeatable(payload, state.get("fn"))
         rec = state["rec"]
         if rec is not None:
@@ -243,6 +247,8 @@ def _child_main(argv: List[str]) -> int:
             probe.begin(N)
             rec = make(cap)
             tf.config.run_functions_eagerly(True)  # step N's ops run one by one under the recorder
+            from .draws import Draws  # ... drawing what the traced step's stateful random ops drew
+            state["draws"] = Draws(lambda: probe.current).install()
             rec.set_stage("forward")
             rec.start()
             state["rec"], state["t_arm"] = rec, time.time()

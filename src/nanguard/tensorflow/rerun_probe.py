@@ -42,6 +42,11 @@ class RerunProbe:
         self.last_ds: Optional[Callable[[], Any]] = None
         self.step: Optional[int] = None       # the step whose call is awaited (see begin)
         self.calls: Dict[int, tuple] = {}     # step -> (fn, args, kwargs) of its outermost tf.function call
+        self.runs: Dict[int, int] = {}        # id(fn) -> its outermost calls so far
+        self.run_of: Dict[int, int] = {}      # step -> how many calls of its fn ran before its call
+        # the outermost call running now: (fn, args, kwargs, runs of fn before it; a kept call replayed: its own)
+        self.current: Optional[tuple] = None
+        self.replay_of: Optional[int] = None  # the kept step whose call is being replayed
         self.values: Dict[int, Any] = {}      # step -> the state at the start of that call
         self._depth = 0
         self._undo: List[Callable[[], None]] = []
@@ -82,8 +87,12 @@ class RerunProbe:
                 if probe._depth == 1 and probe.on_call_start is not None:
                     probe.on_call_start()
                 n = probe.step
+                if probe._depth == 1:
+                    probe.current = (fn, args, kwargs, probe._runs_before(fn))
+                    probe.runs[id(fn)] = probe.runs.get(id(fn), 0) + 1
                 if probe._depth == 1 and n is not None and n not in probe.calls:
                     probe.calls[n] = (fn, args, kwargs)
+                    probe.run_of[n] = probe.current[3]
                     if probe.on_step_call is not None:
                         probe.values[n] = probe.on_step_call(n)
                 out = fn_call(fn, *args, **kwargs)
@@ -91,6 +100,8 @@ class RerunProbe:
                     probe.on_call_end()
                 return out
             finally:
+                if probe._depth == 1:
+                    probe.current = None
                 probe._depth -= 1
 
         tf.data.Dataset.__iter__ = __iter__
@@ -102,6 +113,23 @@ class RerunProbe:
             iterator_ops.OwnedIterator.__next__ = it_next
             Function.__call__ = fn_call
         self._undo.append(undo)
+
+    def _runs_before(self, fn: Any) -> int:
+        """How many times ``fn`` ran before this call; a kept step's call replayed (:meth:`replaying`): as many
+        as before that step's own call (its stateful random ops' draws: :mod:`.draws`)."""
+        if self.replay_of is not None:
+            return self.run_of.get(self.replay_of, 0)
+        return self.runs.get(id(fn), 0)
+
+    def replaying(self, step: int, fn: Any) -> Callable[..., Any]:
+        """``fn`` that replays the kept call of ``step`` (what its random ops drew then is drawn again)."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.replay_of = step
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.replay_of = None
+        return call
 
     def uninstall(self) -> None:
         while self._undo:
@@ -138,6 +166,7 @@ class RerunProbe:
         from .experiments import investigate_fit
 
         fn, args, kwargs = call
+        fn = self.replaying(step, fn)
         if not cap.models:  # armed before the first call (step 0): the models were first called inside it
             from .capture import variables_of
             cap.models = list(watcher.models)
@@ -156,7 +185,8 @@ class RerunProbe:
         first = (event.cause or {}).get("category")
 
         investigate_fit(event, cap, ExperimentConfig(), rediagnose=pipe.rediagnoser(det, hist, loc_run),
-                        history=hist, kept={"calls": dict(self.calls), "values": dict(self.values)})
+                        history=hist, kept={"calls": {n: (self.replaying(n, f), a, k) for n, (f, a, k) in self.calls.items()},
+                              "values": dict(self.values)})
         return {"category": first, "cause": _plain(event.cause), "fixes": list(event.fixes or [])}
 
 

@@ -173,6 +173,23 @@ def rollback_target(snapshots: Sequence[Any], history: Sequence[dict] = (), step
     return unknown[-1] if unknown else None
 
 
+OVERFLOW_MARGIN = 64.0  # what a scale chosen for an overflow leaves for the gradients of the ops upstream
+
+
+def initial_loss_scale(cause: Dict[str, Any]) -> float:
+    """The policy's first loss scale: 2**8 for values that round to 0 in float16 (GradScaler's role); for a
+    backward value past the dtype's range (a loss term weighted 1e10, its gradient cast back to float16) the
+    power of two that brings the largest one below the range with ``OVERFLOW_MARGIN`` to spare, below 1 as
+    GradScaler's own scale goes after overflows."""
+    facts = (cause.get("evidence") or {}).get("facts") or {}
+    ov = facts.get("overflow") or {}
+    hi, top = ov.get("input_max_abs"), ov.get("dtype_max")
+    if cause.get("category") != "low_precision_overflow" or not all(
+            isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in (hi, top)):
+        return 2.0 ** 8
+    return 2.0 ** math.floor(math.log2(top / hi / OVERFLOW_MARGIN))
+
+
 class DynamicLossScale:
     """Loss scaling for float16 training that has no framework loss scaler (the ``loss_scale`` action).
 

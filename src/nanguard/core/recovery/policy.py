@@ -26,8 +26,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..render.terminal import print_line
 from .actions import RecoveryActions, Snapshot
 from .budget import DATA_CATEGORY, RecoveryBudget
-from .estimates import (DynamicLossScale, backoff_factor, clip_max_norm, failed_rates, healthy_grad_norms, peak_cut,
-                        peak_target, rollback_bound, schedule_peak)
+from .estimates import (DynamicLossScale, backoff_factor, clip_max_norm, failed_rates, healthy_grad_norms,
+                        initial_loss_scale, peak_cut, peak_target, rollback_bound, schedule_peak)
 from .records import notice, summary_line
 from .repeats import Repeats, skip_failed
 from .snapshots import SnapshotStore
@@ -216,11 +216,13 @@ class RecoveryPolicy:
                 done["upcast"] = rec
             elif a == "loss_scale":
                 own_overflow = self.loss_scaler is not None and event.phase == "backward"
-                underflow = cat == "low_precision_underflow" and event.phase == "backward" and "upcast" not in done
-                if not (own_overflow or underflow) or not actions.can_loss_scale():
+                # a value of low precision in the backward that no upcast fixed: a loss scale (above 1 for an
+                # underflow, below 1 for an overflow), as GradScaler's
+                scaled = cat.startswith("low_precision") and event.phase == "backward" and "upcast" not in done
+                if not (own_overflow or scaled) or not actions.can_loss_scale():
                     continue
                 if self.loss_scaler is None:
-                    self.loss_scaler = DynamicLossScale()
+                    self.loss_scaler = DynamicLossScale(initial_loss_scale(cause))
                 else:
                     self.loss_scaler.backoff()
                 done["loss_scale"] = {"scale": self.loss_scaler.scale}

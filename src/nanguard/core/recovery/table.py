@@ -12,7 +12,7 @@ ACTION_RECORDS = ACTIONS + ("grad_scale",)
 # error on some batch), bounded by the budget. The failing update is always dropped.
 AUTO: Dict[str, List[str]] = {
     "bad_input_data": ["skip_step"],
-    "low_precision_overflow": ["upcast"],
+    "low_precision_overflow": ["upcast", "loss_scale"],  # loss_scale: a backward overflow no upcast fixed
     "low_precision_underflow": ["upcast", "loss_scale"],  # loss_scale: only if upcast is impossible
     "gradient_explosion": ["rollback", "clip"],
     "lr_too_high": ["rollback", "lr_backoff"],
