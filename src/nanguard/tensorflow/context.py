@@ -20,6 +20,10 @@ def run_context(w: Any) -> Dict[str, Any]:
         last = w.history.last()
         if last is not None and last.lr:
             ctx.setdefault("lr", list(last.lr))
+        clips = {k: float(v) for k in ("global_clipnorm", "clipnorm") for v in [getattr(inner or opt, k, None)]
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if clips:  # the optimizer clips inside its update: a norm of enormous gradients overflows there
+            ctx.setdefault("optimizer_clip", clips)
         eps = getattr(inner or opt, "epsilon", None)
         if isinstance(eps, (int, float)):
             ctx.setdefault("eps", eps)

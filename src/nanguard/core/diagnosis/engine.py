@@ -27,6 +27,9 @@ from .rules.precision import lp_overflow
 from .rules.preexisting import preexisting
 from .signals import history_signals
 
+# the ops a gradient norm is made of (a clip's global norm: sum of squares, then sqrt)
+NORM_OPS = frozenset({"square", "pow", "mul", "sum", "sqrt", "norm", "linalg_vector_norm", "l2loss", "addn", "add_n"})
+
 __all__ = ["diagnose", "mechanism", "diagnose_error"]
 
 # facts copied into ``cause.evidence.facts`` (then any evidence a registered family adds)
@@ -281,7 +284,10 @@ def from_localisation(loc: dict, sig: dict, det_phase: str, ctx: dict) -> dict:
     if origin.get("stage") == "optimizer" or phase == "optimizer":
         big = huge_gradient(origin)
         if big is not None:  # the update overflowed on gradients already enormous: the cause is upstream
-            return divergence(sig, origin, ev, method, 0.8, ctx) or huge_gradient_result(origin, big, sig, ev, method, 0.7, ctx)
+            # an optimizer that clips inside its update (Keras global_clipnorm): the norm it takes is what overflowed
+            in_norm = bool(ctx.get("optimizer_clip")) and T.opshort(origin.get("op")) in NORM_OPS
+            return divergence(sig, origin, ev, method, 0.8, ctx) or \
+                huge_gradient_result(origin, big, sig, ev, method, 0.7, ctx, in_norm=in_norm)
         return optimizer_result(loc, facts, ev, method, 0.85, ctx)
     if det_phase == "backward" and (loc.get("sink") or {}).get("kind") == "grad":
         big = huge_gradient(origin, stage="forward")

@@ -170,7 +170,11 @@ def rollback_target(snapshots: Sequence[Any], history: Sequence[dict] = (), step
         ok = [s for s, l in known if l <= best + 0.5 * abs(best)]
         return ok[-1]
     unknown = [s for s, l in scored if l is None and (step is None or s.step < step)]
-    return unknown[-1] if unknown else None
+    if unknown:
+        return unknown[-1]
+    # none older: the failing step's own start (before its update), the only state that did not come from it
+    own = [s for s in snaps if step is not None and s.step == step]
+    return own[-1] if own and len(snaps) == len(own) else None
 
 
 OVERFLOW_MARGIN = 64.0  # what a scale chosen for an overflow leaves for the gradients of the ops upstream

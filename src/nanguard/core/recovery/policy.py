@@ -26,12 +26,11 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..render.terminal import print_line
 from .actions import RecoveryActions, Snapshot
 from .budget import DATA_CATEGORY, RecoveryBudget
-from .estimates import (DynamicLossScale, backoff_factor, clip_max_norm, failed_rates, healthy_grad_norms,
-                        initial_loss_scale, peak_cut, peak_target, rollback_bound, schedule_peak)
+from .estimates import DynamicLossScale, initial_loss_scale, rollback_bound
 from .records import notice, summary_line
 from .repeats import Repeats, skip_failed
 from .snapshots import SnapshotStore
-from . import beta2, tried
+from . import beta2, stepsize, tried
 from .table import ACTIONS, AUTO, CHANGES_TRAINING, DIVERGENCE, actions_for, check_allowed, record_order
 from .verify import VERIFIED, per_sample, proof_record, verified_plan
 
@@ -350,61 +349,8 @@ class RecoveryPolicy:
                                        "the updates since were made at a step size that proved too large")
         return params_ok
 
-    def _step_size_cut(self, step: int, done: Dict[str, Any]) -> bool:
-        """Note a step-size cut (lr, gradient scale, clip) at ``step``; returns whether it repeats one made
-        within the last window (the step size then sits just past its limit: ``backoff_factor``). After a
-        rollback, the state the cut restarts from is pinned for a second divergence to go back to."""
-        last, self._last_cut = self._last_cut, step
-        if "rollback" in done:
-            self.store.pin_next()
-        return last is not None and 0 < step - last <= self.budget.window
-
-    def _lr_backoff(self, cause: Dict[str, Any], actions: RecoveryActions, done: Dict[str, Any], step: int,
-                    proof: Optional[dict] = None) -> None:
-        """Lower every learning rate; with no optimizer (hand-written updates) scale the gradients instead."""
-        lrs = actions.learning_rates()
-        repeat = self._step_size_cut(step, done)
-        factor = backoff_factor(self.lr_factor, cause, lrs, repeat=repeat)
-        tested = ((proof or {}).get("params") or {}).get("factor")
-        if lrs or actions.scales_update():
-            peaks = actions.learning_rate_peaks()
-            if isinstance(tested, (int, float)) and 0 < tested <= 1:
-                factor = float(tested)  # the rate a replay showed to be finite (recovery/verify.py)
-            else:
-                factor = peak_target(factor, cause, lrs, peaks, failed_rates(cause))
-            cut = peak_cut(factor, lrs, peaks, failed_rates(cause))  # a warm-up's coming peak: factor x the rate
-            done["lr_backoff"] = actions.lr_backoff(cut)
-            if cut < factor:
-                done["lr_backoff"]["schedule_peak"] = schedule_peak(peaks, cut)
-            if repeat:
-                done["lr_backoff"]["repeat"] = True
-            return
-        before = self.grad_scale or 1.0
-        self.grad_scale = before * factor
-        eff = ((cause.get("evidence") or {}).get("effective_lr"))  # the script's own step size (its lr)
-        rec: Dict[str, Any] = {"factor": self.grad_scale, "how": "no optimizer: the gradients are multiplied by "
-                               "this factor before each hand-written update, instead of lowering a learning rate"}
-        if isinstance(eff, (int, float)):
-            rec.update(effective_lr_before=eff * before, effective_lr_after=eff * self.grad_scale)
-        if repeat:
-            rec["repeat"] = True
-        done["grad_scale"] = rec
-
-    def _clip(self, history: Sequence[dict], done: Dict[str, Any], step: int, proof: Optional[dict] = None) -> None:
-        self._step_size_cut(step, done)
-        tested = ((proof or {}).get("params") or {}).get("max_norm")
-        prev = self.clip_norm
-        if isinstance(tested, (int, float)) and tested > 0 and (prev is None or tested < prev):
-            self.clip_norm = float(tested)  # the clip a replay showed to be finite (recovery/verify.py, tried.py)
-            done["clip"] = {"max_norm": self.clip_norm, "from": "the clip_replay that passed",
-                            **({"tightened": True} if prev is not None else {})}
-        elif prev is not None:  # clipping did not prevent it: tighten
-            self.clip_norm = prev / 2
-            done["clip"] = {"max_norm": self.clip_norm, "tightened": True}
-        else:
-            self.clip_norm = clip_max_norm(history, quantile=self.clip_quantile)
-            done["clip"] = {"max_norm": self.clip_norm, "from": f"{self.clip_quantile:.0%} quantile of "
-                            f"{len(healthy_grad_norms(history))} healthy gradient norms"}
+    # the step-size cuts (a learning-rate cut, gradient scaling, a clip): stepsize.py
+    _step_size_cut, _lr_backoff, _clip = stepsize.step_size_cut, stepsize.lr_backoff, stepsize.clip
 
     def _record(self, event, step: int, cat: str, actions: RecoveryActions, done: Dict[str, Any],
                 names: List[str], notes: List[str], few_rows: bool = False) -> Dict[str, Any]:

@@ -57,11 +57,49 @@ def _overflow_from_finite_inputs_rule(c) -> dict | None:
                                    "them a small margin away from the pole)",
                                    "find which upstream value saturated onto the pole (a sigmoid/tanh that "
                                    "rounds to exactly +-1 or 0/1)"], method)
+    edge = dtype_edge(origin, dtype_max)
+    if edge is not None:
+        return edge_result(api, where, dtype, edge, ev, method)
     return T.result("other", f"{api} overflowed the {dtype} range (max {T.g(dtype_max)}) at {where}; float64 "
                     f"would hold it (max |x| {T.g(f64.get('max_abs'))}) and {history_words(c.sig)}",
                     0.45, ev, ["rescale the values feeding this op (normalise inputs/targets) or compute it in "
                                "float64", "check the parameter norms for slow growth (weight decay, lower lr)"],
                     method)
+
+
+EDGE = 0.5  # an input this close to the dtype's largest finite value sits at its edge: a fill value, not a growth
+
+
+def dtype_edge(origin: dict, dtype_max: object) -> float | None:
+    """The input value (signed) at the dtype's own edge (|x| >= ``EDGE`` x its max: -3.4e38 in float32), or None."""
+    if not T.fin(dtype_max):
+        return None
+    for i in origin.get("inputs") or []:
+        if not isinstance(i, dict):
+            continue
+        for key in ("min", "max"):
+            v = i.get(key)
+            if T.fin(v) and abs(float(v)) >= EDGE * float(dtype_max):
+                return float(v)
+    return None
+
+
+def edge_result(api: str, where: str, dtype: object, edge: float, ev: dict, method: str) -> dict:
+    """An overflow on an input already at the dtype's limit: a fill value carried in (no computation lands there by
+    chance), so a wider dtype only fills with its own limit."""
+    ev["dtype_edge_input"] = edge
+    summ = (f"{api} at {where} overflowed on an input of {T.g(edge)}, {dtype}'s own limit: no computation lands "
+            "there by chance, it is a fill value carried in, e.g. the max of an empty segment (tf.math.unsorted_"
+            "segment_max, torch scatter_reduce 'amax' with include_self=False: a node with no neighbours) or a mask "
+            "filled with finfo.min; in float64 it would be float64's limit and overflow the same way")
+    return T.result("other", summ, 0.6, ev, [
+        "find where the limit value is made (the ops that feed this one) and replace the fill by a neutral value: "
+        "for the max over an empty segment, keep only segments that received a value (" + X.say(
+            pytorch="torch.where(count > 0, seg_max, 0.0)", tensorflow="tf.where(count > 0, seg_max, 0.0), count = "
+            "tf.math.unsorted_segment_sum(tf.ones_like(ids), ids, n)", jax="jnp.where(count > 0, seg_max, 0.0)")
+        + ") or aggregate with a mean or sum, which give 0 there",
+        "a mask filled with the dtype's lowest value before a max or softmax: fill with a large finite value "
+        "(-1e9) instead, so that later arithmetic on it stays in range"], method)
 
 
 @F.generic_rule(1750, categories=("bad_input_data", "lr_too_high", "gradient_explosion", "exp_overflow", "other"))

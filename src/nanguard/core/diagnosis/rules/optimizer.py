@@ -162,10 +162,18 @@ def huge_gradient_result(origin: dict, big: float, sig: dict, ev: dict, method: 
                         method)
     summ = (f"gradient explosion: gradient elements of {T.g(big)} and {where} overflowed {dt} on them"
             + (f"; the gradient norm went from {T.g(before)} to {T.g(last)}" if T.fin(before) and T.fin(last) else ""))
-    return T.result("gradient_explosion", summ, conf, ev,
-                    [clip, "roll back to the last finite state and skip or clip the step with the jump",
-                     lower + ": the update before this one may have thrown the weights to where the gradient is "
-                     "this large", RECURRENT_FIX], method)
+    fixes = [clip, "roll back to the last finite state and skip or clip the step with the jump",
+             lower + ": the update before this one may have thrown the weights to where the gradient is this large",
+             RECURRENT_FIX]
+    if not T.fin(before) and int(sig.get("steps") or 0) <= 1:  # the first step: no update made them, the data did
+        summ += "; at the run's first step, so no update grew them: inputs or targets of that size did"
+        fixes = [RAW_FEATURES_FIX, clip]
+    return T.result("gradient_explosion", summ, conf, ev, fixes, method)
+
+
+RAW_FEATURES_FIX = ("normalise the input features and targets (standardise each column, e.g. a Normalization layer "
+                    "adapted on the training data): a raw feature of huge size (a timestamp in milliseconds, an "
+                    "unscaled price) makes gradients of that size at the first step")
 
 
 def _state_only_result(name: str, states: list, loss: object, ev: dict, method: str, conf: float) -> dict:
@@ -177,8 +185,7 @@ def _state_only_result(name: str, states: list, loss: object, ev: dict, method: 
     if huge:
         summ += (f"; the loss is {T.g(loss)} at this step: gradients this large overflow the squared-gradient "
                  "moment whatever the learning rate")
-    fixes = ["normalise the input features and targets (standardise each column): a raw feature of huge size (a "
-             "timestamp in nanoseconds, an unscaled price) makes gradients of that size" if huge else
+    fixes = [RAW_FEATURES_FIX if huge else
              "find why the gradients are this large (print their norms the step before)",
              "clip gradients before the update: " + X.clip_grad_norm("1.0")
              + " (it bounds the moments' input, not the loss)"]

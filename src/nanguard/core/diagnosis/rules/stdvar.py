@@ -47,7 +47,9 @@ def variance(origin: dict, facts: dict, ev: dict, method: str, backward: bool = 
                    f"{X.eps_text('(x - mean) / (jnp.std(x, axis, keepdims=True) + 1e-5)')} "
                    "(a constant group has std 0), or use flax.nnx.LayerNorm / flax.linen.LayerNorm (epsilon inside "
                    "the root); jnp.std's gradient at std 0 is NaN too"),
-             f"avoid batches of size 1: {X.drop_last()} or skip batches with fewer than 2 samples",
+             f"avoid batches of size 1: {X.drop_last()} or skip batches with fewer than 2 samples" if sv else
+             "a group whose values are all equal (a ReLU channel that is 0 over a whole image, a constant feature) "
+             "has std 0 whatever the batch size: the eps is what keeps it finite",
              "or normalise with statistics computed once over the whole training set"
              + X.say(pytorch="", tensorflow=" (keras.layers.Normalization().adapt(x))", jax="")]
     return T.result("variance_zero", summ, 0.9, ev, fixes, method)
