@@ -1036,3 +1036,20 @@ def test_a_gradient_cast_back_to_float16_past_its_range_is_low_precision_overflo
                 node="ToCopyBackward0", facts=dict(facts, overflow={"dtype_max": 3.4e38}), inputs=ins32,
                 output={"nan": 0, "posinf": 3, "neginf": 0}), CALM, phase="backward")
     assert d["category"] != "low_precision_overflow" or "cast to" not in d["summary"]
+
+
+def test_all_targets_ignored_inside_a_library_names_the_labels_not_the_scripts_line():
+    """HF Trainer + BertForMaskedLM: a batch of short queries where the collator masked no token; the loss is
+    transformers' own, so "skip batches before train.py:52 (trainer.train())" is no fix a user can apply."""
+    ins = [{"dtype": "float32", "shape": [40, 30], "numel": 1200, "min": -5.0, "max": 5.0, "nonfinite": 0, "arg": 0},
+           {"dtype": "int64", "shape": [40], "numel": 40, "min": -100, "max": -100, "nonfinite": 0, "arg": 1}]
+    o = loc("aten.nll_loss_forward.default", api="torch.nn.functional.cross_entropy", inputs=ins,
+            output={"nan": 1, "posinf": 0, "neginf": 0})
+    o["origin"]["scalars"] = [1, -100]
+    d = run(o)
+    assert d["category"] == "div_by_zero" and d["fixes"][0].startswith("skip batches")
+    o["origin"]["library"] = {"file": "/v/lib/python3.11/site-packages/transformers/models/bert/modeling_bert.py",
+                              "line": 973, "function": "forward"}
+    d = run(o)
+    assert "transformers/models/bert/modeling_bert.py:973" in d["summary"]
+    assert d["fixes"][0].startswith("make every batch hold at least one label != -100"), d["fixes"]

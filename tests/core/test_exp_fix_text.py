@@ -112,3 +112,29 @@ def test_a_cumulative_sum_of_exps_gets_logcumsumexp(tmp_path):
     assert out["category"] == "exp_overflow" and "cumulative sum of exps" in out["summary"]
     assert out["fixes"][0].startswith("use torch.logcumsumexp(risk, dim)"), out["fixes"]
     assert not any("softmax" in x for x in out["fixes"])
+
+
+ENTROPY = '''import torch
+def step(q):
+    conf = -torch.xlogy(q, q).sum(1).mean()
+    return conf
+'''
+
+
+def test_an_entropy_written_as_xlogy_gets_the_logits_form_not_a_log_clamp(tmp_path):
+    """Soft k-means annealing its temperature: the softmax underflows to exactly 0 and xlogy(q, q) is 0 there, but
+    its backward reads q / q = 0/0. The log templates ("log_softmax instead of log(softmax)", "torch.log(x.clamp)")
+    named code the script does not have."""
+    f = tmp_path / "kmeans.py"
+    f.write_text(ENTROPY)
+    origin = {"op": "aten.div.Tensor", "file": str(f), "line": 3, "dtype": "float32", "stage": "backward",
+              "autograd_node": "XlogyBackward0", "forward_op": "aten.xlogy.Tensor", "forward_file": str(f),
+              "forward_line": 3, "forward_api": "torch.xlogy", "shape": [128, 8],
+              "inputs": [{"dtype": "float32", "numel": 1024, "min": 0.0, "max": 1.0, "zeros": 6, "negatives": 0,
+                          "nonfinite": 0, "arg": 0}], "output": {"nan": 6, "posinf": 0, "neginf": 0}}
+    loc = {"reproduced": True, "phase": "backward", "n_ops": 9, "sink": {"kind": "grad"}, "preexisting": None,
+           "origin": origin, "facts": {"log_domain": {"le_limit": 6, "negatives": 0}, "producers": [["_softmax"]]}}
+    out = diagnose(loc, [], phase="backward", context={"optimizer": "Adam"})
+    assert out["category"] == "log_domain"
+    assert "log_softmax(z, -1)" in out["fixes"][0] and "Categorical(logits=z)" in out["fixes"][0], out["fixes"]
+    assert not any("torch.log(x.clamp" in x or "instead of log(softmax)" in x for x in out["fixes"]), out["fixes"]

@@ -149,6 +149,15 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
                  f"if (target != {ign}).any(): ...",
                  "or use reduction='sum' and divide by the number of valid targets over the whole "
                  "accumulated batch, clamped to at least 1"]
+        lib = origin.get("library") or {}
+        if lib.get("file"):  # the loss is the library's (a model given labels=): the labels are what to fix
+            summ += (f"; the loss is computed inside {T.lib_loc(lib)} from the labels "
+                     "the batch gives it")
+            fixes = [f"make every batch hold at least one label != {ign}: the examples whose labels are all {ign} "
+                     "(a data collator that masked no token in a batch of short inputs: raise mlm_probability or "
+                     "drop the shortest examples; a truncated prompt that left no answer tokens) are the ones to "
+                     "filter from the dataset", "or compute the loss yourself (a Trainer's compute_loss, or the "
+                     "model's logits) with reduction='sum' divided by max(number of valid labels, 1)"]
         return T.result("div_by_zero", summ, 0.9, ev, fixes, method)
     if empty_batch:
         shape = ((origin.get("inputs") or [{}])[0]).get("shape")

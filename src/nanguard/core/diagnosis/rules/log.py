@@ -1,6 +1,9 @@
 """The log families: log(0) = -inf, log(x < 0) = NaN; log1p(-1) = -inf, log1p(x < -1) = NaN."""
 from __future__ import annotations
 
+import linecache
+import re
+
 from .. import families as F
 from .. import fixes as X
 from .. import text as T
@@ -140,6 +143,18 @@ def _argument_chain(origin: dict, facts: dict) -> list:
     return [p for p in (chains[i] if i < len(chains) else []) if p not in VIEW]
 
 
+_XLOGX = re.compile(r"xlogy\(\s*([^,()]+?)\s*,\s*\1\s*\)|\bentr\(")
+
+
+def _self_entropy(origin: dict) -> bool:
+    """The forward op is x log x written as xlogy(p, p) (or special.entr(p)) on its line: an entropy term."""
+    if T.opshort(origin.get("forward_op") or origin.get("op")) not in ("xlogy", "Xlogy", "special_entr"):
+        return False
+    f, n = origin.get("forward_file") or origin.get("file"), origin.get("forward_line") or origin.get("line")
+    text = linecache.getline(str(f), int(n)) if f and isinstance(n, int) else ""
+    return _XLOGX.search(text) is not None
+
+
 def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> dict:
     summ, where, prods = log_summary(origin, facts)
     fixes = []
@@ -208,7 +223,19 @@ def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> d
             jax=f"compute the loss from the logits: {X.logits_loss('binary')} (or jax.nn.log_sigmoid(x) / "
             f"jax.nn.log_sigmoid(-x)) instead of log(sigmoid) / log(1 - sigmoid) at {where}; sigmoid rounds to "
             "exactly 0 or 1 for |logit| > ~17 in float32"))
-    if any(p in prods for p in _SOFTMAXES) and not mixture:
+    xlogy = origin.get("stage") == "backward" and _self_entropy(origin)
+    if xlogy:  # x log y is 0 at x = y = 0 by definition, but its gradient reads log(y) and x / y there
+        summ += "; x log x is 0 at 0 by definition, but its gradient (log y + x / y) is not"
+        fixes.append(X.say(
+            pytorch=f"compute the entropy from the logits at {where}: -(p * torch.log_softmax(z, -1)).sum(-1), or "
+            "torch.distributions.Categorical(logits=z).entropy() (finite for any logits: a probability that "
+            "underflowed to 0 has a finite log-probability), or give the log a floor: torch.xlogy(p, "
+            "p.clamp(min=1e-12))",
+            tensorflow=f"compute the entropy from the logits at {where}: -tf.reduce_sum(p * tf.nn.log_softmax(z), "
+            "-1) (finite for any logits), or give the log a floor: tf.math.xlogy(p, tf.maximum(p, 1e-12))",
+            jax=f"compute the entropy from the logits at {where}: -(p * jax.nn.log_softmax(z)).sum(-1) (finite for "
+            "any logits), or give the log a floor: jax.scipy.special.xlogy(p, jnp.maximum(p, 1e-12))"))
+    if any(p in prods for p in _SOFTMAXES) and not mixture and not xlogy:
         fixes.append(X.say(
             pytorch=f"use torch.log_softmax (or F.cross_entropy on the logits) instead of log(softmax) at {where}",
             tensorflow=f"compute the loss from the logits: {X.logits_loss()} on the logits (drop the softmax "
@@ -243,6 +270,8 @@ def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> d
                               "tf.linalg.cholesky(K)))) for a covariance, or tf.reduce_sum(tf.math.log(x))",
                               jax=f"take the log of the product in log space at {where}: jnp.linalg.slogdet(K), "
                               "2 * jnp.log(jnp.diag(jnp.linalg.cholesky(K))).sum(), or jnp.log(x).sum()"))
+    if xlogy:
+        return T.result("log_domain", summ, 0.92, ev, fixes, method)
     fixes.append(f"clamp the argument away from 0 at {where}: {X.call('log', X.clamp_min('x', '1e-12'))} in "
                  f"{origin.get('dtype') or 'float32'} (use a floor the dtype can hold: float32 tiny is 1.2e-38, "
                  "float16 tiny is 6.1e-05)")
