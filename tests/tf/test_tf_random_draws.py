@@ -100,3 +100,44 @@ def test_a_failure_made_by_one_draw_inside_a_tf_function_is_reproduced(tmp_path)
     loc = ev["localization"]
     assert loc["reproduced"] is True, loc.get("method")
     assert ev["cause"]["category"] == "log_domain" and ev["origin"]["line"] == 15, (ev["cause"], ev["origin"])
+
+
+FIT = """\
+import numpy as np
+import tensorflow as tf
+import keras
+
+keras.utils.set_random_seed(0)
+
+
+class Squash(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.head = keras.layers.Dense(1)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            u = 2.0 * tf.random.normal([256])
+            a = tf.tanh(u)
+            loss = tf.reduce_mean((self.head(x) - y) ** 2) - tf.reduce_mean(tf.math.log(1.0 - a ** 2))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+model = Squash()
+model.compile(optimizer=keras.optimizers.SGD(1e-9))
+model.fit(np.ones((400, 3), "float32"), np.zeros((400, 1), "float32"), batch_size=1, verbose=0, shuffle=False)
+"""
+
+
+@pytest.mark.e2e
+def test_a_fit_steps_own_tf_random_draws_are_handed_to_its_replay(tmp_path):
+    """The same draw inside a custom ``train_step`` under ``model.fit``: the in-graph capture of the failing step
+    hands its stateful random ops' outputs to the host with its batch, and the eager replay draws them again."""
+    from tf_helpers import run_tf, write
+    code, rep = run_tf(tmp_path, write(tmp_path, FIT))
+    ev = [e for e in rep["events"] if e.get("kind") != "warning"][0]
+    assert ev["step"] == 30 and ev["localization"]["reproduced"] is True, ev["localization"].get("method")
+    assert ev["cause"]["category"] == "log_domain" and ev["origin"]["line"] == 18, (ev["cause"], ev["origin"])

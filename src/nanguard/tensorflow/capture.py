@@ -108,6 +108,8 @@ class StepCapture:
     # [(variable, value)]: metrics and non-trainable variables when the step started (a fit step of a call
     # of several steps under recovery, :mod:`.recover_held`: the step-start snapshot is the call's)
     buffers: List[Tuple[Any, np.ndarray]] = field(default_factory=list)
+    # [(op type, value)]: what the step's stateful random ops (tf.random.normal...) drew, drawn again in a replay
+    draws: List[Tuple[str, np.ndarray]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -126,7 +128,7 @@ class StepCapture:
         cap = cls(step=int(info["step"]), kind="fit" if batch is not None else "function", optimizer=opt,
                   model=model, models=models, inputs=batch,
                   seeds=[(g, np.array(s)) for g, s in info.get("seeds", [])], watcher=watcher,
-                  buffers=list(info.get("buffers") or []))
+                  buffers=list(info.get("buffers") or []), draws=list(info.get("draws") or []))
         cap.variables = variables_of(models, opt)
         cap.values = {k: np.array(v.numpy()) for k, v in cap.variables.items()}
         if batch is not None:
@@ -154,7 +156,14 @@ class StepCapture:
     def call_step(self, batch: Any = None) -> Any:
         """``step_fn(batch)`` (the captured batch when None) with the batch's arrays as tensors, as fit
         hands them to ``train_step`` (a custom step may ``tape.watch`` them, which a NumPy array refuses)."""
-        return self.step_fn(as_tensors(self.inputs if batch is None else batch))
+        if not self.draws:
+            return self.step_fn(as_tensors(self.inputs if batch is None else batch))
+        from .draws import Draws
+        draws = Draws(fixed=self.draws).install()  # its tf.random calls draw what the failing step drew
+        try:
+            return self.step_fn(as_tensors(self.inputs if batch is None else batch))
+        finally:
+            draws.uninstall()
 
     def run(self, recorder: Recorder) -> ReplayOutcome:
         """Run the step once, eagerly, with the hooks reporting to ``recorder`` (see module doc)."""

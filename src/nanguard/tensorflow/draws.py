@@ -28,6 +28,20 @@ PHILOX = 1  # the stateless ops' algorithm id for Philox, the stateful kernels' 
 RESERVED = 256  # counter values a stateful kernel reserves per output element
 
 
+def step_draws() -> List[Tuple[str, Any]]:
+    """While a step is traced: ``(type, output)`` of the stateful random ops of the graph that holds them (the
+    nearest graph out from the one being built, a ``tf.cond`` branch's), in creation order: what an in-graph
+    capture hands to the host so that the eager replay draws the same numbers (:class:`Draws` ``fixed``)."""
+    import tensorflow as tf
+    g = tf.compat.v1.get_default_graph()
+    while g is not None:
+        found = [(op.type, op.outputs[0]) for op in g.get_operations() if op.type in _OPS]
+        if found:
+            return found
+        g = getattr(g, "outer_graph", None)
+    return []
+
+
 def random_ops_of(concrete: Any) -> Optional[List[Tuple[str, int, int]]]:
     """``(type, seed, seed2)`` of the stateful random ops of ``concrete``'s graph, in creation order, or None when
     some cannot be matched to a replay's calls (in a called function or control flow, or of another kind)."""
@@ -54,8 +68,10 @@ class Draws:
     draws. ``current()``: the outermost call being replayed, ``(fn, args, kwargs, k)`` (``k``: the runs of
     ``fn`` before it), or None."""
 
-    def __init__(self, current: Callable[[], Optional[tuple]]) -> None:
+    def __init__(self, current: Optional[Callable[[], Optional[tuple]]] = None,
+                 fixed: Optional[List[Tuple[str, Any]]] = None) -> None:
         self.current = current
+        self.fixed = fixed  # the failing step's own draws, handed over by its in-graph capture: (type, value)
         self.matched = 0          # draws answered from the traced graph
         self.unmatched: Optional[str] = None  # why a call was not (the replay then drew its own numbers)
         self._call: Any = None
@@ -90,7 +106,9 @@ class Draws:
         import tensorflow as tf
         if not tf.executing_eagerly():
             return None
-        cur = self.current()
+        if self.fixed is not None:
+            return self._handed(typ, args, kwargs)
+        cur = self.current() if self.current is not None else None
         if cur is None:
             return None
         if cur is not self._call:  # a new replayed call: its draws start again from the first op
@@ -118,6 +136,23 @@ class Draws:
             out = raw(shape=shape, key=key, counter=counter, alg=PHILOX, dtype=dtype)
         self.matched += 1
         return out
+
+    def _handed(self, typ: str, args: tuple, kwargs: dict) -> Any:
+        """The i-th draw the captured step handed over, when its type and shape are this call's."""
+        import numpy as np
+        import tensorflow as tf
+        fixed = self.fixed or []
+        if self._i >= len(fixed) or fixed[self._i][0] != typ:
+            self.unmatched = self.unmatched or f"the replay's random call {self._i + 1} ({typ}) was not handed over"
+            return None
+        value = np.asarray(fixed[self._i][1])
+        shape = [int(d) for d in np.reshape(np.asarray(args[0] if args else kwargs["shape"]), [-1])]
+        if list(value.shape) != shape:
+            self.unmatched = self.unmatched or f"the replay's random call {self._i + 1} has another shape"
+            return None
+        self._i += 1
+        self.matched += 1
+        return tf.constant(value)
 
     def _graph_ops(self, cur: tuple) -> Optional[List[Tuple[str, int, int]]]:
         fn, args, kwargs = cur[0], cur[1], cur[2]

@@ -316,6 +316,9 @@ def _build_capture(st: OptState, ok: tf.Tensor, update: tf.Tensor, p: Pending, h
     bvars = [v for v, _ in p.buffers] if held is not None else []
     bvals = [t for _, t in p.buffers] if held is not None else []
     extra = [held] if held is not None else []
+    from .draws import step_draws  # the step's own tf.random draws, for its eager replay (draws.py)
+    rnd = step_draws()
+    kinds, outs = [t for t, _ in rnd], [o for _, o in rnd]
 
     def capture(ok_t, step_t, *vals):
         if bool(ok_t.numpy()):   # the slow path of a step that may update (after an outside write...)
@@ -331,11 +334,13 @@ def _build_capture(st: OptState, ok: tf.Tensor, update: tf.Tensor, p: Pending, h
                     "batch_flat": batch, "batch_structure": struct, "seeds": list(zip(gens, seed_vals))}
             if extra:
                 info["held"] = bool(vals[n + k].numpy())
-                info["buffers"] = [(v, np.array(t.numpy())) for v, t in zip(bvars, vals[n + k + 1:])]
+                info["buffers"] = [(v, np.array(t.numpy())) for v, t in zip(bvars, vals[n + k + 1:n + k + 1 + len(bvals)])]
+            if kinds:
+                info["draws"] = [(t, np.array(v.numpy())) for t, v in zip(kinds, vals[len(vals) - len(kinds):])]
             w.capture(info)
         except Exception as e:
             w.capture_error = f"{type(e).__name__}: {e}"
         return tf.constant(0)
 
     # already inside the slow path's branch: the call itself decides (no cond of its own)
-    tf.py_function(capture, [ok, update] + flat + seeds + extra + bvals, [tf.int32])
+    tf.py_function(capture, [ok, update] + flat + seeds + extra + bvals + outs, [tf.int32])
