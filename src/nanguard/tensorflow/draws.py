@@ -19,6 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+# every stateful random op type (a kernel with its own stream, which a new trace starts again)
+STATEFUL_RANDOM = frozenset({"RandomStandardNormal", "RandomUniform", "RandomUniformInt", "TruncatedNormal",
+                             "RandomGamma", "RandomPoisson", "RandomPoissonV2", "Multinomial", "RandomShuffle",
+                             "ParameterizedTruncatedNormal"})
 # op type -> (the generated wrapper tf.random calls, the stateless V2 op that computes the same numbers)
 _OPS = {"RandomStandardNormal": ("random_standard_normal", "StatelessRandomNormalV2"),
         "RandomUniform": ("random_uniform", "StatelessRandomUniformV2"),
@@ -45,10 +49,9 @@ def step_draws() -> List[Tuple[str, Any]]:
 def random_ops_of(concrete: Any) -> Optional[List[Tuple[str, int, int]]]:
     """``(type, seed, seed2)`` of the stateful random ops of ``concrete``'s graph, in creation order, or None when
     some cannot be matched to a replay's calls (in a called function or control flow, or of another kind)."""
-    from .warn_fix import _STATEFUL_RANDOM
     g = concrete.graph
     found = [(op.type, int(op.get_attr("seed")), int(op.get_attr("seed2")))
-             for op in g.get_operations() if op.type in _STATEFUL_RANDOM]
+             for op in g.get_operations() if op.type in STATEFUL_RANDOM]
     if any(t not in _OPS for t, _, _ in found):
         return None
     stack, seen = [f.graph for f in getattr(g, "_functions", {}).values() if getattr(f, "graph", None) is not None], set()
@@ -57,7 +60,7 @@ def random_ops_of(concrete: Any) -> Optional[List[Tuple[str, int, int]]]:
         if id(sub) in seen:
             continue
         seen.add(id(sub))
-        if any(op.type in _STATEFUL_RANDOM for op in sub.get_operations()):
+        if any(op.type in STATEFUL_RANDOM for op in sub.get_operations()):
             return None
         stack += [f.graph for f in getattr(sub, "_functions", {}).values() if getattr(f, "graph", None) is not None]
     return found
@@ -155,7 +158,7 @@ class Draws:
         return tf.constant(value)
 
     def _graph_ops(self, cur: tuple) -> Optional[List[Tuple[str, int, int]]]:
-        fn, args, kwargs = cur[0], cur[1], cur[2]
+        fn = cur[0]
         key = id(fn)
         if key not in self._cache:
             try:

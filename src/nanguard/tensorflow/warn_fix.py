@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import tensorflow as tf
 
+from .draws import STATEFUL_RANDOM
 from .observer import TFObserver
 
 __all__ = ["test_fix", "keep_batch", "NextBatchTest"]
@@ -99,8 +100,6 @@ def test_fix(w: Any, spikes: Any, event: Any, step: int, history: list) -> Optio
     return warning_fix_words(event)
 
 
-_STATEFUL_RANDOM = {"RandomStandardNormal", "RandomUniform", "RandomUniformInt", "TruncatedNormal", "RandomGamma",
-                    "RandomPoisson", "RandomPoissonV2", "Multinomial", "RandomShuffle", "ParameterizedTruncatedNormal"}
 
 
 def _stateful_random(fn: Any) -> bool:
@@ -124,7 +123,7 @@ def stateful_random_ops(fn: Any) -> Optional[List[str]]:
         if id(g) in seen:
             continue
         seen.add(id(g))
-        found.update(op.type for op in g.get_operations() if op.type in _STATEFUL_RANDOM)
+        found.update(op.type for op in g.get_operations() if op.type in STATEFUL_RANDOM)
         stack += [f.graph for f in getattr(g, "_functions", {}).values() if getattr(f, "graph", None) is not None]
     return sorted(found)
 
