@@ -393,7 +393,7 @@ def test_loss_scale_through_guard_updates_the_float16_weights():
 def test_auto_choice_per_category():
     p = RecoveryPolicy(quiet=True)
     assert p.choose("bad_input_data") == ["skip_step"]
-    assert p.choose("low_precision_overflow") == ["upcast"]
+    assert p.choose("low_precision_overflow") == ["upcast", "loss_scale"]  # loss_scale: a backward overflow only
     assert p.choose("gradient_explosion") == ["rollback", "clip"]
     assert p.choose("lr_too_high") == ["rollback", "lr_backoff"]
     assert p.choose("param_corruption") == ["rollback"]

@@ -80,11 +80,13 @@ class _Ctx:
     """One traced outermost function: its trace and the flag vectors of the updates traced in it (a
     :class:`_Pending` for an update whose vector is built at the end of the trace)."""
 
-    __slots__ = ("trace", "flags", "inline")
+    __slots__ = ("trace", "flags", "inline", "nested")
 
     def __init__(self, inline: bool = False) -> None:
         self.trace = jcore.trace_ctx.trace
         self.flags: List[Any] = []
+        # updates traced in a nested body (a lax.scan's step) awaiting their apply_updates: (trace, _Pending)
+        self.nested: List[Tuple[Any, "_Pending"]] = []
         # recovery gates each update in the update itself (the step applies it by a function of its own,
         # not optax.apply_updates: :class:`_Regate`)
         self.inline = inline
@@ -240,6 +242,15 @@ def _outer_update(host: Any, update: Callable, info: Dict[str, Any], grads: Any,
             if pre is not None:
                 new_state = check.select(pre[1], new_state, state)
             return out_u, new_state
+        outer = _STACK[-1] if _STACK and traced and ctx is None else None
+        if outer is not None and not outer.inline and not host.recovering:
+            # a nested body's update (a lax.scan step) of a jitted step: its check reads the parameters
+            # apply_updates makes, so the update stays fused into them (read apart, it drifts by an ulp)
+            if host.lr_scale != 1.0:
+                out_u = check.scale_tree(out_u, host.lr_scale)
+            host.note_optimizer(info, state)
+            outer.nested.append((jcore.trace_ctx.trace, _Pending(loss, grads, params, out_u, new_state)))
+            return out_u, new_state
         vec, ok = check.step_vector(loss, grads, params, out_u, new_state)
         if host.recovering:
             vec, out_u, new_state = check.gate(ok, vec, out_u, new_state, state, host.lr_scale)
@@ -270,8 +281,10 @@ def _instrumented(fun: Callable, inline: Optional[List[bool]] = None) -> Callabl
             out = fun(*args, **kwargs)
         finally:
             _STACK.remove(ctx)
-        if any(isinstance(f, _Pending) and f.gating and f.vec is None for f in ctx.flags):
-            raise _Regate()  # an update applied without optax.apply_updates: gate it in the update
+        if any(isinstance(f, _Pending) and f.gating and f.vec is None for f in ctx.flags) or \
+                any(p.applied is None for _, p in ctx.nested):
+            # an update applied without optax.apply_updates: gate it (a nested one: check it) in the update
+            raise _Regate()
         vecs = [v for v in (_vector(f) for f in ctx.flags) if v is not None]
         flags = jnp.concatenate(vecs, 0) if vecs else None
         return out, flags
@@ -295,6 +308,12 @@ def _apply_updates(orig: Callable) -> Callable:
     def wrapped(params: Any, updates: Any, *a: Any, **k: Any) -> Any:
         new = orig(params, updates, *a, **k)
         ctx = _here() if _STACK else None
+        if ctx is None and _STACK and _STACK[-1].nested:
+            try:
+                _nested_applied(_STACK[-1], params, updates, new)
+            except Exception as e:  # the check must never break the user's step
+                if HOST[0] is not None:
+                    HOST[0].internal_error(e)
         if ctx is not None:
             try:
                 return ctx.applied(params, updates, new)
@@ -304,6 +323,18 @@ def _apply_updates(orig: Callable) -> Callable:
         return new
     wrapped._nanguard = True  # type: ignore[attr-defined]
     return wrapped
+
+
+def _nested_applied(outer: _Ctx, params: Any, updates: Any, new_params: Any) -> None:
+    """``apply_updates`` in a nested body: the update traced there for these parameters is checked on the new
+    parameters, reported by callback (a scan step has no output of the jitted step to carry it)."""
+    here, ids = jcore.trace_ctx.trace, [id(x) for x in jax.tree_util.tree_leaves(updates)]
+    for i, (trace, p) in enumerate(outer.nested):
+        if trace is here and p.applied is None and p.u_ids == ids and \
+                p.p_ids == [id(x) for x in check.float_leaves(params)]:
+            p.applied = new_params
+            jax.debug.callback(HOST[0].on_callback, p.vector()[0], ordered=False)
+            return
 
 
 def _patch_apply() -> None:
