@@ -106,6 +106,11 @@ def test_division_categories():
     d = run(loc("aten.div.Tensor", facts={"zero_denominator": zd2}, output=out))
     # a zero std over many elements (AdaIN's spatial std of a dead channel): no batch-size fix
     assert d["category"] == "variance_zero" and not any("batches of size 1" in x for x in d["fixes"]), d["fixes"]
+    # Barlow Twins' per-dimension std over the batch axis of a last batch of 1 (x [1, 32] over std [32])
+    rows = [{"dtype": "float32", "shape": [1, 32], "numel": 32, "min": 0.0, "max": 0.0, "nonfinite": 0, "arg": 0},
+            {"dtype": "float32", "shape": [32], "numel": 32, "min": 0.0, "max": 0.0, "nonfinite": 0, "arg": 1}]
+    d = run(loc("aten.div.Tensor", facts={"zero_denominator": zd2}, inputs=rows, output=out))
+    assert any("batches of size 1" in x for x in d["fixes"]), d["fixes"]
 
 
 def test_a_tiny_denominator_is_not_called_a_zero():
@@ -468,6 +473,13 @@ def test_fractional_and_negative_powers():
                                                                                 "negatives": 0, "zeros": 3}},
               output={"nan": 0, "posinf": 3, "neginf": 0})
     assert run(neg, CALM)["category"] == "div_by_zero"
+    # the backward of x ** 0.98 over negative bases (images in [-1, 1] through a gamma adjustment), no zero base:
+    # not "infinite at x = 0 (0 zero bases)"
+    bw = loc("aten.pow.Tensor_Scalar", api="Tensor.pow", stage="backward", phase="backward", node="PowBackward0",
+             forward_op="aten.pow.Tensor_Scalar", sink="grad", output={"nan": 70, "posinf": 0, "neginf": 0},
+             facts={"sqrt_domain": {"exponent": 0.978, "fractional": True, "negatives": 70, "zeros": 0, "numel": 160}})
+    d = run(bw, CALM, phase="backward")
+    assert d["category"] == "sqrt_domain" and "70 negative base(s)" in d["summary"] and "x = 0" not in d["summary"]
 
 
 def test_long_accelerating_growth_is_divergence_not_other():

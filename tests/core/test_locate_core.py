@@ -102,6 +102,15 @@ def test_where_trap_walk():
     assert not g2.where_trap(1)
     assert not _graph().where_trap(1)            # no selection seen
     assert not g2.where_trap(50)                 # not recorded
+    # tf.image.adjust_gamma: gain * x ** gamma carries the pow's NaN on, then tf.where drops it (a GAN's augment)
+    g4 = _graph()
+    g4.note_consumers(5, "mul", [((1, None), False)], True, True)        # arithmetic, its result non-finite too
+    g4.note_consumers(6, "where", [((5, None), True)], False, True)
+    assert g4.where_trap(1)
+    g5 = _graph()
+    g5.note_consumers(5, "mul", [((1, None), False)], True, True)
+    g5.note_consumers(6, "add", [((5, None), True)], False, True)        # ... but a later op made it finite: a use
+    assert not g5.where_trap(1)
     g3 = _graph()
     g3.note_consumers(5, "mul", [((3, None), False)], False, True)       # finite value of a non-kept op: not noted
     g3.note_consumers(5, "mul", [(None, True)], False, True)

@@ -94,7 +94,8 @@ def inside_library_call(out: dict, loc: Any, framework: str) -> dict:
     # a call that builds no op of the step (the optimizer, the model's container on a compile line) is not it:
     # ``compile(optimizer=keras.optimizers.Adam(...), loss=keras.losses.Poisson())`` runs the log in the loss
     name = next((c for c in calls if not c.startswith(_NO_OPS)), calls[0])
-    eg = " (e.g. images in [0, max_val] for tf.image's metrics, rescale or clip them first)" if ".image." in name else ""
+    eg = (" (e.g. float images in [0, 1] for tf.image's adjustments, [0, max_val] for its metrics: rescale or clip "
+          "them first)") if ".image." in name else ""
     out["summary"] += (f"; the {op} is not written on that line: it runs inside {name}, which the line calls "
                        "(the fix applies to that call's inputs, or a stable variant of it)")
     out["fixes"] = [f"{name} computes the {op} internally: keep its inputs in the range it expects{eg}, or use a "

@@ -127,6 +127,11 @@ class OpGraph:
                 elif cname in self.pass_ops and depth < 6:
                     if not walk(cidx, depth + 1):
                         return False
+                elif c_float and c_nf and self.consumers.get(cidx) and depth < 6:
+                    # arithmetic that carried the non-finite entries on (a gain times x ** gamma): where its
+                    # result goes decides, as for a pass-through op
+                    if not walk(cidx, depth + 1):
+                        return False
                 elif c_float and not (c_nf and not self.consumers.get(cidx)):
                     return False         # used by arithmetic, not only selected
             return True

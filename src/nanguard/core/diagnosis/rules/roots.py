@@ -111,7 +111,17 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
                      jax=X.eps_text("jnp.sqrt(jnp.var(x, axis) + 1e-8)") + " instead of jnp.std(x, axis)"),
                  f"or clamp the variance: {X.call('sqrt', X.clamp_min('variance', '1e-8'))}"]
     is_pow = T.opshort(origin.get("forward_op") or origin.get("op")) in POW.ops or T.node_family(node).startswith("pow")
-    if is_pow and backward:
+    if is_pow and backward and sd.get("negatives") and not sd.get("zeros") and sd.get("fractional"):
+        # no zero base: negative bases under a fractional exponent, NaN in the forward too (dropped downstream)
+        summ = (f"the backward of {api} at {where} ({node}): {sd['negatives']} negative base(s) of "
+                f"{sd.get('numel', '?')} under the non-integer exponent {T.g(sd.get('exponent'))}: x ** p is NaN "
+                "for x < 0, in the forward too, and its gradient carries that NaN back")
+        fixes = [f"keep the base non-negative at {where}: {X.clamp_min('x', '0')} ** p (images in [0, 1] for a "
+                 "gamma adjustment, not [-1, 1]), or map the values into the function's domain first",
+                 "if the sign should carry through: " + X.say(pytorch="torch.sign(x) * x.abs() ** p",
+                                                              tensorflow="tf.sign(x) * tf.abs(x) ** p",
+                                                              jax="jnp.sign(x) * jnp.abs(x) ** p")]
+    elif is_pow and backward:
         p = sd.get("exponent")
         pw = f"p = {T.g(p)} < 1" if T.fin(p) and 0 < p < 1 else "p < 1"
         summ = (f"the backward of {api} at {where} ({node}): the gradient of x ** p with {pw} is "

@@ -47,9 +47,20 @@ def variance(origin: dict, facts: dict, ev: dict, method: str, backward: bool = 
                    f"{X.eps_text('(x - mean) / (jnp.std(x, axis, keepdims=True) + 1e-5)')} "
                    "(a constant group has std 0), or use flax.nnx.LayerNorm / flax.linen.LayerNorm (epsilon inside "
                    "the root); jnp.std's gradient at std 0 is NaN too"),
-             f"avoid batches of size 1: {X.drop_last()} or skip batches with fewer than 2 samples" if sv else
+             f"avoid batches of size 1: {X.drop_last()} or skip batches with fewer than 2 samples"
+             if sv or _batch_of_one(origin) else
              "a group whose values are all equal (a ReLU channel that is 0 over a whole image, a constant feature) "
              "has std 0 whatever the batch size: the eps is what keeps it finite",
              "or normalise with statistics computed once over the whole training set"
              + X.say(pytorch="", tensorflow=" (keras.layers.Normalization().adapt(x))", jax="")]
     return T.result("variance_zero", summ, 0.9, ev, fixes, method)
+
+
+def _batch_of_one(origin: dict) -> bool:
+    """The normalised value is one row (shape [1, ...]) over statistics with one dimension less: a std over the
+    batch axis of a batch of 1 (a last partial batch), whatever it holds."""
+    ins = [i for i in origin.get("inputs") or [] if isinstance(i, dict) and isinstance(i.get("shape"), list)]
+    if len(ins) < 2:
+        return False
+    num, den = ins[0]["shape"], ins[1]["shape"]
+    return len(num) >= 2 and num[0] == 1 and len(den) == len(num) - 1
