@@ -1065,3 +1065,15 @@ def test_all_targets_ignored_inside_a_library_names_the_labels_not_the_scripts_l
     d = run(o)
     assert "transformers/models/bert/modeling_bert.py:973" in d["summary"]
     assert d["fixes"][0].startswith("make every batch hold at least one label != -100"), d["fixes"]
+
+
+def test_a_float16_overflow_with_only_a_float64_rerun_is_low_precision():
+    """JAX records a float64 re-run of the op, no float32 one: a float16 matmul of 1.36e6 (a static loss scale of
+    2**16 on raw features) read "other: float64 would hold it; compute in float64"."""
+    ins = [{"dtype": "float16", "shape": [64, 16], "numel": 1024, "nonfinite": 0, "min": -300.0, "max": 300.0,
+            "max_abs": 300.0, "zeros": 0, "negatives": 10, "arg": 0}]
+    facts = {"float64_check": {"finite": True, "max_abs": 1.36e6}, "overflow": {"dtype_max": 65504.0},
+             "dtype_info": {"dtype": "float16", "max": 65504.0}}
+    d = run(loc("matmul", api="jnp.matmul", dtype="float16", facts=facts, inputs=ins,
+                output={"nan": 0, "posinf": 118, "neginf": 0}), CALM)
+    assert d["category"] == "low_precision_overflow" and "within float32's range" in d["summary"], d["summary"]

@@ -94,6 +94,13 @@ def test_gradient_only_failure_is_backward_and_apply_if_finite_skips_are_not_fai
         _plain(norm_loss, optax.apply_if_finite(optax.sgd(0.1), 10), 3, params=params)
     assert drv.report.status == "clean" and drv.report.steps_watched == 3  # dropped updates still count
     assert len(drv.report.info) == 3
+    # past max_consecutive_errors apply_if_finite applies the update: that one is the failure (it was an
+    # information-only skip, and the NaN weights were named at the next step as corrupted parameters)
+    with ngjax.watch(report=None, quiet=True, on_nonfinite="warn") as drv:
+        _plain(norm_loss, optax.apply_if_finite(optax.sgd(0.1), 2), 4, params=params)
+    ev = drv.report.events[0]
+    assert (ev.step, ev.phase) == (2, "backward"), (ev.step, ev.phase)
+    assert [h["skipped"] for h in drv.report.history][:3] == [True, True, False]
 
 
 def test_eager_updates_are_checked_too():

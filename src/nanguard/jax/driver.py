@@ -231,7 +231,8 @@ class JaxDriver:
         ratio = lrs[0] * gn / pn if lrs and pn and math.isfinite(gn) else None
         return StepRecord(step=step, loss=float(row[C["loss"]]) if row[C["loss_known"]] >= 0.5 else None,
                           grad_norm=gn, group_grad_norms=[gn], param_norm=pn, update_ratio=ratio, lr=lrs,
-                          skipped=bool(row[C["gated"]] >= 0.5 or (row[C["aif"]] >= 0.5 and row[C["grads_ok"]] < 0.5)))
+                          skipped=bool(row[C["gated"]] >= 0.5 or (row[C["aif"]] >= 0.5 and row[C["grads_ok"]] < 0.5
+                                                                   and row[C["post_ok"]] >= 0.5)))
 
     def _closure_lr(self) -> List[float]:
         for o in self.optimizers:
@@ -253,7 +254,7 @@ class JaxDriver:
                 return Detection(step, "data", dict(d, inputs=bad))
             return Detection(step, "forward", d)
         if not ok["grads_ok"]:
-            if ok["aif"]:
+            if ok["aif"] and ok["post_ok"]:  # apply_if_finite dropped it (past max_consecutive_errors it applies it)
                 return Detection(step, "backward", dict(d, apply_if_finite_skip=True), info_only=True)
             return Detection(step, "backward", d)
         if not ok["post_ok"]:

@@ -40,6 +40,8 @@ def _overflow_from_finite_inputs_rule(c) -> dict | None:
     cast = cast_overflow(c)
     if cast is not None:
         return cast
+    if c.low and not c.f32 and f64.get("finite") and T.fin(f64.get("max_abs")) and f64["max_abs"] < F32_MAX:
+        return lp_overflow(origin, facts, ev, method)  # only a float64 re-run: it fits float32's range as well
     dv = divergence(c.sig, origin, ev, method, 0.85, c.ctx)
     if dv is not None and not c.excludes(dv["category"]):
         return dv
@@ -67,6 +69,7 @@ def _overflow_from_finite_inputs_rule(c) -> dict | None:
                     method)
 
 
+F32_MAX = 3.4028234663852886e38
 EDGE = 0.5  # an input this close to the dtype's largest finite value sits at its edge: a fill value, not a growth
 
 

@@ -113,9 +113,12 @@ def lp_overflow(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     dt = origin.get("dtype")
     fi = facts.get("dtype_info") or {}
     f32 = facts.get("float32_check") or {}
+    wide = "float32"
+    if not f32 and (facts.get("float64_check") or {}).get("finite"):  # only a float64 re-run: float32 holds it too
+        f32, wide = facts["float64_check"], "float64 (within float32's range too)"
     out = origin.get("output") or {}
     n = (out.get("posinf") or 0) + (out.get("neginf") or 0)
-    summ = (f"{api} at {where} overflowed {dt}: float32 gives max |x| {T.g(f32.get('max_abs'))} > {dt} max "
+    summ = (f"{api} at {where} overflowed {dt}: {wide} gives max |x| {T.g(f32.get('max_abs'))} > {dt} max "
             f"{T.g(fi.get('max'))}; {n} element(s) became ±inf")
     fixes = [X.float32_layer(origin, where),
              X.say(pytorch=f"use bfloat16 (max 3.4e38, same range as float32) instead of {dt}, or torch.autocast + "
