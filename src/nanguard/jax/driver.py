@@ -10,7 +10,7 @@ step (an outermost optax update, including those ``optax.apply_if_finite`` drops
 parameters non-finite before the update -> ``params``; the loss -> ``data`` when a fresh input of the
 step (one it did not carry over from the previous call) is non-finite, else ``forward``; the
 gradients -> ``backward`` (under ``apply_if_finite`` with a finite loss: its normal skip,
-information only); the update, the new optimizer state -> ``optimizer``. A step that passed is
+information only, unless it applied the update, past ``max_consecutive_errors``); the update, the new optimizer state -> ``optimizer``. A step that passed is
 judged by the early warning (:mod:`.spikes`) on the same vector.
 """
 from __future__ import annotations
