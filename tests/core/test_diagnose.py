@@ -1077,3 +1077,24 @@ def test_a_float16_overflow_with_only_a_float64_rerun_is_low_precision():
     d = run(loc("matmul", api="jnp.matmul", dtype="float16", facts=facts, inputs=ins,
                 output={"nan": 0, "posinf": 118, "neginf": 0}), CALM)
     assert d["category"] == "low_precision_overflow" and "within float32's range" in d["summary"], d["summary"]
+
+
+def test_nan_rows_out_of_a_jax_gather_of_a_finite_table_are_out_of_range_ids():
+    """nnx.Embed over len(vocab) rows fed 1-based ids: JAX's gather returns NaN for the id past the table."""
+    ins = [{"dtype": "float32", "shape": [1358, 32], "numel": 43456, "nonfinite": 0, "min": -0.7, "max": 0.7,
+            "max_abs": 0.7, "zeros": 0, "negatives": 20000}]
+    l = loc("index", api="jnp.index", inputs=ins, output={"nan": 32, "posinf": 0, "neginf": 0})
+    l["origin"]["jax_op"] = "gather"
+    d = run(l, CALM)
+    assert d["category"] == "bad_input_data" and "1358 rows" in d["summary"] and "max id + 1" in d["fixes"][0]
+    l["origin"].pop("jax_op")  # PyTorch raises on such an index: no such reading
+    assert run(l, CALM)["category"] != "bad_input_data"
+
+
+def test_log_of_the_square_of_a_relu_head_asks_for_a_positive_head():
+    """keras-io's VAE with its std predicted by a relu Dense: log(z_std ** 2) = log(0) for dead units; a floor on
+    the log leaves the std at exactly 0 with no gradient."""
+    d = run(loc(facts={"log_domain": {"zeros": 69, "negatives": 0}, "producers": [["square", "relu", "add"]]},
+                output={"nan": 0, "posinf": 0, "neginf": 69}), CALM)
+    assert d["category"] == "log_domain" and "comes straight from a relu" in d["summary"]
+    assert d["fixes"][0].startswith("make the value the log reads positive by construction"), d["fixes"]

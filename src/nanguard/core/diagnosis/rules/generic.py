@@ -282,12 +282,41 @@ def other(c) -> dict:
     if dv is not None:
         return dv
     out = c.out
+    gathered = out_of_range_gather(c)
+    if gathered is not None:
+        return gathered
     # inputs holding values the replay took for intentional (a -inf mask) are not "finite inputs"
     held = sum(int(i.get("nonfinite") or 0) for i in (c.origin.get("inputs") or []) if isinstance(i, dict))
     frm = f"from inputs holding {held} +-inf value(s) taken for a mask" if held else "from finite inputs"
     return T.result("other", f"{c.api} produced {out.get('nan', 0)} NaN / {out.get('posinf', 0)} +Inf / "
                     f"{out.get('neginf', 0)} -Inf {frm} at {c.where} ({c.dtype})", 0.35, c.ev,
                     [f"inspect the inputs of {c.api} at {c.where} (evidence.inputs) and guard them"], c.method)
+
+
+_GATHERS = ("gather", "index", "take", "take_along_axis", "embedding")
+
+
+def out_of_range_gather(c) -> dict | None:
+    """NaN rows out of a JAX gather of a finite table (``x[ids]``, ``jnp.take``, ``nn.Embed``): JAX fills an
+    out-of-range index with NaN instead of raising (PyTorch and TensorFlow raise), so an id past the table's
+    size, an off-by-one vocabulary (1-based ids over ``len(vocab)`` rows), reads a NaN row."""
+    o = c.origin
+    if not o.get("jax_op") or str(o.get("jax_op")) not in _GATHERS and T.opshort(o.get("op")) not in _GATHERS:
+        return None
+    ins = [i for i in o.get("inputs") or [] if isinstance(i, dict)]
+    if not c.out.get("nan") or c.out.get("posinf") or c.out.get("neginf") or any(i.get("nonfinite") for i in ins):
+        return None
+    table = next((i for i in ins if isinstance(i.get("shape"), list) and i["shape"]), None)
+    rows = table["shape"][0] if table else None
+    summ = (f"{c.api} at {c.where} read {c.out.get('nan')} NaN value(s) from a finite table"
+            + (f" of {rows} rows" if rows else "") + ": JAX's gather fills an index past the table's size with NaN "
+            "(it does not raise), so the batch holds ids >= the number of rows (an off-by-one vocabulary: ids "
+            "counted from 1, or a table built smaller than the data's id range)")
+    fixes = [f"make the table as large as the id range at {c.where}: num_embeddings = max id + 1 (or map unknown "
+             "ids to a reserved row), and check the ids once: assert int(ids.max()) < num_embeddings",
+             "or index with mode='clip' / mode='promise_in_bounds' only once the ids are known to be in range "
+             "(jnp.take(table, ids, axis=0, mode='clip') hides the bug by reading the last row)"]
+    return T.result("bad_input_data", summ, 0.75, c.ev, fixes, c.method)
 
 
 def where_trap(origin: dict, facts: dict, ev: dict, method: str) -> dict:

@@ -247,6 +247,9 @@ def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> d
     # the log's own argument (xlogy's second), counted by the domain fact; the first input is a fallback only
     neg = ld["negatives"] if isinstance(ld.get("negatives"), int) else T.first_input(origin).get("negatives") or 0
     probability = "sigmoid" in prods or "_softmax" in prods or "softmax" in prods
+    if prods[:1] in (["square"], ["pow"], ["abs"], ["Square"], ["Pow"], ["Abs"]) and prods[1:2] \
+            and prods[1] in _EXACT_ZEROS:
+        prods = prods[1:]  # log(std ** 2) of a ReLU std head: the square keeps its exact zeros
     if prods and prods[0] in _EXACT_ZEROS:
         # a ReLU head (a learned variance or scale) outputs exact zeros whatever it learns: a floor on the log
         # alone leaves whatever else divides by that value (a Gaussian NLL's r^2 / var) at 1e12
