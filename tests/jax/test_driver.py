@@ -364,3 +364,13 @@ def test_os_exit_ends_the_run_with_its_report(tmp_path):
     data = json.loads(rep.read_text())
     assert out.returncode == 6 and data["status"] == "exited" and data["exit_code"] == 6, out.stderr[-2000:]
     assert data["steps_watched"] == 3
+
+
+def test_a_schedules_rate_is_read_into_the_history():
+    """``optax.sgd(schedule)`` holds no rate in its state (only ``inject_hyperparams`` does): the history's lr was
+    unknown, and a schedule that multiplied the rate x10 read as "a hard or mislabelled batch". The schedule is
+    evaluated at the count its state holds before each update."""
+    sched = optax.piecewise_constant_schedule(0.01, {2: 10.0})
+    with ngjax.watch(report=None, quiet=True) as drv:
+        _plain(mse, optax.sgd(sched, momentum=0.9), 4)
+    assert [h["lr"] for h in drv.report.history] == [[pytest.approx(0.01)]] * 2 + [[pytest.approx(0.1)]] * 2

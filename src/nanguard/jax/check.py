@@ -146,7 +146,30 @@ def learning_rate(state: Any) -> Optional[Any]:
     return None
 
 
-def step_vector(loss: Any, grads: Any, params: Any, updates: Any, new_state: Any) -> Tuple[jax.Array, jax.Array]:
+def schedule_lr(info: Any, state: Any) -> Optional[Any]:
+    """The learning rate an optax schedule gives this update (``optax.sgd(schedule)``: the factory's callable
+    ``learning_rate`` at the count its ``ScaleByScheduleState`` holds before the update), traced; else None. A
+    scalar beside the step's own values: they are computed as before."""
+    fn = (info or {}).get("schedule")
+    if not callable(fn):
+        return None
+    stack = [state]
+    try:
+        while stack:
+            x = stack.pop()
+            if type(x).__name__ == "ScaleByScheduleState":
+                return jnp.asarray(fn(x.count)).astype(jnp.float32).reshape(())
+            if isinstance(x, (tuple, list)):
+                stack.extend(reversed(x))
+            elif isinstance(x, dict):
+                stack.extend(x.values())
+    except Exception:  # a schedule of its own kind: the rate stays unknown, the check is unchanged
+        return None
+    return None
+
+
+def step_vector(loss: Any, grads: Any, params: Any, updates: Any, new_state: Any,
+                scheduled: Any = None) -> Tuple[jax.Array, jax.Array]:
     """(the flag vector, the step's ``ok``): ``ok`` is False when the update must not be applied
     (non-finite loss, parameters, update or state; non-finite gradients only when no
     ``optax.apply_if_finite`` is skipping them itself). ``updates`` may be the parameters the update
@@ -163,6 +186,7 @@ def step_vector(loss: Any, grads: Any, params: Any, updates: Any, new_state: Any
         lv, loss_ok, known = jnp.zeros((), jnp.float32), jnp.array(True), 0.0
     aif = has_state(new_state, "ApplyIfFiniteState")
     lr = learning_rate(new_state)
+    lr = scheduled if lr is None else lr  # (a schedule's rate, read by :func:`schedule_lr`)
     lr = jnp.asarray(lr).astype(jnp.float32).reshape(()) if lr is not None else jnp.array(jnp.nan, jnp.float32)
     ok = loss_ok & pre_ok & post_ok & (grads_ok | aif)
     f = lambda b: jnp.asarray(b).astype(jnp.float32)  # noqa: E731

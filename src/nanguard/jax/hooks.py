@@ -43,11 +43,13 @@ class _Pending:
     script has applied the update (``optax.apply_updates``), and the check reads the new parameters, an
     output the step computes anyway, in place of the update itself (see :func:`_vector`)."""
 
-    __slots__ = ("loss", "grads", "params", "updates", "new_state", "applied", "u_ids", "p_ids", "pre", "vec")
+    __slots__ = ("loss", "grads", "params", "updates", "new_state", "applied", "u_ids", "p_ids", "pre", "vec",
+                 "scheduled")
 
     def __init__(self, loss: Any, grads: Any, params: Any, updates: Any, new_state: Any,
-                 pre: Optional[Tuple[Any, Any]] = None) -> None:
+                 pre: Optional[Tuple[Any, Any]] = None, scheduled: Any = None) -> None:
         self.loss, self.grads, self.params, self.updates, self.new_state = loss, grads, params, updates, new_state
+        self.scheduled = scheduled  # the rate a schedule gives the update (check.schedule_lr), or None
         self.applied: Any = None
         self.u_ids = [id(x) for x in jax.tree_util.tree_leaves(updates)]
         self.p_ids = [id(x) for x in check.float_leaves(params)] if params is not None else None
@@ -64,7 +66,7 @@ class _Pending:
         if self.vec is not None:
             return self.vec
         post = self.applied if self.applied is not None else self.updates
-        return check.step_vector(self.loss, self.grads, self.params, post, self.new_state)[0][None, :]
+        return check.step_vector(self.loss, self.grads, self.params, post, self.new_state, self.scheduled)[0][None, :]
 
     def gate(self, params: Any, new_params: Any) -> Any:
         """Recovery: ``new_params`` (``apply_updates(params, update)``) where the step's check passes, else
@@ -180,6 +182,8 @@ def optimizer_info(frames_from: Any) -> Dict[str, Any]:
                 and not mod.endswith("._src.base"):
             hp = {k: v for k, v in f.f_locals.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             info = {"name": name, "hyperparams": hp, "alias": mod.endswith(".alias")}
+            if callable(f.f_locals.get("learning_rate")):
+                info["schedule"] = f.f_locals["learning_rate"]  # read at each update: check.schedule_lr
         f = f.f_back
     return info
 
@@ -230,6 +234,7 @@ def _outer_update(host: Any, update: Callable, info: Dict[str, Any], grads: Any,
         ctx = _here()
         traced = tracing()
         loss = _take_loss()
+        sched = check.schedule_lr(info, state)
         if ctx is not None and not (host.recovering and ctx.inline):  # the vector is built later (_Pending)
             if host.lr_scale != 1.0:
                 out_u = check.scale_tree(out_u, host.lr_scale)
@@ -237,8 +242,8 @@ def _outer_update(host: Any, update: Callable, info: Dict[str, Any], grads: Any,
             # the check reads the update's own new state; with recovery, a failing update returns the old one
             # (read apart from the update's kernels) and keeps the old parameters where it is applied
             # (_Pending.gate, which completes this vector with them)
-            pre = check.step_vector(loss, grads, params, None, new_state) if host.recovering else None
-            ctx.flags.append(_Pending(loss, grads, params, out_u, new_state, pre))
+            pre = check.step_vector(loss, grads, params, None, new_state, sched) if host.recovering else None
+            ctx.flags.append(_Pending(loss, grads, params, out_u, new_state, pre, sched))
             if pre is not None:
                 new_state = check.select(pre[1], new_state, state)
             return out_u, new_state
@@ -249,9 +254,9 @@ def _outer_update(host: Any, update: Callable, info: Dict[str, Any], grads: Any,
             if host.lr_scale != 1.0:
                 out_u = check.scale_tree(out_u, host.lr_scale)
             host.note_optimizer(info, state)
-            outer.nested.append((jcore.trace_ctx.trace, _Pending(loss, grads, params, out_u, new_state)))
+            outer.nested.append((jcore.trace_ctx.trace, _Pending(loss, grads, params, out_u, new_state, None, sched)))
             return out_u, new_state
-        vec, ok = check.step_vector(loss, grads, params, out_u, new_state)
+        vec, ok = check.step_vector(loss, grads, params, out_u, new_state, sched)
         if host.recovering:
             vec, out_u, new_state = check.gate(ok, vec, out_u, new_state, state, host.lr_scale)
         elif host.lr_scale != 1.0:  # an early warning's rollback lowered the step size (no failure recovery)
