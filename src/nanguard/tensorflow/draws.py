@@ -17,7 +17,7 @@ report says why it could not repeat the step).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 # every stateful random op type (a kernel with its own stream, which a new trace starts again)
 STATEFUL_RANDOM = frozenset({"RandomStandardNormal", "RandomUniform", "RandomUniformInt", "TruncatedNormal",
@@ -54,16 +54,26 @@ def random_ops_of(concrete: Any) -> Optional[List[Tuple[str, int, int]]]:
              for op in g.get_operations() if op.type in STATEFUL_RANDOM]
     if any(t not in _OPS for t, _, _ in found):
         return None
-    stack, seen = [f.graph for f in getattr(g, "_functions", {}).values() if getattr(f, "graph", None) is not None], set()
-    while stack:
-        sub = stack.pop()
-        if id(sub) in seen:
-            continue
-        seen.add(id(sub))
-        if any(op.type in STATEFUL_RANDOM for op in sub.get_operations()):
-            return None
-        stack += [f.graph for f in getattr(sub, "_functions", {}).values() if getattr(f, "graph", None) is not None]
+    if any(op.type in STATEFUL_RANDOM for sub in graphs_from(_called(g)) for op in sub.get_operations()):
+        return None
     return found
+
+
+def _called(g: Any) -> List[Any]:
+    """The graphs of the functions ``g`` calls directly (a tf.cond's branches, a nested tf.function)."""
+    return [f.graph for f in getattr(g, "_functions", {}).values() if getattr(f, "graph", None) is not None]
+
+
+def graphs_from(roots: List[Any]) -> Iterator[Any]:
+    """``roots`` and every graph of a function they call, at any depth, each once."""
+    stack, seen = list(roots), set()
+    while stack:
+        g = stack.pop()
+        if id(g) in seen:
+            continue
+        seen.add(id(g))
+        yield g
+        stack += _called(g)
 
 
 class Draws:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import tensorflow as tf
 
-from .draws import STATEFUL_RANDOM
+from .draws import STATEFUL_RANDOM, graphs_from
 from .observer import TFObserver
 
 __all__ = ["test_fix", "keep_batch", "NextBatchTest"]
@@ -113,19 +113,10 @@ def stateful_random_ops(fn: Any) -> Optional[List[str]]:
     """The stateful random op types in the traced function ``fn`` and the functions it calls (sorted), or None
     when its graphs cannot be read."""
     try:
-        stack = [cf.graph for cf in fn._list_all_concrete_functions()]
+        roots = [cf.graph for cf in fn._list_all_concrete_functions()]
     except Exception:
         return None
-    seen: set = set()
-    found: set = set()
-    while stack:
-        g = stack.pop()
-        if id(g) in seen:
-            continue
-        seen.add(id(g))
-        found.update(op.type for op in g.get_operations() if op.type in STATEFUL_RANDOM)
-        stack += [f.graph for f in getattr(g, "_functions", {}).values() if getattr(f, "graph", None) is not None]
-    return sorted(found)
+    return sorted({op.type for g in graphs_from(roots) for op in g.get_operations() if op.type in STATEFUL_RANDOM})
 
 
 def unrepeatable_note(fn: Any) -> Optional[str]:

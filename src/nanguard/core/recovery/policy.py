@@ -28,7 +28,7 @@ from .actions import RecoveryActions, Snapshot
 from .budget import DATA_CATEGORY, RecoveryBudget
 from .estimates import DynamicLossScale, initial_loss_scale, rollback_bound
 from .records import notice, summary_line
-from .repeats import Repeats, skip_failed
+from .repeats import Repeats, skip_failed, weights_note
 from .snapshots import SnapshotStore
 from . import beta2, stepsize, tried
 from .table import ACTIONS, AUTO, CHANGES_TRAINING, DIVERGENCE, actions_for, check_allowed, record_order
@@ -175,14 +175,11 @@ class RecoveryPolicy:
         if not params_ok and "rollback" in self.allowed and "rollback" not in acts and cat != "loss_scale_collapse":
             acts = ["rollback"] + acts  # never train on non-finite weights
         if self.loss_scaler is not None and event.phase == "backward" and params_ok:
-            acts = ["loss_scale"]  # our own loss scale overflowed: back off (and skip), like GradScaler
-        own = acts if weights else []  # tested by this recovery's own replays (tried.act), not the investigation's
-        acts, proofs, notes = verified_plan(cause, [a for a in acts if a not in own], self.allowed, event.phase)
-        acts = own + acts
-        if weights:
-            notes.append(f"the same {cat} came back at step {step} on a new batch after step {step - 1}'s skip, "
-                         "which left the weights as they were: the weights make it, so the run goes back to before "
-                         "the update that made them and the learning rate is cut (replayed first)")
+            acts, weights = ["loss_scale"], False  # our own loss scale overflowed: back off (and skip), like GradScaler
+        if weights:  # its cut is tested by this recovery's own replays (tried.act), not the investigation's
+            proofs, notes = {}, [weights_note(cat, step)]
+        else:
+            acts, proofs, notes = verified_plan(cause, acts, self.allowed, event.phase)
         done: Dict[str, Any] = {}
         names: List[str] = []
         for a in acts:

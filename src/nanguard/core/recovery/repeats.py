@@ -81,3 +81,10 @@ def skip_failed(last: Optional[tuple], step: int, category: str, acts: Any) -> b
     rec = last[1] or {}
     return rec.get("action") == "skip_step" and rec.get("category") == category and "quarantine" not in (
         rec.get("actions") or {})
+
+
+def weights_note(category: str, step: int) -> str:
+    """What a recovery record says of a :func:`skip_failed` escalation."""
+    return (f"the same {category} came back at step {step} on a new batch after step {step - 1}'s skip, which left "
+            "the weights as they were: the weights make it, so the run goes back to before the update that made "
+            "them and the learning rate is cut (replayed first)")
