@@ -168,6 +168,15 @@ CASES = [
             m = tf.reduce_max(z, axis=-1, keepdims=True)
             return tf.math.log(tf.reduce_sum(tf.exp(z - m), axis=-1))
      """, TF),
+    ("NGL004", """
+        def partial_likelihood(risk, event):
+            log_risk_set = torch.log(torch.cumsum(torch.exp(risk), dim=0))
+            return -((risk - log_risk_set) * event).sum()
+     """, """
+        def partial_likelihood(risk, event):
+            log_risk_set = torch.logcumsumexp(risk, dim=0)
+            return -((risk - log_risk_set) * event).sum()
+     """, TORCH),
     # NGL005 division by a count / a mask's sum
     ("NGL005", """
         def mean_pool(h, attention_mask):

@@ -92,6 +92,8 @@ def call_tags(flow, call: ast.Call, d: int) -> Tags:
         if name == "mean":
             return v & (PROB | {"relu"})
         return v & {"relu"}
+    if name == "cumsum" and "exp" in v:  # log(cumsum(exp(z))): a running logsumexp (a Cox risk set)
+        return frozenset({"exp", "expsum"})
     if name in ("count_nonzero",):
         return frozenset({"count"})
     if name in ("numel", "nelement", "size"):

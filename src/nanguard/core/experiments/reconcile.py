@@ -23,6 +23,7 @@ child process's event) reconciles the same. The three fields are optional in ``n
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Dict, List, Optional
 
 from ..diagnosis import fixes as X
@@ -166,9 +167,12 @@ class _Reconciler:
 
     def ordered(self) -> List[str]:
         n = len(self.fixes)
-        first = [i for i in range(n) if i in self.passed]
+        # a guard that passed (a floor under a log) stays behind a fix the rule put before it that computes the
+        # value from the logits: the guard confirms the log of 0 that the logits form removes at its source
+        first = [i for i in range(n) if i in self.passed and not (self.kinds[i] == "eps" and any(
+            _LOGITS_FORM.search(str(f)) for f in self.fixes[:i]))]
         last = [i for i in range(n) if i in self.failed and i not in self.passed]
-        middle = [i for i in range(n) if i not in self.passed and i not in self.failed]
+        middle = [i for i in range(n) if i not in first and i not in last]
         self.order = first + middle + last
         out = [self.fixes[i] for i in self.order]
         return [_leading(out[0])] + out[1:] if out else out
@@ -189,6 +193,9 @@ class _Reconciler:
             cause["untested_fixes"] = untested
         else:
             cause.pop("untested_fixes", None)
+
+
+_LOGITS_FORM = re.compile(r"log_softmax|logsigmoid|log_sigmoid|from_logits|_with_logits|logsumexp|Categorical\(logits")
 
 
 def _leading(f: Any) -> Any:

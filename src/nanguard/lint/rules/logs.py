@@ -89,7 +89,7 @@ def _log_of_zero(node: ast.AST, flow: Flow) -> Iterator[Hit]:
 
 @rule("NGL004", "unbounded-exp", "exp_overflow",
       fixes=lambda origin, facts: exp_result(origin, {}, {}, "lint")["fixes"],
-      what="a hand-written softmax exp(z) / sum(exp(z)) or logsumexp log(sum(exp(z))) with no max "
+      what="a hand-written softmax exp(z) / sum(exp(z)), logsumexp log(sum(exp(z))) or log(cumsum(exp(z))) with no max "
            "subtracted from z: exp overflows to inf above 88.7 (float32), 11.1 (float16), then inf/inf = NaN")
 def _unbounded_exp(node: ast.AST, flow: Flow) -> Iterator[Hit]:
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
@@ -99,7 +99,12 @@ def _unbounded_exp(node: ast.AST, flow: Flow) -> Iterator[Hit]:
         return
     got = _log_input(node, flow)
     if got is not None and got[0].name == "log" and "expsum" in got[2]:
-        yield Hit(node, "hand-written logsumexp log(sum(exp(z))) without subtracting the max: use logsumexp")
+        inner = flow.op(got[1]) if isinstance(got[1], ast.Call) else None
+        if inner is not None and inner.name == "cumsum":
+            yield Hit(node, "hand-written running logsumexp log(cumsum(exp(z))) (a Cox partial likelihood's risk "
+                            "sets): exp overflows above 88.7; use logcumsumexp")
+        else:
+            yield Hit(node, "hand-written logsumexp log(sum(exp(z))) without subtracting the max: use logsumexp")
 
 
 @rule("NGL015", "log-of-input", "log_domain", fixes=_log_fixes,
