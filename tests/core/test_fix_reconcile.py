@@ -291,3 +291,17 @@ def test_an_alternative_fix_moved_first_by_its_replay_loses_its_or():
     ev = _event([first, alt], [exp], category="sqrt_domain")
     reconcile(ev, "pytorch")
     assert ev.fixes[0].startswith("clamp the root's argument: torch.sqrt(") and ev.fixes[1].startswith("clamp the cosine")
+
+
+def test_a_floor_under_a_log_that_passed_stays_behind_the_logits_form():
+    """log(softmax) of logits made huge by raw 0..255 pixels (a Lightning digits classifier): the floor's replay
+    passed, which confirms log(0); it moved "clamp the argument" above "use torch.log_softmax", the fix that
+    removes the zero at its source (one step finite with the floor did not make the run learn)."""
+    logits, floor = _bound(lambda: "use torch.log_softmax (or F.cross_entropy on the logits) instead of log(softmax)",
+                           lambda: f"clamp the argument away from 0 at t.py:3: {X.call('log', X.clamp_min('x', '1e-12'))}")
+    exp = {"kind": "domain_guard", "change": "the inputs of log kept inside its domain (clamped to >= eps)",
+           "finite": True, "replays": 1, "params": {"op": "log", "guard": "clamped to >= eps"}}
+    ev = _event([logits, floor], [exp], category="log_domain")
+    reconcile(ev, "pytorch")
+    assert ev.fixes[0].startswith("use torch.log_softmax") and ev.fixes[1].startswith("clamp the argument")
+    assert ev.cause["tested_fixes"][0]["fix_index"] == 1
