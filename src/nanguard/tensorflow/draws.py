@@ -170,6 +170,8 @@ class Draws:
     def _graph_ops(self, cur: tuple) -> Optional[List[Tuple[str, int, int]]]:
         fn = cur[0]
         key = id(fn)
+        if key not in self._cache and getattr(fn, "_jit_compile", None):
+            self._cache[key] = None  # XLA compiles the random ops to generators of its own: other numbers
         if key not in self._cache:
             try:
                 # a function that creates variables at its first call is traced twice, with the same ops; traces
