@@ -843,3 +843,21 @@ def test_run_recover_leaves_a_healthy_bare_tensor_run_bit_for_bit(tmp_path, caps
     code, rep = run_ng(tmp_path, script, recover="auto")
     assert code == 0 and rep["status"] == "clean"
     assert capsys.readouterr().out == plain and "final_loss=" in plain
+
+
+def test_a_root_named_by_its_type_stands_for_every_root_of_that_type():
+    """A dual encoder of two towers of one class (``qt``, ``it``): the name "Tower:" cannot tell them apart. The
+    upcast experiment cast the first only and its replay, still non-finite, ruled low precision out; both are
+    meant (the experiment and the recovery cast both)."""
+    from nanguard.pytorch.recover.upcast import find_module, find_modules
+
+    class Tower(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 2)
+
+    a, b, other = Tower(), Tower(), torch.nn.Linear(2, 2)
+    assert find_modules([a, other, b], "Tower:") == [a, b]
+    assert find_modules([a, other, b], "Tower:fc") == [a.fc, b.fc]
+    assert find_modules([a, other, b], "fc") == [a.fc] and find_module([a, b], "Tower:") is a
+    assert find_modules([a, b], "Linear:") == [] and find_modules([a, b], None) == []

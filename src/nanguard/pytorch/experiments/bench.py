@@ -12,7 +12,7 @@ from ...core.experiments.rows import rows_to_drop
 from ...core.experiments.planner import GUARD_TEXT
 from ...core.experiments.tested import DEEPEST_LR_FACTOR, still_diverging
 from ..recover.lr_backoff import schedule_peaks
-from ..recover.upcast import find_module
+from ..recover.upcast import find_modules
 from .history import consecutive, replay_history
 from .modes import UNARY, CaptureInput, DomainGuard, ExactInput, PromoteMode
 from .samples import complement, indices_at
@@ -65,7 +65,7 @@ class TorchBench(Bench):
         if path == "" and module_type and len(self.roots) > 1 and \
                 any(type(r).__name__ == module_type for r in self.roots):
             path = f"{module_type}:"
-        if path is None or find_module(self.roots, path) is None:
+        if path is None or not find_modules(self.roots, path):
             return []
         prefix, _, rest = path.rpartition(":") if ":" in path else ("", "", path)
         parts = rest.split(".") if rest else []
@@ -113,13 +113,13 @@ class TorchBench(Bench):
         e.change = describe("drop_samples", {"rows": list(rows)})
 
     def _upcast_module(self, e: Experiment, replays_left: float) -> None:
-        mod = find_module(self.roots, e.params.get("module"))
-        if mod is None:
+        mods = find_modules(self.roots, e.params.get("module"))
+        if not mods:
             e.error = f"module {e.params.get('module')!r} not found"
             return
-        o = self._upcast_run(e, mod, promote=False)
+        o = self._upcast_run(e, mods, promote=False)
         if o.finite is None and o.error and any(s in o.error for s in _DTYPE_ERRORS):
-            o = self._upcast_run(e, mod, promote=True)  # a float32 output met a float16 op outside modules
+            o = self._upcast_run(e, mods, promote=True)  # a float32 output met a float16 op outside modules
         self._settle(e, o)
 
     def _grads_aside(self) -> Trial:
@@ -137,11 +137,12 @@ class TorchBench(Bench):
         t.on_close(back)
         return t
 
-    def _upcast_run(self, e: Experiment, mod: torch.nn.Module, promote: bool) -> Outcome:
+    def _upcast_run(self, e: Experiment, mods: List[torch.nn.Module], promote: bool) -> Outcome:
         with self._grads_aside() as t:
-            t.cast_module(mod, torch.float32, only=LOW_PRECISION)
-            t.wrap_forward(mod, torch.float32)
-            down = t.upcast_downstream(self.roots, {id(m) for m in mod.modules()}, torch.float32)
+            for mod in mods:
+                t.cast_module(mod, torch.float32, only=LOW_PRECISION)
+                t.wrap_forward(mod, torch.float32)
+            down = t.upcast_downstream(self.roots, {id(m) for mod in mods for m in mod.modules()}, torch.float32)
             if promote:
                 with PromoteMode():
                     o = self._replay(e)

@@ -18,7 +18,7 @@ from .lr_backoff import HeldRates, learning_rates, lr_backoff, scale_grads, sche
 from .skip import skip_step
 from .snapshot import Snapshot
 from .state import optimizer_state_finite, state_finite
-from .upcast import find_module, upcast_downstream, upcast_module
+from .upcast import find_modules, upcast_downstream, upcast_module
 
 
 class TorchActions(RecoveryActions):
@@ -107,12 +107,16 @@ class TorchActions(RecoveryActions):
         return rec
 
     def upcast(self, module: Optional[str], on_downstream: Callable[[str], None]) -> Optional[Dict[str, Any]]:
-        mod = find_module(self.roots, module)
-        if mod is None:  # an op outside every module: the loss code, where the driver can run it in float32
+        mods = find_modules(self.roots, module)
+        if not mods:  # an op outside every module: the loss code, where the driver can run it in float32
             return self.loss_code() if module is None and self.loss_code is not None else None
-        rec = dict(upcast_module(mod, self.optimizers), module=module)
-        rec["downstream"] = []
-        self.hooks.extend(upcast_downstream(self.roots, mod, self.optimizers, rec, on_downstream))
+        rec = dict(upcast_module(mods[0], self.optimizers), module=module, downstream=[])
+        for mod in mods[1:]:  # the other roots of the type a root's name stands for (a dual encoder's towers)
+            upcast_module(mod, self.optimizers)
+        for mod in mods:
+            self.hooks.extend(upcast_downstream(self.roots, mod, self.optimizers, rec, on_downstream))
+        if len(mods) > 1:
+            rec["modules"] = len(mods)
         return rec
 
     def replay_kept(self, from_step: int, to_step: int, *, steps: int, lr_factor: Optional[float] = None,

@@ -80,20 +80,31 @@ def upcast_downstream(roots: Sequence[torch.nn.Module], upcast: torch.nn.Module,
 
 def find_module(roots: Sequence[torch.nn.Module], path: Optional[str]) -> Optional[torch.nn.Module]:
     """The module at ``path`` (as in named_modules()) under one of the roots."""
+    found = find_modules(roots, path)
+    return found[0] if found else None
+
+
+def find_modules(roots: Sequence[torch.nn.Module], path: Optional[str]) -> List[torch.nn.Module]:
+    """The modules at ``path``: a ``"RootType:sub.path"`` (several roots watched) names that path in every root of
+    that type (a dual encoder's two towers of one class: the name cannot tell them apart, so both are meant); a
+    plain path, the first root that has it."""
     if path is None:
-        return None
+        return []
+    out: List[torch.nn.Module] = []
     for r in roots:
-        if ":" in path:  # "RootType:sub.path" when several roots were watched
+        if ":" in path:
             prefix, path_ = path.split(":", 1)
             if type(r).__name__ != prefix:
                 continue
         else:
             path_ = path
         try:
-            return r.get_submodule(path_) if path_ else r
+            out.append(r.get_submodule(path_) if path_ else r)
         except AttributeError:
             continue
-    return None
+        if ":" not in path:
+            break
+    return out
 
 
 def _device_of(args) -> Optional[str]:
