@@ -1098,3 +1098,13 @@ def test_log_of_the_square_of_a_relu_head_asks_for_a_positive_head():
                 output={"nan": 0, "posinf": 0, "neginf": 69}), CALM)
     assert d["category"] == "log_domain" and "comes straight from a relu" in d["summary"]
     assert d["fixes"][0].startswith("make the value the log reads positive by construction"), d["fixes"]
+
+
+def test_a_root_of_a_cumulative_product_names_the_schedule_factor():
+    """lucidrains' linear beta schedule at 10 timesteps: betas reach 2.0, alphas_cumprod changes sign, and the
+    buffer sqrt(alphas_cumprod) made in __init__ holds NaN: not "cancellation (E[x^2] - E[x]^2)"."""
+    d = run(loc("aten.sqrt.default", api="torch.sqrt", output={"nan": 3, "posinf": 0, "neginf": 0},
+                facts={"sqrt_domain": {"zeros": 0, "negatives": 3, "numel": 10},
+                       "producers": [["cumprod", "rsub", "linspace"]]}), CALM)
+    assert d["category"] == "sqrt_domain" and "cumulative product" in d["summary"]
+    assert d["fixes"][0].startswith("keep every factor of the product in (0, 1]"), d["fixes"]

@@ -84,7 +84,10 @@ def written_in_step(det: Detection, loc: Dict[str, Any]) -> Dict[str, Any]:
     # the run's check may first see the parameter at the update (phase params): a write inside a module's
     # forward (not the script's setup, which runs outside any module) was still made by the step
     in_step = det.phase in ("forward", "backward") or (det.phase == "params" and bool(wb.get("module")))
-    if pre.get("kind") not in ("param", "buffer") or not in_step \
+    # a buffer the script's own code computed (a diffusion schedule's sqrt in __init__, outside any module's
+    # forward): no update wrote it, so the op that did is where its values were born, whenever it ran
+    made = pre.get("kind") == "buffer" and not wb.get("module") and bool(wb.get("facts"))
+    if pre.get("kind") not in ("param", "buffer") or not (in_step or made) \
             or wb.get("stage") not in ("forward", "backward") or not wb.get("op") or not wb.get("line"):
         return loc
     origin = {k: wb.get(k) for k in ("op", "api", "module", "file", "line", "function", "stage", "output")}

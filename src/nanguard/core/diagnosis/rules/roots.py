@@ -90,7 +90,15 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
                    jax=f"or clamp inside the root: jnp.sqrt({X.eps_text('jnp.maximum(x, 1e-12)')}) (float32)"),
              "if the zero distance comes from pairing a sample with itself, exclude those pairs"]
     chain = [p for p in ((facts.get("producers") or [[]])[0] or []) if p not in VIEW]
-    if chain[:1] in (["rsub"], ["sub"]) and chain[1:2] in (["pow"], ["square"], ["mul"]):
+    if chain[:1] in (["cumprod"], ["Cumprod"]) and not backward and sd.get("negatives"):
+        # a diffusion schedule's alphas_cumprod = cumprod(1 - betas): a beta above 1 flips the product's sign
+        summ += ("; its argument is a cumulative product (alphas_cumprod = cumprod(1 - betas)): a factor below 0, a "
+                 "beta above 1 (a schedule scaled past its range, e.g. a linear schedule's 1000 / timesteps for few "
+                 "timesteps), makes every later product negative in turn")
+        fixes = [f"keep every factor of the product in (0, 1] before {where}: " + X.clamp("betas", "1e-8", "0.999")
+                 + ", or build the schedule for the number of steps it is scaled for (a cosine schedule stays in "
+                 "range for any count)", fixes[1]]
+    elif chain[:1] in (["rsub"], ["sub"]) and chain[1:2] in (["pow"], ["square"], ["mul"]):
         # sqrt(1 - c^2): a sine from a cosine (ArcFace's margin) that rounds to exactly +-1 for aligned vectors
         summ += "; its argument is 1 - c^2 (a sine from a cosine): c rounds to exactly +-1 for aligned vectors"
         fixes = [f"clamp the cosine before the root at {where}: "
@@ -155,7 +163,7 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
         fixes.insert(0, f"floor the argument above 0 at {where}: {X.call('rsqrt', X.clamp_min('x', 'eps'))} (a "
                         "clamp at 0 gives 1/0 = inf); eigenvalues of a covariance estimated from fewer samples than "
                         "its dimension are 0 up to rounding: use batches larger than the dimension")
-    elif not backward and sd.get("negatives"):
+    elif not backward and sd.get("negatives") and chain[:1] not in (["cumprod"], ["Cumprod"]):
         fixes.insert(0, f"clamp the argument at {where}: {X.call('sqrt', X.clamp_min('x', '0'))}; negative values "
                         "usually come from cancellation (e.g. E[x^2] - E[x]^2)")
     return T.result("sqrt_domain", summ, 0.9, ev, fixes, method)
