@@ -861,3 +861,16 @@ def test_a_root_named_by_its_type_stands_for_every_root_of_that_type():
     assert find_modules([a, other, b], "Tower:fc") == [a.fc, b.fc]
     assert find_modules([a, other, b], "fc") == [a.fc] and find_module([a, b], "Tower:") is a
     assert find_modules([a, b], "Linear:") == [] and find_modules([a, b], None) == []
+
+
+def test_a_loss_weight_computed_before_the_recorded_calls_asks_for_the_rerun():
+    """``BCEWithLogitsLoss(pos_weight=neg / pos)`` built in the loop: the in-process replay of the recorded calls
+    finds the criterion's buffer already inf ("param_corruption: re-initialise pos_weight"); the division that
+    made it ran before them, and a re-run from the step's start records it (div_by_zero at its line)."""
+    from nanguard.pytorch.zerocode import _handed_to_loss
+    pre = {"kind": "buffer", "name": "pos_weight", "written_by": None,
+           "first_use": {"op": "aten.binary_cross_entropy_with_logits.default"}}
+    assert _handed_to_loss(pre)
+    assert not _handed_to_loss(dict(pre, written_by={"op": "aten.div.Tensor"}))  # its writer was recorded
+    assert not _handed_to_loss(dict(pre, kind="param"))
+    assert not _handed_to_loss(dict(pre, first_use={"op": "aten.addmm.default"}))  # a layer's buffer

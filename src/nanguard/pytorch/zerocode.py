@@ -112,6 +112,10 @@ class Localizer:
             res["reproduced"] = False
             out["error"] = ("the batch was non-finite when the recorded calls began (the calls that built it "
                             "were not all recorded)")
+        elif res["reproduced"] and _handed_to_loss(loc.get("preexisting")):
+            res["reproduced"] = False  # (a criterion built in the loop with a weight the script computed)
+            out["error"] = ("a loss module's weight was non-finite when the recorded calls began: the script computed "
+                            "it before them")
         if not res["reproduced"]:
             res["reason"] = out.get("error") or (
                 "the replay did not give back the step's loss bit for bit" if out.get("same_loss") is False
@@ -145,6 +149,20 @@ class Localizer:
                                **st)
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}"[:200]}
+
+
+_LOSS_OPS = ("cross_entropy", "nll_loss", "binary_cross_entropy", "mse_loss", "l1_loss", "smooth_l1_loss",
+             "huber_loss", "kl_div", "margin_ranking_loss", "multilabel", "soft_margin", "poisson_nll")
+
+
+def _handed_to_loss(pre: Any) -> bool:
+    """A buffer non-finite before the recorded calls, that no recorded op wrote and a loss op reads first: a
+    weight the script handed to a loss module (``BCEWithLogitsLoss(pos_weight=neg / pos)`` built in the loop), whose
+    computation a re-run from the step's start sees."""
+    if not isinstance(pre, dict) or pre.get("kind") != "buffer" or pre.get("written_by"):
+        return False
+    op = str((pre.get("first_use") or {}).get("op") or "")
+    return any(k in op for k in _LOSS_OPS)
 
 
 def _param_write(loc: Dict[str, Any], rep: Any, watcher: Any) -> None:

@@ -104,6 +104,8 @@ class RecoveryBudget:
         if last is None or last["version"] != self.version or last["category"] != category:
             return None
         failed, target = last["step"], last["to_step"]
+        if target >= failed:  # back to the failing step's own start: no step was replayed, the next ones are new
+            return None
         if step - failed <= (failed - target) + 2:
             return (f"rolled back to step {target} at step {failed}, and replaying the same state and data "
                     f"failed again at step {step}: a rollback alone cannot fix this")

@@ -53,8 +53,8 @@ class Repeats:
         """After a recovery of this failure: a rollback arms the detection of a repeat (the steps it
         replays); a recovery without one clears it (the steps that follow are new ones)."""
         rb = (record.get("actions") or {}).get("rollback") or {}
-        if not isinstance(rb.get("to_step"), int) or rb.get("elements_only"):
-            self.last = None
+        if not isinstance(rb.get("to_step"), int) or rb.get("elements_only") or rb["to_step"] >= step:
+            self.last = None  # (back to the failing step's own start: nothing is replayed, the next steps are new)
             return
         self.last = {"step": step, "span": max(step - rb["to_step"], 0), "category": category, "kind": kind,
                      "count": count + 1, "action": record.get("action")}
