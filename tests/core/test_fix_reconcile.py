@@ -41,6 +41,12 @@ def _event(fixes, experiments, category="lr_too_high", origin=None, **evidence):
     return ev
 
 
+def _guard(op, guard):
+    """A domain_guard replay of ``op`` that passed (its inputs kept inside the domain by ``guard``)."""
+    return {"kind": "domain_guard", "change": f"the inputs of {op} kept inside its domain ({guard})", "finite": True,
+            "replays": 1, "params": {"op": op, "guard": guard}}
+
+
 def _lr_exp(lrs, finite, tried=None, factor=0.1):
     d = {"lr": lrs, "steps": 3, "losses": [2.0, 1.5]}
     if tried:
@@ -275,8 +281,7 @@ def test_a_power_guard_that_passed_marks_the_fix_written_as_x_to_the_p():
     """A fix for a power is written ``x.clamp(min=eps) ** p``, not ``torch.pow(``: the replay that clamped
     the base tests it (it was listed untested, "the replay tested another change")."""
     fix, = _bound(lambda: f"keep the base away from 0 at t.py:3: {X.clamp_min('x', '1e-6')} ** p (or (x + 1e-6) ** p)")
-    exp = {"kind": "domain_guard", "change": "the inputs of pow kept inside its domain (base clamped to >= eps)",
-           "finite": True, "replays": 1, "params": {"op": "pow", "guard": "base clamped to >= eps"}}
+    exp = _guard("pow", "base clamped to >= eps")
     ev = _event([fix], [exp], category="sqrt_domain")
     reconcile(ev, "pytorch")
     assert "untested_fixes" not in ev.cause and ev.cause["tested_fixes"][0]["fix_index"] == 0
@@ -286,8 +291,7 @@ def test_an_alternative_fix_moved_first_by_its_replay_loses_its_or():
     """'1. or clamp the root's argument: ...' read as a dangling alternative once its replay moved it first."""
     first, alt = _bound(lambda: "clamp the cosine before the root at t.py:3: cosine.clamp(-1 + 1e-7, 1 - 1e-7)",
                         lambda: f"or clamp the root's argument: {X.call('sqrt', X.clamp_min('x', '1e-7'))}")
-    exp = {"kind": "domain_guard", "change": "the inputs of sqrt kept inside its domain (clamped to >= eps)",
-           "finite": True, "replays": 1, "params": {"op": "sqrt", "guard": "clamped to >= eps"}}
+    exp = _guard("sqrt", "clamped to >= eps")
     ev = _event([first, alt], [exp], category="sqrt_domain")
     reconcile(ev, "pytorch")
     assert ev.fixes[0].startswith("clamp the root's argument: torch.sqrt(") and ev.fixes[1].startswith("clamp the cosine")
@@ -299,8 +303,7 @@ def test_a_floor_under_a_log_that_passed_stays_behind_the_logits_form():
     removes the zero at its source (one step finite with the floor did not make the run learn)."""
     logits, floor = _bound(lambda: "use torch.log_softmax (or F.cross_entropy on the logits) instead of log(softmax)",
                            lambda: f"clamp the argument away from 0 at t.py:3: {X.call('log', X.clamp_min('x', '1e-12'))}")
-    exp = {"kind": "domain_guard", "change": "the inputs of log kept inside its domain (clamped to >= eps)",
-           "finite": True, "replays": 1, "params": {"op": "log", "guard": "clamped to >= eps"}}
+    exp = _guard("log", "clamped to >= eps")
     ev = _event([logits, floor], [exp], category="log_domain")
     reconcile(ev, "pytorch")
     assert ev.fixes[0].startswith("use torch.log_softmax") and ev.fixes[1].startswith("clamp the argument")
