@@ -45,6 +45,7 @@ def test_fit_failure_is_replayed_in_process_with_the_same_batch_and_seeds(tmp_pa
 
 
 @pytest.mark.parametrize("mode", ("eager", "function"))
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_inline_loop_failure_is_localized_by_a_rerun(tmp_path, fake_recorder, mode):
     s = script(tmp_path)
     code, rep = run_tf(tmp_path, s, [mode, 3, "forward"])

@@ -137,6 +137,7 @@ def test_a_tape_loop_whose_warmup_peak_is_too_high_warns_before_the_first_nan(tm
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in SCENARIOS.glob("clean_*.py")))
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_healthy_keras_scenarios_never_warn(tmp_path, name):
     code, rep = run_tf(tmp_path, str(SCENARIOS / name), [])
     assert code == 0 and rep["steps_watched"] > 0

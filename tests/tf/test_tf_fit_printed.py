@@ -84,6 +84,7 @@ def test_a_run_whose_last_skipped_step_leaves_fit_printing_nan_is_not_called_rec
     assert "logged loss nan at its end" in last["recovery"]["printed_nonfinite"]
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_a_rollback_to_an_earlier_epoch_restarts_the_printed_running_mean(tmp_path, capsys):
     path = write(tmp_path, SCRIPT, "printed.py")
     code, rep = run_tf(tmp_path, path, ["jump"], recover="auto", localize=False)

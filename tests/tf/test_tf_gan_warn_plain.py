@@ -58,6 +58,7 @@ np.savez(sys.argv[1], *[v.numpy() for v in gan.weights])
 """
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_a_gan_warned_on_without_recovery_trains_as_the_plain_run(tmp_path):
     s = write(tmp_path, GAN)
     plain, guarded = str(tmp_path / "plain.npz"), str(tmp_path / "guarded.npz")

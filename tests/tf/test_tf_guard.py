@@ -128,6 +128,7 @@ def test_exit_statuses(tmp_path):
     assert code == 0 and rep["status"] == "clean" and rep["steps_watched"] == 0 and rep["note"]
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_os_exit_ends_the_run_with_its_report(tmp_path):
     """``os._exit`` runs no ``finally``: the report stayed "running". The run ends inside it now."""
     s = write(tmp_path, "import os\nimport tensorflow as tf\nv = tf.Variable(1.0)\nos._exit(6)\n", "e.py")

@@ -246,6 +246,7 @@ LR_SCRIPT = """
 
 @pytest.mark.skipif(importlib.util.find_spec("nanguard.core.recovery") is None,
                     reason="the core recovery policy is not in this build")
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_lr_too_high_recovers_end_to_end(tmp_path, capsys):
     s = write(tmp_path, LR_SCRIPT)
     code, rep = run_tf(tmp_path, s, recover="auto", localize=False)
@@ -287,6 +288,7 @@ UPCAST_FN = """
 """
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_an_upcast_reaches_a_scripts_own_traced_step(tmp_path):
     """A custom @tf.function step traced in float16: the upcast recovery must re-trace it, or the same overflow
     comes back at every batch holding a large row (it was recovered five times, 'now float32', never retraced)."""

@@ -163,6 +163,7 @@ _PARTS = ["model_key", "model_value", "opt_state", "opt_group_key", "opt_param_s
 @given(st.sampled_from(_PARTS), _VALUES, st.booleans(),
        st.sampled_from(["lr", "betas", "eps", "amsgrad", "params", "weight_decay"]))
 @example(part="rng_numpy", value=None, use_rng=True, key="lr")  # passed the check, then failed in set_state
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_a_crafted_bundle_loads_whole_or_leaves_everything_untouched(part, value, use_rng, key):
     m, opt = _setup()
     d = _good(m, opt)

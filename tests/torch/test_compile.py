@@ -107,6 +107,7 @@ def test_sync_free_compiled_steps_read_nothing():
 
 
 @pytest.mark.parametrize("compiled_loss", [False, True])
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_failing_step_is_replayed_eagerly_and_finds_the_origin(compiled_loss):
     batches = data(bad=5)
     m, o = make()

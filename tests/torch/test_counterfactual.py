@@ -266,6 +266,7 @@ def test_domain_guard_confirms_a_float32_log_of_a_saturated_sigmoid():
 
 # --------------------------------------------------------------------------- history replays
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_lr_replay_confirms_a_learning_rate_above_the_limit_and_recovery_applies_it(tmp_path):
     # on_spike="warn": the early warning would otherwise roll back before anything is non-finite
     g, r, err = run_guard(regression_setup(), 200, tmp_path, recover="auto", on_spike="warn")
@@ -396,6 +397,7 @@ def _applied_and_proven(report):
 
 
 @pytest.mark.parametrize("name", ["entity", "fp16", "underflow", "regression"])
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_recovery_applies_no_action_its_replay_did_not_verify(name, tmp_path):
     setup, steps = {"entity": (entity_setup(), 35), "fp16": (fp16_setup(), 5), "underflow": (underflow_setup(), 6),
                     "regression": (regression_setup(), 200)}[name]

@@ -6,6 +6,8 @@ diagnosed on that op's own inputs (it was named by its forward's ``x / n`` line 
 replay does not reproduce a failure, no counterfactual replay on it claims a transient."""
 from __future__ import annotations
 
+import pytest
+
 import torch
 from ngtest import run_ng_cli
 
@@ -73,6 +75,7 @@ for step in range(4):
 '''
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_a_step_replay_that_does_not_reproduce_leaves_the_failure_to_the_rerun(tmp_path):
     # the step tape records module calls; a Function applied between them is not replayed, so the replay is
     # finite: its "determinism" replay had said "finite both times: a transient (hardware fault...)"

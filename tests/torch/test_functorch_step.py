@@ -5,6 +5,8 @@ wrapped tensors that die with it: nanguard read one of them at the update and di
 forward; the update's check still reads the gradients."""
 from __future__ import annotations
 
+import pytest
+
 import torch
 from ngtest import run_ng_cli
 
@@ -50,6 +52,7 @@ def test_a_healthy_per_sample_gradient_run_is_watched_and_trains_bit_for_bit():
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_a_nan_feature_under_vmap_is_found_in_its_dataset_row(tmp_path):
     d, err = run_ng_cli(tmp_path, SCRIPT.replace("BAD", "X[300, 3] = float('nan')"))
     assert d["status"] == "nonfinite" and not d.get("guard_disabled"), err[-3000:]

@@ -4,6 +4,8 @@ experiments) and the skip that recovers it must not write the generator's buffer
 own ``errG.backward()`` raises "modified by an inplace operation"."""
 from __future__ import annotations
 
+import pytest
+
 import inspect
 
 import torch
@@ -46,6 +48,7 @@ def test_the_generator_graph_survives_the_replay_of_a_failing_discriminator_step
     assert (ev.localization or {}).get("reproduced"), ev.localization
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_and_the_skip_that_recovers_it(tmp_path):
     script = "import torch\nimport torch.nn as nn\n" + inspect.getsource(_gan) + "\nprint(_gan())\n"
     rep, err = run_ng_cli(tmp_path, script, "--recover", "auto")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 # loaded by a failure, never by a healthy step
 FAILURE_ONLY = ["nanguard.core.diagnosis.engine", "nanguard.core.diagnosis.rules", "nanguard.core.experiments.investigate",
                 "nanguard.core.experiments.planner", "nanguard.core.recovery.policy", "nanguard.pytorch.recover.policy",
@@ -38,6 +40,7 @@ def _loaded(mode: str, bad: bool) -> list:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_a_healthy_guard_and_watch_load_no_failure_code_and_a_failure_loads_it():
     for mode in ("guard", "watch"):
         healthy = _loaded(mode, False)

@@ -59,6 +59,7 @@ def _lrs(trainer):
     return [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_recover_drops_the_bad_sample_keeps_the_schedule_and_finishes(tmp_path):
     cb = NanGuardCallback(recover="auto", report=str(tmp_path / "r.json"), quiet=True)
     tr = make_trainer(tmp_path, Embeds(nan_at=(K, 1)), [cb])
@@ -90,6 +91,7 @@ def test_recover_drops_the_bad_sample_keeps_the_schedule_and_finishes(tmp_path):
     assert tr.lr_scheduler.get_last_lr() == clean.lr_scheduler.get_last_lr()
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_stop_on_log_of_zero_in_the_trainers_loss(tmp_path):
     holder = {}
 

@@ -166,6 +166,7 @@ with open(os.path.join(OUT, f"rank{tr.global_rank}.json"), "w") as f:
 '''
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_ddp_strategy_skips_the_same_step_on_both_ranks(tmp_path):
     script = tmp_path / "train_lightning_ddp.py"
     script.write_text(textwrap.dedent(DDP_SCRIPT))

@@ -751,3 +751,49 @@ def test_where_over_sqrt_at_zero_is_a_where_trap_but_plain_use_is_not():
     res = armed_step(net, opt, fwd)
     assert res["origin"]["autograd_node"] == "SqrtBackward0" and res["facts"]["where_trap"] is True
     check(res, phase="backward", tag="wheresqrt", category="where_gradient_trap")
+
+
+def test_eigenvectors_of_a_covariance_with_dead_units_is_a_backward_division_by_a_zero_gap():
+    # ZCA whitening of ReLU features: units dead over the whole batch are zero rows of the covariance, whose
+    # eigenvalue 0 is repeated; eigh's backward divides by the gaps l_j - l_i (was: other, "inspect the inputs")
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(6, 8)
+    with torch.no_grad():
+        proj.bias[:3] = -100.0  # three units never fire
+    opt = torch.optim.SGD(proj.parameters(), lr=0.1)
+    x = torch.randn(32, 6)
+
+    def fwd():
+        h = torch.relu(proj(x))
+        h = h - h.mean(0, keepdim=True)
+        cov = h.T @ h / (h.shape[0] - 1)
+        evals, evecs = torch.linalg.eigh(cov)  # ORIGIN:eigh
+        white = h @ (evecs @ torch.diag((evals + 1e-5).rsqrt()) @ evecs.T)
+        return white.pow(2).mean()
+
+    res = armed_step(proj, opt, fwd)
+    assert res["origin"]["autograd_node"] == "LinalgEighBackward0", res["origin"]
+    d = check(res, phase="backward", tag="eigh", category="div_by_zero")
+    assert "repeated eigenvalue" in d["summary"] and "eps * I does not" in d["summary"], d["summary"]
+    assert any("eigvalsh" in f for f in d["fixes"]) and any("cholesky" in f for f in d["fixes"]), d["fixes"]
+
+
+def test_singular_vectors_of_a_rank_deficient_matrix_is_a_backward_division_by_a_zero_gap():
+    # an orthogonal Procrustes map U @ Vh of a cross-covariance of rank 2 of 4: two singular values 0
+    torch.manual_seed(0)
+    enc = torch.nn.Linear(4, 4, bias=False)
+    opt = torch.optim.SGD(enc.parameters(), lr=0.1)
+    a = torch.zeros(16, 4)
+    a[:, :2] = torch.randn(16, 2)  # two features constant (0) in this batch
+    b = torch.randn(16, 4)
+
+    def fwd():
+        m = enc(b).T @ a
+        u, s, vh = torch.linalg.svd(m, full_matrices=False)  # ORIGIN:svd
+        return (b @ (u @ vh) - a).pow(2).mean()
+
+    res = armed_step(enc, opt, fwd)
+    assert res["origin"]["autograd_node"] == "LinalgSvdBackward0", res["origin"]
+    d = check(res, phase="backward", tag="svd", category="div_by_zero")
+    assert "repeated singular value" in d["summary"], d["summary"]
+    assert any("svdvals" in f for f in d["fixes"]), d["fixes"]

@@ -155,6 +155,7 @@ def _first_event_tape_and_rerun(tmp_path, monkeypatch, script):
         yield tape, rep["events"][0]
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_tape_and_rerun_agree_on_a_forward_origin(tmp_path, monkeypatch):
     script = write(tmp_path, '''
         import torch
@@ -176,6 +177,7 @@ def test_tape_and_rerun_agree_on_a_forward_origin(tmp_path, monkeypatch):
     assert (got["1"][5], got["0"][5]) == ("replay-tape", "rerun")
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_tape_and_rerun_agree_on_a_backward_origin_and_its_backward_line(tmp_path, monkeypatch):
     # A backward-phase origin is named at its forward line, and `backward_line` is the line of
     # `loss.backward()`; the in-process replay is started from the optimizer step's hook, a later
@@ -438,6 +440,7 @@ for step in range(10_000):
 
 
 @pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_signal_mid_run_writes_the_report_and_exits_conventionally(tmp_path, sig, status):
     script = write(tmp_path, SLOW)
     rep = tmp_path / "r.json"
@@ -612,6 +615,7 @@ def test_user_batch_rows_from_flattened_rows():
     assert batch_rows([2], 3, 6) is None                          # not rows of the batch
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_demo_keeps_its_report(tmp_path):
     p = subprocess.run([sys.executable, "-m", "nanguard", "demo"], cwd=str(tmp_path), capture_output=True,
                        text=True, timeout=600)

@@ -712,6 +712,7 @@ torch.save(model.state_dict(), sys.argv[1])
 '''
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_run_recover_rolls_back_and_backs_off_a_diverging_run(tmp_path, monkeypatch, capsys):
     # The diagnosis is another stage's job: pin its answer so this test checks recovery only.
     monkeypatch.setattr(nanguard.core.diagnosis, "diagnose", lambda *a, **k: {

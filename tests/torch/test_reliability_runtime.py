@@ -143,6 +143,7 @@ os._exit(int(sys.argv[2]))  # skips the interpreter's shutdown (threads that wou
 
 
 @pytest.mark.parametrize("bad,code", [(-1, 0), (-1, 4), (3, 0)])
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_os_exit_ends_the_run_with_an_honest_report_and_no_temp_file(tmp_path, bad, code):
     """``os._exit`` runs no ``finally``: the report stayed "running" and the run's RNG file was left in the temp
     folder. The run now ends inside it (a forked child's ``os._exit`` is left alone), with the script's status."""
@@ -394,6 +395,7 @@ for i in range(4):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_forked_child_does_not_write_the_parents_report(tmp_path):
     # a subprocess: the forked child runs on to the script's end and returns into nanguard (not pytest)
     script, report, bundle = write(tmp_path, FORK), tmp_path / "r.json", tmp_path / "b.pt"

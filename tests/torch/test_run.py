@@ -827,6 +827,7 @@ def _cli(tmp_path, *args, timeout=120):
                           text=True, cwd=str(tmp_path), timeout=timeout, env=env)
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_cli_subprocess_stop_and_report(tmp_path):
     script = write(tmp_path, loop_script(**INJECT["backward_inf"]))
     p = _cli(tmp_path, "--no-localize", "--report", "rep.json", script, "3")
@@ -837,6 +838,7 @@ def test_cli_subprocess_stop_and_report(tmp_path):
     assert "nanguard" in p.stderr and "backward" in p.stderr
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_cli_subprocess_healthy_and_missing(tmp_path):
     script = write(tmp_path, loop_script())
     p = _cli(tmp_path, "--no-localize", script)

@@ -214,6 +214,7 @@ def test_late_read_replays_the_failing_step_and_localizes_it():
 
 
 @pytest.mark.parametrize("opt", ["adam_fused", "adamw"])
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_recovery_after_a_late_read_matches_the_synchronous_guard(opt):
     """recover="auto": the failing step is skipped and the masked steps run again, so the run ends
     exactly where the synchronous guard's does (same weights, optimizer state, history, events)."""
@@ -352,6 +353,7 @@ def _diverging(sync_free: bool):
     return m, g.close(), g
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_early_warning_read_late_rolls_back_like_a_synchronous_check():
     # on_spike="rollback" (the default with recover): in sync-free mode the warning is judged when its
     # step's values are read, steps later; the rollback then runs the steps since again, so the run

@@ -5,6 +5,8 @@ backward to the next module call, so that call is not recorded and its NaN reach
 called data: ``nanguard run`` re-runs the script and finds ``log``; a data loader's own batch still is."""
 from __future__ import annotations
 
+import pytest
+
 from ngtest import run_ng_cli
 
 import nanguard
@@ -42,6 +44,7 @@ def test_a_nan_made_between_micro_batches_is_not_called_bad_data():
     assert not ev.localization.get("reproduced")  # nanguard.watch(): no re-run to fall back on
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_nanguard_run_re_runs_it_and_finds_the_log(tmp_path):
     rep, err = run_ng_cli(tmp_path, LOOP.replace("BAD", "-1.0").replace("LOADER", "False").replace("LOG", "True"))
     ev = rep["events"][0]

@@ -3,6 +3,8 @@ named by the script's variable of its model (``emb_u.weight``), not by its optim
 two models share (``weight``)."""
 from __future__ import annotations
 
+import pytest
+
 from ngtest import run_ng_cli
 
 SCRIPT = """
@@ -17,6 +19,7 @@ for step in range(5):
 """
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_a_parameter_of_one_of_two_top_level_models_is_named_by_its_variable(tmp_path):
     ev = run_ng_cli(tmp_path, SCRIPT)[0]["events"][0]
     assert ev["cause"]["category"] == "optimizer_numerics", ev["cause"]["summary"]

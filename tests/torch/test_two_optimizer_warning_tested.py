@@ -5,6 +5,8 @@ steps before it is applied. Each update is a step of its own (as
 joined to it (replayed with it) and must not drop the steps kept so far."""
 from __future__ import annotations
 
+import pytest
+
 from ngtest import run_ng, write
 
 SCRIPT = """
@@ -28,6 +30,7 @@ print(f"final_loss={loss.item()}")
 """
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_two_optimizers_warning_cut_is_tested_by_replay(tmp_path):
     code, rep = run_ng(tmp_path, write(tmp_path, SCRIPT), localize=True, recover="auto")
     assert code == 0 and rep is not None

@@ -3,6 +3,8 @@ applied (nanguard.core.recovery.tried), for ``Guard`` and ``nanguard run``: the 
 fixes say what the replay gave, and the replay leaves no trace in the run (state, RNG, gradients)."""
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 import nanguard
@@ -62,6 +64,7 @@ def _check(rec, cause, fixes, lr_applied):
     assert b <= a
 
 
+@pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes
 def test_guard_warning_cut_is_tested_before_it_is_applied_and_the_replay_leaves_no_trace(monkeypatch):
     g, model, opt = _guarded()
     w = _warning(g.spikes.events)
