@@ -797,3 +797,23 @@ def test_singular_vectors_of_a_rank_deficient_matrix_is_a_backward_division_by_a
     d = check(res, phase="backward", tag="svd", category="div_by_zero")
     assert "repeated singular value" in d["summary"], d["summary"]
     assert any("svdvals" in f for f in d["fixes"]), d["fixes"]
+
+
+def test_logit_of_a_rate_at_one_is_log_domain_with_the_eps_fix():
+    # a click rate k / n regressed on its logit: every impression clicked gives p = 1, logit = +inf (the
+    # log family's domain x <= 0 does not hold it; was: "received 0 in 0 elements", a log clamp)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 3)
+    rate = torch.tensor([0.2, 0.5, 1.0, 0.3, 0.25, 0.6, 0.1, 0.4])
+
+    def fwd():
+        target = torch.logit(rate)  # ORIGIN:logit
+        return torch.nn.functional.mse_loss(model(x).squeeze(-1), target)
+
+    res = armed_step(model, opt, fwd)
+    d = check(res, phase="forward", tag="logit", category="log_domain")
+    assert "edge of (0, 1): 1 " in d["summary"] and "data" in d["summary"], d["summary"]
+    assert any("eps=1e-6" in f for f in d["fixes"]) and any("empirical logit" in f for f in d["fixes"]), d["fixes"]
+    assert not any("clamp(min=1e-12)" in f for f in d["fixes"]), d["fixes"]

@@ -291,6 +291,31 @@ def test_low_precision_underflow_float16_log_of_softmax():
     assert category(loc) == "low_precision_underflow"
 
 
+class NormalizedRBF(keras.layers.Layer):
+    def build(self, shape):
+        self.centers = self.add_weight(shape=(4, shape[-1]), initializer="zeros")
+
+    def call(self, x):
+        d2 = tf.reduce_sum(tf.square(x[:, None, :] - self.centers[None]), axis=-1)
+        phi = tf.exp(-d2)
+        return phi / tf.reduce_sum(phi, axis=-1, keepdims=True)  # <rbf-div>
+
+
+def test_a_normalized_rbf_whose_exp_underflows_in_float16_is_not_a_variance():
+    # sum(exp(-sum((x - c) ** 2))): the sum of squares under the exp is a distance, not a variance (was:
+    # variance_zero, "add an eps to the standard deviation")
+    model = keras.Sequential([keras.Input((2,)), NormalizedRBF(dtype="mixed_float16", name="rbf"),
+                              keras.layers.Dense(1)])
+    opt = keras.optimizers.SGD(0.01)
+    x = np.array([[0.1, 0.2], [4.0, 3.0], [0.3, 0.0]], "float32")   # exp(-25) = 1.4e-11: 0 in float16
+    loc = localize(_step(model, _mse, opt), x, np.zeros((3, 1), "float32"), model=model, optimizer=opt)
+    o = loc["origin"]
+    assert (o["tf_op"], o["dtype"], o["line"]) == ("RealDiv", "float16", L("# <rbf-div>")), o
+    assert not loc["facts"]["zero_denominator"]["from_std_var"]
+    assert loc["facts"]["float32_check"]["chain_finite"]
+    assert category(loc) == "low_precision_underflow"
+
+
 # ----------------------------------------------------------------------------- masked_softmax, hand-written
 class MaskedAttention(keras.layers.Layer):
     def call(self, q, k, keep):

@@ -84,7 +84,14 @@ def _looks_like_variance(log: OpLog, prov: Provenance, t: Any) -> bool:
     for k, name in enumerate(chain[:5]):
         if name in ("Mean", "Sum") and k + 1 < len(chain) and chain[k + 1] in ("SquaredDifference", "Square", "Pow"):
             return True
+        if name not in _ON_A_VARIANCE:  # sum(exp(-g * sum((x - c) ** 2))): a sum of squares under an exp is no variance
+            return False
     return False
+
+
+# what may stand between a variance and the division by it: its eps, root, scale, cast
+_ON_A_VARIANCE = frozenset({"Sqrt", "Rsqrt", "AddV2", "Add", "Maximum", "Mul", "RealDiv", "Div", "Cast", "Mean",
+                            "Sum"})
 
 
 def _eps_constants(log: OpLog, prov: Provenance, tensors: list) -> list[dict]:

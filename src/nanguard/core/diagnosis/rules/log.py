@@ -156,6 +156,8 @@ def _self_entropy(origin: dict) -> bool:
 
 
 def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> dict:
+    if T.opshort(origin.get("op")) in ("logit", "special_logit") and origin.get("stage") != "backward":
+        return _logit_result(origin, facts, ev, method)
     summ, where, prods = log_summary(origin, facts)
     fixes = []
     arg = _argument_chain(origin, facts)
@@ -279,4 +281,29 @@ def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> d
                  f"{origin.get('dtype') or 'float32'} (use a floor the dtype can hold: float32 tiny is 1.2e-38, "
                  "float16 tiny is 6.1e-05)")
     fixes.append("if the zeros are legitimately masked, use the safe double-where pattern: " + X.safe_where("log"))
+    return T.result("log_domain", summ, 0.92, ev, fixes, method)
+
+
+def _logit_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
+    """logit(p) = log(p / (1 - p)) is -inf at p = 0 and +inf at p = 1: both edges of (0, 1), where a rate read
+    off counts (no clicks, every click) or a label sits as ordinary data."""
+    where, api, inp = T.where(origin), T.api_or_op(origin), T.first_input(origin)
+    lo, hi = inp.get("min"), inp.get("max")
+    edges = [e for e, hit in (("0", T.fin(lo) and lo <= 0), ("1", T.fin(hi) and hi >= 1)) if hit] or ["0 or 1"]
+    summ = (f"{api} at {where} received values at the edge of (0, 1): {' and '.join(edges)} (input min {T.g(lo)}, "
+            f"max {T.g(hi)}, {origin.get('dtype')}); logit(0) = -inf and logit(1) = +inf")
+    data = bool((facts.get("log_domain") or {}).get("no_grad_input"))
+    if data:
+        summ += ("; its argument has no gradient path, so it is data: a rate of exactly 0 or 1 (no events, every "
+                 "event) is an ordinary value there, not a broken row")
+    fixes = [X.say(pytorch=f"keep the argument inside (0, 1) at {where}: torch.logit(p, eps=1e-6) (clamps p to "
+                           "[eps, 1 - eps])",
+                   tensorflow=f"keep the argument inside (0, 1) at {where}: p = tf.clip_by_value(p, 1e-6, 1 - 1e-6) "
+                              "before tf.math.log(p / (1 - p))",
+                   jax=f"keep the argument inside (0, 1) at {where}: jax.scipy.special.logit(jnp.clip(p, 1e-6, "
+                       "1 - 1e-6))")]
+    if data:
+        fixes.insert(0, "smooth the rate before the logit: the empirical logit log((k + 0.5) / (n - k + 0.5)) of k "
+                        "events in n, or fit the counts themselves (a binomial likelihood / BCE with logits on k "
+                        "of n) instead of regressing on logit(k / n)")
     return T.result("log_domain", summ, 0.92, ev, fixes, method)
