@@ -817,3 +817,78 @@ def test_logit_of_a_rate_at_one_is_log_domain_with_the_eps_fix():
     assert "edge of (0, 1): 1 " in d["summary"] and "data" in d["summary"], d["summary"]
     assert any("eps=1e-6" in f for f in d["fixes"]) and any("empirical logit" in f for f in d["fixes"]), d["fixes"]
     assert not any("clamp(min=1e-12)" in f for f in d["fixes"]), d["fixes"]
+
+
+def test_a_norm_at_zero_under_a_second_backward_is_named_second_order():
+    # MAML's inner step (create_graph=True) through a norm of padded, exactly-0 differences: the norm's first
+    # derivative is 0 there, its derivative (DivBackward0 of x / ||x||) 0/0 (was: "1 - c^2, a sine from a cosine")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(6, 3), torch.randn(6, 2)
+    keep = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 1.0])[:, None]  # two padded rows
+
+    def fwd():
+        inner = torch.linalg.vector_norm((model(x) - y) * keep, dim=-1).mean()  # ORIGIN:norm2
+        (g,) = torch.autograd.grad(inner, model.weight, create_graph=True)
+        return ((x @ (model.weight - 0.1 * g).T - y) ** 2).mean()
+
+    res = armed_step(model, opt, fwd)
+    assert res["origin"]["autograd_node"] == "DivBackward0", res["origin"]
+    d = check(res, phase="backward", tag="norm2", category="sqrt_domain")
+    assert "second derivative" in d["summary"] and "cosine" not in d["summary"], d["summary"]
+    assert "+ 1e-12)" in d["fixes"][0], d["fixes"]
+
+
+def test_class_weights_over_a_cast_bincount_are_guarded_as_a_count():
+    # "balanced" class weights n / (k * bincount(labels).float()) with a class absent: the denominator is a
+    # count (whole numbers), so the guard is count.clamp(min=1), not a 1e-8 floor (a weight of ~1e10)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, labels = torch.randn(8, 4), torch.tensor([0, 2, 0, 2, 2, 0, 0, 2])   # class 1 absent
+
+    def fwd():
+        counts = torch.bincount(labels, minlength=3).float()
+        weight = counts.sum() / (3 * counts)  # ORIGIN:cw
+        return torch.nn.functional.cross_entropy(model(x), labels, weight=weight, label_smoothing=0.1)
+
+    res = armed_step(model, opt, fwd)
+    assert res["facts"]["zero_denominator"]["whole"] is True
+    d = check(res, phase="forward", tag="cw", category="div_by_zero")
+    assert "count.clamp(min=1)" in d["fixes"][0] and "1e-8" not in d["fixes"][0], d["fixes"]
+
+
+def test_a_zero_price_in_the_batch_divided_by_is_named_data_not_floored():
+    # log returns p[t] / p[t-1] of a price window whose feed wrote 0.0 for a missing quote: the denominator is a
+    # slice of the batch itself (was: "divide by x.clamp(min=1e-8)": a fake return of ~e^20)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(7, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prices = 100 + torch.rand(6, 8)
+    prices[4, 3] = 0.0
+
+    def fwd():
+        returns = torch.log(prices[:, 1:] / prices[:, :-1])  # ORIGIN:ret
+        return model(returns).pow(2).mean()
+
+    res = armed_step(model, opt, fwd)
+    assert res["origin"]["samples"] == [4], res["origin"]
+    d = check(res, phase="forward", tag="ret", category="div_by_zero")
+    assert "input batch itself" in d["summary"] and "missing values" in d["fixes"][0], (d["summary"], d["fixes"])
+
+
+def test_a_deviance_log_of_a_zero_count_over_the_rate_offers_xlogy():
+    # the Poisson deviance y * log(y / mu) written out: an hour with no calls is 0 * log(0) = NaN
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 3), torch.tensor([3.0, 1.0, 0.0, 2.0, 5.0, 1.0, 4.0, 2.0])
+
+    def fwd():
+        mu = torch.exp(model(x).squeeze(-1))
+        return 2 * (y * torch.log(y / mu) - (y - mu)).mean()  # ORIGIN:dev
+
+    res = armed_step(model, opt, fwd)
+    d = check(res, phase="forward", tag="dev", category="log_domain")
+    assert any("torch.xlogy(y, y / mu)" in f for f in d["fixes"]), d["fixes"]

@@ -394,6 +394,13 @@ def _zero_denominator(p: Probe) -> dict:
     d["from_reduction"] = bool(real) and real[0] in REDUCE.ops
     d["from_std_var"] = any(n in families.ops_of("stdvar") for n in real[:3])
     d["min"] = N.tensor_stats(den).get("min")
+    try:  # whole numbers, at least one >= 1: a count (bincount(...).float(), a sum of a mask) whatever made it
+        if den.is_floating_point() and den.numel() >= 2:
+            fin = den[aten.isfinite.default(den)]
+            d["whole"] = bool(fin.numel() and bool(aten.eq.Tensor(fin, aten.round.default(fin)).all())
+                              and float(fin.max()) >= 1)
+    except Exception:
+        pass
     return {"zero_denominator": d}
 
 

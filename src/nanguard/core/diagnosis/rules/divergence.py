@@ -376,8 +376,8 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
                + ": the schedule's peak is past the stability limit")
         # the growth began as the rate reached lr: the peak belongs below it (half: what recovery cuts to)
         half = T.g(T.nice_below(0.5 * lr), 2)
-        fixes = [X.lr_sentence("lower the schedule's peak learning rate to {about} (half the " + T.g(lr)
-                               + " at which the growth began), or lengthen the warm-up", half),
+        fixes = [X.lr_sentence("lower the schedule's peak learning rate to {about} (the growth began at " + T.g(lr)
+                               + "), or lengthen the warm-up", half),
                  "check the schedule itself: a warm-up factor must stop at 1 "
                  "(e.g. min(1, (step + 1) / warmup_steps))"]
         return why, fixes, None

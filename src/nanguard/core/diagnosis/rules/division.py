@@ -4,6 +4,7 @@ from __future__ import annotations
 from .. import families as F
 from .. import fixes as X
 from .. import text as T
+from ..roles import VIEW
 from ...text import plural
 from .precision import lp_underflow, underflow_evidence
 from .stdvar import variance
@@ -244,13 +245,22 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
                  f"or divide by max(norm, c) for a clip to norm c: x / {X.clamp_min('norm', 'c')} leaves vectors "
                  "shorter than c unchanged and never divides by 0"]
         return T.result("div_by_zero", summ, 0.9, ev, fixes, method)
-    counted = zd.get("from_reduction") or any(x in _COUNTS for x in chain)
+    counted = zd.get("from_reduction") or any(x in _COUNTS for x in chain) or zd.get("whole")
     if dead:  # no count to guard: a masked 0 (divide_no_nan) would still give log(0) in a KL rate term
         fixes = [f"keep the averaged activation inside (0, 1) at {where}: {X.clamp_min('mean', '1e-6')} (for a "
                  f"KL sparsity term clip it to [eps, 1 - eps]), or average an activation that is never exactly 0 "
                  "(sigmoid codes) for that term"]
         return T.result("div_by_zero", summ, 0.85, ev, fixes, method)
-    if not counted and chain:  # a continuous quantity that reached exactly 0 (a ratio, a schedule's end value)
+    tf_chain = [str(x) for x in zd.get("producer_chain_tf") or []]
+    data = (not bwd and not counted and origin.get("samples") and chain and all(x in VIEW.ops for x in chain)
+            and "ReadVariableOp" not in tf_chain)
+    if data:  # the denominator is the batch itself (a slice of the input): a 0 there is the data's, not a result
+        summ += "; the denominator is the input batch itself (a slice of it), so the 0 is a value in the data"
+        fixes = [f"treat the zeros as missing values at the source (the batch rows named above): drop or fill those "
+                 f"rows before they reach {where} (a price or a count of 0 there is usually a gap in the feed); a floor "
+                 "would turn each into a huge finite ratio",
+                 f"or mask them at {where}: {X.where_fn()}(x > 0, y / {X.clamp_min('x', '1e-8')}, fallback)"]
+    elif not counted and chain:  # a continuous quantity that reached exactly 0 (a ratio, a schedule's end value)
         table = [x for x in chain if x in _LOOKUPS]
         made = (f"it is looked up ({table[0]}) from a table with an entry of exactly 0, such as a schedule's value at "
                 "its last step: fix that entry or the steps that reach it" if table else

@@ -286,8 +286,16 @@ def other(c) -> dict:
     if gathered is not None:
         return gathered
     # inputs holding values the replay took for intentional (a -inf mask) are not "finite inputs"
-    held = sum(int(i.get("nonfinite") or 0) for i in (c.origin.get("inputs") or []) if isinstance(i, dict))
-    frm = f"from inputs holding {held} +-inf value(s) taken for a mask" if held else "from finite inputs"
+    # (an in-place op's own input is read after it wrote: its counts are the output's)
+    parts = str(c.origin.get("op") or "").split(".")
+    inplace = len(parts) == 3 and parts[0] == "aten" and parts[1].endswith("_")  # aten.div_.Tensor
+    ins = [i for i in (c.origin.get("inputs") or []) if isinstance(i, dict) and not (inplace and i.get("arg") == 0)]
+    held_inf = sum(int(i.get("posinf") or 0) + int(i.get("neginf") or 0) for i in ins)
+    held_nan = sum(int(i.get("nan") or 0) for i in ins)
+    held = sum(int(i.get("nonfinite") or 0) for i in ins)
+    frm = (f"from inputs holding {held} +-inf value(s) taken for a mask" if held and not held_nan else
+           f"from inputs already holding {held_nan} NaN" + (f" and {held_inf} +-inf" if held_inf else "") if held else
+           "from finite inputs")
     return T.result("other", f"{c.api} produced {out.get('nan', 0)} NaN / {out.get('posinf', 0)} +Inf / "
                     f"{out.get('neginf', 0)} -Inf {frm} at {c.where} ({c.dtype})", 0.35, c.ev,
                     [f"inspect the inputs of {c.api} at {c.where} (evidence.inputs) and guard them"], c.method)

@@ -197,6 +197,18 @@ def log_result(origin: dict, facts: dict, ev: dict, method: str, low: bool) -> d
         fixes.append(f"drop or fix the rows whose value is 0 or negative at the source (the batch rows named "
                      f"above): a clamp at {where} would turn a data error into a large finite value "
                      "(log(1e-12) = -27.6 as an offset)")
+    ld_ = facts.get("log_domain") or {}
+    if arg[:1] == ["div"] and ld_.get("zeros") and not ld_.get("negatives") and not masked and not mixture:
+        # log(y / mu) of a deviance or a KL term, y * log(y / mu): y = 0 gives 0 * -inf = NaN where the term is 0
+        fixes.append(X.say(
+            pytorch=f"if the log is multiplied by the numerator that is 0 (y * log(y / mu): a deviance, a KL term), "
+                    f"use torch.xlogy(y, y / mu) at {where}, which is 0 where y is 0 (or the library's loss: "
+                    "F.poisson_nll_loss / F.kl_div)",
+            tensorflow=f"if the log is multiplied by the numerator that is 0 (y * log(y / mu): a deviance, a KL term), "
+                       f"use tf.math.xlogy(y, y / mu) at {where}, which is 0 where y is 0 (or the library's loss: "
+                       "keras.losses.Poisson / KLDivergence)",
+            jax=f"if the log is multiplied by the numerator that is 0 (y * log(y / mu): a deviance, a KL term), use "
+                f"jax.scipy.special.xlogy(y, y / mu) at {where}, which is 0 where y is 0"))
     one_minus = not masked and not mixture and "rsub" in arg[:2] and \
         "sigmoid" not in prods and not any(p in _SOFTMAXES for p in prods)
     if one_minus:  # log(1 - x) (a Beta/Dirichlet target's 1 - y): x at exactly 1, the edge of (0, 1)

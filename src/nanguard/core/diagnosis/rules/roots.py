@@ -98,7 +98,8 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
         fixes = [f"keep every factor of the product in (0, 1] before {where}: " + X.clamp("betas", "1e-8", "0.999")
                  + ", or build the schedule for the number of steps it is scaled for (a cosine schedule stays in "
                  "range for any count)", fixes[1]]
-    elif chain[:1] in (["rsub"], ["sub"]) and chain[1:2] in (["pow"], ["square"], ["mul"]):
+    elif chain[:1] in (["rsub"], ["sub"]) and chain[1:2] in (["pow"], ["square"], ["mul"]) \
+            and T.opshort(origin.get("forward_op") or origin.get("op")) in SQRT.ops | {"Sqrt", "Rsqrt"}:
         # sqrt(1 - c^2): a sine from a cosine (ArcFace's margin) that rounds to exactly +-1 for aligned vectors
         summ += "; its argument is 1 - c^2 (a sine from a cosine): c rounds to exactly +-1 for aligned vectors"
         fixes = [f"clamp the cosine before the root at {where}: "
@@ -118,6 +119,18 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
                      + " instead of tf.math.reduce_std(x, axis)",
                      jax=X.eps_text("jnp.sqrt(jnp.var(x, axis) + 1e-8)") + " instead of jnp.std(x, axis)"),
                  f"or clamp the variance: {X.call('sqrt', X.clamp_min('variance', '1e-8'))}"]
+    fwd = T.opshort(origin.get("forward_op") or "")
+    if backward and fwd in NORM.ops and node and not NORM.has_node(T.node_family(node)):
+        # an op of the norm's own backward (x / ||x||) failed: its derivative, taken by a second backward
+        # (create_graph=True: MAML's inner steps, a gradient penalty); the first derivative is 0 at x = 0
+        summ += ("; the NaN is in the second derivative (the backward of the norm's own backward, "
+                 f"{node}: a backward with create_graph=True such as MAML's inner steps or a gradient penalty): "
+                 "the norm's first derivative is defined as 0 at a zero vector, its derivative is not")
+        fixes = [f"take the norm with an eps inside the root at {where}: "
+                 + X.say(pytorch="torch.sqrt((d ** 2).sum(-1) + 1e-12)", tensorflow="tf.sqrt(tf.reduce_sum(d ** 2, -1) + "
+                         "1e-12)", jax="jnp.sqrt((d ** 2).sum(-1) + 1e-12)")
+                 + " (smooth at 0, so every derivative is finite), or take it only over the valid entries (the "
+                 "padded or masked ones are the exact zeros)"] + fixes[2:]
     is_pow = T.opshort(origin.get("forward_op") or origin.get("op")) in POW.ops or T.node_family(node).startswith("pow")
     if is_pow and backward and sd.get("negatives") and not sd.get("zeros") and sd.get("fractional"):
         # no zero base: negative bases under a fractional exponent, NaN in the forward too (dropped downstream)
