@@ -613,6 +613,7 @@ def test_user_batch_rows_from_flattened_rows():
     assert batch_rows([3, 11, 19, 27], 32, 8)[0] == [3]           # heads x batch
     assert batch_rows([5], 8, 8) == ([5], "batch")
     assert batch_rows([2], 3, 6) is None                          # not rows of the batch
+    assert batch_rows([90], 128, 1) is None   # a PINN's 128 collocation points, no batch found: not "row 0"
 
 
 @pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes

@@ -117,7 +117,8 @@ def per_sample(event: Any) -> bool:
     if cause.get("category") not in PER_SAMPLE:
         return False
     o = event.origin or {}
-    rows = [r for r in (o.get("samples") or []) if isinstance(r, int)]
+    # (rows of a tensor that are no batch rows: a PINN's collocation points, a few of them at a pole)
+    rows = [r for r in (o.get("samples") or o.get("tensor_rows") or []) if isinstance(r, int)]
     shape = o.get("shape") or []
     return bool(rows) and bool(shape) and isinstance(shape[0], int) and len(rows) < min(shape[0], 10) \
         and len(rows) <= max(1, shape[0] // 4)

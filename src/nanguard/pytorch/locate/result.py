@@ -206,7 +206,7 @@ def batch_rows(rows: list, dim0: int | None, batch: int | None) -> tuple[list, s
         return None
     if dim0 == batch:
         return sorted(set(rows)), "batch"
-    if dim0 % batch:
+    if dim0 % batch or batch == 1:  # (a batch of 1, or no batch found: every row would map to row 0)
         return None
     k = dim0 // batch
     bm = sorted({r // k for r in rows})

@@ -263,7 +263,8 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
     elif not counted and chain:  # a continuous quantity that reached exactly 0 (a ratio, a schedule's end value)
         table = [x for x in chain if x in _LOOKUPS]
         made = (f"it is looked up ({table[0]}) from a table with an entry of exactly 0, such as a schedule's value at "
-                "its last step: fix that entry or the steps that reach it" if table else
+                "its last step or a grid point at the origin (linspace(0, ...)): fix that entry, or leave it out of the "
+                "points that reach it" if table else
                 f"the value ({' <- '.join(chain)}) reaches exactly 0 for some inputs: check where it is computed")
         fixes = [f"keep the denominator away from 0 at {where}: divide by {X.clamp_min('x', '1e-8')} ({made})",
                  f"or give those entries their own value: {X.where_fn()}(x > 0, y / {X.clamp_min('x', '1e-8')}, "
