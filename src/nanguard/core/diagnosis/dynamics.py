@@ -263,6 +263,10 @@ def _lr(recs: Sequence[dict], onset: Optional[int], out: Dict[str, Any]) -> None
         # the step the rate reached its onset value (a per-epoch schedule: the epoch's first step)
         reached = next((st for st, v in window if st > lo_step and v >= 0.999 * top), onset)
         out.update(lr_rose_from=lo, lr_rose_from_step=lo_step, lr_rose_to_step=reached)
+        ratios = [b / a for (_, a), (_, b) in zip(rising, rising[1:]) if a > 0]
+        if len(ratios) >= 8 and min(ratios) > 1.001 and math.log(max(ratios)) <= 1.2 * math.log(min(ratios)):
+            # the same factor at every step: an exponential ramp with no peak (an LR range test's callback)
+            out["lr_ramp_per_step"] = (rising[-1][1] / rising[0][1]) ** (1.0 / len(ratios))
 
 
 def _last_update(applied: Sequence[dict], grad: Series, loss: Series, out: Dict[str, Any]) -> None:

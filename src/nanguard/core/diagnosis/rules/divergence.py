@@ -368,6 +368,16 @@ def _why_step(dy: dict, ctx: dict, lr: float | None, measured: bool) -> tuple[st
         fixes = [X.lr_sentence(f"lower the learning rate of the new {sw.get('to') or 'optimizer'} from {T.g(lr)} to "
                                "{about} (multiply it by {factor})", new, T.g(factor, 2))]
         return why, fixes, None
+    ramp = dy.get("lr_ramp_per_step")
+    if dy.get("lr_rose_from") is not None and lr and T.fin(ramp):
+        why = (f"the learning rate rose at every step by the same factor (x{T.g(ramp, 3)} a step: an exponential ramp "
+               f"with no peak, as an LR range test makes) from {T.g(dy['lr_rose_from'])} (step "
+               f"{dy['lr_rose_from_step']}) to {T.g(lr)} at step {dy.get('onset_step')}, where the growth began: "
+               "that rate is past the stability limit, and the ramp only goes higher")
+        fixes = [X.lr_sentence("as a range test's reading: train at about a tenth of the rate where the loss blew up, "
+                               "{about}, held constant or as a schedule's peak; or stop the ramp below " + T.g(lr),
+                               T.g(T.nice_below(0.1 * lr), 2))]
+        return why, fixes, None
     if dy.get("lr_rose_from") is not None and lr:
         to = dy.get("lr_rose_to_step", dy.get("onset_step"))
         why = (f"the learning-rate schedule raised it from {T.g(dy['lr_rose_from'])} (step {dy['lr_rose_from_step']}) "
