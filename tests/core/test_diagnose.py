@@ -1108,3 +1108,15 @@ def test_a_root_of_a_cumulative_product_names_the_schedule_factor():
                        "producers": [["cumprod", "rsub", "linspace"]]}), CALM)
     assert d["category"] == "sqrt_domain" and "cumulative product" in d["summary"]
     assert d["fixes"][0].startswith("keep every factor of the product in (0, 1]"), d["fixes"]
+
+
+def test_a_mask_minus_inf_carried_into_a_product_says_how_to_mask():
+    """keras-io's DQN with illegal moves at -inf: a full board's max over nothing is -inf, then q * (1 - done) is
+    -inf * 0 = NaN. It read 'other' with only 'inspect the inputs of Mul'."""
+    ins = [{"dtype": "float32", "numel": 32, "nonfinite": 1, "neginf": 1, "posinf": 0, "nan": 0},
+           {"dtype": "float32", "numel": 32, "nonfinite": 0, "zeros": 1}]
+    l = loc("aten.mul.Tensor", api="torch.mul", inputs=ins, output={"nan": 1, "posinf": 0, "neginf": 0},
+            facts={"float64_check": {"finite": False}})
+    d = run(l, CALM)
+    assert d["category"] == "other" and "taken for a mask" in d["summary"], d["summary"]
+    assert "finite value (-1e9" in d["fixes"][0], d["fixes"]

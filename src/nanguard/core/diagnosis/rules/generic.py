@@ -296,9 +296,14 @@ def other(c) -> dict:
     frm = (f"from inputs holding {held} +-inf value(s) taken for a mask" if held and not held_nan else
            f"from inputs already holding {held_nan} NaN" + (f" and {held_inf} +-inf" if held_inf else "") if held else
            "from finite inputs")
+    fixes = [f"inspect the inputs of {c.api} at {c.where} (evidence.inputs) and guard them"]
+    if held and not held_nan:  # a -inf mask value carried here: a row masked whole (its max over nothing is -inf)
+        fixes.insert(0, f"a mask's -inf reached {c.api} at {c.where}, where it is no longer harmless (0 * -inf, "
+                        "-inf - -inf): a row whose entries were all masked keeps it through a max or a sum; mask with "
+                        "a large finite value (-1e9, or the dtype's finfo.min) instead of -inf, or handle the "
+                        "all-masked rows (where any entry is kept) before the reduction")
     return T.result("other", f"{c.api} produced {out.get('nan', 0)} NaN / {out.get('posinf', 0)} +Inf / "
-                    f"{out.get('neginf', 0)} -Inf {frm} at {c.where} ({c.dtype})", 0.35, c.ev,
-                    [f"inspect the inputs of {c.api} at {c.where} (evidence.inputs) and guard them"], c.method)
+                    f"{out.get('neginf', 0)} -Inf {frm} at {c.where} ({c.dtype})", 0.35, c.ev, fixes, c.method)
 
 
 _GATHERS = ("gather", "index", "take", "take_along_axis", "embedding")
