@@ -148,9 +148,13 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
         summ = (f"the backward of {api} at {where} ({node}): the gradient of x ** p with {pw} is "
                 f"p * x ** (p - 1), infinite at x = 0 ({sd.get('zeros', '?')} zero base(s) of "
                 f"{sd.get('numel', '?')}), then inf * 0 = NaN")
+        prob = any(x in chain for x in ("rsub", "sigmoid", "softmax", "_softmax", "Sigmoid", "Softmax", "exp", "Exp"))
         fixes = [f"keep the base away from 0 at {where}: {X.clamp_min('x', '1e-6')} ** p (or (x + 1e-6) ** p)",
-                 "or use an exponent >= 1 (a focal loss's gamma >= 1: (1 - p_t) ** gamma then has a finite "
-                 "gradient at p_t = 1) or another formulation whose gradient is finite at 0"]
+                 "or use an exponent >= 1" + (" (a focal loss's gamma >= 1: (1 - p_t) ** gamma then has a finite "
+                                              "gradient at p_t = 1)" if prob else
+                                              " (a total-variation or Charbonnier term: (x + eps ** 2) ** p, smooth "
+                                              "at 0)")
+                 + " or another formulation whose gradient is finite at 0"]
     elif is_pow and not sd.get("negatives") and sd.get("zeros") and T.fin(sd.get("exponent")) \
             and sd["exponent"] < 0:
         # a zero base to a negative power is 1/0 (deg ** -0.5 of a node with no neighbour), not a domain error
