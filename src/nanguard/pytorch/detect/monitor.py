@@ -463,10 +463,15 @@ class StepMonitor:
         post = self._pending_post.get(id(opt))
         if post is None or post is DEFERRED or all(map(math.isfinite, post.tolist())):
             return None
-        groups = self.views[id(opt)].groups if id(opt) in self.views else [self.extra_params]
-        if not self.names.nonfinite_params(groups, roots=False):
+        key = id(opt)
+        groups = self.views[key].groups if key in self.views else [self.extra_params]
+        bad = self.names.nonfinite_params(groups, roots=False)
+        if not bad:
             return None  # every weight finite (a float16 norm that overflowed): the next check's verdict decides
-        return self._read_post(id(opt))
+        self._pending_post.pop(key)  # (read once: the norms and the names above are this step's verdict)
+        self._pending_slice.pop(key, None)
+        return Detection(self._pending_step.get(key, 0), "optimizer",
+                         {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)})
 
     def _read_post(self, key: int) -> Optional[Detection]:
         post = self._pending_post.pop(key)
