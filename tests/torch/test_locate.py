@@ -892,3 +892,26 @@ def test_a_deviance_log_of_a_zero_count_over_the_rate_offers_xlogy():
     res = armed_step(model, opt, fwd)
     d = check(res, phase="forward", tag="dev", category="log_domain")
     assert any("torch.xlogy(y, y / mu)" in f for f in d["fixes"]), d["fixes"]
+
+
+def test_an_in_place_scatter_sum_that_overflows_float16_is_read_on_the_values_it_read():
+    # GIN's sum aggregation under float16: zeros_like(x).index_add_(0, dst, x[src]) over a star graph's 1200
+    # leaves; the in-place op's own input was read after it wrote (inf), so the float64 re-run added onto inf
+    # and read "a pole" (was: other)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4).half()
+    opt = torch.optim.SGD(lin.parameters(), lr=0.01)
+    x = torch.full((1201, 4), 2.0, dtype=torch.float16)
+    src = torch.arange(1, 1201)
+    dst = torch.zeros(1200, dtype=torch.long)
+
+    def fwd():
+        h = torch.relu(lin(x)) + 60.0
+        agg = torch.zeros_like(h).index_add_(0, dst, h[src])  # ORIGIN:scatter
+        return agg.float().mean()
+
+    res = armed_step(lin, opt, fwd)
+    o = res["origin"]
+    assert o["op"] == "aten.index_add_.default" and o["inputs"][0]["nonfinite"] == 0, o["inputs"]
+    assert res["facts"]["float64_check"]["finite"] is True, res["facts"]["float64_check"]
+    check(res, phase="forward", tag="scatter", category="low_precision_overflow")

@@ -22,7 +22,7 @@ from .evidence import Evidence
 from .modes import Modes, Switch
 from .naming import Frames, ModuleTracker, Names
 from .oplog import OpLog
-from .ops import Mutations, flatten, opname
+from .ops import Mutations, flatten, is_inplace, opname
 from .provenance import Origin, Provenance, Sinks
 from .result import build_result
 
@@ -31,6 +31,8 @@ __all__ = ["OpRecorder"]
 # torch.distributed collectives (FSDP2's all-gather/reduce-scatter, functional collectives): a
 # non-finite output from finite local inputs came from another rank; they are never re-run (a re-run
 # on one rank is a collective the other ranks never join).
+aten = torch.ops.aten
+_KEEP_INPLACE = 1 << 22  # elements: an in-place op's input kept for its description (transient, per op)
 _COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 
 
@@ -273,7 +275,14 @@ class OpRecorder:
                 taint = prov.param_written(t, taint, info) or taint
             ins.append((key, pos, t, nan, inf, taint, info.prod if info is not None else None,
                         info.carried if info is not None else None))
-        return stage, ins, scal
+        keep = None
+        if stage != "optimizer" and args and is_inplace(func) and ins and ins[0][0] == 0 and not (ins[0][3] or ins[0][4]):
+            t0 = ins[0][2]
+            if t0.dtype.is_floating_point and t0.layout == torch.strided and t0.numel() <= _KEEP_INPLACE:
+                # the value it is about to overwrite: should this op be an origin, its inputs and its re-runs in
+                # float64/float32 read what it read (index_add_ onto zeros), not what it wrote (inf)
+                keep = aten.clone.default(t0.detach())
+        return stage, ins, scal, keep
 
     def _outputs(self, func, args, kwargs, out, foreach: bool) -> tuple[list, set]:
         """Returned tensors plus the arguments the op writes (in-place / out=), and the ids of the latter."""
@@ -306,7 +315,7 @@ class OpRecorder:
         return outs, mut_ids
 
     def _after(self, func, args, kwargs, out, pre) -> None:
-        stage, ins, scal = pre
+        stage, ins, scal, keep = pre
         idx = self._n_ops
         self._n_ops += 1
         name = opname(func)
@@ -390,6 +399,9 @@ class OpRecorder:
                 if fi is not None:
                     self._pending.append((weakref.ref(t), fi))
         if new_origin is not None:
+            if keep is not None:  # an in-place op: described on the value it read
+                args = (keep,) + tuple(args[1:])
+                ins = [(i[0], i[1], keep) + tuple(i[3:]) if i[0] == 0 else i for i in ins]
             self._evidence.describe(new_origin, func, name, args, kwargs, ins, scal, results, stage, module, api,
                                     self._modules.current_type)
         if new_const is not None and new_const.kind == "remote":
