@@ -206,6 +206,7 @@ class StepDecider:
         self.history = history
         self.consecutive_skips = 0
         self.trained = False  # a step trained since the watch began (the scaler's search is over: core.lossscale)
+        self.data_handled = False  # a batch's non-finite values were made finite by the model (noted once)
         # per optimizer state (``id``): the parameter norm its last update left, i.e. the weights its next
         # step's forward uses (the first: read when the state was first traced or run, :meth:`start`)
         self.after: Dict[int, Optional[float]] = {}
@@ -250,6 +251,19 @@ class StepDecider:
                 return Detection(step, "optimizer", {"loss": _loss(v)})
             return None
         loss = _loss(v)
+        if not data_ok and loss_ok and grads_ok and pre_ok:
+            # the model made the batch's non-finite values finite (missing values imputed in its forward): the
+            # update was applied as the plain run's; noted once, as information
+            self.consecutive_skips, self.trained = 0, True
+            if v[_POST_OK] < 0.5:
+                return Detection(step, "optimizer", {"loss": loss})
+            if self.data_handled:
+                return None
+            self.data_handled = True
+            return Detection(step, "data", {"loss": loss, "handled_in_model": True,
+                                            "note": "the batch holds non-finite values that the model made finite "
+                                                    "(missing values imputed in its forward): loss, gradients and "
+                                                    "weights stayed finite"}, info_only=True)
         if not pre_ok:
             return Detection(step, "params", {"loss": loss})
         if not data_ok:

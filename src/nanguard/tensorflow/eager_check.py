@@ -28,8 +28,8 @@ def apply_eager(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
     row = w._guarded(lambda: _pre(w, st, opt, grads, tvars, lso))
     if row is None:
         return w._dispatch_apply(opt, grads, trainable_variables)
-    ok = row[D.C["guard_skipped"]] < 0.5 and row[D.C["loss_ok"]] >= 0.5 and row[D.C["data_ok"]] >= 0.5 \
-        and row[D.C["pre_ok"]] >= 0.5 and (lso or row[D.C["grads_ok"]] >= 0.5)
+    ok = row[D.C["guard_skipped"]] < 0.5 and row[D.C["loss_ok"]] >= 0.5 \
+        and row[D.C["pre_ok"]] >= 0.5 and (lso or row[D.C["grads_ok"]] >= 0.5)  # (a batch the model made finite: ok)
     if not ok:  # decided now, before the update: a stop raises here, the variables untouched
         w._guarded(lambda: w.host.finish_row(st, D.Row(row), raw=False))
     elif w.spikes is not None and w._guarded(lambda: w.spikes.observe(w, st, D.Row(row), late=False)):

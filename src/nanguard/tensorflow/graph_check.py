@@ -142,7 +142,7 @@ def apply_graph(w: Any, st: OptState, opt: Any, grads: List[Any], trainable_vari
             pre_ok = D.all_finite(D.float_tensors(tvars))
             if len(grads) == st.n_vars:
                 st.gbad.assign(D.f64(tf.logical_not(flags)))
-            ok = _ok(loss_ok, d_ok, pre_ok, grads_ok, lso)
+            ok = _ok(loss_ok, pre_ok, grads_ok, lso)
             if w.capture is not None and p.batch is not None:
                 # a LossScaleOptimizer's skip past warm-up too: a loss-scale collapse is decided from one
                 may = tf.logical_and(ok, tf.logical_or(grads_ok, tf.logical_not(
@@ -274,10 +274,11 @@ def _grad_checks(grads: List[Any]) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     return tf.reduce_all(flags), tf.sqrt(2.0 * D.add_all(halves)), flags
 
 
-def _ok(loss_ok: tf.Tensor, d_ok: tf.Tensor, pre_ok: tf.Tensor, grads_ok: tf.Tensor, lso: bool) -> tf.Tensor:
-    """The step may update: loss, batch and variables finite, and the gradients (a LossScaleOptimizer
-    skips non-finite scaled gradients itself)."""
-    ok = tf.logical_and(tf.logical_and(loss_ok, d_ok), pre_ok)
+def _ok(loss_ok: tf.Tensor, pre_ok: tf.Tensor, grads_ok: tf.Tensor, lso: bool) -> tf.Tensor:
+    """The step may update: loss and variables finite, and the gradients (a LossScaleOptimizer skips non-finite
+    scaled gradients itself). A batch's non-finite values that the model made finite (missing values imputed in
+    its forward) reached none of them: the update is the plain run's."""
+    ok = tf.logical_and(loss_ok, pre_ok)
     return ok if lso else tf.logical_and(ok, grads_ok)
 
 

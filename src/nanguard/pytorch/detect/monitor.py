@@ -132,6 +132,7 @@ class StepMonitor:
         self._checked: Dict[int, bool] = {}
         self._consecutive_skips = 0
         self._scaler_trained = False  # a step trained since the watch began (core.lossscale)
+        self._data_handled = False  # a batch's non-finite values were made finite by the model (noted once)
         self.names = TensorNames(self.roots, self.views)  # names for the report; the exact slow-path scans
         self._last: Optional[Dict[str, Any]] = None
         self._lasts: Dict[int, Dict[str, Any]] = {}  # per optimizer: what its last check read

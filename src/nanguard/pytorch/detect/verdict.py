@@ -206,6 +206,17 @@ def _decide(mon, p: Pending, loss, loss_ok, data_ok, scale, found_inf, gn, pre_p
     if bad_params and not made:
         return Detection(step, "params", {"nonfinite_params": bad_params[:20],
                                           "n_bad_params": len(bad_params), "loss": loss})
+    if data_ok < 1 and not bad_params and loss_ok == 1 and all(map(finite, gn)):
+        # the model turned them into finite values (missing values as NaN, imputed inside its forward): nothing
+        # non-finite reached the loss, the gradients or the weights. Noted once, as information
+        mon._consecutive_skips, mon._scaler_trained = 0, True
+        if mon._data_handled:
+            return None
+        mon._data_handled = True
+        return Detection(step, "data", {"nonfinite_in": list(p.data_where), "loss": loss, "handled_in_model": True,
+                                        "note": "the batch holds non-finite values that the model made finite "
+                                                "(missing values imputed in its forward): loss, gradients and "
+                                                "weights stayed finite"}, info_only=True)
     if data_ok < 1:
         written = {"nonfinite_buffers": bad_params[:20]} if bad_params else {}
         return Detection(step, "data", {"nonfinite_in": list(p.data_where), "loss": loss, **written})
