@@ -5,6 +5,7 @@ the run is clean and trains bit for bit as unguarded, with the batch's NaN noted
 fails at the data phase."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import nanguard
@@ -32,7 +33,7 @@ def _batches(n=12):
     return out
 
 
-def _train(guarded: bool, handle: bool = True, tmp_path=None):
+def _train(guarded: bool, handle: bool = True, tmp_path=None, **kw):
     torch.manual_seed(0)
     model = Imputing(handle)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -47,20 +48,25 @@ def _train(guarded: bool, handle: bool = True, tmp_path=None):
             loss_fn(b).backward()
             opt.step()
         return model, None
-    g = nanguard.Guard(model, opt, report=str(tmp_path / "r.json"), on_nonfinite="warn", quiet=True)
+    g = nanguard.Guard(model, opt, report=str(tmp_path / "r.json"), on_nonfinite="warn", quiet=True, **kw)
     for b in _batches():
         g.step(b, loss_fn)
     g.close()
+    if g._lazy is not None:
+        g.report.extra["test_rewinds"] = g._lazy.rewinds
     return model, g.report
 
 
-def test_nan_imputed_inside_the_model_is_clean_and_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_nan_imputed_inside_the_model_is_clean_and_bit_for_bit(tmp_path, sync_free):
     ref, _ = _train(False)
-    got, rep = _train(True, tmp_path=tmp_path)
+    got, rep = _train(True, tmp_path=tmp_path, sync_free=sync_free)
     assert rep.status == "clean" and not rep.events, [(e.step, e.phase) for e in rep.events]
     handled = [i for i in rep.info if i.get("handled_in_model")]
     assert len(handled) == 1 and handled[0]["step"] == 0, rep.info
     assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), got.state_dict().values()))
+    if sync_free:  # the batch's marks did not gate the update: no step was run again
+        assert rep.extra["test_rewinds"] == 0, rep.extra
 
 
 def test_nan_the_model_does_not_handle_is_still_bad_data(tmp_path):

@@ -197,7 +197,9 @@ def failure_flag(p: Pending, flat: List[torch.Tensor], tail: List[torch.Tensor],
         return table.reshape(-1, p.width)[:, consensus.GATE].amax().clamp(min=0).float()
     n_in = p.nl + p.nlm + p.nd
     n_sc = 2 if p.scaled else 0
-    fail = flat[:n_in]
+    # the batch's marks are not a failure by themselves: NaN the model makes finite (missing values imputed in
+    # its forward) reaches no loss, gradient or weight (verdict._decide), and its update is the plain run's
+    fail = flat[:p.nl + p.nlm]
     if not p.scaled:
         fail = fail + flat[n_in + n_sc:n_in + n_sc + p.G]
     fail = fail + flat[n_in + n_sc + p.G:]

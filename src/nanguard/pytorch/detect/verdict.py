@@ -196,6 +196,9 @@ def _decide(mon, p: Pending, loss, loss_ok, data_ok, scale, found_inf, gn, pre_p
     if p.lazy:  # read late: only a GradScaler overflow is decided from the values alone
         if p.scaled and loss_ok == 1 and data_ok == 1 and (pre_pn is None or all(map(finite, pre_pn))):
             return scaler_skip(mon, step, scale, {"nonfinite_grads": "not named (read late, sync-free)"})
+        if data_ok < 1 and p.reducer is None and loss_ok == 1 and all(map(finite, gn)) \
+                and (pre_pn is None or all(map(finite, pre_pn))):
+            return handled_batch(mon, p, loss)  # (not gated: its update was applied, as synchronously)
         return REWIND
     # Slow path: exact checks, only when something already looks wrong.
     bad_params = mon.names.nonfinite_params(groups)
@@ -207,16 +210,7 @@ def _decide(mon, p: Pending, loss, loss_ok, data_ok, scale, found_inf, gn, pre_p
         return Detection(step, "params", {"nonfinite_params": bad_params[:20],
                                           "n_bad_params": len(bad_params), "loss": loss})
     if data_ok < 1 and not bad_params and loss_ok == 1 and all(map(finite, gn)):
-        # the model turned them into finite values (missing values as NaN, imputed inside its forward): nothing
-        # non-finite reached the loss, the gradients or the weights. Noted once, as information
-        mon._consecutive_skips, mon._scaler_trained = 0, True
-        if mon._data_handled:
-            return None
-        mon._data_handled = True
-        return Detection(step, "data", {"nonfinite_in": list(p.data_where), "loss": loss, "handled_in_model": True,
-                                        "note": "the batch holds non-finite values that the model made finite "
-                                                "(missing values imputed in its forward): loss, gradients and "
-                                                "weights stayed finite"}, info_only=True)
+        return handled_batch(mon, p, loss)
     if data_ok < 1:
         written = {"nonfinite_buffers": bad_params[:20]} if bad_params else {}
         return Detection(step, "data", {"nonfinite_in": list(p.data_where), "loss": loss, **written})
@@ -230,6 +224,20 @@ def _decide(mon, p: Pending, loss, loss_ok, data_ok, scale, found_inf, gn, pre_p
         return Detection(step, "backward", d)
     mon._consecutive_skips, mon._scaler_trained = 0, True
     return None  # a norm overflowed, but every element is finite: large, not broken
+
+
+def handled_batch(mon, p: Pending, loss: Any) -> Optional[Detection]:
+    """A batch holding non-finite values that the model turned into finite ones (missing values as NaN, imputed
+    inside its forward): nothing non-finite reached the loss, the gradients or the weights, and the update ran as
+    unguarded. Noted once, as information."""
+    mon._consecutive_skips, mon._scaler_trained = 0, True
+    if mon._data_handled:
+        return None
+    mon._data_handled = True
+    return Detection(p.step, "data", {"nonfinite_in": list(p.data_where), "loss": loss, "handled_in_model": True,
+                                      "note": "the batch holds non-finite values that the model made finite "
+                                              "(missing values imputed in its forward): loss, gradients and "
+                                              "weights stayed finite"}, info_only=True)
 
 
 def scaler_skip(mon, step: int, scale: float, d: Dict[str, Any]) -> Detection:
