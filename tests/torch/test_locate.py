@@ -915,3 +915,4 @@ def test_an_in_place_scatter_sum_that_overflows_float16_is_read_on_the_values_it
     assert o["op"] == "aten.index_add_.default" and o["inputs"][0]["nonfinite"] == 0, o["inputs"]
     assert res["facts"]["float64_check"]["finite"] is True, res["facts"]["float64_check"]
     check(res, phase="forward", tag="scatter", category="low_precision_overflow")
+

@@ -316,6 +316,26 @@ def test_a_normalized_rbf_whose_exp_underflows_in_float16_is_not_a_variance():
     assert category(loc) == "low_precision_underflow"
 
 
+class Phase(keras.layers.Layer):
+    def call(self, h):
+        return tf.math.atan2(h[:, :3], h[:, 3:])  # <atan2>
+
+
+def test_the_phase_of_a_zero_vector_is_a_backward_division_by_zero():
+    # a learned transform's phase over a zero-padded frame: atan2(0, 0) = 0, TensorFlow's gradient
+    # (x, -y) / (x^2 + y^2) divides by 0 (was: other, "its inputs sit on a pole"); PyTorch's is 0 there
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, use_bias=False), Phase(name="phase"),
+                              keras.layers.Dense(1)])
+    opt = keras.optimizers.SGD(0.01)
+    x = np.random.default_rng(0).normal(size=(5, 4)).astype("float32")
+    x[3] = 0.0
+    loc = localize(_step(model, _mse, opt), x, np.zeros((5, 1), "float32"), model=model, optimizer=opt)
+    o = loc["origin"]
+    assert loc["phase"] == "backward" and o["forward_tf_op"] == "Atan2", o
+    assert o["line"] == L("# <atan2>")
+    assert category(loc) == "div_by_zero"
+
+
 # ----------------------------------------------------------------------------- masked_softmax, hand-written
 class MaskedAttention(keras.layers.Layer):
     def call(self, q, k, keep):

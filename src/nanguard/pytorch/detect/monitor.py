@@ -461,18 +461,15 @@ class StepMonitor:
     def read_post(self, opt: torch.optim.Optimizer) -> Optional[Detection]:
         """Under recovery, right after ``opt``'s update: its parameter check read now (one host read), so that no
         forward runs on weights it made non-finite. A finite one stays pending for the next check's history."""
-        post = self._pending_post.get(id(opt))
+        key = id(opt)
+        post = self._pending_post.get(key)
         if post is None or post is DEFERRED or all(map(math.isfinite, post.tolist())):
             return None
-        key = id(opt)
-        groups = self.views[key].groups if key in self.views else [self.extra_params]
-        bad = self.names.nonfinite_params(groups, roots=False)
-        if not bad:
-            return None  # every weight finite (a float16 norm that overflowed): the next check's verdict decides
-        self._pending_post.pop(key)  # (read once: the norms and the names above are this step's verdict)
-        self._pending_slice.pop(key, None)
-        return Detection(self._pending_step.get(key, 0), "optimizer",
-                         {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)})
+        bad = self.names.nonfinite_params(self.views[key].groups if key in self.views else [self.extra_params],
+                                          roots=False)
+        if bad:  # (else every weight is finite, a float16 norm overflowed: the next check's verdict decides)
+            self._pending_post.pop(key), self._pending_slice.pop(key, None)  # read once: this step's verdict
+        return _after_update(self._pending_step.get(key, 0), bad)
 
     def _read_post(self, key: int) -> Optional[Detection]:
         post = self._pending_post.pop(key)
@@ -480,16 +477,11 @@ class StepMonitor:
             groups = [self.extra_params] if not self.roots else \
                 [[p for r in list(self.roots) for p in r.parameters() if p.requires_grad and is_checkable(p)]]
             post = torch.stack([_norm(g) for g in groups if g]) if any(groups) else torch.zeros(1)
-        vals = post.tolist()
-        step = self._pending_step.get(key, 0)
         self._pending_slice.pop(key, None)
-        if not all(math.isfinite(x) for x in vals):
-            groups = self.views[key].groups if key in self.views else [self.extra_params]
-            bad = self.names.nonfinite_params(groups, roots=False)
-            if bad:
-                return Detection(step, "optimizer", {"nonfinite_params_after_update": bad[:20],
-                                                     "n_bad_params": len(bad)})
-        return None
+        if all(map(math.isfinite, post.tolist())):
+            return None
+        return _after_update(self._pending_step.get(key, 0), self.names.nonfinite_params(
+            self.views[key].groups if key in self.views else [self.extra_params], roots=False))
 
     def discard_step(self, opt: Optional[torch.optim.Optimizer]) -> None:
         """Forget this step's inputs (used after a skipped/recovered step)."""
@@ -499,3 +491,9 @@ class StepMonitor:
         self._lasts.pop(key, None)
         self._lazy_last.pop(key, None)
         self._per_thread.reset()
+
+
+def _after_update(step: int, bad: list) -> Optional[Detection]:
+    """The failure of an update that left parameters ``bad`` (names) non-finite; None when there are none."""
+    return Detection(step, "optimizer", {"nonfinite_params_after_update": bad[:20], "n_bad_params": len(bad)}) \
+        if bad else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .. import families as F
 from .. import fixes as X
 from .. import text as T
+from .division import zero_division_words
 from .domain import domain_result
 
 TRIG = F.register(F.Family(
@@ -53,3 +54,25 @@ def trig_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
                    jax="cosine similarities can exceed 1 by rounding: normalise with " + X.unit("x")
                    + " and clip with " + X.eps_text("jnp.clip(c, -1 + 1e-7, 1 - 1e-7)"))]
     return T.result("trig_domain", summ, 0.9, ev, fixes, method)
+
+
+ATAN2 = F.register(F.Family(
+    "atan2", ops={"atan2", "arctan2", "angle"}, tf_ops={"Atan2": "atan2", "Angle": "angle"},
+    nodes=("atan2", "angle"), keep_forward=True, categories=("div_by_zero",),
+    note="backward only: the gradient (x, -y) / (x^2 + y^2) at x = y = 0 (TensorFlow, JAX; PyTorch's is 0 there)"))
+
+
+@ATAN2.rule(F.BACKWARD + 20, stage="backward", match="op_or_node")
+def _atan2_rule(c) -> dict:
+    """atan2(0, 0) is 0 (the angle of a zero vector, by convention), its gradient (x, -y) / (x^2 + y^2) is 0/0:
+    a phase or an angle of a zero-energy input (silence or padding in a spectrogram's bins, a zero vector)."""
+    phase = "angle(z)" if "angle" in (c.examined or "") else "atan2(y, x)"
+    summ = (f"the backward of {c.api} at {c.where} ({c.node}): the gradient of {phase} is (x, -y) / (x^2 + y^2), "
+            "a division by 0 where both parts are exactly 0 (the angle of a zero vector: a silent or zero-padded "
+            "frame's spectrogram bin, an all-zero input); the forward is finite there (0 by convention), the "
+            "gradient " + zero_division_words(c.origin))
+    fixes = [f"keep the vector away from 0 before {c.where}: add a tiny noise floor to the input (dither, e.g. "
+             "x + 1e-6 * noise) or an offset to one part (atan2(y, x + eps)), so no bin is exactly 0 + 0i",
+             "mask or drop the zero-energy frames (padding, silence) before the angle, or do not train through the "
+             "phase (stop the gradient of the angle; a learned transform's magnitude trains without it)"]
+    return T.result("div_by_zero", summ, 0.8, c.ev, fixes, c.method)
