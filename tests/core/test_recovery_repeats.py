@@ -136,3 +136,14 @@ def test_a_cut_after_a_rollback_into_the_warm_up_is_taken_from_the_rate_that_div
     cause = {"evidence": {"history": {"lr": [0.4]}}}
     assert abs(peak_cut(0.1, [0.01], [0.4], failed_rates(cause)) * 0.4 - 0.04) < 1e-12
     assert abs(peak_cut(0.1, [0.01], [0.4]) * 0.4 - 0.001) < 1e-12  # no failure rate known: from the rate now
+
+
+def test_per_sample_drops_of_a_weight_made_failure_in_3_of_4_batches_are_the_weights():
+    # a ListMLE ranker's exp overflowed on its largest scores at steps 84, 86, 88, 89: new rows dropped each
+    # time while the score scale kept growing (10 drops, then "fix the op"); the 4th in 5 steps goes back and cuts
+    from nanguard.core.recovery.repeats import samples_failed
+    last = (89, {"action": "drop_samples", "category": "exp_overflow"})
+    assert samples_failed([84, 86, 88, 89], last, 90, "exp_overflow") == 86
+    assert samples_failed([84, 88, 89], last, 90, "exp_overflow") is None          # 2 in the last 4
+    assert samples_failed([86, 88, 89], last, 90, "bad_input_data") is None       # not made by the weights
+    assert samples_failed([86, 88, 89], (89, {"category": "log_domain"}), 90, "exp_overflow") is None

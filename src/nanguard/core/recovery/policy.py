@@ -28,7 +28,7 @@ from .actions import RecoveryActions, Snapshot
 from .budget import DATA_CATEGORY, RecoveryBudget
 from .estimates import DynamicLossScale, initial_loss_scale, rollback_bound
 from .records import notice, summary_line
-from .repeats import Repeats, skip_failed, weights_note
+from .repeats import Repeats, samples_failed, samples_note, skip_failed, weights_note
 from .snapshots import SnapshotStore
 from . import beta2, stepsize, tried
 from .table import ACTIONS, AUTO, CHANGES_TRAINING, DIVERGENCE, actions_for, check_allowed, record_order
@@ -167,8 +167,11 @@ class RecoveryPolicy:
         bound = rollback_bound(cause) if cat in DIVERGENCE + (DATA_CATEGORY,) else None
         weights = params_ok and not few_rows and self._rate is None and step >= 2 \
             and skip_failed(self._last_rec, step, cat, acts)
-        if weights:  # back to before the update that made the weights it fails on, and a replayed rate cut
-            acts, bound = [a for a in ("rollback", "lr_backoff") if a in self.allowed], step - 2
+        series = samples_failed(self.budget.sample_steps, self._last_rec, step, cat) \
+            if params_ok and few_rows and self._rate is None else None
+        if weights or series is not None:  # back to before the update that made the weights it fails on, and a
+            acts = [a for a in ("rollback", "lr_backoff") if a in self.allowed]  # replayed rate cut
+            bound, weights = (step - 2 if series is None else max(series - 1, 0)), True
         if cat == DATA_CATEGORY and bound is not None and bound < step and "rollback" in self.allowed \
                 and "rollback" not in acts:
             acts = ["rollback"] + acts  # the outlier batch of an earlier step is already in the weights
@@ -177,7 +180,7 @@ class RecoveryPolicy:
         if self.loss_scaler is not None and event.phase == "backward" and params_ok:
             acts, weights = ["loss_scale"], False  # our own loss scale overflowed: back off (and skip), like GradScaler
         if weights:  # its cut is tested by this recovery's own replays (tried.act), not the investigation's
-            proofs, notes = {}, [weights_note(cat, step)]
+            proofs, notes = {}, [weights_note(cat, step) if series is None else samples_note(cat, step, series)]
         else:
             acts, proofs, notes = verified_plan(cause, acts, self.allowed, event.phase)
         done: Dict[str, Any] = {}

@@ -88,3 +88,22 @@ def weights_note(category: str, step: int) -> str:
     return (f"the same {category} came back at step {step} on a new batch after step {step - 1}'s skip, which left "
             "the weights as they were: the weights make it, so the run goes back to before the update that made "
             "them and the learning rate is cut (replayed first)")
+
+
+def samples_failed(sample_steps: Any, last: Optional[tuple], step: int, category: str) -> Optional[int]:
+    """Per-sample recoveries that did not help: the failure (of ``WEIGHT_MADE``) was taken out of 3 of the last 4
+    batches by dropping their worst samples, new ones each time (exp past its range on the largest scores of a
+    ranker whose score scale keeps growing): the weights make it, not the rows. The first step of that series
+    (the rollback goes to before it), else None."""
+    rec = (last or (None, None))[1] or {}
+    recent = [s for s in (sample_steps or ()) if step - 4 <= s < step]
+    if category not in WEIGHT_MADE or len(recent) < 3 or rec.get("category") != category:
+        return None
+    return min(recent)
+
+
+def samples_note(category: str, step: int, first: int) -> str:
+    """What a recovery record says of a :func:`samples_failed` escalation."""
+    return (f"the same {category} came back at step {step} on new samples of batch after batch since step {first}, "
+            "each time with other rows dropped: the weights make it, not the rows, so the run goes back to before "
+            f"step {first} and the learning rate is cut (replayed first)")
