@@ -336,6 +336,21 @@ def test_the_phase_of_a_zero_vector_is_a_backward_division_by_zero():
     assert category(loc) == "div_by_zero"
 
 
+def test_a_built_in_schedules_nan_rate_is_named_at_the_line_that_built_it():
+    # CosineDecayRestarts with t_mul < 1: its cycles sum to a finite length, past which the schedule's own log
+    # of a shrinking cycle is log(0) (was: the line of the step call that evaluated it)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    sched = keras.optimizers.schedules.CosineDecayRestarts(1e-2, 4, t_mul=0.5)  # <restarts>
+    opt = keras.optimizers.Adam(sched)
+    opt.build(model.trainable_variables)
+    opt.iterations.assign(12)
+    x = np.ones((4, 3), "float32")
+    loc = localize(_step(model, _mse, opt), x, np.zeros((4, 1), "float32"), model=model, optimizer=opt)
+    o = loc["origin"]
+    assert loc["phase"] == "optimizer" and o["line"] == L("# <restarts>"), (loc["phase"], o)
+    assert o.get("line_source") == "constructor_scan", o
+
+
 # ----------------------------------------------------------------------------- masked_softmax, hand-written
 class MaskedAttention(keras.layers.Layer):
     def call(self, q, k, keep):

@@ -410,6 +410,7 @@ def resolve(frame: Any, comps: ComponentStack, users: UserFiles) -> Location:
     f = frame
     decided: Optional[tuple] = None
     how = None
+    sched: Any = None
     while f is not None:
         if ci >= 0 and f is stack[ci].frame:
             # crossing the call of component stack[ci]
@@ -438,6 +439,8 @@ def resolve(frame: Any, comps: ComponentStack, users: UserFiles) -> Location:
                 user_seg = fr
             if first_user is None:
                 first_user = fr
+        elif sched is None and user_seg is None and code.co_filename.endswith("learning_rate_schedule.py"):
+            sched = f.f_locals.get("self")  # a built-in schedule's own op (the optimizer evaluating its rate)
         f = f.f_back
     else:
         if best is not None:
@@ -464,6 +467,14 @@ def resolve(frame: Any, comps: ComponentStack, users: UserFiles) -> Location:
                 decided = user_seg or _user_caller(stack[0], users) if stack else user_seg
                 if decided is None:
                     how = "not_known"
+    if sched is not None and _is_builtin(sched) and how in (None, "op"):
+        # a Keras schedule's op (CosineDecayRestarts' log of a shrinking cycle): the line that built the schedule,
+        # not the fit call the optimizer ran under
+        main = getattr(sys.modules.get("__main__"), "__file__", None)
+        built = scan_construction(sched, [x[0] for x in (user_seg, first_user) if x] + ([main] if main else []))
+        if built is not None:
+            decided, how = built, "constructor_scan"
+            loc.component = type(sched).__name__
     loc.op_frame = first_user
     if decided is not None:
         loc.file, loc.line, loc.function = decided
