@@ -87,3 +87,9 @@ def test_a_warning_before_a_recovered_failure_is_not_made_information():
     for step, loss in enumerate(_noisy(10, 2), start=44):
         resp.detector.observe(step, loss, 1.0)
     assert all("came_back" not in e.detected for e in resp.events)
+
+
+def test_a_new_excursion_after_one_the_run_came_back_from_is_warned_again():
+    losses = _noisy(40) + [3.0, 30.0, 100.0, 390.0, 9.0, 2.0] + _noisy(6, 1) + [3.0, 30.0, 100.0, 390.0] + [400.0] * 6
+    resp, rep = _run(losses)
+    assert rep.status == "warning" and [e.step for e in rep.events] == [54], [(e.step, e.detected) for e in resp.events]

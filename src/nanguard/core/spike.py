@@ -235,8 +235,8 @@ class SpikeDetector:
         ex = st.excursion
         if ex is not None:
             st.back = st.back + 1 if loss <= ex[1] else 0
-            if st.back >= c.back_steps:
-                st.excursion, st.back = None, 0
+            if st.back >= c.back_steps:  # (and armed again: a new excursion after it is warned about anew)
+                st.excursion, st.back, st.armed, st.calm = None, 0, True, 0
                 if self.came_back is not None:
                     for s0 in ex[0]:
                         self.came_back(s0, step, loss)
