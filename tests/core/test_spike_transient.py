@@ -48,7 +48,7 @@ def test_a_spike_the_next_step_came_back_from_is_information_not_a_warning():
 
 
 def test_a_spike_still_high_at_the_next_step_stays_a_warning():
-    losses = _noisy(40) + [196.0, 150.0] + _noisy(4, 1)  # back for 4 steps only: not yet "came back"
+    losses = _noisy(40) + [196.0, 150.0] + _noisy(20, 1)
     resp, rep = _run(losses)
     assert rep.status == "warning" and [e.step for e in rep.events] == [40]
     assert "came_back" not in rep.events[0].detected
@@ -57,39 +57,3 @@ def test_a_spike_still_high_at_the_next_step_stays_a_warning():
 def test_a_spike_at_the_last_step_stays_a_warning():
     resp, rep = _run(_noisy(40) + [196.0])
     assert rep.status == "warning" and [e.step for e in rep.events] == [40]
-
-
-def test_an_excursion_the_run_came_back_from_for_five_steps_is_information():
-    # torchvision's RMSprop recipe with eps 1e-8: the loss left 0.25 for ~100 over many steps, then came back
-    losses = _noisy(40) + [3.0, 30.0, 100.0, 390.0, 260.0, 170.0, 90.0, 40.0, 9.0, 2.0] + _noisy(5, 1)
-    resp, rep = _run(losses)
-    assert rep.status == "clean" and rep.events == [], [(e.step, e.detected) for e in rep.events]
-    assert [i["step"] for i in rep.info if i.get("transient_spike")] == [e.step for e in resp.events]
-    assert all(e.detected["came_back"]["step"] == 54 for e in resp.events)
-
-
-def test_an_excursion_that_settles_above_its_old_level_stays_a_warning():
-    losses = _noisy(40) + [3.0, 30.0, 100.0, 390.0, 260.0] + [9.0] * 20
-    resp, rep = _run(losses)
-    assert rep.status == "warning" and rep.events, rep.info
-
-
-def test_a_warning_before_a_recovered_failure_is_not_made_information():
-    resp = SpikeResponse(on_spike="warn", quiet=True)
-    hist = []
-    for step, loss in enumerate(_noisy(40) + [3.0, 30.0, 100.0]):
-        hist.append({"step": step, "loss": loss, "grad_norm": 1.0, "lr": [0.01]})
-        hit = resp.detector.observe(step, loss, 1.0)
-        if hit is not None:
-            resp.respond(hit, hist, {}, _Port())
-    assert resp.events
-    resp.after_recovery({"action": "skip_step", "actions": {"skip_step": {}}})  # a NaN at step 43, skipped
-    for step, loss in enumerate(_noisy(10, 2), start=44):
-        resp.detector.observe(step, loss, 1.0)
-    assert all("came_back" not in e.detected for e in resp.events)
-
-
-def test_a_new_excursion_after_one_the_run_came_back_from_is_warned_again():
-    losses = _noisy(40) + [3.0, 30.0, 100.0, 390.0, 9.0, 2.0] + _noisy(6, 1) + [3.0, 30.0, 100.0, 390.0] + [400.0] * 6
-    resp, rep = _run(losses)
-    assert rep.status == "warning" and [e.step for e in rep.events] == [54], [(e.step, e.detected) for e in resp.events]

@@ -97,7 +97,7 @@ class SpikeResponse:
         self.detector = SpikeDetector(config)
         self.detector.came_back = self._came_back
         self.events: List[Event] = []
-        self._spikes: Dict[int, Event] = {}  # warn-mode warnings, by step, until the run came back from them
+        self._spikes: Dict[int, Event] = {}  # warn-mode one-step spike warnings, by step, until their next step
         self.recovered = False  # a non-finite failure of this run was recovered (:meth:`after_recovery`)
 
     def after_recovery(self, rec: Optional[Dict[str, Any]]) -> None:
@@ -109,7 +109,6 @@ class SpikeResponse:
         takes the new excursion's own estimate), even where ``on_spike`` is "warn": a recovery that left
         the run finite but still diverging is not the end."""
         self.recovered = True
-        self._spikes = {}  # a warning before a failure is the failure's, whatever the loss does after it
         back = ((rec or {}).get("actions") or {}).get("rollback")
         if isinstance(back, dict) and isinstance(back.get("to_step"), int) and not back.get("elements_only"):
             rewind_all(self.detector, back["to_step"])
@@ -150,29 +149,22 @@ class SpikeResponse:
                 ev.recovery = {"action": "skip_step", "ok": True, "category": (ev.cause or {}).get("category"),
                                "actions": {"skip_step": done}}
                 act = "skip_step"
-        if mode == "warn" and hit.get("rule") != "dead":  # (a dead network's flat loss is no way back)
-            self._spikes[step] = ev
+        if mode == "warn" and hit.get("rule") == "spike":
+            self._spikes = {step: ev}   # only the latest can still come back (the detector asks once)
         if not self.quiet:
             print_line(warning_line(ev, act))
         return skip
 
     def _came_back(self, spike_step: int, step: int, loss: float) -> None:
-        """The run is back in its usual range after a warn-mode warning (the step after a one-step spike, or
-        ``back_steps`` steps in a row after a longer excursion): the warning is marked so (``detected.came_back``);
-        the report keeps it as information (:func:`~nanguard.core.engine.assemble_report`)."""
+        """The step after a warn-mode spike warning is back in its usual range: the warning is marked so
+        (``detected.came_back``); the report keeps it as information (:func:`~nanguard.core.engine.assemble_report`)."""
         ev = self._spikes.pop(spike_step, None)
         if ev is None or ev.recovery is not None:
             return
         ev.detected["came_back"] = {"step": step, "loss": loss}
-        if self.quiet:
-            return
-        if step == spike_step + 1:
+        if not self.quiet:
             print_line(f"step {step}: the loss is back in its usual range ({loss:.3g}): the spike at step "
                        f"{spike_step} was one batch's, not a divergence (kept as information)")
-        else:
-            print_line(f"step {step}: the loss is back in its usual range ({loss:.3g}) and stayed there: "
-                       f"the run came back by itself from the excursion warned at step {spike_step} (kept as "
-                       "information)")
 
 
 def _tested_words(rec: Dict[str, Any]) -> str:

@@ -71,11 +71,6 @@ A one-step spike whose next step is back in the usual range (loss and gradient n
 widths) is one batch's, not a divergence: under ``on_spike="warn"`` (nothing was done about it) the
 warning is kept as information and leaves the run's status alone (:mod:`nanguard.core.alerts`); measured:
 a sample weight of 2e4 on one row of a clean regression, its step's loss x800 the median, the next 0.25.
-So is a longer excursion the run came back from by itself: ``back_steps`` = 5 steps in a row at or below
-the level the warning was measured against (the baseline's median + ``high`` widths then; with no baseline
-yet, ``update_loss`` x its start), every value finite. Measured: torchvision's RMSprop recipe with eps 1e-8
-at a warm-up's end, loss 1.6 -> 390 over 7 steps, back to 2.5 by its 40th and finite throughout; a divergence
-the run does not come back from stays a warning.
 
 One warning per excursion: after a warning the stream stays quiet until ``calm_steps`` = 20
 steps in a row have an excess below ``high``; after a rollback, once, unless the loss keeps climbing
@@ -116,7 +111,6 @@ class SpikeConfig:
     width_floor: float = 0.05
     level_floor: float = 1e-3
     calm_steps: int = 20
-    back_steps: int = 5
     escalate: float = 1000.0
     max_warnings: int = 10
     update: float = 1.0
@@ -181,10 +175,6 @@ class _Stream:
         self.ruin: Optional[int] = None  # the first step observed after an update of >= ``update`` x the norm
         self.seen: Optional[int] = None  # the step of the last observe() (a skipped or non-finite one too)
         self.spiked: Optional[int] = None  # the step of a one-step spike warning, until the stream's next step
-        # the warnings of the excursion now (their steps) and the loss they were measured against: back at or
-        # below it for ``back_steps`` steps, the run came back from it by itself
-        self.excursion: Optional[Tuple[List[int], float]] = None
-        self.back = 0
 
 
 class SpikeDetector:
@@ -232,14 +222,6 @@ class SpikeDetector:
             s0, st.spiked = st.spiked, None
             if prev_seen == s0 and le < c.high and ge < c.high and self.came_back is not None:
                 self.came_back(s0, step, loss)
-        ex = st.excursion
-        if ex is not None:
-            st.back = st.back + 1 if loss <= ex[1] else 0
-            if st.back >= c.back_steps:  # (and armed again: a new excursion after it is warned about anew)
-                st.excursion, st.back, st.armed, st.calm = None, 0, True, 0
-                if self.came_back is not None:
-                    for s0 in ex[0]:
-                        self.came_back(s0, step, loss)
         tiny = st.level is not None and abs(loss) < c.level_floor * abs(st.level)
         hit = None if tiny else self._rules(st, step, loss, g, le, ge, lb, gb, update, prev_seen)
         if st.level is None:
@@ -278,12 +260,6 @@ class SpikeDetector:
             return None
         st.armed, st.calm, st.warned_at = False, 0, loss
         st.spiked = step if hit.get("rule") == "spike" else None
-        if st.excursion is None:  # the level of the first warning of the excursion
-            start = st.start if st.start is not None else loss
-            base = lb[0] + c.high * lb[1] if (lb and n >= c.min_values) else \
-                c.update_loss * max(start, c.start_floor) if start > 0 else -math.inf  # (a signed loss: no level)
-            st.excursion, st.back = ([], base), 0
-        st.excursion[0].append(step)
         self.warnings += 1
         return hit
 
@@ -355,7 +331,6 @@ class SpikeDetector:
             st.recent.clear()
             st.tail.clear()
             st.armed, st.calm, st.warned_at, st.escalate, st.rolled_back = True, 0, None, True, True
-            st.excursion, st.back = None, 0
 
 
 def _warning(rule: str, signal: str, step: int, loss: float, g: Optional[float], le: float, ge: float,
