@@ -31,6 +31,14 @@ class Detection:
     rank: Optional[int] = None  # torch.distributed: the rank where it was seen first
 
 
+def handled_batch(step: int, detected: Dict[str, Any]) -> Detection:
+    """The information a backend reports (once a run) for a batch holding non-finite values that the model made
+    finite (missing values imputed in its forward): nothing non-finite reached the loss, gradients or weights."""
+    return Detection(step, "data", dict(detected, handled_in_model=True, note=(
+        "the batch holds non-finite values that the model made finite (missing values imputed in its forward): "
+        "loss, gradients and weights stayed finite")), info_only=True)
+
+
 @dataclass
 class Event:
     """One event of the run: a non-finite value (``kind`` "failure", recovered or not), or an early

@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from ..core import lossscale as LS
 from ..core.config import GuardConfig
-from ..core.events import Detection
+from ..core.events import Detection, handled_batch
 from ..core.history import StepHistory, StepRecord
 
 # The stash row (float64). Flags are 1.0 / 0.0.
@@ -260,10 +260,7 @@ class StepDecider:
             if self.data_handled:
                 return None
             self.data_handled = True
-            return Detection(step, "data", {"loss": loss, "handled_in_model": True,
-                                            "note": "the batch holds non-finite values that the model made finite "
-                                                    "(missing values imputed in its forward): loss, gradients and "
-                                                    "weights stayed finite"}, info_only=True)
+            return handled_batch(step, {"loss": loss})
         if not pre_ok:
             return Detection(step, "params", {"loss": loss})
         if not data_ok:

@@ -20,6 +20,7 @@ import math
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from ...core import lossscale as LS
+from ...core import events as E
 from ...core.events import Detection
 from ...core.history import StepRecord
 from .. import gradscaler
@@ -234,10 +235,7 @@ def handled_batch(mon, p: Pending, loss: Any) -> Optional[Detection]:
     if mon._data_handled:
         return None
     mon._data_handled = True
-    return Detection(p.step, "data", {"nonfinite_in": list(p.data_where), "loss": loss, "handled_in_model": True,
-                                      "note": "the batch holds non-finite values that the model made finite "
-                                              "(missing values imputed in its forward): loss, gradients and "
-                                              "weights stayed finite"}, info_only=True)
+    return E.handled_batch(p.step, {"nonfinite_in": list(p.data_where), "loss": loss})
 
 
 def scaler_skip(mon, step: int, scale: float, d: Dict[str, Any]) -> Detection:
