@@ -219,11 +219,12 @@ class WatcherRecovery:
         return out
 
     def state_modules(self) -> list:
-        """The modules whose state recovery checks, snapshots and restores: the watched roots, plus one
+        """The modules whose state recovery checks, snapshots and restores: the watched roots holding state
+        (``monitor.state_roots``), plus one
         holder of the trained tensors no root owns (an optimizer's parameters of a layer the script
         calls ``layer.forward(x)`` on, so no module hook sees it; bare tensors updated by hand)."""
         mon = self.w.monitor
-        roots = list(mon.roots)
+        roots = mon.state_roots()
         opts = self.w.optimizers()
         key = (tuple(map(id, roots)), tuple(map(id, opts)), len(mon.extra_params))
         if self._loose is None or self._loose[0] != key:  # once per change of roots or optimizers

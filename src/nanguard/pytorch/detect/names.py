@@ -3,7 +3,7 @@ the non-finite ones."""
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
@@ -24,8 +24,10 @@ def model_prefixes(roots: List[torch.nn.Module], by_class: bool = False) -> List
 class TensorNames:
     """``id(tensor) -> name`` over the watched modules (parameters, buffers) and optimizers."""
 
-    def __init__(self, roots: "weakref.WeakSet[torch.nn.Module]", views: Dict[int, OptimizerView]) -> None:
+    def __init__(self, roots: "weakref.WeakSet[torch.nn.Module]", views: Dict[int, OptimizerView],
+                 state_roots: Optional[Callable[[], List[torch.nn.Module]]] = None) -> None:
         self.roots, self.views = roots, views  # the monitor's own (live) collections
+        self.state_roots = state_roots or (lambda: list(self.roots))  # the roots holding state (monitor's)
         self._names: Optional[Dict[int, str]] = None
 
     def invalidate(self) -> None:
@@ -56,14 +58,14 @@ class TensorNames:
 
     def nonfinite_params(self, groups: Iterable[List[torch.Tensor]], roots: bool = True,
                          buffers: bool = True) -> List[str]:
-        """Names of non-finite tensors among ``groups`` and (with ``roots``) the watched modules'
+        """Names of non-finite tensors among ``groups`` and (with ``roots``) the state-holding watched modules'
         parameters outside the optimizers (frozen ones, another model's) and (with ``buffers``) buffers."""
         groups = [list(g) for g in groups]
         out = [self.name_of(p) for p in nonfinite_tensors(groups)]
         seen = {id(p) for g in groups for p in g}
         if not roots:
             return out
-        for root in list(self.roots):
+        for root in self.state_roots():
             for n, t in list(root.named_parameters()) + (list(root.named_buffers()) if buffers else []):
                 if id(t) in seen:
                     continue
