@@ -371,3 +371,25 @@ def test_updates_made_with_a_nonfinite_rate_are_each_undone_without_the_in_a_row
             assert all("same_failure" not in r["tries_left"] for r in recs)
             assert "learning rate is nan" in recs[0]["actions"]["notes"][0]
 
+
+
+def test_a_rate_its_schedule_keeps_nonfinite_is_said_in_the_note_and_the_budgets_stop():
+    """A NaN rate the backend can tell stays NaN (a Keras schedule of the iterations a skipped update leaves as they
+    are; a PyTorch scheduler NaN at each of its next steps): each update is still undone (the run may end within the
+    allowance: a schedule past its end in the last steps), and the note and the budget's stop say it stays so and
+    to fix the schedule (ten skips of CosineDecayRestarts(t_mul=0.5) read as if a later step could succeed)."""
+    for stuck in (None, "its scheduler keeps it non-finite"):
+        p, a = RecoveryPolicy(quiet=True), FakeActions(lrs=[float("nan")])
+        a.rate_stuck = lambda stuck=stuck: stuck
+        recs = []
+        for step in range(48, 70):
+            snapshots(p, a, [step])
+            a.state["w"] = float("nan")
+            rec = p.on_failure(event("optimizer_numerics", phase="optimizer", step=step), step=step, actions=a,
+                               history=hist([0.5] * step))
+            if rec is None:
+                break
+            recs.append(rec)
+        assert len(recs) == 10 and p.stopped is not None
+        assert ("stays so" in recs[0]["actions"]["notes"][0]) == bool(stuck)
+        assert ("fix the schedule" in p.stopped) == bool(stuck)

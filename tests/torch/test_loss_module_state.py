@@ -65,7 +65,7 @@ def test_state_roots_keep_a_normaliser_called_every_step_and_drop_a_one_call_los
         mon.add_root(norm)
         mon.add_root(model)
     mon.add_root(loss)
-    state = mon.state_roots()
+    state = mon.names.state_roots()
     assert model in state and norm in state and loss not in state
     loss.pos_weight.fill_(1.0)
     norm.running_mean.fill_(float("nan"))

@@ -220,11 +220,11 @@ class WatcherRecovery:
 
     def state_modules(self) -> list:
         """The modules whose state recovery checks, snapshots and restores: the watched roots holding state
-        (``monitor.state_roots``), plus one
+        (``monitor.names.state_roots``), plus one
         holder of the trained tensors no root owns (an optimizer's parameters of a layer the script
         calls ``layer.forward(x)`` on, so no module hook sees it; bare tensors updated by hand)."""
         mon = self.w.monitor
-        roots = mon.state_roots()
+        roots = mon.names.state_roots()
         opts = self.w.optimizers()
         key = (tuple(map(id, roots)), tuple(map(id, opts)), len(mon.extra_params))
         if self._loose is None or self._loose[0] != key:  # once per change of roots or optimizers

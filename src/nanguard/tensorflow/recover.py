@@ -326,6 +326,15 @@ class KerasActions(_ActionsBase):
             out.append(peak)
         return out
 
+    def rate_stuck(self) -> Optional[str]:
+        for o in self.optimizers:
+            now = _rate(o)
+            lr = getattr(getattr(o, "inner_optimizer", None) or o, "_learning_rate", None)
+            if now is not None and not np.isfinite(now) and callable(lr) and not hasattr(lr, "assign"):
+                return ("a schedule of the optimizer's iterations gives it, and a skipped update leaves the "
+                        "iterations as they are, so every later update runs at that rate")
+        return None
+
     def lr_backoff(self, factor: float) -> Dict[str, Any]:
         before = self.learning_rates()
         how = []

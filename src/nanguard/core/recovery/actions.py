@@ -83,6 +83,11 @@ class RecoveryActions(abc.ABC):
         in :meth:`learning_rates`' order; by default the current rates (no schedule known)."""
         return self.learning_rates()
 
+    def rate_stuck(self) -> Optional[str]:
+        """Why a non-finite learning rate of now stays non-finite at every coming update a skipped step leads to,
+        when that is known (a schedule evaluated apart); None when it may come back finite or cannot be told."""
+        return None
+
     @abc.abstractmethod
     def lr_backoff(self, factor: float) -> Dict[str, Any]:
         """Scale every learning rate (and the schedulers' base rates) by ``factor``.

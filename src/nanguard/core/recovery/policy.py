@@ -56,6 +56,7 @@ class RecoveryPolicy:
         self.repeats = Repeats(max_same_failure)  # the same failure back after a rollback: escalate, then stop
         self._same = 0  # how many recoveries in a row the failure being recovered has had
         self._rate: Optional[float] = None  # the failure's non-finite learning rate (nonfinite_rate), if any
+        self._stuck: Optional[str] = None  # why that rate stays non-finite (RecoveryActions.rate_stuck), if known
         self.store = SnapshotStore(snapshot_every, keep_snapshots, recent_snapshots, recent_max_bytes)
         self.lr_factor, self.clip_quantile = lr_factor, clip_quantile
         self.quiet = quiet
@@ -148,10 +149,12 @@ class RecoveryPolicy:
             return self._last_rec[1]
         few_rows = per_sample(event)  # a per-sample failure counts against the bad-data budget
         self._rate = nonfinite_rate(actions) if event.phase in ("optimizer", "params") else None
+        self._stuck = actions.rate_stuck() if self._rate is not None else None
         why = self.budget.exhausted(step, cat, data=few_rows or None, consecutive=self._rate is None) or (
             self.budget.replay_failed(step, cat) if self._rate is None else None)
         if why:
-            return self._stop(event, step, why)
+            return self._stop(event, step, why + (f" (the learning rate is {self._rate} and stays so: {self._stuck}; "
+                                                  "fix the schedule)" if self._stuck else ""))
         self._same = self.repeats.count(step, cat, "failure") if self._rate is None else 0
         if self.repeats.exhausted(self._same):
             return self._stop(event, step, self.repeats.why_stop(step, cat, self._same))
@@ -365,7 +368,9 @@ class RecoveryPolicy:
             names.append("skip_step")
         if cat == DATA_CATEGORY or few_rows:
             quarantine(self, event, done, actions)
-        notes += [RATE_NOTE.format(self._rate)] if self._rate is not None else []
+        notes += [RATE_NOTE.format(self._rate) + (f"; it stays so: {self._stuck}. Every later update is undone "
+                  "until the run ends or the recovery budget is spent: fix the schedule" if self._stuck else "")] \
+            if self._rate is not None else []
         if notes:
             done["notes"] = notes
         if any(a in names for a in CHANGES_TRAINING):

@@ -121,7 +121,6 @@ class StepMonitor:
         self.opt_index: Dict[int, int] = {}       # per optimizer: 0, 1, ... in the order first seen (history's)
         self.roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self._owners: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()  # add_root
-        self._calls: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()  # add_root
         self.extra_params: List[torch.Tensor] = []  # backward-counting mode without modules
         # optimizer -> post-update param norms per group (backward counting: DEFERRED until the next check)
         self._pending_post: Dict[int, Any] = {}
@@ -134,7 +133,7 @@ class StepMonitor:
         self._consecutive_skips = 0
         self._scaler_trained = False  # a step trained since the watch began (core.lossscale)
         self._data_handled = False  # a batch's non-finite values were made finite by the model (noted once)
-        self.names = TensorNames(self.roots, self.views, self.state_roots)  # names for the report; the exact slow-path scans
+        self.names = TensorNames(self.roots, self.views)  # names for the report; the exact slow-path scans
         self._last: Optional[Dict[str, Any]] = None
         self._lasts: Dict[int, Dict[str, Any]] = {}  # per optimizer: what its last check read
         # torch.distributed: a MAX all-reduce of a small per-rank flag table, so that every rank
@@ -191,16 +190,10 @@ class StepMonitor:
                 ref = self._owners[module] = weakref.ref(owner) if owner is not None else None
             owner = ref() if ref is not None else None
             module = owner if owner is not None else module
-        self._calls[module] = self._calls.get(module, 0) + 1
+        self.names.called(module)
         if module not in self.roots:
             self.roots.add(module)
             self.names.invalidate()
-
-    def state_roots(self) -> List[torch.nn.Module]:
-        """The roots whose state is checked and snapshotted: those with parameters, and parameter-free ones
-        called again after another root (a running normaliser). A parameter-free module called once (a loss
-        built each step with ``pos_weight=neg / pos``) holds this step's inputs, not state."""
-        return [r for r in list(self.roots) if self._calls.get(r, 0) > 1 or next(r.parameters(), None) is not None]
 
     @property
     def counting(self) -> str:

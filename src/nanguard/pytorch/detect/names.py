@@ -3,7 +3,7 @@ the non-finite ones."""
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 import torch
 
@@ -24,11 +24,20 @@ def model_prefixes(roots: List[torch.nn.Module], by_class: bool = False) -> List
 class TensorNames:
     """``id(tensor) -> name`` over the watched modules (parameters, buffers) and optimizers."""
 
-    def __init__(self, roots: "weakref.WeakSet[torch.nn.Module]", views: Dict[int, OptimizerView],
-                 state_roots: Optional[Callable[[], List[torch.nn.Module]]] = None) -> None:
+    def __init__(self, roots: "weakref.WeakSet[torch.nn.Module]", views: Dict[int, OptimizerView]) -> None:
         self.roots, self.views = roots, views  # the monitor's own (live) collections
-        self.state_roots = state_roots or (lambda: list(self.roots))  # the roots holding state (monitor's)
         self._names: Optional[Dict[int, str]] = None
+        self._calls: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+
+    def called(self, root: torch.nn.Module) -> None:
+        """``root`` was called at top level after another root (the monitor's ``add_root``)."""
+        self._calls[root] = self._calls.get(root, 0) + 1
+
+    def state_roots(self) -> List[torch.nn.Module]:
+        """The roots whose state is checked and snapshotted: those with parameters, and parameter-free ones
+        called again after another root (a running normaliser). A parameter-free module called once (a loss
+        built each step with ``pos_weight=neg / pos``) holds this step's inputs, not state."""
+        return [r for r in list(self.roots) if self._calls.get(r, 0) > 1 or next(r.parameters(), None) is not None]
 
     def invalidate(self) -> None:
         """A module or optimizer was added: rebuild the map when next needed."""

@@ -14,7 +14,7 @@ from .clip import clip_grads
 from .focus import focused
 from .loss_scale import unscale_grads
 from .loose import hand_params
-from .lr_backoff import HeldRates, learning_rates, lr_backoff, scale_grads, schedule_peaks
+from .lr_backoff import HeldRates, learning_rates, lr_backoff, scale_grads, schedule_peaks, stuck_schedule
 from .skip import skip_step
 from .snapshot import Snapshot
 from .state import optimizer_state_finite, state_finite
@@ -95,6 +95,9 @@ class TorchActions(RecoveryActions):
 
     def learning_rate_peaks(self) -> List[float]:
         return schedule_peaks(self._lr_optimizers())
+
+    def rate_stuck(self) -> Optional[str]:
+        return stuck_schedule(self.optimizers)
 
     def lr_backoff(self, factor: float) -> Dict[str, Any]:
         opts = self._lr_optimizers()

@@ -14,7 +14,7 @@ import copy
 import gc
 import math
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch.optim import lr_scheduler
@@ -125,20 +125,37 @@ class HeldRates:
 def schedule_peaks(optimizers: Sequence[Any], horizon: int = 1000) -> List[float]:
     """The highest learning rate each param group (in :func:`learning_rates`' order) will reach in the
     next ``horizon`` steps of its attached schedulers (a warm-up's peak), at least its current one.
-
-    The schedulers are stepped on copies that share a stand-in optimizer (param groups without their
-    parameters): the real schedulers, optimizers and learning rates are untouched. Only run after a
-    failure (recovery), never on a healthy step."""
+    Only run after a failure (recovery), never on a healthy step."""
     out: List[float] = []
     for o in optimizers:
-        lrs = [float(g["lr"]) for g in o.param_groups if isinstance(g.get("lr"), (int, float, torch.Tensor))]
-        peaks = list(lrs)
+        peaks = learning_rates([o])
         try:
-            peaks = _simulate(o, lrs, horizon)
+            for now in _ahead(o, horizon):
+                peaks = [max(a, b) for a, b in zip(peaks, now)]
         except Exception:  # a scheduler that cannot be copied or stepped alone: the current rates
             pass
         out += peaks
     return out
+
+
+def stuck_schedule(optimizers: Sequence[Any], horizon: int = 100) -> Optional[str]:
+    """Why an optimizer's non-finite rate stays non-finite: its schedulers give no step of the next ``horizon``
+    with every rate finite (stepped on copies, after a failure only). None when they do, when there is no
+    scheduler (the script may set the rate itself) or one that ends or cannot be stepped apart."""
+    for o in optimizers:
+        if all(map(math.isfinite, learning_rates([o]))):
+            continue
+        n = 0
+        try:
+            for now in _ahead(o, horizon):
+                n += 1
+                if all(map(math.isfinite, now)):
+                    return None
+        except Exception:
+            return None
+        if n == horizon:
+            return f"the scheduler gives a non-finite rate at each of its next {horizon} steps (stepped on copies)"
+    return None
 
 
 class _StandIn:
@@ -156,15 +173,17 @@ class _StandIn:
         self.step = step
 
 
-def _simulate(opt: Any, lrs: List[float], horizon: int) -> List[float]:
+def _ahead(opt: Any, horizon: int) -> Iterator[List[float]]:
+    """The rates of ``opt``'s param groups after each of the next ``horizon`` steps of its schedulers, stepped on
+    copies that share a stand-in optimizer (param groups without their parameters): the real schedulers,
+    optimizers and rates are untouched. Nothing when no scheduler is attached; it stops at a schedule's end."""
     scheds = [s for s in schedulers_of(opt) if not isinstance(s, lr_scheduler.ReduceLROnPlateau)]
     inner = {id(c) for s in scheds for c in (getattr(s, "_schedulers", None) or [])}
     top = [s for s in scheds if id(s) not in inner]
     if not top:
-        return list(lrs)
+        return
     shadow = _StandIn(opt)
     copies = copy.deepcopy(top, memo={id(opt): shadow})
-    peaks = list(lrs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(horizon):
@@ -172,10 +191,8 @@ def _simulate(opt: Any, lrs: List[float], horizon: int) -> List[float]:
                 for c in copies:
                     c.step()
             except Exception:  # past a schedule's end (OneCycleLR's total_steps)
-                break
-            now = [float(g["lr"]) for g in shadow.param_groups if isinstance(g.get("lr"), (int, float, torch.Tensor))]
-            peaks = [max(a, b) for a, b in zip(peaks, now)]
-    return peaks
+                return
+            yield learning_rates([shadow])
 
 
 def scale_grads(params: Sequence[torch.Tensor], factor: float) -> None:
