@@ -393,3 +393,25 @@ def test_a_rate_its_schedule_keeps_nonfinite_is_said_in_the_note_and_the_budgets
         assert len(recs) == 10 and p.stopped is not None
         assert ("stays so" in recs[0]["actions"]["notes"][0]) == bool(stuck)
         assert ("fix the schedule" in p.stopped) == bool(stuck)
+
+
+def test_plain_skips_of_batches_a_loss_cannot_learn_from_have_a_quarter_of_the_window():
+    """A masked RMSE's sqrt(0) on the days nothing is scored (one batch in six, sometimes two days in a row): each
+    failure's skip is all recovery does, and the run went on to a finite end with 39 of 210 steps skipped; the plain
+    10-in-100 budget stopped it at step 55. A budget the user set (max_recoveries) stays as set."""
+    from nanguard.core.recovery.budget import RecoveryBudget
+    steps = [s for s in range(300) if s % 6 == 5 or s % 30 == 0]
+    b = RecoveryBudget()
+    for s in steps:
+        assert b.exhausted(s, "sqrt_domain") is None, s
+        b.spend(s, "sqrt_domain", data_skip=False, plain_skip=True)
+    assert b.left(301) > 0
+    b = RecoveryBudget(max_recoveries=10)
+    stop = next(s for s in steps if b.exhausted(s, "sqrt_domain") or b.spend(s, "sqrt_domain", False, True) < 0)
+    assert stop == steps[10]
+    b = RecoveryBudget()  # one recovery that did more than skip: the plain 10
+    b.spend(1, "sqrt_domain", data_skip=False, plain_skip=False)
+    stop = next(s for s in steps if b.exhausted(s, "sqrt_domain") or b.spend(s, "sqrt_domain", False, True) < 0)
+    assert stop == steps[9]
+    b = RecoveryBudget()  # a failure every step still stops at the in-a-row limit
+    assert [s for s in range(5) if b.exhausted(s, "sqrt_domain") or b.spend(s, "sqrt_domain", False, True) < 0] == [3]

@@ -1,6 +1,7 @@
 """The recovery budget: how many recoveries a run may have before it stops with the diagnosis.
 
-At most ``max_recoveries`` recoveries in ``window`` steps and at most
+At most ``max_recoveries`` recoveries in ``window`` steps (by default 10, and a quarter of the window while each was
+a plain skip: batches the computation cannot learn from) and at most
 ``max_consecutive`` failing steps in a row; for bad input data (batches skipped
 without touching the weights) at most ``max_data_skips`` in the window and
 ``max_consecutive_data`` in a row; for a computation that fails on a few samples
@@ -21,15 +22,19 @@ DATA_CATEGORY = "bad_input_data"
 class RecoveryBudget:
     """Steps that were recovered, and whether one more recovery at ``step`` is within budget."""
 
-    def __init__(self, max_recoveries: int = 10, window: int = 100, max_consecutive: int = 3,
+    def __init__(self, max_recoveries: Optional[int] = None, window: int = 100, max_consecutive: int = 3,
                  max_data_skips: int = 50, max_consecutive_data: int = 8, max_sample_skips: int = 15,
                  sample_window: int = 20) -> None:
-        self.max_recoveries, self.window, self.max_consecutive = max_recoveries, window, max_consecutive
+        # None: 10, and a quarter of the window for plain skips (``_recoveries_limit``); a number: that, for both
+        self.given = max_recoveries
+        self.max_recoveries = 10 if max_recoveries is None else max_recoveries
+        self.window, self.max_consecutive = window, max_consecutive
         self.max_data_skips, self.max_consecutive_data = max_data_skips, max_consecutive_data
         self.max_sample_skips, self.sample_window = max_sample_skips, sample_window
         self.recovery_steps: List[int] = []
         self.data_steps: List[int] = []    # bad input data skipped without touching the weights
         self.sample_steps: List[int] = []  # finite samples a computation failed on, skipped the same way
+        self.plain: List[int] = []         # recoveries that dropped the update and did nothing else
         self.counts: Dict[str, int] = {}   # recoveries per category
         self.version = 0  # bumped by every action that changes how training runs (lr, clip, dtype, scale)
         self.last_rollback: Optional[Dict[str, Any]] = None
@@ -47,7 +52,7 @@ class RecoveryBudget:
                         f"{window} steps (limit {limit}): the data is finite and the "
                         "samples it fails on are common, so skipping them would hide a computation that fails on "
                         "ordinary inputs; fix the op")
-        steps, limit = self._kind(data, False)
+        steps, limit = self._kind(data, False, step)
         recent = [s for s in steps + (self.sample_steps if samples else []) if s > step - self.window]
         if len(recent) >= limit:
             what = "bad-data skips" if data else "recoveries"
@@ -70,17 +75,28 @@ class RecoveryBudget:
                     "bad batch; recovery would only hide it")
         return None
 
-    def _kind(self, data: bool, samples: bool) -> tuple:
+    def _kind(self, data: bool, samples: bool, step: Optional[int] = None) -> tuple:
         """The steps counted and the limit of a recovery, a bad-data skip or a failing-samples skip."""
         if samples:
             return self.sample_steps, self.max_sample_skips
-        return (self.data_steps, self.max_data_skips) if data else (self.recovery_steps, self.max_recoveries)
+        if data:
+            return self.data_steps, self.max_data_skips
+        return self.recovery_steps, self.max_recoveries if step is None else self._recoveries_limit(step)
+
+    def _recoveries_limit(self, step: int) -> int:
+        """``max_recoveries``, or a quarter of the window while every recovery in it dropped its update and did
+        nothing else: batches the computation cannot learn from, each skipped (a masked RMSE's sqrt(0) on the days
+        nothing is scored, one batch in six; the in-a-row limit still stops a failure the weights make)."""
+        recent = [s for s in self.recovery_steps if s > step - self.window]
+        if self.given is None and all(s in self.plain for s in recent):
+            return max(self.max_recoveries, self.window // 4)
+        return self.max_recoveries
 
     def left(self, step: int, data: bool = False, samples: bool = False) -> int:
         """Recoveries (bad-data skips, failing-samples skips) still allowed at ``step``."""
         if samples:
             return self._samples_left(step)[0]
-        steps, limit = self._kind(data, False)
+        steps, limit = self._kind(data, False, step)
         return max(limit - len([s for s in steps if s > step - self.window]), 0)
 
     def _samples_left(self, step: int) -> Tuple[int, int, int]:
@@ -118,11 +134,13 @@ class RecoveryBudget:
         """A rollback with nothing else changed: its replay will be identical."""
         self.last_rollback = {"step": step, "to_step": to_step, "category": category, "version": self.version}
 
-    def spend(self, step: int, category: str, data_skip: bool) -> int:
+    def spend(self, step: int, category: str, data_skip: bool, plain_skip: bool = False) -> int:
         """Count a recovery at ``step``; returns the run's number of recoveries so far. Bad input data counts
         against the bad-data allowance whatever was done (a rollback past an outlier batch too): the allowance
-        :meth:`exhausted` checks it against."""
+        :meth:`exhausted` checks it against. ``plain_skip``: the update was dropped and nothing else done."""
         data = data_skip or category == DATA_CATEGORY
+        if plain_skip and not data:
+            self.plain.append(step)
         self._kind(data, data_skip and category != DATA_CATEGORY)[0].append(step)
         self.counts[category] = self.counts.get(category, 0) + 1
         return len(self.recovery_steps) + len(self.data_steps) + len(self.sample_steps)

@@ -42,7 +42,7 @@ def _store_attr(name: str) -> property:
 class RecoveryPolicy:
     """Chooses recovery actions for diagnosed failures, within a budget; records every action."""
 
-    def __init__(self, allowed: Optional[Sequence[str]] = None, *, auto: bool = True, max_recoveries: int = 10,
+    def __init__(self, allowed: Optional[Sequence[str]] = None, *, auto: bool = True, max_recoveries: Optional[int] = None,
                  window: int = 100, max_consecutive: int = 3, max_data_skips: int = 50, max_consecutive_data: int = 8,
                  snapshot_every: int = 10, keep_snapshots: int = 3, recent_snapshots: int = 2,
                  recent_max_bytes: int = 256 * 2 ** 20, lr_factor: float = 0.1, clip_quantile: float = 0.25,
@@ -379,7 +379,7 @@ class RecoveryPolicy:
                 and done["rollback"].get("rng_rewound") and self._rate is None:
             self.budget.plain_rollback(step, done["rollback"]["to_step"], cat)  # its replay will be identical
         skip = (cat == DATA_CATEGORY or few_rows) and names in (["skip_step"], ["drop_samples"])
-        n = self.budget.spend(step, cat, data_skip=skip)
+        n = self.budget.spend(step, cat, data_skip=skip, plain_skip=names == ["skip_step"] and self._rate is None)
         rec = {"action": "+".join(record_order(names)), "ok": True, "actions": done, "category": cat,
                "recovery_number": n}
         if done.get("verified"):
