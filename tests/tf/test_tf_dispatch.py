@@ -40,4 +40,4 @@ def test_no_torch_import_on_the_tensorflow_runner_until_the_script_runs(tmp_path
     assert "ran" in out.stdout
     import json
     rep = json.loads((tmp_path / "r.json").read_text())
-    assert rep["status"] == "clean" and "never imported" in rep["note"]
+    assert rep["status"] == "unwatched" and "never imported" in rep["unwatched"]

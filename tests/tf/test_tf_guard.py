@@ -125,7 +125,7 @@ def test_exit_statuses(tmp_path):
     code, rep = run_tf(tmp_path, str(tmp_path / "missing.py"))
     assert code == 2 and rep is None
     code, rep = run_tf(tmp_path, write(tmp_path, "print('no tensorflow here')\n", "d.py"))
-    assert code == 0 and rep["status"] == "clean" and rep["steps_watched"] == 0 and rep["note"]
+    assert code == 0 and rep["status"] == "unwatched" and rep["steps_watched"] == 0 and rep["unwatched"]
 
 
 @pytest.mark.slow  # over ~9 s on 2 cores: the quick pass stays under 10 minutes

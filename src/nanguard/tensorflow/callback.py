@@ -74,6 +74,17 @@ class NanGuard(keras.callbacks.Callback):
         from . import watch as W
         from .driver import RunDriver
         self.report, self.stopped = None, False
+        from .run import keras_elsewhere
+        other = keras_elsewhere()
+        if other:  # the hooks are TensorFlow's: an unguarded fit is said, never reported clean
+            from .driver import empty_report
+            why = (f"Keras runs on its {other} backend (KERAS_BACKEND={other}): NanGuard watches Keras on TensorFlow "
+                   "only, so this fit is not guarded")
+            warnings.warn(f"nanguard: {why}", RuntimeWarning)
+            self.report = empty_report(why)
+            if self.report_path:
+                self.report.write(self.report_path)
+            return
         ext = W.active()
         if ext is not None:  # nanguard run / nanguard.keras.watch() already watches everything
             self._external = ext

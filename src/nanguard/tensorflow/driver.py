@@ -141,13 +141,13 @@ class RunDriver:
         lost = sum(st.lost_rows for st in w.states.values())
         if lost:
             extra["history_rows_lost"] = lost
-        if w.steps_watched == 0 and not w.states:
-            extra["note"] = "no optimizer update was seen (keras Optimizer.apply never ran)"
         rep = assemble_report(RunFacts(
             counting="optimizer", steps_watched=w.steps_watched, max_grad_norm=h.max_grad_norm if len(h) else None,
             history=h.as_dicts(), info=info_rows(w.info), events=events,
             warnings=list(w.warning_events), extra=extra,
-            dropped_events=w.dropped_events, disabled=disabled_note(w)))
+            dropped_events=w.dropped_events, disabled=disabled_note(w),
+            unwatched="no optimizer update was seen (keras Optimizer.apply never ran): no step was checked"
+            if w.steps_watched == 0 and not w.states else None))
         printed_nonfinite(rep, w.fit_end)
         return rep
 
@@ -174,11 +174,12 @@ def environment() -> Dict[str, Any]:
     return env
 
 
-def empty_report() -> Report:
-    """The report of a script that never imported TensorFlow (nothing was watched)."""
+def empty_report(unwatched: Optional[str] = None) -> Report:
+    """The report of a script nothing of which was watched: it never imported TensorFlow, or (``unwatched``) its
+    Keras ran on another backend."""
     r = Report(counting="optimizer")
     r.extra["framework"] = "tensorflow"
-    r.extra["note"] = "the script never imported tensorflow or keras: nothing was watched"
+    r.unwatched = unwatched or "the script never imported tensorflow or keras: nothing was watched"
     return r
 
 

@@ -100,9 +100,17 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
         return EXIT_USAGE
     config = GuardConfig(on_nonfinite=on_nonfinite, strict=strict)
     on_spike = on_spike or ("rollback" if recover else "warn")
-    state: dict = {"watcher": None, "policy": None, "driver": None}
+    state: dict = {"watcher": None, "policy": None, "driver": None, "unwatched": None}
 
     def install() -> None:
+        other = keras_elsewhere()
+        if other:  # nanguard's Keras hooks are TensorFlow's: say so, never call the run clean
+            state["unwatched"] = (f"Keras ran on its {other} backend (KERAS_BACKEND={other}): nanguard watches Keras "
+                                  "on TensorFlow only, so no step of this run was checked; run it with "
+                                  "KERAS_BACKEND=tensorflow")
+            if not quiet:
+                print_line(f"not watching: {state['unwatched']}")
+            return
         from .driver import RunDriver
         drv = RunDriver(config, script_abs, list(args), recover=recover, localize=localize, quiet=quiet,
                         on_spike=on_spike, observers=[_RunningReport(sink)] if sink.active else [],
@@ -143,7 +151,7 @@ def run_tf_script(script: str, args: List[str], *, report_path: Optional[str] = 
         def build() -> Any:
             if drv is None:
                 from .driver import empty_report
-                return empty_report()
+                return empty_report(state["unwatched"])
             report = drv.make_report(run_seconds=time.time() - t0)
             outcome.stopped = outcome.stopped or drv.stopped
             return report
@@ -176,6 +184,16 @@ class _RunningReport(TFObserver):
             detections=w.detections, events=events, warnings=warnings, history=w.history.as_dicts(),
             steps_watched=w.steps_watched, max_grad_norm=w.history.max_grad_norm if len(w.history) else None,
             extra={"framework": "tensorflow"}))
+
+
+def keras_elsewhere() -> Optional[str]:
+    """Keras' backend when it is imported and not TensorFlow (``KERAS_BACKEND=jax`` or ``torch``), else None."""
+    k = sys.modules.get("keras")
+    try:
+        name = str(k.backend.backend()) if k is not None else None
+    except Exception:  # an old tf.keras, or a Keras without backends
+        return None
+    return name if name and name != "tensorflow" else None
 
 
 def _is_stop(e: BaseException) -> bool:
