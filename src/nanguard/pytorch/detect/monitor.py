@@ -39,9 +39,10 @@ from .verdict import REWIND, decode, step_record
 
 
 def _lr_of(g: dict) -> float:
-    """A param group's learning rate as a float for the history (NaN: none, or a tensor: not read)."""
+    """A param group's learning rate as a float for the history (NaN: none, such as Adafactor's ``lr=None`` of a
+    relative step size, or a tensor: not read)."""
     lr = g.get("lr", _NAN)
-    return _NAN if isinstance(lr, torch.Tensor) else float(lr)
+    return float(lr) if isinstance(lr, (int, float)) else _NAN
 
 
 _NAN = float("nan")
