@@ -32,3 +32,13 @@ def test_the_same_run_with_zero_grad_is_not_told_so(tmp_path):
     code, rep = run_ng(tmp_path, write(tmp_path, text), localize=True)
     assert rep["events"], "lr 0.5 with momentum 0.9 diverges"
     assert "zero_grad" not in rep["events"][0]["cause"]["summary"]
+
+
+def test_a_run_that_zeroes_once_at_the_start_then_never_is_told_so(tmp_path):
+    """Lightning's manual optimization calls zero_grad once as fit starts; a training_step that leaves out its own
+    opt.zero_grad() accumulates every batch's gradient (it read 'lower the learning rate' alone)."""
+    text = SCRIPT.replace("for step in range(400):", "opt.zero_grad()\nfor step in range(400):")
+    code, rep = run_ng(tmp_path, write(tmp_path, text), localize=True)
+    ev = rep["events"][0]
+    assert "no zero_grad() call was seen in the last" in ev["cause"]["summary"], ev["cause"]["summary"]
+    assert "zero_grad()" in ev["fixes"][0]

@@ -112,6 +112,7 @@ def _unrecorded(tape: "StepTape", orig: Any) -> Any:
     def zero_grad(self, *a, **k):
         if _NANGUARD_DIR not in sys._getframe(1).f_code.co_filename:  # the script's own (not a replay's)
             tape.zero_grads += 1  # (a run that never resets its gradients accumulates them: run_context)
+            tape.zeroed_at = tape.step
         if not tape._pushed and tape._later is None:
             return orig(self, *a, **k)
         tape.close()
@@ -312,6 +313,8 @@ class StepTape:
         self._over_budget = 0
         self._pre_over = 0
         self._pushed, self.zero_grads = False, 0  # (zero_grads: the script's Optimizer/Module.zero_grad calls)
+        self.zeroed_at = -1  # the step of the script's last zero_grad call (Lightning's manual optimization
+        # calls one at the start: a training_step that never does still accumulates)
         self._later: Optional[int] = None  # the thread whose region opens at its next profiler-range exit
         self._stale = False     # our mode may sit in the stack although closed (closed inside a handler)
         self._installed = False

@@ -208,8 +208,9 @@ def run_context(watcher: Any) -> dict:
     elif clips is not None and clips.used():
         ctx["clip_used"] = clips.used()
     tape = getattr(watcher, "tape", None)
-    if tape is not None and tape.zero_grads == 0 and mon.steps_watched >= 3 and mon.views:
-        ctx["no_zero_grad"] = {"steps": mon.steps_watched}  # an optimizer that stepped, gradients never reset
+    if tape is not None and mon.steps_watched - max(tape.zeroed_at, 0) >= 3 and mon.views:
+        # an optimizer that stepped 3+ times since the script's last zero_grad: its gradients were never reset
+        ctx["no_zero_grad"] = {"steps": mon.steps_watched - max(tape.zeroed_at, 0), "ever": tape.zero_grads > 0}
     for v in mon.views.values():
         ps = v.all_params()
         if ps:

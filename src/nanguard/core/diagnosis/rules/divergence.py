@@ -494,12 +494,13 @@ def negative_rate(out: dict, sig: dict) -> dict:
 
 
 def never_zeroed(out: dict, nz: dict | None) -> dict:
-    """A divergence in a script that never called zero_grad (``no_zero_grad``: an optimizer stepped N times and
-    no Optimizer/Module zero_grad ran): each backward adds to the last gradients, so the step grows with the
+    """A divergence in a script that stopped calling zero_grad (``no_zero_grad``: an optimizer stepped N times
+    since the last Optimizer/Module zero_grad, if any ran): each backward adds to the last gradients, so the step grows with the
     step count whatever the learning rate (``optimizer.zero_grad`` written without its parentheses)."""
     if not nz or out.get("category") not in _STEP_SIZE + ("optimizer_numerics",):
         return out
-    out["summary"] += (f"; no zero_grad() call was seen in {nz.get('steps')} optimizer steps: unless the script "
+    last = "the last " if nz.get("ever") else ""  # (one at the start: Lightning's manual optimization)
+    out["summary"] += (f"; no zero_grad() call was seen in {last}{nz.get('steps')} optimizer steps: unless the script "
                        "resets the gradients itself, each backward adds to the last ones and the update grows "
                        "step by step")
     out["evidence"]["no_zero_grad"] = nz
