@@ -308,3 +308,18 @@ def test_a_floor_under_a_log_that_passed_stays_behind_the_logits_form():
     reconcile(ev, "pytorch")
     assert ev.fixes[0].startswith("use torch.log_softmax") and ev.fixes[1].startswith("clamp the argument")
     assert ev.cause["tested_fixes"][0]["fix_index"] == 1
+
+
+def test_a_floor_under_a_log_that_passed_stays_behind_a_value_positive_by_construction():
+    """SAC's temperature trained directly (not its log): Adam took it below 0 and log(alpha) is NaN. The floor's
+    one-step replay passed, and moved 'clamp the argument' above 'predict its log and exponentiate', though a clamp
+    holds the negative alpha at the floor with no gradient: the fix at the source stays first."""
+    source, floor = _bound(lambda: "make the value the log reads positive by construction: F.softplus(z) + 1e-6 of the "
+                           "raw output, or predict its log and exponentiate",
+                           lambda: f"clamp the argument away from 0 at t.py:3: {X.call('log', X.clamp_min('x', '1e-12'))}")
+    ev = _event([floor, source], [_guard("log", "clamped to >= eps")], category="log_domain")
+    reconcile(ev, "pytorch")  # (the floor first only where the rule put it first)
+    assert ev.fixes[0].startswith("clamp the argument")
+    ev = _event([source, floor], [_guard("log", "clamped to >= eps")], category="log_domain")
+    reconcile(ev, "pytorch")
+    assert ev.fixes[0].startswith("make the value the log reads") and ev.fixes[1].startswith("clamp the argument")

@@ -35,6 +35,9 @@ def test_values_shared_by_several_rows_name_them_all_and_say_so():
     annotate_localization(loc, src, [batch])
     assert loc["preexisting"]["source_rows"] == [3, 7] and loc["preexisting"]["source_rows_ambiguous"] is True
     assert any("not known" in n for n in loc["notes"]), loc["notes"]
+    # both copies in the batch: each dataset row named once (it read [3, 7, 3, 7])
+    t = trace_rows(src, [x[[7, 3, 2]]], [0, 1])
+    assert t["dataset_rows"] == [3, 7] and t["ambiguous"] is True, t
 
 
 def test_a_place_the_values_contradict_falls_back_on_the_values():

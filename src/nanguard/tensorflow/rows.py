@@ -308,7 +308,7 @@ def trace_rows(source: Optional[RowSource], batch: Sequence[Any], rows: Sequence
             return {"note": f"{pos}; dataset row not traceable: {len(cand)} rows of {source.what} have the "
                             f"values of batch row {r}"}
         ambiguous = ambiguous or len(cand) > 1
-        found += sorted(cand)
+        found += [i for i in sorted(cand) if i not in found]  # (two batch rows of the same values: each row once)
     how = (f"the batch's place in {source.what}, not shuffled (its values match)" if by_order else
            f"matched by value in {source.what}" + (f" (through {', '.join(source.through)})" if source.through else ""))
     out: Dict[str, Any] = {"dataset_rows": found, "how": how}

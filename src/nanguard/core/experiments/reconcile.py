@@ -167,10 +167,11 @@ class _Reconciler:
 
     def ordered(self) -> List[str]:
         n = len(self.fixes)
-        # a guard that passed (a floor under a log) stays behind a fix the rule put before it that computes the
-        # value from the logits: the guard confirms the log of 0 that the logits form removes at its source
+        # a guard that passed (a floor under a log) stays behind a fix the rule put before it that removes the value
+        # at its source (the logits form; a value positive by construction, where a clamp holds a learned scalar
+        # that crossed 0 at its floor with no gradient): the guard confirms the domain error the source fix removes
         first = [i for i in range(n) if i in self.passed and not (self.kinds[i] == "eps" and any(
-            _LOGITS_FORM.search(str(f)) for f in self.fixes[:i]))]
+            _AT_SOURCE.search(str(f)) for f in self.fixes[:i]))]
         last = [i for i in range(n) if i in self.failed and i not in self.passed]
         middle = [i for i in range(n) if i not in first and i not in last]
         self.order = first + middle + last
@@ -195,7 +196,8 @@ class _Reconciler:
             cause.pop("untested_fixes", None)
 
 
-_LOGITS_FORM = re.compile(r"log_softmax|logsigmoid|log_sigmoid|from_logits|_with_logits|logsumexp|Categorical\(logits")
+_AT_SOURCE = re.compile(r"log_softmax|logsigmoid|log_sigmoid|from_logits|_with_logits|logsumexp|Categorical\(logits"
+                        r"|positive by construction")
 
 
 def _leading(f: Any) -> Any:
