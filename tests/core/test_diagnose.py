@@ -819,6 +819,12 @@ def test_a_root_of_one_minus_a_squared_cosine_gets_a_cosine_clamp():
     assert d["category"] == "sqrt_domain" and "a sine from a cosine" in d["summary"]
     assert d["fixes"][0].startswith("clamp the cosine before the root") and "cosine.clamp(-1 + 1e-7" in d["fixes"][0]
     assert not any(x.startswith("or ") for x in d["fixes"][:1]) and not any("vector_norm" in x for x in d["fixes"])
+    # arcface-pytorch's sqrt((1.0 - torch.pow(cosine, 2)).clamp(0, 1)): the clamp keeps the zero (it read the
+    # distance fixes, vector_norm(a - b) and self-pairs)
+    f["producers"] = [["clamp", "rsub", "pow"]]
+    d = run(loc("aten.div.Tensor", stage="backward", node="SqrtBackward0", forward_op="aten.sqrt.default", facts=f),
+            CALM, phase="backward")
+    assert "a sine from a cosine" in d["summary"] and not any("vector_norm" in x for x in d["fixes"]), d["fixes"]
 
 
 def test_an_update_dividing_by_a_zero_gradient_norm_is_a_trust_ratio_not_a_schedule():

@@ -90,6 +90,8 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
                    jax=f"or clamp inside the root: jnp.sqrt({X.eps_text('jnp.maximum(x, 1e-12)')}) (float32)"),
              "if the zero distance comes from pairing a sample with itself, exclude those pairs"]
     chain = [p for p in ((facts.get("producers") or [[]])[0] or []) if p not in VIEW]
+    if chain[:1] in (["clamp"], ["clamp_min"], ["clip"], ["ClipByValue"], ["Maximum"]):
+        chain = chain[1:]  # sqrt((1 - c^2).clamp(0, 1)): a clamp at 0 keeps the exact zero the chain below makes
     if chain[:1] in (["cumprod"], ["Cumprod"]) and not backward and sd.get("negatives"):
         # a diffusion schedule's alphas_cumprod = cumprod(1 - betas): a beta above 1 flips the product's sign
         summ += ("; its argument is a cumulative product (alphas_cumprod = cumprod(1 - betas)): a factor below 0, a "
