@@ -667,6 +667,11 @@ def test_a_zero_base_to_a_negative_power_is_a_division_by_zero():
     d = run(loc("aten.pow.Tensor_Scalar", api="Tensor.pow", facts=f, output={"nan": 0, "posinf": 1, "neginf": 0}), CALM)
     assert d["category"] == "div_by_zero" and "zero base" in d["summary"] and "negative base" not in d["summary"]
     assert "clamp(min=1)" in d["fixes"][0] or "1)" in d["fixes"][0], d["fixes"]
+    # a Tweedie deviance's mu ** (1 - p) with mu off a ReLU head: a positive link, not a node degree's wording
+    f["producers"] = [["squeeze", "relu", "add", "mm"]]
+    d = run(loc("aten.pow.Tensor_Scalar", api="Tensor.pow", facts=f, output={"nan": 0, "posinf": 1, "neginf": 0}), CALM)
+    assert "straight from a relu" in d["summary"] and "softplus" in d["fixes"][0], d["fixes"]
+    assert not any("degree" in x for x in d["fixes"]), d["fixes"]
 
 
 def test_a_cholesky_nan_names_a_matrix_that_is_not_positive_definite():

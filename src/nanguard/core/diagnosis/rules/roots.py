@@ -166,6 +166,14 @@ def sqrt_result(origin: dict, facts: dict, ev: dict, method: str, backward: bool
                  f"group size: 0 for an empty set), {X.clamp_min('x', 'eps')} ** p for continuous values",
                  f"or mask the empty entries: {X.where_fn()}(x > 0, x ** p, 0.0) (a degree: add self-loops, so every "
                  "degree is at least 1)"]
+        head = [q for q in chain if q not in ("squeeze", "reshape", "flatten")][:1]
+        if head and head[0] in ("relu", "relu6", "threshold"):
+            # a mean or rate read off a ReLU head (a Tweedie deviance's mu ** (1 - p)): exact zeros whatever it learns
+            summ += f"; the base comes straight from a {head[0]}, which outputs exact zeros"
+            sp = X.say(pytorch="F.softplus(z) + 1e-6 or torch.exp(z)", tensorflow="tf.math.softplus(z) + 1e-6 or "
+                       "tf.exp(z)", jax="jax.nn.softplus(z) + 1e-6 or jnp.exp(z)")
+            fixes = [f"make the base positive by construction: {sp} (a log link) instead of the {head[0]} that feeds "
+                     f"{where}", f"or keep it away from 0 there: {X.clamp_min('x', 'eps')} ** p"]
         return T.result("div_by_zero", summ, 0.9, ev, fixes, method)
     elif is_pow:
         n = sd.get("neg_base_fractional_exp", sd.get("negatives", "?"))
