@@ -126,6 +126,11 @@ def test_a_tiny_denominator_is_not_called_a_zero():
                 facts={"zero_denominator": zd}, inputs=ins, output={"nan": 0, "posinf": 23, "neginf": 0}))
     assert d["category"] == "div_by_zero" and "3.95e-20" in d["summary"] and "0 zero(s)" not in d["summary"]
     assert "a/b^2 overflows" in d["summary"] and "exp(s.clamp(min=-10))" in d["fixes"][0], d
+    # POT's Sinkhorn: v = b / (K.t() @ u), K = exp(-M / reg) with a small reg: a sum of exponentials, log domain
+    sk = dict(zd, producer_chain=["mv", "t", "exp", "div"])
+    d = run(loc("aten.div.Tensor", api="Tensor.div", stage="backward", phase="backward", node="DivBackward0",
+                facts={"zero_denominator": sk}, inputs=ins, output={"nan": 0, "posinf": 1, "neginf": 0}))
+    assert "sum of exponentials" in d["summary"] and "log domain" in d["fixes"][0] and "torch.logsumexp" in d["fixes"][0]
     ins[1].update(min=0.5, max=0.5, min_abs_nonzero=0.5)  # not small: the generic text stays
     d = run(loc("aten.div.Tensor", api="Tensor.div", stage="backward", phase="backward", node="DivBackward0",
                 facts={"zero_denominator": zd}, inputs=ins, output={"nan": 0, "posinf": 23, "neginf": 0}))

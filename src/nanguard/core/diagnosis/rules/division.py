@@ -12,6 +12,7 @@ from .stdvar import variance
 _COUNTS = ("sum", "Sum", "count_nonzero", "bincount", "Bincount", "numel", "size")
 _LOOKUPS = ("index", "gather", "GatherV2", "ResourceGather", "embedding", "take", "take_along_axis")
 _NORMS = ("sqrt", "norm", "linalg_vector_norm", "frobenius_norm", "Sqrt", "EuclideanNorm")
+_SUMS = ("mv", "mm", "matmul", "bmm", "einsum", "MatMul", "BatchMatMulV2", "sum", "Sum", "dot_general")  # of exps
 
 DIV = F.register(F.Family(
     "div", ops={"div", "true_divide", "reciprocal", "addcdiv", "_foreach_div", "_foreach_addcdiv",
@@ -232,6 +233,14 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
                  + (" (it is exp of a value driven far below 0: bound that value before the exp, e.g. "
                     f"{X.call('exp', X.clamp_min('s', '-10'))}, and check what drives it down)" if "exp" in chain else
                     " (check what drives it towards 0)")]
+        if chain[:1] and chain[0] in _SUMS and "exp" in chain[1:3]:
+            # K^T u with K = exp(-M / reg) (Sinkhorn's scaling): a legitimate sum of exponentials far below 1, which a
+            # clamp would change; the log domain keeps it exact
+            summ += "; it is a sum of exponentials (a kernel exp(-M / reg) applied to a vector, as in Sinkhorn's scaling)"
+            lse = X.say(pytorch="torch.logsumexp", tensorflow="tf.reduce_logsumexp", jax="jax.nn.logsumexp")
+            fixes = [f"compute the scaling in the log domain at {where}: keep log u and log v and update them with "
+                     f"{lse}(log_u[:, None] - M / reg, dim=0) (log-domain Sinkhorn), or raise reg; a floor on the "
+                     "denominator changes the plan for the points that need it"] + fixes
         return T.result("div_by_zero", summ, 0.8, ev, fixes, method)
     summ = (f"{api} at {where} divided by zero: {zd.get('zeros', '?')} zero(s) in the denominator of "
             f"{zd.get('numel', '?')}" + (f" ({', '.join(kind)})" if kind else "") + src
