@@ -138,3 +138,29 @@ def test_an_entropy_written_as_xlogy_gets_the_logits_form_not_a_log_clamp(tmp_pa
     assert out["category"] == "log_domain"
     assert "log_softmax(z, -1)" in out["fixes"][0] and "Categorical(logits=z)" in out["fixes"][0], out["fixes"]
     assert not any("torch.log(x.clamp" in x or "instead of log(softmax)" in x for x in out["fixes"]), out["fixes"]
+
+
+MOE = '''import torch
+class SparseDispatcher:
+    def combine(self, expert_out):
+        stitched = torch.cat(expert_out, 0).exp()
+        stitched = stitched.mul(self._nonzero_gates)
+        zeros = torch.zeros(self._gates.size(0), expert_out[-1].size(1))
+        combined = zeros.index_add(0, self._batch_index, stitched.float())
+        return combined.log()
+'''
+
+
+def test_exps_summed_then_logged_are_a_log_sum_exp_not_a_softmax(tmp_path):
+    """A mixture of experts' combine (exp, gate-weighted index_add, log) fed regression outputs above 88.7: it read
+    'replace the hand-written exp(z)/sum(exp(z)) by torch.softmax', a rewrite of a different function."""
+    f = tmp_path / "moe.py"
+    f.write_text(MOE)
+    out = diagnose(_loc(f, 4, 99.1), HIST[:0], phase="forward", context={"optimizer": "Adam"})
+    assert out["category"] == "exp_overflow" and "log-sum-exp written out" in out["summary"]
+    assert "logsumexp(z + torch.log(w)" in out["fixes"][0] and not any("softmax" in x for x in out["fixes"])
+    f = tmp_path / "moe_unsummed.py"  # (a new name: linecache keeps the first file's lines)
+    f.write_text(MOE.replace("        return combined.log()\n", "        return combined.log() - torch.log(3.0)\n"
+                             ).replace("index_add(0, self._batch_index, stitched.float())", "stitched.float()"))
+    out = diagnose(_loc(f, 4, 99.1), HIST[:0], phase="forward", context={"optimizer": "Adam"})
+    assert "log-sum-exp" not in out["summary"]  # nothing summed: no log-sum-exp

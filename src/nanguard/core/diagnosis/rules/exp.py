@@ -84,6 +84,15 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
             "computed without overflow for any z",
             "also standardise the inputs (covariates in their raw units) and keep the learning rate low enough that "
             "the scores stay bounded"], method)
+    if not softmax_like and _logged_later(origin):  # exp, a (weighted) sum, then log: a log-sum-exp written out
+        lse = X.say(pytorch="torch.logsumexp(z + torch.log(w), dim)", tensorflow="tf.reduce_logsumexp(z + "
+                    "tf.math.log(w), axis)", jax="jax.nn.logsumexp(z + jnp.log(w), axis)")
+        summ += "; the block sums the exps (weighted) and takes the log later: a log-sum-exp written out"
+        return T.result("exp_overflow", summ, 0.9, ev, [
+            f"combine in log space instead of exp, weighted sum, then log at {where}: {lse} (w: the weights, "
+            "e.g. a mixture's gates) is the same value and never overflows",
+            "if the values fed to the exp are not log-probabilities (a regression output), combine them without "
+            "exp and log"], method)
     if bound:   # no softmax rewrite for an exp that is no softmax
         fixes = bound + ["keep what feeds the exponent bounded (normalised inputs, weight decay, a lower learning "
                          "rate) if it keeps growing"]
@@ -186,6 +195,29 @@ def _line_has(origin: dict, pattern: "re.Pattern[str]") -> bool:
 
 _ASSIGN = re.compile(r"^\s*([A-Za-z_]\w*)\s*=[^=]")
 LATER_LINES = 8   # how far a hand-written softmax's normalisation is looked for after the exp's line
+
+
+def _logged_later(origin: dict) -> bool:
+    """One of the next ``LATER_LINES`` lines of the exp's block takes a log (``combined.log()``), and none divides:
+    the exps are summed and logged (a mixture of experts' combine), not normalised."""
+    f, n = origin.get("file"), origin.get("line")
+    if not f or not isinstance(n, int):
+        return False
+    text = linecache.getline(str(f), n)
+    indent, summed = len(text) - len(text.lstrip()), False
+    for k in range(n + 1, n + 1 + LATER_LINES):
+        code = linecache.getline(str(f), k).split("#", 1)[0]
+        if code.strip() and len(code) - len(code.lstrip()) < indent:
+            break  # the block ended
+        if "/" in code:
+            return False
+        summed = summed or _SUMMING.search(code) is not None
+        if re.search(r"\.log\(\)|\blog\(", code):
+            return summed
+    return False
+
+
+_SUMMING = re.compile(r"sum\(|index_add|scatter_add|segment_sum|einsum|matmul|bmm\(| @ ")
 
 
 def _normalised_later(text: str, f: str, n: int) -> bool:
