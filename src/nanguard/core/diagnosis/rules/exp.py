@@ -70,29 +70,27 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
              "keep the logits bounded (normalisation, weight decay) if they keep growing"]
     if arg and _line_has(origin, _SOFTPLUS):  # log(1 + exp(z)): the library's softplus computes it for any z
         sp = X.say(pytorch="F.softplus", tensorflow="tf.math.softplus", jax="jax.nn.softplus")
-        summ += "; it is a hand-written softplus, log(1 + exp(z))"
-        return T.result("exp_overflow", summ, 0.9, ev, [
+        return _written_out(summ, "it is a hand-written softplus, log(1 + exp(z))", ev, method, [
             f"use {sp}({arg}) at {where} in place of log(1 + exp(...)): the same function, computed without "
             "overflow (z itself for large z)",
-            "also scale the inputs (a series' own mean as its scale, as DeepAR does) so the outputs stay in range"],
-            method)
+            "also scale the inputs (a series' own mean as its scale, as DeepAR does) so the outputs stay in range"])
     if arg and _line_has(origin, _CUMSUM):  # log(cumsum(exp(z))): a running logsumexp (a Cox risk set)
         cum = X.say(pytorch="torch.logcumsumexp", tensorflow="tf.math.cumulative_logsumexp", jax="jax.lax.cumlogsumexp")
-        summ += "; it is a cumulative sum of exps (a running log-sum-exp, e.g. a Cox partial likelihood's risk sets)"
-        return T.result("exp_overflow", summ, 0.9, ev, [
+        return _written_out(summ, "it is a cumulative sum of exps (a running log-sum-exp, e.g. a Cox partial "
+                            "likelihood's risk sets)", ev, method, [
             f"use {cum}({arg}, dim) at {where} in place of log(cumsum(exp(...))): the same running log-sum-exp, "
             "computed without overflow for any z",
             "also standardise the inputs (covariates in their raw units) and keep the learning rate low enough that "
-            "the scores stay bounded"], method)
+            "the scores stay bounded"])
     if not softmax_like and _logged_later(origin):  # exp, a (weighted) sum, then log: a log-sum-exp written out
         lse = X.say(pytorch="torch.logsumexp(z + torch.log(w), dim)", tensorflow="tf.reduce_logsumexp(z + "
                     "tf.math.log(w), axis)", jax="jax.nn.logsumexp(z + jnp.log(w), axis)")
-        summ += "; the block sums the exps (weighted) and takes the log later: a log-sum-exp written out"
-        return T.result("exp_overflow", summ, 0.9, ev, [
+        return _written_out(summ, "the block sums the exps (weighted) and takes the log later: a log-sum-exp "
+                            "written out", ev, method, [
             f"combine in log space instead of exp, weighted sum, then log at {where}: {lse} (w: the weights, "
             "e.g. a mixture's gates) is the same value and never overflows",
             "if the values fed to the exp are not log-probabilities (a regression output), combine them without "
-            "exp and log"], method)
+            "exp and log"])
     if bound:   # no softmax rewrite for an exp that is no softmax
         fixes = bound + ["keep what feeds the exponent bounded (normalised inputs, weight decay, a lower learning "
                          "rate) if it keeps growing"]
@@ -101,6 +99,11 @@ def exp_result(origin: dict, facts: dict, ev: dict, method: str) -> dict:
                      "similarities past the bound; keep it above a floor (e.g. 0.01), as CLIP clamps its learned "
                      "logit scale at 100")
     return T.result("exp_overflow", summ, 0.9, ev, fixes, method)
+
+
+def _written_out(summ: str, what: str, ev: dict, method: str, fixes: list) -> dict:
+    """A function of exps written out by hand (softplus, a running or weighted log-sum-exp): the library's form."""
+    return T.result("exp_overflow", f"{summ}; {what}", 0.9, ev, fixes, method)
 
 
 _EVEN = ("cosh", "sinh")  # exp(|x|) / 2: overflows for large |x| of either sign
