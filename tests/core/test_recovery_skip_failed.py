@@ -85,3 +85,25 @@ def test_a_backward_overflow_no_upcast_fixed_gets_a_loss_scale_below_one():
     p2, a2 = RecoveryPolicy(quiet=True), FakeActions(modules=("fc", ""))
     assert p2.on_failure(_lp(0, "forward"), step=0, actions=a2, history=[])["action"] == "skip_step"
     assert p2.loss_scaler is None
+
+
+def test_the_same_failure_at_the_same_optimizers_next_update_is_the_weights_too():
+    """SAC with three optimizers, each update a step (critic 3k, actor 3k+1, temperature 3k+2): log(alpha) of a
+    temperature Adam took below 0 failed at 239, 242, 245, ... each a plain skip (ten, then the budget stopped the
+    run). The next update of the same optimizer after a skip is 3 steps on: the weights make it there too."""
+    from nanguard.core.recovery.repeats import next_update
+    rows = [{"step": s, "optimizer": s % 3} for s in range(250)]
+    assert next_update(rows, 239, 242) and next_update(rows, 239, 240)
+    assert not next_update(rows, 239, 245)  # the temperature updated in between (at 242)
+    assert not next_update([{"step": s} for s in range(250)], 239, 242)  # no optimizer known: only the next step
+    acts = Replaying(ok_lr=0.005, lrs=(0.05,))
+    p = _policy(acts, 240)
+    h = [dict(r, optimizer=r["step"] % 3) for r in hist([1.0] * 242)]
+    first = p.on_failure(_ev(239, "log_domain"), step=239, actions=acts, history=h[:239])
+    assert first["action"] == "skip_step"
+    for s in (240, 241, 242):
+        p.on_step_start(s, acts, loss=1.0)
+    rec = p.on_failure(_ev(242, "log_domain"), step=242, actions=acts, history=h)
+    assert rec["action"] == "rollback+lr_backoff+skip_step"
+    assert rec["actions"]["rollback"]["to_step"] <= 236  # before the temperature's update that preceded the skip
+    assert any("after step 239's skip" in n for n in rec["actions"]["notes"]), rec["actions"]["notes"]

@@ -169,12 +169,14 @@ class RecoveryPolicy:
             return self._stop(event, step, f"recovery cannot be sound: {unsound}")
         bound = rollback_bound(cause) if cat in DIVERGENCE + (DATA_CATEGORY,) else None
         weights = params_ok and not few_rows and self._rate is None and step >= 2 \
-            and skip_failed(self._last_rec, step, cat, acts)
+            and skip_failed(self._last_rec, step, cat, acts, history)
         series = samples_failed(self.budget.sample_steps, self._last_rec, step, cat) \
             if params_ok and few_rows and self._rate is None else None
         if weights or series is not None:  # back to before the update that made the weights it fails on, and a
             acts = [a for a in ("rollback", "lr_backoff") if a in self.allowed]  # replayed rate cut
-            bound, weights = (step - 2 if series is None else max(series - 1, 0)), True
+            # (before the skipped update's own predecessor: its optimizer's update before it)
+            bound = 2 * self._last_rec[0] - step if series is None else max(series - 1, 0)
+            bound, weights = max(bound, 0), True
         if cat == DATA_CATEGORY and bound is not None and bound < step and "rollback" in self.allowed \
                 and "rollback" not in acts:
             acts = ["rollback"] + acts  # the outlier batch of an earlier step is already in the weights
@@ -183,7 +185,8 @@ class RecoveryPolicy:
         if self.loss_scaler is not None and event.phase == "backward" and params_ok:
             acts, weights = ["loss_scale"], False  # our own loss scale overflowed: back off (and skip), like GradScaler
         if weights:  # its cut is tested by this recovery's own replays (tried.act), not the investigation's
-            proofs, notes = {}, [weights_note(cat, step) if series is None else samples_note(cat, step, series)]
+            proofs, notes = {}, [weights_note(cat, step, self._last_rec[0]) if series is None
+                                 else samples_note(cat, step, series)]
         else:
             acts, proofs, notes = verified_plan(cause, acts, self.allowed, event.phase)
         done: Dict[str, Any] = {}

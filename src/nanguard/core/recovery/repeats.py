@@ -18,7 +18,7 @@ Plain numbers only; the policy (:mod:`.policy`) asks :meth:`Repeats.count` befor
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 
 class Repeats:
@@ -71,21 +71,38 @@ class Repeats:
 WEIGHT_MADE = ("exp_overflow", "log_domain", "trig_domain")
 
 
-def skip_failed(last: Optional[tuple], step: int, category: str, acts: Any) -> bool:
+def skip_failed(last: Optional[tuple], step: int, category: str, acts: Any, history: Sequence[dict] = ()) -> bool:
     """A plain skip that did not help: the failure (of ``WEIGHT_MADE``, not per-sample) came back on the very next
-    step's new batch, and a skip leaves the weights as they were, so the weights make it, not the batch (an
-    update before the skip took them where the op fails: exp past its range, a log of a collapsed value).
-    ``last``: the policy's last recovery, ``(step, record)``; ``acts``: what the table calls for now."""
-    if last is None or last[0] != step - 1 or category not in WEIGHT_MADE or set(acts) - {"skip_step"}:
+    update of the same optimizer (:func:`next_update`), on a new batch, and a skip leaves the weights as they were,
+    so the weights make it, not the batch (an update before the skip took them where the op fails: exp past its
+    range, a log of a collapsed value, a temperature trained below 0). ``last``: the policy's last recovery,
+    ``(step, record)``; ``acts``: what the table calls for now."""
+    if last is None or not next_update(history, last[0], step) or category not in WEIGHT_MADE \
+            or set(acts) - {"skip_step"}:
         return False
     rec = last[1] or {}
     return rec.get("action") == "skip_step" and rec.get("category") == category and "quarantine" not in (
         rec.get("actions") or {})
 
 
-def weights_note(category: str, step: int) -> str:
-    """What a recovery record says of a :func:`skip_failed` escalation."""
-    return (f"the same {category} came back at step {step} on a new batch after step {step - 1}'s skip, which left "
+def next_update(history: Sequence[dict], before: int, step: int) -> bool:
+    """``step`` is the next update after ``before`` of the optimizer that made it: the next step, or (each optimizer
+    update a step: SAC's critic, actor and temperature) the steps between are all other optimizers' updates."""
+    if step - before == 1:
+        return True
+    if step <= before:
+        return False
+    rows = [r for r in history if isinstance(r, dict) and isinstance(r.get("step"), int) and before <= r["step"] < step]
+    own = [r.get("optimizer") for r in rows if r["step"] == before]
+    between = [r.get("optimizer") for r in rows if r["step"] > before]
+    return bool(own) and own[0] is not None and len(between) == step - before - 1 and \
+        all(o is not None and o != own[0] for o in between)
+
+
+def weights_note(category: str, step: int, before: Optional[int] = None) -> str:
+    """What a recovery record says of a :func:`skip_failed` escalation (``before``: the skipped step)."""
+    before = step - 1 if before is None else before
+    return (f"the same {category} came back at step {step} on a new batch after step {before}'s skip, which left "
             "the weights as they were: the weights make it, so the run goes back to before the update that made "
             "them and the learning rate is cut (replayed first)")
 
