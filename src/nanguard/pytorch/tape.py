@@ -312,9 +312,7 @@ class StepTape:
         self.pre_off = False                    # the region before the first module call is no longer recorded
         self._over_budget = 0
         self._pre_over = 0
-        self._pushed, self.zero_grads = False, 0  # (zero_grads: the script's Optimizer/Module.zero_grad calls)
-        self.zeroed_at = -1  # the step of the script's last zero_grad call (Lightning's manual optimization
-        # calls one at the start: a training_step that never does still accumulates)
+        self._pushed, self.zero_grads, self.zeroed_at = False, 0, -1  # the script's zero_grad calls, the last's step
         self._later: Optional[int] = None  # the thread whose region opens at its next profiler-range exit
         self._stale = False     # our mode may sit in the stack although closed (closed inside a handler)
         self._installed = False

@@ -191,7 +191,8 @@ class StepMonitor:
                 ref = self._owners[module] = weakref.ref(owner) if owner is not None else None
             owner = ref() if ref is not None else None
             module = owner if owner is not None else module
-        self.names.called(module)
+        calls = self.names.calls  # (TensorNames.state_roots: a parameter-free root called once is no state)
+        calls[module] = calls.get(module, 0) + 1
         if module not in self.roots:
             self.roots.add(module)
             self.names.invalidate()

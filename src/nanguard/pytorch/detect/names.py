@@ -27,17 +27,14 @@ class TensorNames:
     def __init__(self, roots: "weakref.WeakSet[torch.nn.Module]", views: Dict[int, OptimizerView]) -> None:
         self.roots, self.views = roots, views  # the monitor's own (live) collections
         self._names: Optional[Dict[int, str]] = None
-        self._calls: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
-
-    def called(self, root: torch.nn.Module) -> None:
-        """``root`` was called at top level after another root (the monitor's ``add_root``)."""
-        self._calls[root] = self._calls.get(root, 0) + 1
+        # per root: how often it was called at top level after another root (counted by the monitor's add_root)
+        self.calls: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
 
     def state_roots(self) -> List[torch.nn.Module]:
         """The roots whose state is checked and snapshotted: those with parameters, and parameter-free ones
         called again after another root (a running normaliser). A parameter-free module called once (a loss
         built each step with ``pos_weight=neg / pos``) holds this step's inputs, not state."""
-        return [r for r in list(self.roots) if self._calls.get(r, 0) > 1 or next(r.parameters(), None) is not None]
+        return [r for r in list(self.roots) if self.calls.get(r, 0) > 1 or next(r.parameters(), None) is not None]
 
     def invalidate(self) -> None:
         """A module or optimizer was added: rebuild the map when next needed."""
