@@ -46,3 +46,16 @@ def test_a_place_the_values_contradict_falls_back_on_the_values():
     src = RowSource([x], ["slice", "batch"], "the arrays given to fit", first_row=0)
     t = trace_rows(src, [x[[9, 8]]], [0])
     assert t["dataset_rows"] == [9] and "matched by value" in t["how"], t
+
+
+def test_a_nan_row_of_finite_arrays_through_a_map_is_the_maps_not_a_label_match():
+    """keras-io's speaker recognition: add_noise divides by the max of a silent noise chunk inside ds.map, and an
+    FFT map changes the row's shape. Only the labels matched: '149 rows of the tensors of from_tensor_slices have
+    the values of batch row 7', and 'clean the rows at the source', though the arrays are finite."""
+    audio = np.random.default_rng(0).normal(size=(300, 16, 1)).astype("float32")
+    labels = np.arange(300) % 2
+    src = RowSource([audio, labels], ["shuffle", "batch", "Map", "Map"], "the tensors of from_tensor_slices")
+    x = np.abs(np.fft.fft(audio[:8, :, 0]))[:, :8, None].astype("float32")
+    x[7] = np.nan
+    t = trace_rows(src, [x, labels[:8]], [7])
+    assert "dataset_rows" not in t and t.get("made_by") == "Map (2)", t

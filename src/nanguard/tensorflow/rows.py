@@ -284,25 +284,30 @@ def trace_rows(source: Optional[RowSource], batch: Sequence[Any], rows: Sequence
     found: List[int] = []
     ambiguous = False
     by_order = source.first_row is not None
+    finite_source = all(_finite(a) for a in source.arrays)
     for r in rows:
         cand: Optional[set] = None
+        mapped = False  # a non-finite part of the row matches no row of the finite arrays: a mapped function made it
         for p, s in pairs:
-            if r >= p.shape[0] or s.shape[1:] != p.shape[1:]:
+            if r >= p.shape[0]:
                 continue
-            c = set(int(i) for i in _candidates(s, p[r]))
+            c = set(int(i) for i in _candidates(s, p[r])) if s.shape[1:] == p.shape[1:] else set()
+            mapped = mapped or (not c and bool(source.altering) and finite_source and not _finite(p[r]))
             if not c:
                 continue
             cand = c if cand is None else (cand & c) or cand
+        if mapped and cand and len(cand) > _MAX_CANDIDATES:
+            cand = None  # only the kept parts (labels shared by many rows) matched: no row, and the map made it
         if by_order and cand and source.first_row + r in cand:
             found.append(source.first_row + r)   # its place in the unshuffled arrays, confirmed by its values
             continue
         by_order = False
         if not cand:
-            via = ", ".join(source.altering) or ", ".join(source.through) or "the input pipeline"
+            via = _named(source.altering) or ", ".join(source.through) or "the input pipeline"
             out = {"note": f"{pos}; dataset row not traceable through {via} (no row of {source.what} has "
                            f"the values of batch row {r})"}
-            if source.altering and all(_finite(a) for a in source.arrays):  # so a function on the way made it
-                out["made_by"] = ", ".join(source.altering)
+            if source.altering and finite_source:  # so a function on the way made it
+                out["made_by"] = _named(source.altering)
             return out
         if len(cand) > _MAX_CANDIDATES:
             return {"note": f"{pos}; dataset row not traceable: {len(cand)} rows of {source.what} have the "
@@ -315,7 +320,7 @@ def trace_rows(source: Optional[RowSource], batch: Sequence[Any], rows: Sequence
     if ambiguous:
         out["ambiguous"] = True
     if source.altering and found and all(_finite(a[found]) for a in source.arrays if len(a) > max(found)):
-        out["made_by"] = ", ".join(source.altering)  # the rows are finite where they were sliced
+        out["made_by"] = _named(source.altering)  # the rows are finite where they were sliced
     return out
 
 
@@ -399,6 +404,11 @@ def annotate_localization(loc: Optional[Dict[str, Any]], source: Optional[RowSou
         notes = loc.setdefault("notes", [])
         if isinstance(notes, list):
             notes.append(t["note"])
+
+
+def _named(ops: Sequence[str]) -> str:
+    """The pipeline's altering stages, each kind once with its count ("Map (2)", not "Map, Map")."""
+    return ", ".join(f"{k} ({ops.count(k)})" if ops.count(k) > 1 else k for k in dict.fromkeys(ops))
 
 
 def _finite(a: np.ndarray) -> bool:
