@@ -125,10 +125,11 @@ def preexisting(pre: dict, phase: str, ev: dict, method: str, ctx: dict) -> dict
             return T.result("bad_input_data", summ, 0.9, ev, fixes, method)
         made = str(pre.get("made_by_pipeline") or "")
         if made:  # the arrays (or rows) the pipeline slices are finite: a function on the way made the values
+            fn = f"{made} function" if "(" not in made and "," not in made else f"mapped functions ({made})"
             summ = (f"bad input data: {rows_s} hold {n_bad} {what} value(s) of {numel}{where}; "
                     + (f"those rows are finite in the arrays the input pipeline slices" if src else
-                       "the arrays the input pipeline slices are all finite") + f", so its {made} function made them")
-            fixes = [f"guard the arithmetic of the pipeline's {made} function: a division by a value of the row that "
+                       "the arrays the input pipeline slices are all finite") + f", so its {fn} made them")
+            fixes = [f"guard the arithmetic of the pipeline's {fn}: a division by a value of the row that "
                      "can be 0 (a window divided by its first value, a ratio over a count), the log or sqrt of 0, "
                      "e.g. x / tf.maximum(tf.abs(d), 1e-6) * tf.sign(d), or drop such rows before it with ds.filter",
                      "check the mapped rows once: for x, y in ds.unbatch().take(n): tf.debugging.assert_all_finite("
