@@ -271,6 +271,11 @@ def test_cosh_overflow_of_a_negative_input_quotes_the_min_and_a_stable_log_cosh(
     d = run(loc("aten.cosh.default", api="torch.cosh", facts=f, output={"nan": 0, "posinf": 1, "neginf": 0}))
     assert d["category"] == "exp_overflow" and "input min -188" in d["summary"], d["summary"]
     assert "softplus(-2 * x.abs())" in d["fixes"][0] and not any("softmax" in x for x in d["fixes"]), d["fixes"]
+    # a von Mises-Fisher NLL's log(sinh(kappa)) with a learned kappa past 89: the log-sinh form, not log-cosh's
+    f = {"exp_input_max": 91.3, "exp_input_min": 2.0, "overflow_threshold": 88.72}
+    d = run(loc("aten.sinh.default", api="torch.sinh", facts=f, output={"nan": 0, "posinf": 1, "neginf": 0}))
+    assert "log1p(-torch.exp(-2 * x))" in d["fixes"][0] and not any("cosh" in x for x in d["fixes"]), d["fixes"]
+    assert not any("9999" in x for x in d["fixes"]), d["fixes"]
 
 
 def test_one_minus_a_value_rounded_to_one_in_bfloat16_is_low_precision():

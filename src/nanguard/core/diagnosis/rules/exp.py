@@ -137,6 +137,16 @@ def _cosh(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     summ = (f"{api} overflowed at {where}: {side} (|x|{bound}), so {T.opshort(origin.get('op'))}(x) = "
             f"{'inf' if 'cosh' in str(origin.get('op')).lower() else '+-inf'} in {origin.get('dtype')}")
     arg, _ = exp_argument(origin)
+    if "sinh" in str(origin.get("op")).lower():  # log(sinh(kappa)) of a von Mises-Fisher normaliser, a learned scale
+        fixes = [X.say(pytorch=f"compute log(sinh(x)) at {where} without sinh: x + torch.log1p(-torch.exp(-2 * x)) - "
+                       "math.log(2) (the same function for x > 0, finite for any large x)",
+                       tensorflow=f"compute log(sinh(x)) at {where} without sinh: x + tf.math.log1p(-tf.exp(-2 * x)) "
+                       "- math.log(2)",
+                       jax=f"compute log(sinh(x)) at {where} without sinh: x + jnp.log1p(-jnp.exp(-2 * x)) - "
+                       "jnp.log(2.0)"),
+                 f"if x is a learned scale (a concentration growing with confidence) reaching {T.g(big)}, bound it: "
+                 "a softplus with a ceiling, or a clamp where it is predicted"]
+        return T.result("exp_overflow", summ, 0.9, ev, fixes, method)
     fixes = [X.say(pytorch=f"compute log(cosh(x)) at {where} without cosh: x.abs() + F.softplus(-2 * x.abs()) - "
                    "math.log(2) (the same function, finite for any x)",
                    tensorflow=f"compute log(cosh(x)) at {where} without cosh: tf.abs(x) + tf.math.softplus(-2 * "
