@@ -878,6 +878,26 @@ def test_a_zero_price_in_the_batch_divided_by_is_named_data_not_floored():
     assert "input batch itself" in d["summary"] and "missing values" in d["fixes"][0], (d["summary"], d["fixes"])
 
 
+def test_a_scalar_picked_from_a_schedule_is_no_value_of_the_batch():
+    # DINO's temp = teacher_temp_schedule[epoch] with warmup_teacher_temp=0.0: one 0 over the whole batch, picked
+    # with a Python int (a select). It read "the input batch itself ... a gap in the feed" with batch rows 0-9
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = torch.linspace(0.0, 0.04, 5)
+    x = torch.randn(12, 4)
+
+    def fwd():
+        temp = schedule[0]
+        out = torch.softmax(model(x) / temp, dim=-1)  # ORIGIN:temp
+        return out.pow(2).mean()
+
+    res = armed_step(model, opt, fwd)
+    d = check(res, phase="forward", tag="temp", category="div_by_zero")
+    assert "input batch itself" not in d["summary"] and "gap in the feed" not in d["fixes"][0], d["fixes"]
+    assert "schedule" in d["fixes"][0], d["fixes"]
+
+
 def test_a_deviance_log_of_a_zero_count_over_the_rate_offers_xlogy():
     # the Poisson deviance y * log(y / mu) written out: an hour with no calls is 0 * log(0) = NaN
     torch.manual_seed(0)

@@ -261,8 +261,10 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
                  "(sigmoid codes) for that term"]
         return T.result("div_by_zero", summ, 0.85, ev, fixes, method)
     tf_chain = [str(x) for x in zd.get("producer_chain_tf") or []]
+    # (a single value over the whole batch is no row of it: DINO's temp = teacher_temp_schedule[epoch], 0 in epoch 0)
+    scalar = zd.get("numel") == 1 and len(origin.get("samples") or []) > 1
     data = (not bwd and not counted and origin.get("samples") and chain and all(x in VIEW.ops for x in chain)
-            and "ReadVariableOp" not in tf_chain)
+            and "ReadVariableOp" not in tf_chain and not scalar)
     if data:  # the denominator is the batch itself (a slice of the input): a 0 there is the data's, not a result
         summ += "; the denominator is the input batch itself (a slice of it), so the 0 is a value in the data"
         fixes = [f"treat the zeros as missing values at the source (the batch rows named above): drop or fill those "
@@ -270,7 +272,7 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
                  "would turn each into a huge finite ratio",
                  f"or mask them at {where}: {X.where_fn()}(x > 0, y / {X.clamp_min('x', '1e-8')}, fallback)"]
     elif not counted and chain:  # a continuous quantity that reached exactly 0 (a ratio, a schedule's end value)
-        table = [x for x in chain if x in _LOOKUPS]
+        table = [x for x in chain if x in _LOOKUPS] or (["select"] if scalar and chain[:1] == ["select"] else [])
         made = (f"it is looked up ({table[0]}) from a table with an entry of exactly 0, such as a schedule's value at "
                 "its last step or a grid point at the origin (linspace(0, ...)): fix that entry, or leave it out of the "
                 "points that reach it" if table else
