@@ -137,6 +137,17 @@ def test_a_tiny_denominator_is_not_called_a_zero():
     assert "as small as" not in d["summary"]
 
 
+def test_a_mean_that_is_zero_is_no_empty_set():
+    # DeepAR's scale = mean |x| of an all-zero sales window (GluonTS's scaler without its floor): it read "a count/sum
+    # that is 0 for an empty set" and "divide by count.clamp(min=1)"
+    zd = {"zeros": 1, "numel": 16, "zero_over_zero": 1, "nonzero_over_zero": 0, "from_reduction": True,
+          "from_std_var": False, "producer_chain": ["mean", "abs", "slice"]}
+    d = run(loc("aten.div.Tensor", api="Tensor.div", facts={"zero_denominator": zd},
+                output={"nan": 1, "posinf": 0, "neginf": 0}))
+    assert d["category"] == "div_by_zero" and "empty set" not in d["summary"] and "is a mean" in d["summary"]
+    assert "count.clamp" not in d["fixes"][0] and "where it is computed" in d["fixes"][0], d["fixes"]
+
+
 def test_std_of_one_element_is_variance_zero():
     f = {"std_var": {"n": 1, "correction": 1.0, "n_minus_correction": 0.0, "degenerate": True}}
     d = run(loc("aten.std.correction", api="Tensor.std", facts=f, output={"nan": 100, "posinf": 0, "neginf": 0}))

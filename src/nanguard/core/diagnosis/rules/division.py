@@ -203,6 +203,8 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
     if dead:  # the batch mean of a ReLU output (a sparsity target's activation rate): 0 when the unit is off
         src = ("; the denominator is the batch mean of a ReLU output, exactly 0 when the unit is off for every "
                "row of the batch (a dead or not-yet-active unit)")
+    elif zd.get("from_reduction") and chain[:1] in (["mean"], ["Mean"]):
+        src = "; the denominator is a mean, exactly 0 when every value averaged is 0 (an all-zero window or series)"
     elif zd.get("from_reduction"):
         src = f"; the denominator comes from {(zd.get('producer_chain') or ['a reduction'])[0]} (a count/sum that " \
               "is 0 for an empty set)"
@@ -280,6 +282,11 @@ def div_result(origin: dict, facts: dict, ev: dict, method: str, low: bool, empt
         fixes = [f"keep the denominator away from 0 at {where}: divide by {X.clamp_min('x', '1e-8')} ({made})",
                  f"or give those entries their own value: {X.where_fn()}(x > 0, y / {X.clamp_min('x', '1e-8')}, "
                  "fallback)"]
+    elif chain[:1] in (["mean"], ["Mean"]) and zd.get("from_reduction"):  # a scale: DeepAR's mean |x| of a window
+        fixes = [f"floor the mean where it is computed, so that every division by it stays finite: "
+                 f"{X.clamp_min('x.abs().mean(...)', 'eps')} (a series' scale: GluonTS's mean scaler floors it, adding "
+                 f"1 works for counts), not only at {where}",
+                 "or leave the all-zero windows out of the batches"]
     else:
         fixes = [f"guard the denominator at {where}: divide by {X.clamp_min('count', '1')} (or "
                  f"{X.clamp_min('x', 'eps')} for continuous values)",
