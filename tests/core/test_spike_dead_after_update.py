@@ -28,6 +28,9 @@ def test_saturated_policy_after_a_ruinous_update_warns_dead():
     assert [(h["rule"], h["step"]) for h in hits] == [("dead", 20)]
     assert hits[0]["after_update_of_step"] == 0 and hits[0]["peak_step"] == 0
     assert hits[0]["grad_norm_start"] == 13.9
+    # the words quote the update's own ratio (a CLIP logit scale's update moved the weights 2810x: it said "1x")
+    from nanguard.core.diagnosis.early import spike_words
+    assert hits[0]["update_ratio"] == 32.0 and "moved the weights by 32× their norm" in spike_words(hits[0])
 
 
 def test_no_warning_without_the_ruinous_update():

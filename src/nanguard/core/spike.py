@@ -173,6 +173,7 @@ class _Stream:
         self.escalate = False  # one more warning allowed in this excursion (set by a rollback)
         self.rolled_back = False  # the next step's ``update`` spans a rollback, not an optimizer update
         self.ruin: Optional[int] = None  # the first step observed after an update of >= ``update`` x the norm
+        self.ruin_ratio: Optional[float] = None  # that update's update/weight ratio
         self.seen: Optional[int] = None  # the step of the last observe() (a skipped or non-finite one too)
         self.spiked: Optional[int] = None  # the step of a one-step spike warning, until the stream's next step
 
@@ -236,7 +237,7 @@ class SpikeDetector:
             st.peak, st.peak_step = loss, step
         st.tail.append((loss, g))
         if st.ruin is None and update is not None and not update < c.update:
-            st.ruin = step
+            st.ruin, st.ruin_ratio = step, update
         st.recent.append((step, loss, le))
         st.loss.add(step, loss)
         if g is not None:
@@ -362,7 +363,8 @@ def _dead(c: SpikeConfig, st: _Stream, step: int, loss: float, g: Optional[float
         if med < max(0.5 * start, 10 * c.start_floor) or max(losses) - min(losses) > c.dead_flat * med:
             return None
     elif st.ruin is not None and step - st.ruin + 1 >= c.dead_steps:  # after a ruinous update
-        peak, peak_step, by = max(losses), st.ruin - 1, {"after_update_of_step": st.ruin - 1}
+        peak, peak_step, by = max(losses), st.ruin - 1, {"after_update_of_step": st.ruin - 1,
+                                                         "update_ratio": st.ruin_ratio}
         before = [x for s, x in st.first_g if s < st.ruin]
         if max(losses) - min(losses) > c.dead_flat * max(abs(med), c.level_floor * abs(start)):
             return None

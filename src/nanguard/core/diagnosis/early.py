@@ -30,10 +30,12 @@ def spike_words(hit: dict) -> str:
         return (f"the loss {T.g(val)} {_RULE_WORDS['far']}: ×{T.g(hit.get('loss_vs_start'), 3)} its first value "
                 f"{T.g(hit.get('loss_start'))} and ×10 or more every loss before it")
     if rule == "dead" and hit.get("after_update_of_step") is not None:
+        u = hit.get("update_ratio")
+        by = f"{T.g(u, 3)}× their norm" if T.fin(u) else "1× their norm or more"
         return (f"the gradient norms have stayed at most {T.g(hit.get('grad_norm_max_recent'))} (before: "
                 f"{T.g(hit.get('grad_norm_start'))}) and the loss flat at {T.g(val)} since step {hit.get('since_step')}, "
-                f"after the update of step {hit.get('after_update_of_step')} moved the weights by 1× their norm or "
-                "more: the network stopped learning (saturated outputs or dead units), with every value finite")
+                f"after the update of step {hit.get('after_update_of_step')} moved the weights by {by}: the network "
+                "stopped learning (saturated outputs or dead units), with every value finite")
     if rule == "dead":
         return (f"the loss has stayed flat at {T.g(val)} (its start: {T.g(hit.get('loss_start'))}) since step "
                 f"{hit.get('since_step')} with gradient norms of at most {T.g(hit.get('grad_norm_max_recent'))} "
