@@ -31,6 +31,9 @@ def test_saturated_policy_after_a_ruinous_update_warns_dead():
     # the words quote the update's own ratio (a CLIP logit scale's update moved the weights 2810x: it said "1x")
     from nanguard.core.diagnosis.early import spike_words
     assert hits[0]["update_ratio"] == 32.0 and "moved the weights by 32× their norm" in spike_words(hits[0])
+    from nanguard.core.diagnosis.early import warning_cause
+    cause = warning_cause(hits[0], [{"step": 0, "loss": 0.13, "grad_norm": 13.9}])
+    assert "far too large (32×" in cause["summary"] and "no parameter growth, update size" not in cause["summary"]
 
 
 def test_no_warning_without_the_ruinous_update():

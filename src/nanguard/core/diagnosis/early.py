@@ -76,7 +76,13 @@ def _warning_cause(hit: dict, history: list, ctx: dict) -> dict:
     if dy.get("onset_step") is None and hit.get("since_step") is not None and not dead:
         dy["onset_step"] = hit["since_step"]  # the detector saw the rise start there
     out = divergence(sig, None, ev, method, 0.6, ctx, outcome="so far (every value is still finite)")
-    if out is None and dead:
+    if out is None and dead and T.fin(hit.get("update_ratio")):  # one ruinous update, too short a history to read
+        out = T.result("other", f"that one update was far too large ({T.g(hit['update_ratio'], 3)}× the weights' "
+                       "norm; healthy < 1e-2): the step size for some parameter at least (one whose gradient is far "
+                       "larger than its value, e.g. a scale stored as itself rather than its log)", 0.3, ev,
+                       ["the network no longer learns: restart from a checkpoint from before the excursion",
+                        "lower the learning rate or clip the gradient norm so the excursion cannot recur"], method)
+    elif out is None and dead:
         out = T.result("other", "the history up to the excursion shows no parameter growth, update size, outlier "
                        "batch or gradient jump that explains it", 0.3, ev,
                        ["the network no longer learns: restart from a checkpoint from before the excursion",
