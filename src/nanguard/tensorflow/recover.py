@@ -313,10 +313,9 @@ class KerasActions(_ActionsBase):
             now = _rate(o)
             if now is None:
                 continue
-            inner = getattr(o, "inner_optimizer", None) or o
-            lr = getattr(inner, "_learning_rate", None)
+            inner, lr = _schedule_of(o)
             peak = now
-            if lr is not None and callable(lr) and not hasattr(lr, "assign"):
+            if lr is not None:
                 try:
                     it = int(np.asarray(inner.iterations.numpy()))
                     peak = max([now] + [float(np.asarray(lr(tf.constant(k, tf.int64))))
@@ -329,8 +328,7 @@ class KerasActions(_ActionsBase):
     def rate_stuck(self) -> Optional[str]:
         for o in self.optimizers:
             now = _rate(o)
-            lr = getattr(getattr(o, "inner_optimizer", None) or o, "_learning_rate", None)
-            if now is not None and not np.isfinite(now) and callable(lr) and not hasattr(lr, "assign"):
+            if now is not None and not np.isfinite(now) and _schedule_of(o)[1] is not None:
                 return ("a schedule of the optimizer's iterations gives it, and a skipped update leaves the "
                         "iterations as they are, so every later update runs at that rate")
         return None
@@ -703,6 +701,14 @@ class TFRecovery:
 
     def print_summary(self) -> None:
         self.policy.print_summary()
+
+
+def _schedule_of(opt: Any) -> tuple:
+    """(the optimizer that holds the rate: a LossScaleOptimizer's inner one, its learning-rate schedule: a callable
+    of the iterations, or None for a variable or a constant)."""
+    inner = getattr(opt, "inner_optimizer", None) or opt
+    lr = getattr(inner, "_learning_rate", None)
+    return inner, (lr if lr is not None and callable(lr) and not hasattr(lr, "assign") else None)
 
 
 def _rate(opt: Any) -> Optional[float]:

@@ -136,7 +136,6 @@ def _cosh(origin: dict, facts: dict, ev: dict, method: str) -> dict:
     bound = f" > {T.g(thr + math.log(2))}" if T.fin(thr) else ""
     summ = (f"{api} overflowed at {where}: {side} (|x|{bound}), so {T.opshort(origin.get('op'))}(x) = "
             f"{'inf' if 'cosh' in str(origin.get('op')).lower() else '+-inf'} in {origin.get('dtype')}")
-    arg, _ = exp_argument(origin)
     if "sinh" in str(origin.get("op")).lower():  # log(sinh(kappa)) of a von Mises-Fisher normaliser, a learned scale
         fixes = [X.say(pytorch=f"compute log(sinh(x)) at {where} without sinh: x + torch.log1p(-torch.exp(-2 * x)) - "
                        "math.log(2) (the same function for x > 0, finite for any large x)",
@@ -147,6 +146,7 @@ def _cosh(origin: dict, facts: dict, ev: dict, method: str) -> dict:
                  f"if x is a learned scale (a concentration growing with confidence) reaching {T.g(big)}, bound it: "
                  "a softplus with a ceiling, or a clamp where it is predicted"]
         return T.result("exp_overflow", summ, 0.9, ev, fixes, method)
+    arg, _ = exp_argument(origin)
     fixes = [X.say(pytorch=f"compute log(cosh(x)) at {where} without cosh: x.abs() + F.softplus(-2 * x.abs()) - "
                    "math.log(2) (the same function, finite for any x)",
                    tensorflow=f"compute log(cosh(x)) at {where} without cosh: tf.abs(x) + tf.math.softplus(-2 * "
